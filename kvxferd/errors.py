@@ -1,0 +1,37 @@
+"""Typed errors of kvxferd.
+
+Every error names the offending input field (``field``) so that the service
+layer can map it to a precise gRPC status in one place. This module is pure:
+the pure layers (layout, tp, plan) raise these, services translate them.
+"""
+
+from __future__ import annotations
+
+
+class KvxferError(Exception):
+    """Base class: ``field`` names the input that was wrong (dotted path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class InvalidArgumentError(KvxferError, ValueError):
+    """Malformed input: bad sizes, unknown dim names, bad dtype."""
+
+
+class BlockIdError(InvalidArgumentError):
+    """A block id is negative or not below the number of blocks."""
+
+
+class TpConfigError(InvalidArgumentError):
+    """A tensor-parallel rank/size pair that cannot exist or be served."""
+
+
+class LayoutMismatchError(KvxferError):
+    """Two layouts of what should be the same logical data cannot be paired."""
+
+
+class SpanBudgetError(LayoutMismatchError):
+    """Pairing two layouts is possible only at a granularity above the budget."""

@@ -1,0 +1,152 @@
+"""Builders for the standard cache layouts (see DESIGN.md).
+
+Each builder returns the :class:`Region` one TP rank registers. Attention
+regions are described with the logical dims ``(B, H, N, KV, C)`` whatever
+their memory order, so any two of them can be paired::
+
+    packed      (B, H, N, 2C)   = (B, H, N, KV, C)   K|V packed in the content dim
+    split_kv    (B, 2H, N, C)   = (B, KV, H, N, C)   fp8 / nvfp4: K heads, then V heads
+    legacy      (2, B, N, H, C) = (KV, B, N, H, C)   K/V outermost, token-major
+    cross_layer (B, L, H, N, 2C)                     all layers of a block together
+    mla         (B, N, C)                            latent, replicated on every rank
+
+``kernel_block_size`` < ``block_size`` stores each logical block as
+consecutive kernel blocks; the returned layout is already the logical view.
+nvfp4 is described in bytes: dtype ``uint8``, ``head_size`` = packed bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvxferd.errors import InvalidArgumentError
+from kvxferd.layout.region import Field, Region, Shard
+from kvxferd.layout.strided import ITEMSIZES, Layout
+
+
+def contiguous(dims, shape, dtype: str, offset: int = 0) -> Layout:
+    """Row-major layout of ``shape`` with named ``dims``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return Layout.create(dims, shape, tuple(reversed(strides)), dtype, offset)
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(name, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _kernel_split(block_size: int, kernel_block_size: int | None) -> tuple[int, int]:
+    """(kernel blocks per logical block, tokens per kernel block)."""
+    _positive("block_size", block_size)
+    kernel = block_size if kernel_block_size is None else _positive("kernel_block_size", kernel_block_size)
+    if block_size % kernel:
+        raise InvalidArgumentError("kernel_block_size", f"{kernel} does not divide block_size {block_size}")
+    return block_size // kernel, kernel
+
+
+def _attention(kind, physical_dims, num_blocks, num_kv_heads, block_size, head_size, dtype,
+               tp_size, tp_rank, kernel_block_size, extra=None) -> Region:
+    shard = Shard("H", _positive("num_kv_heads", num_kv_heads), tp_size, tp_rank)
+    k, kernel = _kernel_split(block_size, kernel_block_size)
+    sizes = {"B": _positive("num_blocks", num_blocks) * k, "H": shard.local_extent, "N": kernel,
+             "KV": 2, "C": _positive("head_size", head_size), **(extra or {})}
+    shape = [sizes[d] for d in physical_dims]
+    layout = contiguous(physical_dims, shape, dtype)
+    if k > 1:
+        layout = layout.group_blocks(k)
+    return Region(kind, (Field("kv", layout, shard),), math.prod(shape) * layout.itemsize)
+
+
+def packed_attention(num_blocks, num_kv_heads, block_size, head_size, dtype="bfloat16", *,
+                     tp_size=1, tp_rank=0, order="HND", kernel_block_size=None) -> Region:
+    """Blocks-first attention with K|V packed in the content dim (HND or NHD)."""
+    orders = {"HND": ("B", "H", "N", "KV", "C"), "NHD": ("B", "N", "H", "KV", "C")}
+    if order not in orders:
+        raise InvalidArgumentError("order", f"must be one of {sorted(orders)}, got {order!r}")
+    return _attention(f"packed_{order}", orders[order], num_blocks, num_kv_heads, block_size, head_size,
+                      dtype, tp_size, tp_rank, kernel_block_size)
+
+
+def split_kv_attention(num_blocks, num_kv_heads, block_size, head_size, dtype="float8_e4m3fn", *,
+                       tp_size=1, tp_rank=0, kernel_block_size=None) -> Region:
+    """fp8 / nvfp4 attention: ``(B, 2H, N, C)``, all K heads then all V heads."""
+    return _attention("split_kv", ("B", "KV", "H", "N", "C"), num_blocks, num_kv_heads, block_size,
+                      head_size, dtype, tp_size, tp_rank, kernel_block_size)
+
+
+def legacy_attention(num_blocks, num_kv_heads, block_size, head_size, dtype="bfloat16", *,
+                     tp_size=1, tp_rank=0, kernel_block_size=None) -> Region:
+    """Legacy ``(2, B, N, H, C)``: K/V outermost, token-major."""
+    return _attention("legacy", ("KV", "B", "N", "H", "C"), num_blocks, num_kv_heads, block_size,
+                      head_size, dtype, tp_size, tp_rank, kernel_block_size)
+
+
+def cross_layer_attention(num_blocks, num_layers, num_kv_heads, block_size, head_size, dtype="bfloat16", *,
+                          tp_size=1, tp_rank=0, kernel_block_size=None) -> Region:
+    """One region for all layers: ``(B, L, H, N, KV, C)``."""
+    return _attention("cross_layer", ("B", "L", "H", "N", "KV", "C"), num_blocks, num_kv_heads, block_size,
+                      head_size, dtype, tp_size, tp_rank, kernel_block_size,
+                      extra={"L": _positive("num_layers", num_layers)})
+
+
+def mla_attention(num_blocks, block_size, latent_size, dtype="bfloat16", *, tp_size=1, tp_rank=0,
+                  kernel_block_size=None) -> Region:
+    """MLA latent cache ``(B, N, C)``: no head dim, the same on every TP rank."""
+    Shard("H", 1, tp_size, tp_rank)  # validates the rank; MLA itself is unsharded
+    k, kernel = _kernel_split(block_size, kernel_block_size)
+    shape = (_positive("num_blocks", num_blocks) * k, kernel, _positive("latent_size", latent_size))
+    layout = contiguous(("B", "N", "C"), shape, dtype)
+    if k > 1:
+        layout = layout.group_blocks(k)
+    return Region("mla", (Field("latent", layout, None),), math.prod(shape) * layout.itemsize)
+
+
+def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_window,
+               conv_dtype="bfloat16", ssm_dtype="float32", tp_size=1, tp_rank=0,
+               page_bytes=None, conv_order="WD") -> Region:
+    """Mamba2 / GDN state page per block: conv state, then SSM state.
+
+    conv channels = ``[x (heads*head_dim) | B (groups*state) | C (groups*state)]``,
+    x sharded by heads, B and C by groups (replicated when groups < TP).
+    ``conv_order`` "WD" stores window rows of channels, "DW" channel rows.
+    """
+    heads = Shard("heads", _positive("num_heads", num_heads), tp_size, tp_rank)
+    groups = Shard("groups", _positive("num_groups", num_groups), tp_size, tp_rank)
+    for name, value in (("head_dim", head_dim), ("state_size", state_size), ("conv_window", conv_window),
+                        ("num_blocks", num_blocks)):
+        _positive(name, value)
+    if conv_order not in ("WD", "DW"):
+        raise InvalidArgumentError("conv_order", f"must be 'WD' or 'DW', got {conv_order!r}")
+    for name, dtype in (("conv_dtype", conv_dtype), ("ssm_dtype", ssm_dtype)):
+        if dtype not in ITEMSIZES:
+            raise InvalidArgumentError(name, f"unknown dtype {dtype!r}")
+    conv_size, ssm_size = ITEMSIZES[conv_dtype], ITEMSIZES[ssm_dtype]
+    x_dim, bc_dim = heads.local_extent * head_dim, groups.local_extent * state_size
+    conv_dim = x_dim + 2 * bc_dim
+    ssm_start = -(-conv_window * conv_dim * conv_size // ssm_size) * ssm_size  # align up
+    needed = ssm_start + heads.local_extent * head_dim * state_size * ssm_size
+    align = math.lcm(conv_size, ssm_size)  # pages tile whole elements of both states
+    page = -(-needed // align) * align if page_bytes is None else _positive("page_bytes", page_bytes)
+    if page < needed or page % conv_size or page % ssm_size:
+        raise InvalidArgumentError("page_bytes", f"{page} must be >= {needed} and a multiple of both element sizes")
+    window_stride, channel_stride = (conv_dim, 1) if conv_order == "WD" else (1, conv_window)
+
+    def conv_field(name, inner_dims, shard, inner_sizes, first_channel):
+        dims = ("B", "W") + inner_dims
+        shape = (num_blocks, conv_window) + inner_sizes
+        strides = (page // conv_size, window_stride, inner_sizes[1] * channel_stride, channel_stride)
+        return Field(name, Layout.create(dims, shape, strides, conv_dtype, first_channel * channel_stride), shard)
+
+    fields = (
+        conv_field("conv_x", ("heads", "head_dim"), heads, (heads.local_extent, head_dim), 0),
+        conv_field("conv_b", ("groups", "state"), groups, (groups.local_extent, state_size), x_dim),
+        conv_field("conv_c", ("groups", "state"), groups, (groups.local_extent, state_size), x_dim + bc_dim),
+        Field("ssm", Layout.create(
+            ("B", "heads", "head_dim", "state"), (num_blocks, heads.local_extent, head_dim, state_size),
+            (page // ssm_size, head_dim * state_size, state_size, 1), ssm_dtype, ssm_start // ssm_size), heads),
+    )
+    return Region("mamba", fields, num_blocks * page)

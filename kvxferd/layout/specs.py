@@ -1,0 +1,89 @@
+"""Cache specs: the facts of one cache group, turned into a rank's region.
+
+A spec is what an engine (or a test, the demo, a benchmark) knows about one
+cache: its kind and sizes. ``spec.region(tp_size, tp_rank)`` gives the
+region that rank registers. Specs are plain data so they can be compared,
+printed and sent over the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvxferd.errors import InvalidArgumentError
+from kvxferd.layout import builders
+from kvxferd.layout.region import Region
+
+ATTENTION_LAYOUTS = ("packed_HND", "packed_NHD", "split_kv", "legacy", "cross_layer", "mla")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """An attention (or MLA) cache; ``head_size`` is the latent size for MLA."""
+
+    layout: str
+    num_blocks: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    kernel_block_size: int | None = None
+    dtype: str = "bfloat16"
+    num_layers: int = 1  # stored inside the region only for "cross_layer"
+
+    def region(self, tp_size: int = 1, tp_rank: int = 0) -> Region:
+        common = dict(tp_size=tp_size, tp_rank=tp_rank, kernel_block_size=self.kernel_block_size)
+        head = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_size, self.dtype)
+        if self.layout in ("packed_HND", "packed_NHD"):
+            return builders.packed_attention(*head, order=self.layout[-3:], **common)
+        if self.layout == "split_kv":
+            return builders.split_kv_attention(*head, **common)
+        if self.layout == "legacy":
+            return builders.legacy_attention(*head, **common)
+        if self.layout == "cross_layer":
+            return builders.cross_layer_attention(self.num_blocks, self.num_layers, *head[1:], **common)
+        if self.layout == "mla":
+            return builders.mla_attention(self.num_blocks, self.block_size, self.head_size, self.dtype, **common)
+        raise InvalidArgumentError("layout", f"must be one of {ATTENTION_LAYOUTS}, got {self.layout!r}")
+
+    @property
+    def sharded_extents(self) -> tuple[int, ...]:
+        return (1,) if self.layout == "mla" else (self.num_kv_heads,)
+
+    def with_(self, **changes) -> "AttentionSpec":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A Mamba2 / GDN state cache: one page per block."""
+
+    num_blocks: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_window: int
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "float32"
+    conv_order: str = "WD"
+    page_bytes: int | None = None
+
+    layout = "mamba"
+
+    def region(self, tp_size: int = 1, tp_rank: int = 0) -> Region:
+        return builders.mamba_page(
+            self.num_blocks, num_heads=self.num_heads, head_dim=self.head_dim, num_groups=self.num_groups,
+            state_size=self.state_size, conv_window=self.conv_window, conv_dtype=self.conv_dtype,
+            ssm_dtype=self.ssm_dtype, tp_size=tp_size, tp_rank=tp_rank, page_bytes=self.page_bytes,
+            conv_order=self.conv_order,
+        )
+
+    @property
+    def sharded_extents(self) -> tuple[int, ...]:
+        return (self.num_heads, self.num_groups)
+
+    def with_(self, **changes) -> "MambaSpec":
+        return replace(self, **changes)
+
+
+CacheSpec = AttentionSpec | MambaSpec
