@@ -69,13 +69,17 @@ def merge_runs(local: np.ndarray, remote: np.ndarray, span_bytes: int, boundary_
     boundaries, which may be separate memory registrations).
     """
     n = len(local)
-    if n == 0:
-        return SpanPairs(local, remote, np.zeros(0, dtype=np.int64))
-    joins = (np.diff(local) == span_bytes) & (np.diff(remote) == span_bytes)
+    joins = np.diff(local) == span_bytes
     if boundary_every:
         joins[boundary_every - 1 :: boundary_every] = False
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.diff(np.append(starts, n)) * span_bytes
+    # Scattered requests rarely join: skip the remote side and the gathers then.
+    if joins.any():
+        joins &= np.diff(remote) == span_bytes
+    if not joins.any():
+        return SpanPairs(local, remote, np.full(n, span_bytes, dtype=np.int64))
+    starts = np.flatnonzero(~joins) + 1
+    starts = np.concatenate((np.zeros(1, dtype=starts.dtype), starts))
+    lengths = np.diff(starts, append=n) * span_bytes
     return SpanPairs(local[starts], remote[starts], lengths)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError, TpConfigError
-from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK, match_layouts
+from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK, PairTemplate, match_layouts
 from kvxferd.layout.region import Field, Region
 from kvxferd.layout.spans import SpanPairs, SpanTable
 from kvxferd.tp.reads import ReadSlice, TpPairing, read_slices
@@ -32,7 +32,8 @@ class FieldRead:
     remote_rank: int
     field: str
     slice: ReadSlice
-    table: SpanTable
+    template: PairTemplate  # per-block pattern, to stack over many regions
+    table: SpanTable  # the template for this one region
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +103,6 @@ def plan_region_reads(
                 _narrow(remote_field, piece.remote_start, piece.num_elements),
                 max_spans_per_block=max_spans_per_block,
             )
-            reads.append(FieldRead(piece.remote_rank, field.name, piece, SpanTable.from_template(template)))
+            reads.append(FieldRead(piece.remote_rank, field.name, piece, template, SpanTable.from_template(template)))
     pairing = TpPairing(local_tp_size, len(remotes), tuple(f.global_extent for f in local.fields))
     return RegionReads(local_rank, tuple(reads), pairing.notify_ranks(local_rank), pairing)

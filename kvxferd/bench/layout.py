@@ -1,0 +1,106 @@
+"""Benchmark of the pure layers: span emission rate and plan (match) time.
+
+    python -m kvxferd.bench.layout            # 80 layers x 100 000 blocks
+    python -m kvxferd.bench.layout --json
+
+A decode rank of TP 3 reads an 8-KV-head packed cache from prefill TP 2, so
+its heads come from two prefill ranks with different narrowings (rank 1 of 3
+holds heads [2, 5): [2, 4) from prefill rank 0 and [4, 5) from rank 1).
+Layouts are metadata only: nothing of the 6 GB per layer is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvxferd.layout.match import match_layouts
+from kvxferd.layout.spans import SpanTable
+from kvxferd.layout.specs import AttentionSpec
+from kvxferd.plan.reads import plan_region_reads
+
+
+def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
+    """Median wall time of ``repeat`` calls (seconds) and the last result."""
+    times, result = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def run(num_layers: int = 80, num_blocks: int = 100_000, prefill_tp: int = 2, decode_tp: int = 3,
+        decode_rank: int = 1, num_kv_heads: int = 8, repeat: int = 5, seed: int = 0) -> dict:
+    """Measure; returns the figures as a dict."""
+    spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=128, block_size=16)
+    prefill = [spec.region(prefill_tp, q) for q in range(prefill_tp)]
+    local = spec.region(decode_tp, decode_rank)
+    plan_s, reads = timed(lambda: plan_region_reads(local, prefill, decode_tp, decode_rank), repeat)
+    nhd = spec.with_(layout="packed_NHD").region(decode_tp, decode_rank).fields[0].layout
+    hnd = local.fields[0].layout
+    match_mixed_s, _ = timed(lambda: match_layouts(hnd, nhd), repeat)
+    # One region per layer at its own base address: stack the templates.
+    bases = np.arange(num_layers, dtype=np.int64) * (1 << 40)
+    tables = [(r.remote_rank, SpanTable.from_template(r.template, bases, bases)) for r in reads.reads]
+    # Same TP on both sides: whole blocks, so contiguous block runs merge.
+    same = plan_region_reads(spec.region(prefill_tp, 0), prefill, prefill_tp, 0)
+    same_tables = [(r.remote_rank, SpanTable.from_template(r.template, bases, bases)) for r in same.reads]
+    rng = np.random.default_rng(seed)
+    scattered = rng.permutation(num_blocks)
+    contiguous_ids = np.arange(num_blocks)
+    figures = {
+        "num_layers": num_layers, "num_blocks": num_blocks, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+        "decode_rank": decode_rank, "num_kv_heads": num_kv_heads,
+        "reads": [f"rank {r.remote_rank}: heads [{r.slice.global_start}, {r.slice.global_stop})" for r in reads.reads],
+        "plan_region_reads_ms": plan_s * 1e3, "match_hnd_nhd_ms": match_mixed_s * 1e3,
+    }
+    cases = (("scattered", scattered, False, tables), ("scattered_merged", scattered, True, tables),
+             ("contiguous_merged", contiguous_ids, True, tables),
+             ("same_tp_contiguous_merged", contiguous_ids, True, same_tables))
+    for label, ids, merge, case_tables in cases:
+        def emit_all():
+            return sum(table.spans(ids, ids, merge=merge).num_spans for _, table in case_tables)
+        seconds, num_spans = timed(emit_all, repeat)
+        raw_spans = num_layers * num_blocks * len(case_tables)
+        figures[label] = {"seconds": seconds, "spans_in": raw_spans, "spans_out": num_spans,
+                          "mspans_per_s": raw_spans / seconds / 1e6}
+    return figures
+
+
+def format_table(f: dict) -> str:
+    lines = [
+        f"layout bench: {f['num_layers']} layers x {f['num_blocks']} blocks, packed HND, {f['num_kv_heads']} KV heads, "
+        f"decode rank {f['decode_rank']}/{f['decode_tp']} <- prefill TP {f['prefill_tp']}",
+        "reads: " + "; ".join(f["reads"]),
+        f"plan (narrow + match, per region):  {f['plan_region_reads_ms']:8.3f} ms",
+        f"match HND <-> NHD:                  {f['match_hnd_nhd_ms']:8.3f} ms",
+        "",
+        f"{'request':<28}{'spans in':>12}{'spans out':>12}{'time (ms)':>12}{'M spans/s':>12}",
+    ]
+    for label in ("scattered", "scattered_merged", "contiguous_merged", "same_tp_contiguous_merged"):
+        row = f[label]
+        lines.append(f"{label:<28}{row['spans_in']:>12,}{row['spans_out']:>12,}{row['seconds'] * 1e3:>12.1f}{row['mspans_per_s']:>12.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvxferd.bench.layout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-layers", type=int, default=80)
+    parser.add_argument("--num-blocks", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = parser.parse_args(argv)
+    figures = run(num_layers=args.num_layers, num_blocks=args.num_blocks, repeat=args.repeat)
+    print(json.dumps(figures) if args.json else format_table(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

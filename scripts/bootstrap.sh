@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create .venv with torch's CPU build and kvxferd (editable, with test extras).
+# Idempotent: re-runs only when pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${KVXFERD_VENV:-.venv}
+python=${PYTHON:-python3}
+stamp="$venv/.kvxferd-bootstrap"
+want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "bootstrap: kvxferd needs Python >= 3.11 (set PYTHON=...)" >&2; exit 1; }
+echo "bootstrap: creating $venv" >&2
+"$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+# torch's CPU build first, so the package's torch requirement is already met
+# and pip never pulls the multi-GB CUDA build. A local wheel wins when present.
+torch_wheel=$(ls /opt/wheels/torch-2.13.0+cpu-cp3*-*.whl 2>/dev/null | head -n 1 || true)
+if [ -n "${KVXFERD_TORCH:-}" ]; then
+    "${pip[@]}" "$KVXFERD_TORCH"
+elif [ -n "$torch_wheel" ]; then
+    "${pip[@]}" "$torch_wheel"
+else
+    "${pip[@]}" torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+fi
+"${pip[@]}" -e '.[test]'
+"$venv/bin/python" -c 'import torch, sys; sys.exit(torch.version.cuda is not None and torch.cuda.device_count() == 0 and "+cpu" not in torch.__version__)' \
+    || echo "bootstrap: warning: a CUDA build of torch is installed on a machine without a GPU" >&2
+echo "$want" > "$stamp"

@@ -1,0 +1,27 @@
+"""The pure layers import no I/O libraries (nixl, grpc, zmq), directly or not."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+PURE = ["layout", "tp", "plan"]
+FORBIDDEN = {"nixl", "grpc", "zmq"}
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "kvxferd"
+
+
+def test_pure_sources_do_not_import_io_libraries():
+    for package in PURE:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                for name in names:
+                    assert name.split(".")[0] not in FORBIDDEN, f"{path}: imports {name}"
+
+
+def test_pure_modules_load_no_io_library_at_runtime():
+    modules = [f"kvxferd.{p}.{m.stem}" for p in PURE for m in (ROOT / p).glob("*.py") if m.stem != "__init__"]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted({{n.split('.')[0] for n in sys.modules}} & {FORBIDDEN!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
