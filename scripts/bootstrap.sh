@@ -29,6 +29,5 @@ else
     "${pip[@]}" torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 fi
 "${pip[@]}" -e '.[test]'
-"$venv/bin/python" -c 'import torch, sys; sys.exit(torch.version.cuda is not None and torch.cuda.device_count() == 0 and "+cpu" not in torch.__version__)' \
-    || echo "bootstrap: warning: a CUDA build of torch is installed on a machine without a GPU" >&2
+echo "bootstrap: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed" >&2
 echo "$want" > "$stamp"
