@@ -16,7 +16,7 @@ fi
     echo "bootstrap: kvxferd needs Python >= 3.11 (set PYTHON=...)" >&2; exit 1; }
 echo "bootstrap: creating $venv" >&2
 "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install -qq --disable-pip-version-check)
 
 # torch's CPU build first, so the package's torch requirement is already met
 # and pip never pulls the multi-GB CUDA build. A local wheel wins when present.
