@@ -21,7 +21,7 @@ import math
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout.region import Field, Region, Shard
-from kvxferd.layout.strided import ITEMSIZES, Layout
+from kvxferd.layout.strided import ITEMSIZES, Layout, positive_int
 
 
 def contiguous(dims, shape, dtype: str, offset: int = 0) -> Layout:
@@ -33,16 +33,10 @@ def contiguous(dims, shape, dtype: str, offset: int = 0) -> Layout:
     return Layout.create(dims, shape, tuple(reversed(strides)), dtype, offset)
 
 
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(name, f"must be a positive integer, got {value!r}")
-    return value
-
-
 def _kernel_split(block_size: int, kernel_block_size: int | None) -> tuple[int, int]:
     """(kernel blocks per logical block, tokens per kernel block)."""
-    _positive("block_size", block_size)
-    kernel = block_size if kernel_block_size is None else _positive("kernel_block_size", kernel_block_size)
+    positive_int(block_size, "block_size")
+    kernel = block_size if kernel_block_size is None else positive_int(kernel_block_size, "kernel_block_size")
     if block_size % kernel:
         raise InvalidArgumentError("kernel_block_size", f"{kernel} does not divide block_size {block_size}")
     return block_size // kernel, kernel
@@ -50,10 +44,10 @@ def _kernel_split(block_size: int, kernel_block_size: int | None) -> tuple[int, 
 
 def _attention(kind, physical_dims, num_blocks, num_kv_heads, block_size, head_size, dtype,
                tp_size, tp_rank, kernel_block_size, extra=None) -> Region:
-    shard = Shard("H", _positive("num_kv_heads", num_kv_heads), tp_size, tp_rank)
+    shard = Shard("H", positive_int(num_kv_heads, "num_kv_heads"), tp_size, tp_rank)
     k, kernel = _kernel_split(block_size, kernel_block_size)
-    sizes = {"B": _positive("num_blocks", num_blocks) * k, "H": shard.local_extent, "N": kernel,
-             "KV": 2, "C": _positive("head_size", head_size), **(extra or {})}
+    sizes = {"B": positive_int(num_blocks, "num_blocks") * k, "H": shard.local_extent, "N": kernel,
+             "KV": 2, "C": positive_int(head_size, "head_size"), **(extra or {})}
     shape = [sizes[d] for d in physical_dims]
     layout = contiguous(physical_dims, shape, dtype)
     if k > 1:
@@ -90,7 +84,7 @@ def cross_layer_attention(num_blocks, num_layers, num_kv_heads, block_size, head
     """One region for all layers: ``(B, L, H, N, KV, C)``."""
     return _attention("cross_layer", ("B", "L", "H", "N", "KV", "C"), num_blocks, num_kv_heads, block_size,
                       head_size, dtype, tp_size, tp_rank, kernel_block_size,
-                      extra={"L": _positive("num_layers", num_layers)})
+                      extra={"L": positive_int(num_layers, "num_layers")})
 
 
 def mla_attention(num_blocks, block_size, latent_size, dtype="bfloat16", *, tp_size=1, tp_rank=0,
@@ -98,7 +92,7 @@ def mla_attention(num_blocks, block_size, latent_size, dtype="bfloat16", *, tp_s
     """MLA latent cache ``(B, N, C)``: no head dim, the same on every TP rank."""
     Shard("H", 1, tp_size, tp_rank)  # validates the rank; MLA itself is unsharded
     k, kernel = _kernel_split(block_size, kernel_block_size)
-    shape = (_positive("num_blocks", num_blocks) * k, kernel, _positive("latent_size", latent_size))
+    shape = (positive_int(num_blocks, "num_blocks") * k, kernel, positive_int(latent_size, "latent_size"))
     layout = contiguous(("B", "N", "C"), shape, dtype)
     if k > 1:
         layout = layout.group_blocks(k)
@@ -114,11 +108,11 @@ def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_
     x sharded by heads, B and C by groups (replicated when groups < TP).
     ``conv_order`` "WD" stores window rows of channels, "DW" channel rows.
     """
-    heads = Shard("heads", _positive("num_heads", num_heads), tp_size, tp_rank)
-    groups = Shard("groups", _positive("num_groups", num_groups), tp_size, tp_rank)
+    heads = Shard("heads", positive_int(num_heads, "num_heads"), tp_size, tp_rank)
+    groups = Shard("groups", positive_int(num_groups, "num_groups"), tp_size, tp_rank)
     for name, value in (("head_dim", head_dim), ("state_size", state_size), ("conv_window", conv_window),
                         ("num_blocks", num_blocks)):
-        _positive(name, value)
+        positive_int(value, name)
     if conv_order not in ("WD", "DW"):
         raise InvalidArgumentError("conv_order", f"must be 'WD' or 'DW', got {conv_order!r}")
     for name, dtype in (("conv_dtype", conv_dtype), ("ssm_dtype", ssm_dtype)):
@@ -130,7 +124,7 @@ def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_
     ssm_start = -(-conv_window * conv_dim * conv_size // ssm_size) * ssm_size  # align up
     needed = ssm_start + heads.local_extent * head_dim * state_size * ssm_size
     align = math.lcm(conv_size, ssm_size)  # pages tile whole elements of both states
-    page = -(-needed // align) * align if page_bytes is None else _positive("page_bytes", page_bytes)
+    page = -(-needed // align) * align if page_bytes is None else positive_int(page_bytes, "page_bytes")
     if page < needed or page % conv_size or page % ssm_size:
         raise InvalidArgumentError("page_bytes", f"{page} must be >= {needed} and a multiple of both element sizes")
     window_stride, channel_stride = (conv_dim, 1) if conv_order == "WD" else (1, conv_window)

@@ -42,7 +42,8 @@ class Axis:
     stride: int
 
 
-def _positive_int(value: object, field: str) -> int:
+def positive_int(value: object, field: str) -> int:
+    """Validate external input: a positive integer (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise InvalidArgumentError(field, f"must be a positive integer, got {value!r}")
     return int(value)
@@ -75,7 +76,7 @@ class Layout:
         if dtype not in ITEMSIZES:
             raise InvalidArgumentError("dtype", f"unknown dtype {dtype!r}; known: {sorted(ITEMSIZES)}")
         axes = tuple(
-            Axis(d, _positive_int(n, f"shape[{d}]"), _nonnegative_int(s, f"strides[{d}]"))
+            Axis(d, positive_int(n, f"shape[{d}]"), _nonnegative_int(s, f"strides[{d}]"))
             for d, n, s in zip(dims, shape, strides)
         )
         layout = cls(axes, dtype, ITEMSIZES[dtype], _nonnegative_int(offset, "offset"))
@@ -144,7 +145,7 @@ class Layout:
         i = self._single(dim)
         axis = self.axes[i]
         start = _nonnegative_int(start, f"narrow[{dim}].start")
-        length = _positive_int(length, f"narrow[{dim}].length")
+        length = positive_int(length, f"narrow[{dim}].length")
         if start + length > axis.size:
             raise InvalidArgumentError(f"narrow[{dim}]", f"[{start}, {start + length}) exceeds size {axis.size}")
         axes = self.axes[:i] + (Axis(dim, length, axis.stride),) + self.axes[i + 1 :]
@@ -165,7 +166,7 @@ class Layout:
         Every existing factor boundary must stay a boundary: ``[4, 4]`` can be
         refined to ``[2, 2, 4]`` but not to ``[8, 2]``.
         """
-        sizes = [_positive_int(s, f"refine[{dim}]") for s in sizes]
+        sizes = [positive_int(s, f"refine[{dim}]") for s in sizes]
         old = self.factors(dim)
         if math.prod(sizes) != self.size(dim):
             raise InvalidArgumentError(f"refine[{dim}]", f"sizes {sizes} do not multiply to {self.size(dim)}")
@@ -197,7 +198,7 @@ class Layout:
             kernel blocks   0 1 | 2 3 | 4 5        (k = 2)
             logical blocks   0  |  1  |  2
         """
-        k = _positive_int(k, "kernel_blocks_per_block")
+        k = positive_int(k, "kernel_blocks_per_block")
         i = self._single(BLOCK_DIM)
         block = self.axes[i]
         if block.size % k:
@@ -213,7 +214,7 @@ class Layout:
 
     def ungroup_blocks(self, k: int, token_dim: str = TOKEN_DIM) -> "Layout":
         """Inverse of :meth:`group_blocks`: view each block as ``k`` blocks."""
-        k = _positive_int(k, "kernel_blocks_per_block")
+        k = positive_int(k, "kernel_blocks_per_block")
         tokens = self.factors(token_dim)
         if tokens[0].size % k:
             raise InvalidArgumentError("kernel_blocks_per_block", f"outer {token_dim} factor {tokens[0].size} not divisible by {k}")

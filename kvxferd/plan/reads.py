@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError, TpConfigError
 from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK, PairTemplate, match_layouts
@@ -32,8 +33,12 @@ class FieldRead:
     remote_rank: int
     field: str
     slice: ReadSlice
-    template: PairTemplate  # per-block pattern, to stack over many regions
-    table: SpanTable  # the template for this one region
+    template: PairTemplate  # per-block pattern; stack it over many regions with SpanTable
+
+    @cached_property
+    def table(self) -> SpanTable:
+        """The template as a table of this one region."""
+        return SpanTable.from_template(self.template)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +68,7 @@ def _narrow(field: Field, start: int, length: int):
     return field.layout if field.shard is None else field.layout.narrow(field.shard.dim, start, length)
 
 
-def _check_fields(local: Region, remote: Region, remote_rank: int) -> None:
+def _check_fields(local: Region, remote: Region, remote_rank: int, remote_tp_size: int) -> None:
     local_names = [f.name for f in local.fields]
     remote_names = [f.name for f in remote.fields]
     if local_names != remote_names:
@@ -73,8 +78,9 @@ def _check_fields(local: Region, remote: Region, remote_rank: int) -> None:
         rshard = None if rf.shard is None else (rf.shard.dim, rf.shard.global_extent)
         if lshard != rshard:
             raise LayoutMismatchError(f"remote[{remote_rank}].fields[{lf.name}].shard", f"local {lshard} vs remote {rshard}")
-        if rf.shard is not None and (rf.shard.tp_rank, rf.shard.tp_size) != (remote_rank, rf.shard.tp_size):
-            raise TpConfigError(f"remote[{remote_rank}].tp_rank", f"region says rank {rf.shard.tp_rank}")
+        if rf.shard is not None and (rf.shard.tp_rank, rf.shard.tp_size) != (remote_rank, remote_tp_size):
+            raise TpConfigError(f"remote[{remote_rank}].tp_rank",
+                                f"region says rank {rf.shard.tp_rank}/{rf.shard.tp_size}, expected {remote_rank}/{remote_tp_size}")
 
 
 def plan_region_reads(
@@ -93,7 +99,7 @@ def plan_region_reads(
         if field.shard is not None and (field.shard.tp_size, field.shard.tp_rank) != (local_tp_size, local_rank):
             raise TpConfigError("local.tp", f"field {field.name} was built for rank {field.shard.tp_rank}/{field.shard.tp_size}")
     for q, remote in enumerate(remotes):
-        _check_fields(local, remote, q)
+        _check_fields(local, remote, q, len(remotes))
     reads = []
     for i, field in enumerate(local.fields):
         for piece in read_slices(field.global_extent, local_tp_size, local_rank, len(remotes)):
@@ -103,6 +109,6 @@ def plan_region_reads(
                 _narrow(remote_field, piece.remote_start, piece.num_elements),
                 max_spans_per_block=max_spans_per_block,
             )
-            reads.append(FieldRead(piece.remote_rank, field.name, piece, template, SpanTable.from_template(template)))
+            reads.append(FieldRead(piece.remote_rank, field.name, piece, template))
     pairing = TpPairing(local_tp_size, len(remotes), tuple(f.global_extent for f in local.fields))
     return RegionReads(local_rank, tuple(reads), pairing.notify_ranks(local_rank), pairing)

@@ -120,7 +120,8 @@ def region_num_bytes(spec: CacheSpec, tp_size: int, tp_rank: int) -> int:
         return spec.num_blocks * mamba_page_facts(spec, tp_size, tp_rank)["page"]
     start, stop = owned_range(1 if spec.layout == "mla" else spec.num_kv_heads, tp_size, tp_rank)
     per_token = spec.head_size * (1 if spec.layout == "mla" else 2 * (stop - start))
-    return spec.num_blocks * spec.block_size * per_token * spec.num_layers ** (spec.layout == "cross_layer") * ITEMSIZES[spec.dtype]
+    layers = spec.num_layers if spec.layout == "cross_layer" else 1
+    return spec.num_blocks * spec.block_size * per_token * layers * ITEMSIZES[spec.dtype]
 
 
 def region_views(spec: CacheSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -> list[TaggedView]:

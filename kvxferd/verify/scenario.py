@@ -17,7 +17,7 @@ from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK
 from kvxferd.layout.specs import CacheSpec
 from kvxferd.plan.reads import RegionReads, plan_region_reads
 from kvxferd.verify.oracle import apply_span_copies, expected_region, first_mismatch, tagged_region
-from kvxferd.verify.physical import region_num_bytes
+from kvxferd.verify.physical import SENTINEL, region_num_bytes
 
 
 @dataclass
@@ -55,7 +55,7 @@ def run_scenario(
             result.mismatches.append(f"prefill rank {q}: layout says {region.num_bytes} bytes, engine allocates {len(prefill_bufs[q])}")
     for r in range(decode_tp):
         region = decode_spec.region(decode_tp, r)
-        buf = np.full(region_num_bytes(decode_spec, decode_tp, r), 0xA5, dtype=np.uint8)
+        buf = np.full(region_num_bytes(decode_spec, decode_tp, r), SENTINEL, dtype=np.uint8)
         if region.num_bytes != len(buf):
             result.mismatches.append(f"decode rank {r}: layout says {region.num_bytes} bytes, engine allocates {len(buf)}")
             continue
