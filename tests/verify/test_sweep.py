@@ -25,6 +25,7 @@ RNG = np.random.default_rng(7)
 
 def request(num_blocks, n):
     """Distinct decode blocks paired with arbitrary prefill blocks."""
+    n = min(n, num_blocks)
     return RNG.permutation(num_blocks)[:n], RNG.integers(0, num_blocks, n)
 
 
