@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from kvxferd import demo
 from kvxferd.bench import layout as layout_bench
@@ -21,18 +20,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(demo_parser)
     bench = commands.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
-    suites.add_parser("layout", help="span emission and planning (pure layers)", add_help=False)
+    layout_bench.add_arguments(suites.add_parser("layout", help="span emission and planning (pure layers)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "layout"]:
-        return layout_bench.main(argv[2:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
-    return 2
+    return layout_bench.run_args(args)  # "bench layout", the only suite so far
 
 
 if __name__ == "__main__":

@@ -34,3 +34,10 @@ def test_bad_arguments_exit_2_with_one_line():
     assert run.returncode == 2 and "--decode-tp" in run.stderr
     run = kvxferd("demo", "--model", "gqa", "--prefill-tp", "2", "--decode-tp", "0")
     assert run.returncode == 2 and "tp_size" in run.stderr
+
+
+def test_bench_layout_subcommand():
+    run = kvxferd("bench", "layout", "--num-layers", "2", "--num-blocks", "100", "--repeat", "1", "--json")
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout)
+    assert figures["scattered"]["spans_in"] == 2 * 100 * 2

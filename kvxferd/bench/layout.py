@@ -47,10 +47,10 @@ def run(num_layers: int = 80, num_blocks: int = 100_000, prefill_tp: int = 2, de
     match_mixed_s, _ = timed(lambda: match_layouts(hnd, nhd), repeat)
     # One region per layer at its own base address: stack the templates.
     bases = np.arange(num_layers, dtype=np.int64) * (1 << 40)
-    tables = [(r.remote_rank, SpanTable.from_template(r.template, bases, bases)) for r in reads.reads]
+    tables = [SpanTable.from_template(r.template, bases, bases) for r in reads.reads]
     # Same TP on both sides: whole blocks, so contiguous block runs merge.
     same = plan_region_reads(spec.region(prefill_tp, 0), prefill, prefill_tp, 0)
-    same_tables = [(r.remote_rank, SpanTable.from_template(r.template, bases, bases)) for r in same.reads]
+    same_tables = [SpanTable.from_template(r.template, bases, bases) for r in same.reads]
     rng = np.random.default_rng(seed)
     scattered = rng.permutation(num_blocks)
     contiguous_ids = np.arange(num_blocks)
@@ -65,7 +65,7 @@ def run(num_layers: int = 80, num_blocks: int = 100_000, prefill_tp: int = 2, de
              ("same_tp_contiguous_merged", contiguous_ids, True, same_tables))
     for label, ids, merge, case_tables in cases:
         def emit_all():
-            return sum(table.spans(ids, ids, merge=merge).num_spans for _, table in case_tables)
+            return sum(table.spans(ids, ids, merge=merge).num_spans for table in case_tables)
         seconds, num_spans = timed(emit_all, repeat)
         raw_spans = num_layers * num_blocks * len(case_tables)
         figures[label] = {"seconds": seconds, "spans_in": raw_spans, "spans_out": num_spans,
@@ -89,17 +89,25 @@ def format_table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvxferd.bench.layout", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, default=80)
     parser.add_argument("--num-blocks", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    args = parser.parse_args(argv)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run with parsed arguments and print the figures."""
     figures = run(num_layers=args.num_layers, num_blocks=args.num_blocks, repeat=args.repeat)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvxferd.bench.layout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -49,9 +49,7 @@ def _attention(kind, physical_dims, num_blocks, num_kv_heads, block_size, head_s
     sizes = {"B": positive_int(num_blocks, "num_blocks") * k, "H": shard.local_extent, "N": kernel,
              "KV": 2, "C": positive_int(head_size, "head_size"), **(extra or {})}
     shape = [sizes[d] for d in physical_dims]
-    layout = contiguous(physical_dims, shape, dtype)
-    if k > 1:
-        layout = layout.group_blocks(k)
+    layout = contiguous(physical_dims, shape, dtype).group_blocks(k)
     return Region(kind, (Field("kv", layout, shard),), math.prod(shape) * layout.itemsize)
 
 
@@ -93,9 +91,7 @@ def mla_attention(num_blocks, block_size, latent_size, dtype="bfloat16", *, tp_s
     Shard("H", 1, tp_size, tp_rank)  # validates the rank; MLA itself is unsharded
     k, kernel = _kernel_split(block_size, kernel_block_size)
     shape = (positive_int(num_blocks, "num_blocks") * k, kernel, positive_int(latent_size, "latent_size"))
-    layout = contiguous(("B", "N", "C"), shape, dtype)
-    if k > 1:
-        layout = layout.group_blocks(k)
+    layout = contiguous(("B", "N", "C"), shape, dtype).group_blocks(k)
     return Region("mla", (Field("latent", layout, None),), math.prod(shape) * layout.itemsize)
 
 

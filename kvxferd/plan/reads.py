@@ -78,9 +78,15 @@ def _check_fields(local: Region, remote: Region, remote_rank: int, remote_tp_siz
         rshard = None if rf.shard is None else (rf.shard.dim, rf.shard.global_extent)
         if lshard != rshard:
             raise LayoutMismatchError(f"remote[{remote_rank}].fields[{lf.name}].shard", f"local {lshard} vs remote {rshard}")
-        if rf.shard is not None and (rf.shard.tp_rank, rf.shard.tp_size) != (remote_rank, remote_tp_size):
-            raise TpConfigError(f"remote[{remote_rank}].tp_rank",
-                                f"region says rank {rf.shard.tp_rank}/{rf.shard.tp_size}, expected {remote_rank}/{remote_tp_size}")
+    _check_built_for(remote, remote_tp_size, remote_rank, f"remote[{remote_rank}].tp_rank")
+
+
+def _check_built_for(region: Region, tp_size: int, tp_rank: int, field: str) -> None:
+    """Every sharded field of ``region`` must be rank ``tp_rank`` of ``tp_size``."""
+    for f in region.fields:
+        if f.shard is not None and (f.shard.tp_rank, f.shard.tp_size) != (tp_rank, tp_size):
+            raise TpConfigError(field, f"field {f.name} was built for rank {f.shard.tp_rank}/{f.shard.tp_size}, "
+                                       f"expected {tp_rank}/{tp_size}")
 
 
 def plan_region_reads(
@@ -95,9 +101,7 @@ def plan_region_reads(
     check_tp(local_tp_size, local_rank, field="local_tp")
     if not remotes:
         raise InvalidArgumentError("remotes", "need one remote region per remote TP rank")
-    for field in local.fields:
-        if field.shard is not None and (field.shard.tp_size, field.shard.tp_rank) != (local_tp_size, local_rank):
-            raise TpConfigError("local.tp", f"field {field.name} was built for rank {field.shard.tp_rank}/{field.shard.tp_size}")
+    _check_built_for(local, local_tp_size, local_rank, "local.tp")
     for q, remote in enumerate(remotes):
         _check_fields(local, remote, q, len(remotes))
     reads = []
