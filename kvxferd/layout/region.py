@@ -98,3 +98,10 @@ class Region:
             if f.name == name:
                 return f
         raise InvalidArgumentError("field", f"no field {name!r}; fields are {[f.name for f in self.fields]}")
+
+    def ungroup_blocks(self, k: int) -> "Region":
+        """The same bytes viewed as ``k`` times as many, smaller blocks."""
+        if k == 1:
+            return self
+        fields = tuple(Field(f.name, f.layout.ungroup_blocks(k), f.shard) for f in self.fields)
+        return Region(self.kind, fields, self.num_bytes)

@@ -213,18 +213,40 @@ class Layout:
         return replace(self, axes=tuple(axes))
 
     def ungroup_blocks(self, k: int, token_dim: str = TOKEN_DIM) -> "Layout":
-        """Inverse of :meth:`group_blocks`: view each block as ``k`` blocks."""
-        k = positive_int(k, "kernel_blocks_per_block")
-        tokens = self.factors(token_dim)
-        if tokens[0].size % k:
-            raise InvalidArgumentError("kernel_blocks_per_block", f"outer {token_dim} factor {tokens[0].size} not divisible by {k}")
+        """Inverse of :meth:`group_blocks`: view each block as ``k`` blocks.
+
+        The outer token factors whose sizes multiply to ``k`` become inner
+        block factors (splitting one factor if needed), so a block of 32
+        tokens stored as 2 kernel blocks of 16 can be viewed as 4 blocks of 8.
+        """
+        k = positive_int(k, "blocks_per_block")
+        sizes = [a.size for a in self.factors(token_dim)]
+        if self.size(token_dim) % k:
+            raise InvalidArgumentError("blocks_per_block", f"{token_dim} size {self.size(token_dim)} not divisible by {k}")
         if k == 1:
             return self
-        refined = self.refine(token_dim, [k, tokens[0].size // k] + [a.size for a in tokens[1:]])
-        outer = refined.factors(token_dim)[0]
-        axes = [a for a in refined.axes if a is not outer]
+        split, remaining = [], k
+        for size in sizes:
+            if remaining == 1 or remaining % size == 0:
+                split.append(size)
+                remaining //= 1 if remaining == 1 else size
+            elif size % remaining == 0:
+                split += [remaining, size // remaining]
+                remaining = 1
+            else:
+                raise LayoutMismatchError("blocks_per_block", f"{token_dim} factors {sizes} cannot give {k} sub-blocks")
+        refined = self.refine(token_dim, split)
+        moved, product = [], 1
+        for axis in refined.factors(token_dim):
+            if product == k:
+                break
+            moved.append(axis)
+            product *= axis.size
+        axes = [a for a in refined.axes if all(a is not m for m in moved)]
+        if len(moved) == len(refined.factors(token_dim)):  # one token per block: keep the dim
+            axes.insert(refined.axes.index(moved[0]), Axis(token_dim, 1, moved[-1].stride))
         last_block = max(j for j, a in enumerate(axes) if a.dim == BLOCK_DIM)
-        axes.insert(last_block + 1, Axis(BLOCK_DIM, k, outer.stride))
+        axes[last_block + 1 : last_block + 1] = [Axis(BLOCK_DIM, m.size, m.stride) for m in moved]
         return replace(self, axes=tuple(axes))
 
     # ---- block addressing ---------------------------------------------

@@ -15,23 +15,78 @@ from kvxferd.layout.specs import CacheSpec
 from kvxferd.verify.physical import SENTINEL, region_num_bytes, region_views, tags
 
 
-def tagged_region(spec: CacheSpec, tp_size: int, tp_rank: int) -> np.ndarray:
-    """A new region buffer with every field element tagged, padding sentinel."""
-    buf = np.full(region_num_bytes(spec, tp_size, tp_rank), SENTINEL, dtype=np.uint8)
+def tagged_region(spec: CacheSpec, tp_size: int, tp_rank: int, region_key: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """A region buffer with every field element tagged, padding sentinel.
+
+    ``region_key`` (e.g. group and layer) enters every tag, so bytes read
+    from the wrong region are caught; ``out`` fills an existing buffer.
+    """
+    buf = np.full(region_num_bytes(spec, tp_size, tp_rank), SENTINEL, dtype=np.uint8) if out is None else out
+    if out is not None:
+        buf[...] = SENTINEL
     for view in region_views(spec, tp_size, tp_rank, buf):
-        view.array[...] = tags(view.field, view.block, view.coords, view.array.dtype)
+        view.array[...] = tags(view.field, view.block, _keyed(view.coords, region_key), view.array.dtype)
     return buf
 
 
-def expected_region(spec: CacheSpec, tp_size: int, tp_rank: int, local_block_ids, remote_block_ids) -> np.ndarray:
-    """What a decode region must hold after reading ``remote_block_ids[i]`` into ``local_block_ids[i]``."""
+def _keyed(coords: dict[str, np.ndarray], region_key: int) -> dict[str, np.ndarray]:
+    return {**coords, "region": np.asarray(region_key, dtype=np.int64)}
+
+
+class BlockSource:
+    """Local block ``local_block_ids[i]`` holds remote block ``remote_block_ids[i]`` whole."""
+
+    def __init__(self, local_block_ids, remote_block_ids, num_local_blocks: int) -> None:
+        self.block_map = np.full(num_local_blocks, -1, dtype=np.int64)
+        self.block_map[np.asarray(local_block_ids, dtype=np.int64)] = np.asarray(remote_block_ids, dtype=np.int64)
+
+    def __call__(self, block: np.ndarray, token):
+        return self.block_map[block], token
+
+
+class TokenSource:
+    """Brute force on absolute token positions: which remote (block, token) each local one reads.
+
+    Both id lists end at the block holding token ``num_tokens - 1``; a local
+    token is read when the remote side lists its position and it lies before
+    ``num_tokens`` rounded up to the smaller block size.
+    """
+
+    def __init__(self, local_block_ids, remote_block_ids, local_block_size: int, remote_block_size: int,
+                 num_tokens: int | None, num_local_blocks: int) -> None:
+        local_ids, remote_ids = np.asarray(local_block_ids, np.int64), np.asarray(remote_block_ids, np.int64)
+        if num_tokens is None:  # equal block sizes: lists tail-aligned on blocks
+            num_tokens = max(len(local_ids), len(remote_ids)) * local_block_size
+        local_end = -(-num_tokens // local_block_size)
+        remote_end = -(-num_tokens // remote_block_size)
+        unit = min(local_block_size, remote_block_size)
+        self.limit = -(-num_tokens // unit) * unit
+        self.start_token = np.full(num_local_blocks, -1, dtype=np.int64)
+        self.start_token[local_ids] = (local_end - len(local_ids) + np.arange(len(local_ids))) * local_block_size
+        self.remote_at = np.full(remote_end + 1, -1, dtype=np.int64)
+        self.remote_at[remote_end - len(remote_ids) + np.arange(len(remote_ids))] = remote_ids
+        self.remote_block_size = remote_block_size
+
+    def __call__(self, block: np.ndarray, token: np.ndarray):
+        start = self.start_token[block]
+        position = start + token
+        index = np.clip(position // self.remote_block_size, 0, len(self.remote_at) - 1)
+        remote = np.where((start >= 0) & (position < self.limit), self.remote_at[index], -1)
+        return remote, position % self.remote_block_size
+
+
+def expected_region(spec: CacheSpec, tp_size: int, tp_rank: int, source, region_key: int = 0) -> np.ndarray:
+    """What a decode region must hold after its reads; ``source`` maps local to remote elements."""
     buf = np.full(region_num_bytes(spec, tp_size, tp_rank), SENTINEL, dtype=np.uint8)
-    block_map = np.full(spec.num_blocks, -1, dtype=np.int64)
-    block_map[np.asarray(local_block_ids, dtype=np.int64)] = remote_block_ids
     for view in region_views(spec, tp_size, tp_rank, buf):
-        source = block_map[view.block]
-        wanted = np.broadcast_to(source >= 0, view.array.shape)
-        values = tags(view.field, np.maximum(source, 0), view.coords, view.array.dtype)
+        block = np.broadcast_to(view.block, view.array.shape)
+        token = view.coords.get("N")
+        remote_block, remote_token = source(block, None if token is None else np.broadcast_to(token, view.array.shape))
+        coords = _keyed(view.coords, region_key)
+        if token is not None:
+            coords["N"] = remote_token
+        wanted = remote_block >= 0
+        values = tags(view.field, np.maximum(remote_block, 0), coords, view.array.dtype)
         view.array[wanted] = np.broadcast_to(values, view.array.shape)[wanted]
     return buf
 
@@ -47,6 +102,8 @@ def apply_span_copies(src: np.ndarray, dst: np.ndarray, pairs: SpanPairs, write_
     """Copy ``src[remote spans]`` into ``dst[local spans]`` like a NIXL READ would."""
     if np.any(pairs.local_offsets + pairs.lengths > len(dst)) or np.any(pairs.remote_offsets + pairs.lengths > len(src)):
         raise IndexError("a span runs past the end of its region")
+    if np.any(pairs.local_offsets < 0) or np.any(pairs.remote_offsets < 0):
+        raise IndexError("a span starts before its region")
     dst_idx = gather_index(pairs.local_offsets, pairs.lengths)
     dst[dst_idx] = src[gather_index(pairs.remote_offsets, pairs.lengths)]
     if write_counts is not None:

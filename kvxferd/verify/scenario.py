@@ -16,7 +16,7 @@ import numpy as np
 from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK
 from kvxferd.layout.specs import CacheSpec
 from kvxferd.plan.reads import RegionReads, plan_region_reads
-from kvxferd.verify.oracle import apply_span_copies, expected_region, first_mismatch, tagged_region
+from kvxferd.verify.oracle import BlockSource, apply_span_copies, expected_region, first_mismatch, tagged_region
 from kvxferd.verify.physical import SENTINEL, region_num_bytes
 
 
@@ -70,7 +70,7 @@ def run_scenario(
             result.copied_bytes += pairs.num_bytes
         if writes.max(initial=0) > 1:
             result.mismatches.append(f"decode rank {r}: {int((writes > 1).sum())} bytes written more than once")
-        expected = expected_region(decode_spec, decode_tp, r, decode_block_ids, prefill_block_ids)
+        expected = expected_region(decode_spec, decode_tp, r, BlockSource(decode_block_ids, prefill_block_ids, decode_spec.num_blocks))
         problem = first_mismatch(decode_spec, decode_tp, r, buf, expected)
         if problem:
             result.mismatches.append(problem)

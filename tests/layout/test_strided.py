@@ -68,6 +68,28 @@ def test_ungroup_splits_logical_blocks():
     assert np.array_equal(got, t.view(16, 2, 2).numpy())
 
 
+@pytest.mark.parametrize("kernel_blocks, k", [(2, 4), (4, 2), (2, 8), (4, 8), (1, 16)])
+def test_ungroup_across_kernel_blocks(kernel_blocks, k):
+    # Logical blocks of 16 tokens stored as kernel blocks; viewed as k blocks of 16 // k tokens.
+    kernel = 16 // kernel_blocks
+    physical = torch.arange(3 * kernel_blocks * 2 * kernel).view(3 * kernel_blocks, 2, kernel)  # (Bk, H, Nk)
+    layout = Layout.from_tensor(physical, ("B", "H", "N")).group_blocks(kernel_blocks)
+    units = layout.ungroup_blocks(k)
+    sub = 16 // k
+    got = addresses(units, ("B", "H", "N"))
+    assert got.shape == (3 * k, 2, sub)
+    for u, h, n in itertools.product(range(3 * k), range(2), range(sub)):
+        token = (u % k) * sub + n
+        assert got[u, h, n] == physical[(u // k) * kernel_blocks + token // kernel, h, token % kernel]
+    assert np.array_equal(units.block_table_bytes, got[:, 0, 0] * 8)
+
+
+def test_ungroup_refuses_impossible_split():
+    layout = Layout.from_tensor(torch.empty(2, 3, 4, device="meta"), ("B", "N", "C")).group_blocks(1)
+    with pytest.raises(InvalidArgumentError):
+        layout.ungroup_blocks(2)  # 3 tokens
+
+
 def test_refine_keeps_boundaries():
     layout = Layout.from_tensor(torch.empty(2, 16, device="meta"), ("B", "N")).group_blocks(2)  # N = [2, 16]
     fine = layout.refine("N", [2, 4, 4])

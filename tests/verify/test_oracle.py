@@ -6,7 +6,7 @@ import pytest
 from kvxferd.layout.spans import SpanPairs
 from kvxferd.layout.specs import AttentionSpec, MambaSpec
 from kvxferd.plan.reads import plan_region_reads
-from kvxferd.verify.oracle import apply_span_copies, expected_region, first_mismatch, tagged_region
+from kvxferd.verify.oracle import BlockSource, apply_span_copies, expected_region, first_mismatch, tagged_region
 
 SPECS = [
     AttentionSpec("packed_NHD", num_blocks=6, num_kv_heads=6, head_size=4, block_size=4, kernel_block_size=2),
@@ -22,7 +22,7 @@ def test_mutated_copies_are_caught(spec, mutation):
     bufs = [tagged_region(spec, p, q) for q in range(p)]
     reads = plan_region_reads(spec.region(d, r), [spec.region(p, q) for q in range(p)], d, r)
     local_ids, remote_ids = [1, 2], [3, 4]
-    expected = expected_region(spec, d, r, local_ids, remote_ids)
+    expected = expected_region(spec, d, r, BlockSource(local_ids, remote_ids, spec.num_blocks))
     buf = np.full(len(expected), 0xA5, dtype=np.uint8)
     spans = reads.spans(local_ids, remote_ids[::-1] if mutation == "swap_blocks" else remote_ids)
     for q, pairs in spans.items():

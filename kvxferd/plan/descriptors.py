@@ -1,0 +1,113 @@
+"""Prepared descriptor lists and the arithmetic from unit ids to descriptor ids.
+
+One side (local or remote) of one field read over ``R`` regions is a set of
+NIXL descriptors, one per (region, template span, unit). They are prepared
+once as *strided rows* ``(address, length, device, stride, count)``: a row
+walks the outer block factor, so preparing costs one row per (region, span,
+inner unit) whatever the number of blocks::
+
+    unit u = (outer b, inner j)             (j: unit inside a larger block)
+    row (r, t, j) = address base[r] + span[t] + inner[j], stride S_outer, count B
+    descriptor id (r, t, u) = first + ((r*T + t)*K + j)*B + b
+                            = id_templates[r, t] + keys[u]
+
+A request's ids are then one broadcast addition in (region, unit, span)
+order, the same order as :class:`~kvxferd.layout.spans.SpanTable`, so runs
+of units contiguous on both sides sit next to each other and NIXL merges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.errors import LayoutMismatchError
+
+
+@dataclass(frozen=True, eq=False)
+class SideDescriptors:
+    """One side of one field read: strided rows plus id and address arithmetic."""
+
+    rows: np.ndarray  # [R*T*K, 5] uint64: address, length, device, stride, count
+    id_templates: np.ndarray  # [R, T] int64 descriptor id of (r, t, unit 0), before ``first``
+    address_templates: np.ndarray  # [R, T] int64 absolute address of (r, t, unit 0)
+    unit_offsets: np.ndarray  # [U] bytes: offset of every unit from unit 0
+    num_outer: int  # B: count of each row
+    units_per_outer: int  # K
+    span_bytes: int
+
+    @classmethod
+    def build(cls, bases, device_ids, span_offsets, span_bytes: int, unit_table, units_per_outer: int, field: str):
+        """Rows for regions at ``bases`` with per-unit offsets ``unit_table``."""
+        bases = np.asarray(bases, dtype=np.int64)
+        unit_table = np.asarray(unit_table, dtype=np.int64)
+        span_offsets = np.asarray(span_offsets, dtype=np.int64)
+        k = units_per_outer
+        if len(unit_table) % k:
+            raise LayoutMismatchError(field, f"{len(unit_table)} units are not a multiple of {k} per block")
+        num_outer = len(unit_table) // k
+        inner = unit_table[:k] - unit_table[0]
+        stride = int(unit_table[k] - unit_table[0]) if num_outer > 1 else span_bytes
+        expected = unit_table[0] + (np.arange(num_outer, dtype=np.int64)[:, None] * stride + inner[None, :]).ravel()
+        if not np.array_equal(unit_table, expected):
+            raise LayoutMismatchError(field, "block addresses are not an evenly strided sequence of blocks")
+        if num_outer > 1 and stride < span_bytes:
+            raise LayoutMismatchError(field, f"blocks {stride} bytes apart overlap spans of {span_bytes} bytes")
+        num_regions, num_spans = len(bases), len(span_offsets)
+        address_templates = bases[:, None] + span_offsets[None, :] + unit_table[0]  # [R, T]
+        starts = (address_templates[:, :, None] + inner[None, None, :]).ravel()  # row order (r, t, j)
+        rows = np.empty((len(starts), 5), dtype=np.uint64)
+        rows[:, 0] = starts
+        rows[:, 1] = span_bytes
+        rows[:, 2] = np.repeat(np.asarray(device_ids, dtype=np.uint64), num_spans * k)
+        rows[:, 3] = stride
+        rows[:, 4] = num_outer
+        id_templates = (np.arange(num_regions * num_spans, dtype=np.int64) * (k * num_outer)).reshape(num_regions, num_spans)
+        return cls(rows, id_templates, address_templates, unit_table - unit_table[0], num_outer, k, span_bytes)
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.rows) * self.num_outer
+
+    def keys(self, units: np.ndarray) -> np.ndarray:
+        """Per-unit part of the descriptor id."""
+        if self.units_per_outer == 1:
+            return units
+        return (units % self.units_per_outer) * self.num_outer + units // self.units_per_outer
+
+    def ids(self, units: np.ndarray, first: int) -> np.ndarray:
+        """Descriptor ids of every (region, unit, span), in that order."""
+        return (self.id_templates[:, None, :] + (self.keys(units) + first)[None, :, None]).ravel()
+
+    def addresses(self, units: np.ndarray) -> np.ndarray:
+        """Start addresses of the same descriptors (for counting merged runs)."""
+        return (self.address_templates[:, None, :] + self.unit_offsets[units][None, :, None]).ravel()
+
+
+@dataclass(frozen=True, eq=False)
+class DescriptorPair:
+    """Both sides of one field read of one group from one remote rank."""
+
+    group: int
+    local: SideDescriptors
+    remote: SideDescriptors
+    local_first: int  # id of this table's first descriptor in the rank's local list
+    remote_first: int
+
+    @property
+    def descriptors_per_unit(self) -> int:
+        return self.local.id_templates.size
+
+    @property
+    def bytes_per_unit(self) -> int:
+        return self.descriptors_per_unit * self.local.span_bytes
+
+
+def count_merged(local_addresses: np.ndarray, remote_addresses: np.ndarray, span_bytes: np.ndarray) -> int:
+    """Descriptors left after merging neighbours contiguous on both sides."""
+    if len(local_addresses) < 2:
+        return len(local_addresses)
+    ends_local = local_addresses[:-1] + span_bytes[:-1]
+    joins = (ends_local == local_addresses[1:]) & (remote_addresses[:-1] + span_bytes[:-1] == remote_addresses[1:])
+    return int(len(local_addresses) - np.count_nonzero(joins))

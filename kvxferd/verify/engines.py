@@ -1,0 +1,120 @@
+"""Engine ranks with real host buffers, tagged caches and the oracle per request.
+
+A test, the demo or a benchmark allocates every rank of a prefill and a
+decode engine here: one numpy buffer per (group, region), prefill buffers
+tagged with their coordinates (the region key ``group * 1000 + region``
+enters every tag), decode buffers set to the sentinel. After a request, the
+decode buffers must equal :func:`expected_buffers`, computed from token
+positions alone (no plan, no units, no layouts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.layout.specs import MambaSpec
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
+from kvxferd.verify.oracle import BlockSource, TokenSource, expected_region, first_mismatch, tagged_region
+from kvxferd.verify.physical import SENTINEL, region_num_bytes
+
+
+def region_key(group: int, region: int) -> int:
+    return group * 1000 + region
+
+
+REGION_GAP_BYTES = 4096  # sentinel bytes between regions: stray writes land there
+
+
+@dataclass(eq=False)
+class EngineBuffers:
+    """One engine rank: its cache description and the buffers behind it.
+
+    All regions live in one arena, each followed by a sentinel gap, so a
+    descriptor address maps to an arena offset and a stray write is seen.
+    """
+
+    cache: EngineCache
+    arena: np.ndarray  # uint8, every region plus gaps
+    buffers: list[list[np.ndarray]]  # [group][region] views into the arena
+
+    @property
+    def base_address(self) -> int:
+        return self.arena.ctypes.data
+
+    def gaps_intact(self) -> bool:
+        """True when no byte outside the regions was written."""
+        inside = np.zeros(len(self.arena), dtype=bool)
+        for group in self.buffers:
+            for buf in group:
+                start = buf.ctypes.data - self.base_address
+                inside[start : start + buf.nbytes] = True
+        return bool(np.all(self.arena[~inside] == SENTINEL))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.nbytes for group in self.buffers for b in group)
+
+    def reset(self) -> None:
+        """Back to the sentinel (decode side, between checks)."""
+        for group in self.buffers:
+            for buf in group:
+                buf[...] = SENTINEL
+
+
+def allocate_engine(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_rank: int, *, tagged: bool) -> EngineBuffers:
+    """Allocate (and tag, for a prefill rank) every region of one engine rank."""
+    sizes = [region_num_bytes(group.spec, tp_size, tp_rank) for group in groups]
+    strides = [-(-size // REGION_GAP_BYTES) * REGION_GAP_BYTES + REGION_GAP_BYTES for size in sizes]
+    arena = np.full(sum(stride * group.num_regions for stride, group in zip(strides, groups)) + REGION_GAP_BYTES,
+                    SENTINEL, dtype=np.uint8)
+    buffers, memory, offset = [], [], REGION_GAP_BYTES
+    for g, group in enumerate(groups):
+        regions = []
+        for i in range(group.num_regions):
+            buf = arena[offset : offset + sizes[g]]
+            offset += strides[g]
+            if tagged:
+                tagged_region(group.spec, tp_size, tp_rank, region_key(g, i), out=buf)
+            regions.append(buf)
+        buffers.append(regions)
+        memory.append(tuple(RegionMemory(b.ctypes.data, b.nbytes) for b in regions))
+    cache = EngineCache(engine_id, tp_size, tp_rank, tuple(groups), tuple(memory))
+    return EngineBuffers(cache, arena, buffers)
+
+
+def group_source(local: CacheGroup, remote: CacheGroup, request: ReadRequest, g: int):
+    """Brute-force element source of one group for one request."""
+    local_ids, remote_ids = request.local_block_ids[g], request.remote_block_ids[g]
+    if isinstance(local.spec, MambaSpec):
+        return BlockSource(local_ids, remote_ids, local.spec.num_blocks)
+    return TokenSource(local_ids, remote_ids, local.spec.block_size, remote.spec.block_size,
+                       request.num_tokens, local.spec.num_blocks)
+
+
+def expected_buffers(local: EngineCache, remote_groups: Sequence[CacheGroup], request: ReadRequest) -> list[list[np.ndarray]]:
+    """What every decode region of ``local`` must hold after ``request`` alone."""
+    out = []
+    for g, group in enumerate(local.groups):
+        source = group_source(group, remote_groups[g], request, g)
+        out.append([expected_region(group.spec, local.tp_size, local.tp_rank, source, region_key(g, i))
+                    for i in range(group.num_regions)])
+    return out
+
+
+def check_buffers(engine: EngineBuffers, expected: list[list[np.ndarray]], *, limit: int = 3) -> list[str]:
+    """Readable mismatches (at most ``limit``); empty when byte-exact."""
+    problems = []
+    cache = engine.cache
+    for g, (actual_group, expected_group) in enumerate(zip(engine.buffers, expected)):
+        for i, (actual, want) in enumerate(zip(actual_group, expected_group)):
+            if len(problems) >= limit or np.array_equal(actual, want):
+                continue
+            where = first_mismatch(cache.groups[g].spec, cache.tp_size, cache.tp_rank, actual, want)
+            problems.append(f"{cache.engine_id} group {g} ({cache.groups[g].kind}) region {i}: {where}")
+    if not engine.gaps_intact():
+        problems.append(f"{cache.engine_id} rank {cache.tp_rank}: bytes written outside every region")
+    return problems

@@ -1,0 +1,71 @@
+"""Model presets: the cache groups of a prefill and a decode engine.
+
+Used by the tests, the demo and the benchmarks, so they all speak about
+the same models. Sizes are small by default (host memory, 2 cores); every
+one can be overridden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvxferd.errors import InvalidArgumentError
+from kvxferd.layout.specs import AttentionSpec, MambaSpec
+from kvxferd.layout.strided import positive_int
+from kvxferd.plan.groups import CacheGroup
+
+MODELS = ("gqa", "fp8", "mla", "swa", "hybrid")
+DECODE_LAYOUTS = {"packed": "packed_HND", "nhd": "packed_NHD", "legacy": "legacy"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a preset; block sizes default to ``block_size`` on both sides."""
+
+    num_layers: int = 2
+    num_kv_heads: int = 8
+    head_size: int = 64
+    block_size: int = 16
+    kernel_block_size: int | None = None  # decode side's kernel blocks
+    prefill_block_size: int | None = None
+    decode_block_size: int | None = None
+    num_blocks: int = 64  # decode side; prefill holds as many tokens
+    layout: str = "packed"  # decode attention layout (prefill: packed HND)
+
+    def with_(self, **changes) -> "ModelShape":
+        return replace(self, **changes)
+
+
+def model_groups(model: str, shape: ModelShape) -> tuple[tuple[CacheGroup, ...], tuple[CacheGroup, ...]]:
+    """``(prefill_groups, decode_groups)`` of preset ``model``."""
+    if model not in MODELS:
+        raise InvalidArgumentError("model", f"must be one of {MODELS}, got {model!r}")
+    if shape.layout not in DECODE_LAYOUTS:
+        raise InvalidArgumentError("layout", f"must be one of {sorted(DECODE_LAYOUTS)}, got {shape.layout!r}")
+    prefill_bs = positive_int(shape.prefill_block_size or shape.block_size, "prefill_block_size")
+    decode_bs = positive_int(shape.decode_block_size or shape.block_size, "decode_block_size")
+    decode_blocks = positive_int(shape.num_blocks, "num_blocks")
+    prefill_blocks = max(1, decode_blocks * decode_bs // prefill_bs)
+    layers = positive_int(shape.num_layers, "num_layers")
+    base = AttentionSpec("packed_HND", num_blocks=prefill_blocks, num_kv_heads=shape.num_kv_heads,
+                         head_size=shape.head_size, block_size=prefill_bs)
+    decode_attn = dict(num_blocks=decode_blocks, block_size=decode_bs, kernel_block_size=shape.kernel_block_size)
+
+    def pair(kind, prefill_spec, decode_layout=None):
+        decode_spec = prefill_spec.with_(layout=decode_layout or prefill_spec.layout, **decode_attn)
+        return CacheGroup(kind, prefill_spec, layers), CacheGroup(kind, decode_spec, layers)
+
+    decode_layout = DECODE_LAYOUTS[shape.layout]
+    if model == "gqa":
+        pairs = [pair("full", base, decode_layout)]
+    elif model == "swa":
+        pairs = [pair("full", base, decode_layout), pair("swa", base, decode_layout)]
+    elif model == "fp8":
+        pairs = [pair("full", base.with_(layout="split_kv", dtype="float8_e4m3fn"))]
+    elif model == "mla":
+        pairs = [pair("mla", base.with_(layout="mla", head_size=shape.head_size * 4 + 64))]
+    else:  # hybrid: attention layers plus Mamba state pages (one page per request)
+        mamba = MambaSpec(num_blocks=decode_blocks, num_heads=shape.num_kv_heads * 4, head_dim=32, num_groups=1,
+                          state_size=64, conv_window=4)
+        pairs = [pair("full", base, decode_layout), (CacheGroup("mamba", mamba, layers), CacheGroup("mamba", mamba, layers))]
+    return tuple(p for p, _ in pairs), tuple(d for _, d in pairs)
