@@ -35,3 +35,11 @@ class LayoutMismatchError(KvxferError):
 
 class SpanBudgetError(LayoutMismatchError):
     """Pairing two layouts is possible only at a granularity above the budget."""
+
+
+class NotFoundError(KvxferError):
+    """An engine, peer or request id that this process does not know."""
+
+
+class TransferError(KvxferError):
+    """A data-plane call failed (remote gone, backend error); fails one request."""

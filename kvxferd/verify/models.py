@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout.specs import AttentionSpec, MambaSpec
 from kvxferd.layout.strided import positive_int
@@ -69,3 +71,37 @@ def model_groups(model: str, shape: ModelShape) -> tuple[tuple[CacheGroup, ...],
                           state_size=64, conv_window=4)
         pairs = [pair("full", base, decode_layout), (CacheGroup("mamba", mamba, layers), CacheGroup("mamba", mamba, layers))]
     return tuple(p for p, _ in pairs), tuple(d for _, d in pairs)
+
+
+def random_request(request_id: str, prefill_groups, decode_groups, num_tokens: int, rng, *,
+                   cached_tokens: int = 0, window_tokens: int | None = None, contiguous: bool = True):
+    """A valid request for ``num_tokens`` tokens with fresh block ids per group.
+
+    ``cached_tokens`` (a decode prefix-cache hit) shortens the decode lists
+    of full-attention and MLA groups; ``window_tokens`` keeps only the last
+    blocks of sliding-window groups on both sides. Prefill ids are a run of
+    consecutive blocks when ``contiguous`` (how allocators usually hand them
+    out), decode ids are shuffled.
+    """
+    from kvxferd.plan.engine import ReadRequest
+
+    local_ids, remote_ids = [], []
+    for prefill, decode in zip(prefill_groups, decode_groups):
+        if decode.block_size is None:  # state pages: one per request
+            local_ids.append(rng.choice(decode.spec.num_blocks, 1))
+            remote_ids.append(rng.choice(prefill.spec.num_blocks, 1))
+            continue
+        n_remote = -(-num_tokens // prefill.block_size)
+        n_local = -(-num_tokens // decode.block_size)
+        if decode.kind in ("full", "mla"):
+            n_local -= cached_tokens // decode.block_size
+        if decode.kind == "swa" and window_tokens is not None:
+            n_local = min(n_local, -(-window_tokens // decode.block_size) + 1)
+            n_remote = min(n_remote, -(-window_tokens // prefill.block_size) + 1)
+        if contiguous:
+            first = int(rng.integers(0, prefill.spec.num_blocks - n_remote + 1))
+            remote_ids.append(np.arange(first, first + n_remote))
+        else:
+            remote_ids.append(rng.permutation(prefill.spec.num_blocks)[:n_remote])
+        local_ids.append(rng.permutation(decode.spec.num_blocks)[:n_local])
+    return ReadRequest(request_id, f"{request_id}@prefill", tuple(local_ids), tuple(remote_ids), num_tokens)

@@ -1,0 +1,49 @@
+"""The notification a reader sends every remote rank holding a request's data.
+
+Sent over NIXL (attached to the transfer when the rank was read, standalone
+otherwise). It names the prefill-side request, the reader, whether the read
+succeeded, and how many readers the prefill rank must hear from before it
+may free the request's blocks (every reader computes the same count from the
+TP mapping). Decoding validates everything: notifications come from peers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from kvxferd.errors import InvalidArgumentError
+
+NOTICE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ReadNotice:
+    """Reader ``reader_engine_id``/``reader_rank`` is done with ``request_id``."""
+
+    request_id: str  # the prefill side's request id
+    reader_engine_id: str
+    reader_rank: int
+    expected_readers: int
+    ok: bool = True
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": NOTICE_VERSION, **asdict(self)}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, message: bytes) -> "ReadNotice":
+        """Parse a peer's message; raises :class:`InvalidArgumentError` naming the field."""
+        try:
+            data = json.loads(message)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise InvalidArgumentError("notification", f"not a kvxferd notice: {err}") from None
+        if not isinstance(data, dict) or data.get("v") != NOTICE_VERSION:
+            raise InvalidArgumentError("notification.v", f"unsupported notice version in {message[:80]!r}")
+        checks = {"request_id": str, "reader_engine_id": str, "reader_rank": int, "expected_readers": int, "ok": bool}
+        for name, kind in checks.items():
+            value = data.get(name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise InvalidArgumentError(f"notification.{name}", f"expected {kind.__name__}, got {value!r}")
+        if data["reader_rank"] < 0 or data["expected_readers"] < 1:
+            raise InvalidArgumentError("notification", f"bad reader rank or count in {message[:80]!r}")
+        return cls(**{name: data[name] for name in checks})

@@ -1,0 +1,82 @@
+"""Prefill and decode engines as in-process NIXL agents, one per TP rank.
+
+The data-plane proof: every rank has its own NIXL agent over UCX on
+loopback and its own host-memory arena; decode ranks connect to the
+prefill engine (plan + prepared lists), post real NIXL reads, and every
+decode byte is checked against the oracle. A pump thread keeps the prefill
+agents progressing and counts their notices, as a prefill daemon will.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
+from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.pump import NotificationPump
+from kvxferd.xfer.reads import ReadExecutor, ReadResult
+
+
+class LocalCluster:
+    """A prefill engine (TP ``prefill_tp``) and a decode engine (TP ``decode_tp``)."""
+
+    def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
+                 prefill_tp: int, decode_tp: int, *, name: str = "c") -> None:
+        self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
+        self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
+        self.prefill = [allocate_engine(self.prefill_id, prefill_groups, prefill_tp, q, tagged=True) for q in range(prefill_tp)]
+        self.decode = [allocate_engine(self.decode_id, decode_groups, decode_tp, r, tagged=False) for r in range(decode_tp)]
+        self.prefill_agents = [NixlAgent(f"{self.prefill_id}-{q}") for q in range(prefill_tp)]
+        for agent, engine in zip(self.prefill_agents, self.prefill):
+            agent.register(engine.cache)
+        self.executors = [ReadExecutor(NixlAgent(f"{self.decode_id}-{r}"), engine.cache) for r, engine in enumerate(self.decode)]
+        self.pump = NotificationPump(self.prefill_agents).__enter__()
+        try:
+            self.connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def connect(self) -> None:
+        """(Re)handshake every decode rank with the prefill engine."""
+        caches = [engine.cache for engine in self.prefill]
+        metadata = [agent.metadata() for agent in self.prefill_agents]
+        for executor in self.executors:
+            executor.connect(caches, metadata)
+
+    def read(self, request: ReadRequest, timeout_s: float = 30.0, *, hold: bool = True) -> list[ReadResult]:
+        """Every decode rank reads ``request``; prefill ranks hold it first."""
+        if hold:
+            for q in range(len(self.prefill)):
+                self.pump.hold(q, request.remote_request_id, request.remote_block_ids)
+        inflight = [executor.post(self.prefill_id, request) for executor in self.executors]
+        return [executor.wait(f, timeout_s) for executor, f in zip(self.executors, inflight)]
+
+    def check(self, request: ReadRequest) -> list[str]:
+        """Mismatches of every decode rank against the oracle for ``request`` alone."""
+        problems = []
+        for engine in self.decode:
+            problems += check_buffers(engine, expected_buffers(engine.cache, self.prefill_groups, request))
+        return problems
+
+    def reset_decode(self) -> None:
+        for engine in self.decode:
+            engine.reset()
+
+    def close(self) -> None:
+        """Stop the pump, then drop plans and registrations (agents last)."""
+        self.pump.stop()
+        for executor in self.executors:
+            for engine_id in list(executor._remotes):
+                executor.disconnect(engine_id)
+            executor.agent.deregister(executor.cache.engine_id)
+        for agent, engine in zip(self.prefill_agents, self.prefill):
+            agent.deregister(engine.cache.engine_id)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,110 @@
+"""A NIXL agent with the settings kvxferd relies on.
+
+* No NIXL progress thread: its default zero delay spins a whole core. The
+  owner drives progress itself (``poll_notifications`` from a pump thread,
+  transfers from the reader), which NIXL needs also on a pure read target.
+* Thread-safe agent (``STRICT`` sync): a pump thread and a transfer thread
+  may use it at once.
+* Every NIXL exception becomes :class:`NixlError` with the call that failed,
+  so callers turn it into a per-request status instead of a crash.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvxferd.errors import InvalidArgumentError, TransferError
+from kvxferd.plan.groups import EngineCache
+
+
+class NixlError(TransferError):
+    """A NIXL call failed (remote gone, bad descriptors, backend error)."""
+
+    def __init__(self, call: str, cause: Exception) -> None:
+        super().__init__(call, f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+    @property
+    def remote_gone(self) -> bool:
+        return type(self.cause).__name__ in ("nixlRemoteDisconnectError", "nixlNotFoundError")
+
+
+def _nixl_errors() -> tuple[type[Exception], ...]:
+    from nixl import _bindings
+
+    return tuple(getattr(_bindings, name) for name in dir(_bindings) if name.startswith("nixl") and name.endswith("Error"))
+
+
+class NixlAgent:
+    """One named NIXL agent over UCX; a thin, typed wrapper."""
+
+    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        self._errors = _nixl_errors()
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=list(backends),
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.name = name
+        self._agent = self._call("create_agent", nixl_agent, name, config)
+        self._registrations: dict[str, object] = {}
+
+    def _call(self, call: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except self._errors as err:
+            raise NixlError(call, err) from err
+
+    # ---- memory ---------------------------------------------------------
+    def register(self, cache: EngineCache) -> None:
+        """Register every region of an engine rank once."""
+        if cache.engine_id in self._registrations:
+            raise InvalidArgumentError("engine_id", f"engine {cache.engine_id!r} is already registered on agent {self.name!r}")
+        regions = [(m.address, m.num_bytes, m.device_id, "") for group in cache.memory for m in group]
+        self._registrations[cache.engine_id] = self._call("register_memory", self._agent.register_memory, regions, cache.mem_type)
+
+    def deregister(self, engine_id: str) -> None:
+        """Deregister an engine's memory (before that memory may be freed)."""
+        descs = self._registrations.pop(engine_id, None)
+        if descs is not None:
+            self._call("deregister_memory", self._agent.deregister_memory, descs)
+
+    # ---- peers ------------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self._call("get_agent_metadata", self._agent.get_agent_metadata)
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name."""
+        name = self._call("add_remote_agent", self._agent.add_remote_agent, metadata)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def remove_remote(self, name: str) -> None:
+        self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
+
+    # ---- descriptors and transfers ---------------------------------------
+    def prep_local(self, rows: np.ndarray, mem_type: str):
+        """Prepare local strided descriptor rows; returns the handle."""
+        return self._call("prep_xfer_dlist", self._agent.prep_xfer_dlist, "", rows, mem_type)
+
+    def prep_remote(self, agent_name: str, rows: np.ndarray, mem_type: str):
+        return self._call("prep_xfer_dlist", self._agent.prep_xfer_dlist, agent_name, rows, mem_type)
+
+    def make_read(self, local_list, local_ids: np.ndarray, remote_list, remote_ids: np.ndarray, notification: bytes):
+        return self._call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ", local_list, local_ids,
+                          remote_list, remote_ids, notification)
+
+    def post(self, handle) -> str:
+        """Post a transfer: ``DONE``, ``PROC`` or ``ERR``."""
+        return self._call("transfer", self._agent.transfer, handle)
+
+    def state(self, handle) -> str:
+        return self._call("check_xfer_state", self._agent.check_xfer_state, handle)
+
+    def release(self, handle) -> None:
+        self._call("release_handle", handle.release)
+
+    def notify(self, agent_name: str, message: bytes) -> None:
+        self._call("send_notif", self._agent.send_notif, agent_name, message)
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        """New notifications by sender; also makes progress for peers reading us."""
+        return self._call("get_new_notifs", self._agent.get_new_notifs)
