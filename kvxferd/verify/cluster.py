@@ -32,7 +32,8 @@ class LocalCluster:
         for agent, engine in zip(self.prefill_agents, self.prefill):
             agent.register(engine.cache)
         self.executors = [ReadExecutor(NixlAgent(f"{self.decode_id}-{r}"), engine.cache) for r, engine in enumerate(self.decode)]
-        self.pump = NotificationPump(self.prefill_agents).__enter__()
+        # Decode agents are pumped too: their notices leave only while their agent makes progress.
+        self.pump = NotificationPump(self.prefill_agents + [e.agent for e in self.executors]).__enter__()
         try:
             self.connect()
         except BaseException:
