@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.errors import LayoutMismatchError
+from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
+
+MAX_DESCRIPTOR_ID = 2**31 - 1  # NIXL takes int32 descriptor indices
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,7 +32,7 @@ class SideDescriptors:
     """One side of one field read: strided rows plus id and address arithmetic."""
 
     rows: np.ndarray  # [R*T*K, 5] uint64: address, length, device, stride, count
-    id_templates: np.ndarray  # [R, T] int64 descriptor id of (r, t, unit 0), before ``first``
+    id_templates: np.ndarray  # [R, T] int32 descriptor id of (r, t, unit 0), before ``first``
     address_templates: np.ndarray  # [R, T] int64 absolute address of (r, t, unit 0)
     unit_offsets: np.ndarray  # [U] bytes: offset of every unit from unit 0
     num_outer: int  # B: count of each row
@@ -64,21 +66,31 @@ class SideDescriptors:
         rows[:, 3] = stride
         rows[:, 4] = num_outer
         id_templates = (np.arange(num_regions * num_spans, dtype=np.int64) * (k * num_outer)).reshape(num_regions, num_spans)
-        return cls(rows, id_templates, address_templates, unit_table - unit_table[0], num_outer, k, span_bytes)
+        if rows.shape[0] * num_outer > MAX_DESCRIPTOR_ID:
+            raise InvalidArgumentError("num_blocks", f"{rows.shape[0] * num_outer} descriptors exceed NIXL's int32 ids")
+        return cls(rows, id_templates.astype(np.int32), address_templates, unit_table - unit_table[0], num_outer, k, span_bytes)
 
     @property
     def num_descriptors(self) -> int:
         return len(self.rows) * self.num_outer
 
     def keys(self, units: np.ndarray) -> np.ndarray:
-        """Per-unit part of the descriptor id."""
+        """Per-unit part of the descriptor id (int32, like NIXL's indices)."""
+        units = units.astype(np.int32, copy=False)
         if self.units_per_outer == 1:
             return units
-        return (units % self.units_per_outer) * self.num_outer + units // self.units_per_outer
+        return (units % self.units_per_outer) * np.int32(self.num_outer) + units // self.units_per_outer
+
+    def ids_into(self, units: np.ndarray, first: int, out: np.ndarray) -> None:
+        """Write the descriptor ids of every (region, unit, span), in that order, into ``out``."""
+        keys = self.keys(units) + np.int32(first)
+        np.add(self.id_templates[:, None, :], keys[None, :, None], out=out.reshape(len(self.id_templates), len(units), -1))
 
     def ids(self, units: np.ndarray, first: int) -> np.ndarray:
         """Descriptor ids of every (region, unit, span), in that order."""
-        return (self.id_templates[:, None, :] + (self.keys(units) + first)[None, :, None]).ravel()
+        out = np.empty(self.id_templates.size * len(units), dtype=np.int32)
+        self.ids_into(units, first, out)
+        return out
 
     def addresses(self, units: np.ndarray) -> np.ndarray:
         """Start addresses of the same descriptors (for counting merged runs)."""

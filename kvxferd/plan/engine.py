@@ -23,11 +23,10 @@ import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, TpConfigError
 from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK
-from kvxferd.plan.descriptors import DescriptorPair, SideDescriptors, count_merged
+from kvxferd.plan.descriptors import MAX_DESCRIPTOR_ID, DescriptorPair, SideDescriptors, count_merged
 from kvxferd.plan.groups import EngineCache, GroupPairing, check_groups_compatible
 from kvxferd.plan.reads import plan_region_reads
 
-MAX_DESCRIPTOR_ID = 2**31 - 1  # NIXL takes int32 descriptor indices
 
 
 @dataclass(frozen=True)
@@ -175,15 +174,21 @@ class EngineTransferPlan:
         units = self.pair_units(request)
         reads = []
         for rank_plan in self.rank_plans:
-            local_parts, remote_parts, num_bytes = [], [], 0
-            for table in rank_plan.tables:
-                local_units, remote_units = units[table.group]
-                if len(local_units):
-                    local_parts.append(table.local.ids(local_units, table.local_first))
-                    remote_parts.append(table.remote.ids(remote_units, table.remote_first))
-                    num_bytes += len(local_units) * table.bytes_per_unit
-            if local_parts:
-                reads.append(RankRead(rank_plan.remote_rank, _int32(local_parts), _int32(remote_parts), num_bytes))
+            sizes = [len(units[t.group][0]) * t.descriptors_per_unit for t in rank_plan.tables]
+            total = sum(sizes)
+            if not total:
+                continue
+            # One output array per side, filled in place: no per-table concatenation.
+            local_ids, remote_ids = np.empty(total, dtype=np.int32), np.empty(total, dtype=np.int32)
+            position, num_bytes = 0, 0
+            for table, size in zip(rank_plan.tables, sizes):
+                if size:
+                    local_units, remote_units = units[table.group]
+                    table.local.ids_into(local_units, table.local_first, local_ids[position : position + size])
+                    table.remote.ids_into(remote_units, table.remote_first, remote_ids[position : position + size])
+                    num_bytes += size * table.local.span_bytes
+                    position += size
+            reads.append(RankRead(rank_plan.remote_rank, local_ids, remote_ids, num_bytes))
         return PlannedRead(request, tuple(reads), self.notify_ranks, tuple(u[0] for u in units), self)
 
     def count_merged(self, planned: PlannedRead, remote_rank: int) -> int:
@@ -197,10 +202,6 @@ class EngineTransferPlan:
             remote.append(table.remote.addresses(remote_units))
             lengths.append(np.full(len(local[-1]), table.local.span_bytes, dtype=np.int64))
         return count_merged(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
-
-
-def _int32(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int32, copy=False)
 
 
 def _check_remotes(remotes: Sequence[EngineCache]) -> None:

@@ -1,0 +1,135 @@
+"""A failure fails its request only: status, invalid block ids, others go on."""
+
+import multiprocessing
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from kvxferd.errors import BlockIdError, NotFoundError
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
+from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.pump import NotificationPump
+from kvxferd.xfer.reads import ReadExecutor
+
+PREFILL_GROUPS, DECODE_GROUPS = model_groups("hybrid", ModelShape(num_layers=2))
+
+
+class Prefill:
+    """One in-process prefill engine (TP 2) with its agents."""
+
+    def __init__(self, name):
+        self.engines = [allocate_engine(name, PREFILL_GROUPS, 2, q, tagged=True) for q in range(2)]
+        self.agents = [NixlAgent(f"{name}-{q}") for q in range(2)]
+        for agent, engine in zip(self.agents, self.engines):
+            agent.register(engine.cache)
+
+    @property
+    def caches(self):
+        return [e.cache for e in self.engines]
+
+    def metadata(self):
+        return [a.metadata() for a in self.agents]
+
+
+@pytest.fixture
+def world():
+    healthy, broken = Prefill("healthy"), Prefill("broken")
+    decode = allocate_engine("decode", DECODE_GROUPS, 1, 0, tagged=False)
+    executor = ReadExecutor(NixlAgent("decode-0"), decode.cache)
+    pump = NotificationPump(healthy.agents + broken.agents + [executor.agent]).__enter__()
+    for prefill in (healthy, broken):
+        executor.connect(prefill.caches, prefill.metadata())
+    yield healthy, broken, decode, executor, pump
+    pump.stop()
+    for engine_id in ("healthy", "broken"):
+        executor.disconnect(engine_id)
+
+
+def check_ignoring(decode, request, ignore):
+    """Oracle check of ``request``; blocks of the failed ``ignore`` request may hold anything."""
+    expected = expected_buffers(decode.cache, PREFILL_GROUPS, request)
+    for g, ids in enumerate(ignore.local_block_ids):
+        for region in range(DECODE_GROUPS[g].num_regions):
+            # Both decode layouts here are block-major: a block is one row.
+            view = decode.buffers[g][region].reshape(DECODE_GROUPS[g].spec.num_blocks, -1)
+            view[ids] = expected[g][region].reshape(view.shape)[ids]
+    return check_buffers(decode, expected)
+
+
+def two_requests(rng):
+    one = random_request("one", PREFILL_GROUPS, DECODE_GROUPS, 50, rng)
+    # The second request writes other decode blocks than the first.
+    used = [set(ids.tolist()) for ids in one.local_block_ids]
+    free = [np.array([b for b in range(g.spec.num_blocks) if b not in u]) for g, u in zip(DECODE_GROUPS, used)]
+    two = ReadRequest("two", "two@prefill", tuple(f[: len(ids)] for f, ids in zip(free, one.local_block_ids)),
+                      one.remote_block_ids, one.num_tokens)
+    return one, two
+
+
+def test_removed_remote_agent_fails_only_its_request(world):
+    healthy, broken, decode, executor, pump = world
+    one, two = two_requests(np.random.default_rng(1))
+    remote = executor.remote("broken")
+    executor.agent.remove_remote(remote.agent_names[1])  # rank 1 of "broken" vanishes after the handshake
+    bad = executor.post("broken", one)  # rank 0's part is read, rank 1's fails
+    good = executor.post("healthy", two)
+    bad, good = executor.wait(bad), executor.wait(good)
+    assert not bad.ok and bad.failed_ranks == (1,) and "make_prepped_xfer" in bad.error
+    assert [ids.tolist() for ids in bad.invalid_block_ids] == [sorted(ids.tolist()) for ids in one.local_block_ids]
+    assert good.ok and good.num_bytes > 0
+    assert check_ignoring(decode, two, ignore=one) == []
+    # A new handshake with the peer brings the engine back.
+    executor.connect(broken.caches, broken.metadata())
+    assert executor.read("broken", one).ok
+
+
+def test_invalid_block_id_is_refused_before_posting(world):
+    healthy, _, decode, executor, pump = world
+    one, two = two_requests(np.random.default_rng(2))
+    bad = ReadRequest("bad", "bad@prefill", one.local_block_ids,
+                      (np.array([10_000]),) + tuple(one.remote_block_ids[1:]), one.num_tokens)
+    with pytest.raises(BlockIdError) as err:
+        executor.post("healthy", bad)
+    assert err.value.field == "groups[0].remote_block_ids[0]"
+    with pytest.raises(NotFoundError):
+        executor.post("nobody", one)
+    assert executor.read("healthy", one).ok
+    assert check_buffers(decode, expected_buffers(decode.cache, PREFILL_GROUPS, one)) == []
+
+
+def _prefill_child(conn):
+    engine = allocate_engine("doomed", PREFILL_GROUPS, 1, 0, tagged=True)
+    agent = NixlAgent("doomed-0")
+    agent.register(engine.cache)
+    conn.send((engine.cache, agent.metadata()))
+    with NotificationPump([agent]):
+        conn.recv()  # killed before this returns
+
+
+def test_dead_peer_makes_the_transfer_report_an_error(world):
+    healthy, _, decode, executor, pump = world
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_prefill_child, args=(child,), daemon=True)
+    process.start()
+    try:
+        cache, metadata = parent.recv()
+        executor.connect([cache], [metadata])
+        one, two = two_requests(np.random.default_rng(3))
+        assert executor.read("doomed", one).ok  # alive: works
+        os.kill(process.pid, signal.SIGKILL)
+        process.join()
+        failed = executor.read("doomed", two, timeout_s=10)
+        good = executor.read("healthy", one)
+    finally:
+        process.kill()
+    assert not failed.ok and failed.failed_ranks == (0,)
+    assert "RemoteDisconnect" in failed.error
+    assert [ids.tolist() for ids in failed.invalid_block_ids] == [sorted(ids.tolist()) for ids in two.local_block_ids]
+    assert good.ok
+    assert check_ignoring(decode, one, ignore=two) == []
+    executor.disconnect("doomed")
