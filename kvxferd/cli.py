@@ -1,7 +1,8 @@
 """The ``kvxferd`` command line.
 
-    kvxferd demo            plan and verify prefill -> decode reads (layout/TP demo)
-    kvxferd bench layout    span emission and planning benchmark
+    kvxferd demo            prefill -> decode reads over real NIXL, every byte verified
+    kvxferd bench layout    span emission and planning benchmark (pure layers)
+    kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ import argparse
 
 from kvxferd import demo
 from kvxferd.bench import layout as layout_bench
+from kvxferd.bench import xfer as xfer_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxferd", description="Disaggregated KV-cache transfer daemon.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="plan and verify prefill->decode reads for model presets",
+    demo_parser = commands.add_parser("demo", help="move and verify prefill->decode reads over NIXL for model presets",
                                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
     bench = commands.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
     layout_bench.add_arguments(suites.add_parser("layout", help="span emission and planning (pure layers)"))
+    xfer_bench.add_arguments(suites.add_parser("xfer", help="data plane vs raw NIXL, plan build, request planning"))
     return parser
 
 
@@ -28,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
-    return layout_bench.run_args(args)  # "bench layout", the only suite so far
+    suites = {"layout": layout_bench, "xfer": xfer_bench}
+    return suites[args.suite].run_args(args)
 
 
 if __name__ == "__main__":

@@ -9,31 +9,33 @@ def kvxferd(*args):
     return subprocess.run([sys.executable, "-m", "kvxferd.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_demo_verifies_every_preset():
-    run = kvxferd("demo", "--json", "--requests", "1", "--num-blocks", "16", "--blocks-per-request", "5")
+def test_demo_verifies_every_preset_over_nixl():
+    run = kvxferd("demo", "--json", "--requests", "2", "--prefill-tp", "2", "--decode-tp", "3", "--num-layers", "2")
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
-    assert summary["mismatched_groups"] == 0 and summary["verified_bytes"] > 0
-    models = {row["model"] for row in summary["rows"]}
-    assert models == {"gqa", "fp8", "mla", "swa", "hybrid"}
-    assert all(row["requests"] == 1 and not row["mismatches"] for row in summary["rows"])
+    assert summary["requests"] == 10 and summary["bytes"] > 0
+    assert summary["verified_bytes"] > 0 and summary["mismatched_bytes"] == 0
+    assert summary["failed_requests"] == 0 and summary["unreleased"] == 0
+    assert {row["model"] for row in summary["rows"]} == {"gqa", "fp8", "mla", "swa", "hybrid"}
+    assert all(not row["mismatches"] for row in summary["rows"])
 
 
 def test_demo_table_with_overrides():
     run = kvxferd("demo", "--model", "gqa", "--prefill-tp", "3", "--decode-tp", "5", "--num-kv-heads", "7",
-                  "--layout", "legacy", "--kernel-block-size", "8", "--requests", "1")
+                  "--layout", "legacy", "--kernel-block-size", "8", "--prefill-block-size", "32", "--requests", "2")
     assert run.returncode == 0, run.stderr
-    assert "byte-exact" in run.stdout and "packed_HND->legacy" in run.stdout
+    assert "byte-exact" in run.stdout and "3->5" in run.stdout and "0 bytes wrong" in run.stdout
 
 
 def test_bad_arguments_exit_2_with_one_line():
-    run = kvxferd("demo", "--model", "gqa", "--kernel-block-size", "5")
-    assert run.returncode == 2
-    assert run.stderr.strip().count("\n") == 0 and "kernel_block_size" in run.stderr
-    run = kvxferd("demo", "--prefill-tp", "2")
-    assert run.returncode == 2 and "--decode-tp" in run.stderr
-    run = kvxferd("demo", "--model", "gqa", "--prefill-tp", "2", "--decode-tp", "0")
-    assert run.returncode == 2 and "tp_size" in run.stderr
+    for args, needle in [(("--kernel-block-size", "5"), "kernel_block_size"),
+                         (("--prefill-block-size", "24"), "block_size"),
+                         (("--prefill-tp", "2"), "--decode-tp"),
+                         (("--prefill-tp", "2", "--decode-tp", "0"), "tp_size"),
+                         (("--num-tokens", "5000"), "--num-blocks")]:
+        run = kvxferd("demo", "--model", "gqa", *args)
+        assert run.returncode == 2, (args, run.stderr)
+        assert run.stderr.strip().count("\n") == 0 and needle in run.stderr, (args, run.stderr)
 
 
 def test_bench_layout_subcommand():
@@ -41,3 +43,12 @@ def test_bench_layout_subcommand():
     assert run.returncode == 0, run.stderr
     figures = json.loads(run.stdout)
     assert figures["scattered"]["spans_in"] == 2 * 100 * 2
+
+
+def test_bench_xfer_subcommand():
+    run = kvxferd("bench", "xfer", "--rounds", "1", "--bulk-layers", "2", "--bulk-blocks", "8", "--build-layers", "2",
+                  "--build-blocks", "100", "--planning-layers", "2", "--planning-blocks", "10", "--json")
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout)
+    assert figures["bulk_contiguous"]["merged_descriptors"] == 2  # one per layer
+    assert figures["plan_build"]["descriptors_per_side"] == 2 * 2 * 100  # two prefill ranks read

@@ -123,3 +123,12 @@ def count_merged(local_addresses: np.ndarray, remote_addresses: np.ndarray, span
     ends_local = local_addresses[:-1] + span_bytes[:-1]
     joins = (ends_local == local_addresses[1:]) & (remote_addresses[:-1] + span_bytes[:-1] == remote_addresses[1:])
     return int(len(local_addresses) - np.count_nonzero(joins))
+
+
+def expand_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(addresses, lengths)`` of every descriptor of strided ``rows``."""
+    rows = rows.astype(np.int64)
+    counts = rows[:, 4]
+    row_of = np.repeat(np.arange(len(rows)), counts)
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return rows[row_of, 0] + within * rows[row_of, 3], rows[row_of, 1]

@@ -79,9 +79,9 @@ def random_request(request_id: str, prefill_groups, decode_groups, num_tokens: i
 
     ``cached_tokens`` (a decode prefix-cache hit) shortens the decode lists
     of full-attention and MLA groups; ``window_tokens`` keeps only the last
-    blocks of sliding-window groups on both sides. Prefill ids are a run of
-    consecutive blocks when ``contiguous`` (how allocators usually hand them
-    out), decode ids are shuffled.
+    blocks of sliding-window groups on both sides. Ids are runs of
+    consecutive blocks on both sides when ``contiguous`` (how allocators
+    often hand them out); otherwise both sides are shuffled.
     """
     from kvxferd.plan.engine import ReadRequest
 
@@ -98,10 +98,15 @@ def random_request(request_id: str, prefill_groups, decode_groups, num_tokens: i
         if decode.kind == "swa" and window_tokens is not None:
             n_local = min(n_local, -(-window_tokens // decode.block_size) + 1)
             n_remote = min(n_remote, -(-window_tokens // prefill.block_size) + 1)
-        if contiguous:
-            first = int(rng.integers(0, prefill.spec.num_blocks - n_remote + 1))
-            remote_ids.append(np.arange(first, first + n_remote))
-        else:
-            remote_ids.append(rng.permutation(prefill.spec.num_blocks)[:n_remote])
-        local_ids.append(rng.permutation(decode.spec.num_blocks)[:n_local])
+        remote_ids.append(_block_ids(prefill.spec.num_blocks, n_remote, contiguous, rng))
+        local_ids.append(_block_ids(decode.spec.num_blocks, n_local, contiguous, rng))
     return ReadRequest(request_id, f"{request_id}@prefill", tuple(local_ids), tuple(remote_ids), num_tokens)
+
+
+def _block_ids(num_blocks: int, count: int, contiguous: bool, rng) -> np.ndarray:
+    if count > num_blocks:
+        raise ValueError(f"a request needs {count} blocks but the cache has {num_blocks}")
+    if contiguous:
+        first = int(rng.integers(0, num_blocks - count + 1))
+        return np.arange(first, first + count)
+    return rng.permutation(num_blocks)[:count]

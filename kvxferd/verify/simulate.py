@@ -14,18 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvxferd.layout.spans import SpanPairs
+from kvxferd.plan.descriptors import expand_rows
 from kvxferd.plan.engine import PlannedRead
 from kvxferd.verify.engines import EngineBuffers
 from kvxferd.verify.oracle import apply_span_copies
-
-
-def expand_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(addresses, lengths)`` of every descriptor of strided ``rows``."""
-    rows = rows.astype(np.int64)
-    counts = rows[:, 4]
-    row_of = np.repeat(np.arange(len(rows)), counts)
-    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    return rows[row_of, 0] + within * rows[row_of, 3], rows[row_of, 1]
 
 
 def apply_planned_read(planned: PlannedRead, local: EngineBuffers, remotes: Sequence[EngineBuffers]) -> int:

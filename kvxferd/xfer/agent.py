@@ -11,6 +11,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, TransferError
@@ -29,6 +33,16 @@ class NixlError(TransferError):
         return type(self.cause).__name__ in ("nixlRemoteDisconnectError", "nixlNotFoundError")
 
 
+def _quiet_nixl_logging() -> None:
+    """NIXL's Python logger prints INFO lines to stdout; keep stdout for our output."""
+    logger = logging.getLogger("nixl")
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logger.setLevel(logging.WARNING)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
 def _nixl_errors() -> tuple[type[Exception], ...]:
     from nixl import _bindings
 
@@ -41,6 +55,7 @@ class NixlAgent:
     def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",)) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
+        _quiet_nixl_logging()
         self._errors = _nixl_errors()
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=list(backends),
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)

@@ -9,7 +9,8 @@ from kvxferd.errors import InvalidArgumentError, LayoutMismatchError, TpConfigEr
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
-from kvxferd.verify.simulate import apply_planned_read, expand_rows
+from kvxferd.plan.descriptors import expand_rows
+from kvxferd.verify.simulate import apply_planned_read
 
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2), (3, 2), (2, 3), (8, 2)]
 SHAPES = {
