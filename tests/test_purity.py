@@ -25,3 +25,21 @@ def test_pure_modules_load_no_io_library_at_runtime():
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted({{n.split('.')[0] for n in sys.modules}} & {FORBIDDEN!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# Which kvxferd packages each layer may import (its own, and those below it).
+ALLOWED = {
+    "layout": {"errors", "layout", "tp"},
+    "tp": {"errors", "tp"},
+    "plan": {"errors", "layout", "tp", "plan"},
+    "xfer": {"errors", "layout", "tp", "plan", "xfer"},
+}
+
+
+def test_imports_point_one_way():
+    for package, allowed in ALLOWED.items():
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvxferd."):
+                    target = node.module.split(".")[1]
+                    assert target in allowed, f"{path}: {package} must not import kvxferd.{target}"
