@@ -13,26 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
 
+from kvxferd.bench.common import bench_main, timed
 from kvxferd.layout.match import match_layouts
 from kvxferd.layout.spans import SpanTable
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.reads import plan_region_reads
-
-
-def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
-    """Median wall time of ``repeat`` calls (seconds) and the last result."""
-    times, result = [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def run(num_layers: int = 80, num_blocks: int = 100_000, prefill_tp: int = 2, decode_tp: int = 3,
@@ -104,10 +92,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvxferd.bench.layout", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_args(parser.parse_args(argv))
+    return bench_main("python -m kvxferd.bench.layout", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

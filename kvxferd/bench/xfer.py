@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvxferd.bench.layout import timed
+from kvxferd.bench.common import bench_main, timed
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.descriptors import expand_rows
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
@@ -61,7 +61,7 @@ def bulk(num_layers: int, num_blocks: int, blocks_per_request: int, rounds: int,
         planned = remote.plan.plan_request(request)
         read, rank_plan = planned.reads[0], remote.plan.rank_plans[0]
         # Raw: the very same descriptors, expanded and prepared for this request only.
-        raw = executor.agent._agent
+        raw = executor.agent.raw
         descs = []
         for rows, ids in ((rank_plan.local_rows, read.local_ids), (rank_plan.remote_rows, read.remote_ids)):
             addresses, lengths = expand_rows(rows)
@@ -185,10 +185,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvxferd.bench.xfer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_args(parser.parse_args(argv))
+    return bench_main("python -m kvxferd.bench.xfer", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

@@ -111,10 +111,6 @@ class DescriptorPair:
     def descriptors_per_unit(self) -> int:
         return self.local.id_templates.size
 
-    @property
-    def bytes_per_unit(self) -> int:
-        return self.descriptors_per_unit * self.local.span_bytes
-
 
 def count_merged(local_addresses: np.ndarray, remote_addresses: np.ndarray, span_bytes: np.ndarray) -> int:
     """Descriptors left after merging neighbours contiguous on both sides."""

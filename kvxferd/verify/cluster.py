@@ -70,9 +70,7 @@ class LocalCluster:
         """Stop the pump, then drop plans and registrations (agents last)."""
         self.pump.stop()
         for executor in self.executors:
-            for engine_id in list(executor._remotes):
-                executor.disconnect(engine_id)
-            executor.agent.deregister(executor.cache.engine_id)
+            executor.close()
         for agent, engine in zip(self.prefill_agents, self.prefill):
             agent.deregister(engine.cache.engine_id)
 

@@ -28,10 +28,6 @@ class NixlError(TransferError):
         super().__init__(call, f"{type(cause).__name__}: {cause}")
         self.cause = cause
 
-    @property
-    def remote_gone(self) -> bool:
-        return type(self.cause).__name__ in ("nixlRemoteDisconnectError", "nixlNotFoundError")
-
 
 def _quiet_nixl_logging() -> None:
     """NIXL's Python logger prints INFO lines to stdout; keep stdout for our output."""
@@ -52,16 +48,21 @@ def _nixl_errors() -> tuple[type[Exception], ...]:
 class NixlAgent:
     """One named NIXL agent over UCX; a thin, typed wrapper."""
 
-    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), telemetry: bool = False) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         _quiet_nixl_logging()
         self._errors = _nixl_errors()
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=list(backends),
-                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, capture_telemetry=telemetry)
         self.name = name
         self._agent = self._call("create_agent", nixl_agent, name, config)
         self._registrations: dict[str, object] = {}
+
+    @property
+    def raw(self):
+        """The underlying ``nixl_agent`` (for raw-NIXL baselines in benchmarks)."""
+        return self._agent
 
     def _call(self, call: str, fn, *args, **kwargs):
         try:
@@ -113,6 +114,10 @@ class NixlAgent:
 
     def state(self, handle) -> str:
         return self._call("check_xfer_state", self._agent.check_xfer_state, handle)
+
+    def descriptors_moved(self, handle) -> int:
+        """Descriptors NIXL moved for a finished transfer, after merging (needs ``telemetry``)."""
+        return int(self._call("get_xfer_telemetry", self._agent.get_xfer_telemetry, handle).descCount)
 
     def release(self, handle) -> None:
         self._call("release_handle", handle.release)

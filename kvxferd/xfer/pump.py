@@ -3,7 +3,8 @@
 A NIXL agent whose memory is read must keep making progress, or reads
 stall. A prefill-side pump thread polls its agents every ``interval_s``
 (sleeping in between, not spinning), decodes every notice and feeds the
-rank's :class:`ReadLedger`; completed requests land in ``releases``.
+rank's :class:`ReadLedger`; completed requests wait in ``releases`` until
+taken with :meth:`NotificationPump.wait_released`.
 Malformed notices are counted, never fatal.
 """
 
@@ -27,7 +28,7 @@ class NotificationPump:
         self.ledgers = tuple(ReadLedger() for _ in self.agents)
         self.releases: list[list[Release]] = [[] for _ in self.agents]
         self.num_bad_notices = 0
-        self.poll_errors: list[str] = []
+        self.num_poll_errors, self.last_poll_error = 0, ""
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._cond = threading.Condition()
@@ -52,7 +53,7 @@ class NotificationPump:
             try:
                 by_sender = agent.poll_notifications()
             except NixlError as err:
-                self.poll_errors.append(str(err))
+                self.num_poll_errors, self.last_poll_error = self.num_poll_errors + 1, str(err)
                 continue
             for messages in by_sender.values():
                 for message in messages:
@@ -78,13 +79,13 @@ class NotificationPump:
                 self._cond.notify_all()
 
     def wait_released(self, i: int, request_id: str, timeout_s: float = 10.0) -> Release | None:
-        """Block until ``request_id`` is released on agent ``i`` (None on timeout)."""
+        """Block until ``request_id`` is released on agent ``i`` and take it (None on timeout)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                for release in self.releases[i]:
+                for n, release in enumerate(self.releases[i]):
                     if release.request_id == request_id:
-                        return release
+                        return self.releases[i].pop(n)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None

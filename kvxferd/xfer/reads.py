@@ -111,6 +111,12 @@ class ReadExecutor:
             except NixlError:
                 pass  # already removed (e.g. the peer went away)
 
+    def close(self) -> None:
+        """Disconnect every remote engine, then deregister the local cache."""
+        for engine_id in list(self._remotes):
+            self.disconnect(engine_id)
+        self.agent.deregister(self.cache.engine_id)
+
     def remote(self, engine_id: str) -> RemoteEngine:
         try:
             return self._remotes[engine_id]
