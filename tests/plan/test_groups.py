@@ -112,6 +112,9 @@ def test_group_and_engine_validation():
         CacheGroup("mla", ATTN)
     with pytest.raises(InvalidArgumentError):
         CacheGroup("sliding", ATTN)
+    # GDN-style linear attention is laid out like Mamba: whole pages, one to one.
+    assert CacheGroup("linear", MAMBA).policy == "exact" and CacheGroup("linear", MAMBA).block_size is None
+    assert CacheGroup("swa", ATTN).policy == "window" and CacheGroup("mla", ATTN.with_(layout="mla")).policy == "prefix"
     group = CacheGroup("full", ATTN, 2)
     need = ATTN.region().num_bytes
     with pytest.raises(InvalidArgumentError) as err:
