@@ -49,7 +49,7 @@ def run_pairing(model: str, shape: ModelShape, prefill_tp: int, decode_tp: int, 
             for executor in cluster.executors:
                 planned = executor.remote(cluster.prefill_id).plan.plan_request(request)
                 row["descriptors_merged"] += planned.count_merged_descriptors()
-            problems, wrong = cluster.check(request), _wrong_bytes(cluster, request)
+            problems, wrong = cluster.verify(request)
             row["mismatches"] += problems + [r.error for r in results if not r.ok]
             row["mismatched_bytes"] += wrong
             row["verified_bytes"] += sum(e.arena.nbytes for e in cluster.decode)
@@ -61,16 +61,6 @@ def run_pairing(model: str, shape: ModelShape, prefill_tp: int, decode_tp: int, 
     row["latency_p50_ms"] = statistics.median(latencies) * 1e3
     row["latency_max_ms"] = max(latencies) * 1e3
     return row
-
-
-def _wrong_bytes(cluster: LocalCluster, request) -> int:
-    from kvxferd.verify.engines import expected_buffers
-
-    wrong = 0
-    for engine in cluster.decode:
-        for actual_group, expected_group in zip(engine.buffers, expected_buffers(engine.cache, cluster.prefill_groups, request)):
-            wrong += sum(int(np.count_nonzero(a != e)) for a, e in zip(actual_group, expected_group))
-    return wrong
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -75,7 +75,7 @@ class PlannedRead:
     request: ReadRequest
     reads: tuple[RankRead, ...]  # ranks with something to read
     notify_ranks: tuple[int, ...]  # every rank holding data of this request
-    local_units: tuple[np.ndarray, ...]  # per group: unit ids written
+    units: tuple[tuple[np.ndarray, np.ndarray], ...]  # per group: (local, remote) unit ids paired
     plan: "EngineTransferPlan"
 
     @property
@@ -86,7 +86,7 @@ class PlannedRead:
         """Per group: local block ids left incomplete if ``failed_ranks`` failed."""
         failed = set(failed_ranks)
         out = []
-        for g, units in enumerate(self.local_units):
+        for g, (units, _) in enumerate(self.units):
             touched = any(g in rp.groups for rp in self.plan.rank_plans if rp.remote_rank in failed)
             k = self.plan.pairings[g].local_units_per_block
             out.append(np.unique(units // k) if touched else np.zeros(0, dtype=np.int64))
@@ -189,15 +189,14 @@ class EngineTransferPlan:
                     num_bytes += size * table.local.span_bytes
                     position += size
             reads.append(RankRead(rank_plan.remote_rank, local_ids, remote_ids, num_bytes))
-        return PlannedRead(request, tuple(reads), self.notify_ranks, tuple(u[0] for u in units), self)
+        return PlannedRead(request, tuple(reads), self.notify_ranks, tuple(units), self)
 
     def count_merged(self, planned: PlannedRead, remote_rank: int) -> int:
         """Merged descriptor count of one rank's read (addresses, not ids)."""
         rank_plan = next(rp for rp in self.rank_plans if rp.remote_rank == remote_rank)
-        units = self.pair_units(planned.request)
         local, remote, lengths = [], [], []
         for table in rank_plan.tables:
-            local_units, remote_units = units[table.group]
+            local_units, remote_units = planned.units[table.group]
             local.append(table.local.addresses(local_units))
             remote.append(table.remote.addresses(remote_units))
             lengths.append(np.full(len(local[-1]), table.local.span_bytes, dtype=np.int64))

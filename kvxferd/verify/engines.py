@@ -105,6 +105,13 @@ def expected_buffers(local: EngineCache, remote_groups: Sequence[CacheGroup], re
     return out
 
 
+def count_wrong_bytes(engine: EngineBuffers, expected: list[list[np.ndarray]]) -> int:
+    """Bytes of the regions that differ from ``expected``."""
+    return sum(int(np.count_nonzero(actual != want))
+               for actual_group, expected_group in zip(engine.buffers, expected)
+               for actual, want in zip(actual_group, expected_group))
+
+
 def check_buffers(engine: EngineBuffers, expected: list[list[np.ndarray]], *, limit: int = 3) -> list[str]:
     """Readable mismatches (at most ``limit``); empty when byte-exact."""
     problems = []

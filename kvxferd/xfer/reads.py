@@ -212,7 +212,7 @@ class ReadExecutor:
             except NixlError:
                 unnotified.append(q)  # the peer is gone; its hold expires on its side
         failed = tuple(sorted(inflight.errors))
-        invalid = planned.invalid_block_ids(failed) if failed else tuple(np.zeros(0, np.int64) for _ in planned.local_units)
+        invalid = planned.invalid_block_ids(failed) if failed else tuple(np.zeros(0, np.int64) for _ in planned.units)
         error = "; ".join(f"rank {q}: {inflight.errors[q]}" for q in failed) or None
         return ReadResult(planned.request.request_id, remote.plan.remote_engine_id, ok,
                           sum(r.num_bytes for r in planned.reads if r.remote_rank not in inflight.errors),
