@@ -1,0 +1,322 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AttentionCache(_message.Message):
+    __slots__ = ("layout", "num_blocks", "num_kv_heads", "head_size", "block_size", "kernel_block_size", "dtype", "num_layers")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    num_blocks: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    kernel_block_size: int
+    dtype: str
+    num_layers: int
+    def __init__(self, layout: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class StateCache(_message.Message):
+    __slots__ = ("num_blocks", "num_heads", "head_dim", "num_groups", "state_size", "conv_window", "conv_dtype", "ssm_dtype", "conv_order", "page_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONV_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CONV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SSM_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONV_ORDER_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_window: int
+    conv_dtype: str
+    ssm_dtype: str
+    conv_order: str
+    page_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_groups: _Optional[int] = ..., state_size: _Optional[int] = ..., conv_window: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., conv_order: _Optional[str] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class MemoryHandle(_message.Message):
+    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "offset")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VMM_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    cuda_ipc_handle: bytes
+    cuda_vmm_fd_index: int
+    offset: int
+    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("handle", "address", "num_bytes", "device_id")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    handle: MemoryHandle
+    address: int
+    num_bytes: int
+    device_id: int
+    def __init__(self, handle: _Optional[_Union[MemoryHandle, _Mapping]] = ..., address: _Optional[int] = ..., num_bytes: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class CacheGroup(_message.Message):
+    __slots__ = ("kind", "attention", "state", "regions")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    attention: AttentionCache
+    state: StateCache
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, kind: _Optional[str] = ..., attention: _Optional[_Union[AttentionCache, _Mapping]] = ..., state: _Optional[_Union[StateCache, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class EngineRank(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "tp_size", "groups", "mem_type")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    groups: _containers.RepeatedCompositeFieldContainer[CacheGroup]
+    mem_type: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., mem_type: _Optional[str] = ...) -> None: ...
+
+class BlockIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("engine", "lease_s")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    engine: EngineRank
+    lease_s: float
+    def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("incarnation", "notify_address")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    notify_address: str
+    def __init__(self, incarnation: _Optional[str] = ..., notify_address: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("engine_id", "remote_engine_id", "peer_addresses")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    remote_engine_id: str
+    peer_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., peer_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HandshakeReply(_message.Message):
+    __slots__ = ("remote_tp_size", "duration_s")
+    REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    remote_tp_size: int
+    duration_s: float
+    def __init__(self, remote_tp_size: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class SubmitReadRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "remote_block_ids", "num_tokens", "deadline_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    local_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    remote_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    deadline_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class SubmitReadReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchCompletionsRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    INVALID_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    ok: bool
+    num_bytes: int
+    num_descriptors: int
+    duration_s: float
+    invalid_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class HoldRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "block_ids", "lease_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    lease_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class HoldReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("engine_id", "request_ids", "lease_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class RenewLeaseReply(_message.Message):
+    __slots__ = ("unknown_request_ids",)
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NotifyEvent(_message.Message):
+    __slots__ = ("seq", "engine_id", "request_id", "kind", "block_ids")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[NotifyEvent.Kind]
+        CONSUMED: _ClassVar[NotifyEvent.Kind]
+        EXPIRED: _ClassVar[NotifyEvent.Kind]
+        FAILED: _ClassVar[NotifyEvent.Kind]
+    KIND_UNSPECIFIED: NotifyEvent.Kind
+    CONSUMED: NotifyEvent.Kind
+    EXPIRED: NotifyEvent.Kind
+    FAILED: NotifyEvent.Kind
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    engine_id: str
+    request_id: str
+    kind: NotifyEvent.Kind
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyEvent.Kind, str]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+
+class MissedEventsRequest(_message.Message):
+    __slots__ = ("engine_id", "after_seq")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    after_seq: int
+    def __init__(self, engine_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class MissedEventsReply(_message.Message):
+    __slots__ = ("events", "last_seq")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[NotifyEvent]
+    last_seq: int
+    def __init__(self, events: _Optional[_Iterable[_Union[NotifyEvent, _Mapping]]] = ..., last_seq: _Optional[int] = ...) -> None: ...
+
+class EngineInfoRequest(_message.Message):
+    __slots__ = ("engine_id", "protocol_version")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    protocol_version: int
+    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class EngineInfoReply(_message.Message):
+    __slots__ = ("protocol_version", "compatibility_hash", "payload")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    compatibility_hash: str
+    payload: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("incarnation", "agent_metadata", "engine")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    agent_metadata: bytes
+    engine: EngineRank
+    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ...) -> None: ...
