@@ -1,0 +1,71 @@
+"""What a daemon tells its peers at handshake, and how a peer checks it.
+
+Decoding is two-phase: first the envelope (protocol version, compatibility
+hash), then the payload. A peer of another protocol version or serving a
+different model is refused with an error naming the field, before anything
+of the payload is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
+from kvxferd.layout.specs import AttentionSpec
+from kvxferd.plan.groups import EngineCache
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.wire import engine_from_pb, engine_to_pb, peer_memory_from_pb
+
+PROTOCOL_VERSION = 1
+
+
+def model_facts(cache: EngineCache) -> str:
+    """What both sides of a transfer must agree on, in words (layouts and TP may differ)."""
+    parts = []
+    for g, group in enumerate(cache.groups):
+        spec = group.spec
+        if isinstance(spec, AttentionSpec):
+            facts = f"heads={spec.num_kv_heads},head_size={spec.head_size},dtype={spec.dtype}"
+        else:
+            facts = (f"heads={spec.num_heads},head_dim={spec.head_dim},groups={spec.num_groups},state={spec.state_size},"
+                     f"window={spec.conv_window},dtypes={spec.conv_dtype}/{spec.ssm_dtype}")
+        parts.append(f"[{g}] {group.kind} x{group.num_regions}: {facts}")
+    return "; ".join(parts)
+
+
+def compatibility_hash(cache: EngineCache) -> str:
+    return hashlib.sha256(model_facts(cache).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, eq=False)
+class PeerInfo:
+    """A remote rank as its daemon describes it."""
+
+    incarnation: str
+    agent_metadata: bytes
+    cache: EngineCache
+
+
+def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache) -> pb.EngineInfoReply:
+    info = pb.EngineInfo(incarnation=incarnation, agent_metadata=agent_metadata,
+                         engine=engine_to_pb(cache, with_addresses=True))
+    return pb.EngineInfoReply(protocol_version=PROTOCOL_VERSION, compatibility_hash=compatibility_hash(cache),
+                              payload=info.SerializeToString())
+
+
+def decode_info(reply: pb.EngineInfoReply, local: EngineCache) -> PeerInfo:
+    """Check the envelope against ``local``, then decode the payload."""
+    if reply.protocol_version != PROTOCOL_VERSION:
+        raise LayoutMismatchError("protocol_version", f"peer speaks v{reply.protocol_version}, this daemon v{PROTOCOL_VERSION}")
+    info = pb.EngineInfo()
+    try:
+        info.ParseFromString(reply.payload)
+    except DecodeError as err:
+        raise InvalidArgumentError("payload", f"undecodable engine info: {err}") from None
+    remote = engine_from_pb(info.engine, peer_memory_from_pb(info.engine))
+    if reply.compatibility_hash != compatibility_hash(local) or compatibility_hash(remote) != reply.compatibility_hash:
+        raise LayoutMismatchError("compatibility_hash", f"peer model [{model_facts(remote)}] vs local [{model_facts(local)}]")
+    return PeerInfo(info.incarnation, info.agent_metadata, remote)

@@ -1,0 +1,37 @@
+"""The one place where kvxferd errors become gRPC status codes.
+
+    InvalidArgumentError (BlockIdError, TpConfigError)  -> INVALID_ARGUMENT
+    LayoutMismatchError (SpanBudgetError)               -> FAILED_PRECONDITION
+    NotFoundError                                       -> NOT_FOUND
+    TransferError (NixlError)                           -> UNAVAILABLE
+    any other KvxferError                               -> INTERNAL
+
+The message always starts with the offending field, so an engine can tell
+which part of its request was wrong.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError
+
+_CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (TransferError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_code(error: KvxferError) -> grpc.StatusCode:
+    """The gRPC status for a typed error (first matching class wins)."""
+    for kind, code in _CODES:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: KvxferError) -> None:
+    """Abort an RPC with the status and message of ``error``."""
+    await context.abort(status_code(error), str(error))

@@ -1,0 +1,124 @@
+"""Protocol messages <-> the plan layer's types, validated on the way in.
+
+Everything that arrives over gRPC passes through here before the daemon
+uses it: specs are rebuilt with the same validation as local code (sizes,
+dtypes, layouts), ids become integer arrays, and every problem raises a
+typed error naming the message field (``groups[1].attention.head_size``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvxferd.errors import InvalidArgumentError, KvxferError
+from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheSpec, MambaSpec
+from kvxferd.layout.strided import ITEMSIZES
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+
+MAX_ID_LENGTH = 256
+
+
+def check_id(value: str, field: str) -> str:
+    """Engine and request ids: non-empty, printable, bounded."""
+    if not value or len(value) > MAX_ID_LENGTH or not value.isprintable():
+        raise InvalidArgumentError(field, f"must be 1..{MAX_ID_LENGTH} printable characters, got {value[:40]!r}")
+    return value
+
+
+def _spec_from_pb(group: pb.CacheGroup, field: str) -> CacheSpec:
+    which = group.WhichOneof("spec")
+    if which == "attention":
+        a = group.attention
+        if a.layout not in ATTENTION_LAYOUTS:
+            raise InvalidArgumentError(f"{field}.attention.layout", f"must be one of {ATTENTION_LAYOUTS}, got {a.layout!r}")
+        if a.dtype not in ITEMSIZES:
+            raise InvalidArgumentError(f"{field}.attention.dtype", f"unknown dtype {a.dtype!r}")
+        return AttentionSpec(a.layout, a.num_blocks, a.num_kv_heads, a.head_size, a.block_size,
+                             a.kernel_block_size or None, a.dtype, a.num_layers or 1)
+    if which == "state":
+        s = group.state
+        for name in ("conv_dtype", "ssm_dtype"):
+            if getattr(s, name) not in ITEMSIZES:
+                raise InvalidArgumentError(f"{field}.state.{name}", f"unknown dtype {getattr(s, name)!r}")
+        return MambaSpec(s.num_blocks, s.num_heads, s.head_dim, s.num_groups, s.state_size, s.conv_window,
+                         s.conv_dtype, s.ssm_dtype, s.conv_order or "WD", s.page_bytes or None)
+    raise InvalidArgumentError(f"{field}.spec", "a cache group needs an attention or a state spec")
+
+
+def _spec_to_pb(spec: CacheSpec, out: pb.CacheGroup) -> None:
+    if isinstance(spec, AttentionSpec):
+        out.attention.CopyFrom(pb.AttentionCache(
+            layout=spec.layout, num_blocks=spec.num_blocks, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+            block_size=spec.block_size, kernel_block_size=spec.kernel_block_size or 0, dtype=spec.dtype,
+            num_layers=spec.num_layers))
+    else:
+        out.state.CopyFrom(pb.StateCache(
+            num_blocks=spec.num_blocks, num_heads=spec.num_heads, head_dim=spec.head_dim, num_groups=spec.num_groups,
+            state_size=spec.state_size, conv_window=spec.conv_window, conv_dtype=spec.conv_dtype,
+            ssm_dtype=spec.ssm_dtype, conv_order=spec.conv_order, page_bytes=spec.page_bytes or 0))
+
+
+def groups_from_pb(engine: pb.EngineRank) -> tuple[CacheGroup, ...]:
+    """The cache groups of an engine rank message (specs validated)."""
+    groups = []
+    for g, group in enumerate(engine.groups):
+        field = f"engine.groups[{g}]"
+        spec = _spec_from_pb(group, field)
+        try:
+            groups.append(CacheGroup(group.kind, spec, max(len(group.regions), 1)))
+            spec.region(engine.tp_size or 1, engine.tp_rank)  # sizes and TP fit this rank
+        except KvxferError as err:
+            raise type(err)(f"{field}.{err.field}", err.message) from None
+    if not groups:
+        raise InvalidArgumentError("engine.groups", "an engine needs at least one cache group")
+    return tuple(groups)
+
+
+def engine_from_pb(engine: pb.EngineRank, memory: Sequence[Sequence[RegionMemory]]) -> EngineCache:
+    """An :class:`EngineCache` from a message and the memory the daemon mapped for it."""
+    check_id(engine.engine_id, "engine.engine_id")
+    groups = groups_from_pb(engine)
+    try:
+        return EngineCache(engine.engine_id, engine.tp_size, engine.tp_rank, groups,
+                           tuple(tuple(m) for m in memory), engine.mem_type or "DRAM")
+    except KvxferError as err:
+        raise type(err)(f"engine.{err.field}", err.message) from None
+
+
+def peer_memory_from_pb(engine: pb.EngineRank) -> list[list[RegionMemory]]:
+    """Region addresses of a peer's engine (peer info carries addresses, not handles)."""
+    return [[RegionMemory(r.address, r.num_bytes, r.device_id) for r in group.regions] for group in engine.groups]
+
+
+def engine_to_pb(cache: EngineCache, *, with_addresses: bool) -> pb.EngineRank:
+    """The message describing ``cache`` (for peers: with region addresses)."""
+    out = pb.EngineRank(engine_id=cache.engine_id, tp_rank=cache.tp_rank, tp_size=cache.tp_size, mem_type=cache.mem_type)
+    for group, memory in zip(cache.groups, cache.memory):
+        message = out.groups.add(kind=group.kind)
+        _spec_to_pb(group.spec, message)
+        for region in memory:
+            message.regions.add(address=region.address if with_addresses else 0, num_bytes=region.num_bytes,
+                                device_id=region.device_id)
+    return out
+
+
+def ids_from_pb(lists: Sequence[pb.BlockIds]) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray(b.ids, dtype=np.int64) for b in lists)
+
+
+def ids_to_pb(lists) -> list[pb.BlockIds]:
+    return [pb.BlockIds(ids=[int(i) for i in ids]) for ids in lists]
+
+
+def read_request_from_pb(message: pb.SubmitReadRequest) -> ReadRequest:
+    """A read request; ids are range-checked later by the plan, before any I/O."""
+    check_id(message.request_id, "request_id")
+    check_id(message.remote_request_id, "remote_request_id")
+    if message.num_tokens < 0:
+        raise InvalidArgumentError("num_tokens", f"must not be negative, got {message.num_tokens}")
+    return ReadRequest(message.request_id, message.remote_request_id, ids_from_pb(message.local_block_ids),
+                       ids_from_pb(message.remote_block_ids), message.num_tokens or None)
