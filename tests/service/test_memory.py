@@ -1,0 +1,47 @@
+"""Mapping an engine's shared memory: the daemon sees the engine's bytes, errors name the field."""
+
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.memory import map_shm, open_region
+
+
+@pytest.fixture
+def segment():
+    shm = shared_memory.SharedMemory(create=True, size=1 << 16)
+    yield shm
+    shm.close()
+    shm.unlink()
+
+
+def test_mapping_shares_bytes_both_ways(segment):
+    engine_view = np.ndarray((1 << 16,), dtype=np.uint8, buffer=segment.buf)
+    engine_view[4096:4100] = [1, 2, 3, 4]
+    region = map_shm(segment.name, 4096, 8192, "regions[0]")
+    assert region.array[:4].tolist() == [1, 2, 3, 4] and region.memory.num_bytes == 8192
+    region.array[10] = 99  # as a NIXL read into this memory would
+    assert engine_view[4106] == 99
+    del engine_view
+    region.close()
+
+
+def test_bad_handles_name_the_field(segment):
+    with pytest.raises(NotFoundError) as err:
+        map_shm("kvxferd-no-such-segment", 0, 16, "groups[0].regions[1]")
+    assert err.value.field == "groups[0].regions[1].shm_name"
+    with pytest.raises(InvalidArgumentError) as err:
+        map_shm(segment.name, 1 << 15, 1 << 16, "r")
+    assert "exceeds" in err.value.message
+    for name in ("", "../etc/passwd", "a/b"):
+        with pytest.raises(InvalidArgumentError):
+            map_shm(name, 0, 16, "r")
+    with pytest.raises(InvalidArgumentError) as err:
+        open_region(pb.Region(handle=pb.MemoryHandle(cuda_ipc_handle=b"x" * 64)), 16, "r")
+    assert err.value.field == "r.handle.cuda_ipc_handle"
+    with pytest.raises(InvalidArgumentError) as err:
+        open_region(pb.Region(), 16, "r")
+    assert err.value.field == "r.handle"
