@@ -31,7 +31,7 @@ def run_pairing(model: str, shape: ModelShape, prefill_tp: int, decode_tp: int, 
     prefill_groups, decode_groups = model_groups(model, shape)
     row = {"model": model, "pairing": f"{prefill_tp}->{decode_tp}", "groups": "+".join(g.kind for g in decode_groups),
            "requests": 0, "failed_requests": 0, "bytes": 0, "verified_bytes": 0, "mismatched_bytes": 0,
-           "descriptors_posted": 0, "descriptors_merged": 0, "unreleased": 0, "mismatches": []}
+           "descriptors_posted": 0, "descriptors_merged": 0, "holds": 0, "unreleased": 0, "mismatches": []}
     latencies = []
     with LocalCluster(prefill_groups, decode_groups, prefill_tp, decode_tp, name=f"demo-{model}-{prefill_tp}-{decode_tp}") as cluster:
         for i in range(args.requests):
@@ -54,6 +54,7 @@ def run_pairing(model: str, shape: ModelShape, prefill_tp: int, decode_tp: int, 
             row["mismatched_bytes"] += wrong
             row["verified_bytes"] += sum(e.arena.nbytes for e in cluster.decode)
             for q in range(prefill_tp):
+                row["holds"] += 1
                 if cluster.pump.wait_released(q, request.remote_request_id, timeout_s=10) is None:
                     row["unreleased"] += 1
     row["seconds"] = sum(latencies)
@@ -69,8 +70,7 @@ def format_rows(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for row in rows:
         requests = max(row["requests"], 1)
-        released = f"{row['requests'] * int(row['pairing'].split('->')[0]) - row['unreleased']}/" \
-                   f"{row['requests'] * int(row['pairing'].split('->')[0])}"
+        released = f"{row['holds'] - row['unreleased']}/{row['holds']}"
         verdict = "byte-exact" if not row["mismatches"] else f"MISMATCH: {row['mismatches'][0]}"
         lines.append(f"{row['model']:<7}{row['pairing']:<6}{row['groups']:<11}{row['requests']:>5}"
                      f"{row['bytes'] / 2**20:>8.1f}{row['gbps']:>7.2f}{row['latency_p50_ms']:>8.1f}"
