@@ -1,5 +1,6 @@
 """The ``kvxferd`` command line.
 
+    kvxferd serve           the daemon (gRPC engine + peer services, notify bus, metrics)
     kvxferd demo            prefill -> decode reads over real NIXL, every byte verified
     kvxferd bench layout    span emission and planning benchmark (pure layers)
     kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvxferd import demo
+from kvxferd import demo, serve
+from kvxferd.service import config
 from kvxferd.bench import layout as layout_bench
 from kvxferd.bench import xfer as xfer_bench
 
@@ -17,6 +19,9 @@ from kvxferd.bench import xfer as xfer_bench
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxferd", description="Disaggregated KV-cache transfer daemon.")
     commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="run the daemon next to one engine rank",
+                                       description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    config.add_arguments(serve_parser)
     demo_parser = commands.add_parser("demo", help="move and verify prefill->decode reads over NIXL for model presets",
                                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
@@ -31,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "serve":
+        return serve.run(args)
     suites = {"layout": layout_bench, "xfer": xfer_bench}
     return suites[args.suite].run_args(args)
 

@@ -43,3 +43,7 @@ class NotFoundError(KvxferError):
 
 class TransferError(KvxferError):
     """A data-plane call failed (remote gone, backend error); fails one request."""
+
+
+class UnavailableError(KvxferError):
+    """This daemon cannot serve the request here (no CUDA runtime, shutting down)."""

@@ -47,3 +47,45 @@ class ReadNotice:
         if data["reader_rank"] < 0 or data["expected_readers"] < 1:
             raise InvalidArgumentError("notification", f"bad reader rank or count in {message[:80]!r}")
         return cls(**{name: data[name] for name in checks})
+
+
+ACK_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ReadAck:
+    """The holder's answer to a reader's notice: was the hold alive when it came?
+
+    A read is a success only if every rank it read from answers ``alive``:
+    the notice follows the data, so an alive hold means the bytes were read
+    while the blocks were still held (never freed and reused under the read).
+    """
+
+    request_id: str  # the prefill side's request id, as in the notice
+    reader_engine_id: str
+    reader_rank: int
+    alive: bool
+
+    def encode(self) -> bytes:
+        return json.dumps({"ack": ACK_VERSION, **asdict(self)}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, message: bytes) -> "ReadAck":
+        """Parse a holder's ack; raises :class:`InvalidArgumentError` naming the field."""
+        try:
+            data = json.loads(message)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise InvalidArgumentError("ack", f"not a kvxferd ack: {err}") from None
+        if not isinstance(data, dict) or data.get("ack") != ACK_VERSION:
+            raise InvalidArgumentError("ack", f"unsupported ack in {message[:80]!r}")
+        checks = {"request_id": str, "reader_engine_id": str, "reader_rank": int, "alive": bool}
+        for name, kind in checks.items():
+            value = data.get(name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise InvalidArgumentError(f"ack.{name}", f"expected {kind.__name__}, got {value!r}")
+        return cls(**{name: data[name] for name in checks})
+
+
+def is_ack(message: bytes) -> bool:
+    """Acks and notices share the NIXL channel; acks start with their own key."""
+    return message.startswith(b'{"ack"')

@@ -46,7 +46,11 @@ class DaemonConfig(BaseSettings):
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish (s)")
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, description="largest gRPC message accepted (bytes)")
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
+    handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
+    peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")
+    poll_interval_s: float = Field(500e-6, gt=0, le=0.1, description="longest sleep of the data-plane thread between NIXL polls (s)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_format: str = Field("json", description="json (one object per line) or text")
 
     @field_validator("log_level")
     @classmethod
@@ -54,6 +58,13 @@ class DaemonConfig(BaseSettings):
         if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"must be DEBUG, INFO, WARNING or ERROR, got {value!r}")
         return value.upper()
+
+    @field_validator("log_format")
+    @classmethod
+    def _format(cls, value: str) -> str:
+        if value not in ("json", "text"):
+            raise ValueError(f"must be json or text, got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _routable_peer_address(self) -> "DaemonConfig":

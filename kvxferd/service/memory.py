@@ -7,8 +7,8 @@ engine deregisters. It deliberately avoids
 attached segment with the resource tracker, which would unlink the engine's
 cache when the daemon exits.
 
-GPU memory (CUDA IPC handles, CUDA VMM fds) is not implemented yet: such a
-handle is refused with a clear error (see the issue note of #4).
+GPU memory (CUDA IPC handles, CUDA VMM fds) is opened by
+:mod:`kvxferd.service.gpu`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError, NotFoundError
 from kvxferd.plan.groups import RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service import gpu
 
 SHM_DIR = pathlib.Path("/dev/shm")
 
@@ -69,11 +71,20 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
     return MappedRegion(name, array, mapping)
 
 
-def open_region(region: pb.Region, num_bytes: int, field: str) -> MappedRegion:
-    """Open one region of a Register request (host shared memory only, for now)."""
+def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fds: Sequence[int] = ()):
+    """Open one region of a Register request; returns an object with ``memory`` and ``close()``."""
     source = region.handle.WhichOneof("source")
+    want = {"shm_name": "DRAM", "cuda_ipc_handle": "VRAM", "cuda_vmm_fd_index": "VRAM"}.get(source)
+    if source is None:
+        raise InvalidArgumentError(f"{field}.handle", "a region needs a memory handle")
+    if mem_type != want:
+        raise InvalidArgumentError(f"{field}.handle.{source}", f"a {source} handle is {want} memory, the engine says {mem_type}")
+    offset = region.handle.offset
     if source == "shm_name":
-        return map_shm(region.handle.shm_name, region.handle.offset, num_bytes, field)
-    if source in ("cuda_ipc_handle", "cuda_vmm_fd_index"):
-        raise InvalidArgumentError(f"{field}.handle.{source}", "GPU memory handles are not supported by this daemon yet")
-    raise InvalidArgumentError(f"{field}.handle", "a region needs a memory handle")
+        return map_shm(region.handle.shm_name, offset, num_bytes, field)
+    if source == "cuda_ipc_handle":
+        return gpu.open_ipc(region.handle.cuda_ipc_handle, offset, num_bytes, region.device_id, field)
+    index = region.handle.cuda_vmm_fd_index
+    if not 0 <= index < len(fds):
+        raise InvalidArgumentError(f"{field}.handle.cuda_vmm_fd_index", f"index {index}, {len(fds)} fds were sent")
+    return gpu.import_vmm(os.dup(fds[index]), offset, num_bytes, region.device_id, field)

@@ -4,6 +4,7 @@
     LayoutMismatchError (SpanBudgetError)               -> FAILED_PRECONDITION
     NotFoundError                                       -> NOT_FOUND
     TransferError (NixlError)                           -> UNAVAILABLE
+    UnavailableError (no CUDA here, draining)           -> FAILED_PRECONDITION
     any other KvxferError                               -> INTERNAL
 
 The message always starts with the offending field, so an engine can tell
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import grpc
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError
+from kvxferd.errors import (InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError,
+                            UnavailableError)
 
 _CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (TransferError, grpc.StatusCode.UNAVAILABLE),
+    (UnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 

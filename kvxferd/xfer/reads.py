@@ -126,8 +126,16 @@ class ReadExecutor:
     def post(self, remote_engine_id: str, request: ReadRequest) -> InFlightRead:
         """Plan and post one request; bad input raises before anything is posted."""
         remote = self.remote(remote_engine_id)
-        planned = remote.plan.plan_request(request)
-        inflight = InFlightRead(planned, remote, time.perf_counter())
+        return self.post_planned(remote, remote.plan.plan_request(request))
+
+    def is_current(self, remote: RemoteEngine) -> bool:
+        """False once ``remote`` was disconnected or replaced by a new handshake."""
+        return self._remotes.get(remote.plan.remote_engine_id) is remote
+
+    def post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None) -> InFlightRead:
+        """Post a request planned with ``remote.plan`` (which must be current)."""
+        inflight = InFlightRead(planned, remote, time.perf_counter() if start_s is None else start_s)
+        request = planned.request
         for read in planned.reads:
             q = read.remote_rank
             notice = self._notice(remote, request, q, ok=True)
@@ -174,13 +182,17 @@ class ReadExecutor:
         sleep_s = POLL_MIN_S
         while (result := self.poll(inflight)) is None:
             if time.perf_counter() >= deadline:
-                for q, handle in list(inflight.handles.items()):
-                    inflight.errors[q] = f"deadline: not done after {timeout_s:g} s"
-                    self._release(inflight.handles.pop(q))  # releasing aborts the transfer
-                return self.poll(inflight)
+                return self.abort(inflight, f"deadline: not done after {timeout_s:g} s")
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, POLL_MAX_S)
         return result
+
+    def abort(self, inflight: InFlightRead, reason: str) -> ReadResult:
+        """Stop every rank still running (releasing a handle aborts its transfer) and finish."""
+        for q in list(inflight.handles):
+            inflight.errors[q] = reason
+            self._release(inflight.handles.pop(q))
+        return self.poll(inflight)
 
     def read(self, remote_engine_id: str, request: ReadRequest, timeout_s: float = 30.0) -> ReadResult:
         """Post and wait for one request."""

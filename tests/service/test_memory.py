@@ -39,9 +39,12 @@ def test_bad_handles_name_the_field(segment):
     for name in ("", "../etc/passwd", "a/b"):
         with pytest.raises(InvalidArgumentError):
             map_shm(name, 0, 16, "r")
+    with pytest.raises(InvalidArgumentError) as err:  # a GPU handle for host memory
+        open_region(pb.Region(handle=pb.MemoryHandle(cuda_ipc_handle=b"x" * 64)), 16, "DRAM", "r")
+    assert err.value.field == "r.handle.cuda_ipc_handle" and "VRAM" in err.value.message
     with pytest.raises(InvalidArgumentError) as err:
-        open_region(pb.Region(handle=pb.MemoryHandle(cuda_ipc_handle=b"x" * 64)), 16, "r")
-    assert err.value.field == "r.handle.cuda_ipc_handle"
-    with pytest.raises(InvalidArgumentError) as err:
-        open_region(pb.Region(), 16, "r")
+        open_region(pb.Region(), 16, "DRAM", "r")
     assert err.value.field == "r.handle"
+    with pytest.raises(InvalidArgumentError) as err:
+        open_region(pb.Region(handle=pb.MemoryHandle(cuda_vmm_fd_index=2)), 16, "VRAM", "r", fds=[5])
+    assert "2 fds" not in err.value.message and err.value.field == "r.handle.cuda_vmm_fd_index"

@@ -108,12 +108,14 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("engine", "lease_s")
+    __slots__ = ("engine", "lease_s", "fd_token")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    FD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine: EngineRank
     lease_s: float
-    def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    fd_token: str
+    def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ..., fd_token: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("incarnation", "notify_address")
@@ -192,7 +194,7 @@ class WatchCompletionsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error")
+    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +202,9 @@ class Completion(_message.Message):
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     INVALID_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    POST_S_FIELD_NUMBER: _ClassVar[int]
+    DONE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     num_bytes: int
@@ -207,7 +212,10 @@ class Completion(_message.Message):
     duration_s: float
     invalid_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    post_s: float
+    done_unix_s: float
+    failed_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "lease_s")
@@ -254,7 +262,7 @@ class ReleaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class NotifyEvent(_message.Message):
-    __slots__ = ("seq", "engine_id", "request_id", "kind", "block_ids")
+    __slots__ = ("seq", "engine_id", "request_id", "kind", "block_ids", "reason")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[NotifyEvent.Kind]
@@ -270,12 +278,14 @@ class NotifyEvent(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     seq: int
     engine_id: str
     request_id: str
     kind: NotifyEvent.Kind
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyEvent.Kind, str]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+    reason: str
+    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyEvent.Kind, str]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class MissedEventsRequest(_message.Message):
     __slots__ = ("engine_id", "after_seq")
@@ -286,20 +296,30 @@ class MissedEventsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class MissedEventsReply(_message.Message):
-    __slots__ = ("events", "last_seq")
+    __slots__ = ("events", "last_seq", "truncated")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[NotifyEvent]
     last_seq: int
-    def __init__(self, events: _Optional[_Iterable[_Union[NotifyEvent, _Mapping]]] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[NotifyEvent, _Mapping]]] = ..., last_seq: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class EngineInfoRequest(_message.Message):
-    __slots__ = ("engine_id", "protocol_version")
+    __slots__ = ("engine_id", "protocol_version", "tp_rank", "reader_engine_id", "reader_tp_rank", "reader_agent_metadata")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    READER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     protocol_version: int
-    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    tp_rank: int
+    reader_engine_id: str
+    reader_tp_rank: int
+    reader_agent_metadata: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_rank: _Optional[int] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class EngineInfoReply(_message.Message):
     __slots__ = ("protocol_version", "compatibility_hash", "payload")
@@ -320,3 +340,15 @@ class EngineInfo(_message.Message):
     agent_metadata: bytes
     engine: EngineRank
     def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ...) -> None: ...
+
+class IncarnationRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class IncarnationReply(_message.Message):
+    __slots__ = ("incarnation",)
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    def __init__(self, incarnation: _Optional[str] = ...) -> None: ...

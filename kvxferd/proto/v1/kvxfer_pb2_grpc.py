@@ -498,6 +498,16 @@ class PeerServiceStub:
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoReply.FromString,
                 _registered_method=True)
+        self.GetIncarnation = channel.unary_unary(
+                '/kvxfer.v1.PeerService/GetIncarnation',
+                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.IncarnationRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.IncarnationReply.FromString,
+                _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/kvxfer.v1.PeerService/RenewLeases',
+                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseReply.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -509,6 +519,20 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetIncarnation(self, request, context):
+        """Cheap liveness probe: a changed incarnation means the peer restarted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLeases(self, request, context):
+        """A reader whose reads still wait extends the holder's leases.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -516,6 +540,16 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.GetEngineInfo,
                     request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoRequest.FromString,
                     response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoReply.SerializeToString,
+            ),
+            'GetIncarnation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetIncarnation,
+                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.IncarnationRequest.FromString,
+                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.IncarnationReply.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -545,6 +579,60 @@ class PeerService:
             '/kvxfer.v1.PeerService/GetEngineInfo',
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoRequest.SerializeToString,
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetIncarnation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/GetIncarnation',
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.IncarnationRequest.SerializeToString,
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.IncarnationReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/RenewLeases',
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseRequest.SerializeToString,
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

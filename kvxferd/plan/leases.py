@@ -1,0 +1,121 @@
+"""Held requests with leases: the prefill daemon's record of blocks it may not free.
+
+Pure bookkeeping; the caller passes the clock (``now``, seconds) and
+publishes what ends. Every hold ends exactly once::
+
+    hold ──► (notices from readers) ──► all expected readers reported ──► CONSUMED
+      │                                                                    (blocks freed)
+      ├──► lease runs out (renewals push it back) ──────────────────────► EXPIRED
+      └──► engine releases it / goes away ───────────────────────────────► EXPIRED
+
+A notice for a request that is not held (never held, already ended, or
+past its lease even if the expiry timer has not run yet) is answered "not
+alive": the reader must not report that read as a success.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.plan.notifications import ReadNotice
+
+CONSUMED, EXPIRED = "CONSUMED", "EXPIRED"
+
+
+@dataclass(frozen=True)
+class HoldEnd:
+    """How a hold ended; the daemon publishes it on the notify bus."""
+
+    request_id: str
+    kind: str  # CONSUMED | EXPIRED
+    block_ids: tuple
+    reason: str  # "" for CONSUMED; lease | released | engine gone
+    failed_readers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class NoticeOutcome:
+    """What one reader's notice did: the ack to send, and what to publish."""
+
+    alive: bool
+    failed: bool = False  # a live hold got a failed reader (publish FAILED)
+    end: HoldEnd | None = None
+
+
+@dataclass
+class _Hold:
+    block_ids: tuple
+    expires_s: float
+    expected: int | None = None
+    readers: dict[tuple[str, int], bool] = field(default_factory=dict)
+
+
+class HoldTable:
+    """Holds of one engine rank, by the engine's request id (not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._holds: dict[str, _Hold] = {}
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float) -> None:
+        """Start holding; a request is held at most once at a time."""
+        if lease_s <= 0:
+            raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
+        if request_id in self._holds:
+            raise InvalidArgumentError("request_id", f"request {request_id!r} is already held")
+        self._holds[request_id] = _Hold(block_ids, now + lease_s)
+
+    def renew(self, request_ids, lease_s: float, now: float) -> list[str]:
+        """Push leases to at least ``now + lease_s``; returns the ids not held."""
+        unknown = []
+        for request_id in request_ids:
+            entry = self._holds.get(request_id)
+            if entry is None or entry.expires_s <= now:
+                unknown.append(request_id)
+            else:
+                entry.expires_s = max(entry.expires_s, now + lease_s)
+        return unknown
+
+    def release(self, request_id: str) -> HoldEnd:
+        """The engine freed the blocks itself (e.g. the request was aborted)."""
+        entry = self._holds.pop(request_id, None)
+        if entry is None:
+            raise NotFoundError("request_id", f"request {request_id!r} is not held")
+        return HoldEnd(request_id, EXPIRED, entry.block_ids, "released")
+
+    def record(self, notice: ReadNotice, now: float) -> NoticeOutcome:
+        """Count one reader; says whether the hold was alive when the notice came."""
+        entry = self._holds.get(notice.request_id)
+        if entry is None or entry.expires_s <= now:
+            return NoticeOutcome(alive=False)
+        if entry.expected is not None and entry.expected != notice.expected_readers:
+            raise InvalidArgumentError("notification.expected_readers",
+                                       f"request {notice.request_id!r}: {notice.expected_readers} readers announced, "
+                                       f"earlier {entry.expected}")
+        entry.expected = notice.expected_readers
+        reader = (notice.reader_engine_id, notice.reader_rank)
+        first = reader not in entry.readers
+        entry.readers.setdefault(reader, notice.ok)
+        failed = first and not notice.ok
+        if len(entry.readers) < entry.expected:
+            return NoticeOutcome(alive=True, failed=failed)
+        del self._holds[notice.request_id]
+        failed_readers = tuple(sorted(r for r, ok in entry.readers.items() if not ok))
+        return NoticeOutcome(True, failed, HoldEnd(notice.request_id, CONSUMED, entry.block_ids, "", failed_readers))
+
+    def expire(self, now: float) -> list[HoldEnd]:
+        """End every hold whose lease ran out by ``now``."""
+        ended = [rid for rid, entry in self._holds.items() if entry.expires_s <= now]
+        return [HoldEnd(rid, EXPIRED, self._holds.pop(rid).block_ids, "lease") for rid in ended]
+
+    def drop_all(self, reason: str) -> list[HoldEnd]:
+        """End every hold (the engine is going away)."""
+        ended = [HoldEnd(rid, EXPIRED, entry.block_ids, reason) for rid, entry in self._holds.items()]
+        self._holds.clear()
+        return ended
+
+    def request_ids(self) -> list[str]:
+        return list(self._holds)

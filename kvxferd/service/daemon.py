@@ -1,0 +1,323 @@
+"""``kvxferd serve``: one daemon, its servers and its life cycle.
+
+::
+
+    start:  data-plane thread ─► notify bus (ZMQ PUB) ─► metrics (HTTP)
+            ─► engine service (UNIX socket [+ TCP]) + peer service (TCP),
+               both with grpc.health.v1 and reflection
+            ─► prints one "kvxferd ready: ..." line with every address
+    run:    maintenance every tick: heartbeats, lease expiry; lease renewal
+            for reads that wait; peer probes for restarted remotes
+    SIGTERM: NOT_SERVING, refuse new reads/holds ─► drain in-flight reads
+            (drain_timeout_s) ─► deregister every engine (fails the rest)
+            ─► stop servers and threads
+
+Exit codes: 0 after a clean shutdown, 2 for bad configuration, 3 when the
+daemon could not start (an address in use, no NIXL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvxferd.errors import KvxferError
+from kvxferd.plan.leases import HoldEnd
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.bus import NotifyBus
+from kvxferd.service.config import DaemonConfig
+from kvxferd.service.dataplane import DaemonRead, DataPlane, ReadDone, error_result
+from kvxferd.service.engines import Registry
+from kvxferd.service.fdpass import FdInbox, fd_socket_path
+from kvxferd.service.metrics import Metrics
+from kvxferd.service.peers import Peers, RemoteLink
+from kvxferd.service.servicers import EngineServicer, PeerServicer
+from kvxferd.service.slots import EngineSlot
+from kvxferd.service.wire import ids_to_pb
+
+log = logging.getLogger("kvxferd.daemon")
+EXIT_CONFIG, EXIT_STARTUP = 2, 3
+SERVICES = ("kvxfer.v1.EngineService", "kvxfer.v1.PeerService")
+
+
+class StartupError(Exception):
+    """The daemon could not start (exit code 3)."""
+
+
+class Daemon:
+    """Everything one ``kvxferd serve`` process runs."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.dataplane = DataPlane(self._read_done_threadsafe, self._hold_event_threadsafe,
+                                   interval_s=config.poll_interval_s, metrics=self.metrics)
+        self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
+                           max_message_bytes=config.max_message_bytes)
+        self.bus: NotifyBus | None = None
+        self.registry: Registry | None = None
+        self.addresses: dict[str, str] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._servers: list[grpc.aio.Server] = []
+        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = asyncio.Event()
+        self._metrics_server = None
+        self._fd_inbox: FdInbox | None = None
+
+    # ---- start --------------------------------------------------------------------
+    async def start(self) -> dict[str, str]:
+        """Bind everything; raises :class:`StartupError` with the reason."""
+        config = self.config
+        self._loop = asyncio.get_running_loop()
+        try:
+            self.dataplane.start()
+            self.bus = NotifyBus(config.notify_host, config.notify_port, history=config.event_history)
+            self._fd_inbox = FdInbox(fd_socket_path(config.engine_socket))
+            self.registry = Registry(self.dataplane, self.publish, daemon_id=config.daemon_id,
+                                     default_lease_s=config.lease_s, fd_inbox=self._fd_inbox)
+            self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
+                                     lambda: len(self.registry.slots))
+            self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
+            engine_server, peer_server = self._new_server(), self._new_server()
+            pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
+            pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
+            _claim_unix_socket(config.engine_socket)
+            _bind(engine_server, f"unix:{config.engine_socket}")
+            if config.engine_tcp:
+                _bind(engine_server, config.engine_tcp)
+            peer_port = _bind(peer_server, f"{_host(config.peer_host)}:{config.peer_port}")
+            for server in (engine_server, peer_server):
+                await server.start()
+                self._servers.append(server)
+        except StartupError:
+            await self._stop_parts()
+            raise
+        except Exception as err:  # zmq address in use, NIXL missing, ...
+            await self._stop_parts()
+            raise StartupError(f"{type(err).__name__}: {err}") from err
+        for service in (*SERVICES, ""):
+            await _set_health(self._health, service, health_pb2.HealthCheckResponse.SERVING)
+        host = config.advertise_host or config.peer_host
+        self.addresses = {"engine": f"unix:{config.engine_socket}", "peer": f"{_host(host)}:{peer_port}",
+                          "notify": self.bus.address, "metrics": f"http://{_host(config.metrics_host)}:{metrics_port}/metrics"}
+        if config.engine_tcp:
+            self.addresses["engine_tcp"] = config.engine_tcp
+        self.spawn(self._maintenance())
+        log.info("daemon started", extra={**self.addresses, "daemon_id": config.daemon_id})
+        return self.addresses
+
+    def _new_server(self) -> grpc.aio.Server:
+        options = [("grpc.max_receive_message_length", self.config.max_message_bytes),
+                   ("grpc.max_send_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=options)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        return server
+
+    # ---- work handed between threads ------------------------------------------------
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run_blocking(self, fn, *args):
+        """A short blocking call (NIXL metadata loading) off the event loop."""
+        return await asyncio.to_thread(fn, *args)
+
+    def publish(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
+        """Publish a hold event on the bus (event-loop thread)."""
+        self.bus.publish(slot.engine_id, kind, end.request_id, end.block_ids, end.reason)
+        self.metrics.events.labels(kind).inc()
+        if kind == "EXPIRED" and end.reason == "lease":
+            self.metrics.leases_expired.inc()
+
+    def _hold_event_threadsafe(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
+        self._loop.call_soon_threadsafe(self.publish, slot, kind, end)
+
+    def _read_done_threadsafe(self, done: ReadDone) -> None:
+        self._loop.call_soon_threadsafe(self._read_done, done)
+
+    def _read_done(self, done: ReadDone) -> None:
+        result, slot = done.result, done.slot
+        slot.active.pop(result.request_id, None)
+        m = self.metrics
+        m.read_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
+        if done.post_s:
+            m.read_post.observe(done.post_s)
+        m.read_descriptors.observe(result.num_descriptors)
+        m.read_bytes.inc(result.num_bytes)
+        if not result.ok:
+            m.read_failures.labels(done.failure or "transfer").inc()
+            if done.failure == "stale":
+                m.stale_reads.labels("reader").inc()
+            link = slot.links.get(result.remote_engine_id)
+            if link is not None and done.failure in ("transfer", "remote_gone", "deadline"):
+                link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
+        slot.completions.put_nowait(pb.Completion(
+            request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
+            num_descriptors=result.num_descriptors, duration_s=result.duration_s,
+            invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
+            post_s=done.post_s, done_unix_s=done.done_unix_s, failed_ranks=result.failed_ranks))
+
+    async def submit_after_handshake(self, read: DaemonRead, link: RemoteLink) -> None:
+        """Re-handshake a stale link, then post; a failed handshake fails the read."""
+        try:
+            await self.peers.handshake(read.slot, link.remote_engine_id)
+            read.remote = link.remote
+            read.planned = link.remote.plan.plan_request(read.planned.request)
+        except KvxferError as err:
+            self._read_done(ReadDone(read.slot, error_result(read, f"handshake: {err}"), 0.0, time.time(), "handshake"))
+            return
+        self.dataplane.submit(read)
+
+    # ---- maintenance ----------------------------------------------------------------
+    async def _maintenance(self) -> None:
+        tick_s = min(0.05, self.config.lease_s / 10)
+        renew_every_s = self.config.lease_s / 3
+        last_renew = last_probe = time.monotonic()
+        while not self._stopping.is_set():
+            await asyncio.sleep(tick_s)
+            try:
+                await self.registry.expire()
+                now = time.monotonic()
+                if now - last_renew >= renew_every_s:
+                    last_renew = now
+                    self.spawn(self._renew_waiting_reads(now - renew_every_s))
+                if now - last_probe >= self.config.peer_check_s:
+                    last_probe = now
+                    self.spawn(self._probe_peers())
+            except Exception:
+                log.exception("maintenance failed")
+
+    async def _renew_waiting_reads(self, older_than_s: float) -> None:
+        """Reads still waiting keep the holders' leases alive."""
+        for slot in list(self.registry.slots.values()):
+            by_remote: dict[str, list[str]] = {}
+            for active in slot.active.values():
+                if active.submitted_s <= older_than_s:
+                    by_remote.setdefault(active.remote_engine_id, []).append(active.remote_request_id)
+            for remote_engine_id, request_ids in by_remote.items():
+                link = slot.links.get(remote_engine_id)
+                if link is not None:
+                    await self.peers.renew(link, request_ids, self.config.lease_s)
+
+    async def _probe_peers(self) -> None:
+        for slot in list(self.registry.slots.values()):
+            for link in list(slot.links.values()):
+                if link.ready and not await self.peers.probe(slot, link):
+                    link.stale = True
+                    log.info("remote engine changed incarnation or is unreachable",
+                             extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id})
+                    self.spawn(self._rehandshake(slot, link))
+
+    async def _rehandshake(self, slot: EngineSlot, link: RemoteLink) -> None:
+        try:
+            await self.peers.handshake(slot, link.remote_engine_id)
+        except KvxferError as err:
+            log.warning("re-handshake failed; retried on the next read",
+                        extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id, "error": str(err)})
+
+    # ---- stop -----------------------------------------------------------------------
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    async def shutdown(self) -> None:
+        """Drain, deregister every engine, stop every server and thread."""
+        self._stopping.set()
+        self.registry.accepting = False
+        for service in (*SERVICES, ""):
+            await _set_health(self._health, service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.dataplane.num_reads and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        left = self.dataplane.num_reads
+        log.info("drained", extra={"reads_failed": left})
+        for slot in list(self.registry.slots.values()):
+            await self.registry.deregister(slot, "daemon shutting down")
+        await self._stop_parts()
+
+    async def _stop_parts(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for server in self._servers:
+            await server.stop(grace=1.0)
+        self._servers.clear()
+        await self.peers.close()
+        self.dataplane.stop()
+        if self.bus is not None:
+            self.bus.close()
+        if self._fd_inbox is not None:
+            self._fd_inbox.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        if os.path.exists(self.config.engine_socket):
+            os.unlink(self.config.engine_socket)
+
+
+async def _set_health(servicer, service: str, status) -> None:
+    result = servicer.set(service, status)
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as err:
+        raise StartupError(f"cannot listen on {address}: {err}") from None
+    if port == 0 and not address.startswith("unix:"):
+        raise StartupError(f"cannot listen on {address} (in use?)")
+    return port
+
+
+def _claim_unix_socket(path: str) -> None:
+    """Remove a dead daemon's socket file; refuse to steal a live one."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: left over from a crash
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another process already serves the engine socket {path}")
+
+
+async def serve(config: DaemonConfig) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code."""
+    daemon = Daemon(config)
+    try:
+        addresses = await daemon.start()
+    except StartupError as err:
+        log.error("start-up failed", extra={"error": str(err)})
+        print(f"kvxferd: start-up failed: {err}", flush=True)
+        return EXIT_STARTUP
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    print("kvxferd ready: " + " ".join(f"{k}={v}" for k, v in addresses.items()), flush=True)
+    await daemon.wait_stopped()
+    log.info("shutting down")
+    await daemon.shutdown()
+    return 0

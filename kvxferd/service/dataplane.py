@@ -1,0 +1,309 @@
+"""The daemon's data-plane thread: every NIXL call on the hot path happens here.
+
+One thread drives every registered engine's agent, so NIXL is never called
+from the event loop on the hot path and never busy-spins::
+
+    event loop (gRPC)              data-plane thread
+    ─────────────────              ─────────────────────────────────────────
+    SubmitRead: validate, plan ──► post (make_prepped_xfer + transfer per rank)
+                                   poll states (sleep 20 µs doubling to interval_s)
+                                   poll notices of every agent:
+                                     reader notice -> hold table -> ack to the reader
+                                     holder ack    -> the waiting read
+    completion queue  ◄─────────── read done: transfer finished AND every rank
+    notify bus        ◄─────────── read from acked "alive" (else FAILED, stale)
+                                   hold CONSUMED / reader FAILED
+
+Holds are shared with the event loop (Hold, RenewLease, expiry) under the
+slot's lock. Everything that crosses back to the loop goes through the
+``on_read_done`` and ``on_hold_event`` callbacks, which must be thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from kvxferd.errors import InvalidArgumentError, KvxferError
+from kvxferd.plan.engine import PlannedRead
+from kvxferd.plan.leases import HoldEnd
+from kvxferd.plan.notifications import ReadAck, ReadNotice, is_ack
+from kvxferd.service.slots import EngineSlot
+from kvxferd.xfer.agent import NixlError
+from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadResult, RemoteEngine
+
+log = logging.getLogger("kvxferd.dataplane")
+
+
+@dataclass(eq=False)
+class DaemonRead:
+    """A submitted read from its post to its acks."""
+
+    slot: EngineSlot
+    remote: RemoteEngine
+    planned: PlannedRead
+    submitted_s: float  # perf_counter when the RPC arrived
+    deadline_s: float  # perf_counter
+    inflight: InFlightRead | None = None
+    posted_s: float = 0.0
+    transfer: ReadResult | None = None
+    acks: dict[int, bool | None] = field(default_factory=dict)  # remote rank read -> holder alive?
+
+    @property
+    def request_id(self) -> str:
+        return self.planned.request.request_id
+
+
+@dataclass(frozen=True, eq=False)
+class ReadDone:
+    """A finished read as the engine will see it."""
+
+    slot: EngineSlot
+    result: ReadResult
+    post_s: float  # submit -> every rank posted
+    done_unix_s: float
+    failure: str  # "" when ok; else a bounded kind (metrics label)
+
+
+class DataPlane:
+    """The thread; start with :meth:`start`, stop with :meth:`stop`."""
+
+    def __init__(self, on_read_done: Callable[[ReadDone], None],
+                 on_hold_event: Callable[[EngineSlot, str, HoldEnd], None], *, interval_s: float = 500e-6,
+                 metrics=None) -> None:
+        self._on_read_done = on_read_done
+        self._on_hold_event = on_hold_event
+        self._metrics = metrics
+        self.interval_s = interval_s
+        self._slots: list[EngineSlot] = []
+        self._reads: list[DaemonRead] = []
+        # (reader engine, holder agent, holder's request id) -> the read and the holder's rank
+        self._awaiting: dict[tuple[str, str, str], tuple[DaemonRead, int]] = {}
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
+        self.num_bad_notices = self.num_stray_acks = self.num_ack_errors = self.num_poll_errors = 0
+        self.num_stale_notices = 0  # reader notices that found no live hold (prefill side)
+
+    # ---- API (any thread) -----------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def num_reads(self) -> int:
+        return len(self._reads) + sum(1 for kind, _ in self._commands if kind == "post")
+
+    def submit(self, read: DaemonRead) -> None:
+        """Queue a planned read for posting."""
+        self._commands.append(("post", read))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the data-plane thread (connect, close); returns its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.append(("call", (fn, future)))
+        self._wake.set()
+        return future
+
+    # ---- commands (data-plane thread) ---------------------------------------------
+    def add_slot(self, slot: EngineSlot) -> None:
+        self._slots.append(slot)
+
+    def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None) -> None:
+        """Abort a slot's reads (of one remote engine, or all) before their memory or lists go."""
+        for read in list(self._reads):
+            if read.slot is slot and remote_engine_id in (None, read.remote.plan.remote_engine_id):
+                if read.transfer is None:
+                    read.transfer = slot.executor.abort(read.inflight, reason)
+                else:
+                    read.transfer = _failed(read, read.transfer, reason, tuple(q for q, a in read.acks.items() if a is None))
+                self._finish(read, "aborted")
+
+    def remove_slot(self, slot: EngineSlot, reason: str) -> None:
+        """Fail the slot's reads, disconnect its remotes and deregister its memory."""
+        self.fail_reads(slot, reason)
+        if slot in self._slots:
+            self._slots.remove(slot)
+        slot.executor.close()
+
+    # ---- the thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        sleep_s = POLL_MIN_S
+        while not self._stop.is_set():
+            busy = self._run_commands()
+            busy |= self._advance_reads()
+            busy |= self._poll_notifications()
+            sleep_s = POLL_MIN_S if busy else min(sleep_s * 2, self.interval_s)
+            if self._wake.wait(sleep_s):
+                self._wake.clear()
+
+    def _run_commands(self) -> bool:
+        busy = False
+        while self._commands:
+            kind, item = self._commands.popleft()
+            busy = True
+            if kind == "post":
+                self._post(item)
+                continue
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # handed to the caller
+                future.set_exception(err)
+        return busy
+
+    def _post(self, read: DaemonRead) -> None:
+        executor = read.slot.executor
+        try:
+            if not executor.is_current(read.remote):  # re-handshaked since planning: same layout, new lists
+                read.remote = executor.remote(read.remote.plan.remote_engine_id)
+                read.planned = read.remote.plan.plan_request(read.planned.request)
+            read.inflight = executor.post_planned(read.remote, read.planned, read.submitted_s)
+        except KvxferError as err:
+            self._deliver(read, error_result(read, str(err)), "remote_gone")
+            return
+        read.posted_s = time.perf_counter()
+        names = read.remote.agent_names
+        for rank_read in read.planned.reads:
+            q = rank_read.remote_rank
+            read.acks[q] = None
+            self._awaiting[(read.slot.engine_id, names[q], read.planned.request.remote_request_id)] = (read, q)
+        self._reads.append(read)
+
+    def _advance_reads(self) -> bool:
+        busy = False
+        now = time.perf_counter()
+        for read in list(self._reads):
+            if read.transfer is None:
+                read.transfer = read.slot.executor.poll(read.inflight)
+                if read.transfer is None and now >= read.deadline_s:
+                    read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer did not finish in time")
+                if read.transfer is None:
+                    continue
+                busy = True
+            if not read.transfer.ok:
+                self._finish(read, _failure_kind(read.transfer.error or ""))
+                continue
+            waiting = tuple(q for q, alive in read.acks.items() if alive is None)
+            stale = tuple(q for q, alive in read.acks.items() if alive is False)
+            if stale:
+                read.transfer = _failed(read, read.transfer, "stale read: the hold had ended (lease expired or "
+                                        "released) before the holder acknowledged the read", stale)
+                self._finish(read, "stale")
+            elif not waiting:
+                self._finish(read, "")
+            elif now >= read.deadline_s:
+                read.transfer = _failed(read, read.transfer, "deadline: the holder did not acknowledge the read", waiting)
+                self._finish(read, "deadline")
+            busy = True
+        return busy
+
+    def _finish(self, read: DaemonRead, failure: str) -> None:
+        self._reads.remove(read)
+        names = read.remote.agent_names
+        for q in read.acks:
+            self._awaiting.pop((read.slot.engine_id, names[q], read.planned.request.remote_request_id), None)
+        self._deliver(read, read.transfer, failure)
+
+    def _deliver(self, read: DaemonRead, result: ReadResult, failure: str) -> None:
+        post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
+        result = replace(result, duration_s=time.perf_counter() - read.submitted_s)  # includes the acks
+        self._on_read_done(ReadDone(read.slot, result, post_s, time.time(), failure))
+
+    # ---- notices and acks ------------------------------------------------------------
+    def _poll_notifications(self) -> bool:
+        busy = False
+        for slot in self._slots:
+            try:
+                by_sender = slot.agent.poll_notifications()
+            except NixlError as err:
+                self.num_poll_errors += 1
+                log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
+                continue
+            for sender, messages in by_sender.items():
+                sender = sender.decode() if isinstance(sender, bytes) else sender
+                for message in messages:
+                    busy = True
+                    if is_ack(message):
+                        self._on_ack(slot, sender, message)
+                    else:
+                        self._on_notice(slot, sender, message)
+        return busy
+
+    def _on_notice(self, slot: EngineSlot, sender: str, message: bytes) -> None:
+        try:
+            notice = ReadNotice.decode(message)
+        except InvalidArgumentError:
+            self.num_bad_notices += 1
+            return
+        try:
+            with slot.lock:
+                outcome = slot.holds.record(notice, time.monotonic())
+        except InvalidArgumentError as err:
+            self.num_bad_notices += 1
+            log.warning("inconsistent notice", extra={"engine_id": slot.engine_id, "error": str(err)})
+            outcome = None
+        alive = outcome is not None and outcome.alive
+        if not alive and notice.ok:
+            self.num_stale_notices += 1
+            if self._metrics is not None:
+                self._metrics.stale_reads.labels("holder").inc()
+        try:
+            slot.agent.notify(sender, ReadAck(notice.request_id, notice.reader_engine_id, notice.reader_rank, alive).encode())
+        except NixlError:
+            self.num_ack_errors += 1  # the reader is gone or never introduced itself; it fails on its deadline
+        if outcome is not None and outcome.failed:
+            self._on_hold_event(slot, "FAILED", HoldEnd(notice.request_id, "FAILED", (),
+                                                       f"reader {notice.reader_engine_id}/{notice.reader_rank} failed"))
+        if outcome is not None and outcome.end is not None:
+            self._on_hold_event(slot, outcome.end.kind, outcome.end)
+
+    def _on_ack(self, slot: EngineSlot, sender: str, message: bytes) -> None:
+        try:
+            ack = ReadAck.decode(message)
+        except InvalidArgumentError:
+            self.num_bad_notices += 1
+            return
+        entry = self._awaiting.get((ack.reader_engine_id, sender, ack.request_id))
+        if entry is None or entry[0].slot is not slot:
+            self.num_stray_acks += 1  # the read ended already (deadline, abort)
+            return
+        read, q = entry
+        read.acks[q] = ack.alive
+
+
+def _failure_kind(error: str) -> str:
+    """A bounded label for metrics: deadline | remote_gone | transfer."""
+    if "deadline:" in error:
+        return "deadline"
+    if "Disconnect" in error or "NotFound" in error:
+        return "remote_gone"
+    return "transfer"
+
+
+def error_result(read: DaemonRead, error: str) -> ReadResult:
+    planned = read.planned
+    everything = tuple(range(len(read.remote.agent_names)))
+    return ReadResult(planned.request.request_id, read.remote.plan.remote_engine_id, False, 0, 0,
+                      time.perf_counter() - read.submitted_s, planned.invalid_block_ids(everything), everything, error)
+
+
+def _failed(read: DaemonRead, result: ReadResult, error: str, ranks: tuple[int, ...]) -> ReadResult:
+    failed = tuple(sorted(set(result.failed_ranks) | set(ranks)))
+    return replace(result, ok=False, failed_ranks=failed, error=error,
+                   invalid_block_ids=read.planned.invalid_block_ids(failed),
+                   num_bytes=sum(r.num_bytes for r in read.planned.reads if r.remote_rank not in failed),
+                   duration_s=time.perf_counter() - read.submitted_s)
+

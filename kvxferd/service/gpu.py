@@ -1,0 +1,136 @@
+"""Open GPU memory an engine shares: CUDA IPC handles and CUDA VMM fds.
+
+Both go through the CUDA libraries with ``ctypes`` (no CUDA build of torch
+needed in the daemon):
+
+* IPC: the 64-byte ``cudaIpcMemHandle_t`` of the engine's allocation (what
+  ``torch`` produces when it shares a CUDA storage) is opened with
+  ``cudaIpcOpenMemHandle``; the region starts ``offset`` bytes in.
+* VMM: a POSIX fd exported with ``cuMemExportToShareableHandle`` arrives
+  over the fd socket (see :mod:`kvxferd.service.fdpass`), is imported with
+  ``cuMemImportFromShareableHandle`` and mapped into a reserved range.
+
+Without a CUDA driver both raise :class:`UnavailableError` naming the field;
+``tests/gpu/`` exercises them on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+
+from kvxferd.errors import InvalidArgumentError, UnavailableError
+from kvxferd.plan.groups import RegionMemory
+
+IPC_HANDLE_BYTES = 64
+VMM_GRANULARITY = 2 << 20  # CUDA's minimum mapping granularity on current GPUs
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+_CU_HANDLE_TYPE_POSIX_FD = 1
+_CU_LOCATION_DEVICE = 1
+_CU_ACCESS_READWRITE = 3
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+def _load(names: tuple[str, ...], what: str, field: str) -> ctypes.CDLL:
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    found = ctypes.util.find_library(what)
+    if found:
+        return ctypes.CDLL(found)
+    raise UnavailableError(field, f"GPU memory needs the CUDA {what} library, which this daemon cannot load "
+                                  "(no GPU driver on this machine?)")
+
+
+def _cudart(field: str) -> ctypes.CDLL:
+    lib = _load(("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"), "cudart", field)
+    lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def _cuda(field: str) -> ctypes.CDLL:
+    return _load(("libcuda.so.1", "libcuda.so"), "cuda", field)
+
+
+def _check_rt(lib: ctypes.CDLL, code: int, call: str, field: str) -> None:
+    if code != 0:
+        raise InvalidArgumentError(field, f"{call} failed: {lib.cudaGetErrorString(code).decode()} ({code})")
+
+
+def _check_drv(code: int, call: str, field: str) -> None:
+    if code != 0:
+        raise InvalidArgumentError(field, f"{call} failed with CUresult {code}")
+
+
+@dataclass(eq=False)
+class GpuMapping:
+    """An opened GPU region; ``close`` after NIXL deregistered it."""
+
+    memory: RegionMemory
+    _close: object
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+
+def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
+    """Open a CUDA IPC handle; the region is ``[offset, offset + num_bytes)`` of the allocation."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise InvalidArgumentError(f"{field}.handle.cuda_ipc_handle", f"{len(handle)} bytes, a CUDA IPC handle has {IPC_HANDLE_BYTES}")
+    if offset < 0 or num_bytes <= 0 or device_id < 0:
+        raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
+    lib = _cudart(f"{field}.handle.cuda_ipc_handle")
+    _check_rt(lib, lib.cudaSetDevice(device_id), "cudaSetDevice", f"{field}.device_id")
+    base = ctypes.c_void_p()
+    _check_rt(lib, lib.cudaIpcOpenMemHandle(ctypes.byref(base), _IpcHandle(handle), _IPC_LAZY_ENABLE_PEER_ACCESS),
+              "cudaIpcOpenMemHandle", f"{field}.handle.cuda_ipc_handle")
+    return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), lambda: lib.cudaIpcCloseMemHandle(base))
+
+
+def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
+    """Import a VMM shareable fd and map it read-write on ``device_id``."""
+    if offset < 0 or num_bytes <= 0 or device_id < 0:
+        raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
+    f = f"{field}.handle.cuda_vmm_fd_index"
+    lib = _cuda(f)
+    _check_drv(lib.cuInit(0), "cuInit", f)
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check_drv(lib.cuDeviceGet(ctypes.byref(device), device_id), "cuDeviceGet", f"{field}.device_id")
+    _check_drv(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain", f)
+    _check_drv(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent", f)
+    handle = ctypes.c_ulonglong()
+    _check_drv(lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), _CU_HANDLE_TYPE_POSIX_FD),
+               "cuMemImportFromShareableHandle", f)
+    size = -(-(offset + num_bytes) // VMM_GRANULARITY) * VMM_GRANULARITY
+    base = ctypes.c_ulonglong()
+    _check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                       ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", f)
+    _check_drv(lib.cuMemMap(base, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)), "cuMemMap", f)
+    access = _AccessDesc(_Location(_CU_LOCATION_DEVICE, device_id), _CU_ACCESS_READWRITE)
+    _check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess", f)
+    os.close(fd)  # the imported handle keeps the allocation alive
+
+    def close() -> None:
+        lib.cuMemUnmap(base, ctypes.c_size_t(size))
+        lib.cuMemAddressFree(base, ctypes.c_size_t(size))
+        lib.cuMemRelease(handle)
+
+    return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), close)

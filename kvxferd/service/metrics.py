@@ -1,0 +1,54 @@
+"""Prometheus metrics of one daemon (its own registry, bounded labels only).
+
+Labels never carry engine, request or peer ids: a failure ``kind`` is one
+of a fixed set, an RPC ``method`` is one of the service's methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+FAILURE_KINDS = ("transfer", "deadline", "stale", "remote_gone", "handshake", "aborted", "engine_gone")
+_LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+_DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class Metrics:
+    """Every metric the daemon exports."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.read_duration = Histogram("kvxferd_read_duration_seconds", "submit to completion of a read (incl. holder acks)",
+                                       ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.read_post = Histogram("kvxferd_read_post_seconds", "submit to every rank posted",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.read_bytes = Counter("kvxferd_read_bytes", "bytes read into local engines", registry=r)
+        self.read_descriptors = Histogram("kvxferd_read_descriptors", "NIXL descriptors posted per read",
+                                          buckets=_DESCRIPTOR_BUCKETS, registry=r)
+        self.read_failures = Counter("kvxferd_read_failures", "failed reads by kind", ["kind"], registry=r)
+        for kind in FAILURE_KINDS:
+            self.read_failures.labels(kind)
+        self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",
+                                            ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.leases_expired = Counter("kvxferd_leases_expired", "holds whose lease ran out unread", registry=r)
+        self.stale_reads = Counter("kvxferd_stale_reads", "reads caught racing a freed hold", ["side"], registry=r)
+        self.events = Counter("kvxferd_notify_events", "notify-bus events published", ["kind"], registry=r)
+        self.rpc_errors = Counter("kvxferd_rpc_errors", "RPCs answered with an error status", ["method", "code"],
+                                  registry=r)
+        self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)
+        self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
+        self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)
+
+    def bind_gauges(self, holds: Callable[[], int], reads: Callable[[], int], engines: Callable[[], int]) -> None:
+        """Gauges read at scrape time from the daemon's state."""
+        self.holds_pending.set_function(holds)
+        self.reads_in_flight.set_function(reads)
+        self.engines.set_function(engines)
+
+    def serve(self, host: str, port: int) -> tuple[object, int]:
+        """Start the HTTP endpoint; returns (server, bound port)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, server.server_port

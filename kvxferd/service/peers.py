@@ -1,0 +1,163 @@
+"""Handshakes with remote engines and keeping them current.
+
+A link is one (local engine, remote engine) pair: the remote daemons'
+addresses (one per remote TP rank), their incarnations and the connected
+plan. Handshakes are idempotent and shared: concurrent callers for the same
+remote await one attempt; other remotes are never blocked by it (the slow
+part, fetching engine info, is async; only the final connect runs on the
+data-plane thread, for milliseconds).
+
+A link turns stale when a read to it fails or a probe sees a new
+incarnation (the remote restarted); the next handshake replaces the plan
+and the NIXL agents, and reads still in flight to the old incarnation fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.dataplane import DataPlane
+from kvxferd.service.metrics import Metrics
+from kvxferd.service.peerinfo import PROTOCOL_VERSION, decode_info
+from kvxferd.service.slots import EngineSlot
+from kvxferd.xfer.reads import RemoteEngine
+
+log = logging.getLogger("kvxferd.peers")
+
+
+@dataclass(eq=False)
+class RemoteLink:
+    remote_engine_id: str
+    addresses: tuple[str, ...]
+    incarnations: tuple[str, ...] = ()
+    remote: RemoteEngine | None = None
+    stale: bool = True
+    pending: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.remote is not None and not self.stale and self.pending is None
+
+
+class Peers:
+    """Outgoing peer calls of one daemon."""
+
+    def __init__(self, dataplane: DataPlane, metrics: Metrics, *, timeout_s: float, max_message_bytes: int) -> None:
+        self.dataplane = dataplane
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self._options = [("grpc.max_receive_message_length", max_message_bytes)]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> pb_grpc.PeerServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
+        return pb_grpc.PeerServiceStub(channel)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def handshake(self, slot: EngineSlot, remote_engine_id: str, addresses: tuple[str, ...] | None = None) -> RemoteLink:
+        """Connect ``slot`` to a remote engine (or confirm the connection); shared by concurrent callers."""
+        link = slot.links.get(remote_engine_id)
+        if addresses:
+            if link is None:
+                link = slot.links[remote_engine_id] = RemoteLink(remote_engine_id, tuple(addresses))
+            elif tuple(addresses) != link.addresses:
+                link.addresses, link.stale = tuple(addresses), True
+        elif link is None:
+            raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet (call Handshake first)")
+        if link.pending is None:
+            link.pending = asyncio.ensure_future(self._handshake(slot, link))
+            link.pending.add_done_callback(lambda _f, link=link: setattr(link, "pending", None))
+        await asyncio.shield(link.pending)
+        return link
+
+    async def _handshake(self, slot: EngineSlot, link: RemoteLink) -> None:
+        start = time.perf_counter()
+        try:
+            infos = await asyncio.gather(*(self._engine_info(slot, link, q, a) for q, a in enumerate(link.addresses)))
+            incarnations = tuple(info.incarnation for info in infos)
+            if link.remote is not None and not link.stale and incarnations == link.incarnations \
+                    and slot.executor.is_current(link.remote):
+                return  # idempotent: nothing changed
+            caches, metadata = [i.cache for i in infos], [i.agent_metadata for i in infos]
+
+            def connect() -> RemoteEngine:
+                self.dataplane.fail_reads(slot, "the remote engine was re-handshaked (restarted or unreachable)",
+                                          link.remote_engine_id)
+                return slot.executor.connect(caches, metadata)
+
+            link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
+            link.incarnations, link.stale = incarnations, False
+            self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)
+            log.info("handshake done", extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id,
+                                              "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4)})
+        except BaseException:
+            self.metrics.handshake_duration.labels("failed").observe(time.perf_counter() - start)
+            link.stale = True
+            raise
+
+    async def _engine_info(self, slot: EngineSlot, link: RemoteLink, q: int, address: str):
+        field = f"peer_addresses[{q}]"
+        request = pb.EngineInfoRequest(engine_id=link.remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=q,
+                                       reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
+                                       reader_agent_metadata=slot.metadata)
+        try:
+            reply = await self.stub(address).GetEngineInfo(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _peer_error(field, address, err) from None
+        try:
+            info = decode_info(reply, slot.cache)
+        except KvxferError as err:
+            raise type(err)(f"{field}.{err.field}", err.message) from None
+        if (info.cache.tp_rank, info.cache.tp_size) != (q, len(link.addresses)):
+            raise InvalidArgumentError(field, f"{address} serves rank {info.cache.tp_rank}/{info.cache.tp_size}, "
+                                              f"expected {q}/{len(link.addresses)}")
+        return info
+
+    async def probe(self, slot: EngineSlot, link: RemoteLink) -> bool:
+        """True when every remote rank still runs the incarnation we planned for."""
+        async def one(address: str, incarnation: str) -> bool:
+            try:
+                reply = await self.stub(address).GetIncarnation(
+                    pb.IncarnationRequest(engine_id=link.remote_engine_id), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError:
+                return False
+            return reply.incarnation == incarnation
+        results = await asyncio.gather(*(one(a, i) for a, i in zip(link.addresses, link.incarnations)))
+        return all(results)
+
+    async def renew(self, link: RemoteLink, request_ids: list[str], lease_s: float) -> None:
+        """Extend the holder's leases on every remote rank holding these requests."""
+        if link.remote is None:
+            return
+        message = pb.RenewLeaseRequest(engine_id=link.remote_engine_id, request_ids=request_ids, lease_s=lease_s)
+        calls = [self.stub(link.addresses[q]).RenewLeases(message, timeout=self.timeout_s)
+                 for q in link.remote.plan.notify_ranks]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.warning("lease renewal failed", extra={"remote_engine_id": link.remote_engine_id, "error": str(outcome)})
+
+
+def _peer_error(field: str, address: str, err: grpc.aio.AioRpcError) -> KvxferError:
+    """A peer's gRPC failure as our typed error, keeping its status meaning."""
+    detail = f"{address}: {err.code().name}: {err.details()}"
+    if err.code() == grpc.StatusCode.NOT_FOUND:
+        return NotFoundError(field, detail)
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgumentError(field, detail)
+    if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        return LayoutMismatchError(field, detail)
+    return TransferError(field, detail)

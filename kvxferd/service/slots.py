@@ -1,0 +1,63 @@
+"""One registered engine rank inside the daemon.
+
+A slot owns what the engine handed over (its mapped memory), the NIXL agent
+and executor that register that memory, the holds of its requests and the
+engine's completion queue. The event loop and the data-plane thread share
+it; ``holds`` is guarded by ``lock``, everything else belongs to one side
+as marked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvxferd.plan.groups import EngineCache
+from kvxferd.plan.leases import HoldTable
+from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.reads import ReadExecutor
+
+
+@dataclass(eq=False)
+class ActiveRead:
+    """A read the engine submitted and has not been told about yet (loop side)."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    submitted_s: float  # monotonic
+
+
+@dataclass(eq=False)
+class EngineSlot:
+    """An engine rank's registration."""
+
+    cache: EngineCache
+    incarnation: str
+    agent: NixlAgent
+    executor: ReadExecutor
+    mapped: list  # MappedRegion / GPU mappings: closed after NIXL deregistration
+    lease_s: float
+    lease_expires_s: float  # monotonic; pushed back by heartbeats (loop side)
+    holds: HoldTable = field(default_factory=HoldTable)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    completions: asyncio.Queue = field(default_factory=asyncio.Queue)  # loop side
+    active: dict[str, ActiveRead] = field(default_factory=dict)  # loop side, by request id
+    links: dict = field(default_factory=dict)  # remote engine id -> RemoteLink (loop side)
+    readers: dict[tuple[str, int], str] = field(default_factory=dict)  # introduced reader -> its agent name
+    metadata: bytes = b""  # NIXL agent metadata after registration
+    closing: bool = False
+
+    @property
+    def engine_id(self) -> str:
+        return self.cache.engine_id
+
+    def heartbeat(self) -> None:
+        self.lease_expires_s = time.monotonic() + self.lease_s
+
+    def close_memory(self) -> None:
+        """Unmap what the engine handed over (NIXL must have deregistered it)."""
+        for mapping in self.mapped:
+            mapping.close()
+        self.mapped = []
