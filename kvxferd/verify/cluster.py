@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
-from kvxferd.verify.engines import allocate_engine, check_buffers, count_wrong_bytes, expected_buffers
+from kvxferd.verify.engines import allocate_engine, verify_decode
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.pump import NotificationPump
 from kvxferd.xfer.reads import ReadExecutor, ReadResult
@@ -61,12 +61,7 @@ class LocalCluster:
 
     def verify(self, request: ReadRequest) -> tuple[list[str], int]:
         """``(mismatch descriptions, wrong byte count)`` over every decode rank."""
-        problems, wrong = [], 0
-        for engine in self.decode:
-            expected = expected_buffers(engine.cache, self.prefill_groups, request)
-            problems += check_buffers(engine, expected)
-            wrong += count_wrong_bytes(engine, expected)
-        return problems, wrong
+        return verify_decode(self.decode, self.prefill_groups, request)
 
     def reset_decode(self) -> None:
         for engine in self.decode:

@@ -10,7 +10,7 @@ positions alone (no plan, no units, no layouts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,12 +65,18 @@ class EngineBuffers:
                 buf[...] = SENTINEL
 
 
-def allocate_engine(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_rank: int, *, tagged: bool) -> EngineBuffers:
-    """Allocate (and tag, for a prefill rank) every region of one engine rank."""
+def allocate_engine(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_rank: int, *, tagged: bool,
+                    allocate: Callable[[int], np.ndarray] | None = None) -> EngineBuffers:
+    """Allocate (and tag, for a prefill rank) every region of one engine rank.
+
+    ``allocate(num_bytes)`` supplies the arena (default: process memory;
+    engines behind a daemon pass shared memory).
+    """
     sizes = [region_num_bytes(group.spec, tp_size, tp_rank) for group in groups]
     strides = [-(-size // REGION_GAP_BYTES) * REGION_GAP_BYTES + REGION_GAP_BYTES for size in sizes]
-    arena = np.full(sum(stride * group.num_regions for stride, group in zip(strides, groups)) + REGION_GAP_BYTES,
-                    SENTINEL, dtype=np.uint8)
+    num_bytes = sum(stride * group.num_regions for stride, group in zip(strides, groups)) + REGION_GAP_BYTES
+    arena = np.empty(num_bytes, dtype=np.uint8) if allocate is None else allocate(num_bytes)
+    arena[...] = SENTINEL
     buffers, memory, offset = [], [], REGION_GAP_BYTES
     for g, group in enumerate(groups):
         regions = []
@@ -110,6 +116,17 @@ def count_wrong_bytes(engine: EngineBuffers, expected: list[list[np.ndarray]]) -
     return sum(int(np.count_nonzero(actual != want))
                for actual_group, expected_group in zip(engine.buffers, expected)
                for actual, want in zip(actual_group, expected_group))
+
+
+def verify_decode(decode: Sequence[EngineBuffers], prefill_groups: Sequence[CacheGroup],
+                  request: ReadRequest) -> tuple[list[str], int]:
+    """``(mismatch descriptions, wrong byte count)`` over every decode rank for ``request`` alone."""
+    problems, wrong = [], 0
+    for engine in decode:
+        expected = expected_buffers(engine.cache, prefill_groups, request)
+        problems += check_buffers(engine, expected)
+        wrong += count_wrong_bytes(engine, expected)
+    return problems, wrong
 
 
 def check_buffers(engine: EngineBuffers, expected: list[list[np.ndarray]], *, limit: int = 3) -> list[str]:

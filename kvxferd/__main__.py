@@ -1,0 +1,3 @@
+from kvxferd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""Start ``kvxferd serve`` as a child process and learn its addresses."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+READY = re.compile(r"^kvxferd ready: (.*)$")
+
+
+class DaemonProcess:
+    """A daemon child process; ``addresses`` has engine, peer, notify, metrics."""
+
+    def __init__(self, daemon_id: str, *, socket_dir: str | None = None, extra_args: tuple[str, ...] = (),
+                 ready_timeout_s: float = 60.0, env: dict | None = None, wait: bool = True) -> None:
+        self.daemon_id = daemon_id
+        self.socket = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.sock")
+        self.args = [sys.executable, "-m", "kvxferd", "serve", "--daemon-id", daemon_id, "--engine-socket", self.socket,
+                     "--peer-port", "0", "--notify-port", "0", "--metrics-port", "0", *extra_args]
+        self.log_path = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.log")
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                        env={**os.environ, **(env or {})})
+        self.ready_timeout_s = ready_timeout_s
+        self.addresses: dict[str, str] = {}
+        if wait:
+            self.wait_ready()
+
+    @classmethod
+    def start_many(cls, daemon_ids, **kwargs) -> list["DaemonProcess"]:
+        """Start several daemons at once, then wait for each (start-up runs in parallel)."""
+        daemons = [cls(daemon_id, wait=False, **kwargs) for daemon_id in daemon_ids]
+        try:
+            for daemon in daemons:
+                daemon.wait_ready()
+        except BaseException:
+            for daemon in daemons:
+                daemon.kill()
+            raise
+        return daemons
+
+    def wait_ready(self) -> dict[str, str]:
+        """Block until the ready line; raises with the log tail if the daemon died."""
+        self.addresses = self._wait_ready(self.ready_timeout_s)
+        return self.addresses
+
+    def _wait_ready(self, timeout_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            if match := READY.match(line.strip()):
+                return dict(part.split("=", 1) for part in match.group(1).split())
+        self.kill()
+        raise RuntimeError(f"daemon {self.daemon_id} did not start (exit {self.process.poll()}); log: {self.tail()}")
+
+    @property
+    def engine_target(self) -> str:
+        return self.addresses["engine"]
+
+    @property
+    def peer_address(self) -> str:
+        return self.addresses["peer"]
+
+    def tail(self, num_bytes: int = 3000) -> str:
+        with open(self.log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - num_bytes))
+            return log.read().decode(errors="replace")
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.process.wait()
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

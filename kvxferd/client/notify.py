@@ -1,0 +1,90 @@
+"""Subscribe to an engine's hold events on its daemon's notify bus, with no gaps.
+
+ZMQ PUB/SUB drops what is published before a subscription takes effect
+(and under back-pressure). The subscriber therefore delivers strictly in
+sequence: a jump in ``seq``, or silence while waiting, makes it fetch the
+missing events with ``MissedEvents``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import zmq
+
+from kvxferd.client.engine import EngineClient
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.bus import topic
+
+TERMINAL = (pb.NotifyEvent.CONSUMED, pb.NotifyEvent.EXPIRED)
+
+
+class NotifySubscriber:
+    """Events of ``client``'s engine, in order, each exactly once."""
+
+    def __init__(self, client: EngineClient, *, catch_up_s: float = 0.2) -> None:
+        self.client = client
+        self.catch_up_s = catch_up_s
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic(client.engine_id))
+        self._socket.connect(client.notify_address)
+        self.last_seq = 0
+        self.num_fetched = 0  # events that came over gRPC instead of the bus
+        self._ready: collections.deque[pb.NotifyEvent] = collections.deque()
+        self._held: dict[str, list[pb.NotifyEvent]] = {}
+
+    def _catch_up(self) -> None:
+        reply = self.client.missed_events(self.last_seq)
+        for event in reply.events:
+            self._accept(event, fetched=True)
+
+    def _accept(self, event: pb.NotifyEvent, *, fetched: bool = False) -> None:
+        if event.seq <= self.last_seq:
+            return  # already delivered (came both ways)
+        if event.seq > self.last_seq + 1:
+            self._catch_up()  # fills the gap, then this event (or a newer one) arrives again
+            if event.seq <= self.last_seq:
+                return
+        self.last_seq = event.seq
+        self.num_fetched += fetched
+        self._ready.append(event)
+
+    def next(self, timeout_s: float = 10.0) -> pb.NotifyEvent | None:
+        """The next event in sequence, or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._socket.poll(int(min(left, self.catch_up_s) * 1000)):
+                _topic, data = self._socket.recv_multipart()
+                event = pb.NotifyEvent()
+                event.ParseFromString(data)
+                self._accept(event)
+            else:
+                self._catch_up()  # quiet bus: maybe the subscription missed the tail
+        return self._ready.popleft()
+
+    def wait_for(self, request_id: str, kinds=TERMINAL, timeout_s: float = 10.0) -> pb.NotifyEvent | None:
+        """The first event of ``request_id`` whose kind is in ``kinds``; other events are kept."""
+        for n, event in enumerate(self._held.get(request_id, ())):
+            if event.kind in kinds:
+                return self._held[request_id].pop(n)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            event = self.next(left)
+            if event is None:
+                break
+            if event.request_id == request_id and event.kind in kinds:
+                return event
+            self._held.setdefault(event.request_id, []).append(event)
+        return None
+
+    def events_of(self, request_id: str) -> list[pb.NotifyEvent]:
+        """Events of ``request_id`` seen so far and not taken by :meth:`wait_for`."""
+        return list(self._held.get(request_id, ()))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)

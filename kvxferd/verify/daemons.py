@@ -1,0 +1,121 @@
+"""Prefill and decode engines behind real daemons: the end-to-end proof.
+
+Every TP rank gets its own ``kvxferd serve`` process; the engine ranks are
+host caches in POSIX shared memory, registered over gRPC from this process.
+A request is held on every prefill rank, read by every decode rank through
+its daemon, checked byte for byte against the oracle, and the prefill side
+must see exactly one CONSUMED event per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvxferd.client import DaemonProcess, EngineClient, NotifySubscriber, SharedArena, engine_rank_pb
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.verify.engines import EngineBuffers, allocate_engine, verify_decode
+
+
+class DaemonCluster:
+    """A prefill engine (TP ``prefill_tp``) and a decode engine (TP ``decode_tp``), one daemon per rank."""
+
+    def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
+                 prefill_tp: int, decode_tp: int, *, workdir: str, name: str = "c", lease_s: float = 30.0,
+                 daemon_args: tuple[str, ...] = ()) -> None:
+        self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
+        self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
+        self.workdir, self.lease_s, self.daemon_args = workdir, lease_s, daemon_args
+        self.arenas: list[SharedArena] = []
+        self.daemons: list[DaemonProcess] = []
+        self.clients: list[EngineClient] = []
+        self.subscribers: list[NotifySubscriber] = []
+        try:
+            ids = [f"{name}-p{q}" for q in range(prefill_tp)] + [f"{name}-d{r}" for r in range(decode_tp)]
+            self.daemons = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args)
+            self.prefill = [self._engine(self.prefill_id, prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
+            self.decode = [self._engine(self.decode_id, decode_groups, decode_tp, r, False) for r in range(decode_tp)]
+            # Registration creates a NIXL agent (about a second): all ranks at once.
+            with ThreadPoolExecutor(len(self.daemons)) as pool:
+                clients = list(pool.map(self._register, self.daemons, self.prefill + self.decode))
+            self.prefill_clients, self.decode_clients = clients[:prefill_tp], clients[prefill_tp:]
+            self.subscribers = [NotifySubscriber(c) for c in self.prefill_clients]
+            self.handshake()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def prefill_daemons(self) -> list[DaemonProcess]:
+        return self.daemons[: len(self.prefill)]
+
+    @property
+    def decode_daemons(self) -> list[DaemonProcess]:
+        return self.daemons[len(self.prefill):]
+
+    def _engine(self, engine_id, groups, tp_size, rank, tagged) -> EngineBuffers:
+        def allocate(num_bytes):
+            self.arenas.append(SharedArena(num_bytes))
+            return self.arenas[-1].array
+        return allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=allocate)
+
+    def _register(self, daemon: DaemonProcess, engine: EngineBuffers) -> EngineClient:
+        client = EngineClient(daemon.engine_target)
+        self.clients.append(client)
+        arena = next(a for a in self.arenas if a.array.ctypes.data == engine.arena.ctypes.data)
+        client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)
+        return client
+
+    def handshake(self) -> None:
+        addresses = [d.peer_address for d in self.prefill_daemons]
+        for client in self.decode_clients:
+            client.handshake(self.prefill_id, addresses)
+
+    def hold(self, request: ReadRequest, *, lease_s: float = 0.0) -> None:
+        for client in self.prefill_clients:
+            client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s)
+
+    def submit(self, request: ReadRequest, *, deadline_s: float = 0.0) -> None:
+        for client in self.decode_clients:
+            client.submit_read(request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
+                               request.remote_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s)
+
+    def completions(self, request: ReadRequest, timeout_s: float = 30.0) -> list[pb.Completion]:
+        return [client.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]
+
+    def read(self, request: ReadRequest, timeout_s: float = 30.0, *, hold: bool = True) -> list[pb.Completion]:
+        """Hold on every prefill rank, read on every decode rank, return the completions."""
+        if hold:
+            self.hold(request)
+        self.submit(request)
+        return self.completions(request, timeout_s)
+
+    def hold_events(self, request: ReadRequest, timeout_s: float = 10.0) -> list[pb.NotifyEvent | None]:
+        """The terminal event (CONSUMED or EXPIRED) of every prefill rank for ``request``."""
+        return [s.wait_for(request.remote_request_id, timeout_s=timeout_s) for s in self.subscribers]
+
+    def verify(self, request: ReadRequest) -> tuple[list[str], int]:
+        return verify_decode(self.decode, self.prefill_groups, request)
+
+    def reset_decode(self) -> None:
+        for engine in self.decode:
+            engine.reset()
+
+    def close(self) -> None:
+        """Deregister, stop the daemons (SIGTERM), free the shared memory."""
+        for subscriber in self.subscribers:
+            subscriber.close()
+        for client in self.clients:
+            client.close()
+        for daemon in self.daemons:
+            daemon.terminate()
+        for arena in self.arenas:
+            arena.close()
+
+    def __enter__(self) -> "DaemonCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
