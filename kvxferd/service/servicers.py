@@ -41,14 +41,14 @@ def rpc(fn):
         try:
             return await fn(self, request, context)
         except KvxferError as err:
-            code = status_code(err)
+            code, message = status_code(err), str(err)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as err:  # a bug: keep serving, tell the caller
             log.exception("internal error", extra={"method": name})
-            code, err = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
         self.daemon.metrics.rpc_errors.labels(name, code.name).inc()
-        await context.abort(code, str(err))
+        await context.abort(code, message)
 
     return handler
 

@@ -68,6 +68,22 @@ class DaemonCluster:
         client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)
         return client
 
+    def restart_prefill(self, q: int) -> None:
+        """Stop prefill rank ``q``'s daemon (SIGTERM), start a new one on the same addresses, re-register.
+
+        The engine's cache (shared memory) survives; the new daemon has a
+        new incarnation, so decode daemons must re-handshake.
+        """
+        old = self.daemons[q]
+        old.terminate()
+        port = old.peer_address.rsplit(":", 1)[1]
+        self.daemons[q] = DaemonProcess(old.daemon_id, socket_dir=self.workdir,
+                                        extra_args=(*self.daemon_args, "--peer-port", port))
+        self.subscribers[q].close()
+        self.prefill_clients[q].close()
+        self.prefill_clients[q] = self._register(self.daemons[q], self.prefill[q])
+        self.subscribers[q] = NotifySubscriber(self.prefill_clients[q])
+
     def handshake(self) -> None:
         addresses = [d.peer_address for d in self.prefill_daemons]
         for client in self.decode_clients:

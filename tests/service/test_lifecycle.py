@@ -1,0 +1,147 @@
+"""Life-cycle of daemons and engines: disconnects, restarts, expiry, dead peers, SIGTERM."""
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxferd.client import EngineClient
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.verify.daemons import DaemonCluster
+from kvxferd.verify.models import ModelShape, model_groups, random_request
+
+FAST = ("--peer-check-s", "0.3")
+
+
+def _groups(model="gqa"):
+    return model_groups(model, ModelShape())
+
+
+def _request(name, seed=0):
+    prefill_groups, decode_groups = _groups()
+    return random_request(name, prefill_groups, decode_groups, 48, np.random.default_rng(seed))
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def _metric(daemon, name: str) -> float:
+    import urllib.request
+    text = urllib.request.urlopen(daemon.addresses["metrics"], timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_engine_disconnect_deregisters_and_expires_its_holds(workdir):
+    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name="gone", lease_s=0.6) as cluster:
+        request = _request("r")
+        cluster.hold(request, lease_s=30)
+        prefill = cluster.prefill_clients[0]
+        prefill.close()  # the engine dies: no heartbeats, no deregistration
+        observer = EngineClient(cluster.prefill_daemons[0].engine_target)
+        observer.engine_id = cluster.prefill_id
+        deadline = time.monotonic() + 10
+        while not observer.missed_events(0).events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (event,) = observer.missed_events(0).events
+        assert event.kind == pb.NotifyEvent.EXPIRED and "engine gone" in event.reason
+        assert _code(lambda: observer.stub.Heartbeat(pb.HeartbeatRequest(engine_id=cluster.prefill_id))) == grpc.StatusCode.NOT_FOUND
+        peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
+        assert _code(lambda: peer.GetEngineInfo(pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=1))) \
+            == grpc.StatusCode.NOT_FOUND
+        assert _metric(cluster.prefill_daemons[0], "kvxferd_engines_registered") == 0
+        # A read from the vanished engine fails cleanly (no hold, no memory behind it).
+        cluster.submit(request, deadline_s=3)
+        (completion,) = cluster.completions(request)
+        assert not completion.ok and completion.invalid_block_ids
+        observer.close()
+
+
+def test_deregister_ends_the_completion_stream(workdir):
+    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name="dereg") as cluster:
+        decode = cluster.decode_clients[0]
+        decode.deregister()
+        deadline = time.monotonic() + 5
+        while decode._threads[0].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not decode._threads[0].is_alive()  # WatchCompletions ended
+        assert _code(lambda: decode.submit_read("x", cluster.prefill_id, "y", [[0]], [[0]])) == grpc.StatusCode.NOT_FOUND
+
+
+def test_restarted_prefill_daemon_is_picked_up(workdir):
+    with DaemonCluster(*_groups(), 2, 1, workdir=workdir, name="restart", daemon_args=FAST) as cluster:
+        first = _request("before", 1)
+        assert all(c.ok for c in cluster.read(first))
+        cluster.restart_prefill(1)  # new process, new incarnation, same address
+        for n in range(3):
+            request = _request(f"after{n}", 2 + n)
+            cluster.reset_decode()
+            completions = cluster.read(request)
+            assert all(c.ok for c in completions), [c.error for c in completions]
+            assert cluster.verify(request) == ([], 0)
+            assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
+        log = cluster.decode_daemons[0].tail(20000)
+        assert log.count('"handshake done"') >= 2
+
+
+def test_expired_hold_publishes_expired_and_a_late_read_fails(workdir):
+    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name="late") as cluster:
+        request = _request("late")
+        cluster.hold(request, lease_s=0.3)
+        (event,) = cluster.hold_events(request)
+        assert event.kind == pb.NotifyEvent.EXPIRED and event.reason == "lease"
+        cluster.submit(request)  # the bytes move, but the holder no longer vouches for them
+        (completion,) = cluster.completions(request)
+        assert not completion.ok and "stale" in completion.error
+        assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
+        assert _metric(cluster.decode_daemons[0], 'kvxferd_stale_reads_total{side="reader"}') == 1
+        assert _metric(cluster.prefill_daemons[0], 'kvxferd_stale_reads_total{side="holder"}') == 1
+        assert _metric(cluster.prefill_daemons[0], "kvxferd_leases_expired_total") == 1
+        # A renewed lease outlives its first term.
+        renewed = _request("renewed", 3)
+        cluster.hold(renewed, lease_s=0.3)
+        assert cluster.prefill_clients[0].renew([renewed.remote_request_id, "nope"], lease_s=30) == ["nope"]
+        time.sleep(0.6)
+        assert all(c.ok for c in cluster.read(renewed, hold=False))
+        assert [e.kind for e in cluster.hold_events(renewed)] == [pb.NotifyEvent.CONSUMED]
+        # Released by the engine: EXPIRED with the reason, and a read after it fails.
+        released = _request("released", 4)
+        cluster.hold(released)
+        cluster.prefill_clients[0].release(released.remote_request_id)
+        (event,) = cluster.hold_events(released)
+        assert event.kind == pb.NotifyEvent.EXPIRED and event.reason == "released"
+        assert not cluster.read(released, hold=False)[0].ok
+
+
+def test_killed_prefill_daemon_fails_reads_within_their_deadline(workdir):
+    with DaemonCluster(*_groups(), 2, 1, workdir=workdir, name="killed") as cluster:
+        request = _request("doomed")
+        cluster.hold(request)
+        cluster.prefill_daemons[1].kill()
+        start = time.monotonic()
+        cluster.submit(request, deadline_s=2.0)
+        (completion,) = cluster.completions(request, timeout_s=10)
+        assert time.monotonic() - start < 2.0 + 1.0
+        assert not completion.ok and 1 in completion.failed_ranks
+        assert any(len(b.ids) for b in completion.invalid_block_ids)
+        # The decode daemon keeps serving: its other engine-facing calls still answer.
+        assert cluster.decode_clients[0].missed_events(0).last_seq == 0
+
+
+def test_sigterm_drains_in_flight_reads(workdir):
+    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name="drain") as cluster:
+        requests = [_request(f"d{n}", n) for n in range(20)]
+        for request in requests:
+            cluster.hold(request)
+        for request in requests:
+            cluster.submit(request)
+        decode = cluster.decode_daemons[0]
+        decode.process.send_signal(15)
+        completions = [cluster.decode_clients[0].wait_completion(r.request_id, 10) for r in requests]
+        assert len(completions) == 20 and all(c.ok for c in completions)
+        assert decode.process.wait(30) == 0
+        assert '"drained"' in decode.tail(5000)
