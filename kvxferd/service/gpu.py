@@ -68,14 +68,22 @@ def _cuda(field: str) -> ctypes.CDLL:
     return _load(("libcuda.so.1", "libcuda.so"), "cuda", field)
 
 
+# Codes that mean "no usable GPU here" rather than "bad handle": initialization
+# error, insufficient driver, stub library, no device, driver mismatch.
+_NO_GPU_RUNTIME = {3, 34, 35, 100, 803, 804}
+_NO_GPU_DRIVER = {3, 34, 100, 803, 804}
+
+
 def _check_rt(lib: ctypes.CDLL, code: int, call: str, field: str) -> None:
     if code != 0:
-        raise InvalidArgumentError(field, f"{call} failed: {lib.cudaGetErrorString(code).decode()} ({code})")
+        kind = UnavailableError if code in _NO_GPU_RUNTIME else InvalidArgumentError
+        raise kind(field, f"{call} failed: {lib.cudaGetErrorString(code).decode()} ({code})")
 
 
 def _check_drv(code: int, call: str, field: str) -> None:
     if code != 0:
-        raise InvalidArgumentError(field, f"{call} failed with CUresult {code}")
+        kind = UnavailableError if code in _NO_GPU_DRIVER else InvalidArgumentError
+        raise kind(field, f"{call} failed with CUresult {code}")
 
 
 @dataclass(eq=False)
@@ -106,7 +114,14 @@ def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: 
 
 
 def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
-    """Import a VMM shareable fd and map it read-write on ``device_id``."""
+    """Import a VMM shareable fd and map it read-write on ``device_id``; always closes ``fd``."""
+    try:
+        return _import_vmm(fd, offset, num_bytes, device_id, field)
+    finally:
+        os.close(fd)  # an imported handle keeps the allocation alive without the fd
+
+
+def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
     if offset < 0 or num_bytes <= 0 or device_id < 0:
         raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
     f = f"{field}.handle.cuda_vmm_fd_index"
@@ -126,7 +141,6 @@ def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str)
     _check_drv(lib.cuMemMap(base, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)), "cuMemMap", f)
     access = _AccessDesc(_Location(_CU_LOCATION_DEVICE, device_id), _CU_ACCESS_READWRITE)
     _check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess", f)
-    os.close(fd)  # the imported handle keeps the allocation alive
 
     def close() -> None:
         lib.cuMemUnmap(base, ctypes.c_size_t(size))

@@ -1,0 +1,48 @@
+"""GPU handles: clear errors without a GPU; fds pass to the daemon over the fd socket."""
+
+import os
+
+import pytest
+
+from kvxferd.errors import InvalidArgumentError, UnavailableError
+from kvxferd.service import gpu
+from kvxferd.service.fdpass import FdInbox, send_fds
+
+NO_GPU = not os.path.exists("/dev/nvidia0")
+
+
+def test_ipc_handle_is_checked_before_cuda_is_touched():
+    with pytest.raises(InvalidArgumentError) as err:
+        gpu.open_ipc(b"short", 0, 16, 0, "groups[0].regions[0]")
+    assert err.value.field == "groups[0].regions[0].handle.cuda_ipc_handle"
+    with pytest.raises(InvalidArgumentError):
+        gpu.open_ipc(b"\0" * 64, -1, 16, 0, "r")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU: tests/gpu/ covers it")
+def test_without_a_gpu_both_kinds_fail_as_unavailable():
+    with pytest.raises(UnavailableError) as err:
+        gpu.open_ipc(b"\0" * 64, 0, 16, 0, "r")
+    assert err.value.field.startswith("r.")
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    with pytest.raises(UnavailableError):
+        gpu.import_vmm(read_end, 0, 16, 0, "r")
+    with pytest.raises(OSError):
+        os.fstat(read_end)  # the fd was consumed either way
+
+
+def test_fds_travel_with_a_token(tmp_path):
+    inbox = FdInbox(str(tmp_path / "e.sock.fds"))
+    try:
+        read_end, write_end = os.pipe()
+        send_fds(inbox.path, "tok", [write_end])
+        (received,) = inbox.take("tok")
+        os.write(received, b"hi")  # the daemon's copy writes into the engine's pipe
+        assert os.read(read_end, 2) == b"hi"
+        for fd in (received, read_end, write_end):
+            os.close(fd)
+        with pytest.raises(InvalidArgumentError):
+            inbox.take("tok")
+    finally:
+        inbox.close()
