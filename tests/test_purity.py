@@ -33,6 +33,8 @@ ALLOWED = {
     "tp": {"errors", "tp"},
     "plan": {"errors", "layout", "tp", "plan"},
     "xfer": {"errors", "layout", "tp", "plan", "xfer"},
+    "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "service"},
+    "client": {"errors", "layout", "tp", "plan", "proto", "service", "client"},
 }
 
 

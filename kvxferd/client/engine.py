@@ -91,14 +91,28 @@ class EngineClient:
         return self.stub.Handshake(pb.HandshakeRequest(engine_id=self.engine_id, remote_engine_id=remote_engine_id,
                                                        peer_addresses=list(peer_addresses)), timeout=self.timeout_s)
 
+    def _read_message(self, request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
+                      num_tokens, deadline_s) -> pb.SubmitReadRequest:
+        return pb.SubmitReadRequest(
+            engine_id=self.engine_id, request_id=request_id, remote_engine_id=remote_engine_id,
+            remote_request_id=remote_request_id, local_block_ids=ids_to_pb(local_block_ids),
+            remote_block_ids=ids_to_pb(remote_block_ids), num_tokens=num_tokens, deadline_s=deadline_s)
+
     def submit_read(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                     remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> None:
         """Submit a read; returns once the daemon accepted it (completion comes later)."""
-        self.stub.SubmitRead(pb.SubmitReadRequest(
-            engine_id=self.engine_id, request_id=request_id, remote_engine_id=remote_engine_id,
-            remote_request_id=remote_request_id, local_block_ids=ids_to_pb(local_block_ids),
-            remote_block_ids=ids_to_pb(remote_block_ids), num_tokens=num_tokens, deadline_s=deadline_s),
-            timeout=self.timeout_s)
+        self.stub.SubmitRead(self._read_message(request_id, remote_engine_id, remote_request_id, local_block_ids,
+                                                remote_block_ids, num_tokens, deadline_s), timeout=self.timeout_s)
+
+    def submit_read_async(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
+                          remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> grpc.Future:
+        """Submit without waiting; ``.result()`` raises the daemon's error; ``.call_s`` is the RPC time once done."""
+        start = time.perf_counter()
+        future = self.stub.SubmitRead.future(self._read_message(request_id, remote_engine_id, remote_request_id,
+                                                                local_block_ids, remote_block_ids, num_tokens,
+                                                                deadline_s), timeout=self.timeout_s)
+        future.add_done_callback(lambda f: setattr(f, "call_s", time.perf_counter() - start))
+        return future
 
     def wait_completion(self, request_id: str, timeout_s: float = 30.0) -> pb.Completion:
         """The completion of ``request_id`` (raises ``TimeoutError``)."""

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import grpc
@@ -46,6 +47,7 @@ from kvxferd.service.wire import ids_to_pb
 
 log = logging.getLogger("kvxferd.daemon")
 EXIT_CONFIG, EXIT_STARTUP = 2, 3
+GIL_SWITCH_INTERVAL_S = 200e-6
 SERVICES = ("kvxfer.v1.EngineService", "kvxfer.v1.PeerService")
 
 
@@ -73,6 +75,7 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._metrics_server = None
         self._fd_inbox: FdInbox | None = None
+        self._owns_socket = False
 
     # ---- start --------------------------------------------------------------------
     async def start(self) -> dict[str, str]:
@@ -80,6 +83,8 @@ class Daemon:
         config = self.config
         self._loop = asyncio.get_running_loop()
         try:
+            _claim_unix_socket(config.engine_socket)  # first: never touch a live daemon's files
+            self._owns_socket = True
             self.dataplane.start()
             self.bus = NotifyBus(config.notify_host, config.notify_port, history=config.event_history)
             self._fd_inbox = FdInbox(fd_socket_path(config.engine_socket))
@@ -91,7 +96,6 @@ class Daemon:
             engine_server, peer_server = self._new_server(), self._new_server()
             pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
             pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
-            _claim_unix_socket(config.engine_socket)
             _bind(engine_server, f"unix:{config.engine_socket}")
             if config.engine_tcp:
                 _bind(engine_server, config.engine_tcp)
@@ -265,7 +269,7 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        if os.path.exists(self.config.engine_socket):
+        if self._owns_socket and os.path.exists(self.config.engine_socket):
             os.unlink(self.config.engine_socket)
 
 
@@ -306,6 +310,9 @@ def _claim_unix_socket(path: str) -> None:
 
 async def serve(config: DaemonConfig) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code."""
+    # The event loop and the data-plane thread hand work to each other all the
+    # time; the default 5 ms GIL switch interval would add up to that to a hand-off.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     daemon = Daemon(config)
     try:
         addresses = await daemon.start()

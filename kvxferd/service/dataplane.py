@@ -192,23 +192,28 @@ class DataPlane:
                     read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer did not finish in time")
                 if read.transfer is None:
                     continue
-                busy = True
-            if not read.transfer.ok:
-                self._finish(read, _failure_kind(read.transfer.error or ""))
-                continue
-            waiting = tuple(q for q, alive in read.acks.items() if alive is None)
-            stale = tuple(q for q, alive in read.acks.items() if alive is False)
-            if stale:
-                read.transfer = _failed(read, read.transfer, "stale read: the hold had ended (lease expired or "
-                                        "released) before the holder acknowledged the read", stale)
-                self._finish(read, "stale")
-            elif not waiting:
-                self._finish(read, "")
-            elif now >= read.deadline_s:
-                read.transfer = _failed(read, read.transfer, "deadline: the holder did not acknowledge the read", waiting)
-                self._finish(read, "deadline")
-            busy = True
+            busy |= self._settle(read, now)
         return busy
+
+    def _settle(self, read: DaemonRead, now: float) -> bool:
+        """Finish a read whose transfer ended once its acks are in; True when it finished."""
+        if not read.transfer.ok:
+            self._finish(read, _failure_kind(read.transfer.error or ""))
+            return True
+        waiting = tuple(q for q, alive in read.acks.items() if alive is None)
+        stale = tuple(q for q, alive in read.acks.items() if alive is False)
+        if stale:
+            read.transfer = _failed(read, read.transfer, "stale read: the hold had ended (lease expired or "
+                                    "released) before the holder acknowledged the read", stale)
+            self._finish(read, "stale")
+        elif not waiting:
+            self._finish(read, "")
+        elif now >= read.deadline_s:
+            read.transfer = _failed(read, read.transfer, "deadline: the holder did not acknowledge the read", waiting)
+            self._finish(read, "deadline")
+        else:
+            return False  # still waiting for an ack: not progress, keep backing off
+        return True
 
     def _finish(self, read: DaemonRead, failure: str) -> None:
         self._reads.remove(read)

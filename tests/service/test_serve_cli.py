@@ -1,0 +1,58 @@
+"""``kvxferd serve``: loopback defaults, exit codes for bad configuration and failed start-up."""
+
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvxferd.client import DaemonProcess
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_no_options_starts_on_loopback_defaults():
+    if not all(_free(p) for p in (47100, 47200, 9464)):
+        pytest.skip("a default port is taken on this machine")
+    process = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve"], stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.DEVNULL)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("kvxferd ready: ")
+        assert "engine=unix:/tmp/kvxferd-engine.sock" in line and "peer=127.0.0.1:47100" in line
+        assert "notify=tcp://127.0.0.1:47200" in line and "metrics=http://127.0.0.1:9464/metrics" in line
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+
+
+def test_bad_configuration_exits_2_naming_the_option():
+    run = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--peer-host", "0.0.0.0"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "advertise_host" in run.stderr
+
+
+def test_start_up_failure_exits_3(workdir):
+    first = DaemonProcess("busy-a", socket_dir=workdir)
+    try:
+        port = first.peer_address.rsplit(":", 1)[1]
+        run = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--engine-socket", f"{workdir}/busy-b.sock",
+                              "--peer-port", port, "--notify-port", "0", "--metrics-port", "0"],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 3 and "start-up failed" in run.stdout and port in run.stdout
+        run = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--engine-socket", first.socket,
+                              "--peer-port", "0", "--notify-port", "0", "--metrics-port", "0"],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 3 and "already serves the engine socket" in run.stdout
+        import os
+        assert os.path.exists(first.socket) and os.path.exists(first.socket + ".fds")  # left alone
+    finally:
+        assert first.terminate() == 0
