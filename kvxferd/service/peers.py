@@ -15,6 +15,7 @@ and the NIXL agents, and reads still in flight to the old incarnation fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class RemoteLink:
     remote: RemoteEngine | None = None
     stale: bool = True
     pending: asyncio.Future | None = field(default=None, repr=False)
+    pending_addresses: tuple[str, ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -69,28 +71,34 @@ class Peers:
         self._channels.clear()
 
     async def handshake(self, slot: EngineSlot, remote_engine_id: str, addresses: tuple[str, ...] | None = None) -> RemoteLink:
-        """Connect ``slot`` to a remote engine (or confirm the connection); shared by concurrent callers."""
+        """Connect ``slot`` to a remote engine (or confirm the connection); shared by concurrent callers.
+
+        New addresses are adopted only once a handshake with them succeeded:
+        a bad request never breaks a working link.
+        """
         link = slot.links.get(remote_engine_id)
-        if addresses:
-            if link is None:
-                link = slot.links[remote_engine_id] = RemoteLink(remote_engine_id, tuple(addresses))
-            elif tuple(addresses) != link.addresses:
-                link.addresses, link.stale = tuple(addresses), True
-        elif link is None:
-            raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet (call Handshake first)")
+        if link is None:
+            if not addresses:
+                raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet (call Handshake first)")
+            link = slot.links[remote_engine_id] = RemoteLink(remote_engine_id, tuple(addresses))
+        target = tuple(addresses) if addresses else link.addresses
+        if link.pending is not None and link.pending_addresses != target:
+            with contextlib.suppress(Exception):  # another address set first; then ours
+                await asyncio.shield(link.pending)
         if link.pending is None:
-            link.pending = asyncio.ensure_future(self._handshake(slot, link))
+            link.pending, link.pending_addresses = asyncio.ensure_future(self._handshake(slot, link, target)), target
             link.pending.add_done_callback(lambda _f, link=link: setattr(link, "pending", None))
         await asyncio.shield(link.pending)
         return link
 
-    async def _handshake(self, slot: EngineSlot, link: RemoteLink) -> None:
+    async def _handshake(self, slot: EngineSlot, link: RemoteLink, addresses: tuple[str, ...]) -> None:
         start = time.perf_counter()
         try:
-            infos = await asyncio.gather(*(self._engine_info(slot, link, q, a) for q, a in enumerate(link.addresses)))
+            infos = await asyncio.gather(*(self._engine_info(slot, link, q, a, len(addresses))
+                                           for q, a in enumerate(addresses)))
             incarnations = tuple(info.incarnation for info in infos)
             if link.remote is not None and not link.stale and incarnations == link.incarnations \
-                    and slot.executor.is_current(link.remote):
+                    and addresses == link.addresses and slot.executor.is_current(link.remote):
                 return  # idempotent: nothing changed
             caches, metadata = [i.cache for i in infos], [i.agent_metadata for i in infos]
 
@@ -100,16 +108,17 @@ class Peers:
                 return slot.executor.connect(caches, metadata)
 
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
-            link.incarnations, link.stale = incarnations, False
+            link.addresses, link.incarnations, link.stale = addresses, incarnations, False
             self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)
             log.info("handshake done", extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id,
                                               "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4)})
         except BaseException:
             self.metrics.handshake_duration.labels("failed").observe(time.perf_counter() - start)
-            link.stale = True
+            if addresses == link.addresses:
+                link.stale = True
             raise
 
-    async def _engine_info(self, slot: EngineSlot, link: RemoteLink, q: int, address: str):
+    async def _engine_info(self, slot: EngineSlot, link: RemoteLink, q: int, address: str, tp_size: int):
         field = f"peer_addresses[{q}]"
         request = pb.EngineInfoRequest(engine_id=link.remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=q,
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
@@ -122,9 +131,9 @@ class Peers:
             info = decode_info(reply, slot.cache)
         except KvxferError as err:
             raise type(err)(f"{field}.{err.field}", err.message) from None
-        if (info.cache.tp_rank, info.cache.tp_size) != (q, len(link.addresses)):
+        if (info.cache.tp_rank, info.cache.tp_size) != (q, tp_size):
             raise InvalidArgumentError(field, f"{address} serves rank {info.cache.tp_rank}/{info.cache.tp_size}, "
-                                              f"expected {q}/{len(link.addresses)}")
+                                              f"expected {q}/{tp_size}")
         return info
 
     async def probe(self, slot: EngineSlot, link: RemoteLink) -> bool:

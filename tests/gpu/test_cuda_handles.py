@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU and a CUDA build of torch", allow_module_level=True)
 
 from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
-from kvxferd.proto.v1 import kvxfer_pb2 as pb  # noqa: E402
 from kvxferd.service.wire import engine_to_pb  # noqa: E402
 from kvxferd.verify.engines import allocate_engine, verify_decode  # noqa: E402
 from kvxferd.verify.models import ModelShape, model_groups, random_request  # noqa: E402

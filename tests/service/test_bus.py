@@ -1,7 +1,5 @@
 """Notify bus: per-engine sequence numbers, history, and a subscriber that never skips one."""
 
-import os
-import socket
 import time
 
 import pytest
