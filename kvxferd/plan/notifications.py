@@ -33,21 +33,26 @@ class ReadNotice:
     @classmethod
     def decode(cls, message: bytes) -> "ReadNotice":
         """Parse a peer's message; raises :class:`InvalidArgumentError` naming the field."""
-        try:
-            data = json.loads(message)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InvalidArgumentError("notification", f"not a kvxferd notice: {err}") from None
-        if not isinstance(data, dict) or data.get("v") != NOTICE_VERSION:
-            raise InvalidArgumentError("notification.v", f"unsupported notice version in {message[:80]!r}")
         checks = {"request_id": str, "reader_engine_id": str, "reader_rank": int, "expected_readers": int, "ok": bool}
-        for name, kind in checks.items():
-            value = data.get(name)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise InvalidArgumentError(f"notification.{name}", f"expected {kind.__name__}, got {value!r}")
+        data = _decode_fields(message, "v", NOTICE_VERSION, checks, "notification")
         if data["reader_rank"] < 0 or data["expected_readers"] < 1:
             raise InvalidArgumentError("notification", f"bad reader rank or count in {message[:80]!r}")
-        return cls(**{name: data[name] for name in checks})
+        return cls(**data)
 
+
+def _decode_fields(message: bytes, marker: str, version: int, checks: dict, field: str) -> dict:
+    """The JSON object of a peer's message, its version and field types checked."""
+    try:
+        data = json.loads(message)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidArgumentError(field, f"not a kvxferd {field}: {err}") from None
+    if not isinstance(data, dict) or data.get(marker) != version:
+        raise InvalidArgumentError(f"{field}.{marker}", f"unsupported {field} version in {message[:80]!r}")
+    for name, kind in checks.items():
+        value = data.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise InvalidArgumentError(f"{field}.{name}", f"expected {kind.__name__}, got {value!r}")
+    return {name: data[name] for name in checks}
 
 ACK_VERSION = 1
 
@@ -72,19 +77,8 @@ class ReadAck:
     @classmethod
     def decode(cls, message: bytes) -> "ReadAck":
         """Parse a holder's ack; raises :class:`InvalidArgumentError` naming the field."""
-        try:
-            data = json.loads(message)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InvalidArgumentError("ack", f"not a kvxferd ack: {err}") from None
-        if not isinstance(data, dict) or data.get("ack") != ACK_VERSION:
-            raise InvalidArgumentError("ack", f"unsupported ack in {message[:80]!r}")
         checks = {"request_id": str, "reader_engine_id": str, "reader_rank": int, "alive": bool}
-        for name, kind in checks.items():
-            value = data.get(name)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise InvalidArgumentError(f"ack.{name}", f"expected {kind.__name__}, got {value!r}")
-        return cls(**{name: data[name] for name in checks})
-
+        return cls(**_decode_fields(message, "ack", ACK_VERSION, checks, "ack"))
 
 def is_ack(message: bytes) -> bool:
     """Acks and notices share the NIXL channel; acks start with their own key."""
