@@ -90,6 +90,7 @@ class DataPlane:
         self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
         self.num_bad_notices = self.num_stray_acks = self.num_ack_errors = self.num_poll_errors = 0
         self.num_stale_notices = 0  # reader notices that found no live hold (prefill side)
+        self._num_submitted = self._num_done = 0  # written by the loop / by this thread only
 
     # ---- API (any thread) -----------------------------------------------------
     def start(self) -> None:
@@ -103,10 +104,12 @@ class DataPlane:
 
     @property
     def num_reads(self) -> int:
-        return len(self._reads) + sum(1 for kind, _ in self._commands if kind == "post")
+        """Reads queued or in flight (read from any thread: two single-writer counters, no iteration)."""
+        return self._num_submitted - self._num_done
 
     def submit(self, read: DaemonRead) -> None:
-        """Queue a planned read for posting."""
+        """Queue a planned read for posting (event-loop thread)."""
+        self._num_submitted += 1
         self._commands.append(("post", read))
         self._wake.set()
 
@@ -223,6 +226,7 @@ class DataPlane:
         self._deliver(read, read.transfer, failure)
 
     def _deliver(self, read: DaemonRead, result: ReadResult, failure: str) -> None:
+        self._num_done += 1
         post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
         result = replace(result, duration_s=time.perf_counter() - read.submitted_s)  # includes the acks
         self._on_read_done(ReadDone(read.slot, result, post_s, time.time(), failure))
