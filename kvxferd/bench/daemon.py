@@ -32,8 +32,8 @@ import grpc
 import numpy as np
 
 from kvxferd.bench.common import bench_main
+from kvxferd.bench.raw import prepare_raw, raw_read
 from kvxferd.layout.specs import AttentionSpec
-from kvxferd.plan.descriptors import expand_rows
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -61,27 +61,13 @@ class RawPath:
         self.agent.register(decode)
         name = self.agent.add_remote(peer.agent_metadata)
         plan = EngineTransferPlan(decode, [peer.cache])
-        read, rank_plan = plan.plan_request(request).reads[0], plan.rank_plans[0]
-        descs = []
-        for rows, ids in ((rank_plan.local_rows, read.local_ids), (rank_plan.remote_rows, read.remote_ids)):
-            addresses, lengths = expand_rows(rows)
-            descs.append(np.stack([addresses[ids], lengths[ids], np.zeros(len(ids), np.int64)], axis=1).astype(np.uint64))
-        raw = self.agent.raw
-        self.local = raw.prep_xfer_dlist("", descs[0], "DRAM")
-        self.remote = raw.prep_xfer_dlist(name, descs[1], "DRAM")
-        self.ids = np.arange(len(read.local_ids), dtype=np.int32)
+        read = plan.plan_request(request).reads[0]
+        self.local, self.remote, self.ids = prepare_raw(self.agent.raw, name, plan.rank_plans[0], read)
         self.num_bytes, self.num_descriptors = read.num_bytes, read.num_descriptors
 
     def read(self) -> float:
-        raw = self.agent.raw
         start = time.perf_counter()
-        handle = raw.make_prepped_xfer("READ", self.local, self.ids, self.remote, self.ids, b"")
-        state = raw.transfer(handle)
-        while state == "PROC":
-            state = raw.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL transfer ended {state}")
-        handle.release()
+        raw_read(self.agent.raw, self.local, self.remote, self.ids)
         return time.perf_counter() - start
 
     def close(self) -> None:

@@ -23,25 +23,14 @@ import time
 import numpy as np
 
 from kvxferd.bench.common import bench_main, timed
+from kvxferd.bench.raw import prepare_raw, raw_read
 from kvxferd.layout.specs import AttentionSpec
-from kvxferd.plan.descriptors import expand_rows
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.engines import allocate_engine
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.pump import NotificationPump
 from kvxferd.xfer.reads import ReadExecutor
-
-
-def _raw_read(agent, local_list, remote_list, ids: np.ndarray) -> None:
-    """The baseline: make_prepped_xfer + transfer + poll, straight on nixl."""
-    handle = agent.make_prepped_xfer("READ", local_list, ids, remote_list, ids, b"raw")
-    state = agent.transfer(handle)
-    while state == "PROC":
-        state = agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise RuntimeError(f"raw NIXL transfer ended {state}")
-    handle.release()
 
 
 def bulk(num_layers: int, num_blocks: int, blocks_per_request: int, rounds: int, scattered: bool, seed: int = 0) -> dict:
@@ -62,17 +51,11 @@ def bulk(num_layers: int, num_blocks: int, blocks_per_request: int, rounds: int,
         read, rank_plan = planned.reads[0], remote.plan.rank_plans[0]
         # Raw: the very same descriptors, expanded and prepared for this request only.
         raw = executor.agent.raw
-        descs = []
-        for rows, ids in ((rank_plan.local_rows, read.local_ids), (rank_plan.remote_rows, read.remote_ids)):
-            addresses, lengths = expand_rows(rows)
-            descs.append(np.stack([addresses[ids], lengths[ids], np.zeros(len(ids), np.int64)], axis=1).astype(np.uint64))
-        raw_local = raw.prep_xfer_dlist("", descs[0], "DRAM")
-        raw_remote = raw.prep_xfer_dlist(remote.agent_names[0], descs[1], "DRAM")
-        raw_ids = np.arange(len(read.local_ids), dtype=np.int32)
+        raw_local, raw_remote, raw_ids = prepare_raw(raw, remote.agent_names[0], rank_plan, read)
         raw_s, plan_s = [], []
         for i in range(rounds + 1):  # round 0 warms both paths up
             start = time.perf_counter()
-            _raw_read(raw, raw_local, raw_remote, raw_ids)
+            raw_read(raw, raw_local, raw_remote, raw_ids, b"raw")
             raw_time = time.perf_counter() - start
             start = time.perf_counter()
             result = executor.read("bench-prefill", request)

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
-from kvxferd.verify.engines import allocate_engine, verify_decode
+from kvxferd.verify.engines import DecodeChecks, allocate_engine
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.pump import NotificationPump
 from kvxferd.xfer.reads import ReadExecutor, ReadResult
 
 
-class LocalCluster:
+class LocalCluster(DecodeChecks):
     """A prefill engine (TP ``prefill_tp``) and a decode engine (TP ``decode_tp``)."""
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
@@ -55,18 +55,6 @@ class LocalCluster:
         inflight = [executor.post(self.prefill_id, request) for executor in self.executors]
         return [executor.wait(f, timeout_s) for executor, f in zip(self.executors, inflight)]
 
-    def check(self, request: ReadRequest) -> list[str]:
-        """Mismatches of every decode rank against the oracle for ``request`` alone."""
-        return self.verify(request)[0]
-
-    def verify(self, request: ReadRequest) -> tuple[list[str], int]:
-        """``(mismatch descriptions, wrong byte count)`` over every decode rank."""
-        return verify_decode(self.decode, self.prefill_groups, request)
-
-    def reset_decode(self) -> None:
-        for engine in self.decode:
-            engine.reset()
-
     def close(self) -> None:
         """Stop the pump, then drop plans and registrations (agents last)."""
         self.pump.stop()
@@ -74,9 +62,3 @@ class LocalCluster:
             executor.close()
         for agent, engine in zip(self.prefill_agents, self.prefill):
             agent.deregister(engine.cache.engine_id)
-
-    def __enter__(self) -> "LocalCluster":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -16,10 +16,10 @@ from kvxferd.client import DaemonProcess, EngineClient, NotifySubscriber, Shared
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.verify.engines import EngineBuffers, allocate_engine, verify_decode
+from kvxferd.verify.engines import DecodeChecks, EngineBuffers, allocate_engine
 
 
-class DaemonCluster:
+class DaemonCluster(DecodeChecks):
     """A prefill engine (TP ``prefill_tp``) and a decode engine (TP ``decode_tp``), one daemon per rank."""
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
@@ -112,13 +112,6 @@ class DaemonCluster:
         """The terminal event (CONSUMED or EXPIRED) of every prefill rank for ``request``."""
         return [s.wait_for(request.remote_request_id, timeout_s=timeout_s) for s in self.subscribers]
 
-    def verify(self, request: ReadRequest) -> tuple[list[str], int]:
-        return verify_decode(self.decode, self.prefill_groups, request)
-
-    def reset_decode(self) -> None:
-        for engine in self.decode:
-            engine.reset()
-
     def close(self) -> None:
         """Deregister, stop the daemons (SIGTERM), free the shared memory."""
         for subscriber in self.subscribers:
@@ -129,9 +122,3 @@ class DaemonCluster:
             daemon.terminate()
         for arena in self.arenas:
             arena.close()
-
-    def __enter__(self) -> "DaemonCluster":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -142,3 +142,35 @@ def check_buffers(engine: EngineBuffers, expected: list[list[np.ndarray]], *, li
     if not engine.gaps_intact():
         problems.append(f"{cache.engine_id} rank {cache.tp_rank}: bytes written outside every region")
     return problems
+
+
+class DecodeChecks:
+    """What both test clusters (in-process agents, daemon processes) offer on their decode side.
+
+    Subclasses set ``decode`` (decode :class:`EngineBuffers`), ``prefill_groups``
+    and define ``close``.
+    """
+
+    decode: list[EngineBuffers]
+    prefill_groups: tuple[CacheGroup, ...]
+
+    def verify(self, request: ReadRequest) -> tuple[list[str], int]:
+        """``(mismatch descriptions, wrong byte count)`` over every decode rank for ``request`` alone."""
+        return verify_decode(self.decode, self.prefill_groups, request)
+
+    def reset_decode(self) -> None:
+        for engine in self.decode:
+            engine.reset()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def check(self, request: ReadRequest) -> list[str]:
+        """Mismatches of every decode rank against the oracle for ``request`` alone."""
+        return self.verify(request)[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
