@@ -65,6 +65,24 @@ class Peers:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
         return pb_grpc.PeerServiceStub(channel)
 
+    async def call(self, address: str, method: str, request, *, timeout_s: float | None = None):
+        """One unary peer call; on UNAVAILABLE, retry once on a fresh channel.
+
+        A channel whose peer died sits in reconnect backoff (seconds, growing)
+        and fails calls fast even after the peer came back on the same
+        address; a new channel connects at once.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return await getattr(self.stub(address), method)(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+        return await getattr(self.stub(address), method)(request, timeout=timeout_s)
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -124,7 +142,7 @@ class Peers:
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
                                        reader_agent_metadata=slot.metadata)
         try:
-            reply = await self.stub(address).GetEngineInfo(request, timeout=self.timeout_s)
+            reply = await self.call(address, "GetEngineInfo", request)
         except grpc.aio.AioRpcError as err:
             raise _peer_error(field, address, err) from None
         try:
@@ -140,8 +158,7 @@ class Peers:
         """True when every remote rank still runs the incarnation we planned for."""
         async def one(address: str, incarnation: str) -> bool:
             try:
-                reply = await self.stub(address).GetIncarnation(
-                    pb.IncarnationRequest(engine_id=link.remote_engine_id), timeout=self.timeout_s)
+                reply = await self.call(address, "GetIncarnation", pb.IncarnationRequest(engine_id=link.remote_engine_id))
             except grpc.aio.AioRpcError:
                 return False
             return reply.incarnation == incarnation
@@ -153,8 +170,7 @@ class Peers:
         if link.remote is None:
             return
         message = pb.RenewLeaseRequest(engine_id=link.remote_engine_id, request_ids=request_ids, lease_s=lease_s)
-        calls = [self.stub(link.addresses[q]).RenewLeases(message, timeout=self.timeout_s)
-                 for q in link.remote.plan.notify_ranks]
+        calls = [self.call(link.addresses[q], "RenewLeases", message) for q in link.remote.plan.notify_ranks]
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, Exception):
                 log.warning("lease renewal failed", extra={"remote_engine_id": link.remote_engine_id, "error": str(outcome)})

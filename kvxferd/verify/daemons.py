@@ -9,6 +9,7 @@ must see exactly one CONSUMED event per rank.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -68,14 +69,16 @@ class DaemonCluster(DecodeChecks):
         client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)
         return client
 
-    def restart_prefill(self, q: int) -> None:
+    def restart_prefill(self, q: int, *, down_s: float = 0.0) -> None:
         """Stop prefill rank ``q``'s daemon (SIGTERM), start a new one on the same addresses, re-register.
 
         The engine's cache (shared memory) survives; the new daemon has a
-        new incarnation, so decode daemons must re-handshake.
+        new incarnation, so decode daemons must re-handshake. ``down_s``
+        keeps the rank down that long, so peers' probes see it gone.
         """
         old = self.daemons[q]
         old.terminate()
+        time.sleep(down_s)
         port = old.peer_address.rsplit(":", 1)[1]
         self.daemons[q] = DaemonProcess(old.daemon_id, socket_dir=self.workdir,
                                         extra_args=(*self.daemon_args, "--peer-port", port))

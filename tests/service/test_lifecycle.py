@@ -76,7 +76,9 @@ def test_restarted_prefill_daemon_is_picked_up(workdir):
     with DaemonCluster(*_groups(), 2, 1, workdir=workdir, name="restart", daemon_args=FAST) as cluster:
         first = _request("before", 1)
         assert all(c.ok for c in cluster.read(first))
-        cluster.restart_prefill(1)  # new process, new incarnation, same address
+        # Down across several probes: the decode daemon's channel to it goes into
+        # reconnect backoff, which must not fail the re-handshake.
+        cluster.restart_prefill(1, down_s=5.0)  # new process, new incarnation, same address
         for n in range(3):
             request = _request(f"after{n}", 2 + n)
             cluster.reset_decode()
