@@ -9,33 +9,44 @@ def kvxferd(*args):
     return subprocess.run([sys.executable, "-m", "kvxferd.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_demo_verifies_every_preset_over_nixl():
-    run = kvxferd("demo", "--json", "--requests", "2", "--prefill-tp", "2", "--decode-tp", "3", "--num-layers", "2")
+def test_demo_verifies_every_preset_through_daemons():
+    run = kvxferd("demo", "--json", "--requests", "2", "--prefill-tp", "2", "--decode-tp", "3", "--num-layers", "2",
+                  "--head-size", "64", "--num-tokens", "200")
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
-    assert summary["requests"] == 10 and summary["bytes"] > 0
-    assert summary["verified_bytes"] > 0 and summary["mismatched_bytes"] == 0
-    assert summary["failed_requests"] == 0 and summary["unreleased"] == 0
+    assert summary["ok"] and summary["requests"] == 10 and summary["bytes"] > 0
+    assert summary["verified_bytes"] > summary["bytes"] and summary["mismatched_bytes"] == 0
+    assert summary["failed_requests"] == 0 and summary["lost_events"] == 0 and summary["stray_events"] == 0
+    assert summary["consumed"] == summary["holds"] == 10 * 2  # one CONSUMED per prefill rank and request
     assert {row["model"] for row in summary["rows"]} == {"gqa", "fp8", "mla", "swa", "hybrid"}
-    assert all(not row["mismatches"] for row in summary["rows"])
+    for row in summary["rows"]:
+        assert row["pairing"] == "2->3" and not row["problems"]
+        assert row["raw_bytes"] == row["bytes"] and row["raw_gbps"] > 0 and 0 < row["ratio"]
+        assert row["latency_p99_ms"] >= row["latency_p50_ms"] > 0
 
 
 def test_demo_table_with_overrides():
     run = kvxferd("demo", "--model", "gqa", "--prefill-tp", "3", "--decode-tp", "5", "--num-kv-heads", "7",
-                  "--layout", "legacy", "--kernel-block-size", "8", "--prefill-block-size", "32", "--requests", "2")
+                  "--layout", "legacy", "--kernel-block-size", "8", "--prefill-block-size", "32",
+                  "--decode-block-size", "16", "--num-layers", "3", "--num-tokens", "100", "--requests", "2")
     assert run.returncode == 0, run.stderr
     assert "byte-exact" in run.stdout and "3->5" in run.stdout and "0 bytes wrong" in run.stdout
+    assert "6/6" in run.stdout  # CONSUMED / holds
+    assert "8 kvxferd daemons" in run.stderr
 
 
 def test_bad_arguments_exit_2_with_one_line():
     for args, needle in [(("--kernel-block-size", "5"), "kernel_block_size"),
                          (("--prefill-block-size", "24"), "block_size"),
-                         (("--prefill-tp", "2"), "--decode-tp"),
-                         (("--prefill-tp", "2", "--decode-tp", "0"), "tp_size"),
+                         (("--decode-tp", "0"), "--decode-tp"),
+                         (("--prefill-tp", "12", "--decode-tp", "5"), "at most 16"),
+                         (("--num-layers", "0"), "num_layers"),
+                         (("--layout", "hnd"), "--layout"),
                          (("--num-tokens", "5000"), "--num-blocks")]:
         run = kvxferd("demo", "--model", "gqa", *args)
         assert run.returncode == 2, (args, run.stderr)
-        assert run.stderr.strip().count("\n") == 0 and needle in run.stderr, (args, run.stderr)
+        assert needle in run.stderr, (args, run.stderr)
+        assert run.stderr.strip().count("\n") == 0 or args[0] == "--layout", (args, run.stderr)  # argparse: usage + error
 
 
 def test_bench_layout_subcommand():
@@ -52,3 +63,13 @@ def test_bench_xfer_subcommand():
     figures = json.loads(run.stdout)
     assert figures["bulk_contiguous"]["merged_descriptors"] == 2  # one per layer
     assert figures["plan_build"]["descriptors_per_side"] == 2 * 2 * 100  # two prefill ranks read
+
+
+def test_demo_exits_1_when_reads_fail():
+    # A 100 us deadline cannot be met: every read fails (as data); the engine releases its holds.
+    run = kvxferd("demo", "--json", "--model", "gqa", "--prefill-tp", "1", "--decode-tp", "1", "--requests", "2",
+                  "--timeout-s", "0.0001")
+    assert run.returncode == 1, run.stderr
+    summary = json.loads(run.stdout)
+    assert not summary["ok"] and summary["failed_requests"] == 2 and summary["lost_events"] == 0
+    assert "deadline" in summary["rows"][0]["problems"][0]

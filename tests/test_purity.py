@@ -35,6 +35,9 @@ ALLOWED = {
     "xfer": {"errors", "layout", "tp", "plan", "xfer"},
     "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "service"},
     "client": {"errors", "layout", "tp", "plan", "proto", "service", "client"},
+    "verify": {"errors", "layout", "tp", "plan", "xfer", "proto", "client", "verify"},
+    "bench": {"errors", "layout", "tp", "plan", "xfer", "proto", "service", "client", "verify", "bench"},
+    "demo": {"errors", "layout", "tp", "plan", "xfer", "proto", "service", "client", "verify", "bench", "demo"},
 }
 
 

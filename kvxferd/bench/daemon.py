@@ -28,52 +28,32 @@ import statistics
 import tempfile
 import time
 
-import grpc
 import numpy as np
 
 from kvxferd.bench.common import bench_main
-from kvxferd.bench.raw import prepare_raw, raw_read
+from kvxferd.bench.raw import RawReader
 from kvxferd.layout.specs import AttentionSpec
-from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
+from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
-from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.xfer.agent import NixlAgent
 
 
 class RawPath:
-    """Raw NIXL from this process into the decode cache, reading the prefill daemon's agent.
-
-    Cross-process like the daemon path (same memory, same transport): only
-    the daemons' control plane is missing. The descriptors are the plan's.
-    """
+    """Raw NIXL from this process into the decode cache, reading the prefill daemon's agent (one request)."""
 
     def __init__(self, cluster: DaemonCluster, request: ReadRequest) -> None:
-        decode = cluster.decode[0].cache
-        channel = grpc.insecure_channel(cluster.prefill_daemons[0].peer_address)
-        reply = pb_grpc.PeerServiceStub(channel).GetEngineInfo(
-            pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0))
-        channel.close()
-        peer = decode_info(reply, decode)
-        self.agent, self.engine_id = NixlAgent("raw-decode"), decode.engine_id
-        self.agent.register(decode)
-        name = self.agent.add_remote(peer.agent_metadata)
-        plan = EngineTransferPlan(decode, [peer.cache])
-        read = plan.plan_request(request).reads[0]
-        self.local, self.remote, self.ids = prepare_raw(self.agent.raw, name, plan.rank_plans[0], read)
-        self.num_bytes, self.num_descriptors = read.num_bytes, read.num_descriptors
+        self.reader = RawReader(cluster.decode[0].cache, cluster.prefill_id,
+                                [d.peer_address for d in cluster.prefill_daemons], "raw-decode")
+        self.prepared = self.reader.prepare(request)
+        self.num_bytes = sum(num_bytes for *_, num_bytes in self.prepared)
+        self.num_descriptors = sum(len(ids) for _, _, ids, _ in self.prepared)
 
     def read(self) -> float:
-        start = time.perf_counter()
-        raw_read(self.agent.raw, self.local, self.remote, self.ids)
-        return time.perf_counter() - start
+        return self.reader.read(self.prepared)
 
     def close(self) -> None:
-        self.local.release()
-        self.remote.release()
-        self.agent.deregister(self.engine_id)
+        self.reader.release(self.prepared)
+        self.reader.close()
 
 
 def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str) -> DaemonCluster:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import numpy as np
 
 from kvxferd.plan.descriptors import expand_rows
-from kvxferd.plan.engine import RankPlan, RankRead
+from kvxferd.plan.engine import EngineTransferPlan, RankPlan, RankRead, ReadRequest
+from kvxferd.plan.groups import EngineCache
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.peerinfo import PROTOCOL_VERSION, decode_info
+from kvxferd.xfer.agent import NixlAgent
 
 
 def prepare_raw(raw_agent, remote_agent_name: str, rank_plan: RankPlan, read: RankRead) -> tuple[object, object, np.ndarray]:
@@ -28,3 +36,60 @@ def raw_read(raw_agent, local_list, remote_list, ids: np.ndarray, notification: 
     if state != "DONE":
         raise RuntimeError(f"raw NIXL transfer ended {state}")
     handle.release()
+
+
+def fetch_peer_info(address: str, remote_engine_id: str, tp_rank: int, local: EngineCache):
+    """One prefill rank's engine info, read from its daemon's peer service (checked against ``local``)."""
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.PeerServiceStub(channel).GetEngineInfo(
+            pb.EngineInfoRequest(engine_id=remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=tp_rank),
+            timeout=30)
+    return decode_info(reply, local)
+
+
+class RawReader:
+    """Raw NIXL into one decode rank's cache, reading the prefill daemons' agents directly.
+
+    Cross-process like the daemon path (same memory, same transport, the
+    plan's descriptors): only the daemons' control plane is missing.
+    Descriptor lists are prepared per request before the clock starts.
+    """
+
+    def __init__(self, local: EngineCache, remote_engine_id: str, peer_addresses: list[str], agent_name: str) -> None:
+        infos = [fetch_peer_info(a, remote_engine_id, q, local) for q, a in enumerate(peer_addresses)]
+        self.local = local
+        self.agent = NixlAgent(agent_name)
+        self.agent.register(local)
+        self.remote_names = [self.agent.add_remote(info.agent_metadata) for info in infos]
+        self.plan = EngineTransferPlan(local, [info.cache for info in infos])
+        self._rank_plans = {rank_plan.remote_rank: rank_plan for rank_plan in self.plan.rank_plans}
+
+    def prepare(self, request: ReadRequest) -> list[tuple[object, object, np.ndarray, int]]:
+        """``(local list, remote list, ids, bytes)`` per remote rank this request reads from."""
+        return [(*prepare_raw(self.agent.raw, self.remote_names[read.remote_rank], self._rank_plans[read.remote_rank],
+                              read), read.num_bytes)
+                for read in self.plan.plan_request(request).reads]
+
+    def read(self, prepared: list[tuple[object, object, np.ndarray, int]]) -> float:
+        """Post one transfer per remote rank, poll them all; returns the seconds it took."""
+        raw = self.agent.raw
+        start = time.perf_counter()
+        handles = [raw.make_prepped_xfer("READ", local, ids, remote, ids, b"") for local, remote, ids, _ in prepared]
+        states = [raw.transfer(handle) for handle in handles]
+        while "PROC" in states:
+            states = [state if state != "PROC" else raw.check_xfer_state(h) for h, state in zip(handles, states)]
+        elapsed = time.perf_counter() - start
+        for handle in handles:
+            handle.release()
+        if any(state != "DONE" for state in states):
+            raise RuntimeError(f"raw NIXL transfer ended {states}")
+        return elapsed
+
+    @staticmethod
+    def release(prepared: list[tuple[object, object, np.ndarray, int]]) -> None:
+        for local, remote, _, _ in prepared:
+            local.release()
+            remote.release()
+
+    def close(self) -> None:
+        self.agent.deregister(self.local.engine_id)

@@ -1,0 +1,289 @@
+"""The demo's engine processes: a prefill engine and a decode engine, each with all its TP ranks.
+
+Each engine is its own OS process, as beside a real daemon: it allocates
+its ranks' caches in POSIX shared memory, registers them with one
+``kvxferd serve`` per rank over gRPC, and talks to nothing else. The demo
+driver sends it commands over a pipe::
+
+    driver (kvxferd demo)        prefill engine process          decode engine process
+      hold(request) ──────────►  Hold on every rank's daemon
+      read(request) ───────────────────────────────────────────► SubmitRead on every rank,
+                                                                 wait for the completions,
+                                                                 check every byte (oracle)
+      events(ids)   ──────────►  CONSUMED of every rank, from
+                                 the notify bus
+      raw(requests) ───────────────────────────────────────────► the same reads over raw NIXL
+
+Every command answers ``("ok", value)`` or ``("error", message)``: a
+failure in an engine is reported, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import time
+import traceback
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kvxferd.bench.raw import RawReader
+from kvxferd.client import EngineClient, NotifySubscriber, SharedArena, engine_rank_pb
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.verify.engines import EngineBuffers, allocate_engine, verify_decode
+
+
+class EngineRanks:
+    """Every TP rank of one engine: shared-memory caches registered with their daemons."""
+
+    def __init__(self, engine_id: str, groups: Sequence[CacheGroup], engine_targets: Sequence[str], *,
+                 tagged: bool, lease_s: float) -> None:
+        self.engine_id, self.groups = engine_id, tuple(groups)
+        self.arenas: list[SharedArena] = []
+        self.clients: list[EngineClient] = []
+        self.lease_s = lease_s
+        tp_size = len(engine_targets)
+        try:
+            self.ranks = [allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=self._allocate)
+                          for rank in range(tp_size)]
+            # Registration creates a NIXL agent in each daemon (about a second): all ranks at once.
+            with ThreadPoolExecutor(tp_size) as pool:
+                self.clients = list(pool.map(self._register, engine_targets, self.ranks, self.arenas))
+        except BaseException:
+            self.close()
+            raise
+
+    def _allocate(self, num_bytes: int):
+        self.arenas.append(SharedArena(num_bytes))
+        return self.arenas[-1].array
+
+    def _register(self, target: str, engine: EngineBuffers, arena: SharedArena) -> EngineClient:
+        client = EngineClient(target)
+        self.clients.append(client)  # closed even when a later rank fails
+        client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)
+        return client
+
+    def close(self) -> None:
+        """Deregister every rank (the daemons drop the memory), then free it."""
+        for client in self.clients:
+            # A daemon that is gone already dropped the memory (or will, when the lease lapses).
+            with contextlib.suppress(Exception):
+                client.deregister()
+            client.close()
+        for arena in self.arenas:
+            arena.close()
+
+
+class PrefillEngine(EngineRanks):
+    """Holds requests' blocks for readers and collects the bus events that end the holds."""
+
+    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
+        super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
+        self.subscribers = [NotifySubscriber(client) for client in self.clients]
+
+    def hold(self, request: ReadRequest) -> None:
+        for client in self.clients:
+            client.hold(request.remote_request_id, request.remote_block_ids, lease_s=self.lease_s)
+
+    def release(self, request: ReadRequest) -> None:
+        """Give the blocks back without waiting for readers (the engine's answer to a failed read).
+
+        A rank whose hold already ended (its reader finished just before the
+        decode side gave up) answers NOT_FOUND: nothing left to release.
+        """
+        for client in self.clients:
+            try:
+                client.release(request.remote_request_id)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+
+    def events(self, remote_request_ids: Sequence[str], released_ids: Sequence[str], timeout_s: float) -> dict:
+        """Per request and rank the event that ended the hold; anything else published is counted.
+
+        A hold ends CONSUMED; one in ``released_ids`` (its read failed and
+        the engine released it) ends EXPIRED, or CONSUMED when its reader
+        finished first; FAILED events may precede.
+        """
+        consumed, missing, other = 0, [], []
+        for request_id in remote_request_ids:
+            released = request_id in released_ids
+            for rank, subscriber in enumerate(self.subscribers):
+                event = subscriber.wait_for(request_id, timeout_s=timeout_s)
+                if event is None:
+                    missing.append(f"{request_id} rank {rank}: no {'EXPIRED' if released else 'CONSUMED'}")
+                elif event.kind == pb.NotifyEvent.CONSUMED:
+                    consumed += 1
+                elif released:
+                    pass  # EXPIRED: the release ended it
+                else:
+                    other.append(f"{request_id} rank {rank}: {pb.NotifyEvent.Kind.Name(event.kind)} ({event.reason})")
+                other += [f"{request_id} rank {rank}: also {pb.NotifyEvent.Kind.Name(e.kind)} ({e.reason})"
+                          for e in subscriber.events_of(request_id)
+                          if not (released and e.kind == pb.NotifyEvent.FAILED)]
+        for rank, subscriber in enumerate(self.subscribers):  # a quiet bus now: nothing more may come
+            while (event := subscriber.next(timeout_s=0.05)) is not None:
+                if not (event.request_id in released_ids and event.kind == pb.NotifyEvent.FAILED):
+                    other.append(f"{event.request_id} rank {rank}: stray {pb.NotifyEvent.Kind.Name(event.kind)}")
+        return {"consumed": consumed, "missing": missing, "other": other}
+
+    def close(self) -> None:
+        for subscriber in getattr(self, "subscribers", ()):
+            subscriber.close()
+        super().close()
+
+
+class DecodeEngine(EngineRanks):
+    """Reads requests through its daemons and checks every byte against the oracle."""
+
+    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
+        super().__init__(engine_id, groups, engine_targets, tagged=False, lease_s=lease_s)
+
+    def handshake(self, remote_engine_id: str, peer_addresses: Sequence[str]) -> None:
+        for client in self.clients:
+            client.handshake(remote_engine_id, peer_addresses)
+
+    def read(self, request: ReadRequest, remote_engine_id: str, prefill_groups: Sequence[CacheGroup],
+             timeout_s: float) -> dict:
+        """One request on every rank: submit, wait for completions, verify; the figures as a dict."""
+        for engine in self.ranks:
+            engine.reset()
+        start = time.perf_counter()
+        for client in self.clients:
+            client.submit_read(request.request_id, remote_engine_id, request.remote_request_id,
+                               request.local_block_ids, request.remote_block_ids,
+                               num_tokens=request.num_tokens or 0, deadline_s=timeout_s)
+        completions = [client.wait_completion(request.request_id, timeout_s + 5) for client in self.clients]
+        latency_s = time.perf_counter() - start
+        ok = all(c.ok for c in completions)
+        # A failed read leaves its blocks undefined: the engine must not use them, nor do we check them.
+        problems, wrong = verify_decode(self.ranks, prefill_groups, request) if ok else ([], 0)
+        return {"ok": ok, "latency_s": latency_s,
+                "errors": [f"rank {r}: {c.error}" for r, c in enumerate(completions) if not c.ok],
+                "bytes": sum(c.num_bytes for c in completions),
+                "descriptors": sum(c.num_descriptors for c in completions),
+                "post_s": max(c.post_s for c in completions),
+                "verified_bytes": sum(engine.num_bytes for engine in self.ranks) if ok else 0,
+                "mismatched_bytes": wrong, "mismatches": problems}
+
+    def raw(self, requests: Sequence[ReadRequest], remote_engine_id: str, peer_addresses: Sequence[str]) -> dict:
+        """The same reads over raw NIXL (no daemon in the path); per request, all ranks at once."""
+        readers = [RawReader(engine.cache, remote_engine_id, list(peer_addresses), f"raw-{self.engine_id}-{r}")
+                   for r, engine in enumerate(self.ranks)]
+        try:
+            seconds, num_bytes = [], 0
+            warm_up = [reader.prepare(requests[0]) for reader in readers]
+            _read_all(readers, warm_up)  # the first transfer to a peer opens its UCX endpoints
+            for reader, rank in zip(readers, warm_up):
+                reader.release(rank)
+            for request in requests:
+                prepared = [reader.prepare(request) for reader in readers]
+                num_bytes += sum(p[3] for rank in prepared for p in rank)
+                # The decode ranks read in parallel through their daemons; here one
+                # process posts every rank's transfers, then polls them together.
+                seconds.append(_read_all(readers, prepared))
+                for reader, rank in zip(readers, prepared):
+                    reader.release(rank)
+            return {"seconds": seconds, "bytes": num_bytes}
+        finally:
+            for reader in readers:
+                reader.close()
+
+
+def _read_all(readers: Sequence[RawReader], prepared: Sequence[list]) -> float:
+    """Post every rank's transfers before polling any, like parallel ranks would."""
+    flat = [(reader.agent.raw, item) for reader, rank in zip(readers, prepared) for item in rank]
+    start = time.perf_counter()
+    handles = [(agent, agent.make_prepped_xfer("READ", local, ids, remote, ids, b"")) for agent, (local, remote, ids, _)
+               in flat]
+    states = [agent.transfer(handle) for agent, handle in handles]
+    while "PROC" in states:
+        states = [s if s != "PROC" else agent.check_xfer_state(h) for (agent, h), s in zip(handles, states)]
+    elapsed = time.perf_counter() - start
+    for _, handle in handles:
+        handle.release()
+    if any(state != "DONE" for state in states):
+        raise RuntimeError(f"raw NIXL transfer ended {states}")
+    return elapsed
+
+
+ENGINES = {"prefill": PrefillEngine, "decode": DecodeEngine}
+
+
+def engine_main(kind: str, args: tuple, kwargs: dict, conn) -> None:
+    """Body of an engine process: build the engine, then serve commands until ``stop``."""
+    try:
+        engine = ENGINES[kind](*args, **kwargs)
+    except Exception as err:
+        conn.send(("error", f"{kind} engine did not start: {type(err).__name__}: {err}"))
+        return
+    conn.send(("ok", None))
+    try:
+        while True:
+            command, command_args = conn.recv()
+            if command == "stop":
+                break
+            try:
+                conn.send(("ok", getattr(engine, command)(*command_args)))
+            except Exception as err:
+                conn.send(("error", f"{kind} engine: {command}: {type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"))
+    finally:
+        engine.close()
+        conn.send(("ok", None))
+
+
+class EngineFailed(RuntimeError):
+    """An engine process reported an error or stopped answering."""
+
+
+class EngineProcess:
+    """Driver-side handle of one engine process."""
+
+    def __init__(self, kind: str, *args, start_timeout_s: float = 120.0, wait: bool = True, **kwargs) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC threads
+        self.kind = kind
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=engine_main, args=(kind, args, kwargs, child), daemon=True,
+                                       name=f"kvxferd-demo-{kind}")
+        self.process.start()
+        child.close()
+        self.start_timeout_s = start_timeout_s
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Block until the engine registered every rank (or raise what went wrong)."""
+        self._answer(self.start_timeout_s, "start")
+
+    def _answer(self, timeout_s: float, what: str):
+        if not self._conn.poll(timeout_s):
+            raise EngineFailed(f"{self.kind} engine: no answer to {what} after {timeout_s:g} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise EngineFailed(f"{self.kind} engine exited (code {self.process.exitcode}) during {what}") from None
+        if status != "ok":
+            raise EngineFailed(value)
+        return value
+
+    def call(self, command: str, *args, timeout_s: float = 120.0):
+        """Run ``command`` in the engine process; its return value, or :class:`EngineFailed`."""
+        self._conn.send((command, args))
+        return self._answer(timeout_s, command)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the engine to deregister and free its memory, then make sure it is gone."""
+        if self.process.is_alive():
+            try:
+                self._conn.send(("stop", ()))
+                self._answer(timeout_s, "stop")
+            except (EngineFailed, OSError):
+                pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
