@@ -60,6 +60,11 @@ _LABEL_VALUES = {"kind": "failure kinds: " + ", ".join(f"`{k}`" for k in FAILURE
                  "method": "a method of the engine or peer service", "code": "a gRPC status code name"}
 
 
+def exported_series() -> dict[str, list[str]]:
+    """``{metric: [series names Prometheus sees]}`` for every metric of :class:`Metrics`."""
+    return {w._name: [w._name + suffix for suffix in _SERIES[w._type]] for w in _wrappers(Metrics())}
+
+
 def metrics_reference() -> str:
     """``docs/metrics.md``: every series the daemon exports, its type, labels and meaning."""
     lines = [_GENERATED.format(source="kvxferd/service/metrics.py") + "# Metrics reference", "",

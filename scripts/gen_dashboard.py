@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Write deploy/grafana/kvxferd.json: one panel per question an operator asks of the daemons."""
+
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RATE = "[$__rate_interval]"
+SEL = '{namespace=~"$namespace", pod=~"$pod"}'
+
+# (title, unit, [(legend, PromQL)]); every series comes from kvxferd/service/metrics.py.
+PANELS = [
+    ("Read throughput", "Bps", [("{{pod}}", f"sum by (pod) (rate(kvxferd_read_bytes_total{SEL}{RATE}))")]),
+    ("Reads completed / s by outcome", "ops", [
+        ("{{outcome}}", f"sum by (outcome) (rate(kvxferd_read_duration_seconds_count{SEL}{RATE}))")]),
+    ("Read duration p50 / p99 (submit -> completion)", "s", [
+        ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_duration_seconds_bucket{SEL}{RATE})))"),
+        ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_read_duration_seconds_bucket{SEL}{RATE})))")]),
+    ("Post time p50 / p99 (submit -> every rank posted)", "s", [
+        ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))"),
+        ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))")]),
+    ("Failed reads / s by kind", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_read_failures_total{SEL}{RATE}))")]),
+    ("Descriptors per read (p50)", "short", [
+        ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_descriptors_bucket{SEL}{RATE})))")]),
+    ("Reads in flight / holds pending", "short", [
+        ("reads in flight", f"sum(kvxferd_reads_in_flight{SEL})"), ("holds pending", f"sum(kvxferd_holds_pending{SEL})")]),
+    ("Notify events / s", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_notify_events_total{SEL}{RATE}))")]),
+    ("Leases expired and stale reads / s", "ops", [
+        ("leases expired", f"sum(rate(kvxferd_leases_expired_total{SEL}{RATE}))"),
+        ("stale reads ({{side}})", f"sum by (side) (rate(kvxferd_stale_reads_total{SEL}{RATE}))")]),
+    ("Handshakes p99 by outcome", "s", [
+        ("{{outcome}}", f"histogram_quantile(0.99, sum by (le, outcome) (rate(kvxferd_handshake_duration_seconds_bucket{SEL}{RATE})))")]),
+    ("RPC errors / s", "ops", [("{{method}} {{code}}", f"sum by (method, code) (rate(kvxferd_rpc_errors_total{SEL}{RATE}))")]),
+    ("Engines registered", "short", [("{{pod}}", f"sum by (pod) (kvxferd_engines_registered{SEL})")]),
+]
+
+
+def panel(n: int, title: str, unit: str, targets) -> dict:
+    return {"id": n + 1, "type": "timeseries", "title": title, "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (n % 2), "y": 8 * (n // 2)},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "targets": [{"refId": chr(65 + i), "expr": expr, "legendFormat": legend}
+                        for i, (legend, expr) in enumerate(targets)]}
+
+
+def variable(name: str, query: str) -> dict:
+    return {"name": name, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": query, "refId": name}, "includeAll": True, "multi": True, "refresh": 2,
+            "current": {"text": "All", "value": "$__all"}}
+
+
+def dashboard() -> dict:
+    return {"title": "kvxferd", "uid": "kvxferd", "schemaVersion": 39, "version": 1, "editable": True,
+            "tags": ["kvxferd", "nixl", "kv-cache"], "time": {"from": "now-1h", "to": "now"}, "refresh": "30s",
+            "templating": {"list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus", "current": {}},
+                variable("namespace", "label_values(kvxferd_engines_registered, namespace)"),
+                variable("pod", 'label_values(kvxferd_engines_registered{namespace=~"$namespace"}, pod)')]},
+            "panels": [panel(n, *spec) for n, spec in enumerate(PANELS)]}
+
+
+if __name__ == "__main__":
+    path = ROOT / "deploy/grafana/kvxferd.json"
+    path.write_text(json.dumps(dashboard(), indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
