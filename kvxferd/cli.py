@@ -1,6 +1,7 @@
 """The ``kvxferd`` command line.
 
     kvxferd serve           the daemon (gRPC engine + peer services, notify bus, metrics)
+    kvxferd health          is a daemon serving? (grpc.health.v1; exit 0 or 1, for container health checks)
     kvxferd demo            prefill -> decode reads over real NIXL, every byte verified
     kvxferd bench layout    span emission and planning benchmark (pure layers)
     kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from kvxferd import demo, serve
+from kvxferd.client import health
 from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
 from kvxferd.bench import layout as layout_bench
@@ -24,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = commands.add_parser("serve", help="run the daemon next to one engine rank",
                                        description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_arguments(serve_parser)
+    health.add_arguments(commands.add_parser("health", help="ask a daemon whether it serves (exit 0 or 1)"))
     demo_parser = commands.add_parser("demo", help="move and verify prefill->decode reads over NIXL for model presets",
                                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return demo.run(args)
     if args.command == "serve":
         return serve.run(args)
+    if args.command == "health":
+        return health.run(args)
     suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench}
     return suites[args.suite].run_args(args)
 

@@ -56,3 +56,22 @@ def test_start_up_failure_exits_3(workdir):
         assert os.path.exists(first.socket) and os.path.exists(first.socket + ".fds")  # left alone
     finally:
         assert first.terminate() == 0
+
+
+def test_health_command_answers_for_a_live_daemon_only(workdir):
+    def health(*args):
+        return subprocess.run([sys.executable, "-m", "kvxferd", "health", *args], capture_output=True, text=True,
+                              timeout=60)
+    daemon = DaemonProcess("health", socket_dir=workdir)
+    try:
+        for args in (("--target", daemon.peer_address), ("--target", daemon.engine_target),
+                     ("--target", daemon.peer_address, "--service", "kvxfer.v1.PeerService")):
+            run = health(*args)
+            assert run.returncode == 0 and "SERVING" in run.stdout, (args, run.stderr)
+        run = health("--target", daemon.peer_address, "--service", "no.such.Service")
+        assert run.returncode == 1 and "NOT_FOUND" in run.stderr
+    finally:
+        port = daemon.peer_address.rsplit(":", 1)[1]
+        daemon.terminate()
+    run = health("--target", f"127.0.0.1:{port}", "--timeout-s", "1")
+    assert run.returncode == 1 and "UNREACHABLE" in run.stderr
