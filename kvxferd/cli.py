@@ -3,6 +3,7 @@
     kvxferd serve           the daemon (gRPC engine + peer services, notify bus, metrics)
     kvxferd health          is a daemon serving? (grpc.health.v1; exit 0 or 1, for container health checks)
     kvxferd demo            prefill -> decode reads over real NIXL, every byte verified
+    kvxferd bench           every suite below, headline figures as a Markdown table
     kvxferd bench layout    span emission and planning benchmark (pure layers)
     kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
     kvxferd bench daemon    through the daemons vs raw NIXL, per-request overhead at 1 000 req/s
@@ -17,6 +18,7 @@ from kvxferd.client import health
 from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
 from kvxferd.bench import layout as layout_bench
+from kvxferd.bench import suite
 from kvxferd.bench import xfer as xfer_bench
 
 
@@ -30,8 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser("demo", help="move and verify prefill->decode reads over NIXL for model presets",
                                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
-    bench = commands.add_parser("bench", help="run a benchmark suite")
-    suites = bench.add_subparsers(dest="suite", required=True)
+    bench = commands.add_parser("bench", help="run every benchmark suite (Markdown table), or one suite",
+                                description=suite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    suite.add_arguments(bench)
+    suites = bench.add_subparsers(dest="suite")
     layout_bench.add_arguments(suites.add_parser("layout", help="span emission and planning (pure layers)"))
     xfer_bench.add_arguments(suites.add_parser("xfer", help="data plane vs raw NIXL, plan build, request planning"))
     daemon_bench.add_arguments(suites.add_parser("daemon", help="through the daemons vs raw NIXL; per-request overhead"))
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve.run(args)
     if args.command == "health":
         return health.run(args)
+    if args.suite is None:
+        return suite.run_args(args)
     suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench}
     return suites[args.suite].run_args(args)
 

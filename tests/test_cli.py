@@ -73,3 +73,16 @@ def test_demo_exits_1_when_reads_fail():
     summary = json.loads(run.stdout)
     assert not summary["ok"] and summary["failed_requests"] == 2 and summary["lost_events"] == 0
     assert "deadline" in summary["rows"][0]["problems"][0]
+
+
+def test_bench_runs_every_suite_into_one_markdown_table(tmp_path):
+    output = tmp_path / "bench.md"
+    run = kvxferd("bench", "--quick", "--output", str(output))
+    assert run.returncode == 0, run.stderr
+    table = output.read_text()
+    assert table == run.stdout
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| suite")]
+    assert {row.split(" | ")[0][2:] for row in rows} == {"layout", "xfer", "daemon"}
+    assert all(len(row.split("|")) == 7 for row in rows)  # five cells each
+    ratios = [float(row.split("|")[5]) for row in rows if row.split("|")[5].strip()]
+    assert len(ratios) == 3 and all(0 < r < 2 for r in ratios)
