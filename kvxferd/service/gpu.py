@@ -99,18 +99,53 @@ class GpuMapping:
             self._close = None
 
 
+def _bare_ipc_handle(handle: bytes, field: str) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t``; also accepts torch's ``_share_cuda_()`` encoding of one.
+
+    torch prefixes the handle with two bytes (a format version and ``c`` for
+    a cudaMalloc block); ``e`` (an expandable segment) is not a CUDA IPC
+    handle at all and is refused.
+    """
+    if len(handle) == IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) == IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        return handle[2:]
+    hint = " (torch expandable segments: share with cudaMalloc'd memory or a VMM fd)" if handle[1:2] == b"e" else ""
+    raise InvalidArgumentError(f"{field}.handle.cuda_ipc_handle", f"{len(handle)} bytes, a CUDA IPC handle has "
+                                                                  f"{IPC_HANDLE_BYTES}{hint}")
+
+
 def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
     """Open a CUDA IPC handle; the region is ``[offset, offset + num_bytes)`` of the allocation."""
-    if len(handle) != IPC_HANDLE_BYTES:
-        raise InvalidArgumentError(f"{field}.handle.cuda_ipc_handle", f"{len(handle)} bytes, a CUDA IPC handle has {IPC_HANDLE_BYTES}")
+    handle = _bare_ipc_handle(handle, field)
     if offset < 0 or num_bytes <= 0 or device_id < 0:
         raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
     lib = _cudart(f"{field}.handle.cuda_ipc_handle")
     _check_rt(lib, lib.cudaSetDevice(device_id), "cudaSetDevice", f"{field}.device_id")
     base = ctypes.c_void_p()
-    _check_rt(lib, lib.cudaIpcOpenMemHandle(ctypes.byref(base), _IpcHandle(handle), _IPC_LAZY_ENABLE_PEER_ACCESS),
+    _check_rt(lib, lib.cudaIpcOpenMemHandle(ctypes.byref(base), _IpcHandle.from_buffer_copy(handle),
+                                                    _IPC_LAZY_ENABLE_PEER_ACCESS),
               "cudaIpcOpenMemHandle", f"{field}.handle.cuda_ipc_handle")
     return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), lambda: lib.cudaIpcCloseMemHandle(base))
+
+
+def export_ipc(address: int, field: str = "address") -> tuple[bytes, int]:
+    """Engine side: the 64-byte IPC handle of the allocation holding ``address``, and ``address``'s offset in it.
+
+    Works on any ``cudaMalloc`` memory, e.g. ``tensor.data_ptr()`` of a torch
+    tensor (torch's own ``_share_cuda_()`` handle is an encoding of its own,
+    not a bare ``cudaIpcMemHandle_t``). Needs the device's context current,
+    as it is in a process that allocated on it.
+    """
+    drv, lib = _cuda(field), _cudart(field)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.c_uint64]
+    _check_drv(drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange", field)
+    handle = _IpcHandle()
+    lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
+    _check_rt(lib, lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)), "cudaIpcGetMemHandle", field)
+    return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES), address - base.value
 
 
 def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU and a CUDA build of torch", allow_module_level=True)
 
 from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
+from kvxferd.service.gpu import export_ipc  # noqa: E402
 from kvxferd.service.wire import engine_to_pb  # noqa: E402
 from kvxferd.verify.engines import allocate_engine, verify_decode  # noqa: E402
 from kvxferd.verify.models import ModelShape, model_groups, random_request  # noqa: E402
@@ -27,15 +28,17 @@ from kvxferd.verify.models import ModelShape, model_groups, random_request  # no
 def _gpu_engine(engine_id, groups, tp, rank, tagged):
     host = allocate_engine(engine_id, groups, tp, rank, tagged=tagged)
     device = torch.from_numpy(host.arena.copy()).cuda()
-    storage = device.untyped_storage()
-    _device, handle, _size, storage_offset, *_ = storage._share_cuda_()
+    if tagged:  # prefill: the bare cudaIpcMemHandle_t of the allocation
+        handle, arena_offset = export_ipc(device.data_ptr())
+    else:  # decode: torch's own encoding, as an engine sharing a storage gets it
+        _device, handle, _size, arena_offset, *_ = device.untyped_storage()._share_cuda_()
     message = engine_to_pb(host.cache, with_addresses=False)
     message.mem_type = "VRAM"
     base = host.arena.ctypes.data
     for group_pb, memory in zip(message.groups, host.cache.memory):
         for region_pb, region in zip(group_pb.regions, memory):
             region_pb.handle.cuda_ipc_handle = handle
-            region_pb.handle.offset = storage_offset + region.address - base
+            region_pb.handle.offset = arena_offset + region.address - base
             region_pb.device_id = device.device.index
     return host, device, message
 

@@ -1,5 +1,6 @@
 """GPU handles: clear errors without a GPU; fds pass to the daemon over the fd socket."""
 
+import ctypes
 import os
 
 import pytest
@@ -46,3 +47,14 @@ def test_fds_travel_with_a_token(tmp_path):
             inbox.take("tok")
     finally:
         inbox.close()
+
+
+def test_ipc_handle_forms_without_a_gpu():
+    bare = bytes(range(1, 9)) + b"\0" * 8 + bytes(range(200, 248))  # NULs inside: must survive
+    assert gpu._bare_ipc_handle(bare, "r") == bare
+    assert ctypes.string_at(ctypes.addressof(gpu._IpcHandle.from_buffer_copy(bare)), 64) == bare
+    assert gpu._bare_ipc_handle(b"\x02c" + bare, "r") == bare  # torch's _share_cuda_() form
+    with pytest.raises(InvalidArgumentError, match="expandable"):
+        gpu._bare_ipc_handle(b"\x02e" + bare, "r")
+    with pytest.raises(InvalidArgumentError, match="65 bytes"):
+        gpu._bare_ipc_handle(b"x" + bare, "r")
