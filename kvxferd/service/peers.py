@@ -49,6 +49,9 @@ class RemoteLink:
         return self.remote is not None and not self.stale and self.pending is None
 
 
+PEER_RETRY_S = 2.0  # how long the one retry after UNAVAILABLE waits for the peer to accept
+
+
 class Peers:
     """Outgoing peer calls of one daemon."""
 
@@ -56,7 +59,10 @@ class Peers:
         self.dataplane = dataplane
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self._options = [("grpc.max_receive_message_length", max_message_bytes)]
+        # Own subchannels per channel: gRPC otherwise shares one per address
+        # process-wide, so a "fresh" channel would inherit a dead peer's backoff.
+        self._options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.use_local_subchannel_pool", 1),
+                         ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> pb_grpc.PeerServiceStub:
@@ -81,7 +87,10 @@ class Peers:
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
-        return await getattr(self.stub(address), method)(request, timeout=timeout_s)
+        # wait_for_ready: connect (once the peer listens) instead of failing on a
+        # cached transient failure; bounded, so a dead peer still fails quickly.
+        return await getattr(self.stub(address), method)(request, timeout=min(timeout_s, PEER_RETRY_S),
+                                                         wait_for_ready=True)
 
     async def close(self) -> None:
         for channel in self._channels.values():
