@@ -27,15 +27,29 @@ def prepare_raw(raw_agent, remote_agent_name: str, rank_plan: RankPlan, read: Ra
     return local, remote, np.arange(len(read.local_ids), dtype=np.int32)
 
 
+def read_all(transfers, notification: bytes = b"") -> float:
+    """Post every ``(raw_agent, local list, remote list, ids)`` READ before polling any; seconds until all are done.
+
+    make_prepped_xfer + transfer + poll, straight on nixl: the baseline.
+    """
+    start = time.perf_counter()
+    handles = [(agent, agent.make_prepped_xfer("READ", local, ids, remote, ids, notification))
+               for agent, local, remote, ids in transfers]
+    states = [agent.transfer(handle) for agent, handle in handles]
+    while "PROC" in states:
+        states = [state if state != "PROC" else agent.check_xfer_state(handle)
+                  for (agent, handle), state in zip(handles, states)]
+    elapsed = time.perf_counter() - start
+    for _, handle in handles:
+        handle.release()
+    if any(state != "DONE" for state in states):
+        raise RuntimeError(f"raw NIXL transfer ended {states}")
+    return elapsed
+
+
 def raw_read(raw_agent, local_list, remote_list, ids: np.ndarray, notification: bytes = b"") -> None:
-    """make_prepped_xfer + transfer + poll, straight on nixl."""
-    handle = raw_agent.make_prepped_xfer("READ", local_list, ids, remote_list, ids, notification)
-    state = raw_agent.transfer(handle)
-    while state == "PROC":
-        state = raw_agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise RuntimeError(f"raw NIXL transfer ended {state}")
-    handle.release()
+    """One raw READ, posted and polled to the end."""
+    read_all([(raw_agent, local_list, remote_list, ids)], notification)
 
 
 def fetch_peer_info(address: str, remote_engine_id: str, tp_rank: int, local: EngineCache):
@@ -70,20 +84,13 @@ class RawReader:
                               read), read.num_bytes)
                 for read in self.plan.plan_request(request).reads]
 
+    def transfers(self, prepared: list[tuple[object, object, np.ndarray, int]]) -> list[tuple]:
+        """``prepared`` as :func:`read_all` takes it."""
+        return [(self.agent.raw, local, remote, ids) for local, remote, ids, _ in prepared]
+
     def read(self, prepared: list[tuple[object, object, np.ndarray, int]]) -> float:
         """Post one transfer per remote rank, poll them all; returns the seconds it took."""
-        raw = self.agent.raw
-        start = time.perf_counter()
-        handles = [raw.make_prepped_xfer("READ", local, ids, remote, ids, b"") for local, remote, ids, _ in prepared]
-        states = [raw.transfer(handle) for handle in handles]
-        while "PROC" in states:
-            states = [state if state != "PROC" else raw.check_xfer_state(h) for h, state in zip(handles, states)]
-        elapsed = time.perf_counter() - start
-        for handle in handles:
-            handle.release()
-        if any(state != "DONE" for state in states):
-            raise RuntimeError(f"raw NIXL transfer ended {states}")
-        return elapsed
+        return read_all(self.transfers(prepared))
 
     @staticmethod
     def release(prepared: list[tuple[object, object, np.ndarray, int]]) -> None:

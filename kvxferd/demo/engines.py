@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvxferd.bench.raw import RawReader
+from kvxferd.bench.raw import RawReader, read_all
 from kvxferd.client import EngineClient, NotifySubscriber, SharedArena, engine_rank_pb
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
@@ -118,9 +118,7 @@ class PrefillEngine(EngineRanks):
                     missing.append(f"{request_id} rank {rank}: no {'EXPIRED' if released else 'CONSUMED'}")
                 elif event.kind == pb.NotifyEvent.CONSUMED:
                     consumed += 1
-                elif released:
-                    pass  # EXPIRED: the release ended it
-                else:
+                elif not released:  # a released hold may end EXPIRED: the release ended it
                     other.append(f"{request_id} rank {rank}: {pb.NotifyEvent.Kind.Name(event.kind)} ({event.reason})")
                 other += [f"{request_id} rank {rank}: also {pb.NotifyEvent.Kind.Name(e.kind)} ({e.reason})"
                           for e in subscriber.events_of(request_id)
@@ -196,19 +194,7 @@ class DecodeEngine(EngineRanks):
 
 def _read_all(readers: Sequence[RawReader], prepared: Sequence[list]) -> float:
     """Post every rank's transfers before polling any, like parallel ranks would."""
-    flat = [(reader.agent.raw, item) for reader, rank in zip(readers, prepared) for item in rank]
-    start = time.perf_counter()
-    handles = [(agent, agent.make_prepped_xfer("READ", local, ids, remote, ids, b"")) for agent, (local, remote, ids, _)
-               in flat]
-    states = [agent.transfer(handle) for agent, handle in handles]
-    while "PROC" in states:
-        states = [s if s != "PROC" else agent.check_xfer_state(h) for (agent, h), s in zip(handles, states)]
-    elapsed = time.perf_counter() - start
-    for _, handle in handles:
-        handle.release()
-    if any(state != "DONE" for state in states):
-        raise RuntimeError(f"raw NIXL transfer ended {states}")
-    return elapsed
+    return read_all([t for reader, rank in zip(readers, prepared) for t in reader.transfers(rank)])
 
 
 ENGINES = {"prefill": PrefillEngine, "decode": DecodeEngine}

@@ -60,6 +60,7 @@ def _load(names: tuple[str, ...], what: str, field: str) -> ctypes.CDLL:
 def _cudart(field: str) -> ctypes.CDLL:
     lib = _load(("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"), "cudart", field)
     lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
+    lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     return lib
 
@@ -143,7 +144,6 @@ def export_ipc(address: int, field: str = "address") -> tuple[bytes, int]:
                                             ctypes.c_uint64]
     _check_drv(drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange", field)
     handle = _IpcHandle()
-    lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
     _check_rt(lib, lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)), "cudaIpcGetMemHandle", field)
     return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES), address - base.value
 
