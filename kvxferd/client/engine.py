@@ -30,6 +30,7 @@ class EngineClient:
         self.stub = pb_grpc.EngineServiceStub(self._channel)
         self.engine_id: str | None = None
         self.incarnation = self.notify_address = ""
+        self.notify_last_seq = 0
         self._completions: dict[str, tuple[pb.Completion, float]] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -40,14 +41,24 @@ class EngineClient:
     # ---- registration -------------------------------------------------------------
     def register(self, engine: pb.EngineRank, *, lease_s: float = 0.0, heartbeat_s: float | None = None,
                  fd_token: str = "") -> pb.RegisterReply:
-        """Register this rank, then heartbeat every ``heartbeat_s`` (lease / 3) and watch completions."""
+        """Register this rank, then heartbeat every ``heartbeat_s`` (lease / 3) and watch completions.
+
+        Call it again to re-register (e.g. after the daemon restarted): the
+        completion stream is opened anew and a :class:`NotifySubscriber` of
+        this client follows the new registration's event sequence.
+        """
         reply = self.stub.Register(pb.RegisterRequest(engine=engine, lease_s=lease_s, fd_token=fd_token),
                                    timeout=self.timeout_s)
-        self.engine_id, self.incarnation, self.notify_address = engine.engine_id, reply.incarnation, reply.notify_address
-        self._stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
-        self._start(self._watch)
+        first = self.engine_id is None
+        if self._stream is not None:
+            self._stream.cancel()
+        self.engine_id, self.notify_address = engine.engine_id, reply.notify_address
+        self.notify_last_seq, self.incarnation = reply.notify_last_seq, reply.incarnation
+        self.stream_error = None
+        self._stream = stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
+        self._start(lambda: self._watch(stream))
         interval_s = heartbeat_s if heartbeat_s is not None else (lease_s or 30.0) / 3
-        if interval_s > 0:
+        if first and interval_s > 0:
             self._start(lambda: self._heartbeat(interval_s))
         return reply
 
@@ -63,14 +74,14 @@ class EngineClient:
             except grpc.RpcError:
                 pass  # the daemon restarted or is draining; register() again
 
-    def _watch(self) -> None:
+    def _watch(self, stream) -> None:
         try:
-            for completion in self._stream:
+            for completion in stream:
                 with self._cond:
                     self._completions[completion.request_id] = (completion, time.time())
                     self._cond.notify_all()
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED:
+            if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
                 self.stream_error = err
         with self._cond:
             self._cond.notify_all()

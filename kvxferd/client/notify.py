@@ -4,6 +4,18 @@ ZMQ PUB/SUB drops what is published before a subscription takes effect
 (and under back-pressure). The subscriber therefore delivers strictly in
 sequence: a jump in ``seq``, or silence while waiting, makes it fetch the
 missing events with ``MissedEvents``.
+
+After a daemon restart two more things go wrong for a naive subscriber:
+
+* ZMQ reconnects the SUB socket by itself, but re-sends the subscription
+  only when the application next touches the socket (poll or receive);
+  what the new daemon publishes before that is dropped.
+* Sequence numbers are per engine *on one daemon*: the new daemon counts
+  from 1 again, so "seq <= last seen" no longer means "seen".
+
+So when the client re-registers (its incarnation changes) the subscriber
+restarts its sequence at the registration's ``notify_last_seq``, touches
+the socket at once (re-subscribing) and fetches what it missed meanwhile.
 """
 
 from __future__ import annotations
@@ -26,14 +38,37 @@ class NotifySubscriber:
     def __init__(self, client: EngineClient, *, catch_up_s: float = 0.2) -> None:
         self.client = client
         self.catch_up_s = catch_up_s
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SUBSCRIBE, topic(client.engine_id))
-        self._socket.connect(client.notify_address)
-        self.last_seq = 0
+        self._socket = None
+        self._connect()
+        self.last_seq = client.notify_last_seq
+        self._incarnation = client.incarnation
         self.num_fetched = 0  # events that came over gRPC instead of the bus
         self._ready: collections.deque[pb.NotifyEvent] = collections.deque()
         self._held: dict[str, list[pb.NotifyEvent]] = {}
+
+    def _connect(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic(self.client.engine_id))
+        self._socket.connect(self.client.notify_address)
+        self._address = self.client.notify_address
+
+    def _follow_registration(self) -> None:
+        """The client re-registered (maybe on a restarted daemon): restart the sequence there."""
+        if self.client.incarnation == self._incarnation:
+            return
+        self._incarnation = self.client.incarnation
+        self.last_seq = self.client.notify_last_seq
+        if self.client.notify_address != self._address:
+            self._connect()
+        # Touching the socket lets ZMQ re-send the subscription now. What is
+        # buffered may be the old daemon's tail, numbered in its sequence:
+        # drop it all; the new daemon's events come back by MissedEvents.
+        while self._socket.poll(0):
+            self._socket.recv_multipart()
+        self._catch_up()
 
     def _catch_up(self) -> None:
         reply = self.client.missed_events(self.last_seq)
@@ -54,6 +89,7 @@ class NotifySubscriber:
     def next(self, timeout_s: float = 10.0) -> pb.NotifyEvent | None:
         """The next event in sequence, or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        self._follow_registration()
         while not self._ready:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -152,6 +152,9 @@ class GroupPairing:
         """``(local_units, remote_units)``: unit ids to read, pairwise."""
         local_ids = check_block_ids(local_block_ids, self.num_local_blocks, f"{field}.local_block_ids")
         remote_ids = check_block_ids(remote_block_ids, self.num_remote_blocks, f"{field}.remote_block_ids")
+        # Two remote blocks read into one local block would leave it holding
+        # whichever landed last: refuse, naming the repeated id.
+        check_unique_ids(local_ids, f"{field}.local_block_ids")
         n_local, n_remote = len(local_ids), len(remote_ids)
         if self.policy == "exact":
             if n_local != n_remote:
@@ -182,6 +185,19 @@ class GroupPairing:
         local_units = _units(local_ids, k_local)[first - local_start : stop - local_start]
         remote_units = _units(remote_ids, k_remote)[first - remote_start : stop - remote_start]
         return local_units, remote_units
+
+
+def check_unique_ids(block_ids: np.ndarray, field: str) -> None:
+    """Refuse a destination block listed twice (vectorised: one sort)."""
+    if len(block_ids) < 2:
+        return
+    ordered = np.sort(block_ids)
+    repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if repeats.size:
+        block_id = int(ordered[repeats[0]])
+        first = int(np.flatnonzero(block_ids == block_id)[1])
+        raise InvalidArgumentError(f"{field}[{first}]", f"block id {block_id} is listed more than once "
+                                                        f"({repeats.size} repeats): each local block can receive one block")
 
 
 def _units(block_ids: np.ndarray, k: int) -> np.ndarray:

@@ -29,7 +29,7 @@ WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 class DaemonConfig(BaseSettings):
     """Settings of ``kvxferd serve``."""
 
-    model_config = SettingsConfigDict(env_prefix="KVXFERD_", extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix="KVXFERD_", extra="forbid", validate_default=True, allow_inf_nan=False)
 
     daemon_id: str = Field("kvxferd", description="name of this daemon in logs and NIXL agent names")
     engine_socket: str = Field("/tmp/kvxferd-engine.sock", description="UNIX socket of the engine-facing gRPC service")
@@ -43,6 +43,8 @@ class DaemonConfig(BaseSettings):
     metrics_port: int = Field(9464, ge=0, le=65535, description="port of the metrics endpoint; 0 picks a free port")
     lease_s: float = Field(30.0, gt=0, description="default lease of held blocks and of engine registrations (s)")
     deadline_s: float = Field(30.0, gt=0, description="default deadline of a read (s)")
+    max_lease_s: float = Field(600.0, gt=0, description="longest lease an engine or peer may ask for (holds, registrations, renewals) (s)")
+    max_deadline_s: float = Field(600.0, gt=0, description="longest read deadline an engine may ask for (s)")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish (s)")
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, description="largest gRPC message accepted (bytes)")
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
@@ -65,6 +67,13 @@ class DaemonConfig(BaseSettings):
         if value not in ("json", "text"):
             raise ValueError(f"must be json or text, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> "DaemonConfig":
+        if self.lease_s > self.max_lease_s or self.deadline_s > self.max_deadline_s:
+            raise ValueError(f"lease_s ({self.lease_s:g}) and deadline_s ({self.deadline_s:g}) must not exceed "
+                             f"max_lease_s ({self.max_lease_s:g}) and max_deadline_s ({self.max_deadline_s:g})")
+        return self
 
     @model_validator(mode="after")
     def _routable_peer_address(self) -> "DaemonConfig":

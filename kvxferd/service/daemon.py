@@ -89,7 +89,8 @@ class Daemon:
             self.bus = NotifyBus(config.notify_host, config.notify_port, history=config.event_history)
             self._fd_inbox = FdInbox(fd_socket_path(config.engine_socket))
             self.registry = Registry(self.dataplane, self.publish, daemon_id=config.daemon_id,
-                                     default_lease_s=config.lease_s, fd_inbox=self._fd_inbox)
+                                     default_lease_s=config.lease_s, max_lease_s=config.max_lease_s,
+                                     fd_inbox=self._fd_inbox)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
@@ -168,7 +169,7 @@ class Daemon:
             link = slot.links.get(result.remote_engine_id)
             if link is not None and done.failure in ("transfer", "remote_gone", "deadline"):
                 link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
-        slot.completions.put_nowait(pb.Completion(
+        slot.completions.put(pb.Completion(
             request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
             num_descriptors=result.num_descriptors, duration_s=result.duration_s,
             invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",

@@ -16,6 +16,7 @@ order, so no read can touch memory that is going away::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -29,25 +30,26 @@ from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.fdpass import FdInbox
 from kvxferd.service.memory import open_region
 from kvxferd.service.slots import EngineSlot
-from kvxferd.service.wire import check_id, engine_from_pb, groups_from_pb
+from kvxferd.service.wire import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
 
 log = logging.getLogger("kvxferd.engines")
-END_OF_STREAM = None  # put on a slot's completion queue when it deregisters
 
 
 class Registry:
     """The engine slots of one daemon (event-loop side)."""
 
     def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, str, HoldEnd], None], *,
-                 daemon_id: str, default_lease_s: float, fd_inbox: FdInbox | None = None) -> None:
+                 daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None) -> None:
         self.dataplane = dataplane
         self.publish = publish
         self.daemon_id = daemon_id
         self.default_lease_s = default_lease_s
+        self.max_lease_s = max_lease_s
         self.fd_inbox = fd_inbox
         self.slots: dict[str, EngineSlot] = {}
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # engine id -> (lock, users)
         self.accepting = True
 
     def slot(self, engine_id: str) -> EngineSlot:
@@ -57,14 +59,45 @@ class Registry:
             raise NotFoundError("engine_id", f"no engine {engine_id!r} is registered on this daemon")
         return slot
 
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, engine_id: str):
+        """One Register/Deregister of ``engine_id`` at a time (the lock lives while anyone uses it)."""
+        lock, users = self._locks.get(engine_id, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[engine_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[engine_id]
+            if users == 1:
+                del self._locks[engine_id]
+            else:
+                self._locks[engine_id] = (lock, users - 1)
+
     async def register(self, message: pb.RegisterRequest) -> EngineSlot:
+        """Map, register and publish one engine rank; replaces a previous registration of the same id.
+
+        Concurrent calls for one engine id run one after another, so each
+        replaced registration is taken down (nothing stays mapped).
+        """
         if not self.accepting:
             raise UnavailableError("engine", "the daemon is shutting down")
         engine = message.engine
         check_id(engine.engine_id, "engine.engine_id")
-        lease_s = message.lease_s or self.default_lease_s
-        if lease_s <= 0:
-            raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
+        lease_s = check_seconds(message.lease_s, "lease_s", default_s=self.default_lease_s, max_s=self.max_lease_s)
+        # Shielded: a caller that gives up mid-way must not leave memory mapped
+        # and registered with nobody owning it (the registration then expires).
+        attempt = asyncio.ensure_future(self._register_exclusive(message, lease_s))
+        attempt.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen even if the caller left
+        return await asyncio.shield(attempt)
+
+    async def _register_exclusive(self, message: pb.RegisterRequest, lease_s: float) -> EngineSlot:
+        async with self._exclusive(message.engine.engine_id):
+            return await self._register(message, lease_s)
+
+    async def _register(self, message: pb.RegisterRequest, lease_s: float) -> EngineSlot:
+        engine = message.engine
         groups = groups_from_pb(engine)
         fds = self.fd_inbox.take(message.fd_token) if message.fd_token and self.fd_inbox else []
         mapped = []
@@ -74,7 +107,7 @@ class Registry:
             old = self.slots.get(cache.engine_id)
             if old is not None:
                 log.info("engine re-registered: dropping the old registration", extra={"engine_id": cache.engine_id})
-                await self.deregister(old, "engine re-registered")
+                await self._deregister(old, "engine re-registered")
             incarnation = uuid.uuid4().hex
             slot = await asyncio.to_thread(self._new_slot, cache, incarnation, mapped, lease_s)
         except BaseException:
@@ -118,6 +151,10 @@ class Registry:
 
     async def deregister(self, slot: EngineSlot, reason: str) -> None:
         """Take a registration down (idempotent)."""
+        async with self._exclusive(slot.engine_id):
+            await self._deregister(slot, reason)
+
+    async def _deregister(self, slot: EngineSlot, reason: str) -> None:
         if slot.closing:
             return
         slot.closing = True
@@ -132,7 +169,7 @@ class Registry:
         slot.close_memory()
         if self.slots.get(slot.engine_id) is slot:
             del self.slots[slot.engine_id]
-        slot.completions.put_nowait(END_OF_STREAM)
+        slot.completions.close()
         log.info("engine deregistered", extra={"engine_id": slot.engine_id, "reason": reason})
 
     async def expire(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import pathlib
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,21 +48,45 @@ class MappedRegion:
         self._mapping.close()
 
 
+SHM_NAME_MAX_BYTES = 255  # NAME_MAX: one path component under /dev/shm
+
+
+def shm_path(name: str, field: str) -> pathlib.Path:
+    """``/dev/shm/<name>`` for a POSIX shared-memory name (``name`` or ``/name``), validated.
+
+    One component, printable, at most ``NAME_MAX`` bytes, not ``.``/``..``:
+    anything else could point outside ``/dev/shm`` or fail deep inside the
+    kernel with a message that names the server's paths.
+    """
+    bare = name[1:] if name.startswith("/") else name
+    if (not bare or "/" in bare or bare in (".", "..") or not bare.isprintable()
+            or len(bare.encode("utf-8", "surrogatepass")) > SHM_NAME_MAX_BYTES):
+        raise InvalidArgumentError(f"{field}.shm_name", f"not a shared-memory object name (one printable component of "
+                                                         f"1..{SHM_NAME_MAX_BYTES} bytes, optionally after one '/'): "
+                                                         f"{name[:64]!r}")
+    return SHM_DIR / bare
+
+
 def map_shm(name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
     """Map ``num_bytes`` at ``offset`` of shared-memory object ``name``."""
-    if not name or "/" in name.strip("/") or name in (".", ".."):
-        raise InvalidArgumentError(f"{field}.shm_name", f"not a shared-memory object name: {name!r}")
+    path = shm_path(name, field)
     if offset < 0 or num_bytes <= 0:
         raise InvalidArgumentError(field, f"bad range: offset {offset}, {num_bytes} bytes")
-    path = SHM_DIR / name.strip("/")
     try:
-        fd = os.open(path, os.O_RDWR)
+        # O_NOFOLLOW: a symlink in /dev/shm must not expose a file from elsewhere over NIXL.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise NotFoundError(f"{field}.shm_name", f"no shared-memory object {name!r}") from None
     except PermissionError:
         raise InvalidArgumentError(f"{field}.shm_name", f"shared-memory object {name!r} is not readable and writable") from None
+    except OSError as err:  # ELOOP (a symlink), EISDIR, ...: the name, never the server's path
+        raise InvalidArgumentError(f"{field}.shm_name", f"cannot open shared-memory object {name!r}: "
+                                                         f"{err.strerror or type(err).__name__}") from None
     try:
-        size = os.fstat(fd).st_size
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise InvalidArgumentError(f"{field}.shm_name", f"{name!r} is not a shared-memory object (not a regular file)")
+        size = status.st_size
         if offset + num_bytes > size:
             raise InvalidArgumentError(field, f"region [{offset}, {offset + num_bytes}) exceeds {name!r} of {size} bytes")
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -65,27 +65,33 @@ class Peers:
                          ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def stub(self, address: str) -> pb_grpc.PeerServiceStub:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
-        return pb_grpc.PeerServiceStub(channel)
+        return channel
+
+    def stub(self, address: str) -> pb_grpc.PeerServiceStub:
+        return pb_grpc.PeerServiceStub(self._channel(address))
 
     async def call(self, address: str, method: str, request, *, timeout_s: float | None = None):
         """One unary peer call; on UNAVAILABLE, retry once on a fresh channel.
 
         A channel whose peer died sits in reconnect backoff (seconds, growing)
         and fails calls fast even after the peer came back on the same
-        address; a new channel connects at once.
+        address; a new channel connects at once. Only the channel that failed
+        is replaced: closing one that a concurrent call already replaced would
+        cancel that call's retry.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        channel = self._channel(address)
         try:
-            return await getattr(self.stub(address), method)(request, timeout=timeout_s)
+            return await getattr(pb_grpc.PeerServiceStub(channel), method)(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
-        channel = self._channels.pop(address, None)
-        if channel is not None:
+        if self._channels.get(address) is channel:
+            del self._channels[address]
             await channel.close()
         # wait_for_ready: connect (once the peer listens) instead of failing on a
         # cached transient failure; bounded, so a dead peer still fails quickly.
@@ -109,12 +115,15 @@ class Peers:
                 raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet (call Handshake first)")
             link = slot.links[remote_engine_id] = RemoteLink(remote_engine_id, tuple(addresses))
         target = tuple(addresses) if addresses else link.addresses
-        if link.pending is not None and link.pending_addresses != target:
-            with contextlib.suppress(Exception):  # another address set first; then ours
-                await asyncio.shield(link.pending)
-        if link.pending is None:
-            link.pending, link.pending_addresses = asyncio.ensure_future(self._handshake(slot, link, target)), target
-            link.pending.add_done_callback(lambda _f, link=link: setattr(link, "pending", None))
+        # Join only an attempt for the same addresses; wait out attempts for
+        # others (however many start meanwhile), then start ours.
+        while (pending := link.pending) is not None and not pending.done() and link.pending_addresses != target:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+        if link.pending is None or link.pending.done():
+            attempt = asyncio.ensure_future(self._handshake(slot, link, target))
+            link.pending, link.pending_addresses = attempt, target
+            attempt.add_done_callback(lambda f, link=link: link.pending is f and setattr(link, "pending", None))
         await asyncio.shield(link.pending)
         return link
 

@@ -20,11 +20,11 @@ from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, Una
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.service.dataplane import DaemonRead
-from kvxferd.service.engines import END_OF_STREAM
+from kvxferd.service.completions import StreamReplaced
 from kvxferd.service.peerinfo import PROTOCOL_VERSION, encode_info
 from kvxferd.service.slots import ActiveRead
 from kvxferd.service.status import status_code
-from kvxferd.service.wire import check_id, ids_from_pb, read_request_from_pb
+from kvxferd.service.wire import check_id, check_peer_addresses, check_seconds, ids_from_pb, read_request_from_pb
 
 if TYPE_CHECKING:
     from kvxferd.service.daemon import Daemon
@@ -71,7 +71,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     @rpc
     async def Register(self, request, context):
         slot = await self.daemon.registry.register(request)
-        return pb.RegisterReply(incarnation=slot.incarnation, notify_address=self.daemon.bus.address)
+        return pb.RegisterReply(incarnation=slot.incarnation, notify_address=self.daemon.bus.address,
+                                notify_last_seq=self.daemon.bus.last_seq(slot.engine_id))
 
     @rpc
     async def Heartbeat(self, request, context):
@@ -87,10 +88,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Handshake(self, request, context):
         slot = self.daemon.registry.slot(request.engine_id)
         check_id(request.remote_engine_id, "remote_engine_id")
-        if not request.peer_addresses:
-            raise InvalidArgumentError("peer_addresses", "give one peer address per remote TP rank")
-        for q, address in enumerate(request.peer_addresses):
-            check_id(address, f"peer_addresses[{q}]")
+        check_peer_addresses(request.peer_addresses)
         start = time.perf_counter()
         await self.daemon.peers.handshake(slot, request.remote_engine_id, tuple(request.peer_addresses))
         return pb.HandshakeReply(remote_tp_size=len(request.peer_addresses), duration_s=time.perf_counter() - start)
@@ -108,10 +106,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         link = slot.links.get(request.remote_engine_id)
         if link is None or link.remote is None:
             raise NotFoundError("remote_engine_id", f"no handshake with {request.remote_engine_id!r} yet")
-        if request.deadline_s < 0:
-            raise InvalidArgumentError("deadline_s", f"must not be negative, got {request.deadline_s}")
+        config = daemon.config
+        deadline_s = received_s + check_seconds(request.deadline_s, "deadline_s", default_s=config.deadline_s,
+                                                max_s=config.max_deadline_s)
         planned = link.remote.plan.plan_request(read)  # bad ids fail here, before anything is posted
-        deadline_s = received_s + (request.deadline_s or daemon.config.deadline_s)
         slot.active[read.request_id] = ActiveRead(request.remote_engine_id, read.remote_request_id, time.monotonic())
         daemon_read = DaemonRead(slot, link.remote, planned, received_s, deadline_s)
         if link.ready:
@@ -125,11 +123,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             slot = self.daemon.registry.slot(request.engine_id)
         except KvxferError as err:
             await context.abort(status_code(err), str(err))
-        while True:
-            completion = await slot.completions.get()
-            if completion is END_OF_STREAM:
-                return
-            yield completion
+        try:
+            async for completion in slot.completions.stream():
+                yield completion
+        except StreamReplaced as err:
+            await context.abort(grpc.StatusCode.ABORTED, f"engine_id: {err}")
 
     @rpc
     async def Hold(self, request, context):
@@ -138,7 +136,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         slot = self.daemon.registry.slot(request.engine_id)
         check_id(request.request_id, "request_id")
         block_ids = _check_block_ids(request.block_ids, slot, "block_ids")
-        lease_s = request.lease_s or self.daemon.config.lease_s
+        lease_s = _lease_s(self.daemon, request.lease_s)
         with slot.lock:
             slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
         return pb.HoldReply()
@@ -161,11 +159,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return self.daemon.bus.missed(request.engine_id, request.after_seq)
 
 
+def _lease_s(daemon: "Daemon", value: float) -> float:
+    return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
+
+
 def _renew(daemon: "Daemon", request: pb.RenewLeaseRequest) -> pb.RenewLeaseReply:
     slot = daemon.registry.slot(request.engine_id)
-    lease_s = request.lease_s or daemon.config.lease_s
-    if lease_s <= 0:
-        raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
+    lease_s = _lease_s(daemon, request.lease_s)
     with slot.lock:
         unknown = slot.holds.renew(request.request_ids, lease_s, time.monotonic())
     return pb.RenewLeaseReply(unknown_request_ids=unknown)
@@ -184,14 +184,28 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
             raise InvalidArgumentError("tp_rank", f"this daemon serves rank {slot.cache.tp_rank} of "
                                                   f"{request.engine_id!r}, not {request.tp_rank}")
         if request.reader_agent_metadata:  # so this side can acknowledge the reader's notices
-            check_id(request.reader_engine_id, "reader_engine_id")
-            name = await self.daemon.run_blocking(slot.agent.add_remote, request.reader_agent_metadata)
-            reader = (request.reader_engine_id, request.reader_tp_rank)
+            await self._introduce(slot, request)
+        return encode_info(slot.incarnation, slot.metadata, slot.cache)
+
+    async def _introduce(self, slot, request: pb.EngineInfoRequest) -> None:
+        """Load the reader's agent; one reference per (reader engine, rank), the previous one dropped.
+
+        A bad introduction fails here without touching any agent already
+        loaded: :meth:`NixlAgent.add_remote` refuses a known name with other
+        bytes, and an agent shared by several introductions stays loaded
+        until the last one lets go.
+        """
+        check_id(request.reader_engine_id, "reader_engine_id")
+        if request.reader_tp_rank < 0:
+            raise InvalidArgumentError("reader_tp_rank", f"must not be negative, got {request.reader_tp_rank}")
+        reader = (request.reader_engine_id, request.reader_tp_rank)
+        async with slot.introductions:
+            name = await self.daemon.run_blocking(slot.agent.add_remote, request.reader_agent_metadata,
+                                                  "reader_agent_metadata")
             old = slot.readers.get(reader)
             slot.readers[reader] = name
-            if old is not None and old != name:
-                await self.daemon.run_blocking(slot.agent.remove_remote, old)  # the reader restarted
-        return encode_info(slot.incarnation, slot.metadata, slot.cache)
+            if old is not None:  # the same reader again, or restarted under a new agent
+                await self.daemon.run_blocking(slot.agent.remove_remote, old)
 
     @rpc
     async def GetIncarnation(self, request, context):

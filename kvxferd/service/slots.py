@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.leases import HoldTable
+from kvxferd.service.completions import CompletionFeed
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
 
@@ -42,10 +43,11 @@ class EngineSlot:
     lease_expires_s: float  # monotonic; pushed back by heartbeats (loop side)
     holds: HoldTable = field(default_factory=HoldTable)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    completions: asyncio.Queue = field(default_factory=asyncio.Queue)  # loop side
+    completions: CompletionFeed = field(default_factory=CompletionFeed)  # loop side
     active: dict[str, ActiveRead] = field(default_factory=dict)  # loop side, by request id
     links: dict = field(default_factory=dict)  # remote engine id -> RemoteLink (loop side)
     readers: dict[tuple[str, int], str] = field(default_factory=dict)  # introduced reader -> its agent name
+    introductions: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reader introduction at a time (loop side)
     metadata: bytes = b""  # NIXL agent metadata after registration
     closing: bool = False
 

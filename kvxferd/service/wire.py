@@ -8,6 +8,7 @@ typed error naming the message field (``groups[1].attention.head_size``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +28,41 @@ def check_id(value: str, field: str) -> str:
     if not value or len(value) > MAX_ID_LENGTH or not value.isprintable():
         raise InvalidArgumentError(field, f"must be 1..{MAX_ID_LENGTH} printable characters, got {value[:40]!r}")
     return value
+
+
+MAX_TP_SIZE = 1024  # remote TP ranks one handshake may name
+
+
+def check_peer_addresses(addresses: Sequence[str]) -> tuple[str, ...]:
+    """One ``host:port`` per remote TP rank: 1..MAX_TP_SIZE distinct addresses.
+
+    Each address serves one rank of an engine, so a repeated address can
+    never be right (and would make two ranks' handshakes share a channel).
+    """
+    if not 0 < len(addresses) <= MAX_TP_SIZE:
+        raise InvalidArgumentError("peer_addresses", f"give one peer address per remote TP rank (1..{MAX_TP_SIZE}), "
+                                                     f"got {len(addresses)}")
+    first_at: dict[str, int] = {}
+    for q, address in enumerate(addresses):
+        check_id(address, f"peer_addresses[{q}]")
+        if address in first_at:
+            raise InvalidArgumentError(f"peer_addresses[{q}]", f"{address!r} is listed already as "
+                                                               f"peer_addresses[{first_at[address]}]")
+        first_at[address] = q
+    return tuple(addresses)
+
+
+def check_seconds(value: float, field: str, *, default_s: float, max_s: float) -> float:
+    """A duration from outside (lease, deadline): 0 means ``default_s``; finite, positive, at most ``max_s``.
+
+    NaN compares false with everything and inf never runs out: either would
+    pin blocks or keep a read waiting forever, so both are refused by name.
+    """
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(field, f"must be a finite number of seconds >= 0 (0: the default), got {value}")
+    if value > max_s:
+        raise InvalidArgumentError(field, f"{value:g} s is over this daemon's limit of {max_s:g} s")
+    return value or default_s
 
 
 def _spec_from_pb(group: pb.CacheGroup, field: str) -> CacheSpec:

@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -39,6 +41,34 @@ def _quiet_nixl_logging() -> None:
             handler.setStream(sys.stderr)
 
 
+METADATA_MAGIC, NAME_TAG = b"nixlSerDes|", b"Agent"
+MAX_AGENT_NAME_BYTES = 1024
+
+
+def agent_name_of(metadata: bytes, field: str = "agent_metadata") -> str:
+    """The agent name NIXL metadata carries, read from its header without loading it.
+
+    NIXL serialises ``nixlSerDes|`` then tagged fields, each ``tag, u64
+    little-endian length, value, '|'``; the first is the agent name::
+
+        nixlSerDes| Agent <06 00 00 00 00 00 00 00> reader | Conns ...
+    """
+    head = len(METADATA_MAGIC) + len(NAME_TAG)
+    if not metadata.startswith(METADATA_MAGIC + NAME_TAG) or len(metadata) < head + 8:
+        raise InvalidArgumentError(field, "not NIXL agent metadata (no agent-name header)")
+    length = int.from_bytes(metadata[head : head + 8], "little")
+    raw = metadata[head + 8 : head + 8 + length]
+    if not 0 < length <= MAX_AGENT_NAME_BYTES or len(raw) != length or metadata[head + 8 + length : head + 9 + length] != b"|":
+        raise InvalidArgumentError(field, f"NIXL agent metadata with a malformed name field (length {length})")
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(field, f"the agent name is not UTF-8: {raw[:40]!r}") from None
+    if not name.isprintable():
+        raise InvalidArgumentError(field, f"the agent name is not printable: {name[:40]!r}")
+    return name
+
+
 def _nixl_errors() -> tuple[type[Exception], ...]:
     from nixl import _bindings
 
@@ -58,6 +88,8 @@ class NixlAgent:
         self.name = name
         self._agent = self._call("create_agent", nixl_agent, name, config)
         self._registrations: dict[str, object] = {}
+        self._remotes: dict[str, tuple[bytes, int]] = {}  # agent name -> (metadata, references)
+        self._remotes_lock = threading.Lock()
 
     @property
     def raw(self):
@@ -88,13 +120,51 @@ class NixlAgent:
     def metadata(self) -> bytes:
         return self._call("get_agent_metadata", self._agent.get_agent_metadata)
 
-    def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its agent name."""
-        name = self._call("add_remote_agent", self._agent.add_remote_agent, metadata)
-        return name.decode() if isinstance(name, bytes) else name
+    def add_remote(self, metadata: bytes, field: str = "agent_metadata") -> str:
+        """Load a peer's metadata (untrusted bytes); returns its agent name. Pair with :meth:`remove_remote`.
+
+        Loading is reference-counted per agent name, and a name already
+        loaded is never loaded again with other bytes: NIXL replaces a
+        known agent in place, so a truncated copy would break every link
+        that uses it (and NIXL refuses the good copy afterwards).
+        """
+        name = agent_name_of(metadata, field)
+        if name == self.name:
+            raise InvalidArgumentError(field, f"agent {name!r} is this agent itself")
+        with self._remotes_lock:
+            known = self._remotes.get(name)
+            if known is not None:
+                if known[0] != metadata:
+                    raise InvalidArgumentError(field, f"agent {name!r} is already connected with other metadata")
+                self._remotes[name] = (metadata, known[1] + 1)
+                return name
+            try:
+                loaded = self._call("add_remote_agent", self._agent.add_remote_agent, metadata)
+            except NixlError as err:
+                with contextlib.suppress(*self._errors):  # a half-loaded new name: drop it
+                    self._agent.remove_remote_agent(name)
+                raise InvalidArgumentError(field, f"NIXL cannot load agent {name!r}: {err.message}") from None
+            if (loaded.decode(errors="replace") if isinstance(loaded, bytes) else loaded) != name:
+                raise InvalidArgumentError(field, f"NIXL loaded {loaded!r}, the metadata names {name!r}")
+            self._remotes[name] = (metadata, 1)
+        return name
 
     def remove_remote(self, name: str) -> None:
-        self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
+        """Drop one reference to a loaded agent; the last one unloads it from NIXL."""
+        with self._remotes_lock:
+            known = self._remotes.get(name)
+            if known is None:
+                return
+            if known[1] > 1:
+                self._remotes[name] = (known[0], known[1] - 1)
+                return
+            del self._remotes[name]
+            self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
+
+    def num_remotes(self) -> int:
+        """Remote agents loaded now (each counted once)."""
+        with self._remotes_lock:
+            return len(self._remotes)
 
     # ---- descriptors and transfers ---------------------------------------
     def prep_local(self, rows: np.ndarray, mem_type: str):

@@ -88,24 +88,32 @@ class ReadExecutor:
             raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata for {len(remotes)} remote ranks")
         if plan.remote_engine_id in self._remotes:
             self.disconnect(plan.remote_engine_id)
-        names = tuple(self.agent.add_remote(m) for m in metadata)
+        names: list[str] = []
         local_lists, remote_lists = {}, {}
-        for rank_plan in plan.rank_plans:
-            q = rank_plan.remote_rank
-            local_lists[q] = self.agent.prep_local(rank_plan.local_rows, self.cache.mem_type)
-            remote_lists[q] = self.agent.prep_remote(names[q], rank_plan.remote_rows, remotes[q].mem_type)
-        remote = RemoteEngine(plan, names, local_lists, remote_lists)
+        try:
+            for q, m in enumerate(metadata):
+                names.append(self.agent.add_remote(m, f"metadata[{q}]"))
+            for rank_plan in plan.rank_plans:
+                q = rank_plan.remote_rank
+                local_lists[q] = self.agent.prep_local(rank_plan.local_rows, self.cache.mem_type)
+                remote_lists[q] = self.agent.prep_remote(names[q], rank_plan.remote_rows, remotes[q].mem_type)
+        except BaseException:  # a bad peer leaves nothing behind
+            self._unload(RemoteEngine(plan, tuple(names), local_lists, remote_lists))
+            raise
+        remote = RemoteEngine(plan, tuple(names), local_lists, remote_lists)
         self._remotes[plan.remote_engine_id] = remote
         return remote
 
     def disconnect(self, engine_id: str) -> None:
         """Forget a remote engine: release its lists and its agents."""
         remote = self._remotes.pop(engine_id, None)
-        if remote is None:
-            return
+        if remote is not None:
+            self._unload(remote)
+
+    def _unload(self, remote: RemoteEngine) -> None:
         for handle in (*remote.local_lists.values(), *remote.remote_lists.values()):
             handle.release()
-        for name in set(remote.agent_names):
+        for name in remote.agent_names:  # one reference per rank, as connect took them
             try:
                 self.agent.remove_remote(name)
             except NixlError:

@@ -132,3 +132,21 @@ def test_group_and_engine_validation():
     with pytest.raises(LayoutMismatchError) as err:
         check_groups_compatible(ok, other)
     assert err.value.field == "groups[0].block_size"
+
+
+@given(ids=st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=8, unique=True), data=st.data(),
+       policy=st.sampled_from(["prefix", "window", "exact"]))
+def test_duplicate_decode_block_ids_are_refused(ids, data, policy):
+    """Issue 14, defect 9: a local block listed twice in one read was accepted."""
+    at = data.draw(st.integers(0, len(ids)))
+    repeated = data.draw(st.sampled_from(ids))
+    local = ids[:at] + [repeated] + ids[at:]
+    sizes = (None, None) if policy == "exact" else (16, 16)
+    pairing = GroupPairing(policy, *sizes, NUM_BLOCKS, NUM_BLOCKS)
+    with pytest.raises(InvalidArgumentError) as err:
+        pairing.pair_units(local, list(range(len(local))), None, "groups[0]")
+    second = [n for n, b in enumerate(local) if b == repeated][1]
+    assert err.value.field == f"groups[0].local_block_ids[{second}]"
+    assert f"block id {repeated} is listed more than once" in err.value.message
+    # Repeating a *remote* block is harmless (two local copies of it) and stays allowed.
+    pairing.pair_units(list(range(len(local))), local, None, "groups[0]")

@@ -14,8 +14,14 @@ class BusOnlyClient:
     """What a subscriber needs of its EngineClient, answered by the bus itself (no daemon)."""
 
     def __init__(self, bus: NotifyBus, engine_id: str) -> None:
-        self.bus, self.engine_id, self.notify_address = bus, engine_id, bus.address
+        self.engine_id = engine_id
         self.num_missed_calls = 0
+        self.register(bus)
+
+    def register(self, bus: NotifyBus) -> None:
+        """As EngineClient.register: a new incarnation, the bus's address and last sequence number."""
+        self.bus, self.notify_address = bus, bus.address
+        self.incarnation, self.notify_last_seq = f"inc-{id(bus)}", bus.last_seq(self.engine_id)
 
     def missed_events(self, after_seq: int) -> pb.MissedEventsReply:
         self.num_missed_calls += 1
@@ -43,9 +49,9 @@ def test_sequence_and_history_per_engine(bus):
 
 
 def test_late_subscriber_gets_everything_in_order_once(bus):
+    client = BusOnlyClient(bus, "e")  # registered first, subscribed only after two events
     bus.publish("e", "CONSUMED", "early1")
     bus.publish("e", "FAILED", "early2")
-    client = BusOnlyClient(bus, "e")
     subscriber = NotifySubscriber(client, catch_up_s=0.05)
     bus.publish("e1", "CONSUMED", "other-engine")  # prefix of another engine: never delivered
     time.sleep(0.3)  # the subscription is live now
@@ -55,3 +61,29 @@ def test_late_subscriber_gets_everything_in_order_once(bus):
     assert subscriber.next(0.2) is None and subscriber.num_fetched >= 2
     assert subscriber.wait_for("live", timeout_s=0.1) is None  # taken already
     subscriber.close()
+
+
+def test_subscriber_follows_a_restarted_daemon_whose_sequence_starts_again():
+    """Issue 14 (client advice): after a daemon restart, seq counts from 1 again and ZMQ re-subscribes
+    only once the socket is touched; the subscriber ignored every new event as 'already seen'."""
+    old = NotifyBus("127.0.0.1", 0, history=100)
+    client = BusOnlyClient(old, "e")
+    subscriber = NotifySubscriber(client, catch_up_s=0.05)
+    for n in range(5):
+        old.publish("e", "CONSUMED", f"old{n}")
+    assert [subscriber.next(2.0).seq for _ in range(5)] == [1, 2, 3, 4, 5]
+    port = int(old.address.rsplit(":", 1)[1])
+    old.close()
+    new = NotifyBus("127.0.0.1", port, history=100)  # same address, as a restarted daemon
+    try:
+        client.register(new)
+        new.publish("e", "EXPIRED", "new1")  # before the subscriber touched its socket again
+        new.publish("e", "CONSUMED", "new2")
+        got = [subscriber.next(2.0) for _ in range(2)]
+        assert [(e.seq, e.request_id) for e in got if e is not None] == [(1, "new1"), (2, "new2")]
+        time.sleep(0.3)
+        new.publish("e", "CONSUMED", "new3")  # and live delivery works on the re-subscribed socket
+        assert subscriber.wait_for("new3", timeout_s=2.0).seq == 3
+    finally:
+        subscriber.close()
+        new.close()

@@ -1,5 +1,6 @@
 """Mapping an engine's shared memory: the daemon sees the engine's bytes, errors name the field."""
 
+import os
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.memory import map_shm, open_region
+from kvxferd.service.memory import SHM_DIR, map_shm, open_region
 
 
 @pytest.fixture
@@ -48,3 +49,33 @@ def test_bad_handles_name_the_field(segment):
     with pytest.raises(InvalidArgumentError) as err:
         open_region(pb.Region(handle=pb.MemoryHandle(cuda_vmm_fd_index=2)), 16, "VRAM", "r", fds=[5])
     assert "2 fds" not in err.value.message and err.value.field == "r.handle.cuda_vmm_fd_index"
+
+
+BAD_SHM_NAMES = ["/", "//", "../", "/..", "a" * 300, "a\0b", ".", "/a/b", "a\nb", ""]
+
+
+@pytest.mark.parametrize("name", BAD_SHM_NAMES)
+def test_bad_shm_names_are_invalid_arguments_naming_the_field(name):
+    """Issue 14, defect 1: these answered INTERNAL (IsADirectoryError, name too long, embedded null byte)."""
+    with pytest.raises(InvalidArgumentError) as err:
+        map_shm(name, 0, 16, "engine.groups[0].regions[0]")
+    assert err.value.field == "engine.groups[0].regions[0].shm_name"
+    assert "/dev/shm" not in err.value.message  # never the server's paths
+
+
+def test_symlinks_and_non_files_in_dev_shm_are_refused(segment, tmp_path):
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"s" * 4096)
+    link = SHM_DIR / f"kvxferd-test-link-{os.getpid()}"
+    directory = SHM_DIR / f"kvxferd-test-dir-{os.getpid()}"
+    os.symlink(outside, link)
+    os.mkdir(directory)
+    try:
+        for path in (link, directory):
+            with pytest.raises(InvalidArgumentError) as err:
+                map_shm(path.name, 0, 16, "r")
+            assert err.value.field == "r.shm_name"
+    finally:
+        os.unlink(link)
+        os.rmdir(directory)
+    map_shm("/" + segment.name.lstrip("/"), 0, 16, "r").close()  # the POSIX "/name" form still works

@@ -118,12 +118,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ..., fd_token: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("incarnation", "notify_address")
+    __slots__ = ("incarnation", "notify_address", "notify_last_seq")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     notify_address: str
-    def __init__(self, incarnation: _Optional[str] = ..., notify_address: _Optional[str] = ...) -> None: ...
+    notify_last_seq: int
+    def __init__(self, incarnation: _Optional[str] = ..., notify_address: _Optional[str] = ..., notify_last_seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("engine_id",)
