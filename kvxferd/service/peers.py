@@ -49,6 +49,15 @@ class RemoteLink:
         return self.remote is not None and not self.stale and self.pending is None
 
 
+@dataclass(eq=False)
+class _PeerChannel:
+    """A channel to one peer address and the calls using it now (event-loop side)."""
+
+    channel: grpc.aio.Channel
+    num_calls: int = 0
+    retired: bool = False  # replaced after a failure: close once the last call ends
+
+
 PEER_RETRY_S = 2.0  # how long the one retry after UNAVAILABLE waits for the peer to accept
 
 
@@ -63,44 +72,53 @@ class Peers:
         # process-wide, so a "fresh" channel would inherit a dead peer's backoff.
         self._options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.use_local_subchannel_pool", 1),
                          ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, _PeerChannel] = {}
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
-        return channel
+    def _channel(self, address: str) -> "_PeerChannel":
+        entry = self._channels.get(address)
+        if entry is None:
+            entry = self._channels[address] = _PeerChannel(grpc.aio.insecure_channel(address, options=self._options))
+        return entry
 
-    def stub(self, address: str) -> pb_grpc.PeerServiceStub:
-        return pb_grpc.PeerServiceStub(self._channel(address))
+    async def _unary(self, entry: "_PeerChannel", method: str, request, **kwargs):
+        entry.num_calls += 1
+        try:
+            return await getattr(pb_grpc.PeerServiceStub(entry.channel), method)(request, **kwargs)
+        finally:
+            entry.num_calls -= 1
+            if entry.retired and not entry.num_calls:
+                await entry.channel.close()
 
     async def call(self, address: str, method: str, request, *, timeout_s: float | None = None):
         """One unary peer call; on UNAVAILABLE, retry once on a fresh channel.
 
         A channel whose peer died sits in reconnect backoff (seconds, growing)
         and fails calls fast even after the peer came back on the same
-        address; a new channel connects at once. Only the channel that failed
-        is replaced: closing one that a concurrent call already replaced would
-        cancel that call's retry.
+        address; a new channel connects at once. The failed channel is
+        retired, and closed only once no call uses it: grpc.aio's close
+        cancels every task it finds holding a call on the channel, which
+        would cancel a concurrent caller's whole RPC handler.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        channel = self._channel(address)
+        entry = self._channel(address)
         try:
-            return await getattr(pb_grpc.PeerServiceStub(channel), method)(request, timeout=timeout_s)
+            return await self._unary(entry, method, request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
-        if self._channels.get(address) is channel:
+        if self._channels.get(address) is entry:  # not replaced by a concurrent caller yet
             del self._channels[address]
-            await channel.close()
+            entry.retired = True
+            if not entry.num_calls:
+                await entry.channel.close()
         # wait_for_ready: connect (once the peer listens) instead of failing on a
         # cached transient failure; bounded, so a dead peer still fails quickly.
-        return await getattr(self.stub(address), method)(request, timeout=min(timeout_s, PEER_RETRY_S),
-                                                         wait_for_ready=True)
+        return await self._unary(self._channel(address), method, request, timeout=min(timeout_s, PEER_RETRY_S),
+                                 wait_for_ready=True)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        for entry in self._channels.values():
+            await entry.channel.close()
         self._channels.clear()
 
     async def handshake(self, slot: EngineSlot, remote_engine_id: str, addresses: tuple[str, ...] | None = None) -> RemoteLink:

@@ -8,12 +8,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvxferd.client import SharedArena, engine_rank_pb
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.engines import allocate_engine
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+
+from tests.service.helpers import engine_pb, status
 
 C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
@@ -25,29 +25,10 @@ def cluster(workdir):
         yield c
 
 
-def status(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
-
-
-def _engine_pb(groups=GROUPS[1], engine_id="other", arenas=None):
-    arena_holder = []
-
-    def allocate(num_bytes):
-        arena_holder.append(SharedArena(num_bytes))
-        return arena_holder[-1].array
-
-    engine = allocate_engine(engine_id, groups, 1, 0, tagged=False, allocate=allocate)
-    if arenas is not None:
-        arenas.extend(arena_holder)
-    return engine_rank_pb(engine.cache, arena_holder[0])
-
-
 def test_register(cluster):
     stub = cluster.decode_clients[0].stub
     arenas = []
-    good = _engine_pb(arenas=arenas)
+    good = engine_pb(GROUPS[1], arenas=arenas)
     cases = []
     no_handle = pb.EngineRank(); no_handle.CopyFrom(good); no_handle.groups[0].regions[0].ClearField("handle")
     cases.append((no_handle, C.INVALID_ARGUMENT, "engine.groups[0].regions[0].handle"))
@@ -110,7 +91,7 @@ def test_handshake(cluster):
     arenas = []
     other_groups = model_groups("gqa", ModelShape(head_size=32))[0]
     prefill_stub = cluster.prefill_clients[0].stub
-    prefill_stub.Register(pb.RegisterRequest(engine=_engine_pb(other_groups, "mismatched", arenas)))
+    prefill_stub.Register(pb.RegisterRequest(engine=engine_pb(other_groups, "mismatched", arenas)))
     code, details = status(lambda: decode.handshake("mismatched", [prefill_address]))
     assert code == C.FAILED_PRECONDITION and "compatibility_hash" in details
     prefill_stub.Deregister(pb.DeregisterRequest(engine_id="mismatched"))
