@@ -5,6 +5,7 @@ regions are described with the logical dims ``(B, H, N, KV, C)`` whatever
 their memory order, so any two of them can be paired::
 
     packed      (B, H, N, 2C)   = (B, H, N, KV, C)   K|V packed in the content dim
+    kv_per_head (B, H, 2N, C)   = (B, H, KV, N, C)   per head: every token's K, then every token's V
     split_kv    (B, 2H, N, C)   = (B, KV, H, N, C)   fp8 / nvfp4: K heads, then V heads
     legacy      (2, B, N, H, C) = (KV, B, N, H, C)   K/V outermost, token-major
     cross_layer (B, L, H, N, 2C)                     all layers of a block together
@@ -67,6 +68,13 @@ def split_kv_attention(num_blocks, num_kv_heads, block_size, head_size, dtype="f
                        tp_size=1, tp_rank=0, kernel_block_size=None) -> Region:
     """fp8 / nvfp4 attention: ``(B, 2H, N, C)``, all K heads then all V heads."""
     return _attention("split_kv", ("B", "KV", "H", "N", "C"), num_blocks, num_kv_heads, block_size,
+                      head_size, dtype, tp_size, tp_rank, kernel_block_size)
+
+
+def kv_per_head_attention(num_blocks, num_kv_heads, block_size, head_size, dtype="bfloat16", *,
+                          tp_size=1, tp_rank=0, kernel_block_size=None) -> Region:
+    """``(B, H, KV, N, C)``: within a block and head, K of every token, then V (vLLM's CPU attention)."""
+    return _attention("kv_per_head", ("B", "H", "KV", "N", "C"), num_blocks, num_kv_heads, block_size,
                       head_size, dtype, tp_size, tp_rank, kernel_block_size)
 
 

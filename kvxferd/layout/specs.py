@@ -14,7 +14,7 @@ from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout import builders
 from kvxferd.layout.region import Region
 
-ATTENTION_LAYOUTS = ("packed_HND", "packed_NHD", "split_kv", "legacy", "cross_layer", "mla")
+ATTENTION_LAYOUTS = ("packed_HND", "packed_NHD", "kv_per_head", "split_kv", "legacy", "cross_layer", "mla")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class AttentionSpec:
         head = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_size, self.dtype)
         if self.layout in ("packed_HND", "packed_NHD"):
             return builders.packed_attention(*head, order=self.layout[-3:], **common)
+        if self.layout == "kv_per_head":
+            return builders.kv_per_head_attention(*head, **common)
         if self.layout == "split_kv":
             return builders.split_kv_attention(*head, **common)
         if self.layout == "legacy":

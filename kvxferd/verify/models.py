@@ -17,7 +17,7 @@ from kvxferd.layout.strided import positive_int
 from kvxferd.plan.groups import CacheGroup
 
 MODELS = ("gqa", "fp8", "mla", "swa", "hybrid")
-DECODE_LAYOUTS = {"packed": "packed_HND", "nhd": "packed_NHD", "legacy": "legacy"}
+DECODE_LAYOUTS = {"packed": "packed_HND", "nhd": "packed_NHD", "kvhead": "kv_per_head", "legacy": "legacy"}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ SENTINEL = 0xA5
 ATTENTION_AXES = {
     "packed_HND": ("Bk", "H", "Nk", "KV", "C"),
     "packed_NHD": ("Bk", "Nk", "H", "KV", "C"),
+    "kv_per_head": ("Bk", "H", "KV", "Nk", "C"),
     "split_kv": ("Bk", "KV", "H", "Nk", "C"),
     "legacy": ("KV", "Bk", "Nk", "H", "C"),
     "cross_layer": ("Bk", "L", "H", "Nk", "KV", "C"),

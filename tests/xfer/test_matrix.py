@@ -27,12 +27,23 @@ SHAPES = {
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("p, d", TP_PAIRS, ids=[f"P{p}D{d}" for p, d in TP_PAIRS])
 def test_nixl_reads_are_byte_exact(model, shape, p, d):
-    prefill_groups, decode_groups = model_groups(model, SHAPES[shape])
+    check_pairing(model, SHAPES[shape], shape, p, d)
+
+
+@pytest.mark.parametrize("model", ["gqa", "swa"])
+@pytest.mark.parametrize("p, d", [(1, 1), (2, 1), (1, 2), (3, 2)], ids=lambda x: str(x))
+def test_vllm_cpu_layout_pairs_with_packed_hnd(model, p, d):
+    """vLLM's CPU attention stores (B, H, KV, N, C); prefill packed HND, blocks 32 -> 16."""
+    check_pairing(model, ModelShape(prefill_block_size=32, layout="kvhead"), "kvhead", p, d)
+
+
+def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int) -> None:
+    prefill_groups, decode_groups = model_groups(model, shape)
     rng = np.random.default_rng(p * 10 + d)
     requests = [random_request("full", prefill_groups, decode_groups, 70, rng),
                 random_request("hit", prefill_groups, decode_groups, 90, rng, cached_tokens=32, window_tokens=24,
                                contiguous=False)]
-    with LocalCluster(prefill_groups, decode_groups, p, d, name=f"{model}-{shape}-{p}-{d}") as cluster:
+    with LocalCluster(prefill_groups, decode_groups, p, d, name=f"{model}-{name}-{p}-{d}") as cluster:
         for request in requests:
             cluster.reset_decode()
             results = cluster.read(request)
