@@ -83,15 +83,32 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
         raise InvalidArgumentError(f"{field}.shm_name", f"cannot open shared-memory object {name!r}: "
                                                          f"{err.strerror or type(err).__name__}") from None
     try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise InvalidArgumentError(f"{field}.shm_name", f"{name!r} is not a shared-memory object (not a regular file)")
-        size = status.st_size
-        if offset + num_bytes > size:
-            raise InvalidArgumentError(field, f"region [{offset}, {offset + num_bytes}) exceeds {name!r} of {size} bytes")
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return _map_open_fd(fd, name, offset, num_bytes, field)
     finally:
         os.close(fd)
+
+
+def map_fd(fd: int, offset: int, num_bytes: int, field: str) -> MappedRegion:
+    """Map ``num_bytes`` at ``offset`` of a shared-memory fd the engine passed (the caller keeps ``fd``)."""
+    if offset < 0 or num_bytes <= 0:
+        raise InvalidArgumentError(field, f"bad range: offset {offset}, {num_bytes} bytes")
+    return _map_open_fd(fd, f"fd {fd}", offset, num_bytes, f"{field}.handle.shm_fd_index")
+
+
+def _map_open_fd(fd: int, name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
+    try:
+        status = os.fstat(fd)
+    except OSError as err:
+        raise InvalidArgumentError(field, f"cannot use {name}: {err.strerror}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise InvalidArgumentError(field, f"{name!r} is not a shared-memory object (not a regular file)")
+    size = status.st_size
+    if offset + num_bytes > size:
+        raise InvalidArgumentError(field, f"region [{offset}, {offset + num_bytes}) exceeds {name!r} of {size} bytes")
+    try:
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as err:  # opened read-only, or not mappable
+        raise InvalidArgumentError(field, f"cannot map {name!r} read-write: {err.strerror}") from None
     array = np.frombuffer(mapping, dtype=np.uint8, count=num_bytes, offset=offset)
     return MappedRegion(name, array, mapping)
 
@@ -99,7 +116,7 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
 def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fds: Sequence[int] = ()):
     """Open one region of a Register request; returns an object with ``memory`` and ``close()``."""
     source = region.handle.WhichOneof("source")
-    want = {"shm_name": "DRAM", "cuda_ipc_handle": "VRAM", "cuda_vmm_fd_index": "VRAM"}.get(source)
+    want = {"shm_name": "DRAM", "shm_fd_index": "DRAM", "cuda_ipc_handle": "VRAM", "cuda_vmm_fd_index": "VRAM"}.get(source)
     if source is None:
         raise InvalidArgumentError(f"{field}.handle", "a region needs a memory handle")
     if mem_type != want:
@@ -107,6 +124,11 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
     offset = region.handle.offset
     if source == "shm_name":
         return map_shm(region.handle.shm_name, offset, num_bytes, field)
+    if source == "shm_fd_index":
+        index = region.handle.shm_fd_index
+        if not 0 <= index < len(fds):
+            raise InvalidArgumentError(f"{field}.handle.shm_fd_index", f"index {index}, {len(fds)} fds were sent")
+        return map_fd(fds[index], offset, num_bytes, field)
     if source == "cuda_ipc_handle":
         return gpu.open_ipc(region.handle.cuda_ipc_handle, offset, num_bytes, region.device_id, field)
     index = region.handle.cuda_vmm_fd_index

@@ -72,7 +72,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Register(self, request, context):
         slot = await self.daemon.registry.register(request)
         return pb.RegisterReply(incarnation=slot.incarnation, notify_address=self.daemon.bus.address,
-                                notify_last_seq=self.daemon.bus.last_seq(slot.engine_id))
+                                notify_last_seq=self.daemon.bus.last_seq(slot.engine_id),
+                                peer_address=self.daemon.addresses.get("peer", ""))
 
     @rpc
     async def Heartbeat(self, request, context):

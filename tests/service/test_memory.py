@@ -79,3 +79,33 @@ def test_symlinks_and_non_files_in_dev_shm_are_refused(segment, tmp_path):
         os.unlink(link)
         os.rmdir(directory)
     map_shm("/" + segment.name.lstrip("/"), 0, 16, "r").close()  # the POSIX "/name" form still works
+
+
+def test_a_passed_fd_maps_the_engines_bytes_and_bad_fds_name_the_field(tmp_path):
+    fd = os.memfd_create("kvxferd-test")  # what torch's shared storages and memfd engines hand over
+    try:
+        os.ftruncate(fd, 1 << 14)
+        os.pwrite(fd, b"\x07" * 16, 4096)
+        region = open_region(pb.Region(handle=pb.MemoryHandle(shm_fd_index=1, offset=4096)), 64, "DRAM", "g.r",
+                             fds=[-1, fd])
+        assert region.array[:16].tolist() == [7] * 16
+        region.array[20] = 9
+        assert os.pread(fd, 1, 4116) == b"\x09"
+        region.close()
+        with pytest.raises(InvalidArgumentError) as err:
+            open_region(pb.Region(handle=pb.MemoryHandle(shm_fd_index=2)), 64, "DRAM", "g.r", fds=[fd])
+        assert err.value.field == "g.r.handle.shm_fd_index"
+        with pytest.raises(InvalidArgumentError) as err:
+            open_region(pb.Region(handle=pb.MemoryHandle(shm_fd_index=0, offset=1 << 14)), 64, "DRAM", "g.r", fds=[fd])
+        assert "exceeds" in err.value.message
+    finally:
+        os.close(fd)
+    with open(tmp_path / "ro", "wb") as f:
+        f.write(b"x" * 4096)
+    read_only = os.open(tmp_path / "ro", os.O_RDONLY)
+    try:
+        with pytest.raises(InvalidArgumentError) as err:
+            open_region(pb.Region(handle=pb.MemoryHandle(shm_fd_index=0)), 64, "DRAM", "g.r", fds=[read_only])
+        assert err.value.field == "g.r.handle.shm_fd_index" and "read-write" in err.value.message
+    finally:
+        os.close(read_only)

@@ -52,16 +52,18 @@ class StateCache(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_groups: _Optional[int] = ..., state_size: _Optional[int] = ..., conv_window: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., conv_order: _Optional[str] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
-    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "offset")
+    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     CUDA_VMM_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHM_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     cuda_ipc_handle: bytes
     cuda_vmm_fd_index: int
+    shm_fd_index: int
     offset: int
-    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("handle", "address", "num_bytes", "device_id")
@@ -118,14 +120,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ..., fd_token: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("incarnation", "notify_address", "notify_last_seq")
+    __slots__ = ("incarnation", "notify_address", "notify_last_seq", "peer_address")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     notify_address: str
     notify_last_seq: int
-    def __init__(self, incarnation: _Optional[str] = ..., notify_address: _Optional[str] = ..., notify_last_seq: _Optional[int] = ...) -> None: ...
+    peer_address: str
+    def __init__(self, incarnation: _Optional[str] = ..., notify_address: _Optional[str] = ..., notify_last_seq: _Optional[int] = ..., peer_address: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("engine_id",)
