@@ -141,6 +141,13 @@ class EngineClient:
                 self._cond.wait(left)
             return self._completions.pop(request_id)
 
+    def take_completions(self) -> list[pb.Completion]:
+        """Every completion that arrived and was not taken yet (never blocks)."""
+        with self._cond:
+            taken = [completion for completion, _ in self._completions.values()]
+            self._completions.clear()
+        return taken
+
     # ---- holds ------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> None:
         self.stub.Hold(pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),

@@ -42,6 +42,7 @@ class NotifySubscriber:
         self._connect()
         self.last_seq = client.notify_last_seq
         self._incarnation = client.incarnation
+        self._last_catch_up_s = 0.0
         self.num_fetched = 0  # events that came over gRPC instead of the bus
         self._ready: collections.deque[pb.NotifyEvent] = collections.deque()
         self._held: dict[str, list[pb.NotifyEvent]] = {}
@@ -102,6 +103,24 @@ class NotifySubscriber:
             else:
                 self._catch_up()  # quiet bus: maybe the subscription missed the tail
         return self._ready.popleft()
+
+    def poll(self) -> list[pb.NotifyEvent]:
+        """Every event in sequence that can be had now (never blocks); fetches gaps as needed."""
+        self._follow_registration()
+        received = False
+        while self._socket.poll(0):
+            _topic, data = self._socket.recv_multipart()
+            event = pb.NotifyEvent()
+            event.ParseFromString(data)
+            self._accept(event)
+            received = True
+        now = time.monotonic()
+        if not received and now - self._last_catch_up_s >= self.catch_up_s:
+            self._last_catch_up_s = now
+            self._catch_up()  # a quiet bus may hide a lost tail
+        taken = list(self._ready)
+        self._ready.clear()
+        return taken
 
     def wait_for(self, request_id: str, kinds=TERMINAL, timeout_s: float = 10.0) -> pb.NotifyEvent | None:
         """The first event of ``request_id`` whose kind is in ``kinds``; other events are kept."""

@@ -87,3 +87,21 @@ def test_subscriber_follows_a_restarted_daemon_whose_sequence_starts_again():
     finally:
         subscriber.close()
         new.close()
+
+
+def test_poll_takes_what_is_there_without_blocking(bus):
+    client = BusOnlyClient(bus, "p")
+    subscriber = NotifySubscriber(client, catch_up_s=0.05)
+    try:
+        assert subscriber.poll() == []
+        time.sleep(0.3)  # subscribed
+        for n in range(3):
+            bus.publish("p", "CONSUMED", f"r{n}")
+        deadline = time.monotonic() + 2
+        got = []
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += subscriber.poll()
+            time.sleep(0.01)
+        assert [e.request_id for e in got] == ["r0", "r1", "r2"]
+    finally:
+        subscriber.close()
