@@ -1,0 +1,1 @@
+"""Engine integrations: the thin engine-side halves that talk to kvxferd daemons."""

@@ -1,0 +1,189 @@
+"""``KvxferdConnector``: vLLM's v1 KV-connector API over kvxferd daemons (imports vLLM).
+
+The connector holds no plan and no NIXL agent: the scheduler side turns
+vLLM's block ids into holds and read orders (:mod:`.scheduler`), the worker
+side hands the cache to the rank's daemon once and submits the reads
+(:mod:`.worker`). All transfer logic stays in the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorHandshakeMetadata,
+                                                                KVConnectorMetadata, KVConnectorRole,
+                                                                KVConnectorTransferResults, SupportsHMA)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+from kvxferd.integrations.vllm.describe import GroupLayout, torch_dtype_name
+from kvxferd.integrations.vllm.scheduler import RankDaemon, ReadOrder, SchedulerSide
+from kvxferd.integrations.vllm.settings import load_settings
+from kvxferd.integrations.vllm.worker import TransferResults, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvxferd.vllm")
+
+# The memory order of each attention backend's per-layer cache, as a kvxferd layout.
+# CPU_ATTN allocates (B, H, N, 2C) but its kernels view it as (B, H, 2N, C): per head,
+# every token's K, then every token's V.
+BACKEND_LAYOUTS = {"CPU_ATTN": "kv_per_head"}
+
+
+@dataclass
+class KvxferdMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    orders: list[ReadOrder] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KvxferdHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once: where this rank's daemon is."""
+
+    tp_rank: int
+    engine_socket: str
+    peer_address: str
+
+
+class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefill holds and decode reads through the kvxferd daemon of each rank."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.engine_id = transfer.engine_id
+        self.settings = load_settings(transfer.kv_connector_extra_config)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.engine_id, self.settings)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            self.worker = WorkerSide(self.engine_id, get_tensor_model_parallel_rank(), tp_size, self.settings)
+
+    # ---- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(self._group_layouts(kv_caches), kv_caches)
+
+    def _group_layouts(self, kv_caches: dict[str, torch.Tensor]) -> list[GroupLayout]:
+        """The daemon's view of every KV cache group, from vLLM's cache config and backends."""
+        config = self._vllm_config
+        context = config.compilation_config.static_forward_context
+        total_heads = config.model_config.get_total_num_kv_heads()
+        layouts = []
+        for g, group in enumerate(self._kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                kind = "swa"
+            elif isinstance(spec, MLAAttentionSpec):
+                kind = "mla"
+            elif isinstance(spec, FullAttentionSpec):
+                kind = "full"
+            else:
+                raise ValueError(f"kvxferd: KV cache group {g} ({type(spec).__name__}) is not supported yet "
+                                 "(full attention, sliding window and MLA are)")
+            first = group.layer_names[0]
+            backend = context[first].attn_backend.get_name()
+            if backend not in BACKEND_LAYOUTS:
+                raise ValueError(f"kvxferd: attention backend {backend} is not supported yet ({sorted(BACKEND_LAYOUTS)})")
+            tensor = kv_caches[first]
+            num_kernel_blocks, local_heads, kernel_block_size, content = tensor.shape
+            if content != 2 * spec.head_size or spec.block_size % kernel_block_size:
+                raise ValueError(f"kvxferd: layer {first!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"(blocks, heads, tokens, 2 x {spec.head_size}) with tokens dividing {spec.block_size}")
+            layouts.append(GroupLayout(
+                kind=kind, layer_names=tuple(group.layer_names), layout=BACKEND_LAYOUTS[backend],
+                num_blocks=num_kernel_blocks * kernel_block_size // spec.block_size,
+                num_kv_heads=1 if kind == "mla" else total_heads, head_size=spec.head_size,
+                block_size=spec.block_size, kernel_block_size=kernel_block_size, dtype=torch_dtype_name(tensor.dtype)))
+        return layouts
+
+    def get_handshake_metadata(self) -> KvxferdHandshake | None:
+        worker = self.worker
+        return KvxferdHandshake(worker.tp_rank, worker.socket, worker.peer_address)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, KvxferdMetadata):
+            self.worker.expect_held(metadata.held)
+            self.worker.submit(metadata.orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # reads complete between steps (async loads), never inside a forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # decode pulls: prefill only holds its blocks
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results: TransferResults = self.worker.results()
+        self._load_errors |= results.invalid_block_ids
+        return KVConnectorTransferResults(finished_sending=results.finished_sending,
+                                          finished_recving=results.finished_recving,
+                                          failed_recving=results.failed_recving)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    # ---- scheduler side ----------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.scheduler.set_ranks([RankDaemon(m.tp_rank, m.engine_socket, m.peer_address) for m in metadata.values()])
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.matched_tokens(request.request_id, request.kv_transfer_params,
+                                             request.num_prompt_tokens, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))  # a read restores every group
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self.scheduler.after_alloc(request.request_id, request.kv_transfer_params,
+                                   blocks.get_unhashed_block_ids_all_groups(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvxferdMetadata:
+        return KvxferdMetadata(orders=self.scheduler.take_orders(), held=self.scheduler.take_held())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # decode: ended before its read was ordered
+            self.scheduler.finished_before_scheduled(request.request_id, params)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: nothing to hand over
+        return self.scheduler.hold(request.request_id, block_ids, request.num_computed_tokens)

@@ -1,0 +1,80 @@
+"""``kv_transfer_params``: what prefill hands the proxy, and the proxy hands decode.
+
+Prefill's scheduler returns these from ``request_finished`` once every
+prefill rank holds the request's blocks; the proxy forwards them unchanged
+in the decode request. They are external input on decode: parsed and
+checked here, every problem naming the field::
+
+    {"do_remote_prefill": true, "kvxferd": 1,
+     "remote_engine_id": "prefill-0", "remote_request_id": "cmpl-1-0",
+     "remote_peer_addresses": ["10.0.0.7:47100"],      # one per prefill TP rank
+     "remote_block_ids": [[3, 4, 9]],                  # per KV cache group
+     "remote_num_tokens": 80, "remote_lease_expiry_unix_s": 1795400000.0}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PARAMS_VERSION = 1
+MAX_GROUPS = 64
+MAX_TP_SIZE = 1024
+
+Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+
+
+class ParamsError(ValueError):
+    """Malformed ``kv_transfer_params``; the message names the field."""
+
+
+class RemotePrefill(BaseModel):
+    """A prefilled request held on every prefill rank, ready to be read."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kvxferd: int
+    remote_engine_id: Id
+    remote_request_id: Id
+    remote_peer_addresses: Annotated[list[Id], Field(min_length=1, max_length=MAX_TP_SIZE)]
+    remote_block_ids: Annotated[list[list[Annotated[int, Field(ge=0, lt=2**31)]]], Field(min_length=1, max_length=MAX_GROUPS)]
+    remote_num_tokens: Annotated[int, Field(ge=1, lt=2**31)]
+    remote_lease_expiry_unix_s: float
+
+    @field_validator("kvxferd")
+    @classmethod
+    def _version(cls, value: int) -> int:
+        if value != PARAMS_VERSION:
+            raise ValueError(f"kvxferd params version {value}, this connector speaks {PARAMS_VERSION}")
+        return value
+
+    @field_validator("remote_lease_expiry_unix_s")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite time")
+        return value
+
+    def to_params(self) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
+
+
+def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill:
+    """The decode side's view of ``kv_transfer_params``; raises :class:`ParamsError` naming the field."""
+    if not isinstance(params, dict):
+        raise ParamsError(f"kv_transfer_params: expected an object, got {type(params).__name__}")
+    if params.get("error"):
+        raise ParamsError(f"kv_transfer_params.error: the prefill side could not hold the blocks: {params['error']}")
+    try:
+        return RemotePrefill.model_validate(params)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ParamsError(f"kv_transfer_params.{where}: {first['msg']}") from None
+
+
+def failed_prefill_params(error: str) -> dict[str, Any]:
+    """What prefill returns when it could not hold the blocks: decode fails (or recomputes) that request."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "kvxferd": PARAMS_VERSION, "error": error}

@@ -1,0 +1,182 @@
+"""The connector's scheduler side: holds on prefill, read orders on decode.
+
+Prefill (a request that came with ``do_remote_decode``)::
+
+    request_finished ─► Hold(request, block ids) on every prefill rank's daemon
+                     ─► delay_free=True + kv_transfer_params (engine id, peer addresses,
+                        block ids, token count, lease expiry) for the proxy
+
+Decode (a request that came with ``do_remote_prefill``)::
+
+    get_num_new_matched_tokens ─► the prompt minus what the local prefix cache has
+    update_state_after_alloc   ─► one ReadOrder: the uncached local blocks <- the remote blocks
+    build_connector_meta       ─► the orders go to the workers, which submit the reads
+
+A full local prefix hit still orders an (empty) read: it reads nothing but
+notifies the holders, so the prefill blocks are freed at once. Bad
+``kv_transfer_params`` become a failed order: the worker reports the request
+as a failed load and vLLM applies its ``kv_load_failure_policy``.
+
+vLLM-free: requests and blocks are passed as plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvxferd.client.engine import EngineClient
+from kvxferd.integrations.vllm.params import (ParamsError, RemotePrefill, failed_prefill_params,
+                                              parse_remote_prefill)
+from kvxferd.integrations.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("kvxferd.vllm")
+NULL_BLOCK_ID = 0  # vLLM's placeholder block (sliding-window and Mamba groups): never transferred
+
+
+@dataclass(frozen=True)
+class RankDaemon:
+    """Where one TP rank's daemon is: its engine socket and its advertised peer address."""
+
+    tp_rank: int
+    engine_socket: str
+    peer_address: str
+
+
+@dataclass(frozen=True)
+class ReadOrder:
+    """Scheduler -> worker: read ``remote`` into ``local_block_ids`` (per group), or fail with ``error``."""
+
+    request_id: str
+    remote: dict | None  # RemotePrefill.to_params(); None when the params were bad
+    local_block_ids: tuple[tuple[int, ...], ...]
+    error: str = ""
+
+
+def real_blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Per group, the block ids without vLLM's null placeholders (out-of-window or unused slots)."""
+    return tuple(tuple(int(b) for b in group if b != NULL_BLOCK_ID) for group in block_ids)
+
+
+class SchedulerSide:
+    """Scheduler-process state of one engine (prefill, decode, or both)."""
+
+    def __init__(self, engine_id: str, settings: ConnectorSettings) -> None:
+        self.engine_id = engine_id
+        self.settings = settings
+        self.ranks: list[RankDaemon] = []
+        self._clients: dict[int, EngineClient] = {}
+        self._orders: list[ReadOrder] = []
+        self._held: list[str] = []  # held since the last build_connector_meta
+        self._pending: dict[str, RemotePrefill | ParamsError] = {}  # decode requests not scheduled yet
+
+    # ---- the daemons of every rank ---------------------------------------------------
+    def set_ranks(self, ranks: Sequence[RankDaemon]) -> None:
+        """Every TP rank's daemon, as the workers registered there (handshake metadata)."""
+        self.ranks = sorted(ranks, key=lambda r: r.tp_rank)
+        if [r.tp_rank for r in self.ranks] != list(range(len(self.ranks))):
+            raise ValueError(f"kvxferd: handshake metadata of TP ranks {[r.tp_rank for r in self.ranks]}, "
+                             "expected every rank once")
+
+    def _client(self, rank: RankDaemon) -> EngineClient:
+        client = self._clients.get(rank.tp_rank)
+        if client is None:
+            client = self._clients[rank.tp_rank] = EngineClient(f"unix:{rank.engine_socket}",
+                                                                timeout_s=self.settings.timeout_s)
+            client.engine_id = self.engine_id  # the workers registered it; this process only holds
+        return client
+
+    # ---- prefill ------------------------------------------------------------------------
+    def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int) -> tuple[bool, dict]:
+        """Hold a finished prefill on every rank; ``(delay_free, kv_transfer_params)``."""
+        if not self.ranks:
+            return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
+        blocks = real_blocks(block_ids)
+        held: list[RankDaemon] = []
+        try:
+            for rank in self.ranks:
+                self._client(rank).hold(request_id, blocks, lease_s=self.settings.lease_s)
+                held.append(rank)
+        except grpc.RpcError as err:
+            for rank in held:  # all ranks or none
+                try:
+                    self._client(rank).release(request_id)
+                except grpc.RpcError:
+                    pass  # it expires on its own
+            error = f"rank {len(held)} ({self.ranks[len(held)].engine_socket}): {err.code().name}: {err.details()}"
+            log.warning("kvxferd: could not hold a finished prefill", extra={"request_id": request_id, "error": error})
+            return False, failed_prefill_params(error)
+        self._held.append(request_id)
+        params = RemotePrefill(kvxferd=1, remote_engine_id=self.engine_id, remote_request_id=request_id,
+                               remote_peer_addresses=[r.peer_address for r in self.ranks],
+                               remote_block_ids=[list(g) for g in blocks], remote_num_tokens=num_tokens,
+                               remote_lease_expiry_unix_s=time.time() + self.settings.lease_s)
+        return True, params.to_params()
+
+    def take_held(self) -> list[str]:
+        held, self._held = self._held, []
+        return held
+
+    # ---- decode -------------------------------------------------------------------------
+    def matched_tokens(self, request_id: str, params: dict | None, num_prompt_tokens: int,
+                       num_computed_tokens: int) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens``: the remote prompt beyond the local prefix cache, loaded async."""
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            remote = self._pending[request_id] = parse_remote_prefill(params)
+            num_tokens = min(remote.remote_num_tokens, num_prompt_tokens)
+        except ParamsError as err:
+            self._pending[request_id] = err
+            num_tokens = num_prompt_tokens  # a failed load of the whole prompt: the policy decides
+        count = num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request_id: str, params: dict | None, new_block_ids: Sequence[Sequence[int]],
+                    num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: one read order per request (an empty one on a full local hit)."""
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if called again
+        remote = self._pending.pop(request_id, None)
+        if remote is None:
+            try:
+                remote = parse_remote_prefill({**params, "do_remote_prefill": True})
+            except ParamsError as err:
+                remote = err
+        local = real_blocks(new_block_ids) if num_external_tokens > 0 else ()
+        self._order(request_id, remote, local)
+
+    def finished_before_scheduled(self, request_id: str, params: dict | None) -> None:
+        """A decode request that ended before its read: release the prefill hold with an empty read."""
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False
+        remote = self._pending.pop(request_id, None)
+        if isinstance(remote, RemotePrefill):
+            self._order(request_id, remote, ())
+
+    def _order(self, request_id: str, remote: RemotePrefill | ParamsError, local) -> None:
+        if isinstance(remote, ParamsError):
+            self._orders.append(ReadOrder(request_id, None, (), str(remote)))
+            return
+        if not local:
+            local = tuple(() for _ in remote.remote_block_ids)
+        elif len(local) != len(remote.remote_block_ids):
+            self._orders.append(ReadOrder(request_id, None, (), f"kv_transfer_params.remote_block_ids: "
+                                          f"{len(remote.remote_block_ids)} groups, this engine has {len(local)}"))
+            return
+        self._orders.append(ReadOrder(request_id, remote.to_params(), tuple(local)))
+
+    def take_orders(self) -> list[ReadOrder]:
+        orders, self._orders = self._orders, []
+        return orders
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

@@ -1,0 +1,160 @@
+"""The connector's worker side: one engine rank and its local daemon.
+
+::
+
+    register_kv_caches ─► describe the cache (no copy) ─► fds over the fd socket ─► Register
+    start_load_kv      ─► Handshake a new remote engine once ─► SubmitRead per order
+    get_transfer_results
+        decode:  completions ─► finished_recving; a failed read ─► its invalid block ids
+                 (one KV cache group) or failed_recving (several groups: block ids
+                 are not unique across groups, vLLM can only fail the request)
+        prefill: CONSUMED / EXPIRED on the bus ─► finished_sending (the blocks may go)
+
+A read that cannot even be submitted (unknown remote, daemon error, bad
+params) is a failed load of that request, never an exception in vLLM's step.
+
+vLLM-free: the connector passes plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kvxferd.client.engine import EngineClient
+from kvxferd.client.notify import TERMINAL, NotifySubscriber
+from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine
+from kvxferd.integrations.vllm.params import RemotePrefill
+from kvxferd.integrations.vllm.scheduler import RankDaemon, ReadOrder
+from kvxferd.integrations.vllm.settings import ConnectorSettings
+from kvxferd.service.fdpass import fd_socket_path, send_fds
+
+log = logging.getLogger("kvxferd.vllm")
+
+
+@dataclass
+class TransferResults:
+    """One snapshot for vLLM: request ids, and block ids that failed to load."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+class WorkerSide:
+    """One TP rank's connection to its daemon."""
+
+    def __init__(self, engine_id: str, tp_rank: int, tp_size: int, settings: ConnectorSettings) -> None:
+        self.engine_id, self.tp_rank, self.tp_size = engine_id, tp_rank, tp_size
+        self.settings = settings
+        self.socket = settings.socket_for(tp_rank, tp_size)
+        self.client: EngineClient | None = None
+        self.subscriber: NotifySubscriber | None = None
+        self.peer_address = ""
+        self.num_groups = 0
+        self._remotes: dict[str, tuple[str, ...]] = {}  # remote engine -> addresses handshaked
+        self._reading: set[str] = set()
+        self._failed_now: set[str] = set()  # orders that failed before reaching the daemon
+        self._held: set[str] = set()  # prefill requests the scheduler held
+        self._ended: set[str] = set()  # holds that ended before the worker heard they were held
+
+    # ---- registration ---------------------------------------------------------------
+    def register(self, groups: Sequence[GroupLayout], tensors: Mapping[str, torch.Tensor]) -> RankDaemon:
+        """Hand the cache to the daemon (once); a missing daemon is a clear error naming the socket."""
+        if not os.path.exists(self.socket):
+            raise RuntimeError(f"kvxferd: no daemon listens on {self.socket} (start `kvxferd serve --engine-socket "
+                               f"{self.socket}` next to this engine, or set kv_connector_extra_config.engine_socket)")
+        engine, fds = describe_engine(self.engine_id, self.tp_rank, self.tp_size, groups, tensors)
+        self.num_groups = len(groups)
+        token = ""
+        if fds:
+            token = uuid.uuid4().hex
+            send_fds(fd_socket_path(self.socket), token, fds, timeout_s=self.settings.timeout_s)
+        self.client = EngineClient(f"unix:{self.socket}", timeout_s=self.settings.timeout_s)
+        try:
+            reply = self.client.register(engine, lease_s=max(3 * self.settings.heartbeat_s, 10.0),
+                                         heartbeat_s=self.settings.heartbeat_s, fd_token=token)
+        except grpc.RpcError as err:
+            raise RuntimeError(f"kvxferd: the daemon at {self.socket} refused the KV cache: "
+                               f"{err.code().name}: {err.details()}") from None
+        self.peer_address = reply.peer_address
+        self.subscriber = NotifySubscriber(self.client)
+        log.info("kvxferd: KV cache registered", extra={"engine_id": self.engine_id, "tp_rank": self.tp_rank,
+                                                        "socket": self.socket, "peer": self.peer_address})
+        return RankDaemon(self.tp_rank, self.socket, self.peer_address)
+
+    # ---- decode: reads ----------------------------------------------------------------
+    def submit(self, orders: Sequence[ReadOrder]) -> None:
+        """Submit every order; a failure to submit fails that request only."""
+        for order in orders:
+            try:
+                self._submit(order)
+                self._reading.add(order.request_id)
+            except (grpc.RpcError, ValueError) as err:
+                reason = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+                log.warning("kvxferd: read not submitted", extra={"request_id": order.request_id, "error": reason})
+                self._failed_now.add(order.request_id)
+
+    def _submit(self, order: ReadOrder) -> None:
+        if order.remote is None:
+            raise ValueError(order.error)
+        remote = RemotePrefill.model_validate(order.remote)
+        addresses = tuple(remote.remote_peer_addresses)
+        if self._remotes.get(remote.remote_engine_id) != addresses:
+            self.client.handshake(remote.remote_engine_id, addresses)
+            self._remotes[remote.remote_engine_id] = addresses
+        self.client.submit_read(order.request_id, remote.remote_engine_id, remote.remote_request_id,
+                                order.local_block_ids, remote.remote_block_ids, num_tokens=remote.remote_num_tokens,
+                                deadline_s=self.settings.deadline_s)
+
+    # ---- prefill: holds ---------------------------------------------------------------
+    def expect_held(self, request_ids: Sequence[str]) -> None:
+        self._held.update(request_ids)
+
+    # ---- both: what finished ---------------------------------------------------------
+    def results(self) -> TransferResults:
+        """Everything that finished since the last call (never blocks)."""
+        out = TransferResults()
+        if self.client is None:
+            return out
+        for request_id in self._failed_now:
+            out.finished_recving.add(request_id)
+            out.failed_recving.add(request_id)
+        self._failed_now.clear()
+        for completion in self.client.take_completions():
+            if completion.request_id not in self._reading:
+                continue
+            self._reading.discard(completion.request_id)
+            out.finished_recving.add(completion.request_id)
+            if completion.ok:
+                continue
+            log.warning("kvxferd: read failed", extra={"request_id": completion.request_id, "error": completion.error})
+            if self.num_groups == 1:
+                out.invalid_block_ids.update(int(b) for b in completion.invalid_block_ids[0].ids)
+            if self.num_groups != 1 or not completion.invalid_block_ids or not completion.invalid_block_ids[0].ids:
+                out.failed_recving.add(completion.request_id)
+        for event in self.subscriber.poll():
+            if event.kind in TERMINAL:
+                self._ended.add(event.request_id)
+        done = self._ended & self._held
+        self._ended -= done
+        self._held -= done
+        out.finished_sending = done
+        return out
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+        if self.client is not None:
+            try:
+                self.client.deregister()
+            except grpc.RpcError:
+                pass  # the daemon is gone already
+            self.client.close()

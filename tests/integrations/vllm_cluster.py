@@ -1,0 +1,92 @@
+"""A prefill and a decode vLLM engine (CPU), each with its own kvxferd daemon and the connector.
+
+The model is a tiny Llama written at test time with dummy weights drawn
+from a fixed seed, so every instance has the same weights; prompts are
+token ids (no tokenizer). The prefill instance doubles as the single
+instance the P/D tokens are compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import urllib.request
+
+from kvxferd.client import DaemonProcess, EngineClient
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+
+BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+
+
+def write_tiny_model(directory: pathlib.Path) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(directory)
+
+
+def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail"):
+    """A vLLM engine on CPU; with ``engine_id`` it uses the kvxferd connector on ``socket``."""
+    from vllm import LLM
+
+    transfer = None
+    if engine_id is not None:
+        transfer = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.integrations.vllm",
+                    "kv_role": "kv_both", "engine_id": engine_id, "kv_load_failure_policy": policy,
+                    "kv_connector_extra_config": {"engine_socket": socket, "lease_s": 20.0, "deadline_s": 10.0}}
+    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+               max_model_len=1024, block_size=BLOCK_SIZE, dtype="bfloat16", max_num_seqs=16,
+               max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False)
+
+
+def greedy(max_tokens: int, params: dict | None = None):
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, extra_args=extra)
+
+
+def prompts_of(token_lists):
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=list(tokens)) for tokens in token_lists]
+
+
+def prefill_params(prefill, token_lists) -> list[dict]:
+    """Run prompts through prefill for one token; the kv_transfer_params a proxy forwards."""
+    outputs = prefill.generate(prompts_of(token_lists), [greedy(1, {"do_remote_decode": True}) for _ in token_lists],
+                               use_tqdm=False)
+    return [o.kv_transfer_params for o in outputs]
+
+
+def prompt_tokens_by_source(llm) -> dict[str, int]:
+    """vLLM's prompt-token counters by source: local_compute, local_cache_hit, external_kv_transfer."""
+    return {m.labels["source"]: int(m.value) for m in llm.get_metrics() if m.name == "vllm:prompt_tokens_by_source"}
+
+
+def metric(daemon: DaemonProcess, name: str) -> float:
+    """One unlabelled sample of a daemon's Prometheus metrics."""
+    text = urllib.request.urlopen(daemon.addresses["metrics"], timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{}"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def hold_events(daemon: DaemonProcess, engine_id: str) -> dict[str, list[str]]:
+    """Every bus event of ``engine_id`` on ``daemon`` so far: request id -> kinds."""
+    client = EngineClient(daemon.engine_target)
+    client.engine_id = engine_id
+    try:
+        reply = client.missed_events(0)
+    finally:
+        client.close()
+    events: dict[str, list[str]] = {}
+    for event in reply.events:
+        events.setdefault(event.request_id, []).append(pb.NotifyEvent.Kind.Name(event.kind))
+    return events
