@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The test command: set up .venv if needed, then run the default test suite.
-# Extra arguments go to pytest (e.g. `scripts/test.sh -m slow`).
+# The test command: set up the environments if needed, then run the default test suite.
+# Extra arguments go to pytest (e.g. `scripts/test.sh -m slow`, `scripts/test.sh -m vllm`).
+#
+# Tests run in .venv-vllm: .venv (what the daemon needs) plus vLLM's CPU build, for
+# the vLLM end-to-end tests (marker `vllm`). kvxferd itself never imports vLLM;
+# tests/test_purity.py checks that. Both environments are reused between runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-exec .venv/bin/python -m pytest "$@"
+scripts/bootstrap.sh --vllm
+# vLLM's CPU engines in the tests keep their KV cache small (GiB).
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+exec .venv-vllm/bin/python -m pytest "$@"

@@ -38,6 +38,7 @@ ALLOWED = {
     "verify": {"errors", "layout", "tp", "plan", "xfer", "proto", "client", "verify"},
     "bench": {"errors", "layout", "tp", "plan", "xfer", "proto", "service", "client", "verify", "bench"},
     "demo": {"errors", "layout", "tp", "plan", "xfer", "proto", "service", "client", "verify", "bench", "demo"},
+    "integrations": {"errors", "layout", "proto", "service", "client", "integrations"},
 }
 
 
@@ -48,3 +49,18 @@ def test_imports_point_one_way():
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvxferd."):
                     target = node.module.split(".")[1]
                     assert target in allowed, f"{path}: {package} must not import kvxferd.{target}"
+
+
+def test_only_the_vllm_connector_imports_vllm():
+    """kvxferd never depends on vLLM: only the connector class (loaded by vLLM itself) imports it."""
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "vllm" for name in names):
+                assert path == ROOT / "integrations/vllm/connector.py", f"{path}: imports vLLM"
+    modules = sorted(".".join(("kvxferd", *m.relative_to(ROOT).with_suffix("").parts)) for m in ROOT.rglob("*.py")
+                     if m.stem not in ("__init__", "__main__", "connector"))
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

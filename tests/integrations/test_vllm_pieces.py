@@ -1,0 +1,153 @@
+"""The connector's vLLM-free pieces: params, settings, cache description, and a hold -> read cycle on real daemons."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from kvxferd.client import DaemonProcess
+from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine, share_host_storages
+from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill
+from kvxferd.integrations.vllm.scheduler import RankDaemon, SchedulerSide, real_blocks
+from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
+from kvxferd.integrations.vllm.worker import WorkerSide
+
+GOOD = RemotePrefill(kvxferd=1, remote_engine_id="p", remote_request_id="r-1", remote_peer_addresses=["127.0.0.1:1"],
+                     remote_block_ids=[[4, 5]], remote_num_tokens=40, remote_lease_expiry_unix_s=1.0).to_params()
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"remote_block_ids": [[-1]]}, "remote_block_ids.0.0"),
+    ({"remote_block_ids": []}, "remote_block_ids"),
+    ({"remote_peer_addresses": []}, "remote_peer_addresses"),
+    ({"remote_engine_id": "a b"}, "remote_engine_id"),
+    ({"remote_num_tokens": 0}, "remote_num_tokens"),
+    ({"remote_lease_expiry_unix_s": math.nan}, "remote_lease_expiry_unix_s"),
+    ({"kvxferd": 2}, "kvxferd"),
+    ({"remote_request_id": None}, "remote_request_id"),
+])
+def test_bad_params_name_the_field(change, field):
+    with pytest.raises(ParamsError) as err:
+        parse_remote_prefill({**GOOD, **change})
+    assert str(err.value).startswith(f"kv_transfer_params.{field}"), err.value
+
+
+def test_params_round_trip_and_prefill_errors():
+    assert parse_remote_prefill(GOOD).to_params() == GOOD
+    with pytest.raises(ParamsError, match="could not hold"):
+        parse_remote_prefill(failed_prefill_params("down"))
+    with pytest.raises(ParamsError, match="expected an object"):
+        parse_remote_prefill(["x"])
+
+
+def test_settings_defaults_match_the_daemon_and_bad_options_are_named(monkeypatch):
+    monkeypatch.delenv("KVXFERD_SOCKET_DIR", raising=False)
+    assert load_settings({}).socket_for(0, 1) == "/tmp/kvxferd-engine.sock"  # kvxferd serve's default
+    with pytest.raises(ValueError, match="engine_socket"):
+        load_settings({}).socket_for(1, 2)
+    monkeypatch.setenv("KVXFERD_SOCKET_DIR", "/run/kvxferd")
+    assert load_settings({}).socket_for(1, 2) == "/run/kvxferd/gpu1.sock"  # the Helm chart's sockets
+    assert load_settings({"engine_socket": "/s/{rank}.sock"}).socket_for(3, 4) == "/s/3.sock"
+    for bad, name in (({"lease_s": math.inf}, "lease_s"), ({"lease_s": -1}, "lease_s"), ({"colour": 1}, "colour")):
+        with pytest.raises(ValueError, match=f"kv_connector_extra_config.{name}"):
+            load_settings(bad)
+
+
+def test_null_blocks_are_never_transferred():
+    assert real_blocks(([0, 0, 7, 8], [3], [])) == ((7, 8), (3,), ())
+
+
+def layer_cache(num_blocks=16, heads=2, block=32, head_size=64, layers=2):
+    """Like vLLM's CPU cache: one storage, a (B, H, N, 2C) view per layer."""
+    storage = torch.zeros(layers, num_blocks, heads, block, 2 * head_size, dtype=torch.bfloat16)
+    return {f"layer.{n}": storage[n] for n in range(layers)}
+
+
+def group(names, num_blocks=16, heads=2, block=32, head_size=64):
+    return GroupLayout("full", tuple(names), "kv_per_head", num_blocks, heads, head_size, block, block, "bfloat16")
+
+
+def test_host_tensors_are_shared_in_place_and_described_per_layer():
+    tensors = layer_cache()
+    tensors["layer.1"][3, 1, 5, 7] = 2.5
+    engine, fds = describe_engine("e", 0, 1, [group(tensors)], tensors)
+    assert len(fds) == 1 and tensors["layer.1"].is_shared() and tensors["layer.1"][3, 1, 5, 7].item() == 2.5
+    regions = engine.groups[0].regions
+    assert [r.handle.shm_fd_index for r in regions] == [0, 0]
+    assert [r.handle.offset for r in regions] == [0, tensors["layer.0"].numel() * 2]
+    assert engine.mem_type == "DRAM" and engine.groups[0].attention.layout == "kv_per_head"
+    _fds, placement = share_host_storages([tensors["layer.1"]])  # idempotent: already shared
+    assert placement == [(0, regions[1].handle.offset)]
+
+
+def test_cuda_tensors_are_described_by_ipc_handle():
+    """The CUDA path without a GPU: a meta tensor that reports a CUDA device stands in for vLLM's cache."""
+    tensors = {"l0": torch.empty(16, 2, 32, 128, dtype=torch.bfloat16, device="meta")}
+    calls = []
+
+    def export(address):
+        calls.append(address)
+        return b"h" * 64, 4096
+
+    fake = tensors["l0"]
+    fake_device = type("D", (), {"type": "cuda", "index": 1})()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(fake), "device", property(lambda self: fake_device))
+        engine, fds = describe_engine("e", 0, 1, [group(["l0"])], tensors, export_ipc=export)
+    region = engine.groups[0].regions[0]
+    assert fds == [] and engine.mem_type == "VRAM" and calls == [fake.data_ptr()]
+    assert (region.handle.cuda_ipc_handle, region.handle.offset, region.device_id) == (b"h" * 64, 4096, 1)
+
+
+def test_a_missing_daemon_is_a_clear_error_naming_the_socket(tmp_path):
+    worker = WorkerSide("e", 0, 1, ConnectorSettings(engine_socket=str(tmp_path / "none.sock")))
+    with pytest.raises(RuntimeError, match="none.sock"):
+        worker.register([group(["layer.0"])], layer_cache(layers=1))
+
+
+def test_hold_order_read_cycle_on_real_daemons(tmp_path):
+    """Prefill worker + scheduler hold, decode scheduler orders, decode worker reads: byte-exact."""
+    daemons = DaemonProcess.start_many(["ip0", "id0"], socket_dir=str(tmp_path))
+    workers = []
+    try:
+        prefill_cache, decode_cache = layer_cache(), layer_cache()
+        for name, tensor in prefill_cache.items():
+            tensor.copy_(torch.randn_like(tensor, dtype=torch.float32).to(torch.bfloat16))
+        prefill = WorkerSide("p", 0, 1, ConnectorSettings(engine_socket=daemons[0].socket))
+        decode = WorkerSide("d", 0, 1, ConnectorSettings(engine_socket=daemons[1].socket))
+        workers = [prefill, decode]
+        ranks = [prefill.register([group(prefill_cache)], prefill_cache)]
+        decode.register([group(decode_cache)], decode_cache)
+        prefill_scheduler, decode_scheduler = SchedulerSide("p", prefill.settings), SchedulerSide("d", decode.settings)
+        prefill_scheduler.set_ranks(ranks)
+        delay, params = prefill_scheduler.hold("req", ([0, 3, 4, 5],), 100)  # 0 is vLLM's null block
+        assert delay and params["remote_block_ids"] == [[3, 4, 5]] and params["remote_peer_addresses"] == [ranks[0].peer_address]
+        prefill.expect_held(prefill_scheduler.take_held())
+        assert decode_scheduler.matched_tokens("dreq", params, 100, 32) == (68, True)  # one block cached locally
+        decode_scheduler.after_alloc("dreq", params, [[9, 10]], 68)
+        decode.submit(decode_scheduler.take_orders())
+        deadline, received, sent = time.monotonic() + 20, set(), set()
+        while (not received or not sent) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            got, held = decode.results(), prefill.results()
+            assert not got.failed_recving and not got.invalid_block_ids
+            received |= got.finished_recving
+            sent |= held.finished_sending
+        assert (received, sent) == ({"dreq"}, {"req"})
+        for name in prefill_cache:  # remote blocks 4, 5 landed in local blocks 9, 10; nothing else moved
+            assert torch.equal(decode_cache[name][9:11], prefill_cache[name][4:6])
+            assert decode_cache[name][:9].abs().sum() == 0 and decode_cache[name][11:].abs().sum() == 0
+        # A request whose params are bad fails alone, without an exception.
+        decode_scheduler.matched_tokens("bad", {"do_remote_prefill": True}, 50, 0)
+        decode_scheduler.after_alloc("bad", {"do_remote_prefill": True}, [[1, 2]], 50)
+        decode.submit(decode_scheduler.take_orders())
+        result = decode.results()
+        assert result.failed_recving == {"bad"} and result.finished_recving == {"bad"}
+    finally:
+        for worker in workers:
+            worker.close()
+        for daemon in daemons:
+            daemon.terminate()
