@@ -33,9 +33,10 @@ def pd(tmp_path_factory):
     model = write_tiny_model(work / "tiny-llama")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     daemons = DaemonProcess.start_many(["vp0", "vd0", "vd1"], socket_dir=str(work))
+    cluster = types.SimpleNamespace()
     try:
-        cluster = types.SimpleNamespace(prefill_daemon=daemons[0], decode_daemon=daemons[1],
-                                        recompute_daemon=daemons[2])
+        vars(cluster).update(prefill_daemon=daemons[0], decode_daemon=daemons[1], recompute_daemon=daemons[2],
+                             model=model)
         cluster.prefill = engine(model, "prefill", daemons[0].socket)
         cluster.decode_recompute = engine(model, "decode-recompute", daemons[2].socket, policy="recompute")
         # vLLM's Prometheus counters are process-global: the engine built last owns them,
@@ -43,6 +44,9 @@ def pd(tmp_path_factory):
         cluster.decode = engine(model, "decode", daemons[1].socket, policy="fail")
         yield cluster
     finally:
+        for name in ("prefill", "decode_recompute", "decode"):
+            if name in vars(cluster):
+                getattr(cluster, name).llm_engine.engine_core.shutdown()
         for daemon in daemons:
             daemon.terminate()
 
@@ -152,3 +156,33 @@ def test_bad_kv_transfer_params_fail_that_request_only(pd, damage):
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(4, bad), greedy(4, params[1])], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "error"
     assert token_ids(outputs)[1] == single[1]
+
+
+def test_prefill_tp2_to_decode_tp1(pd, tmp_path):
+    """Two prefill ranks (each with its own daemon) hold, one decode rank reads half the heads from each.
+
+    vLLM's CPU build binds each TP worker to a NUMA node unless told which cores
+    to use; this machine has one node, so each worker gets one core.
+    """
+    daemons = DaemonProcess.start_many(["vt0", "vt1"], socket_dir=str(tmp_path))
+    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        prefill = engine(pd.model, "prefill-tp2", str(tmp_path / "vt{rank}.sock"), tp_size=2)
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") if previous is None else os.environ.update(
+            VLLM_CPU_OMP_THREADS_BIND=previous)
+    try:
+        prompts = random_prompts(8, (20, 70, 150))
+        single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(6), use_tqdm=False))
+        params = prefill_params(prefill, prompts)
+        assert [len(p["remote_peer_addresses"]) for p in params] == [2, 2, 2]
+        outputs = pd.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
+        assert token_ids(outputs) == single
+        for daemon in daemons:  # both prefill ranks' holds were consumed
+            events = hold_events(daemon, "prefill-tp2")
+            assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * 3
+    finally:
+        prefill.llm_engine.engine_core.shutdown()
+        for daemon in daemons:
+            daemon.terminate()

@@ -30,8 +30,8 @@ def write_tiny_model(directory: pathlib.Path) -> str:
     return str(directory)
 
 
-def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail"):
-    """A vLLM engine on CPU; with ``engine_id`` it uses the kvxferd connector on ``socket``."""
+def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail", tp_size: int = 1):
+    """A vLLM engine on CPU; with ``engine_id`` it uses the kvxferd connector on ``socket`` (``{rank}``: TP rank)."""
     from vllm import LLM
 
     transfer = None
@@ -41,7 +41,8 @@ def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str
                     "kv_connector_extra_config": {"engine_socket": socket, "lease_s": 20.0, "deadline_s": 10.0}}
     return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
                max_model_len=1024, block_size=BLOCK_SIZE, dtype="bfloat16", max_num_seqs=16,
-               max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False)
+               max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False,
+               tensor_parallel_size=tp_size)
 
 
 def greedy(max_tokens: int, params: dict | None = None):
