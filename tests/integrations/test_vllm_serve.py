@@ -1,0 +1,44 @@
+"""docs/vllm.md's path over HTTP: two vLLM API servers with the connector, their daemons, and the proxy.
+
+Runs ``scripts/bench_vllm.py`` small: the same prompts straight to one
+instance and through the proxy must give the same tokens, and the decode
+daemon must read exactly the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def free_base_port() -> int:
+    """A base port whose proxy (-100), prefill (+0) and decode (+100) ports are all free."""
+    for _ in range(50):
+        base = random.randrange(20_000, 30_000)
+        try:
+            for port in (base - 100, base, base + 100):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def test_the_proxy_returns_the_single_instance_tokens():
+    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
+    run = subprocess.run([sys.executable, str(ROOT / "scripts/bench_vllm.py"), "--requests", "2", "--lengths", "40", "100",
+                          "--base-port", str(free_base_port())], capture_output=True, text=True, timeout=600)
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert run.returncode == 0 and len(rows) == 2, run.stdout + run.stderr[-3000:]
+    for tokens, _requests, _single, _pd, _ratio, kib, equal in rows:
+        assert equal.strip() == "True", rows
+        assert int(kib) == -(-int(tokens) // 32) * 32, rows  # 32 KiB per block of 32 tokens, read once
