@@ -144,7 +144,10 @@ class NixlAgent:
                 with contextlib.suppress(*self._errors):  # a half-loaded new name: drop it
                     self._agent.remove_remote_agent(name)
                 raise InvalidArgumentError(field, f"NIXL cannot load agent {name!r}: {err.message}") from None
-            if (loaded.decode(errors="replace") if isinstance(loaded, bytes) else loaded) != name:
+            loaded = loaded.decode(errors="replace") if isinstance(loaded, bytes) else loaded
+            if loaded != name:  # never seen; if NIXL ever disagrees with the header, keep nothing of it
+                with contextlib.suppress(*self._errors):
+                    self._agent.remove_remote_agent(loaded)
                 raise InvalidArgumentError(field, f"NIXL loaded {loaded!r}, the metadata names {name!r}")
             self._remotes[name] = (metadata, 1)
         return name
