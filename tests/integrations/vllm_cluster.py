@@ -24,9 +24,13 @@ TINY_LLAMA = {
 }
 
 
-def write_tiny_model(directory: pathlib.Path) -> str:
+# The same model with sliding-window attention on every layer: vLLM gives it one sliding-window group.
+TINY_MISTRAL_SWA = {**TINY_LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
+
+
+def write_tiny_model(directory: pathlib.Path, config: dict = TINY_LLAMA) -> str:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (directory / "config.json").write_text(json.dumps(config))
     return str(directory)
 
 

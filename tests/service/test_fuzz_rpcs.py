@@ -25,7 +25,7 @@ from tests.service.helpers import engine_pb
 from tests.service.test_protocol_defects import ANSWER_S, engine_info, read_still_works
 
 GROUPS = model_groups("gqa", ModelShape())
-NUM_CASES = 80  # per RPC
+NUM_CASES = 60  # per RPC
 FORBIDDEN = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Handshakes dial what they are given: only loopback literals and unparsable targets, never a DNS name.
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:0", "[::1]:1", "127.0.0.1:99999", "127.0.0.1:", ":1", "unix:/nonexistent"]

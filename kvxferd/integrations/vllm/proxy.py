@@ -43,11 +43,13 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
     """The aiohttp application forwarding ``ROUTES``."""
     from aiohttp import ClientSession, ClientTimeout, web
 
+    session_key = web.AppKey("session", ClientSession)
+
     async def start(app):
-        app["session"] = ClientSession(timeout=ClientTimeout(total=timeout_s))
+        app[session_key] = ClientSession(timeout=ClientTimeout(total=timeout_s))
 
     async def stop(app):
-        await app["session"].close()
+        await app[session_key].close()
 
     async def forward(request: web.Request) -> web.StreamResponse:
         try:
@@ -56,7 +58,7 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
             return web.json_response({"error": "the request body is not JSON"}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"error": "the request body must be a JSON object"}, status=400)
-        session = request.app["session"]
+        session = request.app[session_key]
         async with session.post(prefill_url + request.path, json=prefill_request(body)) as answer:
             prefilled = await answer.json(content_type=None)
             if answer.status != 200:

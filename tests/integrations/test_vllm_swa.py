@@ -1,0 +1,42 @@
+"""A sliding-window model through P/D on vLLM (CPU): prefill hands over only the blocks still in the window."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvxferd.client import DaemonProcess
+from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, engine, greedy, hold_events,
+                                             prefill_params, prompts_of, write_tiny_model)
+
+pytestmark = pytest.mark.vllm
+WINDOW = TINY_MISTRAL_SWA["sliding_window"]
+
+
+def test_sliding_window_prefill_decode_gives_the_single_instance_tokens(tmp_path):
+    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = write_tiny_model(tmp_path / "tiny-mistral-swa", TINY_MISTRAL_SWA)
+    daemons = DaemonProcess.start_many(["ws0", "ws1"], socket_dir=str(tmp_path))
+    engines = []
+    try:
+        engines = [engine(model, "swa-prefill", daemons[0].socket), engine(model, "swa-decode", daemons[1].socket)]
+        prefill, decode = engines
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(3, 500, n).tolist() for n in (20, 64, 65, 130, 200, 300)]  # some past the window
+        single = [list(o.outputs[0].token_ids) for o in prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False)]
+        params = prefill_params(prefill, prompts)
+        # Blocks that left the window are vLLM's null block on prefill: only the window's blocks are handed over.
+        for prompt, p in zip(prompts, params):
+            assert len(p["remote_block_ids"][0]) <= -(-WINDOW // BLOCK_SIZE) + 1, (len(prompt), p["remote_block_ids"])
+        outputs = decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == single
+        events = hold_events(daemons[0], "swa-prefill")
+        assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
+    finally:
+        for llm in engines:
+            llm.llm_engine.engine_core.shutdown()
+        for daemon in daemons:
+            daemon.terminate()
