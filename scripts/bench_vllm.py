@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvxferd.client import DaemonProcess  # noqa: E402
-from tests.integrations.vllm_cluster import write_tiny_model  # noqa: E402
+from tests.integrations.vllm_cluster import metric, write_tiny_model  # noqa: E402
 
 
 def post(url: str, body: dict) -> tuple[float, list[int]]:
@@ -46,13 +46,6 @@ def post(url: str, body: dict) -> tuple[float, list[int]]:
                 first = time.perf_counter() - start
             tokens += ids
     return first, tokens
-
-
-def metric(url: str, name: str) -> float:
-    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def wait_healthy(port: int, process: subprocess.Popen, log: pathlib.Path, timeout_s: float = 300) -> None:
@@ -100,10 +93,9 @@ def main() -> None:
         time.sleep(1)  # the proxy
         print("| prompt tokens | requests | TTFT single p50 ms | TTFT P/D p50 ms | P/D / single | KiB read per request | tokens equal |")
         print("|---|---|---|---|---|---|---|")
-        decode_metrics = daemons[1].addresses["metrics"]
         for length in args.lengths:
             single_ttft, pd_ttft, equal = [], [], True
-            read_before = metric(decode_metrics, "kvxferd_read_bytes_total")
+            read_before = metric(daemons[1], "kvxferd_read_bytes_total")
             for n in range(args.requests):
                 prompt = [3 + (length * 7 + n * 13 + i * 31) % 500 for i in range(length)]  # fresh per request
                 body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True,
@@ -113,7 +105,7 @@ def main() -> None:
                 ttft, through_pd = post(f"http://127.0.0.1:{proxy_port}/v1/completions", body)
                 pd_ttft.append(ttft)
                 equal &= single == through_pd
-            read = (metric(decode_metrics, "kvxferd_read_bytes_total") - read_before) / args.requests
+            read = (metric(daemons[1], "kvxferd_read_bytes_total") - read_before) / args.requests
             s, p = statistics.median(single_ttft) * 1e3, statistics.median(pd_ttft) * 1e3
             print(f"| {length} | {args.requests} | {s:.1f} | {p:.1f} | {p / s:.2f} | {read / 1024:.0f} | {equal} |")
     finally:
