@@ -140,6 +140,22 @@ def test_hold_order_read_cycle_on_real_daemons(tmp_path):
         for name in prefill_cache:  # remote blocks 4, 5 landed in local blocks 9, 10; nothing else moved
             assert torch.equal(decode_cache[name][9:11], prefill_cache[name][4:6])
             assert decode_cache[name][:9].abs().sum() == 0 and decode_cache[name][11:].abs().sum() == 0
+        # A full local hit reads nothing, yet its empty read still ends the prefill hold (CONSUMED).
+        delay, params = prefill_scheduler.hold("req2", ([6, 7],), 64)
+        prefill.expect_held(prefill_scheduler.take_held())
+        assert decode_scheduler.matched_tokens("dreq2", params, 64, 64) == (0, False)
+        decode_scheduler.after_alloc("dreq2", params, [[]], 0)
+        (order,) = decode_scheduler.take_orders()
+        assert order.local_block_ids == ((),)
+        decode.submit([order])
+        deadline, received, sent = time.monotonic() + 20, set(), set()
+        while (not received or not sent) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            got = decode.results()
+            assert not got.failed_recving
+            received |= got.finished_recving
+            sent |= prefill.results().finished_sending
+        assert (received, sent) == ({"dreq2"}, {"req2"})
         # A request whose params are bad fails alone, without an exception.
         decode_scheduler.matched_tokens("bad", {"do_remote_prefill": True}, 50, 0)
         decode_scheduler.after_alloc("bad", {"do_remote_prefill": True}, [[1, 2]], 50)
