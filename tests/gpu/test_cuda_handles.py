@@ -14,9 +14,11 @@ byte for byte against the oracle, like the host-memory tests.
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU and a CUDA build of torch", allow_module_level=True)
+import torch
+
+# A mark, not a module-level skip: `-m vllm` (or any marker selection) then deselects these
+# tests instead of reporting a skip.
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
 from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
 from kvxferd.service.gpu import export_ipc  # noqa: E402
