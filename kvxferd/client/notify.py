@@ -71,6 +71,13 @@ class NotifySubscriber:
             self._socket.recv_multipart()
         self._catch_up()
 
+    def _receive(self) -> None:
+        """Take one message off the socket (one is ready) and accept its event."""
+        _topic, data = self._socket.recv_multipart()
+        event = pb.NotifyEvent()
+        event.ParseFromString(data)
+        self._accept(event)
+
     def _catch_up(self) -> None:
         reply = self.client.missed_events(self.last_seq)
         for event in reply.events:
@@ -96,10 +103,7 @@ class NotifySubscriber:
             if left <= 0:
                 return None
             if self._socket.poll(int(min(left, self.catch_up_s) * 1000)):
-                _topic, data = self._socket.recv_multipart()
-                event = pb.NotifyEvent()
-                event.ParseFromString(data)
-                self._accept(event)
+                self._receive()
             else:
                 self._catch_up()  # quiet bus: maybe the subscription missed the tail
         return self._ready.popleft()
@@ -109,10 +113,7 @@ class NotifySubscriber:
         self._follow_registration()
         received = False
         while self._socket.poll(0):
-            _topic, data = self._socket.recv_multipart()
-            event = pb.NotifyEvent()
-            event.ParseFromString(data)
-            self._accept(event)
+            self._receive()
             received = True
         now = time.monotonic()
         if not received and now - self._last_catch_up_s >= self.catch_up_s:

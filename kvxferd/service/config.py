@@ -127,11 +127,16 @@ def load_config(flags: dict[str, Any] | None = None, config_file: str | None = N
     try:
         return DaemonConfig(**{k: v for k, v in (flags or {}).items() if v is not None})
     except ValidationError as err:
-        first = err.errors()[0]
-        option = ".".join(str(p) for p in first["loc"]) or "config"
-        raise InvalidArgumentError(option, first["msg"]) from None
+        option, message = first_error(err)
+        raise InvalidArgumentError(option or "config", message) from None
     finally:
         _FileSource.path = None
+
+
+def first_error(err: ValidationError) -> tuple[str, str]:
+    """``(dotted location, message)`` of a pydantic error's first problem, for one-line errors."""
+    first = err.errors()[0]
+    return ".".join(str(part) for part in first["loc"]), first["msg"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

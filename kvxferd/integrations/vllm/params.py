@@ -14,10 +14,11 @@ checked here, every problem naming the field::
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvxferd.service.config import first_error
 
 PARAMS_VERSION = 1
 MAX_GROUPS = 64
@@ -33,7 +34,7 @@ class ParamsError(ValueError):
 class RemotePrefill(BaseModel):
     """A prefilled request held on every prefill rank, ready to be read."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     kvxferd: int
     remote_engine_id: Id
@@ -50,13 +51,6 @@ class RemotePrefill(BaseModel):
             raise ValueError(f"kvxferd params version {value}, this connector speaks {PARAMS_VERSION}")
         return value
 
-    @field_validator("remote_lease_expiry_unix_s")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite time")
-        return value
-
     def to_params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
 
@@ -70,9 +64,8 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill:
     try:
         return RemotePrefill.model_validate(params)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ParamsError(f"kv_transfer_params.{where}: {first['msg']}") from None
+        where, message = first_error(err)
+        raise ParamsError(f"kv_transfer_params.{where}: {message}") from None
 
 
 def failed_prefill_params(error: str) -> dict[str, Any]:

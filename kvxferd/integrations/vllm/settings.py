@@ -8,13 +8,12 @@ single-rank engine.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvxferd.service.config import DaemonConfig
+from kvxferd.service.config import DaemonConfig, first_error
 
 SERVE_DEFAULT_SOCKET = DaemonConfig.model_fields["engine_socket"].default
 
@@ -22,20 +21,13 @@ SERVE_DEFAULT_SOCKET = DaemonConfig.model_fields["engine_socket"].default
 class ConnectorSettings(BaseModel):
     """Options of ``kv_connector_extra_config`` (unknown keys are refused)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     engine_socket: str | None = Field(None, description="daemon engine socket; {rank} is the local TP rank")
     lease_s: float = Field(30.0, gt=0, le=600, description="how long prefill holds blocks for decode to read (s)")
     deadline_s: float = Field(30.0, gt=0, le=600, description="how long a decode read may take (s)")
     timeout_s: float = Field(10.0, gt=0, le=120, description="timeout of each call to the local daemon (s)")
     heartbeat_s: float = Field(5.0, gt=0, le=60, description="heartbeat interval of each rank's registration (s)")
-
-    @field_validator("lease_s", "deadline_s", "timeout_s", "heartbeat_s")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be finite")
-        return value
 
     def socket_for(self, rank: int, tp_size: int) -> str:
         """The engine socket path of local TP rank ``rank``."""
@@ -54,6 +46,5 @@ def load_settings(extra_config: dict[str, Any] | None) -> ConnectorSettings:
     try:
         return ConnectorSettings.model_validate(extra_config or {})
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"kv_connector_extra_config.{where}: {first['msg']}") from None
+        where, message = first_error(err)
+        raise ValueError(f"kv_connector_extra_config.{where}: {message}") from None

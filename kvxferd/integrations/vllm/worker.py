@@ -136,9 +136,10 @@ class WorkerSide:
             if completion.ok:
                 continue
             log.warning("kvxferd: read failed", extra={"request_id": completion.request_id, "error": completion.error})
-            if self.num_groups == 1:
-                out.invalid_block_ids.update(int(b) for b in completion.invalid_block_ids[0].ids)
-            if self.num_groups != 1 or not completion.invalid_block_ids or not completion.invalid_block_ids[0].ids:
+            lists = completion.invalid_block_ids
+            if self.num_groups == 1 and lists and lists[0].ids:
+                out.invalid_block_ids.update(int(b) for b in lists[0].ids)
+            else:  # several groups (ids are not unique across them) or nothing named: fail the request
                 out.failed_recving.add(completion.request_id)
         for event in self.subscriber.poll():
             if event.kind in TERMINAL:
