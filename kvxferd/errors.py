@@ -47,3 +47,19 @@ class TransferError(KvxferError):
 
 class UnavailableError(KvxferError):
     """This daemon cannot serve the request here (no CUDA runtime, shutting down)."""
+
+
+class UnauthenticatedError(KvxferError):
+    """The caller did not prove who it is (no or a wrong engine session)."""
+
+
+class PermissionDeniedError(KvxferError):
+    """The caller is known but not allowed to do this (identity off the allow-list)."""
+
+
+class AlreadyExistsError(KvxferError):
+    """The thing to create exists and is alive (a live engine registration)."""
+
+
+class ResourceExhaustedError(KvxferError):
+    """A configured limit would be exceeded; ``field`` names the limit."""

@@ -52,11 +52,19 @@ def raw_read(raw_agent, local_list, remote_list, ids: np.ndarray, notification: 
     read_all([(raw_agent, local_list, remote_list, ids)], notification)
 
 
-def fetch_peer_info(address: str, remote_engine_id: str, tp_rank: int, local: EngineCache):
-    """One prefill rank's engine info, read from its daemon's peer service (checked against ``local``)."""
-    with grpc.insecure_channel(address) as channel:
+def fetch_peer_info(address: str, remote_engine_id: str, tp_rank: int, local: EngineCache, reader: NixlAgent,
+                    credentials: grpc.ChannelCredentials | None = None):
+    """One prefill rank's engine info from its daemon's peer service, ``reader`` introduced as a reader of ``local``'s TP.
+
+    ``credentials``: a client certificate when the daemons run mutual TLS.
+    """
+    channel = (grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", "kvxferd-peer")])
+               if credentials is not None else grpc.insecure_channel(address))
+    with channel:
         reply = pb_grpc.PeerServiceStub(channel).GetEngineInfo(
-            pb.EngineInfoRequest(engine_id=remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=tp_rank),
+            pb.EngineInfoRequest(engine_id=remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=tp_rank,
+                                 reader_engine_id=reader.name, reader_tp_rank=local.tp_rank,
+                                 reader_tp_size=local.tp_size, reader_agent_metadata=reader.metadata()),
             timeout=30)
     return decode_info(reply, local)
 
@@ -69,11 +77,13 @@ class RawReader:
     Descriptor lists are prepared per request before the clock starts.
     """
 
-    def __init__(self, local: EngineCache, remote_engine_id: str, peer_addresses: list[str], agent_name: str) -> None:
-        infos = [fetch_peer_info(a, remote_engine_id, q, local) for q, a in enumerate(peer_addresses)]
+    def __init__(self, local: EngineCache, remote_engine_id: str, peer_addresses: list[str], agent_name: str,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.local = local
         self.agent = NixlAgent(agent_name)
         self.agent.register(local)
+        infos = [fetch_peer_info(a, remote_engine_id, q, local, self.agent, credentials)
+                 for q, a in enumerate(peer_addresses)]
         self.remote_names = [self.agent.add_remote(info.agent_metadata) for info in infos]
         self.plan = EngineTransferPlan(local, [info.cache for info in infos])
         self._rank_plans = {rank_plan.remote_rank: rank_plan for rank_plan in self.plan.rank_plans}

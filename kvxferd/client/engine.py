@@ -4,6 +4,11 @@ Errors come back as :class:`grpc.RpcError` with the daemon's status code and
 a message naming the bad field. Completions arrive on a background stream
 and wait in :meth:`EngineClient.wait_completion`; heartbeats keep the
 registration alive while the client lives.
+
+``Register`` returns a session; the client sends it with every later call
+(metadata ``kvxferd-session``), so no other local process can act as this
+engine. Registering again from the same client replaces the registration;
+another client gets ALREADY_EXISTS while this one is alive.
 """
 
 from __future__ import annotations
@@ -19,17 +24,48 @@ from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.service.wire import ids_to_pb
 
 
+SESSION_KEY = "kvxferd-session"
+
+
+class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the engine's session (and the engine_tcp bearer token) to every call."""
+
+    def __init__(self, client: "EngineClient") -> None:
+        self.client = client
+
+    def _details(self, details):
+        extra = [(SESSION_KEY, self.client.session)] if self.client.session else []
+        if self.client.token:
+            extra.append(("authorization", f"Bearer {self.client.token}"))
+        if not extra:
+            return details
+        return details._replace(metadata=[*(details.metadata or ()), *extra])
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
 class EngineClient:
     """One engine rank's connection to its local daemon."""
 
-    def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20,
+                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None) -> None:
+        """``target``: ``unix:PATH`` (the default daemon socket) or, with ``credentials`` (TLS) and
+        ``token``, the daemon's ``engine_tcp`` address."""
         self.target = target
         self.timeout_s = timeout_s
+        self.session, self.token = "", token
         options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
+                   else grpc.insecure_channel(target, options=options))
+        self._channel = grpc.intercept_channel(channel, _CallMetadata(self))
+        self._raw_channel = channel
         self.stub = pb_grpc.EngineServiceStub(self._channel)
         self.engine_id: str | None = None
-        self.incarnation = self.notify_address = ""
+        self.incarnation = self.notify_address = self.notify_curve_server_key = ""
         self.notify_last_seq = 0
         self._completions: dict[str, tuple[pb.Completion, float]] = {}
         self._cond = threading.Condition()
@@ -40,15 +76,17 @@ class EngineClient:
 
     # ---- registration -------------------------------------------------------------
     def register(self, engine: pb.EngineRank, *, lease_s: float = 0.0, heartbeat_s: float | None = None,
-                 fd_token: str = "") -> pb.RegisterReply:
+                 fd_token: str = "", allowed_reader_engine_ids: Sequence[str] = ()) -> pb.RegisterReply:
         """Register this rank, then heartbeat every ``heartbeat_s`` (lease / 3) and watch completions.
 
         Call it again to re-register (e.g. after the daemon restarted): the
         completion stream is opened anew and a :class:`NotifySubscriber` of
         this client follows the new registration's event sequence.
         """
-        reply = self.stub.Register(pb.RegisterRequest(engine=engine, lease_s=lease_s, fd_token=fd_token),
+        reply = self.stub.Register(pb.RegisterRequest(engine=engine, lease_s=lease_s, fd_token=fd_token,
+                                                      allowed_reader_engine_ids=list(allowed_reader_engine_ids)),
                                    timeout=self.timeout_s)
+        self.session, self.notify_curve_server_key = reply.session, reply.notify_curve_server_key
         first = self.engine_id is None
         if self._stream is not None:
             self._stream.cancel()
@@ -95,7 +133,7 @@ class EngineClient:
         self._stop.set()
         if self._stream is not None:
             self._stream.cancel()
-        self._channel.close()
+        self._raw_channel.close()
 
     # ---- reads ----------------------------------------------------------------------
     def handshake(self, remote_engine_id: str, peer_addresses: Sequence[str]) -> pb.HandshakeReply:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 READY = re.compile(r"^kvxferd ready: (.*)$")
 
@@ -17,10 +18,13 @@ class DaemonProcess:
     """A daemon child process; ``addresses`` has engine, peer, notify, metrics."""
 
     def __init__(self, daemon_id: str, *, socket_dir: str | None = None, extra_args: tuple[str, ...] = (),
-                 ready_timeout_s: float = 60.0, env: dict | None = None, wait: bool = True) -> None:
+                 ready_timeout_s: float = 60.0, env: dict | None = None, wait: bool = True,
+                 default_socket: bool = False) -> None:
+        """``default_socket``: let the daemon pick its engine socket (its private runtime directory)."""
         self.daemon_id = daemon_id
         self.socket = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.sock")
-        self.args = [sys.executable, "-m", "kvxferd", "serve", "--daemon-id", daemon_id, "--engine-socket", self.socket,
+        socket_args = () if default_socket else ("--engine-socket", self.socket)
+        self.args = [sys.executable, "-m", "kvxferd", "serve", "--daemon-id", daemon_id, *socket_args,
                      "--peer-port", "0", "--notify-port", "0", "--metrics-port", "0", *extra_args]
         self.log_path = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.log")
         self._log = open(self.log_path, "ab")
@@ -47,6 +51,7 @@ class DaemonProcess:
     def wait_ready(self) -> dict[str, str]:
         """Block until the ready line; raises with the log tail if the daemon died."""
         self.addresses = self._wait_ready(self.ready_timeout_s)
+        self.socket = self.addresses["engine"].removeprefix("unix:")
         return self.addresses
 
     def _wait_ready(self, timeout_s: float) -> dict[str, str]:
@@ -59,6 +64,14 @@ class DaemonProcess:
                 return dict(part.split("=", 1) for part in match.group(1).split())
         self.kill()
         raise RuntimeError(f"daemon {self.daemon_id} did not start (exit {self.process.poll()}); log: {self.tail()}")
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample of this daemon's Prometheus metrics (``labels`` as exported, e.g. ``kind="uid"``); 0 if absent."""
+        text = urllib.request.urlopen(self.addresses["metrics"], timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith(f"{name} " if not labels else f"{name}{{{labels}}} ") or line.startswith(name + "{} "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     @property
     def engine_target(self) -> str:

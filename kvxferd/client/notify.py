@@ -35,9 +35,13 @@ TERMINAL = (pb.NotifyEvent.CONSUMED, pb.NotifyEvent.EXPIRED)
 class NotifySubscriber:
     """Events of ``client``'s engine, in order, each exactly once."""
 
-    def __init__(self, client: EngineClient, *, catch_up_s: float = 0.2) -> None:
+    def __init__(self, client: EngineClient, *, catch_up_s: float = 0.2,
+                 curve_keys: tuple[str, str] | None = None) -> None:
+        """``curve_keys``: this subscriber's Z85 ``(public, secret)`` key pair, for a bus that uses CURVE
+        (the daemon's server key comes with the registration)."""
         self.client = client
         self.catch_up_s = catch_up_s
+        self.curve_keys = curve_keys
         self._socket = None
         self._connect()
         self.last_seq = client.notify_last_seq
@@ -52,6 +56,13 @@ class NotifySubscriber:
             self._socket.close(linger=0)
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
+        server_key = getattr(self.client, "notify_curve_server_key", "")
+        if server_key:
+            if self.curve_keys is None:
+                raise ValueError("the notify bus uses CURVE: pass curve_keys=(public, secret) of an allowed client key")
+            self._socket.setsockopt(zmq.CURVE_SERVERKEY, server_key.encode())
+            self._socket.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_keys[0].encode())
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, self.curve_keys[1].encode())
         self._socket.setsockopt(zmq.SUBSCRIBE, topic(self.client.engine_id))
         self._socket.connect(self.client.notify_address)
         self._address = self.client.notify_address

@@ -26,6 +26,7 @@ from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK
 from kvxferd.plan.descriptors import MAX_DESCRIPTOR_ID, DescriptorPair, SideDescriptors, count_merged
 from kvxferd.plan.groups import EngineCache, GroupPairing, check_groups_compatible
 from kvxferd.plan.reads import plan_region_reads
+from kvxferd.tp.reads import TpPairing
 
 
 
@@ -201,6 +202,22 @@ class EngineTransferPlan:
             remote.append(table.remote.addresses(remote_units))
             lengths.append(np.full(len(local[-1]), table.local.span_bytes, dtype=np.int64))
         return count_merged(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
+
+
+def expected_readers(holder: EngineCache, reader_tp_size: int) -> int:
+    """How many ranks of a reader engine with ``reader_tp_size`` ranks notify rank ``holder.tp_rank`` per request.
+
+    The holder computes this from what it knows itself (its own layout, and
+    the reader's TP size from the reader's authenticated introduction), so a
+    notice cannot shrink the count and free blocks before every reader read
+    them. It equals :attr:`EngineTransferPlan.expected_notifiers` of every
+    reader rank's plan (the same union over groups of the TP notify sets).
+    """
+    notify = np.zeros((reader_tp_size, holder.tp_size), dtype=bool)
+    for g in range(len(holder.groups)):
+        extents = tuple(f.global_extent for f in holder.region(g).fields)
+        notify |= TpPairing(reader_tp_size, holder.tp_size, extents).notify_matrix
+    return int(notify[:, holder.tp_rank].sum())
 
 
 def _check_remotes(remotes: Sequence[EngineCache]) -> None:

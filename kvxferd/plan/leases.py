@@ -86,15 +86,22 @@ class HoldTable:
             raise NotFoundError("request_id", f"request {request_id!r} is not held")
         return HoldEnd(request_id, EXPIRED, entry.block_ids, "released")
 
-    def record(self, notice: ReadNotice, now: float) -> NoticeOutcome:
-        """Count one reader; says whether the hold was alive when the notice came."""
+    def record(self, notice: ReadNotice, now: float, expected_readers: int | None = None) -> NoticeOutcome:
+        """Count one reader; says whether the hold was alive when the notice came.
+
+        ``expected_readers`` is the holder's own count for this reader
+        engine; a notice announcing another count is refused (a reader
+        must not be able to end a hold early). Without it the notice's
+        count is taken, and later notices must agree with the first.
+        """
         entry = self._holds.get(notice.request_id)
         if entry is None or entry.expires_s <= now:
             return NoticeOutcome(alive=False)
-        if entry.expected is not None and entry.expected != notice.expected_readers:
+        expected = entry.expected if expected_readers is None else expected_readers
+        if expected is not None and expected != notice.expected_readers:
             raise InvalidArgumentError("notification.expected_readers",
                                        f"request {notice.request_id!r}: {notice.expected_readers} readers announced, "
-                                       f"earlier {entry.expected}")
+                                       f"the holder expects {expected}")
         entry.expected = notice.expected_readers
         reader = (notice.reader_engine_id, notice.reader_rank)
         first = reader not in entry.readers

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import pathlib
 from typing import Any
 
@@ -32,8 +33,34 @@ class DaemonConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVXFERD_", extra="forbid", validate_default=True, allow_inf_nan=False)
 
     daemon_id: str = Field("kvxferd", description="name of this daemon in logs and NIXL agent names")
-    engine_socket: str = Field("/tmp/kvxferd-engine.sock", description="UNIX socket of the engine-facing gRPC service")
-    engine_tcp: str | None = Field(None, description="optional host:port for the engine service over TCP")
+    runtime_dir: str | None = Field(None, description="private directory of the daemon's sockets (default: "
+                                    "$XDG_RUNTIME_DIR/kvxferd, /run/kvxferd when writable, else /tmp/kvxferd-<uid>)")
+    engine_socket: str | None = Field(None, description="UNIX socket of the engine-facing gRPC service "
+                                      "(default: <runtime_dir>/<daemon_id>.sock)")
+    engine_socket_group: str | None = Field(None, description="group (name or gid) that may use the engine and fd "
+                                            "sockets too (mode 0660); default: only the daemon's user (0600)")
+    allowed_uids: list[int] = Field([], description="more uids the fd socket accepts (SO_PEERCRED), comma-separated; "
+                                    "the daemon's own uid and root always may")
+    engine_tcp: str | None = Field(None, description="optional host:port for the engine service over TCP "
+                                   "(needs tls_cert, tls_key and engine_token_file)")
+    engine_token_file: str | None = Field(None, description="file holding the bearer token engines present over engine_tcp")
+    tls_cert: str | None = Field(None, description="PEM certificate of this daemon: turns on mutual TLS on the peer "
+                                 "port (reloaded when the file changes)")
+    tls_key: str | None = Field(None, description="PEM private key of tls_cert")
+    tls_ca: str | None = Field(None, description="PEM CA bundle that peers' certificates must chain to")
+    peer_allowed_ids: list[str] = Field([], description="peer identities allowed on the peer port (certificate SANs "
+                                        "such as spiffe://... or DNS names, or CN=...; shell wildcards), comma-separated")
+    peer_server_name: str = Field("kvxferd-peer", description="DNS name every peer's certificate carries; checked "
+                                  "when this daemon dials a peer")
+    notify_curve_secret_key: str | None = Field(None, description="Z85 CURVE secret key of the notify bus: turns on "
+                                                "CURVE encryption and client authentication")
+    notify_client_keys: list[str] = Field([], description="Z85 CURVE public keys of subscribers allowed on the "
+                                          "notify bus, comma-separated")
+    insecure: bool = Field(False, description="allow peer port, notify bus or engine TCP on non-loopback addresses "
+                           "without TLS/CURVE (development only; warns and sets kvxferd_insecure_listeners)")
+    reflection: bool | None = Field(None, description="gRPC server reflection (default: on without TLS, off with TLS)")
+    ucx_net_devices: str | None = Field(None, description="UCX network devices NIXL may use (UCX_NET_DEVICES); "
+                                        "default: the interface of the advertised peer address ('lo' for loopback)")
     peer_host: str = Field("127.0.0.1", description="listen host of the peer service (daemon to daemon)")
     peer_port: int = Field(47100, ge=0, le=65535, description="listen port of the peer service; 0 picks a free port")
     advertise_host: str | None = Field(None, description="address peers use to reach this daemon (required with a wildcard peer_host)")
@@ -45,6 +72,14 @@ class DaemonConfig(BaseSettings):
     deadline_s: float = Field(30.0, gt=0, description="default deadline of a read (s)")
     max_lease_s: float = Field(600.0, gt=0, description="longest lease an engine or peer may ask for (holds, registrations, renewals) (s)")
     max_deadline_s: float = Field(600.0, gt=0, description="longest read deadline an engine may ask for (s)")
+    max_engines: int = Field(64, ge=1, description="engine ranks registered on this daemon at once")
+    max_holds_per_engine: int = Field(100_000, ge=1, description="requests one engine rank may hold at once")
+    max_registered_bytes: int = Field(1 << 40, ge=1, description="bytes of engine memory registered on this daemon in all")
+    max_readers_per_engine: int = Field(1024, ge=1, description="reader agents introduced to one engine rank at once")
+    max_concurrent_streams: int = Field(256, ge=1, description="concurrent gRPC calls per connection")
+    max_fds_per_token: int = Field(1024, ge=1, le=4096, description="file descriptors one fd-socket message may carry")
+    max_fd_tokens: int = Field(256, ge=1, description="fd-socket deliveries waiting for their Register at once")
+    fd_recv_timeout_s: float = Field(2.0, gt=0, le=60, description="how long the fd socket waits for a client's message (s)")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish (s)")
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, description="largest gRPC message accepted (bytes)")
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
@@ -53,6 +88,13 @@ class DaemonConfig(BaseSettings):
     poll_interval_s: float = Field(500e-6, gt=0, le=0.1, description="longest sleep of the data-plane thread between NIXL polls (s)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
+
+    @field_validator("allowed_uids", "peer_allowed_ids", "notify_client_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        if isinstance(value, str):  # a flag or a plain environment value
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("log_level")
     @classmethod
@@ -82,6 +124,33 @@ class DaemonConfig(BaseSettings):
                              "address peers should use (e.g. the pod IP)")
         return self
 
+    @model_validator(mode="after")
+    def _complete_security_settings(self) -> "DaemonConfig":
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(tls) and not all(tls):
+            raise ValueError("tls_cert, tls_key and tls_ca go together: set all three or none")
+        if all(tls) and not self.peer_allowed_ids:
+            raise ValueError("peer_allowed_ids: with TLS on, name the peer identities allowed on the peer port")
+        if self.engine_tcp and not (all(tls) and self.engine_token_file):
+            raise ValueError("engine_tcp needs tls_cert, tls_key, tls_ca and engine_token_file (TLS and a token)")
+        if self.notify_client_keys and not self.notify_curve_secret_key:
+            raise ValueError("notify_client_keys need notify_curve_secret_key")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Mutual TLS on the peer port (and TLS on engine_tcp)."""
+        return self.tls_cert is not None
+
+    @property
+    def socket_dir(self) -> str:
+        """The directory of the engine socket (the daemon's private one unless engine_socket says otherwise)."""
+        return os.path.dirname(self.engine_socket_path)
+
+    @property
+    def engine_socket_path(self) -> str:
+        return self.engine_socket or default_engine_socket(self.daemon_id, self.runtime_dir)
+
     @property
     def peer_address(self) -> str:
         """What peers dial (host:port); the port is the configured one."""
@@ -91,6 +160,27 @@ class DaemonConfig(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
         return init_settings, env_settings, _FileSource(settings_cls)
+
+
+def default_runtime_dir() -> str:
+    """Where a daemon keeps its sockets unless told: a directory only its user may enter.
+
+    ``$XDG_RUNTIME_DIR/kvxferd`` (per user, 0700 by systemd), else
+    ``/run/kvxferd`` when ``/run`` or it is writable (a container), else
+    ``/tmp/kvxferd-<uid>``, which the daemon creates 0700 and refuses to use
+    if someone else owns it.
+    """
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "kvxferd")
+    if os.access("/run/kvxferd", os.W_OK) or (not os.path.exists("/run/kvxferd") and os.access("/run", os.W_OK)):
+        return "/run/kvxferd"
+    return f"/tmp/kvxferd-{os.getuid()}"
+
+
+def default_engine_socket(daemon_id: str = "kvxferd", runtime_dir: str | None = None) -> str:
+    """The engine socket of ``kvxferd serve --daemon-id DAEMON_ID`` with no ``--engine-socket``."""
+    return os.path.join(runtime_dir or default_runtime_dir(), f"{daemon_id}.sock")
 
 
 def _is_ipv6(host: str) -> bool:
@@ -143,9 +233,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per schema field (``--peer-port``), help and default from the schema."""
     parser.add_argument("--config", metavar="FILE", help="TOML or YAML file with any of the options below")
     for name, field in DaemonConfig.model_fields.items():
+        flag, text = f"--{name.replace('_', '-')}", f"{field.description} (default: {field.default}; env KVXFERD_{name.upper()})"
+        if field.annotation in (bool, bool | None):
+            parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=text)
+            continue
         kind = {int: int, float: float}.get(field.annotation, str)
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
-                            help=f"{field.description} (default: {field.default}; env KVXFERD_{name.upper()})")
+        parser.add_argument(flag, dest=name, type=kind, default=None, help=text)
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:

@@ -2,9 +2,12 @@
 
 ::
 
-    start:  data-plane thread ─► notify bus (ZMQ PUB) ─► metrics (HTTP)
-            ─► engine service (UNIX socket [+ TCP]) + peer service (TCP),
-               both with grpc.health.v1 and reflection
+    check:  listeners reachable from other hosts must authenticate (else exit 2,
+            unless --insecure); UCX_NET_DEVICES from the advertised address
+    start:  data-plane thread ─► notify bus (ZMQ XPUB[, CURVE]) ─► metrics (HTTP)
+            ─► engine service (UNIX socket 0600 [+ TCP with TLS and a token])
+               + peer service (TCP, mutual TLS when configured),
+               both with grpc.health.v1 (and reflection unless TLS)
             ─► prints one "kvxferd ready: ..." line with every address
     run:    maintenance every tick: heartbeats, lease expiry; lease renewal
             for reads that wait; peer probes for restarted remotes
@@ -30,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvxferd.errors import KvxferError
+from kvxferd.errors import InvalidArgumentError, KvxferError, PermissionDeniedError
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -38,11 +41,14 @@ from kvxferd.service.bus import NotifyBus
 from kvxferd.service.config import DaemonConfig
 from kvxferd.service.dataplane import DaemonRead, DataPlane, ReadDone, error_result
 from kvxferd.service.engines import Registry
+from kvxferd.service.exposure import insecure_listeners, refusal, ucx_net_devices
 from kvxferd.service.fdpass import FdInbox, fd_socket_path
+from kvxferd.service.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.peers import Peers, RemoteLink
 from kvxferd.service.servicers import EngineServicer, PeerServicer
 from kvxferd.service.slots import EngineSlot
+from kvxferd.service.tls import TlsFiles
 from kvxferd.service.wire import ids_to_pb
 
 log = logging.getLogger("kvxferd.daemon")
@@ -61,10 +67,16 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
+        self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca) if config.tls else None
+        if self.tls is not None:
+            self.tls.on_reload = self.metrics.tls_reloads.inc
+        self.engine_token = _read_token(config.engine_token_file) if config.engine_token_file else None
+        self.socket_path = config.engine_socket_path
         self.dataplane = DataPlane(self._read_done_threadsafe, self._hold_event_threadsafe,
                                    interval_s=config.poll_interval_s, metrics=self.metrics)
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
-                           max_message_bytes=config.max_message_bytes)
+                           max_message_bytes=config.max_message_bytes, tls=self.tls,
+                           server_name=config.peer_server_name)
         self.bus: NotifyBus | None = None
         self.registry: Registry | None = None
         self.addresses: dict[str, str] = {}
@@ -83,37 +95,55 @@ class Daemon:
         config = self.config
         self._loop = asyncio.get_running_loop()
         try:
-            _claim_unix_socket(config.engine_socket)  # first: never touch a live daemon's files
+            gid = group_id(config.engine_socket_group)
+            if config.engine_socket is None:  # the default directory is ours alone
+                prepare_private_dir(os.path.dirname(self.socket_path), gid)
+            _claim_unix_socket(self.socket_path)  # first: never touch a live daemon's files
             self._owns_socket = True
             self.dataplane.start()
-            self.bus = NotifyBus(config.notify_host, config.notify_port, history=config.event_history)
-            self._fd_inbox = FdInbox(fd_socket_path(config.engine_socket))
+            self.bus = NotifyBus(config.notify_host, config.notify_port, history=config.event_history,
+                                 curve_secret_key=config.notify_curve_secret_key, client_keys=config.notify_client_keys,
+                                 loop=self._loop)
+            with socket_umask(gid):
+                self._fd_inbox = FdInbox(fd_socket_path(self.socket_path), allowed_uids=frozenset(config.allowed_uids),
+                                         group=gid, max_fds=config.max_fds_per_token, max_tokens=config.max_fd_tokens,
+                                         recv_timeout_s=config.fd_recv_timeout_s,
+                                         on_refused=lambda reason: self.metrics.fd_socket_refused.labels(reason).inc())
+            restrict_socket(self._fd_inbox.path, gid)
             self.registry = Registry(self.dataplane, self.publish, daemon_id=config.daemon_id,
                                      default_lease_s=config.lease_s, max_lease_s=config.max_lease_s,
-                                     fd_inbox=self._fd_inbox)
+                                     fd_inbox=self._fd_inbox, max_engines=config.max_engines,
+                                     max_registered_bytes=config.max_registered_bytes)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
+            self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
             engine_server, peer_server = self._new_server(), self._new_server()
             pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
             pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
-            _bind(engine_server, f"unix:{config.engine_socket}")
-            if config.engine_tcp:
-                _bind(engine_server, config.engine_tcp)
-            peer_port = _bind(peer_server, f"{_host(config.peer_host)}:{config.peer_port}")
+            with socket_umask(gid):
+                _bind(engine_server, f"unix:{self.socket_path}")
+            restrict_socket(self.socket_path, gid)
+            if config.engine_tcp:  # TLS (server side) plus the bearer token checked per call
+                _bind(engine_server, config.engine_tcp, _engine_tls(self.tls))
+            peer_credentials = self.tls.server_credentials() if self.tls is not None else None
+            peer_port = _bind(peer_server, f"{_host(config.peer_host)}:{config.peer_port}", peer_credentials)
             for server in (engine_server, peer_server):
                 await server.start()
                 self._servers.append(server)
         except StartupError:
             await self._stop_parts()
             raise
+        except (InvalidArgumentError, PermissionDeniedError) as err:  # a group, a directory we may not use
+            await self._stop_parts()
+            raise StartupError(str(err)) from None
         except Exception as err:  # zmq address in use, NIXL missing, ...
             await self._stop_parts()
             raise StartupError(f"{type(err).__name__}: {err}") from err
         for service in (*SERVICES, ""):
             await _set_health(self._health, service, health_pb2.HealthCheckResponse.SERVING)
         host = config.advertise_host or config.peer_host
-        self.addresses = {"engine": f"unix:{config.engine_socket}", "peer": f"{_host(host)}:{peer_port}",
+        self.addresses = {"engine": f"unix:{self.socket_path}", "peer": f"{_host(host)}:{peer_port}",
                           "notify": self.bus.address, "metrics": f"http://{_host(config.metrics_host)}:{metrics_port}/metrics"}
         if config.engine_tcp:
             self.addresses["engine_tcp"] = config.engine_tcp
@@ -122,11 +152,14 @@ class Daemon:
         return self.addresses
 
     def _new_server(self) -> grpc.aio.Server:
-        options = [("grpc.max_receive_message_length", self.config.max_message_bytes),
-                   ("grpc.max_send_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)]
+        config = self.config
+        options = [("grpc.max_receive_message_length", config.max_message_bytes),
+                   ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0),
+                   ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
         server = grpc.aio.server(options=options)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if config.reflection if config.reflection is not None else not config.tls:
+            reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         return server
 
     # ---- work handed between threads ------------------------------------------------
@@ -270,8 +303,8 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        if self._owns_socket and os.path.exists(self.config.engine_socket):
-            os.unlink(self.config.engine_socket)
+        if self._owns_socket and os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
 
 
 async def _set_health(servicer, service: str, status) -> None:
@@ -284,9 +317,26 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _bind(server: grpc.aio.Server, address: str) -> int:
+def _read_token(path: str) -> str:
     try:
-        port = server.add_insecure_port(address)
+        token = open(path, encoding="utf-8").read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise StartupError(f"engine_token_file: {err}") from None
+    if len(token) < 16:
+        raise StartupError("engine_token_file: the token must have at least 16 characters")
+    return token
+
+
+def _engine_tls(tls: TlsFiles) -> grpc.ServerCredentials:
+    """TLS for engine_tcp: the daemon's certificate; engines authenticate with the bearer token."""
+    material = tls.current()
+    return grpc.ssl_server_credentials([(material.key, material.cert)])
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
     except RuntimeError as err:
         raise StartupError(f"cannot listen on {address}: {err}") from None
     if port == 0 and not address.startswith("unix:"):
@@ -314,10 +364,21 @@ async def serve(config: DaemonConfig) -> int:
     # The event loop and the data-plane thread hand work to each other all the
     # time; the default 5 ms GIL switch interval would add up to that to a hand-off.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    daemon = Daemon(config)
+    reason = refusal(config)
+    if reason is not None:
+        log.error("refusing to start", extra={"error": reason})
+        print(f"kvxferd: refusing to start: {reason}", flush=True)
+        return EXIT_CONFIG
+    exposed = insecure_listeners(config)
+    if exposed:
+        log.warning("INSECURE: listeners reachable from other hosts without authentication (--insecure)",
+                    extra={"listeners": ",".join(exposed)})
     try:
+        # Before the first NIXL agent: UCX reads its configuration when an agent is created.
+        os.environ["UCX_NET_DEVICES"] = ucx_net_devices(config)
+        daemon = Daemon(config)
         addresses = await daemon.start()
-    except StartupError as err:
+    except (InvalidArgumentError, StartupError) as err:
         log.error("start-up failed", extra={"error": str(err)})
         print(f"kvxferd: start-up failed: {err}", flush=True)
         return EXIT_STARTUP

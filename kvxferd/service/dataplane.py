@@ -8,7 +8,8 @@ from the event loop on the hot path and never busy-spins::
     SubmitRead: validate, plan ──► post (make_prepped_xfer + transfer per rank)
                                    poll states (sleep 20 µs doubling to interval_s)
                                    poll notices of every agent:
-                                     reader notice -> hold table -> ack to the reader
+                                     reader notice -> from the agent that reader introduced?
+                                       no: dropped, counted; yes: hold table -> ack to the reader
                                      holder ack    -> the waiting read
     completion queue  ◄─────────── read done: transfer finished AND every rank
     notify bus        ◄─────────── read from acked "alive" (else FAILED, stale)
@@ -90,6 +91,7 @@ class DataPlane:
         self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
         self.num_bad_notices = self.num_stray_acks = self.num_ack_errors = self.num_poll_errors = 0
         self.num_stale_notices = 0  # reader notices that found no live hold (prefill side)
+        self.num_foreign_notices = 0  # notices from agents not introduced for that reader (dropped)
         self._num_submitted = self._num_done = 0  # written by the loop / by this thread only
 
     # ---- API (any thread) -----------------------------------------------------
@@ -257,9 +259,17 @@ class DataPlane:
         except InvalidArgumentError:
             self.num_bad_notices += 1
             return
+        reader = slot.readers.get((notice.reader_engine_id, notice.reader_rank))
+        if reader is None or reader.agent_name != sender:
+            # Not from the agent that reader introduced over the authenticated peer port:
+            # dropped unanswered, so a forged notice can neither end a hold nor learn anything.
+            self.num_foreign_notices += 1
+            if self._metrics is not None:
+                self._metrics.notices_dropped.inc()
+            return
         try:
             with slot.lock:
-                outcome = slot.holds.record(notice, time.monotonic())
+                outcome = slot.holds.record(notice, time.monotonic(), reader.expected_readers)
         except InvalidArgumentError as err:
             self.num_bad_notices += 1
             log.warning("inconsistent notice", extra={"engine_id": slot.engine_id, "error": str(err)})

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, UnavailableError
+from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, NotFoundError,
+                            ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import DataPlane
@@ -41,8 +44,11 @@ class Registry:
     """The engine slots of one daemon (event-loop side)."""
 
     def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, str, HoldEnd], None], *,
-                 daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None) -> None:
+                 daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
+                 max_engines: int = 64, max_registered_bytes: int = 1 << 40) -> None:
         self.dataplane = dataplane
+        self.max_engines = max_engines
+        self.max_registered_bytes = max_registered_bytes
         self.publish = publish
         self.daemon_id = daemon_id
         self.default_lease_s = default_lease_s
@@ -53,11 +59,32 @@ class Registry:
         self.accepting = True
 
     def slot(self, engine_id: str) -> EngineSlot:
-        """The live registration of ``engine_id``."""
+        """The live registration of ``engine_id`` (for peers: no session involved)."""
         slot = self.slots.get(engine_id)
         if slot is None or slot.closing:
             raise NotFoundError("engine_id", f"no engine {engine_id!r} is registered on this daemon")
         return slot
+
+    def session_slot(self, engine_id: str, session: str) -> EngineSlot:
+        """The registration of ``engine_id``, for the engine holding its session only."""
+        slot = self.slot(engine_id)
+        if not hmac.compare_digest(slot.session.encode(), session.encode()):
+            raise UnauthenticatedError("engine_id", f"no valid session for engine {engine_id!r}: send the session "
+                                                    "its Register returned as kvxferd-session metadata")
+        return slot
+
+    def _check_replace(self, engine_id: str, session: str) -> None:
+        """A live registration is replaced only by its own session (or once its lease ran out)."""
+        old = self.slots.get(engine_id)
+        if old is None or old.closing or old.lease_expires_s <= time.monotonic():
+            if sum(not s.closing for s in self.slots.values()) >= self.max_engines and old is None:
+                raise ResourceExhaustedError("max_engines", f"{self.max_engines} engine ranks are registered already")
+            return
+        if not (session and hmac.compare_digest(old.session.encode(), session.encode())):
+            left_s = old.lease_expires_s - time.monotonic()
+            raise AlreadyExistsError("engine.engine_id", f"engine {engine_id!r} is registered and alive; register "
+                                                         f"with its session, deregister it, or wait for its lease "
+                                                         f"({left_s:.1f} s)")
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, engine_id: str):
@@ -75,11 +102,14 @@ class Registry:
             else:
                 self._locks[engine_id] = (lock, users - 1)
 
-    async def register(self, message: pb.RegisterRequest) -> EngineSlot:
-        """Map, register and publish one engine rank; replaces a previous registration of the same id.
+    async def register(self, message: pb.RegisterRequest, session: str = "") -> EngineSlot:
+        """Map, register and publish one engine rank, with a new session.
 
-        Concurrent calls for one engine id run one after another, so each
-        replaced registration is taken down (nothing stays mapped).
+        A previous registration of the same id is replaced only when
+        ``session`` is its session, or its lease ran out; otherwise
+        ALREADY_EXISTS. Concurrent calls for one engine id run one after
+        another, so each replaced registration is taken down (nothing stays
+        mapped).
         """
         if not self.accepting:
             raise UnavailableError("engine", "the daemon is shutting down")
@@ -88,17 +118,34 @@ class Registry:
         lease_s = check_seconds(message.lease_s, "lease_s", default_s=self.default_lease_s, max_s=self.max_lease_s)
         # Shielded: a caller that gives up mid-way must not leave memory mapped
         # and registered with nobody owning it (the registration then expires).
-        attempt = asyncio.ensure_future(self._register_exclusive(message, lease_s))
+        for i, reader in enumerate(message.allowed_reader_engine_ids):
+            check_id(reader, f"allowed_reader_engine_ids[{i}]")
+        attempt = asyncio.ensure_future(self._register_exclusive(message, lease_s, session))
         attempt.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen even if the caller left
         return await asyncio.shield(attempt)
 
-    async def _register_exclusive(self, message: pb.RegisterRequest, lease_s: float) -> EngineSlot:
+    async def _register_exclusive(self, message: pb.RegisterRequest, lease_s: float, session: str) -> EngineSlot:
+        groups = groups_from_pb(message.engine)  # a malformed message is refused as such, whoever is registered
         async with self._exclusive(message.engine.engine_id):
-            return await self._register(message, lease_s)
+            self._check_replace(message.engine.engine_id, session)
+            return await self._register(message, groups, lease_s)
 
-    async def _register(self, message: pb.RegisterRequest, lease_s: float) -> EngineSlot:
+    def _check_bytes(self, engine: pb.EngineRank, groups) -> int:
+        """Bytes this registration adds; refused past ``max_registered_bytes`` (a replaced one's bytes count as freed)."""
+        num_bytes = 0
+        for group_pb, group in zip(engine.groups, groups):
+            need = group.spec.region(engine.tp_size or 1, engine.tp_rank).num_bytes
+            num_bytes += sum(max(region.num_bytes, need) for region in group_pb.regions)
+        old = self.slots.get(engine.engine_id)
+        in_use = sum(s.num_bytes for s in self.slots.values() if s is not old)
+        if in_use + num_bytes > self.max_registered_bytes:
+            raise ResourceExhaustedError("max_registered_bytes", f"{num_bytes} more bytes would exceed the limit of "
+                                                                 f"{self.max_registered_bytes} ({in_use} in use)")
+        return num_bytes
+
+    async def _register(self, message: pb.RegisterRequest, groups, lease_s: float) -> EngineSlot:
         engine = message.engine
-        groups = groups_from_pb(engine)
+        num_bytes = self._check_bytes(engine, groups)
         fds = self.fd_inbox.take(message.fd_token) if message.fd_token and self.fd_inbox else []
         mapped = []
         try:
@@ -110,6 +157,8 @@ class Registry:
                 await self._deregister(old, "engine re-registered")
             incarnation = uuid.uuid4().hex
             slot = await asyncio.to_thread(self._new_slot, cache, incarnation, mapped, lease_s)
+            slot.num_bytes, slot.session = num_bytes, secrets.token_urlsafe(32)
+            slot.allowed_readers = frozenset(message.allowed_reader_engine_ids)
         except BaseException:
             for mapping in mapped:
                 mapping.close()

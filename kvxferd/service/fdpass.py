@@ -1,21 +1,31 @@
-"""Pass file descriptors (CUDA VMM shareable handles) from an engine to its daemon.
+"""Pass file descriptors (shared-memory and CUDA VMM handles) from an engine to its daemon.
 
 gRPC cannot carry fds, so an engine sends them first over a plain UNIX
 socket next to the engine socket (``<engine_socket>.fds``) with
 ``SCM_RIGHTS``, tagged with a token it chose; its ``Register`` then names
-the token and each region's ``cuda_vmm_fd_index``. Unclaimed fds are
-closed after ``ttl_s``.
+the token and each region's ``*_fd_index``. Unclaimed fds are closed after
+``ttl_s``.
+
+The socket is a listener like any other: each connection must come from
+an allowed uid (``SO_PEERCRED``), send its one message within
+``recv_timeout_s`` (a silent client delays others by at most that), carry
+at most ``max_fds`` fds and a printable token; at most ``max_tokens``
+deliveries wait at once. A client that vanishes mid-way costs nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from kvxferd.errors import InvalidArgumentError
+from kvxferd.service.localsock import credentials_allowed, peer_credentials
 
+log = logging.getLogger("kvxferd.fdpass")
 MAX_FDS = 4096
 MAX_TOKEN_BYTES = 256
 
@@ -25,18 +35,22 @@ def fd_socket_path(engine_socket: str) -> str:
 
 
 class FdInbox:
-    """A thread accepting ``(token, fds)`` messages."""
+    """A thread accepting ``(token, fds)`` messages from allowed local users."""
 
-    def __init__(self, path: str, *, ttl_s: float = 60.0) -> None:
+    def __init__(self, path: str, *, ttl_s: float = 60.0, allowed_uids: frozenset[int] = frozenset(),
+                 group: int | None = None, max_fds: int = MAX_FDS, max_tokens: int = 256, recv_timeout_s: float = 2.0,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.ttl_s = ttl_s
+        self.allowed_uids, self.group = allowed_uids, group
+        self.max_fds, self.max_tokens, self.recv_timeout_s = max_fds, max_tokens, recv_timeout_s
+        self.on_refused = on_refused or (lambda reason: None)
         self._lock = threading.Lock()
         self._fds: dict[str, tuple[float, list[int]]] = {}
         if os.path.exists(path):
             os.unlink(path)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._socket.bind(path)
-        os.chmod(path, 0o600)
+        self._socket.bind(path)  # the caller sets the umask: never world-accessible
         self._socket.listen(16)
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="kvxferd-fd-inbox", daemon=True)
@@ -50,27 +64,52 @@ class FdInbox:
                 return
             with conn:
                 try:
-                    token, fds, _flags, _addr = socket.recv_fds(conn, MAX_TOKEN_BYTES, MAX_FDS)
-                except OSError:
-                    continue
-                self._expire()
-                with self._lock:
-                    self._fds[token.decode(errors="replace")] = (time.monotonic(), list(fds))
-                conn.sendall(b"ok")
+                    reason = self._receive(conn)
+                except OSError:  # timed out, reset, or gone before our answer: its fds were closed
+                    reason = "io"
+                except Exception:  # never let one client end the inbox
+                    log.exception("fd socket: unexpected error")
+                    reason = "error"
+                if reason:
+                    self.on_refused(reason)
+
+    def _receive(self, conn: socket.socket) -> str:
+        """Take one delivery; returns a refusal reason ("" when accepted)."""
+        _pid, uid, gid = peer_credentials(conn)
+        if not credentials_allowed(uid, gid, self.allowed_uids, self.group):
+            log.warning("fd socket: refused a client", extra={"uid": uid})
+            return "uid"
+        conn.settimeout(self.recv_timeout_s)
+        token_bytes, fds, flags, _addr = socket.recv_fds(conn, MAX_TOKEN_BYTES, self.max_fds)
+        try:
+            token = token_bytes.decode()
+        except UnicodeDecodeError:
+            token = ""
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not token or not token.isprintable():
+            _close(fds)
+            return "malformed"
+        self._expire()
+        with self._lock:
+            if token in self._fds or len(self._fds) >= self.max_tokens:
+                _close(fds)
+                return "tokens"
+            self._fds[token] = (time.monotonic(), list(fds))
+        conn.sendall(b"ok")
+        return ""
 
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
             for token in [t for t, (at, _) in self._fds.items() if now - at > self.ttl_s]:
-                for fd in self._fds.pop(token)[1]:
-                    os.close(fd)
+                _close(self._fds.pop(token)[1])
 
     def take(self, token: str) -> list[int]:
         """Claim the fds sent under ``token`` (the caller owns and closes them)."""
         with self._lock:
             entry = self._fds.pop(token, None)
         if entry is None:
-            raise InvalidArgumentError("fd_token", f"no fds were sent under token {token!r} (send them to {self.path} first)")
+            raise InvalidArgumentError("fd_token", f"no fds were sent under token {token[:80]!r} "
+                                                   "(send them to the fd socket first)")
         return entry[1]
 
     def close(self) -> None:
@@ -80,9 +119,13 @@ class FdInbox:
             os.unlink(self.path)
         with self._lock:
             for _, fds in self._fds.values():
-                for fd in fds:
-                    os.close(fd)
+                _close(fds)
             self._fds.clear()
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def send_fds(path: str, token: str, fds: list[int], timeout_s: float = 5.0) -> None:
@@ -92,4 +135,4 @@ def send_fds(path: str, token: str, fds: list[int], timeout_s: float = 5.0) -> N
         conn.connect(path)
         socket.send_fds(conn, [token.encode()], fds)
         if conn.recv(2) != b"ok":
-            raise ConnectionError(f"daemon at {path} did not accept the fds")
+            raise ConnectionError(f"daemon at {path} did not accept the fds (see its log)")

@@ -36,6 +36,13 @@ class Metrics:
         self.leases_expired = Counter("kvxferd_leases_expired", "holds whose lease ran out unread", registry=r)
         self.stale_reads = Counter("kvxferd_stale_reads", "reads caught racing a freed hold", ["side"], registry=r)
         self.events = Counter("kvxferd_notify_events", "notify-bus events published", ["kind"], registry=r)
+        self.notices_dropped = Counter("kvxferd_notices_dropped", "read notices from NIXL agents not introduced for "
+                                       "that reader (forged or stale), dropped unanswered", registry=r)
+        self.insecure_listeners = Gauge("kvxferd_insecure_listeners", "listeners reachable from other hosts without "
+                                        "authentication (only with --insecure)", registry=r)
+        self.tls_reloads = Counter("kvxferd_tls_reloads", "times changed TLS files were loaded", registry=r)
+        self.fd_socket_refused = Counter("kvxferd_fd_socket_refused", "fd-socket connections refused", ["reason"],
+                                         registry=r)
         self.rpc_errors = Counter("kvxferd_rpc_errors", "RPCs answered with an error status", ["method", "code"],
                                   registry=r)
         self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)

@@ -29,6 +29,7 @@ from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.service.slots import EngineSlot
+from kvxferd.service.tls import TlsFiles
 from kvxferd.xfer.reads import RemoteEngine
 
 log = logging.getLogger("kvxferd.peers")
@@ -54,8 +55,9 @@ class _PeerChannel:
     """A channel to one peer address and the calls using it now (event-loop side)."""
 
     channel: grpc.aio.Channel
+    tls_generation: int = -1  # which TLS files it was made with (-1: no TLS)
     num_calls: int = 0
-    retired: bool = False  # replaced after a failure: close once the last call ends
+    retired: bool = False  # replaced after a failure or a certificate rotation: close once the last call ends
 
 
 PEER_RETRY_S = 2.0  # how long the one retry after UNAVAILABLE waits for the peer to accept
@@ -64,21 +66,42 @@ PEER_RETRY_S = 2.0  # how long the one retry after UNAVAILABLE waits for the pee
 class Peers:
     """Outgoing peer calls of one daemon."""
 
-    def __init__(self, dataplane: DataPlane, metrics: Metrics, *, timeout_s: float, max_message_bytes: int) -> None:
+    def __init__(self, dataplane: DataPlane, metrics: Metrics, *, timeout_s: float, max_message_bytes: int,
+                 tls: TlsFiles | None = None, server_name: str = "kvxferd-peer") -> None:
         self.dataplane = dataplane
+        self.tls = tls
         self.metrics = metrics
         self.timeout_s = timeout_s
         # Own subchannels per channel: gRPC otherwise shares one per address
         # process-wide, so a "fresh" channel would inherit a dead peer's backoff.
         self._options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.use_local_subchannel_pool", 1),
                          ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+        if tls is not None:  # every peer's certificate must name server_name (we dial addresses, not names)
+            self._options.append(("grpc.ssl_target_name_override", server_name))
         self._channels: dict[str, _PeerChannel] = {}
 
     def _channel(self, address: str) -> "_PeerChannel":
+        """The channel to ``address``; a new one after the TLS files changed (new connections, new certificate)."""
         entry = self._channels.get(address)
+        if entry is not None and self.tls is not None and self.tls.current().generation != entry.tls_generation:
+            self._retire(address, entry)
+            entry = None
         if entry is None:
-            entry = self._channels[address] = _PeerChannel(grpc.aio.insecure_channel(address, options=self._options))
+            if self.tls is None:
+                entry = _PeerChannel(grpc.aio.insecure_channel(address, options=self._options))
+            else:
+                generation, credentials = self.tls.channel_credentials()
+                entry = _PeerChannel(grpc.aio.secure_channel(address, credentials, options=self._options), generation)
+            self._channels[address] = entry
         return entry
+
+    def _retire(self, address: str, entry: "_PeerChannel") -> None:
+        """Stop handing out ``entry``; it is closed once no call uses it."""
+        if self._channels.get(address) is entry:
+            del self._channels[address]
+        entry.retired = True
+        if not entry.num_calls:
+            asyncio.ensure_future(entry.channel.close())
 
     async def _unary(self, entry: "_PeerChannel", method: str, request, **kwargs):
         entry.num_calls += 1
@@ -107,10 +130,7 @@ class Peers:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
         if self._channels.get(address) is entry:  # not replaced by a concurrent caller yet
-            del self._channels[address]
-            entry.retired = True
-            if not entry.num_calls:
-                await entry.channel.close()
+            self._retire(address, entry)
         # wait_for_ready: connect (once the peer listens) instead of failing on a
         # cached transient failure; bounded, so a dead peer still fails quickly.
         return await self._unary(self._channel(address), method, request, timeout=min(timeout_s, PEER_RETRY_S),
@@ -176,7 +196,7 @@ class Peers:
         field = f"peer_addresses[{q}]"
         request = pb.EngineInfoRequest(engine_id=link.remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=q,
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
-                                       reader_agent_metadata=slot.metadata)
+                                       reader_tp_size=slot.cache.tp_size, reader_agent_metadata=slot.metadata)
         try:
             reply = await self.call(address, "GetEngineInfo", request)
         except grpc.aio.AioRpcError as err:

@@ -2,6 +2,14 @@
 
 Handlers validate input (``wire``), call into the daemon's parts and map
 every typed error to a status in one place (:func:`kvxferd.service.status.status_code`).
+
+Who may call what::
+
+    EngineService  Register: anyone who can open the engine socket (its mode decides;
+                             over engine_tcp also the bearer token)
+                   the rest: the engine's session from Register ("kvxferd-session" metadata)
+    PeerService    with TLS: a client certificate whose identity is on peer_allowed_ids
+                   GetEngineInfo also requires the reader to introduce itself
 Nothing here blocks the event loop on NIXL: reads are planned here
 (vectorised, microseconds) and posted by the data-plane thread.
 """
@@ -9,31 +17,37 @@ Nothing here blocks the event loop on NIXL: reads are planned here
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, UnavailableError
+from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, PermissionDeniedError,
+                            ResourceExhaustedError, UnauthenticatedError, UnavailableError)
+from kvxferd.plan.engine import expected_readers
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.service.dataplane import DaemonRead
 from kvxferd.service.completions import StreamReplaced
 from kvxferd.service.peerinfo import PROTOCOL_VERSION, encode_info
-from kvxferd.service.slots import ActiveRead
+from kvxferd.service.slots import ActiveRead, Reader
 from kvxferd.service.status import status_code
-from kvxferd.service.wire import check_id, check_peer_addresses, check_seconds, ids_from_pb, read_request_from_pb
+from kvxferd.service.tls import authorize_peer
+from kvxferd.service.wire import MAX_TP_SIZE, check_id, check_peer_addresses, check_seconds, ids_from_pb, read_request_from_pb
 
 if TYPE_CHECKING:
     from kvxferd.service.daemon import Daemon
 
 log = logging.getLogger("kvxferd.rpc")
+SESSION_KEY = "kvxferd-session"
 
 
 def rpc(fn):
-    """Typed errors -> their status; anything else -> INTERNAL, logged."""
+    """Typed errors -> their status; anything else -> INTERNAL with an error id (details only in the log)."""
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -44,9 +58,10 @@ def rpc(fn):
             code, message = status_code(err), str(err)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
-        except Exception as err:  # a bug: keep serving, tell the caller
-            log.exception("internal error", extra={"method": name})
-            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+        except Exception:  # a bug: keep serving; the caller gets an id, never our exception text or paths
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("internal error", extra={"method": name, "error_id": error_id})
+            code, message = grpc.StatusCode.INTERNAL, f"internal error {error_id} (details in the daemon's log)"
         self.daemon.metrics.rpc_errors.labels(name, code.name).inc()
         await context.abort(code, message)
 
@@ -64,30 +79,54 @@ def _check_block_ids(lists, slot, field: str) -> tuple[np.ndarray, ...]:
     return out
 
 
+def metadata_value(context, key: str) -> str:
+    """One gRPC metadata value sent by the caller ("" when absent)."""
+    for name, value in context.invocation_metadata() or ():
+        if name == key and isinstance(value, str):
+            return value
+    return ""
+
+
 class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, daemon: "Daemon") -> None:
         self.daemon = daemon
 
+    def _check_transport(self, context) -> None:
+        """Over engine_tcp (not the UNIX socket) the caller must present the bearer token."""
+        token = self.daemon.engine_token
+        if context.peer().startswith("unix:") or token is None:
+            return
+        presented = metadata_value(context, "authorization").removeprefix("Bearer ")
+        if not hmac.compare_digest(presented.encode(), token.encode()):
+            raise UnauthenticatedError("authorization", "engine_tcp needs the bearer token (authorization metadata)")
+
+    def _slot(self, engine_id: str, context):
+        """The caller's own registration: its session must come with the call."""
+        self._check_transport(context)
+        return self.daemon.registry.session_slot(engine_id, metadata_value(context, SESSION_KEY))
+
     @rpc
     async def Register(self, request, context):
-        slot = await self.daemon.registry.register(request)
+        self._check_transport(context)
+        slot = await self.daemon.registry.register(request, metadata_value(context, SESSION_KEY))
         return pb.RegisterReply(incarnation=slot.incarnation, notify_address=self.daemon.bus.address,
                                 notify_last_seq=self.daemon.bus.last_seq(slot.engine_id),
-                                peer_address=self.daemon.addresses.get("peer", ""))
+                                peer_address=self.daemon.addresses.get("peer", ""), session=slot.session,
+                                notify_curve_server_key=self.daemon.bus.curve_public_key)
 
     @rpc
     async def Heartbeat(self, request, context):
-        self.daemon.registry.slot(request.engine_id).heartbeat()
+        self._slot(request.engine_id, context).heartbeat()
         return pb.HeartbeatReply()
 
     @rpc
     async def Deregister(self, request, context):
-        await self.daemon.registry.deregister(self.daemon.registry.slot(request.engine_id), "engine deregistered")
+        await self.daemon.registry.deregister(self._slot(request.engine_id, context), "engine deregistered")
         return pb.DeregisterReply()
 
     @rpc
     async def Handshake(self, request, context):
-        slot = self.daemon.registry.slot(request.engine_id)
+        slot = self._slot(request.engine_id, context)
         check_id(request.remote_engine_id, "remote_engine_id")
         check_peer_addresses(request.peer_addresses)
         start = time.perf_counter()
@@ -100,7 +139,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         daemon = self.daemon
         if not daemon.registry.accepting:
             raise UnavailableError("engine_id", "the daemon is draining for shutdown")
-        slot = daemon.registry.slot(request.engine_id)
+        slot = self._slot(request.engine_id, context)
         read = read_request_from_pb(request)
         if read.request_id in slot.active:
             raise InvalidArgumentError("request_id", f"request {read.request_id!r} is already in flight")
@@ -121,7 +160,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def WatchCompletions(self, request, context):
         try:
-            slot = self.daemon.registry.slot(request.engine_id)
+            slot = self._slot(request.engine_id, context)
         except KvxferError as err:
             await context.abort(status_code(err), str(err))
         try:
@@ -134,21 +173,24 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Hold(self, request, context):
         if not self.daemon.registry.accepting:
             raise UnavailableError("engine_id", "the daemon is draining for shutdown")
-        slot = self.daemon.registry.slot(request.engine_id)
+        slot = self._slot(request.engine_id, context)
         check_id(request.request_id, "request_id")
         block_ids = _check_block_ids(request.block_ids, slot, "block_ids")
         lease_s = _lease_s(self.daemon, request.lease_s)
+        limit = self.daemon.config.max_holds_per_engine
+        if len(slot.holds) >= limit:
+            raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
         with slot.lock:
             slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
         return pb.HoldReply()
 
     @rpc
     async def RenewLease(self, request, context):
-        return _renew(self.daemon, request)
+        return _renew(self.daemon, self._slot(request.engine_id, context), request)
 
     @rpc
     async def Release(self, request, context):
-        slot = self.daemon.registry.slot(request.engine_id)
+        slot = self._slot(request.engine_id, context)
         with slot.lock:
             end = slot.holds.release(request.request_id)
         self.daemon.publish(slot, end.kind, end)
@@ -157,6 +199,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     @rpc
     async def MissedEvents(self, request, context):
         check_id(request.engine_id, "engine_id")
+        self._slot(request.engine_id, context)
         return self.daemon.bus.missed(request.engine_id, request.after_seq)
 
 
@@ -164,8 +207,7 @@ def _lease_s(daemon: "Daemon", value: float) -> float:
     return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
 
 
-def _renew(daemon: "Daemon", request: pb.RenewLeaseRequest) -> pb.RenewLeaseReply:
-    slot = daemon.registry.slot(request.engine_id)
+def _renew(daemon: "Daemon", slot, request: pb.RenewLeaseRequest) -> pb.RenewLeaseReply:
     lease_s = _lease_s(daemon, request.lease_s)
     with slot.lock:
         unknown = slot.holds.renew(request.request_ids, lease_s, time.monotonic())
@@ -176,16 +218,21 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     def __init__(self, daemon: "Daemon") -> None:
         self.daemon = daemon
 
+    def _authorize(self, context) -> None:
+        """With TLS: the caller's certificate identity must be on the allow-list (before anything is looked up)."""
+        if self.daemon.config.tls:
+            authorize_peer(context, tuple(self.daemon.config.peer_allowed_ids))
+
     @rpc
     async def GetEngineInfo(self, request, context):
+        self._authorize(context)
         if request.protocol_version != PROTOCOL_VERSION:
             raise UnavailableError("protocol_version", f"caller speaks v{request.protocol_version}, this daemon v{PROTOCOL_VERSION}")
         slot = self.daemon.registry.slot(request.engine_id)
         if request.tp_rank != slot.cache.tp_rank:
             raise InvalidArgumentError("tp_rank", f"this daemon serves rank {slot.cache.tp_rank} of "
                                                   f"{request.engine_id!r}, not {request.tp_rank}")
-        if request.reader_agent_metadata:  # so this side can acknowledge the reader's notices
-            await self._introduce(slot, request)
+        await self._introduce(slot, request)  # no agent metadata or addresses for anyone who does not
         return encode_info(slot.incarnation, slot.metadata, slot.cache)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest) -> None:
@@ -197,21 +244,35 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
         until the last one lets go.
         """
         check_id(request.reader_engine_id, "reader_engine_id")
-        if request.reader_tp_rank < 0:
-            raise InvalidArgumentError("reader_tp_rank", f"must not be negative, got {request.reader_tp_rank}")
+        if not request.reader_agent_metadata:
+            raise InvalidArgumentError("reader_agent_metadata", "a reader must introduce its NIXL agent")
+        if not 1 <= request.reader_tp_size <= MAX_TP_SIZE:
+            raise InvalidArgumentError("reader_tp_size", f"must lie in [1, {MAX_TP_SIZE}], got {request.reader_tp_size}")
+        if not 0 <= request.reader_tp_rank < request.reader_tp_size:
+            raise InvalidArgumentError("reader_tp_rank", f"rank {request.reader_tp_rank} of reader TP size "
+                                                         f"{request.reader_tp_size} cannot exist")
+        if slot.allowed_readers and request.reader_engine_id not in slot.allowed_readers:
+            raise PermissionDeniedError("reader_engine_id", f"engine {slot.engine_id!r} does not allow "
+                                                            f"{request.reader_engine_id!r} to read it")
+        expected = expected_readers(slot.cache, request.reader_tp_size)  # raises for an impossible TP pairing
         reader = (request.reader_engine_id, request.reader_tp_rank)
+        limit = self.daemon.config.max_readers_per_engine
         async with slot.introductions:
+            if reader not in slot.readers and len(slot.readers) >= limit:
+                raise ResourceExhaustedError("max_readers_per_engine", f"{limit} readers are introduced already")
             name = await self.daemon.run_blocking(slot.agent.add_remote, request.reader_agent_metadata,
                                                   "reader_agent_metadata")
             old = slot.readers.get(reader)
-            slot.readers[reader] = name
+            slot.readers[reader] = Reader(name, request.reader_tp_size, expected)
             if old is not None:  # the same reader again, or restarted under a new agent
-                await self.daemon.run_blocking(slot.agent.remove_remote, old)
+                await self.daemon.run_blocking(slot.agent.remove_remote, old.agent_name)
 
     @rpc
     async def GetIncarnation(self, request, context):
+        self._authorize(context)
         return pb.IncarnationReply(incarnation=self.daemon.registry.slot(request.engine_id).incarnation)
 
     @rpc
     async def RenewLeases(self, request, context):
-        return _renew(self.daemon, request)
+        self._authorize(context)
+        return _renew(self.daemon, self.daemon.registry.slot(request.engine_id), request)

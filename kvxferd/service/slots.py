@@ -30,6 +30,15 @@ class ActiveRead:
     submitted_s: float  # monotonic
 
 
+@dataclass(frozen=True)
+class Reader:
+    """A reader engine rank introduced by an authenticated peer daemon (holder side)."""
+
+    agent_name: str  # only this NIXL agent's notices count for the reader
+    tp_size: int
+    expected_readers: int  # reader ranks of that engine that notify this rank per request
+
+
 @dataclass(eq=False)
 class EngineSlot:
     """An engine rank's registration."""
@@ -46,7 +55,12 @@ class EngineSlot:
     completions: CompletionFeed = field(default_factory=CompletionFeed)  # loop side
     active: dict[str, ActiveRead] = field(default_factory=dict)  # loop side, by request id
     links: dict = field(default_factory=dict)  # remote engine id -> RemoteLink (loop side)
-    readers: dict[tuple[str, int], str] = field(default_factory=dict)  # introduced reader -> its agent name
+    # Introduced readers by (engine id, rank). Written on the loop, read by the
+    # data-plane thread (single dict lookups: atomic under the GIL).
+    readers: dict[tuple[str, int], Reader] = field(default_factory=dict)
+    allowed_readers: frozenset[str] = frozenset()  # empty: any reader engine
+    session: str = ""  # the engine's proof of identity on later calls
+    num_bytes: int = 0  # registered memory
     introductions: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reader introduction at a time (loop side)
     metadata: bytes = b""  # NIXL agent metadata after registration
     closing: bool = False

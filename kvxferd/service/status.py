@@ -5,6 +5,10 @@
     NotFoundError                                       -> NOT_FOUND
     TransferError (NixlError)                           -> UNAVAILABLE
     UnavailableError (no CUDA here, draining)           -> FAILED_PRECONDITION
+    UnauthenticatedError (no or a wrong session)        -> UNAUTHENTICATED
+    PermissionDeniedError (identity not allowed)        -> PERMISSION_DENIED
+    AlreadyExistsError (engine id registered and alive) -> ALREADY_EXISTS
+    ResourceExhaustedError (a configured limit)         -> RESOURCE_EXHAUSTED
     any other KvxferError                               -> INTERNAL
 
 The message always starts with the offending field, so an engine can tell
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import grpc
 
-from kvxferd.errors import (InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError,
+from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError,
+                            PermissionDeniedError, ResourceExhaustedError, TransferError, UnauthenticatedError,
                             UnavailableError)
 
 _CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
@@ -24,6 +29,10 @@ _CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (TransferError, grpc.StatusCode.UNAVAILABLE),
     (UnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
 

@@ -15,8 +15,8 @@ import types
 import numpy as np
 import pytest
 
-from kvxferd.client import DaemonProcess, EngineClient
-from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, engine, greedy, hold_events, metric,
+from kvxferd.client import DaemonProcess
+from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, engine, greedy, hold_events, metric, record_events,
                                              prefill_params, prompt_tokens_by_source, prompts_of, write_tiny_model)
 
 pytestmark = pytest.mark.vllm
@@ -37,6 +37,7 @@ def pd(tmp_path_factory):
     try:
         vars(cluster).update(prefill_daemon=daemons[0], decode_daemon=daemons[1], recompute_daemon=daemons[2],
                              model=model)
+        recorder = record_events(daemons[0], "prefill")
         cluster.prefill = engine(model, "prefill", daemons[0].socket)
         cluster.decode_recompute = engine(model, "decode-recompute", daemons[2].socket, policy="recompute")
         # vLLM's Prometheus counters are process-global: the engine built last owns them,
@@ -49,6 +50,8 @@ def pd(tmp_path_factory):
                 getattr(cluster, name).llm_engine.engine_core.shutdown()
         for daemon in daemons:
             daemon.terminate()
+        if "recorder" in locals():
+            recorder.close()
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -64,13 +67,12 @@ def blocks(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
 
 
-def release_early(pd, params: dict) -> None:
-    client = EngineClient(pd.prefill_daemon.engine_target)
-    client.engine_id = "prefill"
-    try:
-        client.release(params["remote_request_id"])
-    finally:
-        client.close()
+def released_early(params: dict) -> dict:
+    """Params naming a hold that no longer exists on prefill, as if its blocks were freed before decode read them.
+
+    (Only the prefill engine, which holds its session, may really release its hold.)
+    """
+    return {**params, "remote_request_id": params["remote_request_id"] + "-freed"}
 
 
 def test_prefill_decode_gives_the_single_instance_tokens(pd):
@@ -113,7 +115,7 @@ def test_a_failed_read_fails_that_request_under_fail_and_the_engines_keep_servin
     prompts = random_prompts(4, (70, 40))
     single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(6), use_tqdm=False))
     params = prefill_params(pd.prefill, prompts)
-    release_early(pd, params[0])  # the blocks are freed before decode reads them
+    params[0] = released_early(params[0])  # the blocks are freed before decode reads them
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "error"
     assert token_ids(outputs)[1] == single[1] and outputs[1].outputs[0].finish_reason == "length"
@@ -128,7 +130,7 @@ def test_a_failed_read_is_recomputed_under_recompute_with_the_same_tokens(pd):
     prompts = random_prompts(6, (130, 45))
     single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(6), use_tqdm=False))
     params = prefill_params(pd.prefill, prompts)
-    release_early(pd, params[0])
+    params[0] = released_early(params[0])
     failures_before = metric(pd.recompute_daemon, 'kvxferd_read_failures_total{kind="stale"}')
     outputs = pd.decode_recompute.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
     assert token_ids(outputs) == single
@@ -152,7 +154,6 @@ def test_bad_kv_transfer_params_fail_that_request_only(pd, damage):
         bad["remote_engine_id"], bad["remote_peer_addresses"] = "elsewhere", ["127.0.0.1:1"]
     else:
         bad = {"do_remote_prefill": True, "kvxferd": 1, "error": "the prefill daemon was down"}
-    release_early(pd, params[0])  # its real hold is not needed any more
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(4, bad), greedy(4, params[1])], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "error"
     assert token_ids(outputs)[1] == single[1]
@@ -165,6 +166,7 @@ def test_prefill_tp2_to_decode_tp1(pd, tmp_path):
     to use; this machine has one node, so each worker gets one core.
     """
     daemons = DaemonProcess.start_many(["vt0", "vt1"], socket_dir=str(tmp_path))
+    recorders = [record_events(daemon, "prefill-tp2") for daemon in daemons]
     previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     try:
@@ -186,3 +188,5 @@ def test_prefill_tp2_to_decode_tp1(pd, tmp_path):
         prefill.llm_engine.engine_core.shutdown()
         for daemon in daemons:
             daemon.terminate()
+        for recorder in recorders:
+            recorder.close()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvxferd.client import DaemonProcess
-from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, engine, greedy, hold_events,
+from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, engine, greedy, hold_events, record_events,
                                              prefill_params, prompts_of, write_tiny_model)
 
 pytestmark = pytest.mark.vllm
@@ -20,6 +20,7 @@ def test_sliding_window_prefill_decode_gives_the_single_instance_tokens(tmp_path
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = write_tiny_model(tmp_path / "tiny-mistral-swa", TINY_MISTRAL_SWA)
     daemons = DaemonProcess.start_many(["ws0", "ws1"], socket_dir=str(tmp_path))
+    recorder = record_events(daemons[0], "swa-prefill")
     engines = []
     try:
         engines = [engine(model, "swa-prefill", daemons[0].socket), engine(model, "swa-decode", daemons[1].socket)]
@@ -40,3 +41,4 @@ def test_sliding_window_prefill_decode_gives_the_single_instance_tokens(tmp_path
             llm.llm_engine.engine_core.shutdown()
         for daemon in daemons:
             daemon.terminate()
+        recorder.close()

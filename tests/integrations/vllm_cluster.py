@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import json
 import pathlib
-import urllib.request
+import threading
+import time
 
-from kvxferd.client import DaemonProcess, EngineClient
+import zmq
+
+from kvxferd.client import DaemonProcess
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.bus import topic
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
 TINY_LLAMA = {
@@ -76,22 +80,49 @@ def prompt_tokens_by_source(llm) -> dict[str, int]:
 
 def metric(daemon: DaemonProcess, name: str) -> float:
     """One unlabelled sample of a daemon's Prometheus metrics."""
-    text = urllib.request.urlopen(daemon.addresses["metrics"], timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{}"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return daemon.metric(name)
 
 
-def hold_events(daemon: DaemonProcess, engine_id: str) -> dict[str, list[str]]:
-    """Every bus event of ``engine_id`` on ``daemon`` so far: request id -> kinds."""
-    client = EngineClient(daemon.engine_target)
-    client.engine_id = engine_id
-    try:
-        reply = client.missed_events(0)
-    finally:
-        client.close()
-    events: dict[str, list[str]] = {}
-    for event in reply.events:
-        events.setdefault(event.request_id, []).append(pb.NotifyEvent.Kind.Name(event.kind))
-    return events
+class BusRecorder:
+    """Every notify-bus event of one engine on one daemon, recorded from now on.
+
+    The engine's session (inside vLLM) is its own, so the test cannot ask
+    MissedEvents for it; it listens on the bus instead, which serves any
+    whole engine topic on loopback. Start it before the engine's requests.
+    """
+
+    def __init__(self, daemon: DaemonProcess, engine_id: str) -> None:
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic(engine_id))
+        self._socket.connect(daemon.addresses["notify"])
+        self.events: dict[str, list[str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        time.sleep(0.3)  # the subscription reaches the daemon
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(50):
+                event = pb.NotifyEvent.FromString(self._socket.recv_multipart()[1])
+                self.events.setdefault(event.request_id, []).append(pb.NotifyEvent.Kind.Name(event.kind))
+        self._socket.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+_RECORDERS: dict[tuple[str, str], BusRecorder] = {}
+
+
+def record_events(daemon: DaemonProcess, engine_id: str) -> BusRecorder:
+    """Start recording ``engine_id``'s events on ``daemon`` (read them with :func:`hold_events`)."""
+    recorder = _RECORDERS[(daemon.addresses["notify"], engine_id)] = BusRecorder(daemon, engine_id)
+    return recorder
+
+
+def hold_events(daemon: DaemonProcess, engine_id: str, settle_s: float = 0.3) -> dict[str, list[str]]:
+    """Every bus event of ``engine_id`` on ``daemon`` since :func:`record_events`: request id -> kinds."""
+    time.sleep(settle_s)  # the last events are on their way
+    return dict(_RECORDERS[(daemon.addresses["notify"], engine_id)].events)

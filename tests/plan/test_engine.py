@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError, TpConfigError
-from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
+from kvxferd.plan.engine import EngineTransferPlan, ReadRequest, expected_readers
 from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
 from kvxferd.plan.descriptors import expand_rows
@@ -61,6 +61,17 @@ def test_notify_sets_cover_every_holder_of_every_group():
     assert sorted(set().union(*(plan.notify_ranks for plan in plans))) == [0, 1, 2, 3]
     for plan in plans:
         assert set(rp.remote_rank for rp in plan.rank_plans) <= set(plan.notify_ranks)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("model", MODELS)
+def test_holder_counts_its_readers_as_every_reader_plan_does(model, shape):
+    """The holder's own count (no reader plan at hand) equals each reader plan's, for every TP pair."""
+    prefill_groups, decode_groups = model_groups(model, SHAPES[shape])
+    for p, d in TP_PAIRS:
+        prefill = [allocate_engine("P", prefill_groups, p, q, tagged=False).cache for q in range(p)]
+        plan = EngineTransferPlan(allocate_engine("D", decode_groups, d, 0, tagged=False).cache, prefill)
+        assert [expected_readers(prefill[q], d) for q in range(p)] == [plan.expected_notifiers[q] for q in range(p)], (p, d)
 
 
 def test_contiguous_allocations_merge_to_one_descriptor_per_region():

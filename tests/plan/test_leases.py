@@ -95,3 +95,14 @@ def test_ack_round_trip_and_validation():
     for bad in (b"nope", b'{"ack": 2}', b'{"ack": 1, "request_id": "r", "reader_engine_id": "d", "reader_rank": true, "alive": 1}'):
         with pytest.raises(InvalidArgumentError):
             ReadAck.decode(bad)
+
+
+def test_the_holders_own_reader_count_wins_over_a_notice():
+    """A notice announcing one reader cannot end a hold the holder knows two readers need (issue 11, attack 4)."""
+    table = HoldTable()
+    table.hold("r", (), 10, now=0)
+    with pytest.raises(InvalidArgumentError, match="expected_readers"):
+        table.record(notice(expected=1), now=1, expected_readers=2)
+    assert len(table) == 1  # still held
+    assert table.record(notice(reader=0), now=1, expected_readers=2).end is None
+    assert table.record(notice(reader=1), now=1, expected_readers=2).end.kind == CONSUMED

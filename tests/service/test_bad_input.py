@@ -8,8 +8,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 
@@ -90,11 +92,12 @@ def test_handshake(cluster):
     # A model that does not match (other head size) is refused, naming the hash.
     arenas = []
     other_groups = model_groups("gqa", ModelShape(head_size=32))[0]
-    prefill_stub = cluster.prefill_clients[0].stub
-    prefill_stub.Register(pb.RegisterRequest(engine=engine_pb(other_groups, "mismatched", arenas)))
+    other = EngineClient(cluster.prefill_daemons[0].engine_target)
+    other.register(engine_pb(other_groups, "mismatched", arenas))
     code, details = status(lambda: decode.handshake("mismatched", [prefill_address]))
     assert code == C.FAILED_PRECONDITION and "compatibility_hash" in details
-    prefill_stub.Deregister(pb.DeregisterRequest(engine_id="mismatched"))
+    other.deregister()
+    other.close()
     for arena in arenas:
         arena.close()
     decode.handshake(cluster.prefill_id, [prefill_address])  # the good one still works (idempotent)
@@ -140,7 +143,7 @@ def test_peer_service(cluster):
     ask = pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=99)
     code, details = status(lambda: peer.GetEngineInfo(ask))
     assert code == C.FAILED_PRECONDITION and details.startswith("protocol_version")
-    ask = pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=1, tp_rank=1)
+    ask = pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=1)
     assert status(lambda: peer.GetEngineInfo(ask))[0] == C.INVALID_ARGUMENT
     assert status(lambda: peer.GetIncarnation(pb.IncarnationRequest(engine_id="ghost")))[0] == C.NOT_FOUND
     reply = peer.GetIncarnation(pb.IncarnationRequest(engine_id=cluster.prefill_id))

@@ -9,6 +9,7 @@ import pytest
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 
@@ -42,22 +43,26 @@ def test_engine_disconnect_deregisters_and_expires_its_holds(workdir):
         cluster.hold(request, lease_s=30)
         prefill = cluster.prefill_clients[0]
         prefill.close()  # the engine dies: no heartbeats, no deregistration
-        observer = EngineClient(cluster.prefill_daemons[0].engine_target)
-        observer.engine_id = cluster.prefill_id
+        daemon = cluster.prefill_daemons[0]
         deadline = time.monotonic() + 10
-        while not observer.missed_events(0).events and time.monotonic() < deadline:
+        while _metric(daemon, "kvxferd_engines_registered") and time.monotonic() < deadline:
             time.sleep(0.05)
-        (event,) = observer.missed_events(0).events
-        assert event.kind == pb.NotifyEvent.EXPIRED and "engine gone" in event.reason
+        assert _metric(daemon, "kvxferd_engines_registered") == 0
+        observer = EngineClient(daemon.engine_target)
+        observer.engine_id = cluster.prefill_id
         assert _code(lambda: observer.stub.Heartbeat(pb.HeartbeatRequest(engine_id=cluster.prefill_id))) == grpc.StatusCode.NOT_FOUND
-        peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
-        assert _code(lambda: peer.GetEngineInfo(pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=1))) \
+        peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
+        assert _code(lambda: peer.GetEngineInfo(pb.EngineInfoRequest(engine_id=cluster.prefill_id,
+                                                                     protocol_version=PROTOCOL_VERSION))) \
             == grpc.StatusCode.NOT_FOUND
-        assert _metric(cluster.prefill_daemons[0], "kvxferd_engines_registered") == 0
         # A read from the vanished engine fails cleanly (no hold, no memory behind it).
         cluster.submit(request, deadline_s=3)
         (completion,) = cluster.completions(request)
         assert not completion.ok and completion.invalid_block_ids
+        # The engine comes back (a new session: the old one's lease ran out) and learns what became of its hold.
+        observer = cluster._register(daemon, cluster.prefill[0])
+        (event,) = observer.missed_events(0).events
+        assert event.kind == pb.NotifyEvent.EXPIRED and "engine gone" in event.reason
         observer.close()
 
 

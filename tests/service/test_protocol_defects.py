@@ -6,6 +6,7 @@ Every test is named for the defect it pins; each failed before its fix.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
@@ -47,12 +49,20 @@ def peer_stub(address: str) -> pb_grpc.PeerServiceStub:
     return pb_grpc.PeerServiceStub(grpc.insecure_channel(address))
 
 
+@functools.cache
+def observer() -> NixlAgent:
+    """The agent a test introduces as a reader when it wants to see what a peer learns."""
+    return NixlAgent("observer")
+
+
 def engine_info(cluster: DaemonCluster, side: str) -> pb.EngineInfo:
     """What a peer learns of an engine rank (the reader's agent metadata included)."""
     daemon, engine_id = ((cluster.decode_daemons[0], cluster.decode_id) if side == "decode"
                          else (cluster.prefill_daemons[0], cluster.prefill_id))
     reply = peer_stub(daemon.peer_address).GetEngineInfo(
-        pb.EngineInfoRequest(engine_id=engine_id, protocol_version=1, tp_rank=0), timeout=ANSWER_S)
+        pb.EngineInfoRequest(engine_id=engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=0,
+                             reader_engine_id="observer", reader_tp_size=1,
+                             reader_agent_metadata=observer().metadata()), timeout=ANSWER_S)
     info = pb.EngineInfo()
     info.ParseFromString(reply.payload)
     return info
@@ -60,9 +70,9 @@ def engine_info(cluster: DaemonCluster, side: str) -> pb.EngineInfo:
 
 def introduce(cluster: DaemonCluster, reader_engine_id: str, metadata: bytes):
     stub = peer_stub(cluster.prefill_daemons[0].peer_address)
-    return stub.GetEngineInfo(pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=1, tp_rank=0,
-                                                   reader_engine_id=reader_engine_id, reader_tp_rank=0,
-                                                   reader_agent_metadata=metadata), timeout=ANSWER_S)
+    return stub.GetEngineInfo(pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION,
+                                                   tp_rank=0, reader_engine_id=reader_engine_id, reader_tp_rank=0,
+                                                   reader_tp_size=1, reader_agent_metadata=metadata), timeout=ANSWER_S)
 
 
 def test_defect1_bad_shm_names_are_invalid_argument_not_internal(cluster):
@@ -140,13 +150,20 @@ def test_defect5_concurrent_registers_leave_no_mapping_behind(cluster):
 
         def register(client):
             barrier.wait()
-            return client.stub.Register(pb.RegisterRequest(engine=message), timeout=30)
+            try:
+                reply = client.stub.Register(pb.RegisterRequest(engine=message), timeout=30)
+            except grpc.RpcError as err:
+                return err.code()
+            client.session = reply.session
+            return client
 
         with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
-            replies = list(pool.map(register, clients))
-        assert len({r.incarnation for r in replies}) == len(clients)
-        assert daemon_mappings(daemon, arenas[0].name) == len(message.groups[0].regions)  # the last one only
-        clients[0].stub.Deregister(pb.DeregisterRequest(engine_id="concurrent"), timeout=ANSWER_S)
+            outcomes = list(pool.map(register, clients))
+        # Issue 11: one wins; the others find a live registration they hold no session of.
+        (winner,) = [o for o in outcomes if isinstance(o, EngineClient)]
+        assert sorted(o.name for o in outcomes if o is not winner) == ["ALREADY_EXISTS"] * (len(clients) - 1)
+        assert daemon_mappings(daemon, arenas[0].name) == len(message.groups[0].regions)  # the winner's only
+        winner.stub.Deregister(pb.DeregisterRequest(engine_id="concurrent"), timeout=ANSWER_S)
         assert daemon_mappings(daemon, arenas[0].name) == 0
     finally:
         for client in clients:
@@ -159,7 +176,8 @@ def test_defect6_a_second_completion_stream_replaces_the_first_and_deregister_en
     arenas = []
     client = EngineClient(cluster.decode_daemons[0].engine_target)
     try:
-        client.stub.Register(pb.RegisterRequest(engine=engine_pb(GROUPS[1], "streams", arenas)), timeout=30)
+        client.session = client.stub.Register(pb.RegisterRequest(engine=engine_pb(GROUPS[1], "streams", arenas)),
+                                              timeout=30).session
         watch = pb.WatchCompletionsRequest(engine_id="streams")
         first = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)
         time.sleep(0.3)  # the first stream is current

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kvxferd.client import DaemonProcess
+from kvxferd.service.config import default_engine_socket
 
 
 def _free(port: int) -> bool:
@@ -27,7 +28,7 @@ def test_no_options_starts_on_loopback_defaults():
     try:
         line = process.stdout.readline()
         assert line.startswith("kvxferd ready: ")
-        assert "engine=unix:/tmp/kvxferd-engine.sock" in line and "peer=127.0.0.1:47100" in line
+        assert f"engine=unix:{default_engine_socket()}" in line and "peer=127.0.0.1:47100" in line
         assert "notify=tcp://127.0.0.1:47200" in line and "metrics=http://127.0.0.1:9464/metrics" in line
     finally:
         process.send_signal(signal.SIGTERM)

@@ -48,11 +48,12 @@ class KvxferdMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvxferdHandshake(KVConnectorHandshakeMetadata):
-    """Worker -> scheduler, once: where this rank's daemon is."""
+    """Worker -> scheduler, once: where this rank's daemon is, and the registration's session."""
 
     tp_rank: int
     engine_socket: str
     peer_address: str
+    session: str
 
 
 class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -113,7 +114,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_handshake_metadata(self) -> KvxferdHandshake | None:
         worker = self.worker
-        return KvxferdHandshake(worker.tp_rank, worker.socket, worker.peer_address)
+        return KvxferdHandshake(worker.tp_rank, worker.socket, worker.peer_address, worker.client.session)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -153,7 +154,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ----------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self.scheduler.set_ranks([RankDaemon(m.tp_rank, m.engine_socket, m.peer_address) for m in metadata.values()])
+        self.scheduler.set_ranks([RankDaemon(m.tp_rank, m.engine_socket, m.peer_address, m.session)
+                                  for m in metadata.values()])
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.matched_tokens(request.request_id, request.kv_transfer_params,

@@ -40,11 +40,13 @@ NULL_BLOCK_ID = 0  # vLLM's placeholder block (sliding-window and Mamba groups):
 
 @dataclass(frozen=True)
 class RankDaemon:
-    """Where one TP rank's daemon is: its engine socket and its advertised peer address."""
+    """Where one TP rank's daemon is (its engine socket, its advertised peer address) and the
+    session the rank's worker registered with, which the scheduler's holds must carry."""
 
     tp_rank: int
     engine_socket: str
     peer_address: str
+    session: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class SchedulerSide:
             client = self._clients[rank.tp_rank] = EngineClient(f"unix:{rank.engine_socket}",
                                                                 timeout_s=self.settings.timeout_s)
             client.engine_id = self.engine_id  # the workers registered it; this process only holds
+            client.session = rank.session
         return client
 
     # ---- prefill ------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,17 +79,25 @@ class WorkerSide:
             token = uuid.uuid4().hex
             send_fds(fd_socket_path(self.socket), token, fds, timeout_s=self.settings.timeout_s)
         self.client = EngineClient(f"unix:{self.socket}", timeout_s=self.settings.timeout_s)
-        try:
-            reply = self.client.register(engine, lease_s=max(3 * self.settings.heartbeat_s, 10.0),
-                                         heartbeat_s=self.settings.heartbeat_s, fd_token=token)
-        except grpc.RpcError as err:
-            raise RuntimeError(f"kvxferd: the daemon at {self.socket} refused the KV cache: "
-                               f"{err.code().name}: {err.details()}") from None
+        lease_s = max(3 * self.settings.heartbeat_s, 10.0)
+        # A restarted engine finds its previous registration alive until that lease runs out.
+        give_up_s = time.monotonic() + lease_s + 5.0
+        while True:
+            try:
+                reply = self.client.register(engine, lease_s=lease_s, heartbeat_s=self.settings.heartbeat_s,
+                                             fd_token=token)
+                break
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up_s:
+                    time.sleep(0.5)
+                    continue
+                raise RuntimeError(f"kvxferd: the daemon at {self.socket} refused the KV cache: "
+                                   f"{err.code().name}: {err.details()}") from None
         self.peer_address = reply.peer_address
         self.subscriber = NotifySubscriber(self.client)
         log.info("kvxferd: KV cache registered", extra={"engine_id": self.engine_id, "tp_rank": self.tp_rank,
                                                         "socket": self.socket, "peer": self.peer_address})
-        return RankDaemon(self.tp_rank, self.socket, self.peer_address)
+        return RankDaemon(self.tp_rank, self.socket, self.peer_address, self.client.session)
 
     # ---- decode: reads ----------------------------------------------------------------
     def submit(self, orders: Sequence[ReadOrder]) -> None:

@@ -110,26 +110,32 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("engine", "lease_s", "fd_token")
+    __slots__ = ("engine", "lease_s", "fd_token", "allowed_reader_engine_ids")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     FD_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_READER_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     engine: EngineRank
     lease_s: float
     fd_token: str
-    def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ..., fd_token: _Optional[str] = ...) -> None: ...
+    allowed_reader_engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ..., fd_token: _Optional[str] = ..., allowed_reader_engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("incarnation", "notify_address", "notify_last_seq", "peer_address")
+    __slots__ = ("incarnation", "notify_address", "notify_last_seq", "peer_address", "session", "notify_curve_server_key")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_CURVE_SERVER_KEY_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     notify_address: str
     notify_last_seq: int
     peer_address: str
-    def __init__(self, incarnation: _Optional[str] = ..., notify_address: _Optional[str] = ..., notify_last_seq: _Optional[int] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    session: str
+    notify_curve_server_key: str
+    def __init__(self, incarnation: _Optional[str] = ..., notify_address: _Optional[str] = ..., notify_last_seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., session: _Optional[str] = ..., notify_curve_server_key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -312,20 +318,22 @@ class MissedEventsReply(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[NotifyEvent, _Mapping]]] = ..., last_seq: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class EngineInfoRequest(_message.Message):
-    __slots__ = ("engine_id", "protocol_version", "tp_rank", "reader_engine_id", "reader_tp_rank", "reader_agent_metadata")
+    __slots__ = ("engine_id", "protocol_version", "tp_rank", "reader_engine_id", "reader_tp_rank", "reader_agent_metadata", "reader_tp_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
     READER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     protocol_version: int
     tp_rank: int
     reader_engine_id: str
     reader_tp_rank: int
     reader_agent_metadata: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_rank: _Optional[int] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_agent_metadata: _Optional[bytes] = ...) -> None: ...
+    reader_tp_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_rank: _Optional[int] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_agent_metadata: _Optional[bytes] = ..., reader_tp_size: _Optional[int] = ...) -> None: ...
 
 class EngineInfoReply(_message.Message):
     __slots__ = ("protocol_version", "compatibility_hash", "payload")

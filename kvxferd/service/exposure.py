@@ -1,0 +1,74 @@
+"""What the daemon exposes to the network, decided before anything listens.
+
+* A listener reachable from another host must authenticate: the peer port
+  with mutual TLS, the notify bus with CURVE, engine TCP with TLS and a
+  token. Otherwise the daemon refuses to start, unless ``insecure`` is set
+  (development), and then says so at start and in a metric.
+* NIXL's UCX data plane listens on every interface by default; it is bound
+  to the interface of the advertised peer address instead, so configuring
+  loopback means loopback.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import psutil
+
+from kvxferd.errors import InvalidArgumentError
+from kvxferd.service.config import WILDCARD_HOSTS, DaemonConfig
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback literal or ``localhost``; a wildcard or any other name is not."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def insecure_listeners(config: DaemonConfig) -> list[str]:
+    """Listeners that another host could reach without authenticating (``name=host``)."""
+    found = []
+    if not config.tls and not is_loopback(config.peer_host):
+        found.append(f"peer={config.peer_host}")
+    if not config.notify_curve_secret_key and not is_loopback(config.notify_host):
+        found.append(f"notify={config.notify_host}")
+    return found
+
+
+def refusal(config: DaemonConfig) -> str | None:
+    """The one-line reason not to start, or None."""
+    exposed = insecure_listeners(config)
+    if not exposed or config.insecure:
+        return None
+    return (f"{', '.join(exposed)} would be reachable from other hosts without authentication: set tls_cert/tls_key/"
+            "tls_ca/peer_allowed_ids (peer) and notify_curve_secret_key (bus), bind them to 127.0.0.1, or pass "
+            "--insecure for development")
+
+
+def ucx_net_devices(config: DaemonConfig) -> str:
+    """``UCX_NET_DEVICES`` for this daemon: the configured value, or the advertised address's interface."""
+    if config.ucx_net_devices:
+        return config.ucx_net_devices
+    host = (config.advertise_host or config.peer_host).strip("[]")
+    if host in WILDCARD_HOSTS:
+        raise InvalidArgumentError("ucx_net_devices", "cannot tell the data-plane interface of a wildcard address; "
+                                                      "set advertise_host or ucx_net_devices")
+    try:
+        address = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0].split("%")[0])
+    except (OSError, ValueError, IndexError):
+        raise InvalidArgumentError("ucx_net_devices", f"cannot resolve {host!r}; set ucx_net_devices") from None
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            if entry.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    if ipaddress.ip_address(entry.address.split("%")[0]) == address:
+                        return name
+                except ValueError:
+                    continue
+    raise InvalidArgumentError("ucx_net_devices", f"no interface of this host has {address}; set ucx_net_devices")

@@ -1,0 +1,199 @@
+"""Issue 11, attacks 7 and 9: the engine socket, engine sessions and the fd socket.
+
+* The sockets are created 0600 in a 0700 directory the daemon owns; the
+  kernel refuses other users (checked as another uid when the tests run as root).
+* Every engine call but Register carries the session Register returned: another
+  local client cannot act as an engine, and a live engine id cannot be taken over.
+* The fd socket checks the peer's uid, bounds each client's time, and survives
+  clients that stall or vanish.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+
+import grpc
+import pytest
+
+from kvxferd.client import DaemonProcess, EngineClient
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.fdpass import fd_socket_path, send_fds
+from kvxferd.verify.models import ModelShape, model_groups
+from tests.service.helpers import engine_pb, status
+
+C = grpc.StatusCode
+GROUPS = model_groups("gqa", ModelShape())
+as_root = pytest.mark.skipif(os.getuid() != 0, reason="switching to another uid needs root")
+
+
+@pytest.fixture(scope="module")
+def daemon(workdir):
+    # No --engine-socket: the default private directory, here under a test XDG_RUNTIME_DIR.
+    runtime = os.path.join(workdir, "xdg")
+    os.mkdir(runtime, 0o700)
+    process = DaemonProcess("sock", socket_dir=workdir, env={"XDG_RUNTIME_DIR": runtime}, default_socket=True)
+    yield process
+    process.terminate()
+
+
+@pytest.fixture
+def arenas():
+    held = []
+    yield held
+    for arena in held:
+        arena.close()
+
+
+def test_sockets_are_private_to_the_daemons_user(daemon):
+    path = daemon.engine_target.removeprefix("unix:")
+    directory = os.path.dirname(path)
+    assert directory.endswith("/xdg/kvxferd")
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    for sock in (path, fd_socket_path(path)):
+        info = os.stat(sock)
+        assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, sock
+
+
+def _connect_as(uid: int, path: str) -> str:
+    """Connect to ``path`` from a child running as ``uid``; returns what happened."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_end)
+        outcome = b"connected"
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(path)
+        except PermissionError:
+            outcome = b"EACCES"
+        except OSError as err:
+            outcome = type(err).__name__.encode()
+        os.write(write_end, outcome)
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as result:
+        return result.read().decode()
+
+
+@as_root
+def test_another_user_cannot_connect(daemon):
+    path = daemon.engine_target.removeprefix("unix:")
+    assert _connect_as(65534, path) == "EACCES"
+    assert _connect_as(65534, fd_socket_path(path)) == "EACCES"
+    assert _connect_as(os.getuid(), path) == "connected"  # the control
+
+
+def test_calls_need_the_engines_session(daemon, arenas):
+    owner = EngineClient(daemon.engine_target)
+    intruder = EngineClient(daemon.engine_target)
+    try:
+        owner.register(engine_pb(GROUPS[0], "tenant-a", arenas), lease_s=30)
+        intruder.engine_id = "tenant-a"
+        calls = {
+            "Heartbeat": lambda: intruder.stub.Heartbeat(pb.HeartbeatRequest(engine_id="tenant-a")),
+            "Hold": lambda: intruder.hold("r", [[1, 2]]),
+            "Release": lambda: intruder.release("r"),
+            "RenewLease": lambda: intruder.renew(["r"]),
+            "MissedEvents": lambda: intruder.missed_events(0),
+            "SubmitRead": lambda: intruder.submit_read("r", "x", "y", [[1]], [[1]]),
+            "Handshake": lambda: intruder.handshake("x", ["127.0.0.1:1"]),
+            "WatchCompletions": lambda: next(iter(intruder.stub.WatchCompletions(
+                pb.WatchCompletionsRequest(engine_id="tenant-a"), timeout=5))),
+            "Deregister": lambda: intruder.stub.Deregister(pb.DeregisterRequest(engine_id="tenant-a")),
+        }
+        for name, call in calls.items():
+            code, details = status(call)
+            assert code == C.UNAUTHENTICATED and details.startswith("engine_id"), (name, code, details)
+        intruder.session = "forged" + owner.session[6:]
+        assert status(calls["Hold"])[0] == C.UNAUTHENTICATED
+        owner.hold("r", [[1, 2]])  # the owner is unaffected
+        owner.release("r")
+    finally:
+        owner.deregister()
+        owner.close()
+        intruder.close()
+
+
+def test_a_live_engine_id_cannot_be_registered_again_by_someone_else(daemon, arenas):
+    owner = EngineClient(daemon.engine_target)
+    intruder = EngineClient(daemon.engine_target)
+    try:
+        first = owner.register(engine_pb(GROUPS[0], "tenant-b", arenas), lease_s=30)
+        code, details = status(lambda: intruder.register(engine_pb(GROUPS[0], "tenant-b", arenas)))
+        assert code == C.ALREADY_EXISTS and "alive" in details, details
+        again = owner.register(engine_pb(GROUPS[0], "tenant-b", arenas), lease_s=30)  # its own session: replaced
+        assert again.incarnation != first.incarnation and again.session != first.session
+        owner.hold("r", [[3]])
+    finally:
+        owner.deregister()
+        owner.close()
+        intruder.close()
+
+
+def test_an_expired_registration_may_be_taken_over(daemon, arenas):
+    gone = EngineClient(daemon.engine_target)
+    gone.register(engine_pb(GROUPS[0], "tenant-c", arenas), lease_s=0.5, heartbeat_s=0)  # never heartbeats
+    gone.close()
+    time.sleep(0.7)
+    successor = EngineClient(daemon.engine_target)
+    try:
+        successor.register(engine_pb(GROUPS[0], "tenant-c", arenas), lease_s=30)
+    finally:
+        successor.deregister()
+        successor.close()
+
+
+def test_the_fd_socket_survives_stalled_and_vanishing_clients(daemon, arenas):
+    path = fd_socket_path(daemon.engine_target.removeprefix("unix:"))
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(path)  # says nothing: the inbox gives up on it after fd_recv_timeout_s (2 s)
+    vanishing = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    vanishing.connect(path)
+    socket.send_fds(vanishing, [b"gone"], [os.open("/dev/null", os.O_RDONLY)])
+    vanishing.close()  # before the daemon's "ok": its answer meets a closed socket (BrokenPipe)
+    start = time.monotonic()
+    read_end, write_end = os.pipe()
+    try:
+        send_fds(path, "after", [read_end], timeout_s=10)  # still served, after at most the stalled client's timeout
+        assert time.monotonic() - start < 8
+        send_fds(path, "after-2", [write_end], timeout_s=10)
+    finally:
+        stalled.close()
+        os.close(read_end)
+        os.close(write_end)
+    assert daemon.process.poll() is None
+
+
+@as_root
+def test_the_fd_socket_refuses_other_uids_even_when_reachable(daemon):
+    path = fd_socket_path(daemon.engine_target.removeprefix("unix:"))
+    directories = [os.path.dirname(path), os.path.dirname(os.path.dirname(path)), os.path.dirname(daemon.log_path)]
+    for directory in directories:
+        os.chmod(directory, 0o711)
+    os.chmod(path, 0o666)  # as if an operator widened the modes: SO_PEERCRED still decides
+    try:
+        before = daemon.metric("kvxferd_fd_socket_refused_total", 'reason="uid"')
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setuid(65534)
+                send_fds(path, "intruder", [read_end], timeout_s=5)
+                os._exit(0)
+            except Exception:
+                os._exit(1)
+        _, code = os.waitpid(pid, 0)
+        os.close(read_end)
+        os.close(write_end)
+        assert os.waitstatus_to_exitcode(code) == 1  # no "ok"
+        assert daemon.metric("kvxferd_fd_socket_refused_total", 'reason="uid"') == before + 1
+    finally:
+        os.chmod(path, 0o600)
+        for directory in directories:
+            os.chmod(directory, 0o700)

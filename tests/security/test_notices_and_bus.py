@@ -1,0 +1,128 @@
+"""Issue 11, attacks 4 and 5: forged read notices, and reading other engines' bus events.
+
+Run with the loopback (development) defaults, where an introduction needs no
+certificate: even then a notice counts only from the NIXL agent its reader
+introduced, and only with the reader count the holder computed itself.
+With TLS on, nobody without an allowed certificate is introduced at all
+(``test_peer_mtls``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import zmq
+
+from kvxferd.plan.notifications import ReadNotice
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.bus import NotifyBus, topic
+from kvxferd.service.peerinfo import PROTOCOL_VERSION
+from kvxferd.verify.daemons import DaemonCluster
+from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.xfer.agent import NixlAgent
+
+GROUPS = model_groups("gqa", ModelShape())
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir):
+    with DaemonCluster(*GROUPS, 1, 2, workdir=workdir, name="ntc") as c:  # two decode ranks: two readers expected
+        yield c
+
+
+def holder_info(cluster, agent: NixlAgent, reader_engine_id: str, reader_tp_size: int) -> pb.EngineInfo:
+    """Introduce ``agent`` as a reader (possible without TLS) and get the holder's agent metadata."""
+    stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
+    reply = stub.GetEngineInfo(pb.EngineInfoRequest(
+        engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader_engine_id,
+        reader_tp_rank=0, reader_tp_size=reader_tp_size, reader_agent_metadata=agent.metadata()), timeout=10)
+    info = pb.EngineInfo()
+    info.ParseFromString(reply.payload)
+    return info
+
+
+def forge(cluster, agent_name: str, reader_engine_id: str, reader_tp_size: int, notice: ReadNotice) -> NixlAgent:
+    agent = NixlAgent(agent_name)
+    info = holder_info(cluster, agent, reader_engine_id, reader_tp_size)
+    holder = agent.add_remote(info.agent_metadata)
+    agent.notify(holder, notice.encode())
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:  # no progress thread: polling drives the send
+        agent.poll_notifications()
+        time.sleep(0.01)
+    return agent
+
+
+def test_forged_notices_end_no_hold(cluster):
+    request = random_request("forged", *GROUPS, 48, np.random.default_rng(3))
+    cluster.hold(request)
+    prefill = cluster.prefill_daemons[0]
+    dropped = prefill.metric("kvxferd_notices_dropped_total")
+    # 1. An agent introduced under its own name claims to be the real reader: not that reader's agent.
+    agents = [forge(cluster, "mallory-1", "mallory", 1, ReadNotice(request.remote_request_id, cluster.decode_id, 0, 1))]
+    assert prefill.metric("kvxferd_notices_dropped_total") == dropped + 1
+    # 2. A reader of TP 2 announces one reader: the holder itself expects two, so the notice is refused.
+    agents.append(forge(cluster, "mallory-2", "mallory-tp2", 2, ReadNotice(request.remote_request_id, "mallory-tp2", 0, 1)))
+    assert cluster.subscribers[0].wait_for(request.remote_request_id, timeout_s=0.5) is None  # still held
+    # The real readers still read and end the hold, exactly once.
+    cluster.submit(request)
+    assert all(c.ok for c in cluster.completions(request)), "the real read failed"
+    assert cluster.verify(request) == ([], 0)
+    assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
+
+
+def test_the_bus_serves_whole_engine_topics_only(cluster):
+    """An empty or partial subscription prefix gets nothing; only the engine's own topic gets its events."""
+    address = cluster.prefill_clients[0].notify_address
+    context = zmq.Context.instance()
+    sockets = {}
+    for name, prefix in {"everything": b"", "partial": cluster.prefill_id[:3].encode(),
+                         "own": topic(cluster.prefill_id)}.items():
+        sockets[name] = context.socket(zmq.SUB)
+        sockets[name].setsockopt(zmq.SUBSCRIBE, prefix)
+        sockets[name].connect(address)
+    try:
+        time.sleep(0.5)  # subscriptions reach the daemon
+        request = random_request("bus", *GROUPS, 16, np.random.default_rng(4))
+        assert all(c.ok for c in cluster.read(request))
+        assert cluster.hold_events(request)[0].kind == pb.NotifyEvent.CONSUMED
+        time.sleep(0.2)
+        got = {name: sock.poll(200) != 0 for name, sock in sockets.items()}
+        assert got == {"everything": False, "partial": False, "own": True}
+    finally:
+        for sock in sockets.values():
+            sock.close(linger=0)
+
+
+def test_curve_admits_only_configured_client_keys():
+    server_public, server_secret = zmq.curve_keypair()
+    allowed_public, allowed_secret = zmq.curve_keypair()
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    bus = NotifyBus("127.0.0.1", 0, history=10, curve_secret_key=server_secret.decode(), client_keys=[allowed_public])
+    assert bus.curve_public_key == server_public.decode()
+    context = zmq.Context.instance()
+    sockets = {}
+    try:
+        for name, keys in {"allowed": (allowed_public, allowed_secret), "stranger": (stranger_public, stranger_secret),
+                           "plaintext": None}.items():
+            sock = sockets[name] = context.socket(zmq.SUB)
+            if keys:
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+                sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+            sock.setsockopt(zmq.SUBSCRIBE, topic("e"))
+            sock.connect(bus.address)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:  # publish until subscriptions are in
+            bus.publish("e", "CONSUMED", "r")
+            time.sleep(0.05)
+        got = {name: sock.poll(300) != 0 for name, sock in sockets.items()}
+        assert got == {"allowed": True, "stranger": False, "plaintext": False}
+    finally:
+        for sock in sockets.values():
+            sock.close(linger=0)
+        bus.close()

@@ -1,0 +1,105 @@
+"""Issue 11, attacks 1-3: the peer port with mutual TLS, against real daemons and real NIXL.
+
+Only a certificate from the configured CA, unexpired, whose identity is on
+``peer_allowed_ids``, gets anything from the peer port: no engine-id oracle,
+no agent metadata, so no NIXL read or write of a tenant's cache.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxferd.devcerts import DevCA
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.peerinfo import PROTOCOL_VERSION
+from kvxferd.verify.daemons import DaemonCluster
+from kvxferd.verify.models import ModelShape, model_groups, random_request
+from tests.security.conftest import SPIFFE, tls_args
+
+C = grpc.StatusCode
+GROUPS = model_groups("gqa", ModelShape())
+ANSWER_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir, ca):
+    issued = ca.issue("kvxferd", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)
+    with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="tls", daemon_args=tls_args(ca, issued)) as c:
+        yield c
+
+
+def peer_code(address: str, credentials: grpc.ChannelCredentials | None, method: str, request) -> grpc.StatusCode:
+    """The status one peer call gets (OK on success)."""
+    options = [("grpc.ssl_target_name_override", "kvxferd-peer")]
+    channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+               else grpc.insecure_channel(address))
+    try:
+        getattr(pb_grpc.PeerServiceStub(channel), method)(request, timeout=ANSWER_S)
+        return C.OK
+    except grpc.RpcError as err:
+        return err.code()
+    finally:
+        channel.close()
+
+
+def credentials_of(ca: DevCA, issued) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(ca.cert_path.read_bytes(), issued.key.read_bytes(), issued.cert.read_bytes())
+
+
+def probes(cluster):
+    """Attacks 1 and 2: the engine-id oracle and the agent metadata of an invented reader."""
+    return {
+        "incarnation (real id)": ("GetIncarnation", pb.IncarnationRequest(engine_id=cluster.prefill_id)),
+        "incarnation (invented id)": ("GetIncarnation", pb.IncarnationRequest(engine_id="no-such-engine")),
+        "engine info": ("GetEngineInfo", pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION,
+                                                               tp_rank=0, reader_engine_id="invented", reader_tp_size=1)),
+        "renew inf": ("RenewLeases", pb.RenewLeaseRequest(engine_id=cluster.prefill_id, request_ids=["x"], lease_s=1e300)),
+    }
+
+
+def test_transfers_stay_byte_exact_with_mutual_tls(cluster):
+    request = random_request("tls-ok", *GROUPS, 64, np.random.default_rng(0))
+    completions = cluster.read(request, timeout_s=20)
+    assert all(c.ok for c in completions), [c.error for c in completions]
+    assert cluster.verify(request) == ([], 0)
+    assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
+
+
+def test_without_a_client_certificate_nothing_answers(cluster, ca):
+    address = cluster.prefill_daemons[0].peer_address
+    server_only = grpc.ssl_channel_credentials(ca.cert_path.read_bytes())
+    for name, (method, request) in probes(cluster).items():
+        assert peer_code(address, None, method, request) == C.UNAVAILABLE, name  # plaintext: no TLS handshake
+        assert peer_code(address, server_only, method, request) == C.UNAVAILABLE, name  # TLS, no client cert
+
+
+def test_untrusted_and_expired_certificates_are_refused(cluster, ca, workdir):
+    address = cluster.prefill_daemons[0].peer_address
+    other_ca = DevCA(f"{workdir}/other-pki", name="someone else's CA")
+    forged = other_ca.issue("forged", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)  # right identity, wrong CA
+    expired = ca.issue("expired", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE, valid_s=-60, not_before_s=-3600)
+    method, request = probes(cluster)["incarnation (real id)"]
+    for issued, trust in ((forged, ca), (expired, ca)):
+        assert peer_code(address, credentials_of(trust, issued), method, request) == C.UNAVAILABLE, issued.cert.name
+
+
+def test_a_valid_certificate_off_the_allow_list_is_denied_everything(cluster, ca):
+    address = cluster.prefill_daemons[0].peer_address
+    stranger = credentials_of(ca, ca.issue("stranger", dns_names=("kvxferd-peer",),
+                                           spiffe_id="spiffe://kvxferd.test/ns/other-tenant/sa/app"))
+    for name, (method, request) in probes(cluster).items():
+        # The same answer for a real and an invented engine id: no oracle.
+        assert peer_code(address, stranger, method, request) == C.PERMISSION_DENIED, name
+
+
+def test_an_allowed_identity_is_served(cluster, ca):
+    """The control: the same probes with an allowed certificate get real answers."""
+    address = cluster.prefill_daemons[0].peer_address
+    allowed = credentials_of(ca, ca.issue("allowed", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE))
+    codes = {name: peer_code(address, allowed, method, request) for name, (method, request) in probes(cluster).items()}
+    assert codes == {"incarnation (real id)": C.OK, "incarnation (invented id)": C.NOT_FOUND,
+                     # no reader agent metadata: no metadata or addresses in return
+                     "engine info": C.INVALID_ARGUMENT, "renew inf": C.INVALID_ARGUMENT}
