@@ -52,13 +52,15 @@ class EngineClient:
     """One engine rank's connection to its local daemon."""
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20,
-                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
+                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
         """``target``: ``unix:PATH`` (the default daemon socket) or, with ``credentials`` (TLS) and
-        ``token``, the daemon's ``engine_tcp`` address."""
+        ``token``, the daemon's ``engine_tcp`` address (``channel_options`` e.g. a TLS target name override)."""
         self.target = target
         self.timeout_s = timeout_s
         self.session, self.token = "", token
-        options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+        options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
+                   *channel_options]
         channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
                    else grpc.insecure_channel(target, options=options))
         self._channel = grpc.intercept_channel(channel, _CallMetadata(self))

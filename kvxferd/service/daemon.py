@@ -125,7 +125,7 @@ class Daemon:
                 _bind(engine_server, f"unix:{self.socket_path}")
             restrict_socket(self.socket_path, gid)
             if config.engine_tcp:  # TLS (server side) plus the bearer token checked per call
-                _bind(engine_server, config.engine_tcp, _engine_tls(self.tls))
+                tcp_port = _bind(engine_server, config.engine_tcp, _engine_tls(self.tls))
             peer_credentials = self.tls.server_credentials() if self.tls is not None else None
             peer_port = _bind(peer_server, f"{_host(config.peer_host)}:{config.peer_port}", peer_credentials)
             for server in (engine_server, peer_server):
@@ -146,7 +146,7 @@ class Daemon:
         self.addresses = {"engine": f"unix:{self.socket_path}", "peer": f"{_host(host)}:{peer_port}",
                           "notify": self.bus.address, "metrics": f"http://{_host(config.metrics_host)}:{metrics_port}/metrics"}
         if config.engine_tcp:
-            self.addresses["engine_tcp"] = config.engine_tcp
+            self.addresses["engine_tcp"] = f"{config.engine_tcp.rsplit(':', 1)[0]}:{tcp_port}"
         self.spawn(self._maintenance())
         log.info("daemon started", extra={**self.addresses, "daemon_id": config.daemon_id})
         return self.addresses

@@ -16,6 +16,7 @@ import yaml
 
 from kvxferd.cli import build_parser
 from kvxferd.service.config import config_from_args
+from kvxferd.service.exposure import refusal
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/kvxferd"
@@ -36,15 +37,15 @@ def _render(**kwargs):
 
 
 def _validate(obj):
-    if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-        return  # a CRD: checked by test_pod_monitor_scrapes_every_daemon
+    if obj["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
+        return  # CRDs: checked by test_pod_monitor_scrapes_every_daemon and test_cert_manager_certificate
     kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 def test_default_values_render_valid_objects():
     objects, by_kind = _render()
     assert {kind: len(objs) for kind, objs in by_kind.items()} == {
-        "ConfigMap": 1, "Deployment": 2, "ResourceClaimTemplate": 2, "Service": 2, "PodMonitor": 2}
+        "ConfigMap": 1, "Deployment": 2, "ResourceClaimTemplate": 2, "Service": 2, "PodMonitor": 2, "NetworkPolicy": 2}
     for obj in objects:
         _validate(obj)
 
@@ -52,7 +53,7 @@ def test_default_values_render_valid_objects():
 def test_the_validator_rejects_a_broken_object():
     _, by_kind = _render()
     deployment = by_kind["Deployment"][0]
-    deployment["spec"]["template"]["spec"]["containers"][1]["livenessProbe"]["grpc"]["prot"] = 1
+    deployment["spec"]["template"]["spec"]["containers"][1]["livenessProbe"]["exec"]["comand"] = ["x"]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
@@ -100,13 +101,27 @@ def test_one_daemon_per_gpu_that_kvxferd_itself_accepts(values, tmp_path, monkey
             assert config.peer_address == f"10.1.2.3:{container['ports'][0]['containerPort']}"
             assert config.engine_socket == f"/run/kvxferd/gpu{gpu}.sock" and config.daemon_id == f"decode-7d9f-x2-gpu{gpu}"
             assert config.peer_host == "0.0.0.0" and config.metrics_host == "0.0.0.0"
-            assert (config.notify_port, config.metrics_port) == (container["ports"][1]["containerPort"],
-                                                                 container["ports"][2]["containerPort"])
+            assert config.notify_host == "127.0.0.1"  # the engine is in the pod: the bus never leaves it
+            assert config.notify_port == 47200 + gpu and config.metrics_port == container["ports"][1]["containerPort"]
+            # Mutual TLS by default, so kvxferd accepts the exposed peer port without --insecure.
+            assert config.tls and not config.insecure and refusal(config) is None
+            assert config.tls_cert == "/etc/kvxferd/tls/tls.crt" and config.peer_allowed_ids
+            engine_socket = f"unix:/run/kvxferd/gpu{gpu}.sock"
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                assert container[probe]["grpc"]["port"] == config.peer_port  # grpc.health.v1 on the peer service
-            assert container["readinessProbe"]["grpc"]["service"] == "kvxfer.v1.PeerService"
+                # grpc.health.v1 over the engine socket: kubelet's gRPC probes cannot do mutual TLS.
+                command = container[probe]["exec"]["command"]
+                assert command[:4] == ["kvxferd", "health", "--target", engine_socket]
+                health_args = build_parser().parse_args(command[1:])
+                assert health_args.target == engine_socket
+            assert container["readinessProbe"]["exec"]["command"][-2:] == ["--service", "kvxfer.v1.PeerService"]
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
-            assert {"/run/kvxferd", "/dev/shm", "/etc/kvxferd"} <= mounts
+            assert {"/run/kvxferd", "/dev/shm", "/etc/kvxferd", "/etc/kvxferd/tls"} <= mounts
+        tls_volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+        assert "subPath" not in str(sidecars) and tls_volume["secret"]["secretName"].endswith("-peer-tls")
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        engine_container = next(c for c in pod["containers"] if c["name"] == "engine")
+        assert engine_container["securityContext"]["allowPrivilegeEscalation"] is False
         assert pod["terminationGracePeriodSeconds"] > yaml.safe_load(config_path.read_text())["drain_timeout_s"]
 
 
@@ -149,3 +164,44 @@ def test_committed_manifests_are_the_rendered_chart():
 def test_helmlite_refuses_what_it_does_not_know(template, message):
     with pytest.raises(helmlite.TemplateError, match=message):
         helmlite.Renderer({}).render_nodes(helmlite.parse(template, {}), {"Values": {"x": 1}}, {})
+
+
+def test_network_policy_admits_only_peers_and_monitoring():
+    _, by_kind = _render()
+    deployments = {d["metadata"]["name"]: d for d in by_kind["Deployment"]}
+    for policy in by_kind["NetworkPolicy"]:
+        deployment = deployments[policy["metadata"]["name"]]
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        peer, metrics, engine = policy["spec"]["ingress"]
+        named = {p["name"]: p["containerPort"] for c in _sidecars(deployment) for p in c["ports"]}
+        assert sorted(p["port"] for p in peer["ports"]) == sorted(v for k, v in named.items() if k.startswith("peer-"))
+        (source,) = peer["from"]
+        assert source["podSelector"]["matchLabels"] == {k: v for k, v in pod_labels.items()
+                                                        if k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
+        assert sorted(p["port"] for p in metrics["ports"]) == sorted(v for k, v in named.items() if k.startswith("metrics-"))
+        assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+        assert engine["ports"] == [{"port": 8000, "protocol": "TCP"}]
+        ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+        assert not ports & {47200 + g for g in range(8)}  # the notify bus is not reachable from outside
+
+
+def test_cert_manager_certificate():
+    _, by_kind = _render(values={"tls": {"certManager": {"enabled": True}}})
+    (certificate,) = by_kind["Certificate"]
+    spec = certificate["spec"]
+    assert spec["secretName"].endswith("-peer-tls") and spec["dnsNames"] == ["kvxferd-peer"]
+    assert spec["uris"][0].startswith("spiffe://cluster.local/ns/") and "client auth" in spec["usages"]
+    pod = by_kind["Deployment"][0]["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"] == spec["secretName"]
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+def test_without_tls_the_daemons_start_only_when_told_it_is_insecure(insecure, tmp_path, monkeypatch):
+    _, by_kind = _render(values={"tls": {"enabled": False}, "insecure": insecure})
+    config_path = _config_file(by_kind, tmp_path)
+    container = _sidecars(by_kind["Deployment"][0])[0]
+    monkeypatch.setenv("KVXFERD_ADVERTISE_HOST", "10.1.2.3")
+    argv = [a.replace("$(POD_NAME)", "p").replace("/etc/kvxferd/kvxferd.yaml", str(config_path)) for a in container["args"]]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert (refusal(config) is None) == insecure

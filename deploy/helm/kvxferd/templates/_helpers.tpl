@@ -18,3 +18,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "kvxferd.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
+
+{{- define "kvxferd.tlsSecret" -}}
+{{- .Values.tls.secretName | default (printf "%s-peer-tls" (include "kvxferd.fullname" .)) -}}
+{{- end -}}

@@ -1,0 +1,140 @@
+"""Issue 11: every configured limit answers RESOURCE_EXHAUSTED naming itself; INTERNAL never leaks details;
+engine TCP needs TLS and the bearer token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from kvxferd.client import DaemonProcess, EngineClient
+from kvxferd.devcerts import DevCA
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.service.peerinfo import PROTOCOL_VERSION
+from kvxferd.service.servicers import rpc
+from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.xfer.agent import NixlAgent
+from tests.security.conftest import SPIFFE
+from tests.service.helpers import engine_pb, status
+
+C = grpc.StatusCode
+GROUPS = model_groups("gqa", ModelShape())
+
+
+@pytest.fixture(scope="module")
+def limited(workdir):
+    daemon = DaemonProcess("limits", socket_dir=workdir, extra_args=(
+        "--max-engines", "2", "--max-holds-per-engine", "2", "--max-readers-per-engine", "1"))
+    yield daemon
+    daemon.terminate()
+
+
+def test_limits_name_themselves(limited):
+    arenas, clients = [], []
+    try:
+        for name in ("lim-a", "lim-b"):
+            clients.append(EngineClient(limited.engine_target))
+            clients[-1].register(engine_pb(GROUPS[0], name, arenas))
+        code, details = status(lambda: EngineClient(limited.engine_target).register(engine_pb(GROUPS[0], "lim-c", arenas)))
+        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_engines"), details
+        first = clients[0]
+        first.hold("h1", [[1]])
+        first.hold("h2", [[2]])
+        code, details = status(lambda: first.hold("h3", [[3]]))
+        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_holds_per_engine"), details
+        first.release("h1")
+        first.hold("h3", [[3]])  # room again
+        peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(limited.peer_address))
+
+        def introduce(reader: str, agent: NixlAgent):
+            return peer.GetEngineInfo(pb.EngineInfoRequest(
+                engine_id="lim-a", protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader,
+                reader_tp_rank=0, reader_tp_size=1, reader_agent_metadata=agent.metadata()), timeout=10)
+
+        introduce("reader-1", NixlAgent("lim-reader-1"))
+        code, details = status(lambda: introduce("reader-2", NixlAgent("lim-reader-2")))
+        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_readers_per_engine"), details
+    finally:
+        for client in clients:
+            client.deregister()
+            client.close()
+        for arena in arenas:
+            arena.close()
+
+
+def test_registered_bytes_are_bounded(workdir):
+    daemon = DaemonProcess("bytes", socket_dir=workdir, extra_args=("--max-registered-bytes", "4096"))
+    arenas = []
+    try:
+        code, details = status(lambda: EngineClient(daemon.engine_target).register(engine_pb(GROUPS[0], "big", arenas)))
+        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_registered_bytes"), details
+    finally:
+        daemon.terminate()
+        for arena in arenas:
+            arena.close()
+
+
+class _Context:
+    """Just enough of a servicer context to see what an RPC answers."""
+
+    def __init__(self) -> None:
+        self.aborted = None
+
+    async def abort(self, code, message):
+        self.aborted = (code, message)
+
+
+class _Broken:
+    class daemon:  # noqa: N801 - the attribute the decorator reads
+        class metrics:  # noqa: N801
+            class rpc_errors:  # noqa: N801
+                @staticmethod
+                def labels(*_):
+                    return type("C", (), {"inc": staticmethod(lambda: None)})
+
+    @rpc
+    async def Explode(self, request, context):
+        raise RuntimeError("could not open /var/secret/tenant-a.key")
+
+
+def test_internal_errors_carry_an_id_and_no_detail(caplog):
+    context = _Context()
+    with caplog.at_level(logging.ERROR, logger="kvxferd.rpc"):
+        asyncio.run(_Broken().Explode(None, context))
+    code, message = context.aborted
+    assert code == C.INTERNAL and "secret" not in message and "RuntimeError" not in message
+    error_id = message.split()[2]
+    record = next(r for r in caplog.records if getattr(r, "error_id", None) == error_id)
+    assert "tenant-a.key" in record.exc_text  # the detail is in the log, under that id
+
+
+def test_engine_tcp_needs_tls_and_the_token(workdir, ca: DevCA, tmp_path):
+    issued = ca.issue("engine-tcp", dns_names=("kvxferd-engine",), spiffe_id=SPIFFE)
+    token = "t0ken-" + "x" * 26
+    (tmp_path / "token").write_text(token)
+    daemon = DaemonProcess("tcp", socket_dir=workdir, extra_args=(
+        "--engine-tcp", "127.0.0.1:0", "--engine-token-file", str(tmp_path / "token"),
+        "--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", str(ca.cert_path),
+        "--peer-allowed-ids", SPIFFE))
+    arenas = []
+    try:
+        target = daemon.addresses["engine_tcp"]
+        assert not target.endswith(":0"), "the ready line names the bound port"
+        credentials = grpc.ssl_channel_credentials(ca.cert_path.read_bytes())
+        options = (("grpc.ssl_target_name_override", "kvxferd-engine"),)
+        plain = EngineClient(target)
+        assert status(lambda: plain.register(engine_pb(GROUPS[0], "tcp-a", arenas)))[0] == C.UNAVAILABLE
+        no_token = EngineClient(target, credentials=credentials, channel_options=options)
+        code, details = status(lambda: no_token.register(engine_pb(GROUPS[0], "tcp-a", arenas)))
+        assert code == C.UNAUTHENTICATED and details.startswith("authorization"), details
+        good = EngineClient(target, credentials=credentials, token=token, channel_options=options)
+        good.register(engine_pb(GROUPS[0], "tcp-a", arenas))
+        good.hold("r", [[1]])
+        good.deregister()
+    finally:
+        daemon.terminate()
+        for arena in arenas:
+            arena.close()
