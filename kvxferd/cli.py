@@ -2,6 +2,7 @@
 
     kvxferd serve           the daemon (gRPC engine + peer services, notify bus, metrics)
     kvxferd health          is a daemon serving? (grpc.health.v1; exit 0 or 1, for container health checks)
+    kvxferd dev-certs DIR   a throw-away CA and certificates for trying mutual TLS locally
     kvxferd demo            prefill -> decode reads over real NIXL, every byte verified
     kvxferd bench           every suite below, headline figures as a Markdown table
     kvxferd bench layout    span emission and planning benchmark (pure layers)
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvxferd import demo, serve
+from kvxferd import demo, devcerts, serve
 from kvxferd.client import health
 from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_arguments(serve_parser)
     health.add_arguments(commands.add_parser("health", help="ask a daemon whether it serves (exit 0 or 1)"))
+    devcerts.add_arguments(commands.add_parser("dev-certs", help="a throw-away CA and certificates for local mutual TLS"))
     demo_parser = commands.add_parser("demo", help="move and verify prefill->decode reads over NIXL for model presets",
                                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve.run(args)
     if args.command == "health":
         return health.run(args)
+    if args.command == "dev-certs":
+        return devcerts.run(args)
     if args.suite is None:
         return suite.run_args(args)
     suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench}

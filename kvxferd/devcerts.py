@@ -94,3 +94,22 @@ def _replace(path: pathlib.Path, data: bytes, mode: int) -> None:
     tmp.write_bytes(data)
     tmp.chmod(mode)
     tmp.replace(path)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("directory", help="where to write ca.pem, <name>.pem and <name>.key")
+    parser.add_argument("--name", action="append", default=[], help="a certificate to issue (repeatable; default: kvxferd)")
+    parser.add_argument("--dns", default="kvxferd-peer", help="DNS name in every certificate (peer_server_name)")
+    parser.add_argument("--spiffe-id", default="spiffe://kvxferd.local/kvxferd",
+                        help="URI SAN in every certificate (what peer_allowed_ids matches)")
+
+
+def run(args) -> int:
+    """``kvxferd dev-certs DIR``: a CA and certificates for trying mutual TLS locally."""
+    ca = DevCA(args.directory)
+    for name in args.name or ["kvxferd"]:
+        issued = ca.issue(name, dns_names=(args.dns,), spiffe_id=args.spiffe_id)
+        print(f"--tls-cert {issued.cert} --tls-key {issued.key} --tls-ca {ca.cert_path} "
+              f"--peer-allowed-ids {args.spiffe_id} --peer-server-name {args.dns}")
+    print("development certificates only (valid 30 days); use your PKI (e.g. cert-manager) in production")
+    return 0

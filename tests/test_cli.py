@@ -4,6 +4,11 @@ import json
 import subprocess
 import sys
 
+from kvxferd.cli import build_parser, main
+from kvxferd.service.config import config_from_args
+from kvxferd.service.exposure import refusal
+from kvxferd.service.tls import TlsFiles
+
 
 def kvxferd(*args):
     return subprocess.run([sys.executable, "-m", "kvxferd.cli", *args], capture_output=True, text=True, timeout=300)
@@ -86,3 +91,12 @@ def test_bench_runs_every_suite_into_one_markdown_table(tmp_path):
     assert all(len(row.split("|")) == 7 for row in rows)  # five cells each
     ratios = [float(row.split("|")[5]) for row in rows if row.split("|")[5].strip()]
     assert len(ratios) == 3 and all(0 < r < 2 for r in ratios)
+
+
+def test_dev_certs_writes_what_serve_accepts(tmp_path, capsys):
+    assert main(["dev-certs", str(tmp_path), "--name", "node-a"]) == 0
+    flags = capsys.readouterr().out.splitlines()[0].split()
+    config = config_from_args(build_parser().parse_args(["serve", "--peer-host", "0.0.0.0", "--advertise-host", "10.0.0.5",
+                                                         *flags]))
+    assert config.tls and refusal(config) is None  # exposed, but authenticated
+    assert TlsFiles(config.tls_cert, config.tls_key, config.tls_ca).current().generation == 0

@@ -127,7 +127,29 @@ def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: 
     _check_rt(lib, lib.cudaIpcOpenMemHandle(ctypes.byref(base), _IpcHandle.from_buffer_copy(handle),
                                                     _IPC_LAZY_ENABLE_PEER_ACCESS),
               "cudaIpcOpenMemHandle", f"{field}.handle.cuda_ipc_handle")
+    try:  # the region must lie inside the shared allocation: never expose the memory around it
+        allocation_bytes = _allocation_bytes(base.value, field)
+        if offset + num_bytes > allocation_bytes:
+            raise InvalidArgumentError(f"{field}.num_bytes", f"region [{offset}, {offset + num_bytes}) exceeds the "
+                                                             f"shared allocation of {allocation_bytes} bytes")
+    except BaseException:
+        lib.cudaIpcCloseMemHandle(base)
+        raise
     return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), lambda: lib.cudaIpcCloseMemHandle(base))
+
+
+def _address_range(address: int, field: str) -> tuple[int, int]:
+    """``(base, size)`` of the allocation holding ``address`` (``cuMemGetAddressRange``)."""
+    drv = _cuda(field)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.c_uint64]
+    _check_drv(drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange", field)
+    return base.value, size.value
+
+
+def _allocation_bytes(base: int, field: str) -> int:
+    return _address_range(base, field)[1]
 
 
 def export_ipc(address: int, field: str = "address") -> tuple[bytes, int]:
@@ -138,27 +160,34 @@ def export_ipc(address: int, field: str = "address") -> tuple[bytes, int]:
     not a bare ``cudaIpcMemHandle_t``). Needs the device's context current,
     as it is in a process that allocated on it.
     """
-    drv, lib = _cuda(field), _cudart(field)
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.c_uint64]
-    _check_drv(drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange", field)
+    lib = _cudart(field)
+    base, _size = _address_range(address, field)
     handle = _IpcHandle()
-    _check_rt(lib, lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)), "cudaIpcGetMemHandle", field)
-    return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES), address - base.value
+    _check_rt(lib, lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)), "cudaIpcGetMemHandle", field)
+    return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES), address - base
 
 
-def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
-    """Import a VMM shareable fd and map it read-write on ``device_id``; always closes ``fd``."""
+def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, *,
+               allocation_bytes: int = 0) -> GpuMapping:
+    """Import a VMM shareable fd and map all of it read-write on ``device_id``; always closes ``fd``.
+
+    CUDA maps whole allocations only, so the engine names the allocation's
+    size (``allocation_bytes``; 0: the region ends where it does); the
+    driver refuses a size that is not the allocation's, and the region must
+    lie inside it.
+    """
     try:
-        return _import_vmm(fd, offset, num_bytes, device_id, field)
+        return _import_vmm(fd, offset, num_bytes, device_id, field, allocation_bytes)
     finally:
         os.close(fd)  # an imported handle keeps the allocation alive without the fd
 
 
-def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
+def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, allocation_bytes: int) -> GpuMapping:
     if offset < 0 or num_bytes <= 0 or device_id < 0:
         raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
+    if allocation_bytes and offset + num_bytes > allocation_bytes:
+        raise InvalidArgumentError(f"{field}.num_bytes", f"region [{offset}, {offset + num_bytes}) exceeds the shared "
+                                                         f"allocation of {allocation_bytes} bytes")
     f = f"{field}.handle.cuda_vmm_fd_index"
     lib = _cuda(f)
     _check_drv(lib.cuInit(0), "cuInit", f)
@@ -169,17 +198,29 @@ def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str
     handle = ctypes.c_ulonglong()
     _check_drv(lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), _CU_HANDLE_TYPE_POSIX_FD),
                "cuMemImportFromShareableHandle", f)
-    size = -(-(offset + num_bytes) // VMM_GRANULARITY) * VMM_GRANULARITY
+    size = allocation_bytes or -(-(offset + num_bytes) // VMM_GRANULARITY) * VMM_GRANULARITY
     base = ctypes.c_ulonglong()
-    _check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                       ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", f)
-    _check_drv(lib.cuMemMap(base, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)), "cuMemMap", f)
-    access = _AccessDesc(_Location(_CU_LOCATION_DEVICE, device_id), _CU_ACCESS_READWRITE)
-    _check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess", f)
+    undo = [lambda: lib.cuMemRelease(handle)]  # run in reverse on failure, and by close()
+    try:
+        _check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                           ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", f)
+        undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(size)))
+        # cuMemMap maps whole allocations: any other size (a wrong allocation_bytes) is refused.
+        code = lib.cuMemMap(base, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
+        if code != 0:
+            raise InvalidArgumentError(f"{field}.handle.allocation_bytes", f"{size} bytes is not the size of the shared "
+                                                                           f"allocation (cuMemMap CUresult {code})")
+        undo.append(lambda: lib.cuMemUnmap(base, ctypes.c_size_t(size)))
+        access = _AccessDesc(_Location(_CU_LOCATION_DEVICE, device_id), _CU_ACCESS_READWRITE)
+        _check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
+                   "cuMemSetAccess", f)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
 
     def close() -> None:
-        lib.cuMemUnmap(base, ctypes.c_size_t(size))
-        lib.cuMemAddressFree(base, ctypes.c_size_t(size))
-        lib.cuMemRelease(handle)
+        for step in reversed(undo):
+            step()
 
     return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), close)

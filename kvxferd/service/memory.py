@@ -134,4 +134,5 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
     index = region.handle.cuda_vmm_fd_index
     if not 0 <= index < len(fds):
         raise InvalidArgumentError(f"{field}.handle.cuda_vmm_fd_index", f"index {index}, {len(fds)} fds were sent")
-    return gpu.import_vmm(os.dup(fds[index]), offset, num_bytes, region.device_id, field)
+    return gpu.import_vmm(os.dup(fds[index]), offset, num_bytes, region.device_id, field,
+                          allocation_bytes=region.handle.allocation_bytes)

@@ -11,6 +11,9 @@ the GPU; after the read the decode tensors are copied back and checked
 byte for byte against the oracle, like the host-memory tests.
 """
 
+import ctypes
+
+import grpc
 import numpy as np
 import pytest
 
@@ -21,6 +24,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
 from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
+from kvxferd.service.fdpass import fd_socket_path, send_fds  # noqa: E402
 from kvxferd.service.gpu import export_ipc  # noqa: E402
 from kvxferd.service.wire import engine_to_pb  # noqa: E402
 from kvxferd.verify.engines import allocate_engine, verify_decode  # noqa: E402
@@ -73,5 +77,124 @@ def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp):
             client.deregister()
             client.close()
     finally:
+        for daemon in daemons:
+            daemon.terminate()
+
+
+def test_an_ipc_region_beyond_its_allocation_is_refused(tmp_path):
+    """Issue 11: a region must lie inside the shared allocation (no reading the memory around it)."""
+    groups = model_groups("gqa", ModelShape())[0]
+    daemon = DaemonProcess("gb", socket_dir=str(tmp_path))
+    try:
+        _host, device, message = _gpu_engine("gbig", groups, 1, 0, False)  # device: kept alive while registering
+        message.groups[0].regions[-1].handle.offset += 1 << 40  # far past the end of the allocation
+        client = EngineClient(daemon.engine_target)
+        try:
+            with pytest.raises(Exception) as refused:
+                client.register(message)
+            assert refused.value.code().name == "INVALID_ARGUMENT", refused.value
+            assert "exceeds the shared allocation" in refused.value.details(), refused.value.details()
+        finally:
+            client.close()
+        assert device.is_cuda
+    finally:
+        daemon.terminate()
+
+
+class _VmmAllocation:
+    """A CUDA VMM allocation exportable as a POSIX fd, mapped in this process (what an engine would share)."""
+
+    def __init__(self, num_bytes: int, device_id: int = 0) -> None:
+        torch.zeros(1, device=f"cuda:{device_id}")  # the primary context, current on this thread
+        self.cuda = cuda = ctypes.CDLL("libcuda.so.1")
+
+        class Location(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+        class Flags(ctypes.Structure):
+            _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                        ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+        class Prop(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
+                        ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", Flags)]
+
+        class Access(ctypes.Structure):
+            _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+        prop = Prop(1, 1, Location(1, device_id), None, Flags())  # pinned, POSIX fd, on the device
+        granularity = ctypes.c_size_t()
+        assert cuda.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(prop), 0) == 0
+        self.size = -(-num_bytes // granularity.value) * granularity.value
+        self.handle = ctypes.c_ulonglong()
+        assert cuda.cuMemCreate(ctypes.byref(self.handle), ctypes.c_size_t(self.size), ctypes.byref(prop),
+                                ctypes.c_ulonglong(0)) == 0
+        fd = ctypes.c_int()
+        assert cuda.cuMemExportToShareableHandle(ctypes.byref(fd), self.handle, 1, ctypes.c_ulonglong(0)) == 0
+        self.fd = fd.value
+        self.address = ctypes.c_ulonglong()
+        assert cuda.cuMemAddressReserve(ctypes.byref(self.address), ctypes.c_size_t(self.size), ctypes.c_size_t(0),
+                                        ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)) == 0
+        assert cuda.cuMemMap(self.address, ctypes.c_size_t(self.size), ctypes.c_size_t(0), self.handle,
+                             ctypes.c_ulonglong(0)) == 0
+        access = Access(Location(1, device_id), 3)
+        assert cuda.cuMemSetAccess(self.address, ctypes.c_size_t(self.size), ctypes.byref(access), ctypes.c_size_t(1)) == 0
+
+    def copy(self, host: np.ndarray, to_device: bool) -> None:
+        ptr = ctypes.c_ulonglong(self.address.value)
+        if to_device:
+            assert self.cuda.cuMemcpyHtoD_v2(ptr, host.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(host.nbytes)) == 0
+        else:
+            assert self.cuda.cuMemcpyDtoH_v2(host.ctypes.data_as(ctypes.c_void_p), ptr, ctypes.c_size_t(host.nbytes)) == 0
+
+
+def test_vmm_fd_regions_read_through_daemons_and_are_bounds_checked(tmp_path):
+    """Engines share their caches as CUDA VMM fds over the fd socket; a region past the allocation is refused."""
+    prefill_groups, decode_groups = model_groups("gqa", ModelShape())
+    daemons = DaemonProcess.start_many(["v0", "v1"], socket_dir=str(tmp_path))
+    clients = [EngineClient(d.engine_target) for d in daemons]
+    try:
+        engines = []
+        for daemon, (engine_id, groups, tagged) in zip(daemons, (("vp", prefill_groups, True), ("vd", decode_groups, False))):
+            host = allocate_engine(engine_id, groups, 1, 0, tagged=tagged)
+            vmm = _VmmAllocation(host.arena.nbytes)
+            vmm.copy(host.arena, to_device=True)
+            message = engine_to_pb(host.cache, with_addresses=False)
+            message.mem_type = "VRAM"
+            for group_pb, memory in zip(message.groups, host.cache.memory):
+                for region_pb, region in zip(group_pb.regions, memory):
+                    region_pb.handle.cuda_vmm_fd_index = 0
+                    region_pb.handle.allocation_bytes = vmm.size
+                    region_pb.handle.offset = region.address - host.arena.ctypes.data
+                    region_pb.device_id = 0
+            engines.append((daemon, host, vmm, message))
+        # Bounds: a region pushed past the end of its allocation; an allocation claimed larger than it is.
+        daemon, _host, vmm, message = engines[0]
+        for n, (name, value) in enumerate((("offset", vmm.size), ("allocation_bytes", 2 * vmm.size))):
+            bad = type(message)()
+            bad.CopyFrom(message)
+            setattr(bad.groups[0].regions[-1].handle, name, value)
+            send_fds(fd_socket_path(daemon.socket), f"bad{n}", [vmm.fd])
+            with pytest.raises(grpc.RpcError) as refused:
+                clients[0].register(bad, fd_token=f"bad{n}")
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert "allocation" in refused.value.details(), refused.value.details()
+        for client, (daemon, _host, vmm, message) in zip(clients, engines):
+            send_fds(fd_socket_path(daemon.socket), "ok", [vmm.fd])
+            client.register(message, fd_token="ok")
+        request = random_request("v", prefill_groups, decode_groups, 70, np.random.default_rng(1))
+        clients[0].hold(request.remote_request_id, request.remote_block_ids)
+        clients[1].handshake("vp", [daemons[0].peer_address])
+        clients[1].submit_read(request.request_id, "vp", request.remote_request_id, request.local_block_ids,
+                               request.remote_block_ids, num_tokens=70)
+        completion = clients[1].wait_completion(request.request_id)
+        assert completion.ok, completion.error
+        _daemon, decode_host, decode_vmm, _ = engines[1]
+        torch.cuda.synchronize()
+        decode_vmm.copy(decode_host.arena, to_device=False)
+        assert verify_decode([decode_host], prefill_groups, request) == ([], 0)
+    finally:
+        for client in clients:
+            client.close()
         for daemon in daemons:
             daemon.terminate()
