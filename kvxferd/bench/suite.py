@@ -64,6 +64,12 @@ def markdown(figures: dict, command: str, seconds: float) -> str:
               _row("daemon", "submit -> posted p50 / p99", _us(o["submit_to_posted"])),
               _row("daemon", "completion -> delivered p50 / p99", _us(o["completion_to_delivered"])),
               _row("daemon", "CPU per request, all processes", f"{sum(o['cpu_us_per_request'].values()):.0f} µs")]
+    if "mtls" in dm:  # the same with mutual TLS on the peer ports
+        t, p = dm["mtls"]["bulk"], dm["mtls"]["overhead"]
+        lines += [_row("daemon", "bulk read, peer ports on mutual TLS", f"{t['daemon_gbps']:.2f} GB/s",
+                       f"{t['raw_gbps']:.2f} GB/s", t["ratio"]),
+                  _row("daemon", "end to end p50 / p99, mutual TLS", _us(p["end_to_end"]), _us(p["raw_nixl"])),
+                  _row("daemon", "handshake, plain / mutual TLS", f"{b['handshake_ms']:.2f} / {t['handshake_ms']:.2f} ms")]
     return "\n".join(lines) + "\n"
 
 
