@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvxferd import demo, devcerts, serve
+from kvxferd import demo, serve
 from kvxferd.client import health
+from kvxferd.verify import certs as devcerts
 from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
 from kvxferd.bench import layout as layout_bench

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 
 from kvxferd.bench.common import bench_main
-from kvxferd.devcerts import DevCA
+from kvxferd.verify.certs import DevCA
 from kvxferd.bench.raw import RawReader
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import ReadRequest
@@ -209,7 +209,7 @@ def _mean(a, b):
     """Numbers averaged leaf by leaf; anything else taken from ``a``."""
     if isinstance(a, dict):
         return {key: _mean(value, b[key]) for key, value in a.items()}
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and a != b:
         return (a + b) / 2
     return a
 
@@ -233,7 +233,7 @@ def _format_one(f: dict) -> str:
              f"({b['daemon_ms']:.1f} ms)   ratio {b['ratio']:.3f}   handshake {b['handshake_ms']:.2f} ms",
              "",
              f"per request: {o['requests']} requests of {o['bytes_per_request'] / 2**10:.0f} KiB offered at "
-             f"{o['rate_per_s']:.0f}/s (achieved {o['achieved_rate_per_s']:.0f}/s), {o['failed']} failed",
+             f"{o['rate_per_s']:.0f}/s (achieved {o['achieved_rate_per_s']:.0f}/s), {o['failed']:g} failed",
              f"  {'':<34}{'p50 us':>9}{'p99 us':>9}"]
     for key, label in (("submit_call", "SubmitRead call (client)"), ("submit_to_posted", "submit -> posted (daemon)"),
                        ("completion_to_delivered", "completion -> delivered (engine)"),

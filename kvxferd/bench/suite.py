@@ -24,7 +24,7 @@ QUICK = {
     "layout": dict(num_layers=2, num_blocks=2000, repeat=1),
     "xfer": dict(rounds=1, bulk_layers=2, bulk_blocks=16, build_layers=2, build_blocks=200, planning_layers=2,
                  planning_blocks=20),
-    "daemon": dict(rounds=1, bulk_layers=2, bulk_blocks=32, rate_per_s=200.0, num_requests=40),
+    "daemon": dict(rounds=1, bulk_layers=2, bulk_blocks=32, rate_per_s=200.0, num_requests=40, mtls=False),
 }
 
 

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxferd.devcerts import DevCA
+from kvxferd.verify.certs import DevCA
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request

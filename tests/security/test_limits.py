@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvxferd.client import DaemonProcess, EngineClient
-from kvxferd.devcerts import DevCA
+from kvxferd.verify.certs import DevCA
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.service.peerinfo import PROTOCOL_VERSION
