@@ -14,6 +14,7 @@ from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_
 from kvxferd.integrations.vllm.scheduler import RankDaemon, SchedulerSide, real_blocks
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
 from kvxferd.integrations.vllm.worker import WorkerSide
+from kvxferd.service.config import DaemonConfig
 
 GOOD = RemotePrefill(kvxferd=1, remote_engine_id="p", remote_request_id="r-1", remote_peer_addresses=["127.0.0.1:1"],
                      remote_block_ids=[[4, 5]], remote_num_tokens=40, remote_lease_expiry_unix_s=1.0).to_params()
@@ -45,7 +46,7 @@ def test_params_round_trip_and_prefill_errors():
 
 def test_settings_defaults_match_the_daemon_and_bad_options_are_named(monkeypatch):
     monkeypatch.delenv("KVXFERD_SOCKET_DIR", raising=False)
-    assert load_settings({}).socket_for(0, 1) == "/tmp/kvxferd-engine.sock"  # kvxferd serve's default
+    assert load_settings({}).socket_for(0, 1) == DaemonConfig().engine_socket_path  # kvxferd serve's default
     with pytest.raises(ValueError, match="engine_socket"):
         load_settings({}).socket_for(1, 2)
     monkeypatch.setenv("KVXFERD_SOCKET_DIR", "/run/kvxferd")

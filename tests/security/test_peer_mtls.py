@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from kvxferd.bench.raw import RawReader
 from kvxferd.verify.certs import DevCA
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -103,3 +104,28 @@ def test_an_allowed_identity_is_served(cluster, ca):
     assert codes == {"incarnation (real id)": C.OK, "incarnation (invented id)": C.NOT_FOUND,
                      # no reader agent metadata: no metadata or addresses in return
                      "engine info": C.INVALID_ARGUMENT, "renew inf": C.INVALID_ARGUMENT}
+
+
+def test_a_plain_nixl_agent_reads_a_tenants_cache_only_with_an_allowed_certificate(cluster, ca):
+    """Attack 3: with the agent metadata a bare NIXL agent reads the cache; the metadata needs an allowed identity."""
+    request = random_request("raw-steal", *GROUPS, 32, np.random.default_rng(7))
+    addresses = [d.peer_address for d in cluster.prefill_daemons]
+    stranger = credentials_of(ca, ca.issue("thief", dns_names=("kvxferd-peer",),
+                                           spiffe_id="spiffe://kvxferd.test/ns/other-tenant/sa/app"))
+    with pytest.raises(grpc.RpcError) as refused:
+        RawReader(cluster.decode[0].cache, cluster.prefill_id, addresses, "thief-agent", stranger)
+    assert refused.value.code() == C.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as refused:
+        RawReader(cluster.decode[0].cache, cluster.prefill_id, addresses, "thief-agent-2")  # no certificate at all
+    assert refused.value.code() == C.UNAVAILABLE
+    # The control: the same bare agent with an allowed certificate does read the bytes, so the test can tell.
+    cluster.reset_decode()
+    allowed = credentials_of(ca, ca.issue("allowed-raw", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE))
+    reader = RawReader(cluster.decode[0].cache, cluster.prefill_id, addresses, "allowed-agent", allowed)
+    prepared = reader.prepare(request)
+    try:
+        reader.read(prepared)
+    finally:
+        reader.release(prepared)
+        reader.close()
+    assert cluster.verify(request) == ([], 0)

@@ -13,9 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvxferd.service.config import DaemonConfig, first_error
-
-SERVE_DEFAULT_SOCKET = DaemonConfig.model_fields["engine_socket"].default
+from kvxferd.service.config import default_engine_socket, first_error
 
 
 class ConnectorSettings(BaseModel):
@@ -36,7 +34,7 @@ class ConnectorSettings(BaseModel):
         if socket_dir := os.environ.get("KVXFERD_SOCKET_DIR"):
             return os.path.join(socket_dir, f"gpu{rank}.sock")
         if tp_size == 1:
-            return SERVE_DEFAULT_SOCKET
+            return default_engine_socket()  # what `kvxferd serve` with no options listens on
         raise ValueError("kv_connector_extra_config.engine_socket: set it (e.g. \"/run/kvxferd/gpu{rank}.sock\") or "
                          "KVXFERD_SOCKET_DIR when the engine has more than one TP rank")
 
