@@ -34,8 +34,8 @@ ENV PATH=/opt/kvxferd/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
 USER 10001:10001
 # peer (gRPC), notify bus (ZMQ PUB), metrics (Prometheus)
 EXPOSE 47100 47200 9464
-# grpc.health.v1 on the peer service; in Kubernetes the chart uses gRPC probes instead.
+# grpc.health.v1 over the engine socket (KVXFERD_ENGINE_SOCKET): the peer port may speak mutual TLS only.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["kvxferd", "health", "--target", "127.0.0.1:47100"]
+    CMD ["kvxferd", "health"]
 ENTRYPOINT ["kvxferd"]
 CMD ["serve"]

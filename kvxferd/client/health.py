@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvxferd.service.config import default_engine_socket
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:47100",
-                        help="the daemon's peer address host:port, or unix:<engine socket> (default 127.0.0.1:47100)")
+    parser.add_argument("--target", default=None,
+                        help="unix:<engine socket> or host:port of a plaintext listener (default: the engine socket "
+                             "of `kvxferd serve` as configured by KVXFERD_ENGINE_SOCKET, KVXFERD_DAEMON_ID and "
+                             "KVXFERD_RUNTIME_DIR); the peer port speaks mutual TLS when TLS is on, so ask the "
+                             "engine socket")
     parser.add_argument("--service", default="", help="a service name (e.g. kvxfer.v1.PeerService); default: the daemon")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="give up after this long (default 3)")
 
@@ -27,8 +33,16 @@ def check(target: str, service: str = "", timeout_s: float = 3.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def default_target() -> str:
+    """The engine socket a daemon started with the same environment listens on, as a gRPC target."""
+    socket_path = os.environ.get("KVXFERD_ENGINE_SOCKET") or default_engine_socket(
+        os.environ.get("KVXFERD_DAEMON_ID", "kvxferd"), os.environ.get("KVXFERD_RUNTIME_DIR"))
+    return f"unix:{socket_path}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when serving, 1 otherwise; prints the status."""
-    status = check(args.target, args.service, args.timeout_s)
-    print(f"{args.target} {args.service or '(daemon)'}: {status}", file=sys.stdout if status == "SERVING" else sys.stderr)
+    target = args.target or default_target()
+    status = check(target, args.service, args.timeout_s)
+    print(f"{target} {args.service or '(daemon)'}: {status}", file=sys.stdout if status == "SERVING" else sys.stderr)
     return 0 if status == "SERVING" else 1

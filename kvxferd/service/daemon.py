@@ -25,7 +25,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -43,6 +42,7 @@ from kvxferd.service.dataplane import DaemonRead, DataPlane, ReadDone, error_res
 from kvxferd.service.engines import Registry
 from kvxferd.service.exposure import insecure_listeners, refusal, ucx_net_devices
 from kvxferd.service.fdpass import FdInbox, fd_socket_path
+from kvxferd.service.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
 from kvxferd.service.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.peers import Peers, RemoteLink
@@ -57,10 +57,6 @@ GIL_SWITCH_INTERVAL_S = 200e-6
 SERVICES = ("kvxfer.v1.EngineService", "kvxfer.v1.PeerService")
 
 
-class StartupError(Exception):
-    """The daemon could not start (exit code 3)."""
-
-
 class Daemon:
     """Everything one ``kvxferd serve`` process runs."""
 
@@ -70,7 +66,7 @@ class Daemon:
         self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca) if config.tls else None
         if self.tls is not None:
             self.tls.on_reload = self.metrics.tls_reloads.inc
-        self.engine_token = _read_token(config.engine_token_file) if config.engine_token_file else None
+        self.engine_token = read_token(config.engine_token_file) if config.engine_token_file else None
         self.socket_path = config.engine_socket_path
         self.dataplane = DataPlane(self._read_done_threadsafe, self._hold_event_threadsafe,
                                    interval_s=config.poll_interval_s, metrics=self.metrics)
@@ -98,7 +94,7 @@ class Daemon:
             gid = group_id(config.engine_socket_group)
             if config.engine_socket is None:  # the default directory is ours alone
                 prepare_private_dir(os.path.dirname(self.socket_path), gid)
-            _claim_unix_socket(self.socket_path)  # first: never touch a live daemon's files
+            claim_unix_socket(self.socket_path)  # first: never touch a live daemon's files
             self._owns_socket = True
             self.dataplane.start()
             self.bus = NotifyBus(config.notify_host, config.notify_port, history=config.event_history,
@@ -122,12 +118,12 @@ class Daemon:
             pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
             pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
             with socket_umask(gid):
-                _bind(engine_server, f"unix:{self.socket_path}")
+                bind(engine_server, f"unix:{self.socket_path}")
             restrict_socket(self.socket_path, gid)
             if config.engine_tcp:  # TLS (server side) plus the bearer token checked per call
-                tcp_port = _bind(engine_server, config.engine_tcp, _engine_tls(self.tls))
+                tcp_port = bind(engine_server, config.engine_tcp, engine_tls(self.tls))
             peer_credentials = self.tls.server_credentials() if self.tls is not None else None
-            peer_port = _bind(peer_server, f"{_host(config.peer_host)}:{config.peer_port}", peer_credentials)
+            peer_port = bind(peer_server, f"{bracket_host(config.peer_host)}:{config.peer_port}", peer_credentials)
             for server in (engine_server, peer_server):
                 await server.start()
                 self._servers.append(server)
@@ -143,8 +139,8 @@ class Daemon:
         for service in (*SERVICES, ""):
             await _set_health(self._health, service, health_pb2.HealthCheckResponse.SERVING)
         host = config.advertise_host or config.peer_host
-        self.addresses = {"engine": f"unix:{self.socket_path}", "peer": f"{_host(host)}:{peer_port}",
-                          "notify": self.bus.address, "metrics": f"http://{_host(config.metrics_host)}:{metrics_port}/metrics"}
+        self.addresses = {"engine": f"unix:{self.socket_path}", "peer": f"{bracket_host(host)}:{peer_port}",
+                          "notify": self.bus.address, "metrics": f"http://{bracket_host(config.metrics_host)}:{metrics_port}/metrics"}
         if config.engine_tcp:
             self.addresses["engine_tcp"] = f"{config.engine_tcp.rsplit(':', 1)[0]}:{tcp_port}"
         self.spawn(self._maintenance())
@@ -311,52 +307,6 @@ async def _set_health(servicer, service: str, status) -> None:
     result = servicer.set(service, status)
     if asyncio.iscoroutine(result):
         await result
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _read_token(path: str) -> str:
-    try:
-        token = open(path, encoding="utf-8").read().strip()
-    except (OSError, UnicodeDecodeError) as err:
-        raise StartupError(f"engine_token_file: {err}") from None
-    if len(token) < 16:
-        raise StartupError("engine_token_file: the token must have at least 16 characters")
-    return token
-
-
-def _engine_tls(tls: TlsFiles) -> grpc.ServerCredentials:
-    """TLS for engine_tcp: the daemon's certificate; engines authenticate with the bearer token."""
-    material = tls.current()
-    return grpc.ssl_server_credentials([(material.key, material.cert)])
-
-
-def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
-    try:
-        port = (server.add_secure_port(address, credentials) if credentials is not None
-                else server.add_insecure_port(address))
-    except RuntimeError as err:
-        raise StartupError(f"cannot listen on {address}: {err}") from None
-    if port == 0 and not address.startswith("unix:"):
-        raise StartupError(f"cannot listen on {address} (in use?)")
-    return port
-
-
-def _claim_unix_socket(path: str) -> None:
-    """Remove a dead daemon's socket file; refuse to steal a live one."""
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: left over from a crash
-        return
-    finally:
-        probe.close()
-    raise StartupError(f"another process already serves the engine socket {path}")
 
 
 async def serve(config: DaemonConfig) -> int:

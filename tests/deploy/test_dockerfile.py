@@ -30,7 +30,9 @@ def test_multi_stage_non_root_daemon_with_health_check():
     assert users and not re.match(r"(root|0)(:|$)", users[-1])
     assert ("ENTRYPOINT", '["kvxferd"]') in runtime and ("CMD", '["serve"]') in runtime
     (health,) = [args for op, args in runtime if op == "HEALTHCHECK"]
-    assert '"kvxferd", "health"' in health and "47100" in health
+    assert '"kvxferd", "health"' in health
+    # the default target is the engine socket the image's environment names, never the (TLS) peer port
+    assert "KVXFERD_ENGINE_SOCKET=/run/kvxferd/engine.sock" in (ROOT / "Dockerfile").read_text() and "47100" not in health
     # torch comes from the chosen index before the package, never the CUDA build by accident.
     runs = [args for op, args in build if op == "RUN"]
     torch_step = next(i for i, args in enumerate(runs) if "torch==" in args)

@@ -1,5 +1,6 @@
 """``kvxferd serve``: loopback defaults, exit codes for bad configuration and failed start-up."""
 
+import os
 import signal
 import socket
 import subprocess
@@ -53,22 +54,24 @@ def test_start_up_failure_exits_3(workdir):
                               "--peer-port", "0", "--notify-port", "0", "--metrics-port", "0"],
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 3 and "already serves the engine socket" in run.stdout
-        import os
         assert os.path.exists(first.socket) and os.path.exists(first.socket + ".fds")  # left alone
     finally:
         assert first.terminate() == 0
 
 
 def test_health_command_answers_for_a_live_daemon_only(workdir):
-    def health(*args):
+    def health(*args, env=None):
         return subprocess.run([sys.executable, "-m", "kvxferd", "health", *args], capture_output=True, text=True,
-                              timeout=60)
+                              timeout=60, env=env)
     daemon = DaemonProcess("health", socket_dir=workdir)
     try:
         for args in (("--target", daemon.peer_address), ("--target", daemon.engine_target),
                      ("--target", daemon.peer_address, "--service", "kvxfer.v1.PeerService")):
             run = health(*args)
             assert run.returncode == 0 and "SERVING" in run.stdout, (args, run.stderr)
+        # no --target: the engine socket the environment names (what the image's HEALTHCHECK relies on)
+        run = health(env={**os.environ, "KVXFERD_ENGINE_SOCKET": daemon.socket})
+        assert run.returncode == 0 and f"unix:{daemon.socket}" in run.stdout, run.stderr
         run = health("--target", daemon.peer_address, "--service", "no.such.Service")
         assert run.returncode == 1 and "NOT_FOUND" in run.stderr
     finally:
