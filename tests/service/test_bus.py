@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import zmq
 
 from kvxferd.client.notify import NotifySubscriber
 from kvxferd.errors import InvalidArgumentError
@@ -63,6 +64,18 @@ def test_late_subscriber_gets_everything_in_order_once(bus):
     subscriber.close()
 
 
+def _rebind(port: int) -> NotifyBus:
+    """A bus on the port a closed one used: ZMQ closes sockets in its I/O thread, so the port frees a moment later."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return NotifyBus("127.0.0.1", port, history=100)
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def test_subscriber_follows_a_restarted_daemon_whose_sequence_starts_again():
     """Issue 14 (client advice): after a daemon restart, seq counts from 1 again and ZMQ re-subscribes
     only once the socket is touched; the subscriber ignored every new event as 'already seen'."""
@@ -74,7 +87,7 @@ def test_subscriber_follows_a_restarted_daemon_whose_sequence_starts_again():
     assert [subscriber.next(2.0).seq for _ in range(5)] == [1, 2, 3, 4, 5]
     port = int(old.address.rsplit(":", 1)[1])
     old.close()
-    new = NotifyBus("127.0.0.1", port, history=100)  # same address, as a restarted daemon
+    new = _rebind(port)  # same address, as a restarted daemon
     try:
         client.register(new)
         new.publish("e", "EXPIRED", "new1")  # before the subscriber touched its socket again
