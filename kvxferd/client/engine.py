@@ -5,6 +5,16 @@ a message naming the bad field. Completions arrive on a background stream
 and wait in :meth:`EngineClient.wait_completion`; heartbeats keep the
 registration alive while the client lives.
 
+Reads go in batches over the ``Reads`` stream (:meth:`EngineClient.submit_reads`:
+one message per engine step, no reply to wait for); its completions come
+back on the same stream, numbered. The client acks what it has in its next
+batch (or every ``ACK_EVERY`` completions), and after a broken stream
+:meth:`EngineClient.reconnect_reads` gets every unacked completion again,
+dropping the ones it already has: none lost, none twice. A read the daemon
+refuses comes back as a completion with ``refused_code`` set. The unary
+``SubmitRead`` (:meth:`EngineClient.submit_read`, raises on refusal) and
+``WatchCompletions`` (``reads_stream=False``) stay for simple clients.
+
 ``Register`` returns a session; the client sends it with every later call
 (metadata ``kvxferd-session``), so no other local process can act as this
 engine. Registering again from the same client replaces the registration;
@@ -13,6 +23,7 @@ another client gets ALREADY_EXISTS while this one is alive.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -21,13 +32,14 @@ import grpc
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.wire import ids_to_pb
-
+from kvxferd.service.wire import ids_to_pb, read_spec_to_pb
 
 SESSION_KEY = "kvxferd-session"
+ACK_EVERY = 64  # completions received before an ack-only batch (acks ride on read batches otherwise)
 
 
-class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamStreamClientInterceptor):
     """Adds the engine's session (and the engine_tcp bearer token) to every call."""
 
     def __init__(self, client: "EngineClient") -> None:
@@ -47,16 +59,32 @@ class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
     def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
 
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def _fields(spec: pb.ReadSpec) -> dict:
+    return {field.name: value for field, value in spec.ListFields() if field.name != "resend"}
+
+
+def _batches(first: pb.ReadBatch, outbox: queue.SimpleQueue):
+    """What the Reads stream sends: the opening batch, then whatever is put in the outbox until None."""
+    yield first
+    while (batch := outbox.get()) is not None:
+        yield batch
+
 
 class EngineClient:
     """One engine rank's connection to its local daemon."""
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
-                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
+                 channel_options: Sequence[tuple[str, object]] = (), reads_stream: bool = True) -> None:
         """``target``: ``unix:PATH`` (the default daemon socket) or, with ``credentials`` (TLS) and
-        ``token``, the daemon's ``engine_tcp`` address (``channel_options`` e.g. a TLS target name override)."""
+        ``token``, the daemon's ``engine_tcp`` address (``channel_options`` e.g. a TLS target name override).
+        ``reads_stream=False``: completions over ``WatchCompletions`` instead of the ``Reads`` stream."""
         self.target = target
+        self.reads_stream = reads_stream
         self.timeout_s = timeout_s
         self.session, self.token = "", token
         options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
@@ -75,6 +103,10 @@ class EngineClient:
         self._threads: list[threading.Thread] = []
         self._stream = None
         self.stream_error: grpc.RpcError | None = None
+        self._outbox: queue.SimpleQueue | None = None  # batches for the Reads stream
+        self._last_seq = self._acked_seq = 0  # completions had / acked on this registration
+        self._pending: dict[str, pb.ReadSpec] = {}  # sent on the Reads stream, no completion yet
+        self.num_duplicates_dropped = 0  # completions sent again after a reconnect that this client had
 
     # ---- registration -------------------------------------------------------------
     def register(self, engine: pb.EngineRank, *, lease_s: float = 0.0, heartbeat_s: float | None = None,
@@ -94,9 +126,10 @@ class EngineClient:
             self._stream.cancel()
         self.engine_id, self.notify_address = engine.engine_id, reply.notify_address
         self.notify_last_seq, self.incarnation = reply.notify_last_seq, reply.incarnation
-        self.stream_error = None
-        self._stream = stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
-        self._start(lambda: self._watch(stream))
+        with self._cond:
+            self._last_seq = self._acked_seq = 0  # a new registration numbers from 1
+            self._pending.clear()  # reads of the old registration failed with it
+        self._open_stream()
         interval_s = heartbeat_s if heartbeat_s is not None else (lease_s or 30.0) / 3
         if first and interval_s > 0:
             self._start(lambda: self._heartbeat(interval_s))
@@ -114,12 +147,47 @@ class EngineClient:
             except grpc.RpcError:
                 pass  # the daemon restarted or is draining; register() again
 
-    def _watch(self, stream) -> None:
+    def _open_stream(self) -> None:
+        self.stream_error = None
+        if not self.reads_stream:
+            self._stream = stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
+            self._start(lambda: self._watch(stream, lambda item: (item,)))
+            return
+        if self._outbox is not None:
+            self._outbox.put(None)  # ends the old request iterator
+        self._outbox = outbox = queue.SimpleQueue()
+        with self._cond:
+            # Reads whose batch may have been lost with the old stream go again, marked: the daemon
+            # skips those it has (in flight or completed but not acked), so none runs twice.
+            resent = [pb.ReadSpec(resend=True, **_fields(spec)) for spec in self._pending.values()]
+            first = pb.ReadBatch(engine_id=self.engine_id, ack_seq=self._last_seq, reads=resent)
+            self._acked_seq = self._last_seq
+        self._stream = stream = self.stub.Reads(_batches(first, outbox))
+        self._start(lambda: self._watch(stream, lambda item: item.completions))
+
+    def reconnect_reads(self) -> None:
+        """Open a new completion stream (after a broken one); unacked completions come again, deduplicated."""
+        if self._stream is not None:
+            self._stream.cancel()
+        self._open_stream()
+
+    def _watch(self, stream, completions_of) -> None:
         try:
-            for completion in stream:
+            for item in stream:
+                ack = None
                 with self._cond:
-                    self._completions[completion.request_id] = (completion, time.time())
+                    for completion in completions_of(item):
+                        if completion.seq and completion.seq <= self._last_seq:
+                            self.num_duplicates_dropped += 1  # sent again after a reconnect; this client has it
+                            continue
+                        self._last_seq = max(self._last_seq, completion.seq)
+                        self._pending.pop(completion.request_id, None)
+                        self._completions[completion.request_id] = (completion, time.time())
                     self._cond.notify_all()
+                    if self.reads_stream and self._last_seq - self._acked_seq >= ACK_EVERY:
+                        ack = self._acked_seq = self._last_seq
+                if ack is not None and stream is self._stream:
+                    self._outbox.put(pb.ReadBatch(ack_seq=ack))
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
                 self.stream_error = err
@@ -135,6 +203,8 @@ class EngineClient:
         self._stop.set()
         if self._stream is not None:
             self._stream.cancel()
+        if self._outbox is not None:
+            self._outbox.put(None)
         self._raw_channel.close()
 
     # ---- reads ----------------------------------------------------------------------
@@ -154,6 +224,23 @@ class EngineClient:
         """Submit a read; returns once the daemon accepted it (completion comes later)."""
         self.stub.SubmitRead(self._read_message(request_id, remote_engine_id, remote_request_id, local_block_ids,
                                                 remote_block_ids, num_tokens, deadline_s), timeout=self.timeout_s)
+
+    @staticmethod
+    def read_spec(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids, remote_block_ids,
+                  *, num_tokens: int = 0, deadline_s: float = 0.0) -> pb.ReadSpec:
+        """One read for :meth:`submit_reads` (block ids per cache group)."""
+        return read_spec_to_pb(request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
+                               num_tokens, deadline_s)
+
+    def submit_reads(self, reads: Sequence[pb.ReadSpec]) -> None:
+        """Send a batch of reads on the Reads stream; never blocks. Refusals come back as completions."""
+        if not self.reads_stream or self._outbox is None:
+            raise RuntimeError("submit_reads needs a registered client with reads_stream=True")
+        with self._cond:
+            ack = self._acked_seq = self._last_seq
+            for spec in reads:
+                self._pending[spec.request_id] = spec
+        self._outbox.put(pb.ReadBatch(reads=reads, ack_seq=ack))
 
     def submit_read_async(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                           remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> grpc.Future:

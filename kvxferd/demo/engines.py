@@ -152,9 +152,9 @@ class DecodeEngine(EngineRanks):
             engine.reset()
         start = time.perf_counter()
         for client in self.clients:
-            client.submit_read(request.request_id, remote_engine_id, request.remote_request_id,
-                               request.local_block_ids, request.remote_block_ids,
-                               num_tokens=request.num_tokens or 0, deadline_s=timeout_s)
+            client.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
+                                                  request.local_block_ids, request.remote_block_ids,
+                                                  num_tokens=request.num_tokens or 0, deadline_s=timeout_s)])
         completions = [client.wait_completion(request.request_id, timeout_s + 5) for client in self.clients]
         latency_s = time.perf_counter() - start
         ok = all(c.ok for c in completions)

@@ -1,20 +1,65 @@
-"""The notification a reader sends every remote rank holding a request's data.
+"""The notification a reader sends every remote rank holding a request's data, and the holder's ack.
 
 Sent over NIXL (attached to the transfer when the rank was read, standalone
-otherwise). It names the prefill-side request, the reader, whether the read
-succeeded, and how many readers the prefill rank must hear from before it
-may free the request's blocks (every reader computes the same count from the
-TP mapping). Decoding validates everything: notifications come from peers.
+otherwise). A notice names the prefill-side request, the reader, whether the
+read succeeded, and how many readers the prefill rank must hear from before
+it may free the request's blocks. The holder answers with an ack saying
+whether the hold was alive when the notice came.
+
+Both are small fixed binary records (encoding one is ~1 µs, a JSON object
+was ~5 µs each way), validated field by field on decode: they come from
+peers::
+
+    offset  size  field
+         0     2  magic           b"KN" notice | b"KA" ack
+         2     1  version         1
+         3     1  flags           bit 0: ok (notice) / alive (ack)
+         4     2  reader_rank     little-endian u16
+         6     2  expected        u16: readers to expect (notice, >= 1); 0 in an ack
+         8     2  len(request_id)         u16, 1..MAX_ID_BYTES
+        10     2  len(reader_engine_id)   u16, 1..MAX_ID_BYTES
+        12     .  request_id, reader_engine_id (UTF-8), nothing after
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+import struct
+from dataclasses import dataclass
 
 from kvxferd.errors import InvalidArgumentError
 
-NOTICE_VERSION = 1
+RECORD_VERSION = 1
+MAX_ID_BYTES = 512
+_HEADER = struct.Struct("<2sBBHHHH")
+_NOTICE, _ACK = b"KN", b"KA"
+
+
+def _encode(magic: bytes, flag: bool, reader_rank: int, expected: int, request_id: str, reader_engine_id: str) -> bytes:
+    rid, eid = request_id.encode(), reader_engine_id.encode()
+    return _HEADER.pack(magic, RECORD_VERSION, int(flag), reader_rank, expected, len(rid), len(eid)) + rid + eid
+
+
+def _decode(message: bytes, magic: bytes, field: str) -> tuple[bool, int, int, str, str]:
+    """(flag, reader_rank, expected, request_id, reader_engine_id) of a peer's record, every field checked."""
+    if not isinstance(message, (bytes, bytearray)) or len(message) < _HEADER.size:
+        raise InvalidArgumentError(field, f"not a kvxferd {field}: {len(message or b'')} bytes")
+    got_magic, version, flags, reader_rank, expected, rid_len, eid_len = _HEADER.unpack_from(message)
+    if got_magic != magic:
+        raise InvalidArgumentError(field, f"not a kvxferd {field}: starts with {bytes(message[:2])!r}")
+    if version != RECORD_VERSION:
+        raise InvalidArgumentError(f"{field}.version", f"unsupported {field} version {version}")
+    if flags > 1:
+        raise InvalidArgumentError(f"{field}.flags", f"unknown flags {flags:#x}")
+    if not (0 < rid_len <= MAX_ID_BYTES and 0 < eid_len <= MAX_ID_BYTES):
+        raise InvalidArgumentError(field, f"id lengths {rid_len}, {eid_len} outside [1, {MAX_ID_BYTES}]")
+    if len(message) != _HEADER.size + rid_len + eid_len:
+        raise InvalidArgumentError(field, f"{len(message)} bytes, the header announces {_HEADER.size + rid_len + eid_len}")
+    try:
+        request_id = bytes(message[_HEADER.size:_HEADER.size + rid_len]).decode()
+        reader_engine_id = bytes(message[_HEADER.size + rid_len:]).decode()
+    except UnicodeDecodeError as err:
+        raise InvalidArgumentError(field, f"ids are not UTF-8: {err}") from None
+    return bool(flags), reader_rank, expected, request_id, reader_engine_id
 
 
 @dataclass(frozen=True)
@@ -28,33 +73,15 @@ class ReadNotice:
     ok: bool = True
 
     def encode(self) -> bytes:
-        return json.dumps({"v": NOTICE_VERSION, **asdict(self)}, separators=(",", ":")).encode()
+        return _encode(_NOTICE, self.ok, self.reader_rank, self.expected_readers, self.request_id, self.reader_engine_id)
 
     @classmethod
     def decode(cls, message: bytes) -> "ReadNotice":
         """Parse a peer's message; raises :class:`InvalidArgumentError` naming the field."""
-        checks = {"request_id": str, "reader_engine_id": str, "reader_rank": int, "expected_readers": int, "ok": bool}
-        data = _decode_fields(message, "v", NOTICE_VERSION, checks, "notification")
-        if data["reader_rank"] < 0 or data["expected_readers"] < 1:
-            raise InvalidArgumentError("notification", f"bad reader rank or count in {message[:80]!r}")
-        return cls(**data)
-
-
-def _decode_fields(message: bytes, marker: str, version: int, checks: dict, field: str) -> dict:
-    """The JSON object of a peer's message, its version and field types checked."""
-    try:
-        data = json.loads(message)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidArgumentError(field, f"not a kvxferd {field}: {err}") from None
-    if not isinstance(data, dict) or data.get(marker) != version:
-        raise InvalidArgumentError(f"{field}.{marker}", f"unsupported {field} version in {message[:80]!r}")
-    for name, kind in checks.items():
-        value = data.get(name)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise InvalidArgumentError(f"{field}.{name}", f"expected {kind.__name__}, got {value!r}")
-    return {name: data[name] for name in checks}
-
-ACK_VERSION = 1
+        ok, reader_rank, expected, request_id, reader_engine_id = _decode(message, _NOTICE, "notification")
+        if expected < 1:
+            raise InvalidArgumentError("notification.expected_readers", "a notice must expect at least one reader")
+        return cls(request_id, reader_engine_id, reader_rank, expected, ok)
 
 
 @dataclass(frozen=True)
@@ -72,14 +99,17 @@ class ReadAck:
     alive: bool
 
     def encode(self) -> bytes:
-        return json.dumps({"ack": ACK_VERSION, **asdict(self)}, separators=(",", ":")).encode()
+        return _encode(_ACK, self.alive, self.reader_rank, 0, self.request_id, self.reader_engine_id)
 
     @classmethod
     def decode(cls, message: bytes) -> "ReadAck":
         """Parse a holder's ack; raises :class:`InvalidArgumentError` naming the field."""
-        checks = {"request_id": str, "reader_engine_id": str, "reader_rank": int, "alive": bool}
-        return cls(**_decode_fields(message, "ack", ACK_VERSION, checks, "ack"))
+        alive, reader_rank, expected, request_id, reader_engine_id = _decode(message, _ACK, "ack")
+        if expected != 0:
+            raise InvalidArgumentError("ack", "an ack carries no reader count")
+        return cls(request_id, reader_engine_id, reader_rank, alive)
+
 
 def is_ack(message: bytes) -> bool:
-    """Acks and notices share the NIXL channel; acks start with their own key."""
-    return message.startswith(b'{"ack"')
+    """Acks and notices share the NIXL channel; each record starts with its magic."""
+    return message[:2] == _ACK

@@ -76,6 +76,9 @@ class DaemonConfig(BaseSettings):
     max_holds_per_engine: int = Field(100_000, ge=1, description="requests one engine rank may hold at once")
     max_registered_bytes: int = Field(1 << 40, ge=1, description="bytes of engine memory registered on this daemon in all")
     max_readers_per_engine: int = Field(1024, ge=1, description="reader agents introduced to one engine rank at once")
+    max_reads_per_engine: int = Field(8192, ge=1, description="reads of one engine rank in flight or with a completion "
+                                                               "it has not acked yet")
+    max_reads_per_batch: int = Field(1024, ge=1, description="reads in one batch of the Reads stream")
     max_concurrent_streams: int = Field(256, ge=1, description="concurrent gRPC calls per connection")
     max_fds_per_token: int = Field(1024, ge=1, le=4096, description="file descriptors one fd-socket message may carry")
     max_fd_tokens: int = Field(256, ge=1, description="fd-socket deliveries waiting for their Register at once")
@@ -85,7 +88,8 @@ class DaemonConfig(BaseSettings):
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
     handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
     peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")
-    poll_interval_s: float = Field(500e-6, gt=0, le=0.1, description="longest sleep of the data-plane thread between NIXL polls (s)")
+    poll_interval_s: float = Field(100e-6, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
+                                   "while requests are held (how soon a reader's notice is acknowledged) (s)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
 

@@ -34,11 +34,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, PermissionDeniedError
 from kvxferd.plan.leases import HoldEnd
-from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.service.bus import NotifyBus
 from kvxferd.service.config import DaemonConfig
-from kvxferd.service.dataplane import DaemonRead, DataPlane, ReadDone, error_result
+from kvxferd.service.dataplane import DataPlane, ReadDone
 from kvxferd.service.engines import Registry
 from kvxferd.service.exposure import insecure_listeners, refusal, ucx_net_devices
 from kvxferd.service.fdpass import FdInbox, fd_socket_path
@@ -46,10 +45,10 @@ from kvxferd.service.listeners import StartupError, bind, bracket_host, claim_un
 from kvxferd.service.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.peers import Peers, RemoteLink
+from kvxferd.service.reads import ReadPath
 from kvxferd.service.servicers import EngineServicer, PeerServicer
 from kvxferd.service.slots import EngineSlot
 from kvxferd.service.tls import TlsFiles
-from kvxferd.service.wire import ids_to_pb
 
 log = logging.getLogger("kvxferd.daemon")
 EXIT_CONFIG, EXIT_STARTUP = 2, 3
@@ -68,7 +67,8 @@ class Daemon:
             self.tls.on_reload = self.metrics.tls_reloads.inc
         self.engine_token = read_token(config.engine_token_file) if config.engine_token_file else None
         self.socket_path = config.engine_socket_path
-        self.dataplane = DataPlane(self._read_done_threadsafe, self._hold_event_threadsafe,
+        self.reads = ReadPath(self)
+        self.dataplane = DataPlane(self._reads_done_threadsafe, self._hold_event_threadsafe,
                                    interval_s=config.poll_interval_s, metrics=self.metrics)
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
                            max_message_bytes=config.max_message_bytes, tls=self.tls,
@@ -179,45 +179,12 @@ class Daemon:
     def _hold_event_threadsafe(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
         self._loop.call_soon_threadsafe(self.publish, slot, kind, end)
 
-    def _read_done_threadsafe(self, done: ReadDone) -> None:
-        self._loop.call_soon_threadsafe(self._read_done, done)
-
-    def _read_done(self, done: ReadDone) -> None:
-        result, slot = done.result, done.slot
-        slot.active.pop(result.request_id, None)
-        m = self.metrics
-        m.read_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
-        if done.post_s:
-            m.read_post.observe(done.post_s)
-        m.read_descriptors.observe(result.num_descriptors)
-        m.read_bytes.inc(result.num_bytes)
-        if not result.ok:
-            m.read_failures.labels(done.failure or "transfer").inc()
-            if done.failure == "stale":
-                m.stale_reads.labels("reader").inc()
-            link = slot.links.get(result.remote_engine_id)
-            if link is not None and done.failure in ("transfer", "remote_gone", "deadline"):
-                link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
-        slot.completions.put(pb.Completion(
-            request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
-            num_descriptors=result.num_descriptors, duration_s=result.duration_s,
-            invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
-            post_s=done.post_s, done_unix_s=done.done_unix_s, failed_ranks=result.failed_ranks))
-
-    async def submit_after_handshake(self, read: DaemonRead, link: RemoteLink) -> None:
-        """Re-handshake a stale link, then post; a failed handshake fails the read."""
-        try:
-            await self.peers.handshake(read.slot, link.remote_engine_id)
-            read.remote = link.remote
-            read.planned = link.remote.plan.plan_request(read.planned.request)
-        except KvxferError as err:
-            self._read_done(ReadDone(read.slot, error_result(read, f"handshake: {err}"), 0.0, time.time(), "handshake"))
-            return
-        self.dataplane.submit(read)
+    def _reads_done_threadsafe(self, finished: list[ReadDone]) -> None:
+        self._loop.call_soon_threadsafe(self.reads.done, finished)
 
     # ---- maintenance ----------------------------------------------------------------
     async def _maintenance(self) -> None:
-        tick_s = min(0.05, self.config.lease_s / 10)
+        tick_s = min(0.2, self.config.lease_s / 10)  # expiry is exact at notice time; the tick only publishes it
         renew_every_s = self.config.lease_s / 3
         last_renew = last_probe = time.monotonic()
         while not self._stopping.is_set():

@@ -1,23 +1,30 @@
 """The daemon's data-plane thread: every NIXL call on the hot path happens here.
 
 One thread drives every registered engine's agent, so NIXL is never called
-from the event loop on the hot path and never busy-spins::
+from the event loop on the hot path::
 
     event loop (gRPC)              data-plane thread
     ─────────────────              ─────────────────────────────────────────
-    SubmitRead: validate, plan ──► post (make_prepped_xfer + transfer per rank)
-                                   poll states (sleep 20 µs doubling to interval_s)
-                                   poll notices of every agent:
+    submit: validate, plan ──────► post (make_prepped_xfer + transfer per rank)
+                                   poll states and notices of every agent:
                                      reader notice -> from the agent that reader introduced?
                                        no: dropped, counted; yes: hold table -> ack to the reader
                                      holder ack    -> the waiting read
-    completion queue  ◄─────────── read done: transfer finished AND every rank
-    notify bus        ◄─────────── read from acked "alive" (else FAILED, stale)
+    ReadPath.done(list) ◄───────── reads that ended this round (one hop per round, not per read):
+    notify bus          ◄───────── transfer finished AND every rank read from acked "alive"
                                    hold CONSUMED / reader FAILED
+
+How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing)::
+
+    own reads in flight          poll, sleeping 20 µs doubling to READ_POLL_MAX_S
+    holds a reader may notify    poll every HOLD_POLL_S (an ack within ~0.1 ms); Hold wakes it
+    neither                      poll every IDLE_POLL_S (a stray notice still gets its "not
+                                 alive" answer, UCX keeps progressing) until woken
+    no engine registered         block until woken
 
 Holds are shared with the event loop (Hold, RenewLease, expiry) under the
 slot's lock. Everything that crosses back to the loop goes through the
-``on_read_done`` and ``on_hold_event`` callbacks, which must be thread-safe.
+``on_reads_done`` and ``on_hold_event`` callbacks, which must be thread-safe.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadResult, RemoteEngine
 
 log = logging.getLogger("kvxferd.dataplane")
+READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
+HOLD_POLL_S = 100e-6  # sleep while some engine holds requests a reader may notify about
+IDLE_POLL_S = 100e-3  # sleep with engines registered and nothing outstanding
 
 
 @dataclass(eq=False)
@@ -74,10 +84,11 @@ class ReadDone:
 class DataPlane:
     """The thread; start with :meth:`start`, stop with :meth:`stop`."""
 
-    def __init__(self, on_read_done: Callable[[ReadDone], None],
-                 on_hold_event: Callable[[EngineSlot, str, HoldEnd], None], *, interval_s: float = 500e-6,
+    def __init__(self, on_reads_done: Callable[[list[ReadDone]], None],
+                 on_hold_event: Callable[[EngineSlot, str, HoldEnd], None], *, interval_s: float = HOLD_POLL_S,
                  metrics=None) -> None:
-        self._on_read_done = on_read_done
+        self._on_reads_done = on_reads_done
+        self._finished: list[ReadDone] = []  # this round's, handed over together
         self._on_hold_event = on_hold_event
         self._metrics = metrics
         self.interval_s = interval_s
@@ -115,6 +126,10 @@ class DataPlane:
         self._commands.append(("post", read))
         self._wake.set()
 
+    def wake(self) -> None:
+        """Something changed that needs faster polling (a new hold): any thread."""
+        self._wake.set()
+
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn`` on the data-plane thread (connect, close); returns its future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -150,7 +165,15 @@ class DataPlane:
             busy = self._run_commands()
             busy |= self._advance_reads()
             busy |= self._poll_notifications()
-            sleep_s = POLL_MIN_S if busy else min(sleep_s * 2, self.interval_s)
+            self._flush_finished()
+            if busy:
+                sleep_s = POLL_MIN_S
+            elif self._reads:
+                sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
+            elif any(len(slot.holds) for slot in self._slots):
+                sleep_s = self.interval_s
+            else:
+                sleep_s = IDLE_POLL_S if self._slots else None
             if self._wake.wait(sleep_s):
                 self._wake.clear()
 
@@ -164,10 +187,19 @@ class DataPlane:
                 continue
             fn, future = item
             try:
-                future.set_result(fn())
+                value = fn()
             except BaseException as err:  # handed to the caller
+                self._flush_finished()
                 future.set_exception(err)
+            else:
+                self._flush_finished()  # reads that call failed reach the loop before the caller goes on
+                future.set_result(value)
         return busy
+
+    def _flush_finished(self) -> None:
+        if self._finished:
+            finished, self._finished = self._finished, []
+            self._on_reads_done(finished)
 
     def _post(self, read: DaemonRead) -> None:
         executor = read.slot.executor
@@ -231,7 +263,7 @@ class DataPlane:
         self._num_done += 1
         post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
         result = replace(result, duration_s=time.perf_counter() - read.submitted_s)  # includes the acks
-        self._on_read_done(ReadDone(read.slot, result, post_s, time.time(), failure))
+        self._finished.append(ReadDone(read.slot, result, post_s, time.time(), failure))
 
     # ---- notices and acks ------------------------------------------------------------
     def _poll_notifications(self) -> bool:

@@ -38,6 +38,7 @@ from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
 
 log = logging.getLogger("kvxferd.engines")
+MAX_EXPIRIES_PER_TICK = 8192  # per engine and maintenance tick (0.2 s): 40,000 a second
 
 
 class Registry:
@@ -230,8 +231,8 @@ class Registry:
             if slot.lease_expires_s <= now:
                 await self.deregister(slot, "engine gone (no heartbeat)")
                 continue
-            with slot.lock:
-                ended = slot.holds.expire(now)
+            with slot.lock:  # bounded: a burst of expiries spreads over ticks instead of stalling the loop
+                ended = slot.holds.expire(now, max_ends=MAX_EXPIRIES_PER_TICK)
             for end in ended:
                 self.publish(slot, end.kind, end)
 

@@ -16,6 +16,7 @@ Nothing here blocks the event loop on NIXL: reads are planned here
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -26,24 +27,25 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, PermissionDeniedError,
+from kvxferd.errors import (InvalidArgumentError, KvxferError, PermissionDeniedError,
                             ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from kvxferd.plan.engine import expected_readers
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.dataplane import DaemonRead
 from kvxferd.service.completions import StreamReplaced
 from kvxferd.service.peerinfo import PROTOCOL_VERSION, encode_info
-from kvxferd.service.slots import ActiveRead, Reader
+from kvxferd.service.slots import Reader
 from kvxferd.service.status import status_code
 from kvxferd.service.tls import authorize_peer
-from kvxferd.service.wire import MAX_TP_SIZE, check_id, check_peer_addresses, check_seconds, ids_from_pb, read_request_from_pb
+from kvxferd.service.wire import (MAX_TP_SIZE, check_id, check_peer_addresses, check_seconds, ids_from_pb,
+                                  read_request_from_pb, read_request_from_spec)
 
 if TYPE_CHECKING:
     from kvxferd.service.daemon import Daemon
 
 log = logging.getLogger("kvxferd.rpc")
 SESSION_KEY = "kvxferd-session"
+COMPLETIONS_PER_BATCH = 256
 
 
 def rpc(fn):
@@ -59,13 +61,18 @@ def rpc(fn):
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception:  # a bug: keep serving; the caller gets an id, never our exception text or paths
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("internal error", extra={"method": name, "error_id": error_id})
-            code, message = grpc.StatusCode.INTERNAL, f"internal error {error_id} (details in the daemon's log)"
+            code, message = _internal_error(name)
         self.daemon.metrics.rpc_errors.labels(name, code.name).inc()
         await context.abort(code, message)
 
     return handler
+
+
+def _internal_error(method: str) -> tuple[grpc.StatusCode, str]:
+    """Log the exception being handled under a new id; the caller's status and message name only the id."""
+    error_id = uuid.uuid4().hex[:12]
+    log.exception("internal error", extra={"method": method, "error_id": error_id})
+    return grpc.StatusCode.INTERNAL, f"internal error {error_id} (details in the daemon's log)"
 
 
 def _check_block_ids(lists, slot, field: str) -> tuple[np.ndarray, ...]:
@@ -136,27 +143,73 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     @rpc
     async def SubmitRead(self, request, context):
         received_s = time.perf_counter()
-        daemon = self.daemon
-        if not daemon.registry.accepting:
-            raise UnavailableError("engine_id", "the daemon is draining for shutdown")
         slot = self._slot(request.engine_id, context)
-        read = read_request_from_pb(request)
-        if read.request_id in slot.active:
-            raise InvalidArgumentError("request_id", f"request {read.request_id!r} is already in flight")
-        link = slot.links.get(request.remote_engine_id)
-        if link is None or link.remote is None:
-            raise NotFoundError("remote_engine_id", f"no handshake with {request.remote_engine_id!r} yet")
-        config = daemon.config
-        deadline_s = received_s + check_seconds(request.deadline_s, "deadline_s", default_s=config.deadline_s,
-                                                max_s=config.max_deadline_s)
-        planned = link.remote.plan.plan_request(read)  # bad ids fail here, before anything is posted
-        slot.active[read.request_id] = ActiveRead(request.remote_engine_id, read.remote_request_id, time.monotonic())
-        daemon_read = DaemonRead(slot, link.remote, planned, received_s, deadline_s)
-        if link.ready:
-            daemon.dataplane.submit(daemon_read)
-        else:  # re-handshake first (the remote restarted or failed); the engine is not kept waiting
-            daemon.spawn(daemon.submit_after_handshake(daemon_read, link))
+        self.daemon.reads.submit(slot, request.remote_engine_id, read_request_from_pb(request), request.deadline_s,
+                                 received_s)
         return pb.SubmitReadReply()
+
+    async def Reads(self, request_iterator, context):
+        """Batches of reads in, batches of completions out, on one stream per engine session.
+
+        This generator is the only writer of the call; a task reads the
+        engine's batches and, when it fails, wakes the generator, which ends
+        the stream with that error's status.
+        """
+        receiver = None
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None:
+                return
+            slot = self._slot(first.engine_id, context)
+            receiver = asyncio.ensure_future(self._receive_reads(slot, first, request_iterator))
+            receiver.add_done_callback(lambda _: slot.completions.poke())
+            failed = lambda: receiver.done() and not receiver.cancelled() and receiver.exception() is not None
+            async for batch in slot.completions.batches(COMPLETIONS_PER_BATCH, failed):
+                yield pb.CompletionBatch(completions=batch)
+            if failed():
+                receiver.result()  # raises: the stream ends with its status
+            return
+        except KvxferError as err:
+            code, message = status_code(err), str(err)
+        except StreamReplaced as err:
+            code, message = grpc.StatusCode.ABORTED, f"engine_id: {err}"
+        except (grpc.aio.AbortError, grpc.aio.UsageError, asyncio.CancelledError):
+            raise
+        except Exception:
+            code, message = _internal_error("Reads")
+        finally:
+            if receiver is not None:
+                receiver.cancel()
+        self.daemon.metrics.rpc_errors.labels("Reads", code.name).inc()
+        await context.abort(code, message)
+
+    async def _receive_reads(self, slot, first, request_iterator) -> None:
+        reads, config = self.daemon.reads, self.daemon.config
+        batch = first
+        while batch is not None:
+            received_s = time.perf_counter()
+            if batch.engine_id and batch.engine_id != slot.engine_id:
+                raise InvalidArgumentError("engine_id", f"this stream belongs to {slot.engine_id!r}")
+            if len(batch.reads) > config.max_reads_per_batch:
+                raise InvalidArgumentError("reads", f"{len(batch.reads)} reads in one batch, the limit is "
+                                                    f"{config.max_reads_per_batch} (max_reads_per_batch)")
+            if batch.ack_seq > slot.completions.last_seq:
+                raise InvalidArgumentError("ack_seq", f"{batch.ack_seq} acks completions not sent yet "
+                                                      f"(last seq {slot.completions.last_seq})")
+            slot.completions.ack(batch.ack_seq)
+            for spec in batch.reads:
+                if spec.resend and (spec.request_id in slot.active or slot.completions.has(spec.request_id)):
+                    continue  # the first send arrived; its completion is on its way
+                try:
+                    reads.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
+                except KvxferError as err:
+                    if len(slot.active) + len(slot.completions) >= 2 * config.max_reads_per_engine:
+                        # Even refusals are not read: end the stream instead of queueing more.
+                        raise ResourceExhaustedError("max_reads_per_engine", "the engine does not read its "
+                                                     "completions (reconnect and ack them)") from None
+                    reads.refuse(slot, spec.request_id, err)
+            batch = await anext(request_iterator, None)
+        # The engine half-closed: it submits nothing more; completions keep flowing until it cancels.
 
     async def WatchCompletions(self, request, context):
         try:
@@ -182,6 +235,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
         with slot.lock:
             slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
+        if len(slot.holds) == 1:
+            self.daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         return pb.HoldReply()
 
     @rpc

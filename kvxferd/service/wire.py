@@ -147,14 +147,63 @@ def ids_from_pb(lists: Sequence[pb.BlockIds]) -> tuple[np.ndarray, ...]:
 
 
 def ids_to_pb(lists) -> list[pb.BlockIds]:
-    return [pb.BlockIds(ids=[int(i) for i in ids]) for ids in lists]
+    return [pb.BlockIds(ids=np.asarray(ids, dtype=np.int64).tolist()) for ids in lists]
+
+
+MAX_PACKED_ID = 2**31 - 1
+
+
+def pack_ids(lists) -> tuple[bytes, list[int]]:
+    """Block ids per group as one little-endian int32 buffer plus the count per group (``ReadSpec``)."""
+    arrays = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in lists]
+    if not arrays:
+        return b"", []
+    joined = np.concatenate(arrays)
+    if len(joined) and (joined.min() < 0 or joined.max() > MAX_PACKED_ID):
+        raise InvalidArgumentError("block_ids", f"block ids must lie in [0, {MAX_PACKED_ID}]")
+    return joined.astype("<i4").tobytes(), [len(a) for a in arrays]
+
+
+def unpack_ids(data: bytes, sizes: Sequence[int], field: str) -> tuple[np.ndarray, ...]:
+    """The inverse of :func:`pack_ids`, checked: whole int32s, as many as the group sizes announce."""
+    if len(data) % 4:
+        raise InvalidArgumentError(field, f"{len(data)} bytes is not a whole number of int32 ids")
+    flat = np.frombuffer(data, dtype="<i4").astype(np.int64)
+    if sum(sizes) != len(flat):
+        raise InvalidArgumentError(field, f"the group sizes add up to {sum(sizes)} ids, {len(flat)} were sent")
+    out, start = [], 0
+    for size in sizes:
+        out.append(flat[start:start + size])
+        start += size
+    return tuple(out)
+
+
+def read_spec_to_pb(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
+                    remote_block_ids, num_tokens: int = 0, deadline_s: float = 0.0) -> pb.ReadSpec:
+    """One read of a ``Reads`` batch (ids packed)."""
+    local, local_sizes = pack_ids(local_block_ids)
+    remote, remote_sizes = pack_ids(remote_block_ids)
+    return pb.ReadSpec(request_id=request_id, remote_engine_id=remote_engine_id, remote_request_id=remote_request_id,
+                       local_block_ids=local, local_group_sizes=local_sizes, remote_block_ids=remote,
+                       remote_group_sizes=remote_sizes, num_tokens=num_tokens, deadline_s=deadline_s)
+
+
+def read_request_from_spec(spec: pb.ReadSpec) -> ReadRequest:
+    """A read request from a ``Reads`` batch; ids are range-checked later by the plan, before any I/O."""
+    return _read_request(spec.request_id, spec.remote_request_id, spec.num_tokens,
+                         unpack_ids(spec.local_block_ids, spec.local_group_sizes, "local_block_ids"),
+                         unpack_ids(spec.remote_block_ids, spec.remote_group_sizes, "remote_block_ids"))
 
 
 def read_request_from_pb(message: pb.SubmitReadRequest) -> ReadRequest:
     """A read request; ids are range-checked later by the plan, before any I/O."""
-    check_id(message.request_id, "request_id")
-    check_id(message.remote_request_id, "remote_request_id")
-    if message.num_tokens < 0:
-        raise InvalidArgumentError("num_tokens", f"must not be negative, got {message.num_tokens}")
-    return ReadRequest(message.request_id, message.remote_request_id, ids_from_pb(message.local_block_ids),
-                       ids_from_pb(message.remote_block_ids), message.num_tokens or None)
+    return _read_request(message.request_id, message.remote_request_id, message.num_tokens,
+                         ids_from_pb(message.local_block_ids), ids_from_pb(message.remote_block_ids))
+
+
+def _read_request(request_id: str, remote_request_id: str, num_tokens: int, local, remote) -> ReadRequest:
+    check_id(request_id, "request_id")
+    check_id(remote_request_id, "remote_request_id")
+    if num_tokens < 0:
+        raise InvalidArgumentError("num_tokens", f"must not be negative, got {num_tokens}")
+    return ReadRequest(request_id, remote_request_id, local, remote, num_tokens or None)

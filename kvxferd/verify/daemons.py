@@ -25,7 +25,9 @@ class DaemonCluster(DecodeChecks):
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
                  prefill_tp: int, decode_tp: int, *, workdir: str, name: str = "c", lease_s: float = 30.0,
-                 daemon_args: tuple[str, ...] = ()) -> None:
+                 daemon_args: tuple[str, ...] = (), reads_stream: bool = True) -> None:
+        """``reads_stream=False``: the decode clients use unary SubmitRead and WatchCompletions (the old path)."""
+        self.reads_stream = reads_stream
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
         self.workdir, self.lease_s, self.daemon_args = workdir, lease_s, daemon_args
@@ -63,7 +65,7 @@ class DaemonCluster(DecodeChecks):
         return allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=allocate)
 
     def _register(self, daemon: DaemonProcess, engine: EngineBuffers) -> EngineClient:
-        client = EngineClient(daemon.engine_target)
+        client = EngineClient(daemon.engine_target, reads_stream=self.reads_stream)
         self.clients.append(client)
         arena = next(a for a in self.arenas if a.array.ctypes.data == engine.arena.ctypes.data)
         client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)
@@ -97,9 +99,16 @@ class DaemonCluster(DecodeChecks):
             client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s)
 
     def submit(self, request: ReadRequest, *, deadline_s: float = 0.0) -> None:
+        """Every decode rank submits ``request`` (a batch of one on its Reads stream, or unary SubmitRead)."""
         for client in self.decode_clients:
-            client.submit_read(request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
-                               request.remote_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s)
+            if client.reads_stream:
+                client.submit_reads([client.read_spec(
+                    request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
+                    request.remote_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s)])
+            else:
+                client.submit_read(request.request_id, self.prefill_id, request.remote_request_id,
+                                   request.local_block_ids, request.remote_block_ids,
+                                   num_tokens=request.num_tokens or 0, deadline_s=deadline_s)
 
     def completions(self, request: ReadRequest, timeout_s: float = 30.0) -> list[pb.Completion]:
         return [client.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]

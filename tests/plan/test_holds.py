@@ -1,23 +1,50 @@
 """Notices and the prefill ledger: release exactly once, after every reader."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.holds import ReadLedger
-from kvxferd.plan.notifications import ReadNotice
+from kvxferd.plan.notifications import ReadAck, ReadNotice, is_ack
 
 
 def test_notice_round_trip_and_rejects_garbage():
     notice = ReadNotice("req|1:ü", "decode", 3, 4, ok=False)
     assert ReadNotice.decode(notice.encode()) == notice
-    for message, field in [(b"\xff", "notification"), (b"[1]", "notification.v"), (b'{"v":2}', "notification.v"),
-                           (b'{"v":1,"request_id":"r","reader_engine_id":"d","reader_rank":true,"expected_readers":1,"ok":true}',
-                            "notification.reader_rank"),
-                           (b'{"v":1,"request_id":"r","reader_engine_id":"d","reader_rank":0,"expected_readers":0,"ok":true}',
-                            "notification")]:
+    good = ReadNotice("r", "d", 0, 1).encode()
+    for message, field in [(b"\xff", "notification"), (b"[1]" * 5, "notification"),
+                           (good[:2] + b"\x02" + good[3:], "notification.version"),
+                           (good[:3] + b"\x04" + good[4:], "notification.flags"),
+                           (good[:6] + b"\x00\x00" + good[8:], "notification.expected_readers"),
+                           (good + b"x", "notification"), (good[:-1], "notification"),
+                           (good[:8] + b"\x00\x00" + good[10:], "notification"),
+                           (good[:12] + b"\xff" + good[13:], "notification"),
+                           (ReadAck("r", "d", 0, True).encode(), "notification")]:
         with pytest.raises(InvalidArgumentError) as err:
             ReadNotice.decode(message)
-        assert err.value.field == field
+        assert err.value.field == field, message
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_any_bytes_decode_to_a_record_or_a_typed_error(message):
+    for kind in (ReadNotice, ReadAck):
+        try:
+            record = kind.decode(message)
+        except InvalidArgumentError:
+            continue
+        assert kind.decode(record.encode()) == record
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=40), st.text(min_size=1, max_size=40), st.integers(0, 65535),
+       st.integers(1, 65535), st.booleans())
+def test_records_round_trip(request_id, engine_id, rank, expected, flag):
+    notice = ReadNotice(request_id, engine_id, rank, expected, flag)
+    assert ReadNotice.decode(notice.encode()) == notice
+    ack = ReadAck(request_id, engine_id, rank, flag)
+    assert ReadAck.decode(ack.encode()) == ack and is_ack(ack.encode()) and not is_ack(notice.encode())
 
 
 def test_release_after_every_distinct_reader():

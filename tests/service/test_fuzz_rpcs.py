@@ -30,7 +30,7 @@ from tests.service.helpers import engine_pb
 from tests.service.test_protocol_defects import ANSWER_S, engine_info, read_still_works
 
 GROUPS = model_groups("gqa", ModelShape())
-EXAMPLES_PER_RPC = 160  # x 13 RPCs = 2,080
+EXAMPLES_PER_RPC = 160  # x 14 RPCs = 2,240
 FORBIDDEN = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Handshakes dial what they are given: only loopback literals and unparsable targets, never a DNS name.
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:0", "[::1]:1", "127.0.0.1:99999", "127.0.0.1:", ":1", "unix:/nonexistent"]
@@ -129,6 +129,8 @@ def base_messages(cluster: DaemonCluster, arenas: list) -> dict[str, tuple[str, 
             local_block_ids=ids(request.local_block_ids), remote_block_ids=ids(request.remote_block_ids),
             deadline_s=2)),
         "WatchCompletions": ("engine", pb.WatchCompletionsRequest(engine_id="fuzzed")),
+        "Reads": ("engine", pb.ReadBatch(engine_id=engine_id, reads=[cluster.decode_clients[0].read_spec(
+            "fz-s", cluster.prefill_id, "fz", request.local_block_ids, request.remote_block_ids, deadline_s=2)])),
         "Hold": ("prefill", pb.HoldRequest(engine_id=cluster.prefill_id, request_id="fz",
                                            block_ids=ids(request.remote_block_ids), lease_s=1)),
         "RenewLease": ("prefill", pb.RenewLeaseRequest(engine_id=cluster.prefill_id, request_ids=["fz"], lease_s=1)),
@@ -148,11 +150,21 @@ def call(stubs, service: str, method: str, message, metadata):
         for _ in getattr(stub, method)(message, timeout=ANSWER_S, metadata=metadata):
             break
         return None
+    if method == "Reads":  # one batch; the first answer (completions or the end of the stream) is enough
+        stream = stub.Reads(iter([message]), timeout=ANSWER_S, metadata=metadata)
+        try:
+            return next(stream, None)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not message.reads:
+                return None  # nothing to answer: a stream may stay silent
+            raise
+        finally:
+            stream.cancel()
     return getattr(stub, method)(message, timeout=ANSWER_S, metadata=metadata)
 
 
-METHODS = ["Register", "Heartbeat", "Deregister", "Handshake", "SubmitRead", "WatchCompletions", "Hold", "RenewLease",
-           "Release", "MissedEvents", "GetEngineInfo", "GetIncarnation", "RenewLeases"]
+METHODS = ["Register", "Heartbeat", "Deregister", "Handshake", "SubmitRead", "WatchCompletions", "Reads", "Hold",
+           "RenewLease", "Release", "MissedEvents", "GetEngineInfo", "GetIncarnation", "RenewLeases"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -181,6 +193,12 @@ def test_malformed_input_gets_a_precise_status_in_time(cluster, method):
             return  # would replace the cluster's own stream (by design)
         try:
             reply = call(stubs, service, method, message, metadata)
+            refused = [c.refused_code for c in reply.completions if c.refused_code] if method == "Reads" and reply else []
+            if refused:  # a stream answers bad reads with refusals, each naming its status
+                assert all(grpc.StatusCode.INTERNAL.value[0] != code != grpc.StatusCode.UNKNOWN.value[0]
+                           for code in refused), reply
+                seen["refused"] = seen.get("refused", 0) + 1
+                return
             seen["OK"] = seen.get("OK", 0) + 1
         except grpc.RpcError as err:
             assert err.code() not in FORBIDDEN, f"{method}: {err.code().name}: {err.details()}\n{message}"
@@ -201,6 +219,8 @@ def test_malformed_input_gets_a_precise_status_in_time(cluster, method):
         for arena in arenas:
             arena.close()
     cluster.decode_clients[0].stub.Heartbeat(pb.HeartbeatRequest(engine_id=cluster.decode_id), timeout=ANSWER_S)
+    if method == "Reads":
+        cluster.decode_clients[0].reconnect_reads()  # fuzzed streams replaced the engine's own
     cluster.prefill_clients[0].release("fz") if _held(cluster, "fz") else None
     read_still_works(cluster, f"after-{method}", seed=len(method))
 

@@ -101,17 +101,23 @@ class WorkerSide:
 
     # ---- decode: reads ----------------------------------------------------------------
     def submit(self, orders: Sequence[ReadOrder]) -> None:
-        """Submit every order; a failure to submit fails that request only."""
+        """Submit this step's orders as one batch on the Reads stream; a failure fails that request only.
+
+        A read the daemon refuses comes back as a failed completion (``refused_code``).
+        """
+        specs = []
         for order in orders:
             try:
-                self._submit(order)
+                specs.append(self._spec(order))
                 self._reading.add(order.request_id)
             except (grpc.RpcError, ValueError) as err:
                 reason = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
                 log.warning("kvxferd: read not submitted", extra={"request_id": order.request_id, "error": reason})
                 self._failed_now.add(order.request_id)
+        if specs:
+            self.client.submit_reads(specs)
 
-    def _submit(self, order: ReadOrder) -> None:
+    def _spec(self, order: ReadOrder):
         if order.remote is None:
             raise ValueError(order.error)
         remote = RemotePrefill.model_validate(order.remote)
@@ -119,9 +125,9 @@ class WorkerSide:
         if self._remotes.get(remote.remote_engine_id) != addresses:
             self.client.handshake(remote.remote_engine_id, addresses)
             self._remotes[remote.remote_engine_id] = addresses
-        self.client.submit_read(order.request_id, remote.remote_engine_id, remote.remote_request_id,
-                                order.local_block_ids, remote.remote_block_ids, num_tokens=remote.remote_num_tokens,
-                                deadline_s=self.settings.deadline_s)
+        return self.client.read_spec(order.request_id, remote.remote_engine_id, remote.remote_request_id,
+                                     order.local_block_ids, remote.remote_block_ids,
+                                     num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s)
 
     # ---- prefill: holds ---------------------------------------------------------------
     def expect_held(self, request_ids: Sequence[str]) -> None:

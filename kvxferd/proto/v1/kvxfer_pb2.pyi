@@ -208,7 +208,7 @@ class WatchCompletionsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks")
+    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,8 @@ class Completion(_message.Message):
     POST_S_FIELD_NUMBER: _ClassVar[int]
     DONE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     num_bytes: int
@@ -229,7 +231,49 @@ class Completion(_message.Message):
     post_s: float
     done_unix_s: float
     failed_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    seq: int
+    refused_code: int
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ...) -> None: ...
+
+class ReadSpec(_message.Message):
+    __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    local_block_ids: bytes
+    local_group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    remote_block_ids: bytes
+    remote_group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    deadline_s: float
+    resend: bool
+    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ...) -> None: ...
+
+class ReadBatch(_message.Message):
+    __slots__ = ("engine_id", "reads", "ack_seq")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    reads: _containers.RepeatedCompositeFieldContainer[ReadSpec]
+    ack_seq: int
+    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ...) -> None: ...
+
+class CompletionBatch(_message.Message):
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "lease_s")

@@ -64,6 +64,11 @@ class EngineServiceStub:
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.WatchCompletionsRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.Completion.FromString,
                 _registered_method=True)
+        self.Reads = channel.stream_stream(
+                '/kvxfer.v1.EngineService/Reads',
+                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ReadBatch.SerializeToString,
+                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.CompletionBatch.FromString,
+                _registered_method=True)
         self.Hold = channel.unary_unary(
                 '/kvxfer.v1.EngineService/Hold',
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HoldRequest.SerializeToString,
@@ -125,6 +130,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reads(self, request_iterator, context):
+        """Submit batches of reads and receive batches of completions on one stream. Completions stay
+        queued until acked (ReadBatch.ack_seq): a new stream after a broken one gets every unacked
+        completion again, so the engine loses none (it drops seqs it already has).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Hold(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -181,6 +195,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.WatchCompletions,
                     request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.WatchCompletionsRequest.FromString,
                     response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.Completion.SerializeToString,
+            ),
+            'Reads': grpc.stream_stream_rpc_method_handler(
+                    servicer.Reads,
+                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ReadBatch.FromString,
+                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.CompletionBatch.SerializeToString,
             ),
             'Hold': grpc.unary_unary_rpc_method_handler(
                     servicer.Hold,
@@ -365,6 +384,33 @@ class EngineService:
             '/kvxfer.v1.EngineService/WatchCompletions',
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.WatchCompletionsRequest.SerializeToString,
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.Completion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reads(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvxfer.v1.EngineService/Reads',
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ReadBatch.SerializeToString,
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.CompletionBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,188 @@
+"""The measurements of ``kvxferd bench daemon``: one daemon pair per measurement, raw NIXL beside it.
+
+Each takes ``reads_stream``: True for the engine's Reads stream (batches in,
+numbered completions out), False for the unary SubmitRead + WatchCompletions
+path, so both are measured the same way in one run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import grpc
+import numpy as np
+
+from kvxferd.bench.raw import RawReader
+from kvxferd.layout.specs import AttentionSpec
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.verify.certs import DevCA
+from kvxferd.verify.daemons import DaemonCluster
+
+
+class RawPath:
+    """Raw NIXL from this process into the decode cache, reading the prefill daemon's agent (one request)."""
+
+    def __init__(self, cluster: DaemonCluster, request: ReadRequest,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.reader = RawReader(cluster.decode[0].cache, cluster.prefill_id,
+                                [d.peer_address for d in cluster.prefill_daemons], "raw-decode", credentials)
+        self.prepared = self.reader.prepare(request)
+        self.num_bytes = sum(num_bytes for *_, num_bytes in self.prepared)
+        self.num_descriptors = sum(len(ids) for _, _, ids, _ in self.prepared)
+
+    def read(self) -> float:
+        return self.reader.read(self.prepared)
+
+    def close(self) -> None:
+        self.reader.release(self.prepared)
+        self.reader.close()
+
+
+BENCH_ID = "spiffe://kvxferd.bench/daemon"
+
+
+class Tls:
+    """A throw-away CA: the daemons' flags for mutual TLS, and a client certificate for the raw baseline."""
+
+    def __init__(self, workdir: str) -> None:
+        ca = DevCA(os.path.join(workdir, "pki"))
+        issued = ca.issue("bench", dns_names=("kvxferd-peer",), spiffe_id=BENCH_ID)
+        self.daemon_args = ("--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", str(ca.cert_path),
+                            "--peer-allowed-ids", BENCH_ID)
+        self.credentials = grpc.ssl_channel_credentials(ca.cert_path.read_bytes(), issued.key.read_bytes(),
+                                                        issued.cert.read_bytes())
+
+
+def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls | None,
+             reads_stream: bool) -> DaemonCluster:
+    spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=8, head_size=128, block_size=16)
+    groups = (CacheGroup("full", spec, num_layers),)
+    # The unary path keeps one gRPC call open per read in flight: when the daemons fall behind at
+    # 1 000/s, more than the default 256 per connection (max_concurrent_streams) would be refused.
+    args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")))
+    return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args, reads_stream=reads_stream)
+
+
+def _credentials(tls: Tls | None):
+    return tls.credentials if tls else None
+
+
+def _daemon_read(cluster: DaemonCluster, request: ReadRequest) -> float:
+    cluster.hold(request)
+    start = time.perf_counter()
+    cluster.submit(request)
+    (completion,) = cluster.completions(request)
+    elapsed = time.perf_counter() - start
+    if not completion.ok:
+        raise RuntimeError(f"daemon read failed: {completion.error}")
+    return elapsed
+
+
+def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
+         reads_stream: bool = True) -> dict:
+    """Alternate raw NIXL and the daemon path on one big request; also time repeated handshakes."""
+    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_stream) as cluster:
+        handshake_s = [cluster.decode_clients[0].handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])
+                       .duration_s for _ in range(max(rounds, 3))]
+        ids = np.arange(num_blocks)
+        request = ReadRequest("bulk-0", "bulk-0@p", (ids,), (ids,))
+        raw = RawPath(cluster, request, _credentials(tls))
+        try:
+            raw_s, daemon_s = [], []
+            for i in range(rounds + 1):  # round 0 warms both paths up
+                raw_time = raw.read()
+                name = f"bulk-{i}"
+                daemon_time = _daemon_read(cluster, ReadRequest(name, f"{name}@p", (ids,), (ids,)))
+                if i:
+                    raw_s.append(raw_time)
+                    daemon_s.append(daemon_time)
+        finally:
+            raw.close()
+    raw_gbps, daemon_gbps = raw.num_bytes / statistics.median(raw_s) / 1e9, raw.num_bytes / statistics.median(daemon_s) / 1e9
+    return {"bytes": raw.num_bytes, "descriptors": raw.num_descriptors, "rounds": rounds, "raw_gbps": raw_gbps,
+            "daemon_gbps": daemon_gbps, "ratio": daemon_gbps / raw_gbps,
+            "raw_ms": statistics.median(raw_s) * 1e3, "daemon_ms": statistics.median(daemon_s) * 1e3,
+            "handshake_ms": statistics.median(handshake_s) * 1e3}
+
+
+def _percentiles(values_s: list[float]) -> dict:
+    values = np.asarray(values_s) * 1e6
+    return {"p50_us": float(np.percentile(values, 50)), "p99_us": float(np.percentile(values, 99))}
+
+
+def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
+             tls: Tls | None = None, *, reads_stream: bool = True, idle_s: float = 0.0) -> dict:
+    """Small requests at a steady rate: where the daemon adds time.
+
+    With ``idle_s``, first the daemons' CPU while engines are registered and nothing happens.
+    """
+    num_blocks = 4 * blocks_per_request
+    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream) as cluster:
+        rng = np.random.default_rng(0)
+        requests = []
+        for n in range(num_requests):
+            ids = rng.permutation(num_blocks)[:blocks_per_request]
+            requests.append(ReadRequest(f"q{n}", f"q{n}@p", (ids,), (np.sort(ids),)))
+        raw = RawPath(cluster, requests[0], _credentials(tls))
+        raw_s = [raw.read() for _ in range(200)][20:]
+        raw.close()
+        pids = {"decode daemon": cluster.decode_daemons[0].process.pid,
+                "prefill daemon": cluster.prefill_daemons[0].process.pid, "engines (this process)": os.getpid()}
+        idle = _idle_cpu_percent(pids, idle_s) if idle_s else {}
+        for request in requests:
+            cluster.hold(request)
+        client = cluster.decode_clients[0]
+        submitted_unix, submit_call_s, calls = {}, [], []
+        cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        start = time.perf_counter()
+        for n, request in enumerate(requests):
+            wait_s = start + n / rate_per_s - time.perf_counter()
+            if wait_s > 0:
+                time.sleep(wait_s)
+            submitted_unix[request.request_id] = time.time()
+            # An engine does not wait for the daemon before its next step: send without blocking.
+            if reads_stream:
+                client.submit_reads([client.read_spec(request.request_id, cluster.prefill_id, request.remote_request_id,
+                                                      request.local_block_ids, request.remote_block_ids)])
+            else:
+                calls.append(client.submit_read_async(request.request_id, cluster.prefill_id,
+                                                      request.remote_request_id, request.local_block_ids,
+                                                      request.remote_block_ids))
+        offered_s = time.perf_counter() - start
+        for call in calls:
+            call.result()
+            submit_call_s.append(call.call_s)
+        if not calls:
+            submit_call_s = [0.0]  # the stream has no call to wait for
+        post_s, deliver_s, end_to_end_s, failed = [], [], [], 0
+        for request in requests:
+            completion, received_unix = client.wait_completion_timed(request.request_id, 60)
+            failed += not completion.ok
+            post_s.append(completion.post_s)
+            deliver_s.append(received_unix - completion.done_unix_s)
+            end_to_end_s.append(received_unix - submitted_unix[request.request_id])
+        cpu_us = {name: (_cpu_s(pid) - cpu_before[name]) / num_requests * 1e6 for name, pid in pids.items()}
+    return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
+            "bytes_per_request": raw.num_bytes, "failed": failed, "submit_call": _percentiles(submit_call_s),
+            "submit_to_posted": _percentiles(post_s), "completion_to_delivered": _percentiles(deliver_s),
+            "end_to_end": _percentiles(end_to_end_s), "raw_nixl": _percentiles(raw_s), "cpu_us_per_request": cpu_us,
+            "idle_cpu_percent": idle}
+
+
+def _idle_cpu_percent(pids: dict, idle_s: float) -> dict:
+    """Per-process CPU over ``idle_s`` seconds of nothing to do, in percent of one core."""
+    time.sleep(0.5)  # registration and handshake settle
+    before, start = {name: _cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
+    time.sleep(idle_s)
+    wall_s = time.perf_counter() - start
+    return {name: (_cpu_s(pid) - before[name]) / wall_s * 100 for name, pid in pids.items() if "daemon" in name}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

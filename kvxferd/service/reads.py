@@ -1,0 +1,106 @@
+"""A read inside the daemon, from the engine's submit to its completion (event-loop side).
+
+::
+
+    submit (SubmitRead, or one ReadSpec of a Reads batch)
+      checks: draining? duplicate id? too many reads in flight? handshake done?
+      plan once (vectorised: bad ids fail here, before any I/O)
+      ─► data-plane thread posts it ── or, link stale ─► re-handshake, plan again, post
+    done (a list per data-plane round, one hop back to the loop)
+      metrics; a failed transfer marks the link stale (the next read re-handshakes)
+      ─► Completion queued on the engine's feed (numbered; the stream sends it)
+
+A read refused in a ``Reads`` batch becomes a completion too (``refused_code``),
+so the engine learns about every read it sent on the same stream.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError, UnavailableError
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.dataplane import DaemonRead, ReadDone, error_result
+from kvxferd.service.slots import ActiveRead, EngineSlot
+from kvxferd.service.status import status_code
+from kvxferd.service.wire import check_seconds, ids_to_pb
+
+if TYPE_CHECKING:
+    from kvxferd.service.daemon import Daemon
+
+STALE_LINK_FAILURES = frozenset({"transfer", "remote_gone", "deadline"})
+
+
+class ReadPath:
+    """Submits reads and turns finished ones into completions."""
+
+    def __init__(self, daemon: "Daemon") -> None:
+        self.daemon = daemon
+
+    def submit(self, slot: EngineSlot, remote_engine_id: str, request: ReadRequest, deadline_s: float,
+               received_s: float) -> None:
+        """Check, plan and hand a read to the data plane; raises a typed error when refused (nothing posted)."""
+        daemon = self.daemon
+        config = daemon.config
+        if not daemon.registry.accepting:
+            raise UnavailableError("engine_id", "the daemon is draining for shutdown")
+        if request.request_id in slot.active:
+            raise InvalidArgumentError("request_id", f"request {request.request_id!r} is already in flight")
+        limit = config.max_reads_per_engine
+        if len(slot.active) + len(slot.completions) >= limit:
+            raise ResourceExhaustedError("max_reads_per_engine", f"{limit} reads are in flight or not acked yet")
+        link = slot.links.get(remote_engine_id)
+        if link is None or link.remote is None:
+            raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet")
+        deadline_at_s = received_s + check_seconds(deadline_s, "deadline_s", default_s=config.deadline_s,
+                                                   max_s=config.max_deadline_s)
+        planned = link.remote.plan.plan_request(request)  # bad ids fail here, before anything is posted
+        slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
+        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s)
+        if link.ready:
+            daemon.dataplane.submit(read)
+        else:  # re-handshake first (the remote restarted or failed); the engine is not kept waiting
+            daemon.spawn(self._submit_after_handshake(read, link))
+
+    def refuse(self, slot: EngineSlot, request_id: str, err: KvxferError) -> None:
+        """A refused read of a Reads batch: a completion naming why (nothing was posted or written)."""
+        self.daemon.metrics.read_failures.labels("refused").inc()
+        slot.completions.put(pb.Completion(request_id=request_id, ok=False, error=str(err),
+                                           refused_code=status_code(err).value[0], done_unix_s=time.time()))
+
+    async def _submit_after_handshake(self, read: DaemonRead, link) -> None:
+        """Re-handshake a stale link, then post; a failed handshake fails the read."""
+        try:
+            await self.daemon.peers.handshake(read.slot, link.remote_engine_id)
+            read.remote = link.remote
+            read.planned = link.remote.plan.plan_request(read.planned.request)
+        except KvxferError as err:
+            self.done([ReadDone(read.slot, error_result(read, f"handshake: {err}"), 0.0, time.time(), "handshake")])
+            return
+        self.daemon.dataplane.submit(read)
+
+    def done(self, finished: list[ReadDone]) -> None:
+        """Completions of a round of finished reads (event-loop thread)."""
+        m = self.daemon.metrics
+        for done in finished:
+            result, slot = done.result, done.slot
+            slot.active.pop(result.request_id, None)
+            m.read_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
+            if done.post_s:
+                m.read_post.observe(done.post_s)
+            m.read_descriptors.observe(result.num_descriptors)
+            m.read_bytes.inc(result.num_bytes)
+            if not result.ok:
+                m.read_failures.labels(done.failure or "transfer").inc()
+                if done.failure == "stale":
+                    m.stale_reads.labels("reader").inc()
+                link = slot.links.get(result.remote_engine_id)
+                if link is not None and done.failure in STALE_LINK_FAILURES:
+                    link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
+            slot.completions.put(pb.Completion(
+                request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
+                num_descriptors=result.num_descriptors, duration_s=result.duration_s,
+                invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
+                post_s=done.post_s, done_unix_s=done.done_unix_s, failed_ranks=result.failed_ranks))

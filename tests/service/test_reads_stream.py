@@ -1,0 +1,180 @@
+"""The Reads stream: batches in, numbered completions out; bad input, a client that stops
+reading, and a broken stream that the engine reopens, against real daemons."""
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.verify.daemons import DaemonCluster
+from kvxferd.verify.models import ModelShape, model_groups
+
+C = grpc.StatusCode
+GROUPS = model_groups("gqa", ModelShape())
+MAX_READS = 8  # per engine, in flight or not acked (refusals count too)
+MAX_BATCH = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir):
+    args = ("--max-reads-per-engine", str(MAX_READS), "--max-reads-per-batch", str(MAX_BATCH))
+    with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="rs", daemon_args=args) as c:
+        yield c
+
+
+@pytest.fixture
+def decode(cluster):
+    """The decode client with a fresh stream and nothing left unacked by the tests before."""
+    client = cluster.decode_clients[0]
+    client.reconnect_reads()
+    deadline = time.monotonic() + 5
+    while client._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # completions of raw streams before, sent again
+    client.submit_reads([])  # acks them
+    client.take_completions()
+    yield client
+
+
+def _request(name: str, k: int) -> ReadRequest:
+    """Request ``k`` (< 32) reads two blocks of its own on the decode side: concurrent reads never overlap."""
+    ids = np.arange(2 * k, 2 * k + 2) % 64
+    return ReadRequest(name, f"{name}@p", tuple(ids for _ in GROUPS[1]), tuple(ids for _ in GROUPS[0]), 32)
+
+
+def _check_bytes(cluster, requests) -> None:
+    """The decode cache holds exactly what these (disjoint, whole-block) reads wrote, checked as one request."""
+    together = ReadRequest("all", "all", *(tuple(np.concatenate(ids) for ids in zip(*(getattr(r, side) for r in requests)))
+                                           for side in ("local_block_ids", "remote_block_ids")), 32 * len(requests))
+    assert cluster.check(together) == [], [r.request_id for r in requests]
+    cluster.reset_decode()
+
+
+def _spec(cluster, request: ReadRequest, **changes) -> pb.ReadSpec:
+    spec = cluster.decode_clients[0].read_spec(request.request_id, cluster.prefill_id, request.remote_request_id,
+                                               request.local_block_ids, request.remote_block_ids,
+                                               num_tokens=request.num_tokens or 0)
+    for name, value in changes.items():
+        setattr(spec, name, value) if not isinstance(value, list) else (spec.ClearField(name), getattr(spec, name).extend(value))
+    return spec
+
+
+def _exchange(stub, batches, num_completions: int, timeout_s: float = 10.0):
+    """Send ``batches`` on a new Reads stream; the completions received, and the status it ended with (None: open)."""
+    release = threading.Event()
+
+    def requests():
+        yield from batches
+        release.wait(timeout_s)  # keep the stream open (a half-close is fine too, but not what engines do)
+
+    call = stub.Reads(requests(), timeout=timeout_s)
+    got = []
+    try:
+        for batch in call:
+            got += batch.completions
+            if len(got) >= num_completions:
+                break
+    except grpc.RpcError as err:
+        return got, err.code(), err.details()
+    finally:
+        release.set()
+        call.cancel()
+    return got, None, ""
+
+
+def test_a_batch_reads_byte_exact_and_each_refusal_names_its_read(cluster, decode):
+    good = [_request(f"ok{n}", n) for n in range(3)]
+    for request in good:
+        cluster.hold(request)
+    bad_ids = _spec(cluster, _request("odd", 9), local_block_ids=b"\1\0\0")  # not whole int32s
+    sizes = _spec(cluster, _request("sizes", 10), local_group_sizes=[1] * len(GROUPS[1]))
+    nobody = _spec(cluster, _request("nobody", 11), remote_engine_id="nobody")
+    in_range = _request("range", 12)
+    out_of_range = _spec(cluster, ReadRequest("range", "range", tuple(ids + 10_000 for ids in in_range.local_block_ids),
+                                              in_range.remote_block_ids, 32))
+    batch = pb.ReadBatch(engine_id=cluster.decode_id,
+                         reads=[_spec(cluster, good[0]), bad_ids, sizes, _spec(cluster, good[1]), nobody,
+                                out_of_range, _spec(cluster, good[2])])
+    got, code, _ = _exchange(decode.stub, [batch], 7)
+    assert code is None
+    by_id = {c.request_id: c for c in got}
+    assert sorted(c.seq for c in got) == list(range(got[0].seq, got[0].seq + 7))  # numbered without gaps
+    for request in good:
+        assert by_id[request.request_id].ok and by_id[request.request_id].refused_code == 0
+    _check_bytes(cluster, good)
+    expected = {"odd": (C.INVALID_ARGUMENT, "local_block_ids"), "sizes": (C.INVALID_ARGUMENT, "local_block_ids"),
+                "nobody": (C.NOT_FOUND, "remote_engine_id"), "range": (C.INVALID_ARGUMENT, "block")}
+    for request_id, (status, text) in expected.items():
+        completion = by_id[request_id]
+        assert not completion.ok and completion.refused_code == status.value[0] and text in completion.error, completion
+
+
+def test_a_malformed_stream_ends_with_a_clear_error_and_the_session_stays_usable(cluster, decode):
+    request = _request("many", 1)
+    too_many = pb.ReadBatch(engine_id=cluster.decode_id, reads=[_spec(cluster, request)] * (MAX_BATCH + 1))
+    cases = {
+        "max_reads_per_batch": [too_many],
+        "engine_id": [pb.ReadBatch(engine_id=cluster.decode_id), pb.ReadBatch(engine_id="someone-else")],
+        "ack_seq": [pb.ReadBatch(engine_id=cluster.decode_id, ack_seq=1 << 40)],
+    }
+    for text, batches in cases.items():
+        _, code, details = _exchange(decode.stub, batches, 10 ** 6)  # (unacked completions of before come first)
+        assert code == C.INVALID_ARGUMENT and text in details, (text, code, details)
+    # no session: refused before anything is read
+    raw = pb_grpc.EngineServiceStub(grpc.insecure_channel(cluster.decode_daemons[0].engine_target))
+    _, code, _ = _exchange(raw, [pb.ReadBatch(engine_id=cluster.decode_id)], 10 ** 6)
+    assert code == C.UNAUTHENTICATED
+    decode.reconnect_reads()
+    assert cluster.read(_request("after", 2))[0].ok  # the engine's session still reads
+
+
+def test_a_client_that_stops_reading_is_bounded_and_loses_nothing(cluster, decode):
+    """Never acking: reads past the limit are refused, then the stream ends; a new stream gets everything once."""
+    requests = [_request(f"quiet{n}", n) for n in range(3 * MAX_READS)]
+    for request in requests:
+        cluster.hold(request)
+    batches = [pb.ReadBatch(engine_id=cluster.decode_id)]
+    batches += [pb.ReadBatch(reads=[_spec(cluster, r) for r in requests[i:i + 3]]) for i in range(0, len(requests), 3)]
+    got, code, details = _exchange(decode.stub, batches, 10 ** 6)  # reads until the daemon ends the stream
+    assert code == C.RESOURCE_EXHAUSTED and "max_reads_per_engine" in details, (code, details)
+    assert len(got) <= 2 * MAX_READS  # what the daemon kept for this engine is bounded too
+    decode.reconnect_reads()  # the client never saw these: all come again, once
+    decode.wait_completion(got[-1].request_id, 5.0)  # the last one the quiet stream saw comes again
+    time.sleep(0.5)
+    seen = {c.request_id: c for c in decode.take_completions()}  # reads sent after the stream ended never ran
+    assert set(seen) <= {r.request_id for r in requests} and len(seen) >= len(got)
+    ok = [rid for rid, c in seen.items() if c.ok]
+    refused = [rid for rid, c in seen.items() if c.refused_code == C.RESOURCE_EXHAUSTED.value[0]]
+    assert len(ok) == MAX_READS and len(ok) + len(refused) == len(seen), {r: (c.ok, c.refused_code, c.error)
+                                                                          for r, c in seen.items()}
+    _check_bytes(cluster, [r for r in requests if r.request_id in ok])
+    for request in requests:
+        if request.request_id not in ok:
+            cluster.prefill_clients[0].release(request.remote_request_id)
+    assert cluster.read(_request("after-quiet", 3))[0].ok
+
+
+def test_a_broken_stream_loses_and_duplicates_no_completion(cluster, decode):
+    """Break the stream while reads complete, reopen it: every read completes exactly once."""
+    requests = [_request(f"brk{n}", n) for n in range(24)]
+    for request in requests:
+        cluster.hold(request)
+    for i in range(0, len(requests), 4):
+        decode.submit_reads([_spec(cluster, r) for r in requests[i:i + 4]])
+        if i == 12:
+            decode._stream.cancel()  # the transport breaks under the engine
+            time.sleep(0.05)
+            decode.reconnect_reads()  # unacked completions come again; pending reads are resent, marked
+        time.sleep(0.01)
+    completions = [decode.wait_completion(r.request_id, 10.0) for r in requests]
+    assert all(c.ok for c in completions), [c.error for c in completions if not c.ok]
+    assert len({c.seq for c in completions}) == len(requests)
+    assert decode.take_completions() == []  # nothing extra arrived: no read ran twice
+    _check_bytes(cluster, requests)
+    for event in (e for r in requests for e in cluster.hold_events(r)):
+        assert event is not None and event.kind == pb.NotifyEvent.CONSUMED
