@@ -135,7 +135,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         for request in requests:
             cluster.hold(request)
         client = cluster.decode_clients[0]
-        submitted_unix, submit_call_s, calls = {}, [], []
+        submitted_unix, submit_call_s, calls, submit_errors = {}, [], [], {}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         for n, request in enumerate(requests):
@@ -152,13 +152,22 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
                                                       request.remote_request_id, request.local_block_ids,
                                                       request.remote_block_ids))
         offered_s = time.perf_counter() - start
-        for call in calls:
-            call.result()
+        not_submitted = set()
+        for request, call in zip(requests, calls):
+            try:
+                call.result()
+            except grpc.RpcError as err:  # an overloaded unary path: counted as a failed request
+                not_submitted.add(request.request_id)
+                cluster.prefill_clients[0].release(request.remote_request_id)
+                submit_errors[err.code().name] = submit_errors.get(err.code().name, 0) + 1
+                continue
             submit_call_s.append(call.call_s)
-        if not calls:
+        if not submit_call_s:
             submit_call_s = [0.0]  # the stream has no call to wait for
-        post_s, deliver_s, end_to_end_s, failed = [], [], [], 0
+        post_s, deliver_s, end_to_end_s, failed = [], [], [], len(not_submitted)
         for request in requests:
+            if request.request_id in not_submitted:
+                continue
             completion, received_unix = client.wait_completion_timed(request.request_id, 60)
             failed += not completion.ok
             post_s.append(completion.post_s)
@@ -166,7 +175,8 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             end_to_end_s.append(received_unix - submitted_unix[request.request_id])
         cpu_us = {name: (_cpu_s(pid) - cpu_before[name]) / num_requests * 1e6 for name, pid in pids.items()}
     return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
-            "bytes_per_request": raw.num_bytes, "failed": failed, "submit_call": _percentiles(submit_call_s),
+            "bytes_per_request": raw.num_bytes, "failed": failed, "submit_errors": submit_errors,
+            "submit_call": _percentiles(submit_call_s),
             "submit_to_posted": _percentiles(post_s), "completion_to_delivered": _percentiles(deliver_s),
             "end_to_end": _percentiles(end_to_end_s), "raw_nixl": _percentiles(raw_s), "cpu_us_per_request": cpu_us,
             "idle_cpu_percent": idle}

@@ -43,7 +43,7 @@ from kvxferd.plan.leases import HoldEnd
 from kvxferd.plan.notifications import ReadAck, ReadNotice, is_ack
 from kvxferd.service.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
-from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadResult, RemoteEngine
+from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
 
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
@@ -78,7 +78,7 @@ class ReadDone:
     result: ReadResult
     post_s: float  # submit -> every rank posted
     done_unix_s: float
-    failure: str  # "" when ok; else a bounded kind (metrics label)
+    failure: ReadFailure  # NONE when ok
 
 
 class DataPlane:
@@ -149,7 +149,7 @@ class DataPlane:
                     read.transfer = slot.executor.abort(read.inflight, reason)
                 else:
                     read.transfer = _failed(read, read.transfer, reason, tuple(q for q, a in read.acks.items() if a is None))
-                self._finish(read, "aborted")
+                self._finish(read, ReadFailure.ABORTED)
 
     def remove_slot(self, slot: EngineSlot, reason: str) -> None:
         """Fail the slot's reads, disconnect its remotes and deregister its memory."""
@@ -209,7 +209,7 @@ class DataPlane:
                 read.planned = read.remote.plan.plan_request(read.planned.request)
             read.inflight = executor.post_planned(read.remote, read.planned, read.submitted_s)
         except KvxferError as err:
-            self._deliver(read, error_result(read, str(err)), "remote_gone")
+            self._deliver(read, error_result(read, str(err)), ReadFailure.REMOTE_GONE)
             return
         read.posted_s = time.perf_counter()
         names = read.remote.agent_names
@@ -226,7 +226,8 @@ class DataPlane:
             if read.transfer is None:
                 read.transfer = read.slot.executor.poll(read.inflight)
                 if read.transfer is None and now >= read.deadline_s:
-                    read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer did not finish in time")
+                    read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer did not finish in time",
+                                                             ReadFailure.DEADLINE)
                 if read.transfer is None:
                     continue
             busy |= self._settle(read, now)
@@ -235,31 +236,31 @@ class DataPlane:
     def _settle(self, read: DaemonRead, now: float) -> bool:
         """Finish a read whose transfer ended once its acks are in; True when it finished."""
         if not read.transfer.ok:
-            self._finish(read, _failure_kind(read.transfer.error or ""))
+            self._finish(read, read.transfer.failure or ReadFailure.TRANSFER)
             return True
         waiting = tuple(q for q, alive in read.acks.items() if alive is None)
         stale = tuple(q for q, alive in read.acks.items() if alive is False)
         if stale:
             read.transfer = _failed(read, read.transfer, "stale read: the hold had ended (lease expired or "
                                     "released) before the holder acknowledged the read", stale)
-            self._finish(read, "stale")
+            self._finish(read, ReadFailure.STALE)
         elif not waiting:
-            self._finish(read, "")
+            self._finish(read, ReadFailure.NONE)
         elif now >= read.deadline_s:
             read.transfer = _failed(read, read.transfer, "deadline: the holder did not acknowledge the read", waiting)
-            self._finish(read, "deadline")
+            self._finish(read, ReadFailure.DEADLINE)
         else:
             return False  # still waiting for an ack: not progress, keep backing off
         return True
 
-    def _finish(self, read: DaemonRead, failure: str) -> None:
+    def _finish(self, read: DaemonRead, failure: ReadFailure) -> None:
         self._reads.remove(read)
         names = read.remote.agent_names
         for q in read.acks:
             self._awaiting.pop((read.slot.engine_id, names[q], read.planned.request.remote_request_id), None)
         self._deliver(read, read.transfer, failure)
 
-    def _deliver(self, read: DaemonRead, result: ReadResult, failure: str) -> None:
+    def _deliver(self, read: DaemonRead, result: ReadResult, failure: ReadFailure) -> None:
         self._num_done += 1
         post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
         result = replace(result, duration_s=time.perf_counter() - read.submitted_s)  # includes the acks
@@ -333,15 +334,6 @@ class DataPlane:
             return
         read, q = entry
         read.acks[q] = ack.alive
-
-
-def _failure_kind(error: str) -> str:
-    """A bounded label for metrics: deadline | remote_gone | transfer."""
-    if "deadline:" in error:
-        return "deadline"
-    if "Disconnect" in error or "NotFound" in error:
-        return "remote_gone"
-    return "transfer"
 
 
 def error_result(read: DaemonRead, error: str) -> ReadResult:

@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-FAILURE_KINDS = ("transfer", "deadline", "stale", "remote_gone", "handshake", "aborted", "engine_gone")
+from kvxferd.xfer.reads import ReadFailure
+
+FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)
 _LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 _DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 

@@ -26,11 +26,12 @@ from kvxferd.service.dataplane import DaemonRead, ReadDone, error_result
 from kvxferd.service.slots import ActiveRead, EngineSlot
 from kvxferd.service.status import status_code
 from kvxferd.service.wire import check_seconds, ids_to_pb
+from kvxferd.xfer.reads import ReadFailure
 
 if TYPE_CHECKING:
     from kvxferd.service.daemon import Daemon
 
-STALE_LINK_FAILURES = frozenset({"transfer", "remote_gone", "deadline"})
+STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, ReadFailure.DEADLINE})
 
 
 class ReadPath:
@@ -66,7 +67,7 @@ class ReadPath:
 
     def refuse(self, slot: EngineSlot, request_id: str, err: KvxferError) -> None:
         """A refused read of a Reads batch: a completion naming why (nothing was posted or written)."""
-        self.daemon.metrics.read_failures.labels("refused").inc()
+        self.daemon.metrics.read_failures.labels(ReadFailure.REFUSED.value).inc()
         slot.completions.put(pb.Completion(request_id=request_id, ok=False, error=str(err),
                                            refused_code=status_code(err).value[0], done_unix_s=time.time()))
 
@@ -77,7 +78,8 @@ class ReadPath:
             read.remote = link.remote
             read.planned = link.remote.plan.plan_request(read.planned.request)
         except KvxferError as err:
-            self.done([ReadDone(read.slot, error_result(read, f"handshake: {err}"), 0.0, time.time(), "handshake")])
+            self.done([ReadDone(read.slot, error_result(read, f"handshake: {err}"), 0.0, time.time(),
+                                ReadFailure.HANDSHAKE)])
             return
         self.daemon.dataplane.submit(read)
 
@@ -93,8 +95,8 @@ class ReadPath:
             m.read_descriptors.observe(result.num_descriptors)
             m.read_bytes.inc(result.num_bytes)
             if not result.ok:
-                m.read_failures.labels(done.failure or "transfer").inc()
-                if done.failure == "stale":
+                m.read_failures.labels((done.failure or ReadFailure.TRANSFER).value).inc()
+                if done.failure is ReadFailure.STALE:
                     m.stale_reads.labels("reader").inc()
                 link = slot.links.get(result.remote_engine_id)
                 if link is not None and done.failure in STALE_LINK_FAILURES:

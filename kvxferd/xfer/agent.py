@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import sys
@@ -22,6 +23,13 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError, TransferError
 from kvxferd.plan.groups import EngineCache
 
+
+class TransferState(str, enum.Enum):
+    """NIXL's transfer states (the bindings answer these strings)."""
+
+    DONE = "DONE"
+    PROC = "PROC"  # still running
+    ERR = "ERR"
 
 class NixlError(TransferError):
     """A NIXL call failed (remote gone, bad descriptors, backend error)."""
@@ -181,12 +189,12 @@ class NixlAgent:
         return self._call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ", local_list, local_ids,
                           remote_list, remote_ids, notification)
 
-    def post(self, handle) -> str:
-        """Post a transfer: ``DONE``, ``PROC`` or ``ERR``."""
-        return self._call("transfer", self._agent.transfer, handle)
+    def post(self, handle) -> "TransferState":
+        """Post a transfer; its state right after."""
+        return TransferState(self._call("transfer", self._agent.transfer, handle))
 
-    def state(self, handle) -> str:
-        return self._call("check_xfer_state", self._agent.check_xfer_state, handle)
+    def state(self, handle) -> "TransferState":
+        return TransferState(self._call("check_xfer_state", self._agent.check_xfer_state, handle))
 
     def descriptors_moved(self, handle) -> int:
         """Descriptors NIXL moved for a finished transfer, after merging (needs ``telemetry``)."""

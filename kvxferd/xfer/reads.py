@@ -18,6 +18,7 @@ block ids the failed ranks were writing, and other requests carry on.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,10 +29,23 @@ from kvxferd.errors import InvalidArgumentError, NotFoundError
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import ReadNotice
-from kvxferd.xfer.agent import NixlAgent, NixlError
+from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
 POLL_MAX_S = 1e-3
+
+
+class ReadFailure(str, enum.Enum):
+    """Why a read failed, set where it happens (a bounded metrics label, never parsed from a message)."""
+
+    NONE = ""
+    TRANSFER = "transfer"  # NIXL reported an error for a rank
+    REMOTE_GONE = "remote_gone"  # the remote agent disconnected or is unknown
+    DEADLINE = "deadline"  # the transfer or the holder's ack did not come in time
+    STALE = "stale"  # the hold had ended before the holder acknowledged the read
+    ABORTED = "aborted"  # the engine or the link went away under the read
+    HANDSHAKE = "handshake"  # a re-handshake before posting failed
+    REFUSED = "refused"  # refused before anything was posted (Reads stream)
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +62,7 @@ class ReadResult:
     failed_ranks: tuple[int, ...] = ()
     error: str | None = None
     unnotified_ranks: tuple[int, ...] = ()  # holders a notice could not reach
+    failure: ReadFailure = ReadFailure.NONE
 
 
 @dataclass(eq=False)
@@ -69,7 +84,13 @@ class InFlightRead:
     start_s: float
     handles: dict[int, object] = field(default_factory=dict)  # rank -> transfer handle still running
     errors: dict[int, str] = field(default_factory=dict)  # rank -> why it failed
+    failure: ReadFailure = ReadFailure.NONE  # the first failure's kind
     result: ReadResult | None = None
+
+    def fail(self, q: int, error: str, failure: ReadFailure) -> None:
+        self.errors.setdefault(q, error)
+        if self.failure is ReadFailure.NONE:
+            self.failure = failure
 
 
 class ReadExecutor:
@@ -153,12 +174,12 @@ class ReadExecutor:
                                               read.remote_ids, notice)
                 state = self.agent.post(handle)
             except NixlError as err:
-                inflight.errors[q] = str(err)
+                inflight.fail(q, str(err), _nixl_failure(err))
                 if handle is not None:
                     self._release(handle)
                 continue
-            if state == "ERR":
-                inflight.errors[q] = "transfer: posting reported an error"
+            if state is TransferState.ERR:
+                inflight.fail(q, "transfer: posting reported an error", ReadFailure.TRANSFER)
                 self._release(handle)
             else:
                 inflight.handles[q] = handle
@@ -173,11 +194,12 @@ class ReadExecutor:
             try:
                 state = self.agent.state(handle)
             except NixlError as err:
-                state, inflight.errors[q] = "ERR", str(err)
-            if state == "PROC":
+                state = TransferState.ERR
+                inflight.fail(q, str(err), _nixl_failure(err))
+            if state is TransferState.PROC:
                 continue
-            if state == "ERR":
-                inflight.errors.setdefault(q, "transfer: completed with an error")
+            if state is TransferState.ERR:
+                inflight.fail(q, "transfer: completed with an error", ReadFailure.TRANSFER)
             self._release(inflight.handles.pop(q))
         if inflight.handles:
             return None
@@ -190,15 +212,15 @@ class ReadExecutor:
         sleep_s = POLL_MIN_S
         while (result := self.poll(inflight)) is None:
             if time.perf_counter() >= deadline:
-                return self.abort(inflight, f"deadline: not done after {timeout_s:g} s")
+                return self.abort(inflight, f"deadline: not done after {timeout_s:g} s", ReadFailure.DEADLINE)
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, POLL_MAX_S)
         return result
 
-    def abort(self, inflight: InFlightRead, reason: str) -> ReadResult:
+    def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED) -> ReadResult:
         """Stop every rank still running (releasing a handle aborts its transfer) and finish."""
         for q in list(inflight.handles):
-            inflight.errors[q] = reason
+            inflight.fail(q, reason, failure)
             self._release(inflight.handles.pop(q))
         return self.poll(inflight)
 
@@ -237,4 +259,10 @@ class ReadExecutor:
         return ReadResult(planned.request.request_id, remote.plan.remote_engine_id, ok,
                           sum(r.num_bytes for r in planned.reads if r.remote_rank not in inflight.errors),
                           sum(r.num_descriptors for r in planned.reads), time.perf_counter() - inflight.start_s,
-                          invalid, failed, error, tuple(unnotified))
+                          invalid, failed, error, tuple(unnotified), inflight.failure)
+
+
+def _nixl_failure(err: NixlError) -> ReadFailure:
+    """NIXL's exception type says whether the remote agent is gone (nixlRemoteDisconnectError, nixlNotFoundError)."""
+    name = type(err.cause).__name__
+    return ReadFailure.REMOTE_GONE if "Disconnect" in name or "NotFound" in name else ReadFailure.TRANSFER

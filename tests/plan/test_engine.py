@@ -12,6 +12,8 @@ from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_reque
 from kvxferd.plan.descriptors import expand_rows
 from kvxferd.verify.simulate import apply_planned_read
 
+from tests.sampling import covering
+
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2), (3, 2), (2, 3), (8, 2)]
 SHAPES = {
     "plain": ModelShape(),
@@ -36,10 +38,11 @@ def simulate(model, shape, p, d, requests):
     return problems
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("p, d", TP_PAIRS, ids=[f"P{p}D{d}" for p, d in TP_PAIRS])
-def test_plan_moves_exactly_the_oracle_bytes(model, shape, p, d):
+# Every TP pair x model (shapes in turn) in the default run; all 150 combinations with -m slow.
+@pytest.mark.parametrize("pair, model, shape", covering(TP_PAIRS, MODELS, list(SHAPES), product_of=2,
+                                                        ids=lambda pair, model, shape: f"P{pair[0]}D{pair[1]}-{model}-{shape}"))
+def test_plan_moves_exactly_the_oracle_bytes(pair, model, shape):
+    p, d = pair
     rng = np.random.default_rng(p * 100 + d)
 
     def requests(prefill_groups, decode_groups):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, MambaSpec
 from kvxferd.verify.scenario import run_scenario
 
+from tests.sampling import covering
 from tests.tp.test_shards import brute_owned
 
 HEADS = [1, 2, 3, 4, 5, 7, 8, 16, 32]
@@ -56,8 +57,8 @@ def test_attention_every_tp_pair_and_head_count(layout):
         check(spec, spec, p, d)
 
 
-@pytest.mark.parametrize("groups", [1, 3, 8])
-@pytest.mark.parametrize("conv_order", ["WD", "DW"])
+# Every head count and TP pair in each case; group counts and conv orders in turn by default (all with -m slow).
+@pytest.mark.parametrize("groups, conv_order", covering([1, 3, 8], ["WD", "DW"]))
 def test_mamba_every_tp_pair(groups, conv_order):
     for heads, p, d in itertools.product(HEADS, TP_SIZES, TP_SIZES):
         spec = MambaSpec(num_blocks=5, num_heads=heads, head_dim=2, num_groups=groups, state_size=3,

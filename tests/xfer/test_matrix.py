@@ -12,6 +12,8 @@ import pytest
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
 
+from tests.sampling import covering
+
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2), (3, 2), (2, 3), (8, 2)]
 SHAPES = {
     # P/D logical block sizes differ (prefill 32, decode 16).
@@ -23,10 +25,11 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("p, d", TP_PAIRS, ids=[f"P{p}D{d}" for p, d in TP_PAIRS])
-def test_nixl_reads_are_byte_exact(model, shape, p, d):
+# Every TP pair, model and shape in the default run; all 150 combinations with -m slow.
+@pytest.mark.parametrize("pair, model, shape", covering(TP_PAIRS, MODELS, list(SHAPES),
+                                                        ids=lambda pair, model, shape: f"P{pair[0]}D{pair[1]}-{model}-{shape}"))
+def test_nixl_reads_are_byte_exact(pair, model, shape):
+    p, d = pair
     check_pairing(model, SHAPES[shape], shape, p, d)
 
 
