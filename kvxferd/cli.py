@@ -7,7 +7,8 @@
     kvxferd bench           every suite below, headline figures as a Markdown table
     kvxferd bench layout    span emission and planning benchmark (pure layers)
     kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
-    kvxferd bench daemon    through the daemons vs raw NIXL, per-request overhead at 1 000 req/s
+    kvxferd bench daemon    through the daemons vs raw NIXL: Reads stream vs unary, issue 12's targets
+    kvxferd bench holds     hold bookkeeping from 10 to 100,000 outstanding holds
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvxferd.client import health
 from kvxferd.verify import certs as devcerts
 from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
+from kvxferd.bench import holds as holds_bench
 from kvxferd.bench import layout as layout_bench
 from kvxferd.bench import suite
 from kvxferd.bench import xfer as xfer_bench
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout_bench.add_arguments(suites.add_parser("layout", help="span emission and planning (pure layers)"))
     xfer_bench.add_arguments(suites.add_parser("xfer", help="data plane vs raw NIXL, plan build, request planning"))
     daemon_bench.add_arguments(suites.add_parser("daemon", help="through the daemons vs raw NIXL; per-request overhead"))
+    holds_bench.add_arguments(suites.add_parser("holds", help="hold bookkeeping from 10 to 100,000 holds"))
     return parser
 
 
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return devcerts.run(args)
     if args.suite is None:
         return suite.run_args(args)
-    suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench}
+    suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench, "holds": holds_bench}
     return suites[args.suite].run_args(args)
 
 

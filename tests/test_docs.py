@@ -39,7 +39,7 @@ def test_layouts_page_names_every_layout_and_dtype():
 def test_protocol_page_shows_the_compatibility_facts_as_the_code_writes_them():
     from kvxferd.layout.specs import AttentionSpec, MambaSpec
     from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
-    from kvxferd.service.peerinfo import model_facts
+    from kvxferd.wire.peerinfo import model_facts
 
     groups = (CacheGroup("full", AttentionSpec("packed_HND", 4, 8, 128, 16), 32),
               CacheGroup("mamba", MambaSpec(4, 64, 64, 8, 128, 4), 8))

@@ -33,12 +33,14 @@ ALLOWED = {
     "tp": {"errors", "tp"},
     "plan": {"errors", "layout", "tp", "plan"},
     "xfer": {"errors", "layout", "tp", "plan", "xfer"},
-    "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "service"},
-    "client": {"errors", "layout", "tp", "plan", "proto", "service", "client"},
-    "verify": {"errors", "layout", "tp", "plan", "xfer", "proto", "client", "verify"},
-    "bench": {"errors", "layout", "tp", "plan", "xfer", "proto", "service", "client", "verify", "bench"},
-    "demo": {"errors", "layout", "tp", "plan", "xfer", "proto", "service", "client", "verify", "bench", "demo"},
-    "integrations": {"errors", "layout", "proto", "service", "client", "integrations"},
+    "wire": {"errors", "layout", "tp", "plan", "proto", "wire"},
+    "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service"},
+    # The engine SDK shares only the wire package with the daemon, never the daemon's own modules.
+    "client": {"errors", "layout", "tp", "plan", "proto", "wire", "client"},
+    "verify": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "client", "verify"},
+    "bench": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service", "client", "verify", "bench"},
+    "demo": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service", "client", "verify", "bench", "demo"},
+    "integrations": {"errors", "layout", "proto", "wire", "service", "client", "integrations"},
 }
 
 

@@ -12,7 +12,7 @@ from kvxferd.plan.engine import EngineTransferPlan, RankPlan, RankRead, ReadRequ
 from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION, decode_info
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.agent import NixlAgent
 
 

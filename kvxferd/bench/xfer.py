@@ -29,7 +29,7 @@ from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.engines import allocate_engine
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.pump import NotificationPump
+from kvxferd.xfer.holder import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
 
 
@@ -42,7 +42,7 @@ def bulk(num_layers: int, num_blocks: int, blocks_per_request: int, rounds: int,
     prefill_agent = NixlAgent("bench-prefill-0")
     prefill_agent.register(prefill.cache)
     executor = ReadExecutor(NixlAgent("bench-decode-0"), decode.cache)
-    with NotificationPump([prefill_agent, executor.agent]) as pump:
+    with HolderThread([prefill_agent, executor.agent]) as pump:  # progress only: nothing is held
         remote = executor.connect([prefill.cache], [prefill_agent.metadata()])
         rng = np.random.default_rng(seed)
         local_ids = rng.permutation(num_blocks)[:blocks_per_request] if scattered else np.arange(blocks_per_request)

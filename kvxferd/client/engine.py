@@ -32,9 +32,9 @@ import grpc
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.wire import ids_to_pb, read_spec_to_pb
+from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
+from kvxferd.wire.names import SESSION_KEY
 
-SESSION_KEY = "kvxferd-session"
 ACK_EVERY = 64  # completions received before an ack-only batch (acks ride on read batches otherwise)
 
 

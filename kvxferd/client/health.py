@@ -9,7 +9,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvxferd.service.config import default_engine_socket
+from kvxferd.wire.names import default_engine_socket
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ import zmq
 
 from kvxferd.client.engine import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.bus import topic
+from kvxferd.wire.names import topic
 
 TERMINAL = (pb.NotifyEvent.CONSUMED, pb.NotifyEvent.EXPIRED)
 

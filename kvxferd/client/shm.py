@@ -9,7 +9,7 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.wire import engine_to_pb
+from kvxferd.wire.messages import engine_to_pb
 
 
 class SharedArena:

@@ -28,26 +28,11 @@ import zmq.auth.thread
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.wire import ids_to_pb
+from kvxferd.wire.messages import ids_to_pb
+from kvxferd.wire.names import is_engine_topic, topic
 
 
 log = logging.getLogger("kvxferd.bus")
-MAX_TOPIC_BYTES = 257  # an engine id (at most 256 bytes) and the NUL
-
-
-def topic(engine_id: str) -> bytes:
-    """The subscription prefix of one engine's events."""
-    return engine_id.encode() + b"\0"
-
-
-def is_engine_topic(prefix: bytes) -> bool:
-    """One whole engine topic: a printable id and exactly one NUL, at the end."""
-    if not 2 <= len(prefix) <= MAX_TOPIC_BYTES or not prefix.endswith(b"\0") or b"\0" in prefix[:-1]:
-        return False
-    try:
-        return prefix[:-1].decode().isprintable()
-    except UnicodeDecodeError:
-        return False
 
 
 class _AllowedKeys:

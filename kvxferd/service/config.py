@@ -23,6 +23,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
                                YamlConfigSettingsSource)
 
 from kvxferd.errors import InvalidArgumentError
+from kvxferd.wire.names import default_engine_socket
 
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
@@ -164,27 +165,6 @@ class DaemonConfig(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
         return init_settings, env_settings, _FileSource(settings_cls)
-
-
-def default_runtime_dir() -> str:
-    """Where a daemon keeps its sockets unless told: a directory only its user may enter.
-
-    ``$XDG_RUNTIME_DIR/kvxferd`` (per user, 0700 by systemd), else
-    ``/run/kvxferd`` when ``/run`` or it is writable (a container), else
-    ``/tmp/kvxferd-<uid>``, which the daemon creates 0700 and refuses to use
-    if someone else owns it.
-    """
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return os.path.join(xdg, "kvxferd")
-    if os.access("/run/kvxferd", os.W_OK) or (not os.path.exists("/run/kvxferd") and os.access("/run", os.W_OK)):
-        return "/run/kvxferd"
-    return f"/tmp/kvxferd-{os.getuid()}"
-
-
-def default_engine_socket(daemon_id: str = "kvxferd", runtime_dir: str | None = None) -> str:
-    """The engine socket of ``kvxferd serve --daemon-id DAEMON_ID`` with no ``--engine-socket``."""
-    return os.path.join(runtime_dir or default_runtime_dir(), f"{daemon_id}.sock")
 
 
 def _is_ipv6(host: str) -> bool:

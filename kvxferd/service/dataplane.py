@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from kvxferd.errors import InvalidArgumentError, KvxferError
 from kvxferd.plan.engine import PlannedRead
 from kvxferd.plan.leases import HoldEnd
-from kvxferd.plan.notifications import ReadAck, ReadNotice, is_ack
+from kvxferd.plan.notifications import ReadAck, is_ack
 from kvxferd.service.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
@@ -100,9 +100,6 @@ class DataPlane:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
-        self.num_bad_notices = self.num_stray_acks = self.num_ack_errors = self.num_poll_errors = 0
-        self.num_stale_notices = 0  # reader notices that found no live hold (prefill side)
-        self.num_foreign_notices = 0  # notices from agents not introduced for that reader (dropped)
         self._num_submitted = self._num_done = 0  # written by the loop / by this thread only
 
     # ---- API (any thread) -----------------------------------------------------
@@ -273,7 +270,6 @@ class DataPlane:
             try:
                 by_sender = slot.agent.poll_notifications()
             except NixlError as err:
-                self.num_poll_errors += 1
                 log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
                 continue
             for sender, messages in by_sender.items():
@@ -287,51 +283,24 @@ class DataPlane:
         return busy
 
     def _on_notice(self, slot: EngineSlot, sender: str, message: bytes) -> None:
-        try:
-            notice = ReadNotice.decode(message)
-        except InvalidArgumentError:
-            self.num_bad_notices += 1
-            return
-        reader = slot.readers.get((notice.reader_engine_id, notice.reader_rank))
-        if reader is None or reader.agent_name != sender:
-            # Not from the agent that reader introduced over the authenticated peer port:
-            # dropped unanswered, so a forged notice can neither end a hold nor learn anything.
-            self.num_foreign_notices += 1
-            if self._metrics is not None:
+        counts = slot.holder.counts
+        foreign, stale = counts.foreign, counts.stale
+        for kind, end in slot.holder.on_notice(sender, message):
+            self._on_hold_event(slot, kind, end)
+        if self._metrics is not None:
+            if counts.foreign > foreign:
                 self._metrics.notices_dropped.inc()
-            return
-        try:
-            with slot.lock:
-                outcome = slot.holds.record(notice, time.monotonic(), reader.expected_readers)
-        except InvalidArgumentError as err:
-            self.num_bad_notices += 1
-            log.warning("inconsistent notice", extra={"engine_id": slot.engine_id, "error": str(err)})
-            outcome = None
-        alive = outcome is not None and outcome.alive
-        if not alive and notice.ok:
-            self.num_stale_notices += 1
-            if self._metrics is not None:
+            if counts.stale > stale:
                 self._metrics.stale_reads.labels("holder").inc()
-        try:
-            slot.agent.notify(sender, ReadAck(notice.request_id, notice.reader_engine_id, notice.reader_rank, alive).encode())
-        except NixlError:
-            self.num_ack_errors += 1  # the reader is gone or never introduced itself; it fails on its deadline
-        if outcome is not None and outcome.failed:
-            self._on_hold_event(slot, "FAILED", HoldEnd(notice.request_id, "FAILED", (),
-                                                       f"reader {notice.reader_engine_id}/{notice.reader_rank} failed"))
-        if outcome is not None and outcome.end is not None:
-            self._on_hold_event(slot, outcome.end.kind, outcome.end)
 
     def _on_ack(self, slot: EngineSlot, sender: str, message: bytes) -> None:
         try:
             ack = ReadAck.decode(message)
         except InvalidArgumentError:
-            self.num_bad_notices += 1
-            return
+            return  # not an ack of ours: a read waiting for one fails on its deadline
         entry = self._awaiting.get((ack.reader_engine_id, sender, ack.request_id))
         if entry is None or entry[0].slot is not slot:
-            self.num_stray_acks += 1  # the read ended already (deadline, abort)
-            return
+            return  # the read ended already (deadline, abort), or a forged ack
         read, q = entry
         read.acks[q] = ack.alive
 

@@ -33,7 +33,7 @@ from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.fdpass import FdInbox
 from kvxferd.service.memory import open_region
 from kvxferd.service.slots import EngineSlot
-from kvxferd.service.wire import check_id, check_seconds, engine_from_pb, groups_from_pb
+from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
 

@@ -27,9 +27,9 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.metrics import Metrics
-from kvxferd.service.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.service.slots import EngineSlot
 from kvxferd.service.tls import TlsFiles
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.reads import RemoteEngine
 
 log = logging.getLogger("kvxferd.peers")

@@ -25,11 +25,11 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import DaemonRead, ReadDone, error_result
 from kvxferd.service.slots import ActiveRead, EngineSlot
 from kvxferd.service.status import status_code
-from kvxferd.service.wire import check_seconds, ids_to_pb
+from kvxferd.wire.messages import check_seconds, ids_to_pb
 from kvxferd.xfer.reads import ReadFailure
 
 if TYPE_CHECKING:
-    from kvxferd.service.daemon import Daemon
+    from kvxferd.service.parts import DaemonParts
 
 STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, ReadFailure.DEADLINE})
 
@@ -37,7 +37,7 @@ STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, 
 class ReadPath:
     """Submits reads and turns finished ones into completions."""
 
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
 
     def submit(self, slot: EngineSlot, remote_engine_id: str, request: ReadRequest, deadline_s: float,

@@ -33,18 +33,18 @@ from kvxferd.plan.engine import expected_readers
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.service.completions import StreamReplaced
-from kvxferd.service.peerinfo import PROTOCOL_VERSION, encode_info
-from kvxferd.service.slots import Reader
 from kvxferd.service.status import status_code
 from kvxferd.service.tls import authorize_peer
-from kvxferd.service.wire import (MAX_TP_SIZE, check_id, check_peer_addresses, check_seconds, ids_from_pb,
-                                  read_request_from_pb, read_request_from_spec)
+from kvxferd.wire.messages import (MAX_TP_SIZE, check_id, check_peer_addresses, check_seconds, ids_from_pb,
+                                   read_request_from_pb, read_request_from_spec)
+from kvxferd.wire.names import SESSION_KEY
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
+from kvxferd.xfer.holder import Reader
 
 if TYPE_CHECKING:
-    from kvxferd.service.daemon import Daemon
+    from kvxferd.service.parts import DaemonParts
 
 log = logging.getLogger("kvxferd.rpc")
-SESSION_KEY = "kvxferd-session"
 COMPLETIONS_PER_BATCH = 256
 
 
@@ -95,7 +95,7 @@ def metadata_value(context, key: str) -> str:
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
 
     def _check_transport(self, context) -> None:
@@ -168,7 +168,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 yield pb.CompletionBatch(completions=batch)
             if failed():
                 receiver.result()  # raises: the stream ends with its status
-            return
+            # The registration ended (deregistered, expired, daemon draining): everything queued was
+            # sent; an error, not OK, so the engine knows no more completions will come on this session.
+            raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
         except KvxferError as err:
             code, message = status_code(err), str(err)
         except StreamReplaced as err:
@@ -188,6 +190,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         batch = first
         while batch is not None:
             received_s = time.perf_counter()
+            if slot.closing:  # reads refused now could never reach the engine: end the stream instead
+                raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
             if batch.engine_id and batch.engine_id != slot.engine_id:
                 raise InvalidArgumentError("engine_id", f"this stream belongs to {slot.engine_id!r}")
             if len(batch.reads) > config.max_reads_per_batch:
@@ -258,11 +262,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return self.daemon.bus.missed(request.engine_id, request.after_seq)
 
 
-def _lease_s(daemon: "Daemon", value: float) -> float:
+def _lease_s(daemon: "DaemonParts", value: float) -> float:
     return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
 
 
-def _renew(daemon: "Daemon", slot, request: pb.RenewLeaseRequest) -> pb.RenewLeaseReply:
+def _renew(daemon: "DaemonParts", slot, request: pb.RenewLeaseRequest) -> pb.RenewLeaseReply:
     lease_s = _lease_s(daemon, request.lease_s)
     with slot.lock:
         unknown = slot.holds.renew(request.request_ids, lease_s, time.monotonic())
@@ -270,7 +274,7 @@ def _renew(daemon: "Daemon", slot, request: pb.RenewLeaseRequest) -> pb.RenewLea
 
 
 class PeerServicer(pb_grpc.PeerServiceServicer):
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
 
     def _authorize(self, context) -> None:

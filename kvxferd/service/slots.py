@@ -1,10 +1,10 @@
 """One registered engine rank inside the daemon.
 
 A slot owns what the engine handed over (its mapped memory), the NIXL agent
-and executor that register that memory, the holds of its requests and the
-engine's completion queue. The event loop and the data-plane thread share
-it; ``holds`` is guarded by ``lock``, everything else belongs to one side
-as marked.
+and executor that register that memory, the holder (holds of its requests
+and the readers introduced to it) and the engine's completion queue. The
+event loop and the data-plane thread share it; ``holds`` is guarded by
+``lock``, everything else belongs to one side as marked.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.leases import HoldTable
 from kvxferd.service.completions import CompletionFeed
 from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.xfer.reads import ReadExecutor
 
 
@@ -28,15 +29,6 @@ class ActiveRead:
     remote_engine_id: str
     remote_request_id: str
     submitted_s: float  # monotonic
-
-
-@dataclass(frozen=True)
-class Reader:
-    """A reader engine rank introduced by an authenticated peer daemon (holder side)."""
-
-    agent_name: str  # only this NIXL agent's notices count for the reader
-    tp_size: int
-    expected_readers: int  # reader ranks of that engine that notify this rank per request
 
 
 @dataclass(eq=False)
@@ -50,14 +42,10 @@ class EngineSlot:
     mapped: list  # MappedRegion / GPU mappings: closed after NIXL deregistration
     lease_s: float
     lease_expires_s: float  # monotonic; pushed back by heartbeats (loop side)
-    holds: HoldTable = field(default_factory=HoldTable)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    holder: Holder | None = None  # its holds and introduced readers (made from the agent when None)
     completions: CompletionFeed = field(default_factory=CompletionFeed)  # loop side
     active: dict[str, ActiveRead] = field(default_factory=dict)  # loop side, by request id
     links: dict = field(default_factory=dict)  # remote engine id -> RemoteLink (loop side)
-    # Introduced readers by (engine id, rank). Written on the loop, read by the
-    # data-plane thread (single dict lookups: atomic under the GIL).
-    readers: dict[tuple[str, int], Reader] = field(default_factory=dict)
     allowed_readers: frozenset[str] = frozenset()  # empty: any reader engine
     session: str = ""  # the engine's proof of identity on later calls
     num_bytes: int = 0  # registered memory
@@ -65,9 +53,27 @@ class EngineSlot:
     metadata: bytes = b""  # NIXL agent metadata after registration
     closing: bool = False
 
+    def __post_init__(self) -> None:
+        if self.holder is None:
+            self.holder = Holder(self.agent)
+
     @property
     def engine_id(self) -> str:
         return self.cache.engine_id
+
+    @property
+    def holds(self) -> HoldTable:
+        """Shared with the data-plane thread: touch it under :attr:`lock`."""
+        return self.holder.holds
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self.holder.lock
+
+    @property
+    def readers(self) -> dict[tuple[str, int], Reader]:
+        """Introduced readers by (engine id, rank): written on the loop, read by the data-plane thread."""
+        return self.holder.readers
 
     def heartbeat(self) -> None:
         self.lease_expires_s = time.monotonic() + self.lease_s

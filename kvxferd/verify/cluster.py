@@ -3,20 +3,24 @@
 The data-plane proof: every rank has its own NIXL agent over UCX on
 loopback and its own host-memory arena; decode ranks connect to the
 prefill engine (plan + prepared lists), post real NIXL reads, and every
-decode byte is checked against the oracle. A pump thread keeps the prefill
-agents progressing and counts their notices, as a prefill daemon will.
+decode byte is checked against the oracle. Every prefill rank answers its
+readers' notices with the daemon's own :class:`Holder` (hold table, reader
+introductions, acks), driven by a :class:`HolderThread`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.engine import ReadRequest, expected_readers
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.verify.engines import DecodeChecks, allocate_engine
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.pump import NotificationPump
+from kvxferd.xfer.holder import Holder, HolderThread, Reader
 from kvxferd.xfer.reads import ReadExecutor, ReadResult
+
+
+HOLD_LEASE_S = 60.0
 
 
 class LocalCluster(DecodeChecks):
@@ -32,8 +36,16 @@ class LocalCluster(DecodeChecks):
         for agent, engine in zip(self.prefill_agents, self.prefill):
             agent.register(engine.cache)
         self.executors = [ReadExecutor(NixlAgent(f"{self.decode_id}-{r}"), engine.cache) for r, engine in enumerate(self.decode)]
-        # Decode agents are pumped too: their notices leave only while their agent makes progress.
-        self.pump = NotificationPump(self.prefill_agents + [e.agent for e in self.executors]).__enter__()
+        # Each prefill rank knows its readers as a daemon learns them at the introduction.
+        self.holders = [Holder(agent) for agent in self.prefill_agents]
+        for holder, engine in zip(self.holders, self.prefill):
+            expected = expected_readers(engine.cache, decode_tp)
+            for r, executor in enumerate(self.executors):
+                name = holder.agent.add_remote(executor.agent.metadata(), f"decode[{r}]")  # acks go to it
+                holder.readers[(self.decode_id, r)] = Reader(name, decode_tp, expected)
+        # Decode agents are polled too: their notices leave only while their agent makes progress.
+        self.holder_thread = HolderThread(self.prefill_agents + [e.agent for e in self.executors],
+                                 dict(enumerate(self.holders))).__enter__()
         try:
             self.connect()
         except BaseException:
@@ -50,14 +62,14 @@ class LocalCluster(DecodeChecks):
     def read(self, request: ReadRequest, timeout_s: float = 30.0, *, hold: bool = True) -> list[ReadResult]:
         """Every decode rank reads ``request``; prefill ranks hold it first."""
         if hold:
-            for q in range(len(self.prefill)):
-                self.pump.hold(q, request.remote_request_id, request.remote_block_ids)
+            for holder in self.holders:
+                holder.hold(request.remote_request_id, request.remote_block_ids, HOLD_LEASE_S)
         inflight = [executor.post(self.prefill_id, request) for executor in self.executors]
         return [executor.wait(f, timeout_s) for executor, f in zip(self.executors, inflight)]
 
     def close(self) -> None:
-        """Stop the pump, then drop plans and registrations (agents last)."""
-        self.pump.stop()
+        """Stop the holder thread, then drop plans and registrations (agents last)."""
+        self.holder_thread.stop()
         for executor in self.executors:
             executor.close()
         for agent, engine in zip(self.prefill_agents, self.prefill):

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
 from kvxferd.service.fdpass import fd_socket_path, send_fds  # noqa: E402
 from kvxferd.service.gpu import export_ipc  # noqa: E402
-from kvxferd.service.wire import engine_to_pb  # noqa: E402
 from kvxferd.verify.engines import allocate_engine, verify_decode  # noqa: E402
 from kvxferd.verify.models import ModelShape, model_groups, random_request  # noqa: E402
+from kvxferd.wire.messages import engine_to_pb  # noqa: E402
 
 
 def _gpu_engine(engine_id, groups, tp, rank, tagged):

@@ -17,7 +17,7 @@ import zmq
 
 from kvxferd.client import DaemonProcess
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.bus import topic
+from kvxferd.wire.names import topic
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
 TINY_LLAMA = {

@@ -10,12 +10,12 @@ import grpc
 import pytest
 
 from kvxferd.client import DaemonProcess, EngineClient
-from kvxferd.verify.certs import DevCA
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.service.servicers import rpc
+from kvxferd.verify.certs import DevCA
 from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
 from tests.security.conftest import SPIFFE
 from tests.service.helpers import engine_pb, status

@@ -19,10 +19,11 @@ import zmq
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.bus import NotifyBus, topic
-from kvxferd.service.peerinfo import PROTOCOL_VERSION
+from kvxferd.service.bus import NotifyBus
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.names import topic
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
 
 GROUPS = model_groups("gqa", ModelShape())

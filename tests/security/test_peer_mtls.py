@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from kvxferd.bench.raw import RawReader
-from kvxferd.verify.certs import DevCA
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION
+from kvxferd.verify.certs import DevCA
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from tests.security.conftest import SPIFFE, tls_args
 
 C = grpc.StatusCode

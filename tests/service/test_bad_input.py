@@ -11,9 +11,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 from tests.service.helpers import engine_pb, status
 

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from tests.service.helpers import engine_pb
 from tests.service.test_protocol_defects import ANSWER_S, engine_info, read_still_works
 

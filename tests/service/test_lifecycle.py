@@ -9,9 +9,9 @@ import pytest
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 FAST = ("--peer-check-s", "0.3")
 
@@ -139,16 +139,25 @@ def test_killed_prefill_daemon_fails_reads_within_their_deadline(workdir):
         assert cluster.decode_clients[0].missed_events(0).last_seq == 0
 
 
-def test_sigterm_drains_in_flight_reads(workdir):
-    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name="drain") as cluster:
+@pytest.mark.parametrize("reads_stream", [False, True], ids=["unary", "stream"])
+def test_sigterm_drains_in_flight_reads(workdir, reads_stream):
+    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name=f"drain{int(reads_stream)}",
+                       reads_stream=reads_stream) as cluster:
         requests = [_request(f"d{n}", n) for n in range(20)]
         for request in requests:
             cluster.hold(request)
-        for request in requests:
-            cluster.submit(request)
+        client = cluster.decode_clients[0]
+        if reads_stream:  # one batch: the daemon takes all of it or none; its first completion says it took it
+            client.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
+                                                  r.local_block_ids, r.remote_block_ids) for r in requests])
+            first = client.wait_completion(requests[0].request_id, 10)
+        else:  # each SubmitRead returns once the daemon accepted the read
+            for request in requests:
+                cluster.submit(request)
         decode = cluster.decode_daemons[0]
         decode.process.send_signal(15)
-        completions = [cluster.decode_clients[0].wait_completion(r.request_id, 10) for r in requests]
+        completions = [client.wait_completion(r.request_id, 10) for r in requests[1 if reads_stream else 0:]]
+        completions += [first] if reads_stream else []
         assert len(completions) == 20 and all(c.ok for c in completions)
         assert decode.process.wait(30) == 0
-        assert '"drained"' in decode.tail(5000)
+    assert '"drained"' in decode.tail(5000)

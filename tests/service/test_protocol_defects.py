@@ -18,9 +18,9 @@ import pytest
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxferd.service.peerinfo import PROTOCOL_VERSION
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
 from tests.service.helpers import engine_pb, status
 

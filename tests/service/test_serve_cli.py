@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvxferd.client import DaemonProcess
-from kvxferd.service.config import default_engine_socket
+from kvxferd.wire.names import default_engine_socket
 
 
 def _free(port: int) -> bool:

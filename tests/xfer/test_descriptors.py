@@ -7,7 +7,7 @@ from kvxferd.plan.engine import EngineTransferPlan
 from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.pump import NotificationPump
+from kvxferd.xfer.holder import HolderThread
 
 
 # hybrid from TP 2: each prefill rank fills half of every decode block, so nothing merges.
@@ -26,7 +26,7 @@ def test_merged_count_matches_nixl_telemetry(model, p, merges):
     lists = {rp.remote_rank: (reader.prep_local(rp.local_rows, "DRAM"), reader.prep_remote(names[rp.remote_rank], rp.remote_rows, "DRAM"))
              for rp in plan.rank_plans}
     rng = np.random.default_rng(0)
-    with NotificationPump(prefill_agents + [reader]):
+    with HolderThread(prefill_agents + [reader]):
         for contiguous in (True, False):
             decode.reset()
             request = random_request("r", prefill_groups, decode_groups, 100, rng, contiguous=contiguous)

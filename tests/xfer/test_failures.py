@@ -12,7 +12,7 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.pump import NotificationPump
+from kvxferd.xfer.holder import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
 
 PREFILL_GROUPS, DECODE_GROUPS = model_groups("hybrid", ModelShape(num_layers=2))
@@ -40,7 +40,7 @@ def world():
     healthy, broken = Prefill("healthy"), Prefill("broken")
     decode = allocate_engine("decode", DECODE_GROUPS, 1, 0, tagged=False)
     executor = ReadExecutor(NixlAgent("decode-0"), decode.cache)
-    pump = NotificationPump(healthy.agents + broken.agents + [executor.agent]).__enter__()
+    pump = HolderThread(healthy.agents + broken.agents + [executor.agent]).__enter__()
     for prefill in (healthy, broken):
         executor.connect(prefill.caches, prefill.metadata())
     yield healthy, broken, decode, executor, pump
@@ -106,7 +106,7 @@ def _prefill_child(conn):
     agent = NixlAgent("doomed-0")
     agent.register(engine.cache)
     conn.send((engine.cache, agent.metadata()))
-    with NotificationPump([agent]):
+    with HolderThread([agent]):
         conn.recv()  # killed before this returns
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
+from kvxferd.xfer.holder import NoticeCounts
 
 from tests.sampling import covering
 
@@ -52,8 +53,9 @@ def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int) -> N
             results = cluster.read(request)
             assert [r.error for r in results if not r.ok] == []
             assert cluster.check(request) == []
-            for q in range(p):
-                release = cluster.pump.wait_released(q, request.remote_request_id, timeout_s=10)
-                assert release is not None and release.ok, f"prefill rank {q} not released"
-                assert release.num_readers == cluster.executors[0].remote(cluster.prefill_id).plan.expected_notifiers[q]
-        assert cluster.pump.num_bad_notices == 0
+            notifiers = cluster.executors[0].remote(cluster.prefill_id).plan.expected_notifiers
+            for q, holder in enumerate(cluster.holders):
+                end = cluster.holder_thread.wait_end(q, request.remote_request_id, timeout_s=10)
+                assert end is not None and end.kind == "CONSUMED" and not end.failed_readers, f"prefill rank {q}: {end}"
+                assert holder.readers[(cluster.decode_id, 0)].expected_readers == notifiers[q]
+        assert [h.counts for h in cluster.holders] == [NoticeCounts()] * p  # nothing refused, every ack sent

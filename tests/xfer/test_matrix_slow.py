@@ -25,4 +25,5 @@ def test_nixl_reads_are_byte_exact_wide(model, shape, p, d):
             cluster.reset_decode()
             assert all(r.ok for r in cluster.read(request))
             assert cluster.check(request) == []
-            assert all(cluster.pump.wait_released(q, request.remote_request_id, 10) for q in range(p))
+            ends = [cluster.holder_thread.wait_end(q, request.remote_request_id, 10) for q in range(p)]
+            assert all(end is not None and end.kind == "CONSUMED" for end in ends), ends

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvxferd.service.config import default_engine_socket, first_error
+from kvxferd.service.config import first_error
+from kvxferd.wire.names import default_engine_socket
 
 
 class ConnectorSettings(BaseModel):

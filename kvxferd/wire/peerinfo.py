@@ -17,7 +17,7 @@ from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.wire import engine_from_pb, engine_to_pb, peer_memory_from_pb
+from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from_pb
 
 PROTOCOL_VERSION = 3  # 2: readers introduce their TP size (required); 3: notices and acks are binary records
 

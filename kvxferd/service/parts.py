@@ -1,0 +1,45 @@
+"""What the request handlers may use of the daemon: a narrow, typed view instead of the object.
+
+``servicers.py`` and ``reads.py`` are written against :class:`DaemonParts`;
+``daemon.py`` builds the parts and satisfies it. Nothing here imports the
+daemon at run time, so there is no import circle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvxferd.plan.leases import HoldEnd
+    from kvxferd.service.bus import NotifyBus
+    from kvxferd.service.config import DaemonConfig
+    from kvxferd.service.dataplane import DataPlane
+    from kvxferd.service.engines import Registry
+    from kvxferd.service.metrics import Metrics
+    from kvxferd.service.peers import Peers
+    from kvxferd.service.reads import ReadPath
+    from kvxferd.service.slots import EngineSlot
+
+
+class DaemonParts(Protocol):
+    """The daemon's parts a handler needs, and the three things it may ask of the daemon itself."""
+
+    config: DaemonConfig
+    metrics: Metrics
+    registry: Registry
+    bus: NotifyBus
+    peers: Peers
+    dataplane: DataPlane
+    reads: ReadPath
+    addresses: dict[str, str]
+    engine_token: str | None
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run a coroutine in the background, cancelled at shutdown."""
+
+    async def run_blocking(self, fn, *args):
+        """A short blocking call off the event loop."""
+
+    def publish(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
+        """Publish a hold event on the notify bus (event-loop thread)."""

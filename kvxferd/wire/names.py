@@ -1,0 +1,44 @@
+"""Names both sides of a socket agree on: where a daemon's sockets are, the session header, bus topics."""
+
+from __future__ import annotations
+
+import os
+
+SESSION_KEY = "kvxferd-session"  # gRPC metadata carrying an engine's session on every call after Register
+MAX_TOPIC_BYTES = 257  # an engine id (at most 256 bytes) and the NUL
+
+
+def default_runtime_dir() -> str:
+    """Where a daemon keeps its sockets unless told: a directory only its user may enter.
+
+    ``$XDG_RUNTIME_DIR/kvxferd`` (per user, 0700 by systemd), else
+    ``/run/kvxferd`` when ``/run`` or it is writable (a container), else
+    ``/tmp/kvxferd-<uid>``, which the daemon creates 0700 and refuses to use
+    if someone else owns it.
+    """
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "kvxferd")
+    if os.access("/run/kvxferd", os.W_OK) or (not os.path.exists("/run/kvxferd") and os.access("/run", os.W_OK)):
+        return "/run/kvxferd"
+    return f"/tmp/kvxferd-{os.getuid()}"
+
+
+def default_engine_socket(daemon_id: str = "kvxferd", runtime_dir: str | None = None) -> str:
+    """The engine socket of ``kvxferd serve --daemon-id DAEMON_ID`` with no ``--engine-socket``."""
+    return os.path.join(runtime_dir or default_runtime_dir(), f"{daemon_id}.sock")
+
+
+def topic(engine_id: str) -> bytes:
+    """The subscription prefix of one engine's events."""
+    return engine_id.encode() + b"\0"
+
+
+def is_engine_topic(prefix: bytes) -> bool:
+    """One whole engine topic: a printable id and exactly one NUL, at the end."""
+    if not 2 <= len(prefix) <= MAX_TOPIC_BYTES or not prefix.endswith(b"\0") or b"\0" in prefix[:-1]:
+        return False
+    try:
+        return prefix[:-1].decode().isprintable()
+    except UnicodeDecodeError:
+        return False

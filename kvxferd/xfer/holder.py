@@ -1,0 +1,166 @@
+"""The holder's half of the data plane: readers' notices in, acks out, holds ended exactly once.
+
+One :class:`Holder` per engine rank whose memory others read. The daemon's
+data-plane thread and the in-process test cluster drive the same class, so
+the NIXL test matrix exercises the daemon's notice and ack path::
+
+    notice from agent A ──► decode (typed errors: counted, dropped)
+                        ──► A introduced for that reader?  no: dropped unanswered, counted
+                        ──► HoldTable.record (the holder's own reader count)
+                        ──► ack "alive"/"not alive" to A
+                        ──► HoldEnd: FAILED reader (hold lives on), CONSUMED (last reader)
+
+Notices are untrusted: nothing a notice says can end a hold early or
+reach a reader that was not introduced over an authenticated channel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvxferd.errors import InvalidArgumentError
+from kvxferd.plan.leases import HoldEnd, HoldTable
+from kvxferd.plan.notifications import ReadAck, ReadNotice
+from kvxferd.xfer.agent import NixlAgent, NixlError
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A reader engine rank introduced to the holder (by an authenticated peer daemon)."""
+
+    agent_name: str  # only this NIXL agent's notices count for the reader
+    tp_size: int
+    expected_readers: int  # reader ranks of that engine that notify this rank per request
+
+
+@dataclass
+class NoticeCounts:
+    """What the holder refused or could not answer (the daemon exports them as metrics)."""
+
+    bad: int = 0  # undecodable or inconsistent notices
+    foreign: int = 0  # from an agent not introduced for that reader: dropped unanswered
+    stale: int = 0  # a successful read whose hold had ended: answered "not alive"
+    ack_errors: int = 0  # the ack could not be sent (the reader went away)
+
+
+@dataclass(eq=False)
+class Holder:
+    """Holds of one engine rank and the readers introduced to it; ``lock`` guards ``holds``."""
+
+    agent: NixlAgent
+    holds: HoldTable = field(default_factory=HoldTable)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # (reader engine id, rank) -> Reader. Written by whoever introduces readers, read here
+    # (single dict lookups: atomic under the GIL).
+    readers: dict[tuple[str, int], Reader] = field(default_factory=dict)
+    counts: NoticeCounts = field(default_factory=NoticeCounts)
+
+    def on_notice(self, sender: str, message: bytes, now: float | None = None) -> list[tuple[str, HoldEnd]]:
+        """Answer one reader's notice; the events to publish, as ``(kind, end)``: FAILED and/or CONSUMED."""
+        try:
+            notice = ReadNotice.decode(message)
+        except InvalidArgumentError:
+            self.counts.bad += 1
+            return []
+        reader = self.readers.get((notice.reader_engine_id, notice.reader_rank))
+        if reader is None or reader.agent_name != sender:
+            # Not from the agent that reader introduced: dropped unanswered, so a forged
+            # notice can neither end a hold nor learn anything.
+            self.counts.foreign += 1
+            return []
+        try:
+            with self.lock:
+                outcome = self.holds.record(notice, time.monotonic() if now is None else now,
+                                            reader.expected_readers)
+        except InvalidArgumentError:
+            self.counts.bad += 1
+            outcome = None
+        alive = outcome is not None and outcome.alive
+        if not alive and notice.ok:
+            self.counts.stale += 1
+        try:
+            self.agent.notify(sender, ReadAck(notice.request_id, notice.reader_engine_id, notice.reader_rank,
+                                              alive).encode())
+        except NixlError:
+            self.counts.ack_errors += 1  # the reader is gone; it fails on its deadline
+        events = []
+        if outcome is not None and outcome.failed:
+            events.append(("FAILED", HoldEnd(notice.request_id, "FAILED", (),
+                                             f"reader {notice.reader_engine_id}/{notice.reader_rank} failed")))
+        if outcome is not None and outcome.end is not None:
+            events.append((outcome.end.kind, outcome.end))
+        return events
+
+    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float | None = None) -> None:
+        """Start holding a request's blocks for its readers."""
+        with self.lock:
+            self.holds.hold(request_id, block_ids, lease_s, time.monotonic() if now is None else now)
+
+
+class HolderThread:
+    """Drives agents outside a daemon (the in-process test cluster, benchmarks): polls each one
+    every ``interval_s``; notices to an agent with a :class:`Holder` are answered by it, and the
+    holds it ends wait in ``ended`` until :meth:`wait_end` takes them. Agents without a holder
+    are polled only so that their transfers and notices make progress."""
+
+    def __init__(self, agents: list[NixlAgent], holders: dict[int, Holder] | None = None, *,
+                 interval_s: float = 200e-6) -> None:
+        self.agents, self.holders = list(agents), dict(holders or {})
+        self.ended: dict[int, list[tuple[str, HoldEnd]]] = {i: [] for i in self.holders}
+        self.interval_s = interval_s
+        self.num_poll_errors, self.last_poll_error = 0, ""
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvxferd-holder", daemon=True)
+
+    def __enter__(self) -> "HolderThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop and join the thread (before the agents are destroyed)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def poll_once(self) -> None:
+        for i, agent in enumerate(self.agents):
+            try:
+                by_sender = agent.poll_notifications()
+            except NixlError as err:
+                self.num_poll_errors, self.last_poll_error = self.num_poll_errors + 1, str(err)
+                continue
+            holder = self.holders.get(i)
+            if holder is None:
+                continue
+            for sender, messages in by_sender.items():
+                sender = sender.decode() if isinstance(sender, bytes) else sender
+                for message in messages:
+                    events = holder.on_notice(sender, message)
+                    if events:
+                        with self._cond:
+                            self.ended[i] += events
+                            self._cond.notify_all()
+
+    def wait_end(self, i: int, request_id: str, timeout_s: float = 10.0) -> HoldEnd | None:
+        """Block until agent ``i``'s hold of ``request_id`` ended (CONSUMED or EXPIRED) and take it."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for n, (kind, end) in enumerate(self.ended[i]):
+                    if end.request_id == request_id and kind != "FAILED":
+                        return self.ended[i].pop(n)[1]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll_once()
+            self._stop.wait(self.interval_s)
