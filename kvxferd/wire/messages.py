@@ -45,11 +45,21 @@ def check_peer_addresses(addresses: Sequence[str]) -> tuple[str, ...]:
     first_at: dict[str, int] = {}
     for q, address in enumerate(addresses):
         check_id(address, f"peer_addresses[{q}]")
+        _check_host_port(address, f"peer_addresses[{q}]")
         if address in first_at:
             raise InvalidArgumentError(f"peer_addresses[{q}]", f"{address!r} is listed already as "
                                                                f"peer_addresses[{first_at[address]}]")
         first_at[address] = q
     return tuple(addresses)
+
+
+def _check_host_port(address: str, field: str) -> None:
+    """``host:port`` or ``[v6]:port`` with a port in 1..65535: peers are dialled over TCP, nothing else."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(field, f"{address!r} is not host:port with a port in 1..65535")
 
 
 def check_seconds(value: float, field: str, *, default_s: float, max_s: float) -> float:

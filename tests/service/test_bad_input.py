@@ -86,6 +86,9 @@ def test_handshake(cluster):
     code, details = status(lambda: decode.handshake(cluster.prefill_id, [prefill_address, prefill_address]))
     assert code == C.INVALID_ARGUMENT and details.startswith("peer_addresses[1]") and "listed already" in details
     assert status(lambda: decode.handshake(cluster.prefill_id, ["127.0.0.1:1"]))[0] == C.UNAVAILABLE
+    for address in ("127.0.0.1:0", "127.0.0.1:99999", "127.0.0.1:", ":1", "ghost", "unix:/tmp/x", "[]:1"):
+        code, details = status(lambda: decode.handshake(cluster.prefill_id, [address]))  # refused before dialling
+        assert code == C.INVALID_ARGUMENT and "host:port" in details, (address, details)
     # None of these broke the working link: a read still goes to the right addresses.
     request = random_request("kept", *GROUPS, 32, np.random.default_rng(1))
     assert all(c.ok for c in cluster.read(request))
