@@ -63,10 +63,6 @@ class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
         return continuation(self._details(client_call_details), request_iterator)
 
 
-def _fields(spec: pb.ReadSpec) -> dict:
-    return {field.name: value for field, value in spec.ListFields() if field.name != "resend"}
-
-
 def _batches(first: pb.ReadBatch, outbox: queue.SimpleQueue):
     """What the Reads stream sends: the opening batch, then whatever is put in the outbox until None."""
     yield first
@@ -159,8 +155,9 @@ class EngineClient:
         with self._cond:
             # Reads whose batch may have been lost with the old stream go again, marked: the daemon
             # skips those it has (in flight or completed but not acked), so none runs twice.
-            resent = [pb.ReadSpec(resend=True, **_fields(spec)) for spec in self._pending.values()]
-            first = pb.ReadBatch(engine_id=self.engine_id, ack_seq=self._last_seq, reads=resent)
+            first = pb.ReadBatch(engine_id=self.engine_id, ack_seq=self._last_seq, reads=self._pending.values())
+            for spec in first.reads:
+                spec.resend = True
             self._acked_seq = self._last_seq
         self._stream = stream = self.stub.Reads(_batches(first, outbox))
         self._start(lambda: self._watch(stream, lambda item: item.completions))

@@ -103,6 +103,11 @@ class Registry:
             else:
                 self._locks[engine_id] = (lock, users - 1)
 
+    def check_accepting(self) -> None:
+        """New reads and holds are refused once the daemon drains for shutdown."""
+        if not self.accepting:
+            raise UnavailableError("engine_id", "the daemon is draining for shutdown")
+
     async def register(self, message: pb.RegisterRequest, session: str = "") -> EngineSlot:
         """Map, register and publish one engine rank, with a new session.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError, UnavailableError
+from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import DaemonRead, ReadDone, error_result
@@ -45,8 +45,7 @@ class ReadPath:
         """Check, plan and hand a read to the data plane; raises a typed error when refused (nothing posted)."""
         daemon = self.daemon
         config = daemon.config
-        if not daemon.registry.accepting:
-            raise UnavailableError("engine_id", "the daemon is draining for shutdown")
+        daemon.registry.check_accepting()
         if request.request_id in slot.active:
             raise InvalidArgumentError("request_id", f"request {request.request_id!r} is already in flight")
         limit = config.max_reads_per_engine

@@ -56,20 +56,27 @@ def rpc(fn):
     async def handler(self, request, context):
         try:
             return await fn(self, request, context)
-        except KvxferError as err:
-            code, message = status_code(err), str(err)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
-        except Exception:  # a bug: keep serving; the caller gets an id, never our exception text or paths
-            code, message = _internal_error(name)
+        except Exception as err:
+            code, message = _error_status(name, err)
         self.daemon.metrics.rpc_errors.labels(name, code.name).inc()
         await context.abort(code, message)
 
     return handler
 
 
-def _internal_error(method: str) -> tuple[grpc.StatusCode, str]:
-    """Log the exception being handled under a new id; the caller's status and message name only the id."""
+def _error_status(method: str, err: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a caller gets for ``err`` (call it in the ``except`` block that caught it).
+
+    Typed errors map through :func:`status_code`; a replaced completion stream
+    is ABORTED; anything else is a bug: logged under a new id, and the caller
+    gets only the id, never our exception text or paths.
+    """
+    if isinstance(err, KvxferError):
+        return status_code(err), str(err)
+    if isinstance(err, StreamReplaced):
+        return grpc.StatusCode.ABORTED, f"engine_id: {err}"
     error_id = uuid.uuid4().hex[:12]
     log.exception("internal error", extra={"method": method, "error_id": error_id})
     return grpc.StatusCode.INTERNAL, f"internal error {error_id} (details in the daemon's log)"
@@ -171,14 +178,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             # The registration ended (deregistered, expired, daemon draining): everything queued was
             # sent; an error, not OK, so the engine knows no more completions will come on this session.
             raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
-        except KvxferError as err:
-            code, message = status_code(err), str(err)
-        except StreamReplaced as err:
-            code, message = grpc.StatusCode.ABORTED, f"engine_id: {err}"
-        except (grpc.aio.AbortError, grpc.aio.UsageError, asyncio.CancelledError):
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
-        except Exception:
-            code, message = _internal_error("Reads")
+        except Exception as err:
+            code, message = _error_status("Reads", err)
         finally:
             if receiver is not None:
                 receiver.cancel()
@@ -218,18 +221,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def WatchCompletions(self, request, context):
         try:
             slot = self._slot(request.engine_id, context)
-        except KvxferError as err:
-            await context.abort(status_code(err), str(err))
-        try:
             async for completion in slot.completions.stream():
                 yield completion
-        except StreamReplaced as err:
-            await context.abort(grpc.StatusCode.ABORTED, f"engine_id: {err}")
+        except (KvxferError, StreamReplaced) as err:
+            await context.abort(*_error_status("WatchCompletions", err))
 
     @rpc
     async def Hold(self, request, context):
-        if not self.daemon.registry.accepting:
-            raise UnavailableError("engine_id", "the daemon is draining for shutdown")
+        self.daemon.registry.check_accepting()
         slot = self._slot(request.engine_id, context)
         check_id(request.request_id, "request_id")
         block_ids = _check_block_ids(request.block_ids, slot, "block_ids")
