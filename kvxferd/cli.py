@@ -9,6 +9,7 @@
     kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
     kvxferd bench daemon    through the daemons vs raw NIXL: Reads stream vs unary, issue 12's targets
     kvxferd bench holds     hold bookkeeping from 10 to 100,000 outstanding holds
+    kvxferd bench scale     cost per read from 1 to 16 remote ranks, and offered rate up to saturation
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
 from kvxferd.bench import holds as holds_bench
 from kvxferd.bench import layout as layout_bench
+from kvxferd.bench import scale as scale_bench
 from kvxferd.bench import suite
 from kvxferd.bench import xfer as xfer_bench
 
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     xfer_bench.add_arguments(suites.add_parser("xfer", help="data plane vs raw NIXL, plan build, request planning"))
     daemon_bench.add_arguments(suites.add_parser("daemon", help="through the daemons vs raw NIXL; per-request overhead"))
     holds_bench.add_arguments(suites.add_parser("holds", help="hold bookkeeping from 10 to 100,000 holds"))
+    scale_bench.add_arguments(suites.add_parser("scale", help="1 to 16 remote ranks per read; offered rate to saturation"))
     return parser
 
 
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return devcerts.run(args)
     if args.suite is None:
         return suite.run_args(args)
-    suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench, "holds": holds_bench}
+    suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench, "holds": holds_bench,
+              "scale": scale_bench}
     return suites[args.suite].run_args(args)
 
 

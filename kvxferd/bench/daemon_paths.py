@@ -114,10 +114,13 @@ def _percentiles(values_s: list[float]) -> dict:
 
 
 def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
-             tls: Tls | None = None, *, reads_stream: bool = True, idle_s: float = 0.0) -> dict:
+             tls: Tls | None = None, *, reads_stream: bool = True, idle_s: float = 0.0,
+             reads_per_step: int = 1) -> dict:
     """Small requests at a steady rate: where the daemon adds time.
 
     With ``idle_s``, first the daemons' CPU while engines are registered and nothing happens.
+    ``reads_per_step`` (Reads stream only): the engine submits that many reads as one batch, as a
+    step that scheduled them would; end to end counts from the batch's submission.
     """
     num_blocks = 4 * blocks_per_request
     with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream) as cluster:
@@ -137,17 +140,21 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         client = cluster.decode_clients[0]
         submitted_unix, submit_call_s, calls, submit_errors = {}, [], [], {}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
-        start = time.perf_counter()
-        for n, request in enumerate(requests):
-            wait_s = start + n / rate_per_s - time.perf_counter()
+        per_step = reads_per_step if reads_stream else 1
+        start, start_unix = time.perf_counter(), time.time()
+        for n in range(0, num_requests, per_step):
+            step = requests[n:n + per_step]
+            wait_s = start + (n + len(step) - 1) / rate_per_s - time.perf_counter()  # the step's last arrival
             if wait_s > 0:
                 time.sleep(wait_s)
-            submitted_unix[request.request_id] = time.time()
+            now_unix = time.time()
+            submitted_unix.update((request.request_id, now_unix) for request in step)
             # An engine does not wait for the daemon before its next step: send without blocking.
             if reads_stream:
-                client.submit_reads([client.read_spec(request.request_id, cluster.prefill_id, request.remote_request_id,
-                                                      request.local_block_ids, request.remote_block_ids)])
+                client.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
+                                                      r.local_block_ids, r.remote_block_ids) for r in step])
             else:
+                (request,) = step
                 calls.append(client.submit_read_async(request.request_id, cluster.prefill_id,
                                                       request.remote_request_id, request.local_block_ids,
                                                       request.remote_block_ids))
@@ -164,7 +171,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             submit_call_s.append(call.call_s)
         if not submit_call_s:
             submit_call_s = [0.0]  # the stream has no call to wait for
-        post_s, deliver_s, end_to_end_s, failed = [], [], [], len(not_submitted)
+        post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], len(not_submitted), start_unix
         for request in requests:
             if request.request_id in not_submitted:
                 continue
@@ -173,8 +180,10 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             post_s.append(completion.post_s)
             deliver_s.append(received_unix - completion.done_unix_s)
             end_to_end_s.append(received_unix - submitted_unix[request.request_id])
+            last_unix = max(last_unix, received_unix)
         cpu_us = {name: (_cpu_s(pid) - cpu_before[name]) / num_requests * 1e6 for name, pid in pids.items()}
     return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
+            "reads_per_step": per_step, "completed_rate_per_s": (num_requests - failed) / max(last_unix - start_unix, 1e-9),
             "bytes_per_request": raw.num_bytes, "failed": failed, "submit_errors": submit_errors,
             "submit_call": _percentiles(submit_call_s),
             "submit_to_posted": _percentiles(post_s), "completion_to_delivered": _percentiles(deliver_s),

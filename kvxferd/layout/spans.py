@@ -53,10 +53,11 @@ def check_block_ids(block_ids, num_blocks: int, field: str) -> np.ndarray:
         raise InvalidArgumentError(field, f"must be a 1-D list of block ids, got shape {ids.shape}")
     if ids.size == 0:
         return ids.astype(np.int64)
-    if not np.issubdtype(ids.dtype, np.integer):
+    if ids.dtype.kind not in "iu":  # np.issubdtype costs ~5 us: a small request's whole check
         raise InvalidArgumentError(field, f"block ids must be integers, got dtype {ids.dtype}")
-    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
-    if bad.size:
+    # Two reductions on the hot path; only a bad request pays for finding its first bad id.
+    if ids.min() < 0 or ids.max() >= num_blocks:
+        bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
         i = int(bad[0])
         raise BlockIdError(f"{field}[{i}]", f"block id {int(ids[i])} out of range [0, {num_blocks}) ({bad.size} bad ids)")
     return ids.astype(np.int64, copy=False)

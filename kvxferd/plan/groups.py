@@ -192,8 +192,9 @@ def check_unique_ids(block_ids: np.ndarray, field: str) -> None:
     if len(block_ids) < 2:
         return
     ordered = np.sort(block_ids)
-    repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if repeats.size:
+    same = ordered[1:] == ordered[:-1]
+    if same.any():  # only a refused request pays for naming the repeat
+        repeats = np.flatnonzero(same)
         block_id = int(ordered[repeats[0]])
         first = int(np.flatnonzero(block_ids == block_id)[1])
         raise InvalidArgumentError(f"{field}[{first}]", f"block id {block_id} is listed more than once "

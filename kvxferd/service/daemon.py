@@ -68,7 +68,7 @@ class Daemon:
         self.engine_token = read_token(config.engine_token_file) if config.engine_token_file else None
         self.socket_path = config.engine_socket_path
         self.reads = ReadPath(self)
-        self.dataplane = DataPlane(self._reads_done_threadsafe, self._hold_event_threadsafe,
+        self.dataplane = DataPlane(self._reads_done_threadsafe, self._hold_events_threadsafe,
                                    interval_s=config.poll_interval_s, metrics=self.metrics)
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
                            max_message_bytes=config.max_message_bytes, tls=self.tls,
@@ -176,8 +176,12 @@ class Daemon:
         if kind == "EXPIRED" and end.reason == "lease":
             self.metrics.leases_expired.inc()
 
-    def _hold_event_threadsafe(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
-        self._loop.call_soon_threadsafe(self.publish, slot, kind, end)
+    def _publish_all(self, events: list[tuple[EngineSlot, str, HoldEnd]]) -> None:
+        for slot, kind, end in events:
+            self.publish(slot, kind, end)
+
+    def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, str, HoldEnd]]) -> None:
+        self._loop.call_soon_threadsafe(self._publish_all, events)
 
     def _reads_done_threadsafe(self, finished: list[ReadDone]) -> None:
         self._loop.call_soon_threadsafe(self.reads.done, finished)

@@ -12,7 +12,7 @@ from the event loop on the hot path::
                                      holder ack    -> the waiting read
     ReadPath.done(list) ◄───────── reads that ended this round (one hop per round, not per read):
     notify bus          ◄───────── transfer finished AND every rank read from acked "alive"
-                                   hold CONSUMED / reader FAILED
+                                   hold CONSUMED / reader FAILED (also a list per round)
 
 How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing)::
 
@@ -24,7 +24,8 @@ How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing
 
 Holds are shared with the event loop (Hold, RenewLease, expiry) under the
 slot's lock. Everything that crosses back to the loop goes through the
-``on_reads_done`` and ``on_hold_event`` callbacks, which must be thread-safe.
+``on_reads_done`` and ``on_hold_events`` callbacks (a list per round: one
+hop for everything that ended in it), which must be thread-safe.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kvxferd.plan.notifications import ReadAck, is_ack
 from kvxferd.service.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
@@ -85,11 +87,13 @@ class DataPlane:
     """The thread; start with :meth:`start`, stop with :meth:`stop`."""
 
     def __init__(self, on_reads_done: Callable[[list[ReadDone]], None],
-                 on_hold_event: Callable[[EngineSlot, str, HoldEnd], None], *, interval_s: float = HOLD_POLL_S,
+                 on_hold_events: Callable[[list[tuple[EngineSlot, str, HoldEnd]]], None], *,
+                 interval_s: float = HOLD_POLL_S,
                  metrics=None) -> None:
         self._on_reads_done = on_reads_done
         self._finished: list[ReadDone] = []  # this round's, handed over together
-        self._on_hold_event = on_hold_event
+        self._on_hold_events = on_hold_events
+        self._hold_events: list[tuple[EngineSlot, str, HoldEnd]] = []  # this round's
         self._metrics = metrics
         self.interval_s = interval_s
         self._slots: list[EngineSlot] = []
@@ -97,7 +101,7 @@ class DataPlane:
         # (reader engine, holder agent, holder's request id) -> the read and the holder's rank
         self._awaiting: dict[tuple[str, str, str], tuple[DaemonRead, int]] = {}
         self._commands: collections.deque = collections.deque()
-        self._wake = threading.Event()
+        self._wake = Waker()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
         self._num_submitted = self._num_done = 0  # written by the loop / by this thread only
@@ -171,8 +175,7 @@ class DataPlane:
                 sleep_s = self.interval_s
             else:
                 sleep_s = IDLE_POLL_S if self._slots else None
-            if self._wake.wait(sleep_s):
-                self._wake.clear()
+            self._wake.wait(sleep_s)
 
     def _run_commands(self) -> bool:
         busy = False
@@ -197,6 +200,9 @@ class DataPlane:
         if self._finished:
             finished, self._finished = self._finished, []
             self._on_reads_done(finished)
+        if self._hold_events:
+            events, self._hold_events = self._hold_events, []
+            self._on_hold_events(events)
 
     def _post(self, read: DaemonRead) -> None:
         executor = read.slot.executor
@@ -286,7 +292,7 @@ class DataPlane:
         counts = slot.holder.counts
         foreign, stale = counts.foreign, counts.stale
         for kind, end in slot.holder.on_notice(sender, message):
-            self._on_hold_event(slot, kind, end)
+            self._hold_events.append((slot, kind, end))
         if self._metrics is not None:
             if counts.foreign > foreign:
                 self._metrics.notices_dropped.inc()

@@ -24,6 +24,7 @@ from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.leases import HoldEnd, HoldTable
 from kvxferd.plan.notifications import ReadAck, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError
+from kvxferd.xfer.waker import Waker
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class HolderThread:
         self.num_poll_errors, self.last_poll_error = 0, ""
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._wake = Waker()
         self._thread = threading.Thread(target=self._run, name="kvxferd-holder", daemon=True)
 
     def __enter__(self) -> "HolderThread":
@@ -125,6 +127,7 @@ class HolderThread:
     def stop(self) -> None:
         """Stop and join the thread (before the agents are destroyed)."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
 
@@ -163,4 +166,4 @@ class HolderThread:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.poll_once()
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
