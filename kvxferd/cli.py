@@ -10,6 +10,7 @@
     kvxferd bench daemon    through the daemons vs raw NIXL: Reads stream vs unary, issue 12's targets
     kvxferd bench holds     hold bookkeeping from 10 to 100,000 outstanding holds
     kvxferd bench scale     cost per read from 1 to 16 remote ranks, and offered rate up to saturation
+    kvxferd bench floors    what each step of a read costs alone (wake-up, thread hop, NIXL notice, gRPC)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvxferd.client import health
 from kvxferd.verify import certs as devcerts
 from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
+from kvxferd.bench import floors as floors_bench
 from kvxferd.bench import holds as holds_bench
 from kvxferd.bench import layout as layout_bench
 from kvxferd.bench import scale as scale_bench
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     xfer_bench.add_arguments(suites.add_parser("xfer", help="data plane vs raw NIXL, plan build, request planning"))
     daemon_bench.add_arguments(suites.add_parser("daemon", help="through the daemons vs raw NIXL; per-request overhead"))
     holds_bench.add_arguments(suites.add_parser("holds", help="hold bookkeeping from 10 to 100,000 holds"))
+    floors_bench.add_arguments(suites.add_parser("floors", help="what each step of a read costs alone"))
     scale_bench.add_arguments(suites.add_parser("scale", help="1 to 16 remote ranks per read; offered rate to saturation"))
     return parser
 
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite is None:
         return suite.run_args(args)
     suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench, "holds": holds_bench,
-              "scale": scale_bench}
+              "scale": scale_bench, "floors": floors_bench}
     return suites[args.suite].run_args(args)
 
 

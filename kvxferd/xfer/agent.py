@@ -22,6 +22,7 @@ import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, TransferError
 from kvxferd.plan.groups import EngineCache
+from kvxferd.xfer.nixl_module import nixl_api
 
 
 class TransferState(str, enum.Enum):
@@ -78,7 +79,7 @@ def agent_name_of(metadata: bytes, field: str = "agent_metadata") -> str:
 
 
 def _nixl_errors() -> tuple[type[Exception], ...]:
-    from nixl import _bindings
+    _, _bindings = nixl_api()
 
     return tuple(getattr(_bindings, name) for name in dir(_bindings) if name.startswith("nixl") and name.endswith("Error"))
 
@@ -87,7 +88,8 @@ class NixlAgent:
     """One named NIXL agent over UCX; a thin, typed wrapper."""
 
     def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), telemetry: bool = False) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        api, _ = nixl_api()
+        nixl_agent, nixl_agent_config, nixl_thread_sync_t = api.nixl_agent, api.nixl_agent_config, api.nixl_thread_sync_t
 
         _quiet_nixl_logging()
         self._errors = _nixl_errors()

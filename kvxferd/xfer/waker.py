@@ -5,7 +5,7 @@ rounds for 20 µs to 100 ms and must wake at once when work arrives. A
 ``threading.Event.wait(timeout)`` costs about 30 µs of CPU per wake-up on
 the project's 2-core machine (a Python condition variable, a lock made per
 wait); ``select`` on an eventfd costs about 18 µs and ``time.sleep`` 16 µs
-(``python -m kvxferd.bench.waker``). At 6 000 wake-ups a second that is the
+(``kvxferd bench floors``). At 6 000 wake-ups a second that is the
 difference between 18 % and 11 % of a core.
 
 ``set`` marks the waker and writes the fd only when it was not marked, so a

@@ -1,0 +1,205 @@
+"""What each step of a read costs alone on this machine: the floors the daemon's figures stand on.
+
+    kvxferd bench floors [--json]
+
+* wake-ups: a polling thread sleeping 100 µs per round, CPU per wake-up and
+  the real interval, for ``threading.Event.wait``, the data plane's
+  :class:`~kvxferd.xfer.waker.Waker` (eventfd + select) and ``time.sleep``;
+* thread hop: one thread hands an item to another that sleeps on a Waker
+  (the event loop to the data-plane thread), latency until it runs;
+* NIXL: ``get_new_notifs`` with nothing new; a notification from one agent
+  to another until the receiver sees it (both polling, same process);
+* gRPC: one message each way on a bidirectional ``grpc.aio`` stream over a
+  UNIX socket (the engine's Reads stream without the daemon behind it);
+* planning: ``plan_request`` for a 2-layer, 2-block request, back to back
+  and with 3 ms between calls (how the daemon calls it at 300 requests/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from kvxferd.bench.common import bench_main
+from kvxferd.xfer.waker import Waker
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wakeups(seconds: float = 2.0, interval_s: float = 100e-6) -> dict:
+    """CPU per wake-up and real interval of a thread that sleeps ``interval_s`` per round."""
+    event, waker = threading.Event(), Waker()
+    rows = {}
+    for name, sleep in (("threading.Event.wait", lambda: event.wait(interval_s)),
+                        ("Waker.wait (eventfd + select)", lambda: waker.wait(interval_s)),
+                        ("time.sleep", lambda: time.sleep(interval_s))):
+        n, start, cpu = 0, time.perf_counter(), _cpu_s()
+        while time.perf_counter() - start < seconds:
+            sleep()
+            n += 1
+        wall_s, cpu_s = time.perf_counter() - start, _cpu_s() - cpu
+        rows[name] = {"cpu_us_per_wake": cpu_s / n * 1e6, "interval_us": wall_s / n * 1e6,
+                      "core_percent": cpu_s / wall_s * 100}
+    return rows
+
+
+def thread_hop(repeat: int = 2000) -> dict:
+    """Latency from ``Waker.set`` in one thread until the sleeping thread runs."""
+    waker, done = Waker(), threading.Event()
+    sent, latencies = [0.0], []
+
+    def worker():
+        while len(latencies) < repeat:
+            if waker.wait(1.0):
+                latencies.append(time.perf_counter() - sent[0])
+        done.set()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    for _ in range(repeat):
+        time.sleep(200e-6)
+        sent[0] = time.perf_counter()
+        waker.set()
+    done.wait(10)
+    return _percentiles(latencies)
+
+
+def nixl_notifications(repeat: int = 2000) -> dict:
+    """``get_new_notifs`` alone, and a notification's trip between two polling agents."""
+    from kvxferd.xfer.agent import NixlAgent
+
+    sender, receiver = NixlAgent("floor-sender"), NixlAgent("floor-receiver")
+    sender.add_remote(receiver.metadata())
+    receiver.add_remote(sender.metadata())
+    raw_sender, raw_receiver = sender.raw, receiver.raw
+    empty = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        raw_receiver.get_new_notifs()
+        empty.append(time.perf_counter() - start)
+    trips = []
+    for n in range(repeat // 4):
+        start = time.perf_counter()
+        raw_sender.send_notif("floor-receiver", b"n%d" % n)
+        while not raw_receiver.get_new_notifs():
+            raw_sender.get_new_notifs()  # the sender must make progress too
+        trips.append(time.perf_counter() - start)
+    return {"get_new_notifs_empty": _percentiles(empty), "notification_one_way": _percentiles(trips[10:])}
+
+
+def grpc_stream(repeat: int = 1000) -> dict:
+    """Round trips of one small message each way on a bidirectional grpc.aio stream (UNIX socket)."""
+    import grpc
+
+    async def echo(request_iterator, context):
+        async for message in request_iterator:
+            yield message
+
+    async def run(path: str) -> list[float]:
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(echo)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Echo", {"Echo": handler}),))
+        server.add_insecure_port(f"unix://{path}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+                call = channel.stream_stream("/floor.Echo/Echo")()
+                trips = []
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    await call.write(b"x" * 64)
+                    await call.read()
+                    trips.append(time.perf_counter() - start)
+                await call.done_writing()
+                return trips
+        finally:
+            await server.stop(None)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        cpu = _cpu_s()
+        trips = asyncio.run(run(os.path.join(workdir, "echo.sock")))
+        cpu_s = _cpu_s() - cpu
+    return {"round_trip": _percentiles(trips[50:]), "cpu_us_per_round_trip_both_sides": cpu_s / len(trips) * 1e6}
+
+
+def planning(repeat: int = 300) -> dict:
+    """``plan_request`` for a small request, back to back and spaced out."""
+    from kvxferd.layout.specs import AttentionSpec
+    from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
+    from kvxferd.plan.groups import CacheGroup
+    from kvxferd.verify.engines import allocate_engine
+
+    spec = AttentionSpec("packed_HND", num_blocks=8, num_kv_heads=8, head_size=128, block_size=16)
+    groups = (CacheGroup("full", spec, 2),)
+    plan = EngineTransferPlan(allocate_engine("fd", groups, 1, 0, tagged=False).cache,
+                              [allocate_engine("fp", groups, 1, 0, tagged=False).cache])
+    request = ReadRequest("r", "r@p", (np.array([3, 5]),), (np.array([0, 1]),))
+    rows = {}
+    for name, gap_s in (("back to back", 0.0), ("every 3 ms", 3e-3)):
+        times = []
+        for _ in range(repeat):
+            if gap_s:
+                time.sleep(gap_s)
+            start = time.perf_counter()
+            plan.plan_request(request)
+            times.append(time.perf_counter() - start)
+        rows[name] = statistics.median(times) * 1e6
+    return rows
+
+
+def _percentiles(values_s: list[float]) -> dict:
+    values = np.asarray(values_s) * 1e6
+    return {"p50_us": float(np.percentile(values, 50)), "p99_us": float(np.percentile(values, 99))}
+
+
+def run() -> dict:
+    return {"wakeups_100us": wakeups(), "thread_hop": thread_hop(), "nixl": nixl_notifications(),
+            "grpc_stream": grpc_stream(), "planning_us": planning()}
+
+
+def format_table(f: dict) -> str:
+    lines = ["polling thread sleeping 100 us per round", f"{'':<32}{'CPU us/wake':>12}{'interval us':>12}{'% core':>8}"]
+    for name, row in f["wakeups_100us"].items():
+        lines.append(f"{name:<32}{row['cpu_us_per_wake']:>12.1f}{row['interval_us']:>12.0f}{row['core_percent']:>8.1f}")
+    n, g = f["nixl"], f["grpc_stream"]
+    lines += ["", f"{'step':<52}{'p50 us':>9}{'p99 us':>9}"]
+    for label, row in (("thread hop (Waker.set -> sleeping thread runs)", f["thread_hop"]),
+                       ("NIXL get_new_notifs, nothing new", n["get_new_notifs_empty"]),
+                       ("NIXL notification, one way (both polling)", n["notification_one_way"]),
+                       ("gRPC aio stream, one message each way", g["round_trip"])):
+        lines.append(f"{label:<52}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
+    lines.append(f"gRPC aio stream: {g['cpu_us_per_round_trip_both_sides']:.0f} us CPU per round trip (both sides)")
+    p = f["planning_us"]
+    lines.append(f"plan_request, 2 layers x 2 blocks: {p['back to back']:.0f} us back to back, "
+                 f"{p['every 3 ms']:.0f} us every 3 ms")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    figures = run()
+    print(json.dumps(figures) if args.json else format_table(figures))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("python -m kvxferd.bench.floors", __doc__, add_arguments, run_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
