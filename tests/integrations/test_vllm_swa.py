@@ -11,7 +11,10 @@ from kvxferd.client import DaemonProcess
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, engine, greedy, hold_events, record_events,
                                              prefill_params, prompts_of, write_tiny_model)
 
-pytestmark = pytest.mark.vllm
+# A second model kind on a real engine (about 70 s on 2 cores): with -m slow and -m vllm. The default
+# run keeps the full-attention model of test_vllm_e2e; sliding-window groups are proven in the default
+# run by the plan tests (tests/plan) and byte-exact over NIXL and the daemons (the demo's swa preset).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 WINDOW = TINY_MISTRAL_SWA["sliding_window"]
 
 
