@@ -22,6 +22,7 @@ daemon could not start (an address in use, no NIXL).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -53,6 +54,7 @@ from kvxferd.service.tls import TlsFiles
 log = logging.getLogger("kvxferd.daemon")
 EXIT_CONFIG, EXIT_STARTUP = 2, 3
 GIL_SWITCH_INTERVAL_S = 200e-6
+IDLE_TICK_S = 1.0  # maintenance tick with nothing held and nothing read (idle CPU)
 SERVICES = ("kvxfer.v1.EngineService", "kvxfer.v1.PeerService")
 
 
@@ -81,6 +83,7 @@ class Daemon:
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
+        self._maintenance_due = asyncio.Event()  # an idle daemon's slow tick, cut short by a new hold
         self._metrics_server = None
         self._fd_inbox: FdInbox | None = None
         self._owns_socket = False
@@ -187,12 +190,24 @@ class Daemon:
         self._loop.call_soon_threadsafe(self.reads.done, finished)
 
     # ---- maintenance ----------------------------------------------------------------
+    def wake_maintenance(self) -> None:
+        """Something to expire or renew appeared (a first hold): back to the short tick now."""
+        self._maintenance_due.set()
+
+    def _has_work(self) -> bool:
+        return any(len(slot.holds) or slot.active for slot in self.registry.slots.values())
+
     async def _maintenance(self) -> None:
         tick_s = min(0.2, self.config.lease_s / 10)  # expiry is exact at notice time; the tick only publishes it
         renew_every_s = self.config.lease_s / 3
         last_renew = last_probe = time.monotonic()
         while not self._stopping.is_set():
-            await asyncio.sleep(tick_s)
+            if self._has_work():
+                await asyncio.sleep(tick_s)
+            else:  # nothing held, nothing read: engine leases and probes only, until a hold arrives
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._maintenance_due.wait(), max(tick_s, IDLE_TICK_S))
+            self._maintenance_due.clear()
             try:
                 await self.registry.expire()
                 now = time.monotonic()

@@ -50,7 +50,7 @@ from kvxferd.xfer.waker import Waker
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
 HOLD_POLL_S = 100e-6  # sleep while some engine holds requests a reader may notify about
-IDLE_POLL_S = 100e-3  # sleep with engines registered and nothing outstanding
+IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 
 
 @dataclass(eq=False)

@@ -43,3 +43,6 @@ class DaemonParts(Protocol):
 
     def publish(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
         """Publish a hold event on the notify bus (event-loop thread)."""
+
+    def wake_maintenance(self) -> None:
+        """A first hold arrived: leave the idle maintenance tick now."""

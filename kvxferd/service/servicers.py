@@ -240,6 +240,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
         if len(slot.holds) == 1:
             self.daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
+            self.daemon.wake_maintenance()  # and from the idle tick to the lease tick
         return pb.HoldReply()
 
     @rpc

@@ -1,7 +1,7 @@
 """A sleep that another thread can cut short, at the cost of a plain sleep.
 
 Polling threads (the daemon's data plane, the holder thread) sleep between
-rounds for 20 µs to 100 ms and must wake at once when work arrives. A
+rounds for 20 µs to 0.5 s and must wake at once when work arrives. A
 ``threading.Event.wait(timeout)`` costs about 30 µs of CPU per wake-up on
 the project's 2-core machine (a Python condition variable, a lock made per
 wait); ``select`` on an eventfd costs about 18 µs and ``time.sleep`` 16 µs
