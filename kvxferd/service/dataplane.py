@@ -141,6 +141,15 @@ class DataPlane:
     # ---- commands (data-plane thread) ---------------------------------------------
     def add_slot(self, slot: EngineSlot) -> None:
         self._slots.append(slot)
+        slot.holder.counts.on_add = self._count_refused
+
+    def _count_refused(self, kind: str) -> None:
+        if self._metrics is None:
+            return
+        if kind == "foreign":
+            self._metrics.notices_dropped.inc()
+        elif kind == "stale":
+            self._metrics.stale_reads.labels("holder").inc()
 
     def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None) -> None:
         """Abort a slot's reads (of one remote engine, or all) before their memory or lists go."""
@@ -289,15 +298,8 @@ class DataPlane:
         return busy
 
     def _on_notice(self, slot: EngineSlot, sender: str, message: bytes) -> None:
-        counts = slot.holder.counts
-        foreign, stale = counts.foreign, counts.stale
         for kind, end in slot.holder.on_notice(sender, message):
             self._hold_events.append((slot, kind, end))
-        if self._metrics is not None:
-            if counts.foreign > foreign:
-                self._metrics.notices_dropped.inc()
-            if counts.stale > stale:
-                self._metrics.stale_reads.labels("holder").inc()
 
     def _on_ack(self, slot: EngineSlot, sender: str, message: bytes) -> None:
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvxferd.errors import InvalidArgumentError
@@ -38,12 +39,19 @@ class Reader:
 
 @dataclass
 class NoticeCounts:
-    """What the holder refused or could not answer (the daemon exports them as metrics)."""
+    """What the holder refused or could not answer; ``on_add(kind)`` (the daemon's metrics) sees each one."""
 
     bad: int = 0  # undecodable or inconsistent notices
     foreign: int = 0  # from an agent not introduced for that reader: dropped unanswered
     stale: int = 0  # a successful read whose hold had ended: answered "not alive"
     ack_errors: int = 0  # the ack could not be sent (the reader went away)
+    on_add: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+
+    def add(self, kind: str) -> None:
+        """Count one ``bad``, ``foreign``, ``stale`` or ``ack_errors`` notice."""
+        setattr(self, kind, getattr(self, kind) + 1)
+        if self.on_add is not None:
+            self.on_add(kind)
 
 
 @dataclass(eq=False)
@@ -63,29 +71,29 @@ class Holder:
         try:
             notice = ReadNotice.decode(message)
         except InvalidArgumentError:
-            self.counts.bad += 1
+            self.counts.add("bad")
             return []
         reader = self.readers.get((notice.reader_engine_id, notice.reader_rank))
         if reader is None or reader.agent_name != sender:
             # Not from the agent that reader introduced: dropped unanswered, so a forged
             # notice can neither end a hold nor learn anything.
-            self.counts.foreign += 1
+            self.counts.add("foreign")
             return []
         try:
             with self.lock:
                 outcome = self.holds.record(notice, time.monotonic() if now is None else now,
                                             reader.expected_readers)
         except InvalidArgumentError:
-            self.counts.bad += 1
+            self.counts.add("bad")
             outcome = None
         alive = outcome is not None and outcome.alive
         if not alive and notice.ok:
-            self.counts.stale += 1
+            self.counts.add("stale")
         try:
             self.agent.notify(sender, ReadAck(notice.request_id, notice.reader_engine_id, notice.reader_rank,
                                               alive).encode())
         except NixlError:
-            self.counts.ack_errors += 1  # the reader is gone; it fails on its deadline
+            self.counts.add("ack_errors")  # the reader is gone; it fails on its deadline
         events = []
         if outcome is not None and outcome.failed:
             events.append(("FAILED", HoldEnd(notice.request_id, "FAILED", (),
