@@ -9,14 +9,15 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvxferd.wire.names import default_engine_socket
+from kvxferd.wire.names import default_engine_socket, env_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="unix:<engine socket> or host:port of a plaintext listener (default: the engine socket "
-                             "of `kvxferd serve` as configured by KVXFERD_ENGINE_SOCKET, KVXFERD_DAEMON_ID and "
-                             "KVXFERD_RUNTIME_DIR); the peer port speaks mutual TLS when TLS is on, so ask the "
+                             f"of `kvxferd serve` as configured by {env_name('engine_socket')}, "
+                             f"{env_name('daemon_id')} and {env_name('runtime_dir')}); the peer port speaks mutual "
+                             "TLS when TLS is on, so ask the "
                              "engine socket")
     parser.add_argument("--service", default="", help="a service name (e.g. kvxfer.v1.PeerService); default: the daemon")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="give up after this long (default 3)")
@@ -35,8 +36,8 @@ def check(target: str, service: str = "", timeout_s: float = 3.0) -> str:
 
 def default_target() -> str:
     """The engine socket a daemon started with the same environment listens on, as a gRPC target."""
-    socket_path = os.environ.get("KVXFERD_ENGINE_SOCKET") or default_engine_socket(
-        os.environ.get("KVXFERD_DAEMON_ID", "kvxferd"), os.environ.get("KVXFERD_RUNTIME_DIR"))
+    socket_path = os.environ.get(env_name("engine_socket")) or default_engine_socket(
+        os.environ.get(env_name("daemon_id"), "kvxferd"), os.environ.get(env_name("runtime_dir")))
     return f"unix:{socket_path}"
 
 

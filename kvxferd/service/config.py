@@ -23,7 +23,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
                                YamlConfigSettingsSource)
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.wire.names import default_engine_socket
+from kvxferd.wire.names import ENV_PREFIX, default_engine_socket, env_name
 
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
@@ -31,7 +31,7 @@ WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 class DaemonConfig(BaseSettings):
     """Settings of ``kvxferd serve``."""
 
-    model_config = SettingsConfigDict(env_prefix="KVXFERD_", extra="forbid", validate_default=True, allow_inf_nan=False)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     daemon_id: str = Field("kvxferd", description="name of this daemon in logs and NIXL agent names")
     runtime_dir: str | None = Field(None, description="private directory of the daemon's sockets (default: "
@@ -217,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per schema field (``--peer-port``), help and default from the schema."""
     parser.add_argument("--config", metavar="FILE", help="TOML or YAML file with any of the options below")
     for name, field in DaemonConfig.model_fields.items():
-        flag, text = f"--{name.replace('_', '-')}", f"{field.description} (default: {field.default}; env KVXFERD_{name.upper()})"
+        flag, text = f"--{name.replace('_', '-')}", f"{field.description} (default: {field.default}; env {env_name(name)})"
         if field.annotation in (bool, bool | None):
             parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=text)
             continue

@@ -65,3 +65,17 @@ def test_every_field_has_a_flag_with_help():
     text = parser.format_help()
     for name, field in DaemonConfig.model_fields.items():
         assert f"--{name.replace('_', '-')}" in text and field.description
+
+
+def test_kvxferd_health_reads_the_environment_serve_reads(tmp_path, monkeypatch):
+    from kvxferd.client.health import default_target
+
+    socket = str(tmp_path / "d.sock")
+    monkeypatch.setenv("KVXFERD_ENGINE_SOCKET", socket)
+    assert parse().engine_socket_path == socket
+    assert default_target() == f"unix:{socket}"
+    monkeypatch.delenv("KVXFERD_ENGINE_SOCKET")
+    monkeypatch.setenv("KVXFERD_DAEMON_ID", "d7")
+    monkeypatch.setenv("KVXFERD_RUNTIME_DIR", str(tmp_path))
+    assert default_target() == f"unix:{parse().engine_socket_path}"
+    assert default_target() == f"unix:{tmp_path / 'd7.sock'}"
