@@ -283,18 +283,16 @@ class DataPlane:
         busy = False
         for slot in self._slots:
             try:
-                by_sender = slot.agent.poll_notifications()
+                messages = slot.agent.new_messages()
             except NixlError as err:
                 log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
                 continue
-            for sender, messages in by_sender.items():
-                sender = sender.decode() if isinstance(sender, bytes) else sender
-                for message in messages:
-                    busy = True
-                    if is_ack(message):
-                        self._on_ack(slot, sender, message)
-                    else:
-                        self._on_notice(slot, sender, message)
+            for sender, message in messages:
+                busy = True
+                if is_ack(message):
+                    self._on_ack(slot, sender, message)
+                else:
+                    self._on_notice(slot, sender, message)
         return busy
 
     def _on_notice(self, slot: EngineSlot, sender: str, message: bytes) -> None:

@@ -211,3 +211,8 @@ class NixlAgent:
     def poll_notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender; also makes progress for peers reading us."""
         return self._call("get_new_notifs", self._agent.get_new_notifs)
+
+    def new_messages(self) -> list[tuple[str, bytes]]:
+        """:meth:`poll_notifications` as ``(sender agent name, message)`` pairs, in arrival order per sender."""
+        return [(sender.decode() if isinstance(sender, bytes) else sender, message)
+                for sender, messages in self.poll_notifications().items() for message in messages]

@@ -142,21 +142,19 @@ class HolderThread:
     def poll_once(self) -> None:
         for i, agent in enumerate(self.agents):
             try:
-                by_sender = agent.poll_notifications()
+                messages = agent.new_messages()
             except NixlError as err:
                 self.num_poll_errors, self.last_poll_error = self.num_poll_errors + 1, str(err)
                 continue
             holder = self.holders.get(i)
             if holder is None:
                 continue
-            for sender, messages in by_sender.items():
-                sender = sender.decode() if isinstance(sender, bytes) else sender
-                for message in messages:
-                    events = holder.on_notice(sender, message)
-                    if events:
-                        with self._cond:
-                            self.ended[i] += events
-                            self._cond.notify_all()
+            for sender, message in messages:
+                events = holder.on_notice(sender, message)
+                if events:
+                    with self._cond:
+                        self.ended[i] += events
+                        self._cond.notify_all()
 
     def wait_end(self, i: int, request_id: str, timeout_s: float = 10.0) -> HoldEnd | None:
         """Block until agent ``i``'s hold of ``request_id`` ended (CONSUMED or EXPIRED) and take it."""
