@@ -125,7 +125,10 @@ def _format_one(f: dict) -> str:
              f"per request: {o['requests']} requests of {o['bytes_per_request'] / 2**10:.0f} KiB offered at "
              f"{o['rate_per_s']:.0f}/s (achieved {o['achieved_rate_per_s']:.0f}/s), {o['failed']:g} failed",
              f"  {'':<34}{'p50 us':>9}{'p99 us':>9}"]
-    for key, label in (("submit_call", "SubmitRead call (client)"), ("submit_to_posted", "submit -> posted (daemon)"),
+    for key, label in (("submit_call", "SubmitRead call (client)"), ("daemon_plan", "submit -> planned (daemon)"),
+                       ("submit_to_posted", "submit -> posted (daemon)"),
+                       ("daemon_transfer", "posted -> transfer ended (daemon)"),
+                       ("daemon_ack", "transfer ended -> acked (daemon)"),
                        ("completion_to_delivered", "completion -> delivered (engine)"),
                        ("end_to_end", "submit -> delivered (end to end)"), ("raw_nixl", "raw NIXL, same request alone")):
         lines.append(f"  {label:<34}{o[key]['p50_us']:>9.0f}{o[key]['p99_us']:>9.0f}")

@@ -172,12 +172,15 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         if not submit_call_s:
             submit_call_s = [0.0]  # the stream has no call to wait for
         post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], len(not_submitted), start_unix
+        stages_s = {"plan": [], "transfer": [], "ack": []}
         for request in requests:
             if request.request_id in not_submitted:
                 continue
             completion, received_unix = client.wait_completion_timed(request.request_id, 60)
             failed += not completion.ok
             post_s.append(completion.post_s)
+            for stage, values in stages_s.items():
+                values.append(getattr(completion, f"{stage}_s"))
             deliver_s.append(received_unix - completion.done_unix_s)
             end_to_end_s.append(received_unix - submitted_unix[request.request_id])
             last_unix = max(last_unix, received_unix)
@@ -187,6 +190,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             "bytes_per_request": raw.num_bytes, "failed": failed, "submit_errors": submit_errors,
             "submit_call": _percentiles(submit_call_s),
             "submit_to_posted": _percentiles(post_s), "completion_to_delivered": _percentiles(deliver_s),
+            **{f"daemon_{stage}": _percentiles(values) for stage, values in stages_s.items()},
             "end_to_end": _percentiles(end_to_end_s), "raw_nixl": _percentiles(raw_s), "cpu_us_per_request": cpu_us,
             "idle_cpu_percent": idle}
 

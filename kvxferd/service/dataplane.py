@@ -63,7 +63,9 @@ class DaemonRead:
     submitted_s: float  # perf_counter when the RPC arrived
     deadline_s: float  # perf_counter
     inflight: InFlightRead | None = None
+    queued_s: float = 0.0  # handed to this thread
     posted_s: float = 0.0
+    transferred_s: float = 0.0  # every rank's transfer ended
     transfer: ReadResult | None = None
     acks: dict[int, bool | None] = field(default_factory=dict)  # remote rank read -> holder alive?
 
@@ -81,6 +83,9 @@ class ReadDone:
     post_s: float  # submit -> every rank posted
     done_unix_s: float
     failure: ReadFailure  # NONE when ok
+    plan_s: float = 0.0  # submit -> handed to the data-plane thread
+    transfer_s: float = 0.0  # posted -> every transfer ended
+    ack_s: float = 0.0  # transfers ended -> acks in
 
 
 class DataPlane:
@@ -124,6 +129,7 @@ class DataPlane:
     def submit(self, read: DaemonRead) -> None:
         """Queue a planned read for posting (event-loop thread)."""
         self._num_submitted += 1
+        read.queued_s = time.perf_counter()
         self._commands.append(("post", read))
         self._wake.set()
 
@@ -242,6 +248,7 @@ class DataPlane:
                                                              ReadFailure.DEADLINE)
                 if read.transfer is None:
                     continue
+                read.transferred_s = now
             busy |= self._settle(read, now)
         return busy
 
@@ -274,9 +281,15 @@ class DataPlane:
 
     def _deliver(self, read: DaemonRead, result: ReadResult, failure: ReadFailure) -> None:
         self._num_done += 1
+        now = time.perf_counter()
         post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
-        result = replace(result, duration_s=time.perf_counter() - read.submitted_s)  # includes the acks
-        self._finished.append(ReadDone(read.slot, result, post_s, time.time(), failure))
+        result = replace(result, duration_s=now - read.submitted_s)  # includes the acks
+        stages = {}
+        if read.posted_s:
+            stages["plan_s"] = read.queued_s - read.submitted_s
+            if read.transferred_s:
+                stages.update(transfer_s=read.transferred_s - read.posted_s, ack_s=now - read.transferred_s)
+        self._finished.append(ReadDone(read.slot, result, post_s, time.time(), failure, **stages))
 
     # ---- notices and acks ------------------------------------------------------------
     def _poll_notifications(self) -> bool:

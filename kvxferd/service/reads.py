@@ -104,4 +104,5 @@ class ReadPath:
                 request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
                 num_descriptors=result.num_descriptors, duration_s=result.duration_s,
                 invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
-                post_s=done.post_s, done_unix_s=done.done_unix_s, failed_ranks=result.failed_ranks))
+                post_s=done.post_s, done_unix_s=done.done_unix_s, failed_ranks=result.failed_ranks,
+                plan_s=done.plan_s, transfer_s=done.transfer_s, ack_s=done.ack_s))

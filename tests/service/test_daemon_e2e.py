@@ -29,6 +29,11 @@ def test_reads_through_daemons_are_byte_exact(workdir, model, prefill_tp, decode
                 assert completion.ok, completion.error
                 assert completion.num_bytes > 0 and completion.num_descriptors > 0
                 assert not completion.invalid_block_ids and completion.post_s > 0
+                # where the daemon's time went: the stages add up to the read's duration
+                assert 0 < completion.plan_s < completion.post_s
+                assert completion.transfer_s >= 0 and completion.ack_s > 0
+                stages_s = completion.post_s + completion.transfer_s + completion.ack_s
+                assert abs(stages_s - completion.duration_s) < 1e-3, (stages_s, completion.duration_s)
             problems, wrong = cluster.verify(request)
             assert not problems and wrong == 0
             events = cluster.hold_events(request)

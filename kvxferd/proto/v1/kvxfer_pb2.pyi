@@ -208,7 +208,7 @@ class WatchCompletionsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code")
+    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code", "plan_s", "transfer_s", "ack_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,9 @@ class Completion(_message.Message):
     FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    ACK_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     num_bytes: int
@@ -233,7 +236,10 @@ class Completion(_message.Message):
     failed_ranks: _containers.RepeatedScalarFieldContainer[int]
     seq: int
     refused_code: int
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ...) -> None: ...
+    plan_s: float
+    transfer_s: float
+    ack_s: float
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ack_s: _Optional[float] = ...) -> None: ...
 
 class ReadSpec(_message.Message):
     __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend")
