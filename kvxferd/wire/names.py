@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 
 SESSION_KEY = "kvxferd-session"  # gRPC metadata carrying an engine's session on every call after Register
+MAX_TOPIC_BYTES = 257  # an engine id (at most 256 bytes) and the NUL
 ENV_PREFIX = "KVXFERD_"  # the daemon's configuration from the environment: KVXFERD_<FIELD>
 
 
 def env_name(field: str) -> str:
     """The environment variable of a ``kvxferd serve`` setting (``engine_socket`` -> ``KVXFERD_ENGINE_SOCKET``)."""
     return ENV_PREFIX + field.upper()
-MAX_TOPIC_BYTES = 257  # an engine id (at most 256 bytes) and the NUL
 
 
 def default_runtime_dir() -> str:

@@ -12,6 +12,7 @@ version, the meta package decides as usual.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import pathlib
@@ -42,6 +43,7 @@ def torch_cuda_on_disk() -> str | None:
     return match.group(2) or ""
 
 
+@functools.cache  # decided once per process: every agent uses the same wheel, and torch's file is read once
 def nixl_api() -> tuple[ModuleType, ModuleType]:
     """``(_api, _bindings)`` of the NIXL backend wheel the meta package would choose."""
     if "torch" not in sys.modules and "nixl" not in sys.modules and torch_cuda_on_disk() == "":

@@ -2,11 +2,11 @@
 
 Polling threads (the daemon's data plane, the holder thread) sleep between
 rounds for 20 µs to 0.5 s and must wake at once when work arrives. A
-``threading.Event.wait(timeout)`` costs about 30 µs of CPU per wake-up on
+``threading.Event.wait(timeout)`` costs 17-30 µs of CPU per wake-up on
 the project's 2-core machine (a Python condition variable, a lock made per
-wait); ``select`` on an eventfd costs about 18 µs and ``time.sleep`` 16 µs
-(``kvxferd bench floors``). At 6 000 wake-ups a second that is the
-difference between 18 % and 11 % of a core.
+wait); ``select`` on an eventfd costs 14-18 µs and ``time.sleep`` 11-16 µs
+(``kvxferd bench floors``, several runs). At 6 000 wake-ups a second every
+10 µs saved is 6 % of a core.
 
 ``set`` marks the waker and writes the fd only when it was not marked, so a
 burst of submissions costs one syscall; ``wait`` checks the mark before it
