@@ -4,6 +4,7 @@
     kvxferd health          is a daemon serving? (grpc.health.v1; exit 0 or 1, for container health checks)
     kvxferd dev-certs DIR   a throw-away CA and certificates for trying mutual TLS locally
     kvxferd demo            prefill -> decode reads over real NIXL, every byte verified
+    kvxferd soak            random pairings and faults (kill -9, SIGSTOP, bad input) on real daemons; invariants
     kvxferd bench           every suite below, headline figures as a Markdown table
     kvxferd bench layout    span emission and planning benchmark (pure layers)
     kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvxferd import demo, serve
+from kvxferd import demo, serve, soak
 from kvxferd.client import health
 from kvxferd.verify import certs as devcerts
 from kvxferd.service import config
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser("demo", help="move and verify prefill->decode reads over NIXL for model presets",
                                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
+    soak.add_arguments(commands.add_parser("soak", help="random pairings and faults on real daemons; every invariant checked",
+                                           description=soak.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     bench = commands.add_parser("bench", help="run every benchmark suite (Markdown table), or one suite",
                                 description=suite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     suite.add_arguments(bench)
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "soak":
+        return soak.run(args)
     if args.command == "serve":
         return serve.run(args)
     if args.command == "health":

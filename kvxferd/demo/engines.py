@@ -200,10 +200,10 @@ def _read_all(readers: Sequence[RawReader], prepared: Sequence[list]) -> float:
 ENGINES = {"prefill": PrefillEngine, "decode": DecodeEngine}
 
 
-def engine_main(kind: str, args: tuple, kwargs: dict, conn) -> None:
-    """Body of an engine process: build the engine, then serve commands until ``stop``."""
+def engine_main(kind: str, factory, args: tuple, kwargs: dict, conn) -> None:
+    """Body of an engine process: build the engine (``factory``), then serve commands until ``stop``."""
     try:
-        engine = ENGINES[kind](*args, **kwargs)
+        engine = factory(*args, **kwargs)
     except Exception as err:
         conn.send(("error", f"{kind} engine did not start: {type(err).__name__}: {err}"))
         return
@@ -229,11 +229,14 @@ class EngineFailed(RuntimeError):
 class EngineProcess:
     """Driver-side handle of one engine process."""
 
-    def __init__(self, kind: str, *args, start_timeout_s: float = 120.0, wait: bool = True, **kwargs) -> None:
+    def __init__(self, kind: str, *args, start_timeout_s: float = 120.0, wait: bool = True, factory=None,
+                 **kwargs) -> None:
+        """``factory``: the engine class (importable; default: the demo's engine of ``kind``)."""
         context = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC threads
         self.kind = kind
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=engine_main, args=(kind, args, kwargs, child), daemon=True,
+        self.process = context.Process(target=engine_main, args=(kind, factory or ENGINES[kind], args, kwargs, child),
+                                       daemon=True,
                                        name=f"kvxferd-demo-{kind}")
         self.process.start()
         child.close()
@@ -258,7 +261,18 @@ class EngineProcess:
 
     def call(self, command: str, *args, timeout_s: float = 120.0):
         """Run ``command`` in the engine process; its return value, or :class:`EngineFailed`."""
-        self._conn.send((command, args))
+        self.send(command, *args)
+        return self._answer(timeout_s, command)
+
+    def send(self, command: str, *args) -> None:
+        """Start ``command`` without waiting; :meth:`answer` collects its result."""
+        try:
+            self._conn.send((command, args))
+        except OSError as err:
+            raise EngineFailed(f"{self.kind} engine is gone ({err})") from None
+
+    def answer(self, command: str, timeout_s: float = 120.0):
+        """The result of the command started last with :meth:`send`."""
         return self._answer(timeout_s, command)
 
     def close(self, timeout_s: float = 30.0) -> None:

@@ -15,10 +15,9 @@ from kvxferd.demo import summary as figures
 from kvxferd.demo.engines import EngineFailed, EngineProcess
 from kvxferd.errors import KvxferError
 from kvxferd.plan.engine import EngineTransferPlan
-from kvxferd.plan.groups import EngineCache, RegionMemory
 from kvxferd.tp.shards import check_tp
+from kvxferd.verify.engines import paper_cache
 from kvxferd.verify.models import DECODE_LAYOUTS, MODELS, ModelShape, model_groups, random_request
-from kvxferd.verify.physical import region_num_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,16 +55,6 @@ class BadArguments(ValueError):
     """Arguments the demo cannot run with (exit 2, one line)."""
 
 
-def _paper_cache(engine_id: str, groups, tp_size: int, tp_rank: int) -> EngineCache:
-    """An engine rank at made-up addresses: enough to plan, nothing allocated."""
-    memory, address = [], 1 << 32
-    for group in groups:
-        size = region_num_bytes(group.spec, tp_size, tp_rank)
-        memory.append(tuple(RegionMemory(address + i * (size + 4096), size) for i in range(group.num_regions)))
-        address += group.num_regions * (size + 4096)
-    return EngineCache(engine_id, tp_size, tp_rank, tuple(groups), tuple(memory))
-
-
 def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
     """Everything the daemons would refuse, refused here first, naming the flag or field."""
     for flag in ("requests", "num_tokens", "prefill_tp", "decode_tp"):
@@ -86,9 +75,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
         check_tp(args.decode_tp, 0, field="decode_tp")
         for model in models:
             prefill_groups, decode_groups = model_groups(model, shape)
-            prefill = [_paper_cache("p", prefill_groups, args.prefill_tp, q) for q in range(args.prefill_tp)]
+            prefill = [paper_cache("p", prefill_groups, args.prefill_tp, q) for q in range(args.prefill_tp)]
             for r in range(args.decode_tp):
-                EngineTransferPlan(_paper_cache("d", decode_groups, args.decode_tp, r), prefill)
+                EngineTransferPlan(paper_cache("d", decode_groups, args.decode_tp, r), prefill)
             random_request("check", prefill_groups, decode_groups, args.num_tokens, np.random.default_rng(0))
     except KvxferError as err:
         raise BadArguments(str(err)) from None

@@ -34,11 +34,14 @@ from kvxferd.service.fdpass import FdInbox
 from kvxferd.service.memory import open_region
 from kvxferd.service.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.agent import NixlAgent, collect_agents
 from kvxferd.xfer.reads import ReadExecutor
 
 log = logging.getLogger("kvxferd.engines")
 MAX_EXPIRIES_PER_TICK = 8192  # per engine and maintenance tick (0.2 s): 40,000 a second
+# The maintenance tick comes at least every second (daemon.IDLE_TICK_S). A longer gap means this
+# daemon did not run (SIGSTOP, a paused VM or container, a starved host); see Registry.expire.
+PAUSE_S = 2.0
 
 
 class Registry:
@@ -58,6 +61,7 @@ class Registry:
         self.slots: dict[str, EngineSlot] = {}
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # engine id -> (lock, users)
         self.accepting = True
+        self._last_sweep_s = time.monotonic()  # maintenance sweeps at least every IDLE_TICK_S from here
 
     def slot(self, engine_id: str) -> EngineSlot:
         """The live registration of ``engine_id`` (for peers: no session involved)."""
@@ -225,11 +229,27 @@ class Registry:
         if self.slots.get(slot.engine_id) is slot:
             del self.slots[slot.engine_id]
         slot.completions.close()
+        collect_agents()  # the slot's NIXL agent goes now, not at some later collection
         log.info("engine deregistered", extra={"engine_id": slot.engine_id, "reason": reason})
 
     async def expire(self) -> None:
-        """Deregister engines whose heartbeats stopped; expire held leases."""
+        """Deregister engines whose heartbeats stopped; expire held leases.
+
+        After a stretch in which this daemon did not run, every registration
+        counts its lease from now, as if a heartbeat had just come: the
+        engines' heartbeats could not be heard, and the engines are most
+        likely alive. Without it, a daemon frozen for longer than a
+        registration lease dropped every engine on resuming. Holds keep
+        their leases: their blocks stay held until they end, either way.
+        """
         now = time.monotonic()
+        gap_s = now - self._last_sweep_s
+        self._last_sweep_s = now
+        if gap_s > PAUSE_S:
+            log.warning("this daemon did not run for a while (stopped, paused or starved); engine "
+                        "registrations count their leases from now", extra={"gap_s": round(gap_s, 3)})
+            for slot in self.slots.values():
+                slot.lease_expires_s = max(slot.lease_expires_s, now + slot.lease_s)
         for slot in list(self.slots.values()):
             if slot.closing:
                 continue

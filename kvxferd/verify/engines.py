@@ -19,7 +19,7 @@ from kvxferd.layout.specs import MambaSpec
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.oracle import BlockSource, TokenSource, expected_region, first_mismatch, tagged_region
-from kvxferd.verify.physical import SENTINEL, region_num_bytes
+from kvxferd.verify.physical import SENTINEL, region_num_bytes, region_views
 
 
 def region_key(group: int, region: int) -> int:
@@ -92,6 +92,16 @@ def allocate_engine(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, 
     return EngineBuffers(cache, arena, buffers)
 
 
+def paper_cache(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_rank: int) -> EngineCache:
+    """An engine rank at made-up addresses: enough to plan (and check a pairing), nothing allocated."""
+    memory, address = [], 1 << 32
+    for group in groups:
+        size = region_num_bytes(group.spec, tp_size, tp_rank)
+        memory.append(tuple(RegionMemory(address + i * (size + REGION_GAP_BYTES), size) for i in range(group.num_regions)))
+        address += group.num_regions * (size + REGION_GAP_BYTES)
+    return EngineCache(engine_id, tp_size, tp_rank, tuple(groups), tuple(memory))
+
+
 def group_source(local: CacheGroup, remote: CacheGroup, request: ReadRequest, g: int):
     """Brute-force element source of one group for one request."""
     local_ids, remote_ids = request.local_block_ids[g], request.remote_block_ids[g]
@@ -127,6 +137,41 @@ def verify_decode(decode: Sequence[EngineBuffers], prefill_groups: Sequence[Cach
         problems += check_buffers(engine, expected)
         wrong += count_wrong_bytes(engine, expected)
     return problems, wrong
+
+
+def blocks_mask(spec, tp_size: int, tp_rank: int, block_ids) -> np.ndarray:
+    """Which bytes of a region belong to logical blocks ``block_ids`` (from the layout's own coordinates)."""
+    marks = np.zeros(region_num_bytes(spec, tp_size, tp_rank), dtype=np.uint8)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for view in region_views(spec, tp_size, tp_rank, marks):
+        inside = np.isin(np.broadcast_to(view.block, view.array.shape), ids)
+        view.array[inside] = np.iinfo(view.array.dtype).max  # every byte of the element
+    return marks != 0
+
+
+def check_failed_read(engine: EngineBuffers, prefill_groups: Sequence[CacheGroup], request: ReadRequest,
+                      invalid_block_ids: Sequence[Sequence[int]]) -> list[str]:
+    """A read that failed on one decode rank: every byte outside the blocks it names invalid must be right.
+
+    The engine recomputes or refetches the named blocks and trusts the rest,
+    so a wrong byte in a block the completion did not name is corruption
+    served as success.
+    """
+    expected = expected_buffers(engine.cache, prefill_groups, request)
+    cache, problems = engine.cache, []
+    for g, (actual_group, expected_group) in enumerate(zip(engine.buffers, expected)):
+        named = invalid_block_ids[g] if g < len(invalid_block_ids) else ()
+        for i, (actual, want) in enumerate(zip(actual_group, expected_group)):
+            wrong = actual != want
+            if not wrong.any():
+                continue
+            unnamed = wrong & ~blocks_mask(cache.groups[g].spec, cache.tp_size, cache.tp_rank, named)
+            if unnamed.any():
+                problems.append(f"{cache.engine_id} rank {cache.tp_rank} group {g} region {i}: "
+                                f"{int(unnamed.sum())} wrong bytes outside the blocks named invalid")
+    if not engine.gaps_intact():
+        problems.append(f"{cache.engine_id} rank {cache.tp_rank}: bytes written outside every region")
+    return problems
 
 
 def check_buffers(engine: EngineBuffers, expected: list[list[np.ndarray]], *, limit: int = 3) -> list[str]:

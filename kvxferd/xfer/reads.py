@@ -134,6 +134,8 @@ class ReadExecutor:
     def _unload(self, remote: RemoteEngine) -> None:
         for handle in (*remote.local_lists.values(), *remote.remote_lists.values()):
             handle.release()
+        remote.local_lists.clear()  # a released handle still points at the agent: let go of it
+        remote.remote_lists.clear()
         for name in remote.agent_names:  # one reference per rank, as connect took them
             try:
                 self.agent.remove_remote(name)
@@ -141,10 +143,11 @@ class ReadExecutor:
                 pass  # already removed (e.g. the peer went away)
 
     def close(self) -> None:
-        """Disconnect every remote engine, then deregister the local cache."""
+        """Disconnect every remote engine, deregister the local cache, destroy the agent."""
         for engine_id in list(self._remotes):
             self.disconnect(engine_id)
         self.agent.deregister(self.cache.engine_id)
+        self.agent.close()
 
     def remote(self, engine_id: str) -> RemoteEngine:
         try:

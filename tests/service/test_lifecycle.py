@@ -161,3 +161,65 @@ def test_sigterm_drains_in_flight_reads(workdir, reads_stream):
         assert len(completions) == 20 and all(c.ok for c in completions)
         assert decode.process.wait(30) == 0
     assert '"drained"' in decode.tail(5000)
+
+
+def test_a_daemon_frozen_longer_than_the_registration_lease_keeps_its_engines(workdir):
+    """Found by the soak (stop_long): on SIGCONT the daemon dropped every engine as gone, although the
+    engines had heartbeated all along to a daemon that could not answer; every read failed after it."""
+    import os
+    import signal
+
+    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name="frozen", lease_s=0.9) as cluster:
+        daemon = cluster.prefill_daemons[0]
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        time.sleep(3.0)  # three registration leases
+        os.kill(daemon.process.pid, signal.SIGCONT)
+        time.sleep(1.0)  # a maintenance tick or two, and the engine's next heartbeats
+        assert _metric(daemon, "kvxferd_engines_registered") == 1
+        request = _request("after-freeze", 3)
+        completions = cluster.read(request)
+        assert all(c.ok for c in completions), [c.error for c in completions]
+        assert cluster.verify(request) == ([], 0)
+
+
+def test_a_deregistered_engines_nixl_agent_goes_at_once(workdir):
+    """Found by the soak (no_leaks): each deregistered engine's NIXL agent (UCX worker, sockets, shared
+    memory: about 9 fds) lived until some later full garbage collection, so restarts piled them up."""
+    from kvxferd.client import DaemonProcess, SharedArena, engine_rank_pb
+    from kvxferd.soak.daemons import usage
+    from kvxferd.verify.engines import allocate_engine
+
+    prefill_groups, decode_groups = _groups()
+    daemons = DaemonProcess.start_many(["agents-p", "agents-d"], socket_dir=workdir)
+    try:
+        first = None  # what the daemons hold after the first engine came and went (its gRPC peers stay)
+        for n in range(4):
+            arenas = []
+            def allocate(num_bytes):
+                arenas.append(SharedArena(num_bytes))
+                return arenas[-1].array
+            caches = [allocate_engine(f"{side}{n}", groups, 1, 0, tagged=side == "p", allocate=allocate).cache
+                      for side, groups in (("p", prefill_groups), ("d", decode_groups))]
+            clients = [EngineClient(d.engine_target) for d in daemons]
+            for client, cache, arena in zip(clients, caches, arenas):
+                client.register(engine_rank_pb(cache, arena))
+            prefill, decode = clients
+            decode.handshake(f"p{n}", [daemons[0].peer_address])
+            request = _request(f"agents{n}", n)
+            prefill.hold(request.remote_request_id, request.remote_block_ids)
+            decode.submit_reads([decode.read_spec(request.request_id, f"p{n}", request.remote_request_id,
+                                                  request.local_block_ids, request.remote_block_ids)])
+            assert decode.wait_completion(request.request_id).ok
+            for client in clients:
+                client.deregister()
+                client.close()
+            for arena in arenas:
+                arena.close()
+            time.sleep(0.3)
+            after = [usage(d.process.pid) for d in daemons]
+            first = first or [u["fds"] for u in after]
+            assert [u["fds"] for u in after] == first, (n, after)
+            assert [u["other_shm_mappings"] for u in after] == [0, 0]
+    finally:
+        for daemon in daemons:
+            daemon.terminate()

@@ -1,0 +1,122 @@
+"""The soak's daemons: one ``kvxferd serve`` per rank, killed, frozen and restarted at the same addresses.
+
+Each daemon is started once on free ports; a restart passes the same
+engine socket, peer, notify and metrics ports, as a pod restarted behind
+the same Service would. What a surviving daemon uses is measured from
+``/proc`` (fds, shared-memory mappings, threads, RSS) to find leaks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from kvxferd.client import DaemonProcess
+
+
+def _port(address: str) -> str:
+    return address.rstrip("/").rsplit(":", 1)[1].split("/")[0]
+
+
+@dataclass
+class DaemonLife:
+    """One rank's daemon and what happened to it."""
+
+    daemon: DaemonProcess
+    role: str  # prefill | decode
+    index: int  # rank within its role
+    num_restarts: int = 0
+    stopped_since: float | None = None
+    frozen: list[tuple[float, float]] = field(default_factory=list)  # (SIGSTOP, SIGCONT) monotonic times
+
+    def frozen_during(self, start_s: float, end_s: float) -> float:
+        """Seconds this daemon was frozen between ``start_s`` and ``end_s``."""
+        spans = self.frozen + ([(self.stopped_since, end_s)] if self.stopped_since is not None else [])
+        return sum(max(0.0, min(end_s, stop) - max(start_s, begin)) for begin, stop in spans)
+
+    @property
+    def touched(self) -> bool:
+        """Killed at least once: its leak and crash checks start over with each life."""
+        return self.num_restarts > 0
+
+
+class DaemonSet:
+    """Prefill and decode daemons (one per rank) in one work directory."""
+
+    def __init__(self, num_prefill: int, num_decode: int, workdir: str, daemon_args: tuple[str, ...]) -> None:
+        self.workdir, self.daemon_args = workdir, daemon_args
+        ids = [f"soak-p{q}" for q in range(num_prefill)] + [f"soak-d{r}" for r in range(num_decode)]
+        started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args)
+        self.prefill = [DaemonLife(d, "prefill", q) for q, d in enumerate(started[:num_prefill])]
+        self.decode = [DaemonLife(d, "decode", r) for r, d in enumerate(started[num_prefill:])]
+
+    @property
+    def all(self) -> list[DaemonLife]:
+        return self.prefill + self.decode
+
+    def kill(self, life: DaemonLife) -> None:
+        """``kill -9``: no drain, no goodbye; sockets and shared-memory mappings die with it."""
+        life.daemon.kill()
+        life.stopped_since = None
+
+    def restart(self, life: DaemonLife) -> float:
+        """A new daemon at the killed one's addresses; seconds until it is ready."""
+        old = life.daemon
+        start = time.monotonic()
+        ports = ("--peer-port", _port(old.addresses["peer"]), "--notify-port", _port(old.addresses["notify"]),
+                 "--metrics-port", _port(old.addresses["metrics"]))
+        for attempt in range(20):  # the old sockets may linger a moment after kill -9
+            try:
+                life.daemon = DaemonProcess(old.daemon_id, socket_dir=self.workdir,
+                                            extra_args=(*self.daemon_args, *ports), ready_timeout_s=60)
+                break
+            except RuntimeError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.25)
+        life.num_restarts += 1
+        return time.monotonic() - start
+
+    def stop(self, life: DaemonLife) -> None:
+        """SIGSTOP: the daemon hangs (a frozen peer, a partition) until :meth:`cont`."""
+        os.kill(life.daemon.process.pid, signal.SIGSTOP)
+        life.stopped_since = time.monotonic()
+
+    def cont(self, life: DaemonLife) -> None:
+        if life.stopped_since is not None:
+            os.kill(life.daemon.process.pid, signal.SIGCONT)
+            life.frozen.append((life.stopped_since, time.monotonic()))
+            life.stopped_since = None
+
+    def crashed(self) -> list[str]:
+        """Daemons that exited although nothing killed them (each life is checked)."""
+        return [f"{life.daemon.daemon_id} exited with {life.daemon.process.poll()}: {life.daemon.tail(600)}"
+                for life in self.all if life.daemon.process.poll() is not None]
+
+    def close(self) -> None:
+        for life in self.all:
+            self.cont(life)
+            life.daemon.terminate()
+
+
+def usage(pid: int) -> dict[str, int]:
+    """What one process holds: open fds, threads, resident bytes, and its shared-memory mappings: engine
+    arenas (``psm_*``, which must be gone once no engine is registered) and the rest (UCX's own segments)."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+    kinds: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kind = target.split(":", 1)[0] if ":" in target else ("/dev/shm" if target.startswith("/dev/shm") else "file")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    with open(f"/proc/{pid}/maps") as maps:
+        shm = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
+    engine_shm = sorted(name for name in shm if "/dev/shm/psm_" in name)
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "engine_shm": engine_shm,
+            "other_shm_mappings": len(shm) - len(engine_shm), "fd_kinds": kinds,
+            "threads": int(fields["Threads"]), "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024}

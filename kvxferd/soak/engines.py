@@ -1,0 +1,179 @@
+"""The soak's engines: a prefill and a decode engine, each its own OS process so it can be killed.
+
+They run in :class:`kvxferd.demo.engines.EngineProcess` children and take
+commands over its pipe. Unlike the demo's engines they expect their
+daemons to vanish, freeze and come back: every RPC has a short timeout,
+a rank registers again on command, and a read reports what each rank's
+daemon said (or that it said nothing) instead of raising::
+
+    driver                    prefill engine                decode engine
+      hold(id, ids, lease) ─►  Hold on every rank
+      read(request, ...) ──────────────────────────────────► submit on every rank, wait,
+                                                             check each rank's bytes:
+                                                               ok      -> the whole rank == oracle
+                                                               failed  -> right outside the named blocks
+                                                               refused -> nothing written
+      register(rank) ──────►   Register again (daemon back)  (same)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from kvxferd.client import EngineClient, SharedArena, engine_rank_pb
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.verify.engines import check_failed_read, expected_buffers, allocate_engine, check_buffers
+from kvxferd.verify.physical import SENTINEL
+
+RPC_TIMEOUT_S = 2.0  # a frozen daemon must not stall the engine for longer
+REGISTER_WAIT_S = 30.0  # a restarted engine waits until its old session's lease ran out
+
+
+class SoakRanks:
+    """Every TP rank of one engine: shared-memory caches, one client per rank, re-registration on demand."""
+
+    def __init__(self, engine_id: str, groups: Sequence[CacheGroup], engine_targets: Sequence[str], *,
+                 tagged: bool, lease_s: float) -> None:
+        self.engine_id, self.groups, self.targets = engine_id, tuple(groups), list(engine_targets)
+        self.lease_s = lease_s
+        self.arenas: list[SharedArena] = []
+        self.clients: list[EngineClient | None] = [None] * len(self.targets)
+        tp_size = len(self.targets)
+        try:
+            self.ranks = [allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=self._allocate)
+                          for rank in range(tp_size)]
+            with ThreadPoolExecutor(tp_size) as pool:  # each Register creates a NIXL agent: all at once
+                list(pool.map(self.register, range(tp_size)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _allocate(self, num_bytes: int) -> np.ndarray:
+        self.arenas.append(SharedArena(num_bytes))
+        return self.arenas[-1].array
+
+    def arena_names(self) -> list[str]:
+        """The shared-memory objects of this engine (the driver removes them if it kills the engine)."""
+        return [arena.name for arena in self.arenas]
+
+    def register(self, rank: int) -> float:
+        """(Re-)register ``rank``; retries while its daemon starts or an old session lingers. Seconds it took."""
+        start = time.monotonic()
+        old = self.clients[rank]
+        if old is not None:
+            old.close()
+        while True:
+            client = EngineClient(self.targets[rank], timeout_s=RPC_TIMEOUT_S)
+            try:
+                client.register(engine_rank_pb(self.ranks[rank].cache, self.arenas[rank]), lease_s=self.lease_s)
+                self.clients[rank] = client
+                return time.monotonic() - start
+            except grpc.RpcError:
+                client.close()
+                if time.monotonic() - start > REGISTER_WAIT_S:
+                    raise
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        """Deregister what still answers, then free the memory."""
+        for client in self.clients:
+            if client is not None:
+                with contextlib.suppress(grpc.RpcError):
+                    client.deregister()
+                client.close()
+        for arena in self.arenas:
+            arena.close()
+
+
+class SoakPrefill(SoakRanks):
+    """Holds blocks for readers on every rank; tagged caches."""
+
+    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
+        super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
+
+    def hold(self, request_id: str, block_ids, lease_s: float) -> list[str]:
+        """Hold on every rank; per rank "ok", or the status code name of a failed call."""
+        return [_call(lambda c=client: c.hold(request_id, block_ids, lease_s=lease_s)) for client in self.clients]
+
+    def release(self, request_id: str) -> list[str]:
+        """Give the blocks back on every rank (what an engine does when the read failed)."""
+        return [_call(lambda c=client: c.release(request_id)) for client in self.clients]
+
+
+def _call(call) -> str:
+    try:
+        call()
+        return "ok"
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+class SoakDecode(SoakRanks):
+    """Reads through its daemons and checks every rank's bytes against the oracle."""
+
+    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
+        super().__init__(engine_id, groups, engine_targets, tagged=False, lease_s=lease_s)
+
+    def handshake(self, remote_engine_id: str, peer_addresses: Sequence[str], ranks: Sequence[int] | None = None,
+                  wait_s: float = 20.0) -> list[str]:
+        """Handshake ``ranks`` (default all) with the prefill engine; retries while peers come back."""
+        outcome = []
+        for rank in range(len(self.clients)) if ranks is None else ranks:
+            deadline = time.monotonic() + wait_s
+            while (result := _call(lambda: self.clients[rank].handshake(remote_engine_id, peer_addresses))) != "ok" \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+            outcome.append(result)
+        return outcome
+
+    def read(self, request: ReadRequest, remote_engine_id: str, prefill_groups: Sequence[CacheGroup],
+             deadline_s: float, wait_s: float) -> dict:
+        """One request on every rank; per rank its outcome, latency and any broken invariant.
+
+        ``wait_s``: how long to wait for each completion before calling it
+        missing. A rank whose stream broke (its daemon died) is ``lost``:
+        the engine treats every block as invalid, as it must.
+        """
+        for engine in self.ranks:
+            engine.reset()
+        start, start_wall = time.monotonic(), time.time()
+        for client in self.clients:
+            client.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
+                                                  request.local_block_ids, request.remote_block_ids,
+                                                  num_tokens=request.num_tokens or 0, deadline_s=deadline_s)])
+        ranks = []
+        for rank, client in enumerate(self.clients):
+            try:
+                completion, arrived = client.wait_completion_timed(request.request_id,
+                                                                   max(0.0, start + wait_s - time.monotonic()))
+            except TimeoutError:
+                outcome = "lost" if client.stream_error is not None else "missing"
+                ranks.append({"outcome": outcome, "latency_s": time.monotonic() - start, "problems": [],
+                              "verified_bytes": 0})
+                continue
+            # When it reached this engine, not when this loop got to it (an earlier rank may have been slow).
+            ranks.append(self._check(rank, completion, arrived - start_wall, prefill_groups, request))
+        return {"ranks": ranks}
+
+    def _check(self, rank: int, completion, latency_s: float, prefill_groups, request: ReadRequest) -> dict:
+        engine = self.ranks[rank]
+        if completion.ok:
+            problems = check_buffers(engine, expected_buffers(engine.cache, prefill_groups, request))
+            outcome, verified = "ok", engine.num_bytes
+        elif completion.refused_code:  # refused before anything was posted: nothing may be written
+            untouched = all(np.all(buf == SENTINEL) for group in engine.buffers for buf in group) and engine.gaps_intact()
+            problems = [] if untouched else [f"{engine.cache.engine_id} rank {rank}: a refused read wrote bytes"]
+            outcome, verified = "refused", 0
+        else:
+            invalid = [list(ids.ids) for ids in completion.invalid_block_ids]
+            problems = check_failed_read(engine, prefill_groups, request, invalid)
+            outcome, verified = "failed", 0
+        return {"outcome": outcome, "latency_s": latency_s, "problems": [f"{request.request_id}: {p}" for p in problems],
+                "verified_bytes": verified, "error": completion.error}

@@ -1,0 +1,52 @@
+"""The faults the soak injects, and when.
+
+Faults come in a shuffled cycle, so every kind occurs about equally often
+in any long enough run, at random moments: before the request's hold
+(``between``) or a few milliseconds into its read (``mid``).
+
+==================  ==========================================================
+kind                what happens
+==================  ==========================================================
+kill_prefill_daemon kill -9 of one prefill rank's daemon, restarted at the same
+                    addresses; the prefill engine registers that rank again
+kill_decode_daemon  the same on a decode rank; the decode engine registers and
+                    handshakes again
+kill_prefill_engine kill -9 of the prefill engine process; a new one registers
+                    once the old session's lease ran out; decode handshakes
+kill_decode_engine  kill -9 of the decode engine process; a new one starts
+stop_short          SIGSTOP of one daemon for less than the read deadline
+stop_long           SIGSTOP for longer than the hold lease (a hung peer)
+slow_read           SIGSTOP of a prefill daemon for a third to most of the
+                    lease during a read (the decode side must renew)
+early_release       the prefill engine releases before or while decode reads
+lease_expiry        a lease short enough to run out around the read
+bad_input           a burst of bad input on every listener of one daemon
+==================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+KINDS = ("kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine", "stop_short",
+         "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input")
+# Faults that act on a read in flight when drawn "mid"; the others always act before the hold.
+CAN_BE_MID = {"kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine",
+              "stop_short", "stop_long", "slow_read", "early_release"}
+
+
+class FaultPlan:
+    """Which fault (if any) the next request gets, and whether it lands mid-read."""
+
+    def __init__(self, rng: np.random.Generator, rate: float, kinds=KINDS) -> None:
+        self.rng, self.rate, self.kinds = rng, rate, tuple(kinds)
+        self._cycle: list[str] = []
+
+    def next(self) -> tuple[str | None, bool]:
+        """``(kind or None, mid)`` for the next request."""
+        if not self.kinds or self.rng.random() >= self.rate:
+            return None, False
+        if not self._cycle:
+            self._cycle = list(self.rng.permutation(self.kinds))
+        kind = str(self._cycle.pop())
+        return kind, kind in CAN_BE_MID and bool(self.rng.random() < 0.5)

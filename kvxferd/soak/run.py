@@ -1,0 +1,313 @@
+"""The soak driver: pairings drawn at random, a stream of requests, faults, and the invariants.
+
+One run::
+
+    daemons (4 prefill + 4 decode ranks, real kvxferd serve processes)
+    repeat until --duration:
+        draw a pairing ─► start a prefill and a decode engine process (kill -9 targets)
+        requests: hold on every prefill rank ─► read on every decode rank ─► check every byte
+                  with a fault now and then (faults.py), recovery after it
+        close the engines (deregister)
+    then: every hold ended exactly once? every daemon not killed still alive? leaks?
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import numpy as np
+
+from kvxferd.demo.engines import EngineFailed, EngineProcess
+from kvxferd.soak import badinput
+from kvxferd.soak.configs import SoakConfig, draw_config
+from kvxferd.soak.daemons import DaemonLife, DaemonSet
+from kvxferd.soak.engines import SoakDecode, SoakPrefill
+from kvxferd.soak.faults import FaultPlan
+from kvxferd.soak.holds import HoldLedger
+from kvxferd.soak.report import Report
+
+HOLD_LEASE_S = 3.0  # hold lease of a normal request
+ENGINE_LEASE_S = 2.0  # registration lease: a killed engine is noticed within it
+DEADLINE_S = 2.0  # read deadline
+GRACE_S = 2.0  # a completion must come within deadline + GRACE_S (+ the time its own daemon was frozen)
+STOP_SHORT_S = (0.1, 1.0)
+STOP_LONG_S = (HOLD_LEASE_S + 0.5, HOLD_LEASE_S + 1.5)
+
+
+class Soak:
+    """Everything one soak run owns."""
+
+    def __init__(self, args, workdir: str, report: Report) -> None:
+        self.args, self.report = args, report
+        self.rng = np.random.default_rng(args.seed)
+        self.faults = FaultPlan(self.rng, args.fault_rate)
+        daemon_args = ("--log-level", "WARNING", "--peer-check-s", "0.3")
+        self.daemons = DaemonSet(args.max_tp, args.max_tp, workdir, daemon_args)
+        self.ledger = HoldLedger([life.daemon.addresses["notify"] for life in self.daemons.prefill],
+                                 report.violate)
+        self.prefill = self.decode = None
+        self.config: SoakConfig | None = None
+        self.epoch = 0
+        self._timers: list[threading.Timer] = []
+        self._arenas: dict[str, list[str]] = {}
+        self._hung: list[tuple[int, int, float]] = []  # (prefill rank, daemon life, SIGSTOP time)
+
+    # ---- engines ---------------------------------------------------------------------------------
+    def _start_engine(self, role: str) -> EngineProcess:
+        config = self.config
+        prefill_groups, decode_groups = config.groups()
+        lives = self.daemons.prefill[: config.prefill_tp] if role == "prefill" else self.daemons.decode[: config.decode_tp]
+        factory, groups = (SoakPrefill, prefill_groups) if role == "prefill" else (SoakDecode, decode_groups)
+        engine = EngineProcess(role, self._engine_id(role), groups, [life.daemon.engine_target for life in lives],
+                               factory=factory, lease_s=ENGINE_LEASE_S, start_timeout_s=90)
+        self._arenas[role] = engine.call("arena_names")
+        return engine
+
+    def _engine_id(self, role: str) -> str:
+        return f"e{self.epoch}-{role}"
+
+    def _peer_addresses(self) -> list[str]:
+        return [life.daemon.peer_address for life in self.daemons.prefill[: self.config.prefill_tp]]
+
+    def _handshake(self, ranks=None) -> None:
+        outcome = self.decode.call("handshake", self._engine_id("prefill"), self._peer_addresses(), ranks,
+                                   timeout_s=120)
+        if any(result != "ok" for result in outcome):
+            self.report.violate("recovery", f"decode could not handshake again: {outcome}")
+
+    def start_epoch(self) -> None:
+        """A new pairing: new engine processes with new engine ids on the same daemons."""
+        self.epoch += 1
+        self.config, refused = draw_config(self.rng, self.args.max_tp)
+        self.report.new_config(self.config, refused)
+        self.ledger.follow(self._engine_id("prefill"))
+        self.prefill = self._start_engine("prefill")
+        self.decode = self._start_engine("decode")
+        self._handshake()
+        time.sleep(0.3)  # the bus subscription reaches the daemons
+
+    def end_epoch(self) -> None:
+        for engine in (self.decode, self.prefill):
+            if engine is not None:
+                engine.close()
+        self.prefill = self.decode = None
+
+    def _kill_engine(self, role: str) -> None:
+        engine = self.prefill if role == "prefill" else self.decode
+        engine.process.kill()
+        engine.process.join()
+        from multiprocessing import shared_memory
+        for name in self._arenas.get(role, ()):  # what the dead engine can no longer remove
+            with contextlib.suppress(FileNotFoundError):
+                shared_memory.SharedMemory(name=name).unlink()
+
+    def _restart_engine(self, role: str) -> None:
+        start = time.monotonic()
+        engine = self._start_engine(role)
+        if role == "prefill":
+            self.prefill = engine
+        else:
+            self.decode = engine
+        self._handshake()
+        self.report.figure(f"{role}_engine_back_s", time.monotonic() - start)
+
+    # ---- faults ----------------------------------------------------------------------------------
+    def _pick(self, role: str) -> DaemonLife:
+        lives = self.daemons.prefill[: self.config.prefill_tp] if role == "prefill" else \
+            self.daemons.decode[: self.config.decode_tp]
+        return lives[int(self.rng.integers(len(lives)))]
+
+    def _freeze(self, life: DaemonLife, seconds: float) -> None:
+        self.daemons.stop(life)
+        timer = threading.Timer(seconds, self.daemons.cont, (life,))
+        timer.start()
+        self._timers.append(timer)
+
+    def act(self, kind: str, request, mid: bool = False) -> dict:
+        """Inject ``kind``; returns what recovery needs to know afterwards."""
+        effect: dict = {"kind": kind}
+        self.report.log(f"{kind} ({'mid-read' if mid else 'before the hold'}) on {request.request_id}")
+        if kind in ("kill_prefill_daemon", "kill_decode_daemon"):
+            life = self._pick("prefill" if kind == "kill_prefill_daemon" else "decode")
+            self.report.log(f"  kill -9 {life.daemon.daemon_id}")
+            if life.role == "prefill":
+                self.ledger.daemon_killed(life.index)
+            self.daemons.kill(life)
+            effect["life"] = life
+        elif kind in ("kill_prefill_engine", "kill_decode_engine"):
+            effect["role"] = "prefill" if kind == "kill_prefill_engine" else "decode"
+            self._kill_engine(effect["role"])
+        elif kind in ("stop_short", "stop_long", "slow_read"):
+            life = self._pick("prefill" if kind == "slow_read" or self.rng.random() < 0.5 else "decode")
+            low, high = {"stop_short": STOP_SHORT_S, "stop_long": STOP_LONG_S,
+                         "slow_read": (HOLD_LEASE_S / 3, HOLD_LEASE_S * 0.8)}[kind]
+            seconds = float(self.rng.uniform(low, high))
+            self._freeze(life, seconds)
+            if life.role == "prefill" and kind == "stop_long":  # a hung holder: how long until its holds end?
+                self._hung.append((life.index, self.ledger.lives[life.index], time.monotonic()))
+            self.report.log(f"  SIGSTOP {life.daemon.daemon_id} for {seconds:.2f} s")
+            effect.update(life=life, stop_s=seconds, stopped_at=time.monotonic())
+        elif kind == "early_release":
+            self.prefill.call("release", request.remote_request_id)
+        elif kind == "bad_input":
+            life = self.daemons.all[int(self.rng.integers(len(self.daemons.all)))]
+            self.report.log(f"  bad input on {life.daemon.daemon_id}")
+            sent, wrong = badinput.burst(life.daemon, self._engine_id(life.role), self.rng)
+            self.report.count("bad_messages", sent)
+            for problem in wrong:
+                self.report.violate("bad_input_refused", problem)
+        return effect
+
+    def recover(self, effect: dict) -> None:
+        """Bring back what the fault took: daemons at the same addresses, engines, registrations."""
+        kind = effect["kind"]
+        if kind in ("kill_prefill_daemon", "kill_decode_daemon"):
+            life = effect["life"]
+            self.report.figure("daemon_restart_s", self.daemons.restart(life))
+            if life.role == "prefill":
+                self.ledger.daemon_restarted(life.index)
+                self.prefill.call("register", life.index, timeout_s=60)
+                time.sleep(0.3)  # the bus subscription reaches the new daemon before its first event
+            else:
+                self.decode.call("register", life.index, timeout_s=60)
+                self._handshake([life.index])
+        elif kind in ("kill_prefill_engine", "kill_decode_engine"):
+            self._restart_engine(effect["role"])
+
+    # ---- one request ---------------------------------------------------------------------------
+    def one_request(self, n: int) -> None:
+        """Hold, read, check; a fault before or during it; recovery after it."""
+        kind, mid = self.faults.next()
+        request = self.config.request(f"e{self.epoch}-r{n}", self.rng)
+        lease_s = float(self.rng.uniform(0.05, 0.5)) if kind == "lease_expiry" else HOLD_LEASE_S
+        deadline_s = HOLD_LEASE_S * 1.5 if kind == "slow_read" else DEADLINE_S
+        effect = None
+        if kind:
+            self.report.faults[kind] += 1
+        if kind and not mid and kind != "early_release":
+            effect = self.act(kind, request)
+        prefill_id = self._engine_id("prefill")
+        if self.prefill.process.is_alive():
+            answers = self.prefill.call("hold", request.remote_request_id, request.remote_block_ids, lease_s)
+            for rank, answer in enumerate(answers):
+                self.ledger.placed(rank, prefill_id, request.remote_request_id, answer)
+        if kind == "early_release" and not mid:
+            effect = self.act(kind, request)
+        if kind == "lease_expiry":
+            time.sleep(float(self.rng.uniform(0.0, 0.5)))
+        result = None
+        if self.decode.process.is_alive():
+            wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0
+            self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s)
+            sent_s = time.monotonic()
+            if kind and mid:
+                time.sleep(float(self.rng.uniform(0.0, 0.02)))
+                effect = self.act(kind, request, mid=True)
+            try:
+                result = self.decode.answer("read", wait_s + 30)
+            except EngineFailed:
+                if kind != "kill_decode_engine":
+                    raise
+        self.report.requests += 1
+        if result is not None:
+            self._check_read(request, result, deadline_s, effect, sent_s)
+        if effect is not None:
+            self.recover(effect)
+        failed = result is None or any(rank["outcome"] != "ok" for rank in result["ranks"])
+        if failed and self.rng.random() < 0.5:  # an engine frees the blocks of a failed read; or the lease does
+            self.prefill.call("release", request.remote_request_id)
+        self.ledger.drain()
+        for problem in self.daemons.crashed():
+            self.report.violate("daemon_alive", problem)
+            raise RuntimeError(f"a daemon died that nothing killed: {problem}")
+
+    def _check_read(self, request, result: dict, deadline_s: float, effect: dict | None, sent_s: float) -> None:
+        life = (effect or {}).get("life")
+        lives = self.daemons.decode
+        for rank, outcome in enumerate(result["ranks"]):
+            self.report.outcomes[outcome["outcome"]] += 1
+            self.report.verified_bytes += outcome["verified_bytes"]
+            for problem in outcome["problems"]:
+                self.report.violate("bytes_right", problem)
+            mine = life is not None and life.role == "decode" and life.index == rank
+            frozen_s = lives[rank].frozen_during(sent_s, sent_s + outcome["latency_s"])
+            bound_s = deadline_s + GRACE_S + frozen_s
+            where = f"{request.request_id} decode rank {rank}"
+            if outcome["outcome"] == "missing":
+                self.report.violate("completion_in_time", f"{where}: no completion after {outcome['latency_s']:.1f} s")
+            elif outcome["outcome"] == "lost" and not (mine and effect["kind"] == "kill_decode_daemon"):
+                self.report.violate("completion_in_time", f"{where}: the completion stream broke")
+            elif outcome["latency_s"] > bound_s:
+                self.report.violate("completion_in_time", f"{where}: completion after {outcome['latency_s']:.2f} s "
+                                                          f"(bound {bound_s:.2f} s)")
+            elif outcome["outcome"] != "ok" and life is not None and life.role == "prefill" \
+                    and effect["kind"] == "stop_long":
+                self.report.figure("hung_prefill_failed_read_s", outcome["latency_s"])
+
+    # ---- the run -------------------------------------------------------------------------------
+    def run(self) -> None:
+        end_s = time.monotonic() + self.args.duration
+        n = 0
+        while time.monotonic() < end_s or self.epoch == 0:
+            self.start_epoch()
+            for _ in range(self.args.epoch_requests):
+                self.one_request(n)
+                n += 1
+                self.report.line(len(self.ledger.open_holds()))
+                if time.monotonic() >= end_s:
+                    break
+            self._settle()
+            self.end_epoch()
+            if self.epoch == 1:
+                self._measure("start")
+        self._finish()
+
+    def _settle(self) -> None:
+        for timer in self._timers:  # every frozen daemon runs again
+            timer.join()
+        self._timers.clear()
+
+    def _measure(self, when: str) -> None:
+        from kvxferd.soak.daemons import usage
+        time.sleep(1.0)  # deregistrations finish
+        for life in self.daemons.all:
+            entry = self.report.usage.setdefault(life.daemon.daemon_id, {})
+            entry[when] = {"pid": life.daemon.process.pid, **usage(life.daemon.process.pid)}
+            entry[when]["engines_registered"] = life.daemon.metric("kvxferd_engines_registered")
+
+    def _finish(self) -> None:
+        self._measure("end")
+        for key in self.ledger.wait_ended(HOLD_LEASE_S + ENGINE_LEASE_S + 10):
+            self.report.violate("hold_ends_once", f"rank {key[0]} life {key[1]}: {key[3]!r} never ended")
+        self.report.holds = self.ledger.counts()
+        for rank, life, stopped_at in self._hung:
+            ended = self.ledger.ended_after(rank, life, stopped_at)
+            if ended:
+                self.report.figure("hung_prefill_holds_ended_s", max(ended))
+        self.report.count("failed_events", self.ledger.num_failed_events)
+        for daemon_id, entry in self.report.usage.items():
+            self._check_usage(daemon_id, entry.get("start"), entry["end"])
+
+    def _check_usage(self, daemon_id: str, start: dict | None, end: dict) -> None:
+        if end["engine_shm"] or end["engines_registered"]:
+            self.report.violate("no_leaks", f"{daemon_id}: engine memory {end['engine_shm']} and "
+                                            f"{end['engines_registered']:g} engines registered with no engine left")
+        if start is None or start["pid"] != end["pid"]:
+            return  # killed since: a new life, nothing to compare with
+        for key, slack in LEAK_SLACK.items():
+            if end[key] - start[key] > slack:
+                self.report.violate("no_leaks", f"{daemon_id}: {key} {start[key]} -> {end[key]} (allowed +{slack})")
+
+    def close(self) -> None:
+        self._settle()
+        with contextlib.suppress(Exception):
+            self.end_epoch()
+        self.ledger.close()
+        self.daemons.close()
+
+
+# What a surviving daemon may grow by between the first pairing and the end of the run: peer channels
+# and UCX endpoints to daemons restarted since, allocator slack. Anything per request would exceed it.
+LEAK_SLACK = {"fds": 16, "threads": 4, "rss_bytes": 64 << 20, "other_shm_mappings": 4}
