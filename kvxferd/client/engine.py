@@ -38,6 +38,10 @@ from kvxferd.wire.names import SESSION_KEY
 ACK_EVERY = 64  # completions received before an ack-only batch (acks ride on read batches otherwise)
 
 
+class LostRead(TimeoutError):
+    """A read's registration went away with it (its daemon restarted): no completion will come."""
+
+
 class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                     grpc.StreamStreamClientInterceptor):
     """Adds the engine's session (and the engine_tcp bearer token) to every call."""
@@ -102,34 +106,52 @@ class EngineClient:
         self._outbox: queue.SimpleQueue | None = None  # batches for the Reads stream
         self._last_seq = self._acked_seq = 0  # completions had / acked on this registration
         self._pending: dict[str, pb.ReadSpec] = {}  # sent on the Reads stream, no completion yet
+        self._lost: set[str] = set()  # pending when the registration was replaced: no completion will come
         self.num_duplicates_dropped = 0  # completions sent again after a reconnect that this client had
+        self._register_request: pb.RegisterRequest | None = None  # what re-registering sends again
+        self._register_lock = threading.Lock()
+        self.num_reregistrations = 0  # times a heartbeat found the registration gone and registered again
 
     # ---- registration -------------------------------------------------------------
     def register(self, engine: pb.EngineRank, *, lease_s: float = 0.0, heartbeat_s: float | None = None,
                  fd_token: str = "", allowed_reader_engine_ids: Sequence[str] = ()) -> pb.RegisterReply:
         """Register this rank, then heartbeat every ``heartbeat_s`` (lease / 3) and watch completions.
 
-        Call it again to re-register (e.g. after the daemon restarted): the
-        completion stream is opened anew and a :class:`NotifySubscriber` of
-        this client follows the new registration's event sequence.
+        Call it again to re-register: the completion stream is opened anew
+        and a :class:`NotifySubscriber` of this client follows the new
+        registration's event sequence. The heartbeat does that by itself when
+        the daemon answers NOT_FOUND (it restarted, or its lease ran out while
+        it could not hear this client), unless the memory came as passed fds
+        (``fd_token``): those must be passed again by the engine.
         """
-        reply = self.stub.Register(pb.RegisterRequest(engine=engine, lease_s=lease_s, fd_token=fd_token,
-                                                      allowed_reader_engine_ids=list(allowed_reader_engine_ids)),
-                                   timeout=self.timeout_s)
-        self.session, self.notify_curve_server_key = reply.session, reply.notify_curve_server_key
+        request = pb.RegisterRequest(engine=engine, lease_s=lease_s, fd_token=fd_token,
+                                     allowed_reader_engine_ids=list(allowed_reader_engine_ids))
         first = self.engine_id is None
+        reply = self._send_register(request)
+        self._register_request = None if fd_token else request
+        interval_s = heartbeat_s if heartbeat_s is not None else (lease_s or 30.0) / 3
+        if first and interval_s > 0:
+            self._start(lambda: self._heartbeat(interval_s))
+        return reply
+
+    def _send_register(self, request: pb.RegisterRequest) -> pb.RegisterReply:
+        with self._register_lock:
+            reply = self.stub.Register(request, timeout=self.timeout_s)
+            self._registered(request.engine, reply)
+        return reply
+
+    def _registered(self, engine: pb.EngineRank, reply: pb.RegisterReply) -> None:
+        self.session, self.notify_curve_server_key = reply.session, reply.notify_curve_server_key
         if self._stream is not None:
             self._stream.cancel()
         self.engine_id, self.notify_address = engine.engine_id, reply.notify_address
         self.notify_last_seq, self.incarnation = reply.notify_last_seq, reply.incarnation
         with self._cond:
             self._last_seq = self._acked_seq = 0  # a new registration numbers from 1
-            self._pending.clear()  # reads of the old registration failed with it
+            self._lost.update(self._pending)  # reads of the old registration failed with it
+            self._pending.clear()
+            self._cond.notify_all()
         self._open_stream()
-        interval_s = heartbeat_s if heartbeat_s is not None else (lease_s or 30.0) / 3
-        if first and interval_s > 0:
-            self._start(lambda: self._heartbeat(interval_s))
-        return reply
 
     def _start(self, target) -> None:
         thread = threading.Thread(target=target, daemon=True, name="kvxferd-client")
@@ -140,8 +162,21 @@ class EngineClient:
         while not self._stop.wait(interval_s):
             try:
                 self.stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.engine_id), timeout=self.timeout_s)
-            except grpc.RpcError:
-                pass  # the daemon restarted or is draining; register() again
+            except grpc.RpcError as err:
+                # NOT_FOUND: this daemon does not know the registration (a restart, or a lease that ran
+                # out while it could not hear us): register the same cache again. Anything else (the
+                # daemon is down, draining, or another client took the engine id) is left alone.
+                if err.code() == grpc.StatusCode.NOT_FOUND and self._register_request is not None:
+                    self._register_again()
+
+    def _register_again(self) -> None:
+        if self._stop.is_set():
+            return
+        try:
+            self._send_register(self._register_request)
+            self.num_reregistrations += 1
+        except grpc.RpcError:
+            pass  # the next heartbeat tries again
 
     def _open_stream(self) -> None:
         self.stream_error = None
@@ -258,6 +293,9 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while request_id not in self._completions:
+                if request_id in self._lost:
+                    self._lost.discard(request_id)
+                    raise LostRead(f"{request_id!r} was in flight when this rank registered again")
                 left = deadline - time.monotonic()
                 if left <= 0 or self.stream_error is not None:
                     raise TimeoutError(f"no completion for {request_id!r} after {timeout_s:g} s"

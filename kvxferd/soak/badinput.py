@@ -96,5 +96,6 @@ def burst(daemon: DaemonProcess, engine_id: str, rng: np.random.Generator) -> tu
     junk = rng.bytes(int(rng.integers(1, 4096)))
     _raw(socket.AF_UNIX, daemon.socket, junk)
     for name in ("peer", "notify", "metrics"):
-        _raw(socket.AF_INET, _host_port(daemon.addresses[name]), junk if name != "metrics" else b"GET /\xff\x00 HTTP/9\r\n\r\n")
+        payload = b"GET /\xff\x00 HTTP/9\r\n\r\n" if name == "metrics" else junk
+        _raw(socket.AF_INET, _host_port(daemon.addresses[name]), payload)
     return sent + 4, wrong

@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from kvxferd.client import EngineClient, SharedArena, engine_rank_pb
+from kvxferd.client.engine import LostRead
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.verify.engines import check_failed_read, expected_buffers, allocate_engine, check_buffers
@@ -68,7 +69,11 @@ class SoakRanks:
         start = time.monotonic()
         old = self.clients[rank]
         if old is not None:
-            old.close()
+            try:  # its own session may replace what it has (or its heartbeat already registered again)
+                old.register(engine_rank_pb(self.ranks[rank].cache, self.arenas[rank]), lease_s=self.lease_s)
+                return time.monotonic() - start
+            except grpc.RpcError:
+                old.close()
         while True:
             client = EngineClient(self.targets[rank], timeout_s=RPC_TIMEOUT_S)
             try:
@@ -153,8 +158,9 @@ class SoakDecode(SoakRanks):
             try:
                 completion, arrived = client.wait_completion_timed(request.request_id,
                                                                    max(0.0, start + wait_s - time.monotonic()))
-            except TimeoutError:
-                outcome = "lost" if client.stream_error is not None else "missing"
+            except TimeoutError as err:
+                lost = isinstance(err, LostRead) or client.stream_error is not None
+                outcome = "lost" if lost else "missing"
                 ranks.append({"outcome": outcome, "latency_s": time.monotonic() - start, "problems": [],
                               "verified_bytes": 0})
                 continue
@@ -168,12 +174,14 @@ class SoakDecode(SoakRanks):
             problems = check_buffers(engine, expected_buffers(engine.cache, prefill_groups, request))
             outcome, verified = "ok", engine.num_bytes
         elif completion.refused_code:  # refused before anything was posted: nothing may be written
-            untouched = all(np.all(buf == SENTINEL) for group in engine.buffers for buf in group) and engine.gaps_intact()
+            untouched = engine.gaps_intact() and all(np.all(buf == SENTINEL) for group in engine.buffers
+                                                     for buf in group)
             problems = [] if untouched else [f"{engine.cache.engine_id} rank {rank}: a refused read wrote bytes"]
             outcome, verified = "refused", 0
         else:
             invalid = [list(ids.ids) for ids in completion.invalid_block_ids]
             problems = check_failed_read(engine, prefill_groups, request, invalid)
             outcome, verified = "failed", 0
-        return {"outcome": outcome, "latency_s": latency_s, "problems": [f"{request.request_id}: {p}" for p in problems],
+        return {"outcome": outcome, "latency_s": latency_s,
+                "problems": [f"{request.request_id}: {p}" for p in problems],
                 "verified_bytes": verified, "error": completion.error}

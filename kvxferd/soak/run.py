@@ -43,7 +43,8 @@ class Soak:
         self.args, self.report = args, report
         self.rng = np.random.default_rng(args.seed)
         self.faults = FaultPlan(self.rng, args.fault_rate)
-        daemon_args = ("--log-level", "WARNING", "--peer-check-s", "0.3")
+        # INFO: each registration and deregistration with its reason, for a failure's post-mortem (--logs)
+        daemon_args = ("--log-level", "INFO", "--peer-check-s", "0.3")
         self.daemons = DaemonSet(args.max_tp, args.max_tp, workdir, daemon_args)
         self.ledger = HoldLedger([life.daemon.addresses["notify"] for life in self.daemons.prefill],
                                  report.violate)
@@ -58,7 +59,7 @@ class Soak:
     def _start_engine(self, role: str) -> EngineProcess:
         config = self.config
         prefill_groups, decode_groups = config.groups()
-        lives = self.daemons.prefill[: config.prefill_tp] if role == "prefill" else self.daemons.decode[: config.decode_tp]
+        lives = self._lives(role)
         factory, groups = (SoakPrefill, prefill_groups) if role == "prefill" else (SoakDecode, decode_groups)
         engine = EngineProcess(role, self._engine_id(role), groups, [life.daemon.engine_target for life in lives],
                                factory=factory, lease_s=ENGINE_LEASE_S, start_timeout_s=90)
@@ -69,7 +70,7 @@ class Soak:
         return f"e{self.epoch}-{role}"
 
     def _peer_addresses(self) -> list[str]:
-        return [life.daemon.peer_address for life in self.daemons.prefill[: self.config.prefill_tp]]
+        return [life.daemon.peer_address for life in self._lives("prefill")]
 
     def _handshake(self, ranks=None) -> None:
         outcome = self.decode.call("handshake", self._engine_id("prefill"), self._peer_addresses(), ranks,
@@ -114,10 +115,16 @@ class Soak:
         self.report.figure(f"{role}_engine_back_s", time.monotonic() - start)
 
     # ---- faults ----------------------------------------------------------------------------------
-    def _pick(self, role: str) -> DaemonLife:
-        lives = self.daemons.prefill[: self.config.prefill_tp] if role == "prefill" else \
-            self.daemons.decode[: self.config.decode_tp]
-        return lives[int(self.rng.integers(len(lives)))]
+    def _lives(self, role: str) -> list[DaemonLife]:
+        """The daemons of the ranks the current pairing uses on one side."""
+        if role == "prefill":
+            return self.daemons.prefill[: self.config.prefill_tp]
+        return self.daemons.decode[: self.config.decode_tp]
+
+    def _pick(self, role: str) -> DaemonLife | None:
+        """A daemon of the pairing on ``role``'s side that is not frozen now (None if all are)."""
+        lives = [life for life in self._lives(role) if life.stopped_since is None]
+        return lives[int(self.rng.integers(len(lives)))] if lives else None
 
     def _freeze(self, life: DaemonLife, seconds: float) -> None:
         self.daemons.stop(life)
@@ -131,6 +138,8 @@ class Soak:
         self.report.log(f"{kind} ({'mid-read' if mid else 'before the hold'}) on {request.request_id}")
         if kind in ("kill_prefill_daemon", "kill_decode_daemon"):
             life = self._pick("prefill" if kind == "kill_prefill_daemon" else "decode")
+            if life is None:
+                return self._skip(effect)
             self.report.log(f"  kill -9 {life.daemon.daemon_id}")
             if life.role == "prefill":
                 self.ledger.daemon_killed(life.index)
@@ -141,6 +150,8 @@ class Soak:
             self._kill_engine(effect["role"])
         elif kind in ("stop_short", "stop_long", "slow_read"):
             life = self._pick("prefill" if kind == "slow_read" or self.rng.random() < 0.5 else "decode")
+            if life is None:  # one freeze per daemon at a time: a second would end the first early
+                return self._skip(effect)
             low, high = {"stop_short": STOP_SHORT_S, "stop_long": STOP_LONG_S,
                          "slow_read": (HOLD_LEASE_S / 3, HOLD_LEASE_S * 0.8)}[kind]
             seconds = float(self.rng.uniform(low, high))
@@ -152,13 +163,21 @@ class Soak:
         elif kind == "early_release":
             self.prefill.call("release", request.remote_request_id)
         elif kind == "bad_input":
-            life = self.daemons.all[int(self.rng.integers(len(self.daemons.all)))]
+            awake = [life for life in self.daemons.all if life.stopped_since is None]  # a frozen one cannot answer
+            if not awake:
+                return self._skip(effect)
+            life = awake[int(self.rng.integers(len(awake)))]
             self.report.log(f"  bad input on {life.daemon.daemon_id}")
             sent, wrong = badinput.burst(life.daemon, self._engine_id(life.role), self.rng)
             self.report.count("bad_messages", sent)
             for problem in wrong:
                 self.report.violate("bad_input_refused", problem)
         return effect
+
+    def _skip(self, effect: dict) -> dict:
+        self.report.log("  skipped: every daemon it could strike is frozen")
+        self.report.count("faults_skipped")
+        return {"kind": "skipped"}
 
     def recover(self, effect: dict) -> None:
         """Bring back what the fault took: daemons at the same addresses, engines, registrations."""

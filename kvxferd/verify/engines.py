@@ -97,7 +97,8 @@ def paper_cache(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_r
     memory, address = [], 1 << 32
     for group in groups:
         size = region_num_bytes(group.spec, tp_size, tp_rank)
-        memory.append(tuple(RegionMemory(address + i * (size + REGION_GAP_BYTES), size) for i in range(group.num_regions)))
+        memory.append(tuple(RegionMemory(address + i * (size + REGION_GAP_BYTES), size)
+                            for i in range(group.num_regions)))
         address += group.num_regions * (size + REGION_GAP_BYTES)
     return EngineCache(engine_id, tp_size, tp_rank, tuple(groups), tuple(memory))
 

@@ -223,3 +223,32 @@ def test_a_deregistered_engines_nixl_agent_goes_at_once(workdir):
     finally:
         for daemon in daemons:
             daemon.terminate()
+
+
+def test_an_engine_registers_again_by_itself_when_its_daemon_restarted(workdir):
+    """A restarted daemon (same addresses) does not know the engine: the client's heartbeat hears
+    NOT_FOUND and registers the same cache again; a read in flight then fails as lost, never hangs."""
+    from kvxferd.client import DaemonProcess
+    from kvxferd.client.engine import LostRead
+
+    with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name="again", lease_s=0.9) as cluster:
+        decode = cluster.decode_clients[0]
+        old = cluster.decode_daemons[0]
+        request = _request("in-flight", 4)
+        decode._pending[request.request_id] = decode.read_spec(request.request_id, cluster.prefill_id,
+                                                               request.remote_request_id, request.local_block_ids,
+                                                               request.remote_block_ids)
+        old.kill()
+        port = old.peer_address.rsplit(":", 1)[1]
+        cluster.daemons[1] = DaemonProcess(old.daemon_id, socket_dir=workdir, extra_args=("--peer-port", port))
+        deadline = time.monotonic() + 10
+        while decode.num_reregistrations == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decode.num_reregistrations == 1
+        assert _metric(cluster.decode_daemons[0], "kvxferd_engines_registered") == 1
+        with pytest.raises(LostRead):
+            decode.wait_completion(request.request_id, timeout_s=5)
+        cluster.handshake()
+        cluster.reset_decode()
+        completions = cluster.read(_request("after", 5))
+        assert all(c.ok for c in completions), [c.error for c in completions]
