@@ -120,3 +120,26 @@ def usage(pid: int) -> dict[str, int]:
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "engine_shm": engine_shm,
             "other_shm_mappings": len(shm) - len(engine_shm), "fd_kinds": kinds,
             "threads": int(fields["Threads"]), "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024}
+
+
+def measure(life: DaemonLife) -> dict:
+    """What a daemon holds now, with its pid (a new pid is a new life) and its registered engines."""
+    pid = life.daemon.process.pid
+    return {"pid": pid, **usage(pid), "engines_registered": life.daemon.metric("kvxferd_engines_registered")}
+
+
+# What a surviving daemon may grow by between the first pairing and the end of the run: peer channels
+# and UCX endpoints to daemons restarted since, allocator slack. Anything per request would exceed it.
+LEAK_SLACK = {"fds": 16, "threads": 4, "rss_bytes": 64 << 20, "other_shm_mappings": 4}
+
+
+def leaks(start: dict | None, end: dict) -> list[str]:
+    """What a daemon holds at the end that it should not, with no engine registered."""
+    problems = []
+    if end["engine_shm"] or end["engines_registered"]:
+        problems.append(f"engine memory {end['engine_shm']} and {end['engines_registered']:g} engines registered "
+                        f"with no engine left")
+    if start is not None and start["pid"] == end["pid"]:  # a killed daemon's new life has nothing to compare with
+        problems += [f"{key} {start[key]} -> {end[key]} (allowed +{slack})"
+                     for key, slack in LEAK_SLACK.items() if end[key] - start[key] > slack]
+    return problems

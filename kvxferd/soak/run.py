@@ -22,7 +22,7 @@ import numpy as np
 from kvxferd.demo.engines import EngineFailed, EngineProcess
 from kvxferd.soak import badinput
 from kvxferd.soak.configs import SoakConfig, draw_config
-from kvxferd.soak.daemons import DaemonLife, DaemonSet
+from kvxferd.soak.daemons import DaemonLife, DaemonSet, leaks, measure
 from kvxferd.soak.engines import SoakDecode, SoakPrefill
 from kvxferd.soak.faults import FaultPlan
 from kvxferd.soak.holds import HoldLedger
@@ -289,12 +289,9 @@ class Soak:
         self._timers.clear()
 
     def _measure(self, when: str) -> None:
-        from kvxferd.soak.daemons import usage
         time.sleep(1.0)  # deregistrations finish
         for life in self.daemons.all:
-            entry = self.report.usage.setdefault(life.daemon.daemon_id, {})
-            entry[when] = {"pid": life.daemon.process.pid, **usage(life.daemon.process.pid)}
-            entry[when]["engines_registered"] = life.daemon.metric("kvxferd_engines_registered")
+            self.report.usage.setdefault(life.daemon.daemon_id, {})[when] = measure(life)
 
     def _finish(self) -> None:
         self._measure("end")
@@ -307,17 +304,8 @@ class Soak:
                 self.report.figure("hung_prefill_holds_ended_s", max(ended))
         self.report.count("failed_events", self.ledger.num_failed_events)
         for daemon_id, entry in self.report.usage.items():
-            self._check_usage(daemon_id, entry.get("start"), entry["end"])
-
-    def _check_usage(self, daemon_id: str, start: dict | None, end: dict) -> None:
-        if end["engine_shm"] or end["engines_registered"]:
-            self.report.violate("no_leaks", f"{daemon_id}: engine memory {end['engine_shm']} and "
-                                            f"{end['engines_registered']:g} engines registered with no engine left")
-        if start is None or start["pid"] != end["pid"]:
-            return  # killed since: a new life, nothing to compare with
-        for key, slack in LEAK_SLACK.items():
-            if end[key] - start[key] > slack:
-                self.report.violate("no_leaks", f"{daemon_id}: {key} {start[key]} -> {end[key]} (allowed +{slack})")
+            for problem in leaks(entry.get("start"), entry["end"]):
+                self.report.violate("no_leaks", f"{daemon_id}: {problem}")
 
     def close(self) -> None:
         self._settle()
@@ -325,8 +313,3 @@ class Soak:
             self.end_epoch()
         self.ledger.close()
         self.daemons.close()
-
-
-# What a surviving daemon may grow by between the first pairing and the end of the run: peer channels
-# and UCX endpoints to daemons restarted since, allocator slack. Anything per request would exceed it.
-LEAK_SLACK = {"fds": 16, "threads": 4, "rss_bytes": 64 << 20, "other_shm_mappings": 4}

@@ -75,3 +75,16 @@ def test_holds_of_a_killed_daemon_are_lost_and_its_new_life_starts_a_new_sequenc
         assert ledger.counts() == {"CONSUMED": 2, "EXPIRED": 0, "lost_with_daemon": 1, "unplaced": 0, "open": 0}
     finally:
         ledger.close()
+
+
+def test_leaks_compare_one_life_and_always_flag_engine_memory_left():
+    from kvxferd.soak.daemons import LEAK_SLACK, leaks
+
+    start = {"pid": 1, "fds": 30, "threads": 15, "rss_bytes": 100 << 20, "other_shm_mappings": 0, "engine_shm": [],
+             "engines_registered": 0}
+    assert leaks(start, dict(start)) == []
+    grown = {**start, "fds": 30 + LEAK_SLACK["fds"] + 1}
+    (problem,) = leaks(start, grown)
+    assert problem.startswith("fds 30 -> 47")
+    assert leaks(start, {**grown, "pid": 2}) == []  # killed and restarted since: a new life
+    assert len(leaks(None, {**start, "engine_shm": ["/dev/shm/psm_1"], "engines_registered": 1})) == 1
