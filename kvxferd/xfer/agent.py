@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, TransferError
+from kvxferd.errors import InvalidArgumentError, TransferError, UnavailableError
 from kvxferd.plan.groups import EngineCache
 from kvxferd.xfer.nixl_module import nixl_api
 
@@ -105,7 +105,7 @@ class NixlAgent:
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=list(backends),
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, capture_telemetry=telemetry)
         self.name = name
-        self._agent = self._call("create_agent", nixl_agent, name, config)
+        self._nixl = self._call("create_agent", nixl_agent, name, config)
         self._registrations: dict[str, object] = {}
         self._remotes: dict[str, tuple[bytes, int]] = {}  # agent name -> (metadata, references)
         self._remotes_lock = threading.Lock()
@@ -148,7 +148,13 @@ class NixlAgent:
         self._registrations.clear()
         with self._remotes_lock:
             self._remotes.clear()
-        self._agent = None
+        self._nixl = None
+
+    @property
+    def _agent(self):
+        if self._nixl is None:  # a late call after deregistration: an error the services map, not a crash
+            raise UnavailableError("agent", f"NIXL agent {self.name!r} was closed (its engine deregistered)")
+        return self._nixl
 
     # ---- peers ------------------------------------------------------------
     def metadata(self) -> bytes:

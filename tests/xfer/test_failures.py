@@ -133,3 +133,13 @@ def test_dead_peer_makes_the_transfer_report_an_error(world):
     assert good.ok
     assert check_ignoring(decode, one, ignore=two) == []
     executor.disconnect("doomed")
+
+
+def test_a_closed_agent_refuses_calls_with_a_typed_error():
+    from kvxferd.errors import UnavailableError
+
+    agent = NixlAgent("closed-0")
+    agent.close()
+    with pytest.raises(UnavailableError, match="closed"):
+        agent.metadata()
+    agent.close()  # twice is fine
