@@ -34,7 +34,7 @@ from kvxferd.client import EngineClient, NotifySubscriber, SharedArena, engine_r
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.verify.engines import EngineBuffers, allocate_engine, verify_decode
+from kvxferd.verify.engines import allocate_engine, verify_decode
 
 
 class EngineRanks:
@@ -42,17 +42,17 @@ class EngineRanks:
 
     def __init__(self, engine_id: str, groups: Sequence[CacheGroup], engine_targets: Sequence[str], *,
                  tagged: bool, lease_s: float) -> None:
-        self.engine_id, self.groups = engine_id, tuple(groups)
-        self.arenas: list[SharedArena] = []
-        self.clients: list[EngineClient] = []
+        self.engine_id, self.groups, self.targets = engine_id, tuple(groups), list(engine_targets)
+        self.arenas: list[SharedArena] = []  # one per rank, in rank order
+        self.clients: list[EngineClient | None] = [None] * len(self.targets)
         self.lease_s = lease_s
-        tp_size = len(engine_targets)
+        tp_size = len(self.targets)
         try:
             self.ranks = [allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=self._allocate)
                           for rank in range(tp_size)]
             # Registration creates a NIXL agent in each daemon (about a second): all ranks at once.
             with ThreadPoolExecutor(tp_size) as pool:
-                self.clients = list(pool.map(self._register, engine_targets, self.ranks, self.arenas))
+                list(pool.map(self.register, range(tp_size)))
         except BaseException:
             self.close()
             raise
@@ -61,15 +61,20 @@ class EngineRanks:
         self.arenas.append(SharedArena(num_bytes))
         return self.arenas[-1].array
 
-    def _register(self, target: str, engine: EngineBuffers, arena: SharedArena) -> EngineClient:
-        client = EngineClient(target)
-        self.clients.append(client)  # closed even when a later rank fails
-        client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)
-        return client
+    def rank_pb(self, rank: int) -> pb.EngineRank:
+        """The Register message of ``rank`` (its cache in its arena)."""
+        return engine_rank_pb(self.ranks[rank].cache, self.arenas[rank])
+
+    def register(self, rank: int):
+        """Register ``rank`` with its daemon."""
+        client = self.clients[rank] = EngineClient(self.targets[rank])  # closed even when a later rank fails
+        client.register(self.rank_pb(rank), lease_s=self.lease_s)
 
     def close(self) -> None:
         """Deregister every rank (the daemons drop the memory), then free it."""
         for client in self.clients:
+            if client is None:
+                continue
             # A daemon that is gone already dropped the memory (or will, when the lease lapses).
             with contextlib.suppress(Exception):
                 client.deregister()
@@ -236,8 +241,7 @@ class EngineProcess:
         self.kind = kind
         self._conn, child = context.Pipe()
         self.process = context.Process(target=engine_main, args=(kind, factory or ENGINES[kind], args, kwargs, child),
-                                       daemon=True,
-                                       name=f"kvxferd-demo-{kind}")
+                                       daemon=True, name=f"kvxferd-demo-{kind}")
         self.process.start()
         child.close()
         self.start_timeout_s = start_timeout_s

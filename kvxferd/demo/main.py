@@ -14,9 +14,8 @@ from kvxferd.client import DaemonProcess
 from kvxferd.demo import summary as figures
 from kvxferd.demo.engines import EngineFailed, EngineProcess
 from kvxferd.errors import KvxferError
-from kvxferd.plan.engine import EngineTransferPlan
 from kvxferd.tp.shards import check_tp
-from kvxferd.verify.engines import paper_cache
+from kvxferd.verify.engines import check_pairing
 from kvxferd.verify.models import DECODE_LAYOUTS, MODELS, ModelShape, model_groups, random_request
 
 
@@ -75,9 +74,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
         check_tp(args.decode_tp, 0, field="decode_tp")
         for model in models:
             prefill_groups, decode_groups = model_groups(model, shape)
-            prefill = [paper_cache("p", prefill_groups, args.prefill_tp, q) for q in range(args.prefill_tp)]
-            for r in range(args.decode_tp):
-                EngineTransferPlan(paper_cache("d", decode_groups, args.decode_tp, r), prefill)
+            check_pairing(prefill_groups, decode_groups, args.prefill_tp, args.decode_tp)
             random_request("check", prefill_groups, decode_groups, args.num_tokens, np.random.default_rng(0))
     except KvxferError as err:
         raise BadArguments(str(err)) from None

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or args.epoch_requests < 1:
         print("kvxferd soak: --duration must be > 0, --fault-rate in [0, 1], --epoch-requests >= 1", file=sys.stderr)
         return 2
-    report = Report(args.seed, args.duration, progress=True)  # stderr; --json goes to stdout
+    report = Report(args.seed, args.duration)  # progress on stderr; --json goes to stdout
     with contextlib.ExitStack() as stack:
         workdir = args.logs or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvxferd-soak-"))
         os.makedirs(workdir, exist_ok=True)

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.errors import KvxferError
-from kvxferd.plan.engine import EngineTransferPlan
-from kvxferd.verify.engines import paper_cache
+from kvxferd.verify.engines import check_pairing
 from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
 
 MAX_TP = 4
@@ -67,9 +66,7 @@ def _candidate(rng: np.random.Generator, max_tp: int) -> SoakConfig:
 def check_config(config: SoakConfig) -> None:
     """Raise what the daemons would answer if this pairing cannot be planned."""
     prefill_groups, decode_groups = config.groups()
-    prefill = [paper_cache("p", prefill_groups, config.prefill_tp, q) for q in range(config.prefill_tp)]
-    for r in range(config.decode_tp):
-        EngineTransferPlan(paper_cache("d", decode_groups, config.decode_tp, r), prefill)
+    check_pairing(prefill_groups, decode_groups, config.prefill_tp, config.decode_tp)
     random_request("check", prefill_groups, decode_groups, config.num_tokens, np.random.default_rng(0),
                    cached_tokens=config.cached_tokens, window_tokens=32)
 

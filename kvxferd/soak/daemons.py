@@ -27,7 +27,6 @@ class DaemonLife:
     daemon: DaemonProcess
     role: str  # prefill | decode
     index: int  # rank within its role
-    num_restarts: int = 0
     stopped_since: float | None = None
     frozen: list[tuple[float, float]] = field(default_factory=list)  # (SIGSTOP, SIGCONT) monotonic times
 
@@ -35,11 +34,6 @@ class DaemonLife:
         """Seconds this daemon was frozen between ``start_s`` and ``end_s``."""
         spans = self.frozen + ([(self.stopped_since, end_s)] if self.stopped_since is not None else [])
         return sum(max(0.0, min(end_s, stop) - max(start_s, begin)) for begin, stop in spans)
-
-    @property
-    def touched(self) -> bool:
-        """Killed at least once: its leak and crash checks start over with each life."""
-        return self.num_restarts > 0
 
 
 class DaemonSet:
@@ -76,7 +70,6 @@ class DaemonSet:
                 if attempt == 19:
                     raise
                 time.sleep(0.25)
-        life.num_restarts += 1
         return time.monotonic() - start
 
     def stop(self, life: DaemonLife) -> None:

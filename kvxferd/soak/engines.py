@@ -18,47 +18,26 @@ daemon said (or that it said nothing) instead of raising::
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 
-from kvxferd.client import EngineClient, SharedArena, engine_rank_pb
+from kvxferd.client import EngineClient
 from kvxferd.client.engine import LostRead
+from kvxferd.demo.engines import EngineRanks
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
-from kvxferd.verify.engines import check_failed_read, expected_buffers, allocate_engine, check_buffers
+from kvxferd.verify.engines import check_buffers, check_failed_read, expected_buffers
 from kvxferd.verify.physical import SENTINEL
 
 RPC_TIMEOUT_S = 2.0  # a frozen daemon must not stall the engine for longer
 REGISTER_WAIT_S = 30.0  # a restarted engine waits until its old session's lease ran out
 
 
-class SoakRanks:
-    """Every TP rank of one engine: shared-memory caches, one client per rank, re-registration on demand."""
-
-    def __init__(self, engine_id: str, groups: Sequence[CacheGroup], engine_targets: Sequence[str], *,
-                 tagged: bool, lease_s: float) -> None:
-        self.engine_id, self.groups, self.targets = engine_id, tuple(groups), list(engine_targets)
-        self.lease_s = lease_s
-        self.arenas: list[SharedArena] = []
-        self.clients: list[EngineClient | None] = [None] * len(self.targets)
-        tp_size = len(self.targets)
-        try:
-            self.ranks = [allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=self._allocate)
-                          for rank in range(tp_size)]
-            with ThreadPoolExecutor(tp_size) as pool:  # each Register creates a NIXL agent: all at once
-                list(pool.map(self.register, range(tp_size)))
-        except BaseException:
-            self.close()
-            raise
-
-    def _allocate(self, num_bytes: int) -> np.ndarray:
-        self.arenas.append(SharedArena(num_bytes))
-        return self.arenas[-1].array
+class SoakRanks(EngineRanks):
+    """The demo's engine ranks, with short RPC timeouts and registration that retries and can be redone."""
 
     def arena_names(self) -> list[str]:
         """The shared-memory objects of this engine (the driver removes them if it kills the engine)."""
@@ -70,14 +49,14 @@ class SoakRanks:
         old = self.clients[rank]
         if old is not None:
             try:  # its own session may replace what it has (or its heartbeat already registered again)
-                old.register(engine_rank_pb(self.ranks[rank].cache, self.arenas[rank]), lease_s=self.lease_s)
+                old.register(self.rank_pb(rank), lease_s=self.lease_s)
                 return time.monotonic() - start
             except grpc.RpcError:
                 old.close()
         while True:
             client = EngineClient(self.targets[rank], timeout_s=RPC_TIMEOUT_S)
             try:
-                client.register(engine_rank_pb(self.ranks[rank].cache, self.arenas[rank]), lease_s=self.lease_s)
+                client.register(self.rank_pb(rank), lease_s=self.lease_s)
                 self.clients[rank] = client
                 return time.monotonic() - start
             except grpc.RpcError:
@@ -85,16 +64,6 @@ class SoakRanks:
                 if time.monotonic() - start > REGISTER_WAIT_S:
                     raise
                 time.sleep(0.1)
-
-    def close(self) -> None:
-        """Deregister what still answers, then free the memory."""
-        for client in self.clients:
-            if client is not None:
-                with contextlib.suppress(grpc.RpcError):
-                    client.deregister()
-                client.close()
-        for arena in self.arenas:
-            arena.close()
 
 
 class SoakPrefill(SoakRanks):

@@ -28,8 +28,8 @@ MAX_LOG_LINES = 200  # the last lines of the fault log, in the JSON
 class Report:
     """Counters of one run; :meth:`summary` is the JSON object."""
 
-    def __init__(self, seed: int, duration_s: float, *, progress: bool) -> None:
-        self.seed, self.duration_s, self.progress = seed, duration_s, progress
+    def __init__(self, seed: int, duration_s: float) -> None:
+        self.seed, self.duration_s = seed, duration_s
         self.start_s = time.monotonic()
         self.requests = 0
         self.verified_bytes = 0
@@ -47,8 +47,7 @@ class Report:
 
     def violate(self, invariant: str, detail: str) -> None:
         self.violations[invariant].append(detail)
-        if self.progress:
-            print(f"kvxferd soak: VIOLATION {invariant}: {detail}", file=sys.stderr)
+        print(f"kvxferd soak: VIOLATION {invariant}: {detail}", file=sys.stderr)
 
     def log(self, line: str) -> None:
         self.fault_log.append(f"{time.monotonic() - self.start_s:8.2f} s  {line}")
@@ -63,13 +62,12 @@ class Report:
         self.configs.append(config.describe())
         self.refused_configs += refused
         self.log(f"pairing {len(self.configs)}: {config.describe()}")
-        if self.progress:
-            print(f"pairing {len(self.configs)}: {config.describe()}", file=sys.stderr)
+        print(f"pairing {len(self.configs)}: {config.describe()}", file=sys.stderr)
 
-    def line(self, holds_open: int, *, force: bool = False) -> None:
+    def line(self, holds_open: int) -> None:
         """The progress line (stderr), every 5 s."""
         now = time.monotonic()
-        if not self.progress or (not force and now - self._last_line_s < 5):
+        if now - self._last_line_s < 5:
             return
         self._last_line_s = now
         tty = sys.stderr.isatty()  # a terminal gets one line rewritten; a log gets one line each

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -99,7 +100,6 @@ class Soak:
         engine = self.prefill if role == "prefill" else self.decode
         engine.process.kill()
         engine.process.join()
-        from multiprocessing import shared_memory
         for name in self._arenas.get(role, ()):  # what the dead engine can no longer remove
             with contextlib.suppress(FileNotFoundError):
                 shared_memory.SharedMemory(name=name).unlink()
@@ -159,7 +159,7 @@ class Soak:
             if life.role == "prefill" and kind == "stop_long":  # a hung holder: how long until its holds end?
                 self._hung.append((life.index, self.ledger.lives[life.index], time.monotonic()))
             self.report.log(f"  SIGSTOP {life.daemon.daemon_id} for {seconds:.2f} s")
-            effect.update(life=life, stop_s=seconds, stopped_at=time.monotonic())
+            effect["life"] = life
         elif kind == "early_release":
             self.prefill.call("release", request.remote_request_id)
         elif kind == "bad_input":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.layout.specs import MambaSpec
-from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.oracle import BlockSource, TokenSource, expected_region, first_mismatch, tagged_region
 from kvxferd.verify.physical import SENTINEL, region_num_bytes, region_views
@@ -101,6 +101,14 @@ def paper_cache(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_r
                             for i in range(group.num_regions)))
         address += group.num_regions * (size + REGION_GAP_BYTES)
     return EngineCache(engine_id, tp_size, tp_rank, tuple(groups), tuple(memory))
+
+
+def check_pairing(prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup], prefill_tp: int,
+                  decode_tp: int) -> None:
+    """Plan every decode rank against every prefill rank on paper; raises what a daemon would answer."""
+    prefill = [paper_cache("p", prefill_groups, prefill_tp, q) for q in range(prefill_tp)]
+    for r in range(decode_tp):
+        EngineTransferPlan(paper_cache("d", decode_groups, decode_tp, r), prefill)
 
 
 def group_source(local: CacheGroup, remote: CacheGroup, request: ReadRequest, g: int):
