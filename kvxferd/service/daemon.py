@@ -54,6 +54,7 @@ from kvxferd.service.tls import TlsFiles
 log = logging.getLogger("kvxferd.daemon")
 EXIT_CONFIG, EXIT_STARTUP = 2, 3
 GIL_SWITCH_INTERVAL_S = 200e-6
+LOOP_STALL_S = 0.25  # the maintenance tick waking this late is logged and counted
 IDLE_TICK_S = 1.0  # maintenance tick with nothing held and nothing read (idle CPU)
 SERVICES = ("kvxfer.v1.EngineService", "kvxfer.v1.PeerService")
 
@@ -202,12 +203,15 @@ class Daemon:
         renew_every_s = self.config.lease_s / 3
         last_renew = last_probe = time.monotonic()
         while not self._stopping.is_set():
-            if self._has_work():
-                await asyncio.sleep(tick_s)
+            busy, slept_from = self._has_work(), time.monotonic()
+            wait_s = tick_s if busy else max(tick_s, IDLE_TICK_S)
+            if busy:
+                await asyncio.sleep(wait_s)
             else:  # nothing held, nothing read: engine leases and probes only, until a hold arrives
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._maintenance_due.wait(), max(tick_s, IDLE_TICK_S))
+                    await asyncio.wait_for(self._maintenance_due.wait(), wait_s)
             self._maintenance_due.clear()
+            self._note_stall(time.monotonic() - slept_from - wait_s)
             try:
                 await self.registry.expire()
                 now = time.monotonic()
@@ -219,6 +223,13 @@ class Daemon:
                     self.spawn(self._probe_peers())
             except Exception:
                 log.exception("maintenance failed")
+
+    def _note_stall(self, late_s: float) -> None:
+        """A loop that wakes late delays every completion and reply: count it, and say how late."""
+        if late_s >= LOOP_STALL_S:
+            self.metrics.loop_stalls.inc()
+            log.warning("the event loop woke late (stopped, starved, or a blocking call on it)",
+                        extra={"late_s": round(late_s, 3)})
 
     async def _renew_waiting_reads(self, older_than_s: float) -> None:
         """Reads still waiting keep the holders' leases alive."""

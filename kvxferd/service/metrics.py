@@ -47,6 +47,8 @@ class Metrics:
                                          registry=r)
         self.rpc_errors = Counter("kvxferd_rpc_errors", "RPCs answered with an error status", ["method", "code"],
                                   registry=r)
+        self.loop_stalls = Counter("kvxferd_loop_stalls", "times the event loop woke over LOOP_STALL_S late "
+                                   "(stopped, starved, or a blocking call on it)", registry=r)
         self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)
         self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
         self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)

@@ -16,6 +16,7 @@ so the engine learns about every read it sent on the same stream.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -71,14 +72,24 @@ class ReadPath:
                                            refused_code=status_code(err).value[0], done_unix_s=time.time()))
 
     async def _submit_after_handshake(self, read: DaemonRead, link) -> None:
-        """Re-handshake a stale link, then post; a failed handshake fails the read."""
+        """Re-handshake a stale link, then post; a failed handshake fails the read.
+
+        The read's deadline bounds the wait: a handshake with a dead peer can
+        take longer (the peer call's retry waits for it to come back), and the
+        engine was promised an answer by the deadline. The handshake itself
+        goes on for the next read.
+        """
+        handshake = asyncio.ensure_future(self.daemon.peers.handshake(read.slot, link.remote_engine_id))
         try:
-            await self.daemon.peers.handshake(read.slot, link.remote_engine_id)
+            await asyncio.wait_for(asyncio.shield(handshake), max(0.0, read.deadline_s - time.perf_counter()))
             read.remote = link.remote
             read.planned = link.remote.plan.plan_request(read.planned.request)
-        except KvxferError as err:
-            self.done([ReadDone(read.slot, error_result(read, f"handshake: {err}"), 0.0, time.time(),
-                                ReadFailure.HANDSHAKE)])
+        except (KvxferError, asyncio.TimeoutError) as err:
+            if isinstance(err, asyncio.TimeoutError):
+                error, failure = "deadline: the re-handshake did not finish in time", ReadFailure.DEADLINE
+            else:
+                error, failure = f"handshake: {err}", ReadFailure.HANDSHAKE
+            self.done([ReadDone(read.slot, error_result(read, error), 0.0, time.time(), failure)])
             return
         self.daemon.dataplane.submit(read)
 

@@ -18,6 +18,7 @@ import json
 import sys
 import tempfile
 
+from kvxferd.soak.faults import KINDS
 from kvxferd.soak.report import INVARIANTS, Report
 
 
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "(a failing run replays with the same seed)")
     parser.add_argument("--fault-rate", type=float, default=0.25,
                         help="share of requests that get a fault (default 0.25; 0: none)")
+    parser.add_argument("--faults", default=",".join(KINDS), metavar="KIND[,KIND...]",
+                        help="the fault kinds to draw from (default: all; one kind replays a finding)")
     parser.add_argument("--epoch-requests", type=int, default=40,
                         help="requests per pairing before the next is drawn (default 40)")
     parser.add_argument("--max-tp", type=int, default=4, choices=range(1, 5), metavar="{1..4}",
@@ -56,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or args.epoch_requests < 1:
         print("kvxferd soak: --duration must be > 0, --fault-rate in [0, 1], --epoch-requests >= 1", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.faults.split(",")) - set(KINDS))
+    if unknown:
+        print(f"kvxferd soak: unknown fault kinds {unknown}; known: {', '.join(KINDS)}", file=sys.stderr)
         return 2
     report = Report(args.seed, args.duration)  # progress on stderr; --json goes to stdout
     with contextlib.ExitStack() as stack:

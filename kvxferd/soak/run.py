@@ -43,7 +43,7 @@ class Soak:
     def __init__(self, args, workdir: str, report: Report) -> None:
         self.args, self.report = args, report
         self.rng = np.random.default_rng(args.seed)
-        self.faults = FaultPlan(self.rng, args.fault_rate)
+        self.faults = FaultPlan(self.rng, args.fault_rate, args.faults.split(","))
         # INFO: each registration and deregistration with its reason, for a failure's post-mortem (--logs)
         daemon_args = ("--log-level", "INFO", "--peer-check-s", "0.3")
         self.daemons = DaemonSet(args.max_tp, args.max_tp, workdir, daemon_args)
@@ -253,7 +253,10 @@ class Soak:
             mine = life is not None and life.role == "decode" and life.index == rank
             frozen_s = lives[rank].frozen_during(sent_s, sent_s + outcome["latency_s"])
             bound_s = deadline_s + GRACE_S + frozen_s
-            where = f"{request.request_id} decode rank {rank}"
+            where = f"{request.request_id} decode rank {rank} ({effect['kind'] if effect else 'no fault'})"
+            late_s = outcome["latency_s"] - deadline_s - frozen_s
+            if late_s > 0:  # how far past its deadline a completion came, by fault: the grace it needs
+                self.report.figure(f"past_deadline_s.{effect['kind'] if effect else 'none'}", late_s)
             if outcome["outcome"] == "missing":
                 self.report.violate("completion_in_time", f"{where}: no completion after {outcome['latency_s']:.1f} s")
             elif outcome["outcome"] == "lost" and not (mine and effect["kind"] == "kill_decode_daemon"):

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -50,6 +51,9 @@ def _quiet_nixl_logging() -> None:
         if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
             handler.setStream(sys.stderr)
 
+
+log = logging.getLogger(__name__)
+SLOW_CALL_S = 0.1  # a NIXL call this long stalls the data plane: logged
 
 METADATA_MAGIC, NAME_TAG = b"nixlSerDes|", b"Agent"
 MAX_AGENT_NAME_BYTES = 1024
@@ -116,10 +120,16 @@ class NixlAgent:
         return self._agent
 
     def _call(self, call: str, fn, *args, **kwargs):
+        start_s = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except self._errors as err:
             raise NixlError(call, err) from err
+        finally:
+            # A NIXL call blocks the thread that made it (a read's deadline included): say so when one is slow.
+            took_s = time.perf_counter() - start_s
+            if took_s >= SLOW_CALL_S:
+                log.warning("slow NIXL call", extra={"call": call, "took_s": round(took_s, 3), "agent": self.name})
 
     # ---- memory ---------------------------------------------------------
     def register(self, cache: EngineCache) -> None:

@@ -139,6 +139,29 @@ def test_killed_prefill_daemon_fails_reads_within_their_deadline(workdir):
         assert cluster.decode_clients[0].missed_events(0).last_seq == 0
 
 
+def test_a_read_waiting_for_a_re_handshake_with_a_dead_peer_still_ends_by_its_deadline(workdir):
+    # A failed read marks the link stale, so the next read re-handshakes first;
+    # with a dead peer that handshake outlasts a short deadline (the peer call
+    # retries while the peer may come back). No probe interferes (--peer-check-s 60).
+    with DaemonCluster(*_groups(), 2, 1, workdir=workdir, name="stalelink",
+                       daemon_args=("--peer-check-s", "60")) as cluster:
+        first, request = _request("first"), _request("stale-link", 1)
+        cluster.hold(first)
+        cluster.hold(request)
+        cluster.prefill_daemons[1].kill()
+        cluster.submit(first, deadline_s=2.0)
+        (completion,) = cluster.completions(first, timeout_s=10)
+        assert not completion.ok and 1 in completion.failed_ranks
+        start = time.monotonic()
+        cluster.submit(request, deadline_s=0.5)
+        (completion,) = cluster.completions(request, timeout_s=10)
+        took_s = time.monotonic() - start
+        assert took_s < 0.5 + 0.4, took_s
+        assert not completion.ok and completion.error.startswith("deadline"), completion.error
+        assert sorted(completion.failed_ranks) == [0, 1]  # nothing was posted: every block is invalid
+        assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
+
+
 @pytest.mark.parametrize("reads_stream", [False, True], ids=["unary", "stream"])
 def test_sigterm_drains_in_flight_reads(workdir, reads_stream):
     with DaemonCluster(*_groups(), 1, 1, workdir=workdir, name=f"drain{int(reads_stream)}",

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from kvxferd.soak.faults import KINDS
@@ -14,9 +16,9 @@ from kvxferd.soak.report import INVARIANTS
 SHORT_SEED = 11  # replay a failure with: kvxferd soak --duration 90 --seed 11
 
 
-def _soak(*args: str, timeout_s: float) -> tuple[int, dict, str]:
-    run = subprocess.run([sys.executable, "-m", "kvxferd", "soak", "--json", *args], capture_output=True, text=True,
-                         timeout=timeout_s)
+def _soak(*args: str, timeout_s: float, logs: Path) -> tuple[int, dict, str]:
+    run = subprocess.run([sys.executable, "-m", "kvxferd", "soak", "--json", "--logs", str(logs), *args],
+                         capture_output=True, text=True, timeout=timeout_s)
     try:
         summary = json.loads(run.stdout)
     except json.JSONDecodeError:
@@ -24,17 +26,26 @@ def _soak(*args: str, timeout_s: float) -> tuple[int, dict, str]:
     return run.returncode, summary, run.stderr
 
 
-def _check(code: int, summary: dict) -> None:
-    assert summary["violations"] == [] and code == 0, json.dumps(summary["violations"], indent=1)
+def _post_mortem(summary: dict, logs: Path) -> str:
+    """What a failed run leaves for whoever reads CI's output: the violations, the fault log, daemon warnings."""
+    warnings = [f"{path.name}: {line.strip()}" for path in sorted(logs.glob("*.log"))
+                for line in path.read_text(errors="replace").splitlines()
+                if '"level": "WARNING"' in line or '"level": "ERROR"' in line]
+    return "\n".join([json.dumps(summary["violations"], indent=1), "fault log (end):", *summary["fault_log"][-60:],
+                      "daemon warnings and errors (end):", *warnings[-80:]])
+
+
+def _check(code: int, summary: dict, logs: Path) -> None:
+    assert summary["violations"] == [] and code == 0, _post_mortem(summary, logs)
     assert set(summary["invariants"]) == set(INVARIANTS) and not any(summary["invariants"].values())
     assert summary["holds"]["open"] == 0 and summary["holds"]["CONSUMED"] > 0
     assert summary["read_outcomes"]["ok"] > 0 and summary["verified_bytes"] > 0
 
 
-def test_a_short_soak_with_every_fault_kind_breaks_no_invariant():
+def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
     code, summary, _ = _soak("--duration", "90", "--seed", str(SHORT_SEED), "--fault-rate", "0.35",
-                             timeout_s=600)
-    _check(code, summary)
+                             timeout_s=600, logs=tmp_path)
+    _check(code, summary, tmp_path)
     assert summary["seed"] == SHORT_SEED and summary["requests"] >= 50
     assert set(summary["faults"]) == set(KINDS), summary["faults"]  # the cycle reaches every kind
     assert summary["pairings"] >= 2
@@ -47,9 +58,12 @@ def test_bad_arguments_exit_2():
     run = subprocess.run([sys.executable, "-m", "kvxferd", "soak", "--duration", "0"], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 2 and "--duration" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "kvxferd", "soak", "--faults", "kill_prefill_daemon,meteor"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "meteor" in run.stderr
 
 
 @pytest.mark.slow
-def test_a_thirty_minute_soak_breaks_no_invariant():
-    code, summary, _ = _soak("--duration", "1800", "--seed", "2026", timeout_s=2400)
-    _check(code, summary)
+def test_a_thirty_minute_soak_breaks_no_invariant(tmp_path):
+    code, summary, _ = _soak("--duration", "1800", "--seed", "2026", timeout_s=2400, logs=tmp_path)
+    _check(code, summary, tmp_path)
