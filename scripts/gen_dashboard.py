@@ -32,6 +32,8 @@ PANELS = [
         ("{{outcome}}", f"histogram_quantile(0.99, sum by (le, outcome) (rate(kvxferd_handshake_duration_seconds_bucket{SEL}{RATE})))")]),
     ("RPC errors / s", "ops", [("{{method}} {{code}}", f"sum by (method, code) (rate(kvxferd_rpc_errors_total{SEL}{RATE}))")]),
     ("Engines registered", "short", [("{{pod}}", f"sum by (pod) (kvxferd_engines_registered{SEL})")]),
+    ("Event-loop stalls / s (late by over 0.25 s)", "ops", [
+        ("{{pod}}", f"sum by (pod) (rate(kvxferd_loop_stalls_total{SEL}{RATE}))")]),
     ("Security: refused and dropped / s", "ops", [
         ("forged or stale notices dropped", f"sum(rate(kvxferd_notices_dropped_total{SEL}{RATE}))"),
         ("fd socket refused ({{reason}})", f"sum by (reason) (rate(kvxferd_fd_socket_refused_total{SEL}{RATE}))")]),
