@@ -153,8 +153,9 @@ def test_a_client_that_stops_reading_is_bounded_and_loses_nothing(cluster, decod
     assert code == C.RESOURCE_EXHAUSTED and "max_reads_per_engine" in details, (code, details)
     assert len(got) <= 2 * MAX_READS  # what the daemon kept for this engine is bounded too
     decode.reconnect_reads()  # the client never saw these: all come again, once
-    decode.wait_completion(got[-1].request_id, 5.0)  # the last one the quiet stream saw comes again
-    seen = _settled_completions(decode)  # reads sent after the stream ended never ran
+    last = decode.wait_completion(got[-1].request_id, 5.0)  # the last one the quiet stream saw comes again
+    # wait_completion took it from the client: count it with the rest. Reads sent after the stream ended never ran.
+    seen = {last.request_id: last, **_settled_completions(decode)}
     assert set(seen) <= {r.request_id for r in requests} and len(seen) >= len(got)
     ok = [rid for rid, c in seen.items() if c.ok]
     refused = [rid for rid, c in seen.items() if c.refused_code == C.RESOURCE_EXHAUSTED.value[0]]
