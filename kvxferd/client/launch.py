@@ -81,6 +81,14 @@ class DaemonProcess:
     def peer_address(self) -> str:
         return self.addresses["peer"]
 
+    def port_args(self, listeners: tuple[str, ...] = ("peer", "notify", "metrics")) -> tuple[str, ...]:
+        """``--<listener>-port N`` flags that start a new daemon on this one's ports (a restart in place)."""
+        flags: list[str] = []
+        for listener in listeners:  # addresses look like 127.0.0.1:N, tcp://127.0.0.1:N, http://127.0.0.1:N/metrics
+            port = self.addresses[listener].rstrip("/").rsplit(":", 1)[1].split("/")[0]
+            flags += [f"--{listener}-port", port]
+        return tuple(flags)
+
     def tail(self, num_bytes: int = 3000) -> str:
         with open(self.log_path, "rb") as log:
             log.seek(0, os.SEEK_END)

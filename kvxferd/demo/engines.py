@@ -65,7 +65,7 @@ class EngineRanks:
         """The Register message of ``rank`` (its cache in its arena)."""
         return engine_rank_pb(self.ranks[rank].cache, self.arenas[rank])
 
-    def register(self, rank: int):
+    def register(self, rank: int) -> None:
         """Register ``rank`` with its daemon."""
         client = self.clients[rank] = EngineClient(self.targets[rank])  # closed even when a later rank fails
         client.register(self.rank_pb(rank), lease_s=self.lease_s)

@@ -76,22 +76,26 @@ class ReadPath:
 
         The read's deadline bounds the wait: a handshake with a dead peer can
         take longer (the peer call's retry waits for it to come back), and the
-        engine was promised an answer by the deadline. The handshake itself
-        goes on for the next read.
+        engine was promised an answer by the deadline. The handshake attempt
+        itself is shared and shielded (:meth:`Peers.handshake`): it goes on
+        for the next read.
         """
-        handshake = asyncio.ensure_future(self.daemon.peers.handshake(read.slot, link.remote_engine_id))
         try:
-            await asyncio.wait_for(asyncio.shield(handshake), max(0.0, read.deadline_s - time.perf_counter()))
+            await asyncio.wait_for(self.daemon.peers.handshake(read.slot, link.remote_engine_id),
+                                   max(0.0, read.deadline_s - time.perf_counter()))
             read.remote = link.remote
             read.planned = link.remote.plan.plan_request(read.planned.request)
-        except (KvxferError, asyncio.TimeoutError) as err:
-            if isinstance(err, asyncio.TimeoutError):
-                error, failure = "deadline: the re-handshake did not finish in time", ReadFailure.DEADLINE
-            else:
-                error, failure = f"handshake: {err}", ReadFailure.HANDSHAKE
-            self.done([ReadDone(read.slot, error_result(read, error), 0.0, time.time(), failure)])
+        except asyncio.TimeoutError:
+            self._fail(read, "deadline: the re-handshake did not finish in time", ReadFailure.DEADLINE)
+            return
+        except KvxferError as err:
+            self._fail(read, f"handshake: {err}", ReadFailure.HANDSHAKE)
             return
         self.daemon.dataplane.submit(read)
+
+    def _fail(self, read: DaemonRead, error: str, failure: ReadFailure) -> None:
+        """A read that ends before anything was posted: every block invalid."""
+        self.done([ReadDone(read.slot, error_result(read, error), 0.0, time.time(), failure)])
 
     def done(self, finished: list[ReadDone]) -> None:
         """Completions of a round of finished reads (event-loop thread)."""

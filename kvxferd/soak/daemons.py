@@ -16,10 +16,6 @@ from dataclasses import dataclass, field
 from kvxferd.client import DaemonProcess
 
 
-def _port(address: str) -> str:
-    return address.rstrip("/").rsplit(":", 1)[1].split("/")[0]
-
-
 @dataclass
 class DaemonLife:
     """One rank's daemon and what happened to it."""
@@ -59,8 +55,7 @@ class DaemonSet:
         """A new daemon at the killed one's addresses; seconds until it is ready."""
         old = life.daemon
         start = time.monotonic()
-        ports = ("--peer-port", _port(old.addresses["peer"]), "--notify-port", _port(old.addresses["notify"]),
-                 "--metrics-port", _port(old.addresses["metrics"]))
+        ports = old.port_args()
         for attempt in range(20):  # the old sockets may linger a moment after kill -9
             try:
                 life.daemon = DaemonProcess(old.daemon_id, socket_dir=self.workdir,
@@ -100,7 +95,8 @@ def usage(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/status") as status:
         fields = dict(line.split(":", 1) for line in status if ":" in line)
     kinds: dict[str, int] = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    fds = os.listdir(f"/proc/{pid}/fd")
+    for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -110,7 +106,7 @@ def usage(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/maps") as maps:
         shm = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
     engine_shm = sorted(name for name in shm if "/dev/shm/psm_" in name)
-    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "engine_shm": engine_shm,
+    return {"fds": len(fds), "engine_shm": engine_shm,
             "other_shm_mappings": len(shm) - len(engine_shm), "fd_kinds": kinds,
             "threads": int(fields["Threads"]), "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024}
 

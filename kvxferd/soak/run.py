@@ -253,10 +253,11 @@ class Soak:
             mine = life is not None and life.role == "decode" and life.index == rank
             frozen_s = lives[rank].frozen_during(sent_s, sent_s + outcome["latency_s"])
             bound_s = deadline_s + GRACE_S + frozen_s
-            where = f"{request.request_id} decode rank {rank} ({effect['kind'] if effect else 'no fault'})"
+            fault = effect["kind"] if effect else "none"
+            where = f"{request.request_id} decode rank {rank} (fault: {fault})"
             late_s = outcome["latency_s"] - deadline_s - frozen_s
-            if late_s > 0:  # how far past its deadline a completion came, by fault: the grace it needs
-                self.report.figure(f"past_deadline_s.{effect['kind'] if effect else 'none'}", late_s)
+            if late_s > 0 and outcome["outcome"] not in ("missing", "lost"):  # a completion past its
+                self.report.figure(f"past_deadline_s.{fault}", late_s)  # deadline, by fault: the grace it needs
             if outcome["outcome"] == "missing":
                 self.report.violate("completion_in_time", f"{where}: no completion after {outcome['latency_s']:.1f} s")
             elif outcome["outcome"] == "lost" and not (mine and effect["kind"] == "kill_decode_daemon"):

@@ -81,9 +81,8 @@ class DaemonCluster(DecodeChecks):
         old = self.daemons[q]
         old.terminate()
         time.sleep(down_s)
-        port = old.peer_address.rsplit(":", 1)[1]
         self.daemons[q] = DaemonProcess(old.daemon_id, socket_dir=self.workdir,
-                                        extra_args=(*self.daemon_args, "--peer-port", port))
+                                        extra_args=(*self.daemon_args, *old.port_args(("peer",))))
         self.subscribers[q].close()
         self.prefill_clients[q].close()
         self.prefill_clients[q] = self._register(self.daemons[q], self.prefill[q])
