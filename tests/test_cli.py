@@ -28,6 +28,9 @@ def test_demo_verifies_every_preset_through_daemons():
         assert row["pairing"] == "2->1" and not row["problems"]
         assert row["raw_bytes"] == row["bytes"] and row["raw_gbps"] > 0 and 0 < row["ratio"]
         assert row["latency_p99_ms"] >= row["latency_p50_ms"] > 0
+        stages = row["stage_p50_ms"]  # where the time went, from the daemon's and the engine's clocks
+        assert set(stages) == {"to_daemon", "plan", "post", "transfer", "acks", "to_engine"}
+        assert stages["plan"] > 0 and stages["post"] > 0 and sum(stages.values()) <= 2 * row["latency_p99_ms"]
 
 
 def test_demo_table_with_overrides():

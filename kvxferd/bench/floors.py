@@ -12,7 +12,9 @@
 * gRPC: one message each way on a bidirectional ``grpc.aio`` stream over a
   UNIX socket (the engine's Reads stream without the daemon behind it);
 * planning: ``plan_request`` for a 2-layer, 2-block request, back to back
-  and with 3 ms between calls (how the daemon calls it at 300 requests/s).
+  and with 3 ms between calls (how the daemon calls it at 300 requests/s);
+* NIXL's own progress thread with a 1 ms delay (:mod:`kvxferd.bench.nixl_progress`):
+  its idle CPU, a read from an owner that never polls, a notification's trip.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 
 import numpy as np
 
+from kvxferd.bench import nixl_progress
 from kvxferd.bench.common import bench_main
 from kvxferd.xfer.waker import Waker
 
@@ -166,7 +169,7 @@ def _percentiles(values_s: list[float]) -> dict:
 
 def run() -> dict:
     return {"wakeups_100us": wakeups(), "thread_hop": thread_hop(), "nixl": nixl_notifications(),
-            "grpc_stream": grpc_stream(), "planning_us": planning()}
+            "grpc_stream": grpc_stream(), "planning_us": planning(), "nixl_progress_thread": nixl_progress.run()}
 
 
 def format_table(f: dict) -> str:
@@ -184,6 +187,8 @@ def format_table(f: dict) -> str:
     p = f["planning_us"]
     lines.append(f"plan_request, 2 layers x 2 blocks: {p['back to back']:.0f} us back to back, "
                  f"{p['every 3 ms']:.0f} us every 3 ms")
+    if "nixl_progress_thread" in f:
+        lines += [""] + nixl_progress.format_lines(f["nixl_progress_thread"])
     return "\n".join(lines)
 
 

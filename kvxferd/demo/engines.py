@@ -155,13 +155,14 @@ class DecodeEngine(EngineRanks):
         """One request on every rank: submit, wait for completions, verify; the figures as a dict."""
         for engine in self.ranks:
             engine.reset()
-        start = time.perf_counter()
+        start, submitted_unix_s = time.perf_counter(), time.time()
         for client in self.clients:
             client.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
                                                   request.local_block_ids, request.remote_block_ids,
                                                   num_tokens=request.num_tokens or 0, deadline_s=timeout_s)])
-        completions = [client.wait_completion(request.request_id, timeout_s + 5) for client in self.clients]
+        delivered = [client.wait_completion_timed(request.request_id, timeout_s + 5) for client in self.clients]
         latency_s = time.perf_counter() - start
+        completions = [completion for completion, _ in delivered]
         ok = all(c.ok for c in completions)
         # A failed read leaves its blocks undefined: the engine must not use them, nor do we check them.
         problems, wrong = verify_decode(self.ranks, prefill_groups, request) if ok else ([], 0)
@@ -170,6 +171,7 @@ class DecodeEngine(EngineRanks):
                 "bytes": sum(c.num_bytes for c in completions),
                 "descriptors": sum(c.num_descriptors for c in completions),
                 "post_s": max(c.post_s for c in completions),
+                "stages_s": read_stages(submitted_unix_s, delivered) if ok else {},
                 "verified_bytes": sum(engine.num_bytes for engine in self.ranks) if ok else 0,
                 "mismatched_bytes": wrong, "mismatches": problems}
 
@@ -195,6 +197,24 @@ class DecodeEngine(EngineRanks):
         finally:
             for reader in readers:
                 reader.close()
+
+
+STAGES = ("to_daemon", "plan", "post", "transfer", "acks", "to_engine")
+
+
+def read_stages(submitted_unix_s: float, delivered: Sequence[tuple[pb.Completion, float]]) -> dict[str, float]:
+    """Where one request's time went, on the decode rank whose completion came last (it sets the latency).
+
+    Wall clocks of the engine and its daemon (one host): submitted -> the daemon
+    took the read -> planned -> every rank posted (``transfer()`` copies host
+    memory synchronously, so the copy is here) -> transfers ended -> acks in
+    -> the engine has the completion.
+    """
+    completion, delivered_unix_s = max(delivered, key=lambda item: item[1])
+    started_unix_s = completion.done_unix_s - completion.duration_s
+    return {"to_daemon": started_unix_s - submitted_unix_s, "plan": completion.plan_s,
+            "post": completion.post_s - completion.plan_s, "transfer": completion.transfer_s,
+            "acks": completion.ack_s, "to_engine": delivered_unix_s - completion.done_unix_s}
 
 
 def _read_all(readers: Sequence[RawReader], prepared: Sequence[list]) -> float:

@@ -9,7 +9,7 @@ def new_row(model: str, prefill_tp: int, decode_tp: int, groups: str) -> dict:
     return {"model": model, "pairing": f"{prefill_tp}->{decode_tp}", "groups": groups, "requests": 0,
             "failed_requests": 0, "bytes": 0, "descriptors": 0, "verified_bytes": 0, "mismatched_bytes": 0,
             "holds": 0, "consumed": 0, "lost_events": 0, "stray_events": 0, "latency_s": [], "raw_s": [],
-            "raw_bytes": 0, "problems": []}
+            "raw_bytes": 0, "problems": [], "stages_s": {}}
 
 
 def add_read(row: dict, result: dict) -> None:
@@ -19,6 +19,8 @@ def add_read(row: dict, result: dict) -> None:
     for key in ("bytes", "descriptors", "verified_bytes", "mismatched_bytes"):
         row[key] += result[key]
     row["latency_s"].append(result["latency_s"])
+    for stage, seconds in result.get("stages_s", {}).items():
+        row["stages_s"].setdefault(stage, []).append(seconds)
     row["problems"] += result["errors"] + result["mismatches"]
 
 
@@ -41,6 +43,8 @@ def finish_row(row: dict) -> dict:
     row["descriptors_per_request"] = row["descriptors"] / requests
     row["latency_p50_ms"] = float(np.percentile(latency, 50) * 1e3)
     row["latency_p99_ms"] = float(np.percentile(latency, 99) * 1e3)
+    # p50 of each stage separately (their sum need not be the latency's p50)
+    row["stage_p50_ms"] = {stage: float(np.percentile(values, 50) * 1e3) for stage, values in row.pop("stages_s").items()}
     row["raw_seconds"] = float(raw.sum())
     row["raw_gbps"] = row["raw_bytes"] / max(row["raw_seconds"], 1e-9) / 1e9
     row["raw_p50_ms"] = float(np.percentile(raw, 50) * 1e3)
@@ -77,6 +81,7 @@ def format_table(summary: dict) -> str:
                      f"{row['bytes'] / 2**20:>8.1f}{row['descriptors_per_request']:>9.0f}{row['latency_p50_ms']:>8.1f}"
                      f"{row['latency_p99_ms']:>8.1f}{row['gbps']:>7.2f}{row['raw_gbps']:>9.2f}{row['ratio']:>7.2f}"
                      f"{row['consumed']:>5}/{row['holds']:<4}  {verdict}")
+    lines += _stage_lines(summary["rows"])
     s = summary
     lines += ["", f"{s['requests']} requests, {s['bytes'] / 2**20:.1f} MiB through the daemons at {s['gbps']:.2f} GB/s "
                   f"(raw NIXL on the same transfers {s['raw_gbps']:.2f} GB/s, ratio {s['ratio']:.2f}); "
@@ -88,3 +93,21 @@ def format_table(summary: dict) -> str:
               "raw GB/s: the same descriptors posted straight on NIXL from the decode engine, no daemon in the path. "
               "consumed: CONSUMED events on the prefill notify bus / holds (one per prefill rank and request)."]
     return "\n".join(lines)
+
+
+STAGE_HEADS = (("to_daemon", "to daemon"), ("plan", "plan"), ("post", "post+copy"), ("transfer", "transfer"),
+               ("acks", "acks"), ("to_engine", "to engine"))
+
+
+def _stage_lines(rows: list[dict]) -> list[str]:
+    """Where a read's time went (p50 ms per stage), next to its latency and raw NIXL's time for the same bytes."""
+    rows = [row for row in rows if row.get("stage_p50_ms")]
+    if not rows:
+        return []
+    lines = ["", "where a read's time went, p50 ms (on the decode rank whose completion came last):",
+             f"{'model':<7}" + "".join(f"{head:>11}" for _, head in STAGE_HEADS) + f"{'latency':>9}{'raw NIXL':>10}"]
+    for row in rows:
+        stages = row["stage_p50_ms"]
+        lines.append(f"{row['model']:<7}" + "".join(f"{stages.get(key, 0.0):>11.2f}" for key, _ in STAGE_HEADS)
+                     + f"{row['latency_p50_ms']:>9.2f}{row['raw_p50_ms']:>10.2f}")
+    return lines

@@ -1,6 +1,6 @@
 """``kvxferd bench floors``: each step is measured and printed."""
 
-from kvxferd.bench import floors
+from kvxferd.bench import floors, nixl_progress
 
 
 def test_each_floor_is_measured():
@@ -14,3 +14,17 @@ def test_each_floor_is_measured():
     assert figures["grpc_stream"]["round_trip"]["p50_us"] > 0
     text = floors.format_table(figures)
     assert "gRPC aio stream" in text and "plan_request" in text
+
+
+def test_nixl_progress_thread_is_measured_and_printed():
+    figures = nixl_progress.run(seconds=0.2, repeat=30)
+    idle = figures["idle_core_percent"]
+    assert set(idle) == {"alone", "peer_added_silent", "after_traffic"} and all(v >= 0 for v in idle.values())
+    for row in figures["idle_owner_read"].values():
+        assert 0 <= row["completed"] <= row["tried"] == 3
+        assert (row["median_us"] is None) == (row["completed"] == 0)
+    # With the thread, the owner's agent makes progress on its own: this is the one thing it is for.
+    assert figures["idle_owner_read"]["with"]["completed"] == 3
+    assert all(row["p50_us"] > 0 for row in figures["trip_polling_100us"].values())
+    text = "\n".join(nixl_progress.format_lines(figures))
+    assert "never polls" in text and "% of a core" in text

@@ -45,5 +45,24 @@ def test_any_problem_fails_the_row_and_the_summary(row):
     assert "FAILED" in figures.format_table(summary)
 
 
+def test_stage_figures_are_p50_per_stage_and_printed_next_to_the_latency():
+    row = figures.new_row("gqa", 2, 1, "full")
+    for i in range(3):
+        stages = {"to_daemon": 0.001 * (i + 1), "plan": 0.0002, "post": 0.003, "transfer": 0.0, "acks": 0.0005,
+                  "to_engine": 0.0007}
+        figures.add_read(row, {"ok": True, "latency_s": 0.006, "errors": [], "bytes": 1000, "descriptors": 10,
+                               "post_s": 0.0, "verified_bytes": 4000, "mismatched_bytes": 0, "mismatches": [],
+                               "stages_s": stages})
+    row = _finish(row)
+    assert row["stage_p50_ms"]["to_daemon"] == pytest.approx(2.0) and row["stage_p50_ms"]["post"] == pytest.approx(3.0)
+    text = figures.format_table(figures.summarize([row]))
+    assert "where a read's time went" in text and "post+copy" in text
+    assert text.splitlines()[-4].split()[:3] == ["gqa", "2.00", "0.20"]
+
+
+def test_no_stage_figures_no_stage_table():
+    assert "where a read's time went" not in figures.format_table(figures.summarize([_finish(_row())]))
+
+
 def test_no_rows_is_not_a_success():
     assert not figures.summarize([])["ok"]

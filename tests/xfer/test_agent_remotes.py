@@ -64,3 +64,13 @@ def test_references_are_counted_and_the_last_one_unloads(agents):
     holder.remove_remote(reader.name)  # unknown now: nothing to do
     assert holder.add_remote(metadata) == reader.name and delivered(holder, reader, b"loaded again")
     holder.remove_remote(reader.name)
+
+
+@pytest.mark.parametrize("call, level", [("create_agent", "INFO"), ("transfer", "WARNING")])
+def test_a_slow_call_is_logged_with_its_name_a_warning_only_on_the_data_path(agents, caplog, monkeypatch, call, level):
+    holder, _, _ = agents
+    monkeypatch.setattr("kvxferd.xfer.agent.SLOW_CALL_S", 0.0)  # every call counts as slow
+    with caplog.at_level("INFO", logger="kvxferd.xfer.agent"):
+        holder._call(call, lambda: None)
+    (record,) = [r for r in caplog.records if r.name == "kvxferd.xfer.agent"]
+    assert record.levelname == level and call in record.getMessage() and holder.name in record.getMessage()
