@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections.abc import Callable
+
+import numpy as np
 
 
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
@@ -16,6 +19,18 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
         result = fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def percentiles_us(values_s) -> dict:
+    """p50 and p99 of durations in seconds, in µs."""
+    values = np.asarray(values_s) * 1e6
+    return {"p50_us": float(np.percentile(values, 50)), "p99_us": float(np.percentile(values, 99))}
+
+
+def process_cpu_s() -> float:
+    """CPU seconds this process used so far (every thread, user and system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def bench_main(prog: str, doc: str | None, add_arguments, run_args, argv: list[str] | None) -> int:

@@ -14,6 +14,7 @@ import time
 import grpc
 import numpy as np
 
+from kvxferd.bench.common import percentiles_us
 from kvxferd.bench.raw import RawReader
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import ReadRequest
@@ -108,11 +109,6 @@ def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls |
             "handshake_ms": statistics.median(handshake_s) * 1e3}
 
 
-def _percentiles(values_s: list[float]) -> dict:
-    values = np.asarray(values_s) * 1e6
-    return {"p50_us": float(np.percentile(values, 50)), "p99_us": float(np.percentile(values, 99))}
-
-
 def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
              tls: Tls | None = None, *, reads_stream: bool = True, idle_s: float = 0.0,
              reads_per_step: int = 1) -> dict:
@@ -188,10 +184,10 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
     return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
             "reads_per_step": per_step, "completed_rate_per_s": (num_requests - failed) / max(last_unix - start_unix, 1e-9),
             "bytes_per_request": raw.num_bytes, "failed": failed, "submit_errors": submit_errors,
-            "submit_call": _percentiles(submit_call_s),
-            "submit_to_posted": _percentiles(post_s), "completion_to_delivered": _percentiles(deliver_s),
-            **{f"daemon_{stage}": _percentiles(values) for stage, values in stages_s.items()},
-            "end_to_end": _percentiles(end_to_end_s), "raw_nixl": _percentiles(raw_s), "cpu_us_per_request": cpu_us,
+            "submit_call": percentiles_us(submit_call_s),
+            "submit_to_posted": percentiles_us(post_s), "completion_to_delivered": percentiles_us(deliver_s),
+            **{f"daemon_{stage}": percentiles_us(values) for stage, values in stages_s.items()},
+            "end_to_end": percentiles_us(end_to_end_s), "raw_nixl": percentiles_us(raw_s), "cpu_us_per_request": cpu_us,
             "idle_cpu_percent": idle}
 
 

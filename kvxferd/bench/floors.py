@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import statistics
 import tempfile
 import threading
@@ -32,13 +31,8 @@ import time
 import numpy as np
 
 from kvxferd.bench import nixl_progress
-from kvxferd.bench.common import bench_main
+from kvxferd.bench.common import bench_main, percentiles_us, process_cpu_s
 from kvxferd.xfer.waker import Waker
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def wakeups(seconds: float = 2.0, interval_s: float = 100e-6) -> dict:
@@ -48,11 +42,11 @@ def wakeups(seconds: float = 2.0, interval_s: float = 100e-6) -> dict:
     for name, sleep in (("threading.Event.wait", lambda: event.wait(interval_s)),
                         ("Waker.wait (eventfd + select)", lambda: waker.wait(interval_s)),
                         ("time.sleep", lambda: time.sleep(interval_s))):
-        n, start, cpu = 0, time.perf_counter(), _cpu_s()
+        n, start, cpu = 0, time.perf_counter(), process_cpu_s()
         while time.perf_counter() - start < seconds:
             sleep()
             n += 1
-        wall_s, cpu_s = time.perf_counter() - start, _cpu_s() - cpu
+        wall_s, cpu_s = time.perf_counter() - start, process_cpu_s() - cpu
         rows[name] = {"cpu_us_per_wake": cpu_s / n * 1e6, "interval_us": wall_s / n * 1e6,
                       "core_percent": cpu_s / wall_s * 100}
     return rows
@@ -76,7 +70,7 @@ def thread_hop(repeat: int = 2000) -> dict:
         sent[0] = time.perf_counter()
         waker.set()
     done.wait(10)
-    return _percentiles(latencies)
+    return percentiles_us(latencies)
 
 
 def nixl_notifications(repeat: int = 2000) -> dict:
@@ -99,7 +93,7 @@ def nixl_notifications(repeat: int = 2000) -> dict:
         while not raw_receiver.get_new_notifs():
             raw_sender.get_new_notifs()  # the sender must make progress too
         trips.append(time.perf_counter() - start)
-    return {"get_new_notifs_empty": _percentiles(empty), "notification_one_way": _percentiles(trips[10:])}
+    return {"get_new_notifs_empty": percentiles_us(empty), "notification_one_way": percentiles_us(trips[10:])}
 
 
 def grpc_stream(repeat: int = 1000) -> dict:
@@ -131,10 +125,10 @@ def grpc_stream(repeat: int = 1000) -> dict:
             await server.stop(None)
 
     with tempfile.TemporaryDirectory() as workdir:
-        cpu = _cpu_s()
+        cpu = process_cpu_s()
         trips = asyncio.run(run(os.path.join(workdir, "echo.sock")))
-        cpu_s = _cpu_s() - cpu
-    return {"round_trip": _percentiles(trips[50:]), "cpu_us_per_round_trip_both_sides": cpu_s / len(trips) * 1e6}
+        cpu_s = process_cpu_s() - cpu
+    return {"round_trip": percentiles_us(trips[50:]), "cpu_us_per_round_trip_both_sides": cpu_s / len(trips) * 1e6}
 
 
 def planning(repeat: int = 300) -> dict:
@@ -160,11 +154,6 @@ def planning(repeat: int = 300) -> dict:
             times.append(time.perf_counter() - start)
         rows[name] = statistics.median(times) * 1e6
     return rows
-
-
-def _percentiles(values_s: list[float]) -> dict:
-    values = np.asarray(values_s) * 1e6
-    return {"p50_us": float(np.percentile(values, 50)), "p99_us": float(np.percentile(values, 99))}
 
 
 def run() -> dict:

@@ -22,21 +22,16 @@ Three measurements, each one agent against one peer in this process:
 
 from __future__ import annotations
 
-import resource
 import time
 from contextlib import contextmanager
 
 import numpy as np
 
+from kvxferd.bench.common import percentiles_us, process_cpu_s
 from kvxferd.xfer.agent import quiet_nixl_logging
 from kvxferd.xfer.nixl_module import nixl_api
 
 DELAY_US = 1000  # the thread's poll() timeout; NIXL rounds it up to whole milliseconds
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 @contextmanager
@@ -74,9 +69,9 @@ def make_agent(name: str, *, progress_thread: bool):
 
 
 def _core_percent(seconds: float) -> float:
-    cpu_s = _cpu_s()
+    cpu_s = process_cpu_s()
     time.sleep(seconds)
-    return (_cpu_s() - cpu_s) / seconds * 100
+    return (process_cpu_s() - cpu_s) / seconds * 100
 
 
 def _connect(a, b) -> None:
@@ -146,8 +141,7 @@ def notification_trip(progress_thread: bool, repeat: int = 300, poll_s: float = 
                 break
             time.sleep(poll_s)
         trips.append(time.perf_counter() - start)
-    values = np.asarray(trips[10:]) * 1e6
-    return {"p50_us": float(np.percentile(values, 50)), "p99_us": float(np.percentile(values, 99))}
+    return percentiles_us(trips[10:])
 
 
 def run(seconds: float = 1.0, repeat: int = 300) -> dict:

@@ -199,9 +199,6 @@ class DecodeEngine(EngineRanks):
                 reader.close()
 
 
-STAGES = ("to_daemon", "plan", "post", "transfer", "acks", "to_engine")
-
-
 def read_stages(submitted_unix_s: float, delivered: Sequence[tuple[pb.Completion, float]]) -> dict[str, float]:
     """Where one request's time went, on the decode rank whose completion came last (it sets the latency).
 
