@@ -11,4 +11,8 @@ scripts/bootstrap.sh
 scripts/bootstrap.sh --vllm
 # vLLM's CPU engines in the tests keep their KV cache small (GiB).
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec .venv-vllm/bin/python -m pytest "$@"
+# Three xdist workers share the two cores: much of the suite waits (daemons starting, leases
+# running out, the soak's clock), so a third worker fills that time. One test file is one unit of
+# work (module fixtures start daemons and vLLM engines once), in tests/conftest.py's order,
+# longest first. KVXFERD_TEST_WORKERS=0 runs in one process; `-n N` after it wins too.
+exec .venv-vllm/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

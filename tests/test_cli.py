@@ -43,7 +43,17 @@ def test_demo_table_with_overrides():
     assert "5 kvxferd daemons" in run.stderr
 
 
-def test_bad_arguments_exit_2_with_one_line():
+def exit_code(argv: list[str]) -> int:
+    """``main(argv)`` as the process would exit (argparse exits by itself)."""
+    try:
+        return main(argv)
+    except SystemExit as done:
+        return done.code
+
+
+def test_bad_arguments_exit_2_with_one_line(capsys):
+    # In-process (each case as a subprocess cost a second of imports); test_demo_exits_1_when_reads_fail
+    # and the other demo tests run the real command.
     for args, needle in [(("--kernel-block-size", "5"), "kernel_block_size"),
                          (("--prefill-block-size", "24"), "block_size"),
                          (("--decode-tp", "0"), "--decode-tp"),
@@ -51,10 +61,11 @@ def test_bad_arguments_exit_2_with_one_line():
                          (("--num-layers", "0"), "num_layers"),
                          (("--layout", "hnd"), "--layout"),
                          (("--num-tokens", "5000"), "--num-blocks")]:
-        run = kvxferd("demo", "--model", "gqa", *args)
-        assert run.returncode == 2, (args, run.stderr)
-        assert needle in run.stderr, (args, run.stderr)
-        assert run.stderr.strip().count("\n") == 0 or args[0] == "--layout", (args, run.stderr)  # argparse: usage + error
+        code = exit_code(["demo", "--model", "gqa", *args])
+        stderr = capsys.readouterr().err
+        assert code == 2, (args, stderr)
+        assert needle in stderr, (args, stderr)
+        assert stderr.strip().count("\n") == 0 or args[0] == "--layout", (args, stderr)  # argparse: usage + error
 
 
 def test_bench_layout_subcommand():

@@ -9,7 +9,7 @@ import pytest
 
 from kvxferd.client import DaemonProcess
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, engine, greedy, hold_events, record_events,
-                                             prefill_params, prompts_of, write_tiny_model)
+                                             prefill_params, prompts_of, shutdown, write_tiny_model)
 
 # A second model kind on a real engine (about 70 s on 2 cores): with -m slow and -m vllm. The default
 # run keeps the full-attention model of test_vllm_e2e; sliding-window groups are proven in the default
@@ -40,8 +40,7 @@ def test_sliding_window_prefill_decode_gives_the_single_instance_tokens(tmp_path
         events = hold_events(daemons[0], "swa-prefill")
         assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
     finally:
-        for llm in engines:
-            llm.llm_engine.engine_core.shutdown()
+        shutdown(*engines)
         for daemon in daemons:
             daemon.terminate()
         recorder.close()

@@ -13,6 +13,7 @@ import pathlib
 import threading
 import time
 
+import numpy as np
 import zmq
 
 from kvxferd.client import DaemonProcess
@@ -30,6 +31,28 @@ TINY_LLAMA = {
 
 # The same model with sliding-window attention on every layer: vLLM gives it one sliding-window group.
 TINY_MISTRAL_SWA = {**TINY_LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
+
+
+# Shorter than a block, around block edges, several blocks.
+PROMPT_LENGTHS = (5, 31, 32, 33, 64, 100, 150, 257)
+
+
+def random_prompts(seed: int, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    """Token-id prompts of ``lengths``, drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, TINY_LLAMA["vocab_size"], n).tolist() for n in lengths]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def released_early(params: dict) -> dict:
+    """Params naming a hold that no longer exists on prefill, as if its blocks were freed before decode read them.
+
+    (Only the prefill engine, which holds its session, may really release its hold.)
+    """
+    return {**params, "remote_request_id": params["remote_request_id"] + "-freed"}
 
 
 def write_tiny_model(directory: pathlib.Path, config: dict = TINY_LLAMA) -> str:
@@ -51,6 +74,15 @@ def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str
                max_model_len=1024, block_size=BLOCK_SIZE, dtype="bfloat16", max_num_seqs=16,
                max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False,
                tensor_parallel_size=tp_size)
+
+
+def shutdown(*llms) -> None:
+    """Shut vLLM engines down together: each waits seconds for its processes to exit, mostly idle."""
+    threads = [threading.Thread(target=llm.llm_engine.engine_core.shutdown) for llm in llms]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def greedy(max_tokens: int, params: dict | None = None):
