@@ -119,6 +119,7 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
         figures.add_events(row, events, len(requests) * args.prefill_tp)
         raw = decode.call("raw", requests, prefill_id, peer_addresses)
         row["raw_s"], row["raw_bytes"] = raw["seconds"], raw["bytes"]
+        row["raw_warm_up_ms"] = [round(s * 1e3, 2) for s in raw["warm_up_s"]]  # untimed: connections opening
     finally:
         for engine in (decode, prefill):
             if engine is not None:

@@ -9,7 +9,7 @@ def new_row(model: str, prefill_tp: int, decode_tp: int, groups: str) -> dict:
     return {"model": model, "pairing": f"{prefill_tp}->{decode_tp}", "groups": groups, "requests": 0,
             "failed_requests": 0, "bytes": 0, "descriptors": 0, "verified_bytes": 0, "mismatched_bytes": 0,
             "holds": 0, "consumed": 0, "lost_events": 0, "stray_events": 0, "latency_s": [], "raw_s": [],
-            "raw_bytes": 0, "problems": [], "stages_s": {}}
+            "raw_bytes": 0, "raw_warm_up_ms": [], "problems": [], "stages_s": {}}
 
 
 def add_read(row: dict, result: dict) -> None:
