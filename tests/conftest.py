@@ -7,9 +7,9 @@ settings.register_profile("dev", max_examples=60, deadline=None, suppress_health
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
-# The default run goes over two xdist workers (scripts/test.sh), one test file per unit of work,
+# The default run goes over three xdist workers (scripts/test.sh), one test file per unit of work,
 # in collection order. The longest files go first, so no worker starts one of them near the end
-# while the other sits idle (seconds on 2 cores; the rest take under 30 s a file).
+# while the others sit idle (seconds on 2 cores; the rest take under 30 s a file).
 LONGEST_FIRST = (
     "tests/integrations/test_vllm_e2e.py",  # ~100 s: two vLLM engines
     "tests/integrations/test_vllm_tp2_recompute.py",  # ~100 s: a TP=2 and a TP=1 vLLM engine

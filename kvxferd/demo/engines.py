@@ -183,13 +183,9 @@ class DecodeEngine(EngineRanks):
             seconds, num_bytes = [], 0
             warm_up_s = _warm_up(readers, requests[0])
             for request in requests:
-                prepared = [reader.prepare(request) for reader in readers]
-                num_bytes += sum(p[3] for rank in prepared for p in rank)
-                # The decode ranks read in parallel through their daemons; here one
-                # process posts every rank's transfers, then polls them together.
-                seconds.append(_read_all(readers, prepared))
-                for reader, rank in zip(readers, prepared):
-                    reader.release(rank)
+                took_s, request_bytes = _read_round(readers, request)
+                seconds.append(took_s)
+                num_bytes += request_bytes
             return {"seconds": seconds, "bytes": num_bytes, "warm_up_s": warm_up_s}
         finally:
             for reader in readers:
@@ -223,16 +219,23 @@ def _warm_up(readers: Sequence[RawReader], request: ReadRequest) -> list[float]:
     """Read ``request`` until a round after the first takes under WARM_UP_FAST_S; each round's seconds."""
     rounds_s: list[float] = []
     while len(rounds_s) < MAX_WARM_UP_ROUNDS and (len(rounds_s) < 2 or rounds_s[-1] >= WARM_UP_FAST_S):
-        prepared = [reader.prepare(request) for reader in readers]
-        rounds_s.append(_read_all(readers, prepared))
-        for reader, rank in zip(readers, prepared):
-            reader.release(rank)
+        rounds_s.append(_read_round(readers, request)[0])
     return rounds_s
 
 
-def _read_all(readers: Sequence[RawReader], prepared: Sequence[list]) -> float:
-    """Post every rank's transfers before polling any, like parallel ranks would."""
-    return read_all([t for reader, rank in zip(readers, prepared) for t in reader.transfers(rank)])
+def _read_round(readers: Sequence[RawReader], request: ReadRequest) -> tuple[float, int]:
+    """One request on every rank over raw NIXL: ``(seconds, bytes)``; lists are prepared before the clock starts.
+
+    The decode ranks read in parallel through their daemons; here one process
+    posts every rank's transfers before polling any, then polls them together.
+    """
+    prepared = [reader.prepare(request) for reader in readers]
+    try:
+        took_s = read_all([t for reader, rank in zip(readers, prepared) for t in reader.transfers(rank)])
+    finally:
+        for reader, rank in zip(readers, prepared):
+            reader.release(rank)
+    return took_s, sum(p[3] for rank in prepared for p in rank)
 
 
 ENGINES = {"prefill": PrefillEngine, "decode": DecodeEngine}

@@ -10,15 +10,13 @@ would send them. ``test_vllm_tp2_recompute.py`` has TP=2 prefill and the
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
 
-from kvxferd.client import DaemonProcess
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, engine, greedy, hold_events, metric, prefill_params,
                                              prompt_tokens_by_source, prompts_of, random_prompts, record_events,
-                                             released_early, shutdown, token_ids, write_tiny_model)
+                                             released_early, shutdown, tiny_model_and_daemons, token_ids)
 
 pytestmark = pytest.mark.vllm
 BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads"] * BLOCK_SIZE * 2
@@ -27,11 +25,7 @@ BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
-    work = tmp_path_factory.mktemp("vllm")
-    model = write_tiny_model(work / "tiny-llama")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    daemons = DaemonProcess.start_many(["vp0", "vd0"], socket_dir=str(work))
+    model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm"), ["vp0", "vd0"])
     cluster = types.SimpleNamespace()
     try:
         vars(cluster).update(prefill_daemon=daemons[0], decode_daemon=daemons[1], model=model)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
-from kvxferd.client import DaemonProcess
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, engine, greedy, hold_events, record_events,
-                                             prefill_params, prompts_of, shutdown, write_tiny_model)
+                                             prefill_params, prompts_of, shutdown, tiny_model_and_daemons)
 
 # A second model kind on a real engine (about 70 s on 2 cores): with -m slow and -m vllm. The default
 # run keeps the full-attention model of test_vllm_e2e; sliding-window groups are proven in the default
@@ -19,10 +16,7 @@ WINDOW = TINY_MISTRAL_SWA["sliding_window"]
 
 
 def test_sliding_window_prefill_decode_gives_the_single_instance_tokens(tmp_path):
-    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = write_tiny_model(tmp_path / "tiny-mistral-swa", TINY_MISTRAL_SWA)
-    daemons = DaemonProcess.start_many(["ws0", "ws1"], socket_dir=str(tmp_path))
+    model, daemons = tiny_model_and_daemons(tmp_path, ["ws0", "ws1"], TINY_MISTRAL_SWA)
     recorder = record_events(daemons[0], "swa-prefill")
     engines = []
     try:

@@ -18,21 +18,17 @@ import types
 
 import pytest
 
-from kvxferd.client import DaemonProcess
 from tests.integrations.vllm_cluster import (engine, greedy, hold_events, metric, prefill_params, prompts_of,
-                                             random_prompts, record_events, released_early, shutdown, token_ids,
-                                             write_tiny_model)
+                                             random_prompts, record_events, released_early, shutdown,
+                                             tiny_model_and_daemons, token_ids)
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
     work = tmp_path_factory.mktemp("vllm-tp2")
-    model = write_tiny_model(work / "tiny-llama")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    daemons = DaemonProcess.start_many(["vt0", "vt1", "vr0"], socket_dir=str(work))
+    model, daemons = tiny_model_and_daemons(work, ["vt0", "vt1", "vr0"])
     cluster = types.SimpleNamespace(prefill_daemons=daemons[:2], recompute_daemon=daemons[2])
     recorders = []
     try:

@@ -9,11 +9,13 @@ instance the P/D tokens are compared with.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import threading
 import time
 
 import numpy as np
+import pytest
 import zmq
 
 from kvxferd.client import DaemonProcess
@@ -59,6 +61,16 @@ def write_tiny_model(directory: pathlib.Path, config: dict = TINY_LLAMA) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     return str(directory)
+
+
+def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str],
+                           config: dict = TINY_LLAMA) -> tuple[str, list[DaemonProcess]]:
+    """What every vLLM test starts with: vLLM importable (else the test is skipped), a small CPU KV
+    cache, the tiny model written in ``directory``, and one daemon per id with its socket there."""
+    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = write_tiny_model(directory / f"tiny-{config['model_type']}", config)
+    return model, DaemonProcess.start_many(daemon_ids, socket_dir=str(directory))
 
 
 def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail", tp_size: int = 1):
