@@ -179,23 +179,30 @@ class EngineClient:
             pass  # the next heartbeat tries again
 
     def _open_stream(self) -> None:
-        self.stream_error = None
         if not self.reads_stream:
-            self._stream = stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
+            stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
+            self._make_current(stream)
             self._start(lambda: self._watch(stream, lambda item: (item,)))
             return
-        if self._outbox is not None:
-            self._outbox.put(None)  # ends the old request iterator
-        self._outbox = outbox = queue.SimpleQueue()
-        with self._cond:
+        with self._cond:  # submit_reads puts under it too: a batch goes on the old stream or into `first`
+            if self._outbox is not None:
+                self._outbox.put(None)  # ends the old request iterator
+            self._outbox = outbox = queue.SimpleQueue()
             # Reads whose batch may have been lost with the old stream go again, marked: the daemon
             # skips those it has (in flight or completed but not acked), so none runs twice.
             first = pb.ReadBatch(engine_id=self.engine_id, ack_seq=self._last_seq, reads=self._pending.values())
             for spec in first.reads:
                 spec.resend = True
             self._acked_seq = self._last_seq
-        self._stream = stream = self.stub.Reads(_batches(first, outbox))
+        stream = self.stub.Reads(_batches(first, outbox))
+        self._make_current(stream)
         self._start(lambda: self._watch(stream, lambda item: item.completions))
+
+    def _make_current(self, stream) -> None:
+        # Under the lock, as _watch sets errors: the old stream's thread may be about to report its
+        # end (ABORTED: this one replaced it), which must not land on the new stream.
+        with self._cond:
+            self._stream, self.stream_error = stream, None
 
     def reconnect_reads(self) -> None:
         """Open a new completion stream (after a broken one); unacked completions come again, deduplicated."""
@@ -221,8 +228,9 @@ class EngineClient:
                 if ack is not None and stream is self._stream:
                     self._outbox.put(pb.ReadBatch(ack_seq=ack))
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
-                self.stream_error = err
+            with self._cond:
+                if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
+                    self.stream_error = err
         with self._cond:
             self._cond.notify_all()
 
@@ -272,7 +280,7 @@ class EngineClient:
             ack = self._acked_seq = self._last_seq
             for spec in reads:
                 self._pending[spec.request_id] = spec
-        self._outbox.put(pb.ReadBatch(reads=reads, ack_seq=ack))
+            self._outbox.put(pb.ReadBatch(reads=reads, ack_seq=ack))
 
     def submit_read_async(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                           remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> grpc.Future:

@@ -187,3 +187,19 @@ def test_a_broken_stream_loses_and_duplicates_no_completion(cluster, decode):
     _check_bytes(cluster, requests)
     for event in (e for r in requests for e in cluster.hold_events(r)):
         assert event is not None and event.kind == pb.NotifyEvent.CONSUMED
+
+
+def test_the_end_of_a_replaced_stream_never_lands_on_the_next(cluster, decode):
+    """A second stream takes the engine's completions (ABORTED for the first) and the client reopens at
+    once: the first stream's error, reported while the new one opens, must not fail the new one's waits.
+    (It did, about one time in ten, before the client swapped stream and error under one lock.)"""
+    for n in range(30):
+        refused = _spec(cluster, _request(f"swap{n}", 1), remote_engine_id="nobody")
+        call = decode.stub.Reads(iter([pb.ReadBatch(engine_id=cluster.decode_id, reads=[refused])]), timeout=10.0)
+        assert next(iter(call)).completions  # it took over: the client's stream is ending now
+        call.cancel()
+        decode.reconnect_reads()
+        assert not decode.wait_completion(f"swap{n}", 5.0).ok  # unacked, so sent again on the new stream
+        time.sleep(0.02)
+        assert decode.stream_error is None, n
+        decode.submit_reads([])  # acks it
