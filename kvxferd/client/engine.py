@@ -142,11 +142,10 @@ class EngineClient:
 
     def _registered(self, engine: pb.EngineRank, reply: pb.RegisterReply) -> None:
         self.session, self.notify_curve_server_key = reply.session, reply.notify_curve_server_key
-        if self._stream is not None:
-            self._stream.cancel()
         self.engine_id, self.notify_address = engine.engine_id, reply.notify_address
         self.notify_last_seq, self.incarnation = reply.notify_last_seq, reply.incarnation
         with self._cond:
+            self._retire_stream()  # in the lock: its thread must not number the new registration's seqs
             self._last_seq = self._acked_seq = 0  # a new registration numbers from 1
             self._lost.update(self._pending)  # reads of the old registration failed with it
             self._pending.clear()
@@ -178,43 +177,48 @@ class EngineClient:
         except grpc.RpcError:
             pass  # the next heartbeat tries again
 
-    def _open_stream(self) -> None:
-        if not self.reads_stream:
-            stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
-            self._make_current(stream)
-            self._start(lambda: self._watch(stream, lambda item: (item,)))
-            return
-        with self._cond:  # submit_reads puts under it too: a batch goes on the old stream or into `first`
-            if self._outbox is not None:
-                self._outbox.put(None)  # ends the old request iterator
-            self._outbox = outbox = queue.SimpleQueue()
-            # Reads whose batch may have been lost with the old stream go again, marked: the daemon
-            # skips those it has (in flight or completed but not acked), so none runs twice.
-            first = pb.ReadBatch(engine_id=self.engine_id, ack_seq=self._last_seq, reads=self._pending.values())
-            for spec in first.reads:
-                spec.resend = True
-            self._acked_seq = self._last_seq
-        stream = self.stub.Reads(_batches(first, outbox))
-        self._make_current(stream)
-        self._start(lambda: self._watch(stream, lambda item: item.completions))
+    def _retire_stream(self) -> None:
+        """Cancel the current stream; call with ``_cond`` held. From here its thread neither takes
+        completions nor acks (what it had not handed over comes again on the next stream) nor
+        reports its end: ``_watch`` checks under this lock that its stream is still the current one."""
+        if self._stream is not None:
+            self._stream.cancel()
+        self._stream, self.stream_error = None, None
 
-    def _make_current(self, stream) -> None:
-        # Under the lock, as _watch sets errors: the old stream's thread may be about to report its
-        # end (ABORTED: this one replaced it), which must not land on the new stream.
+    def _open_stream(self) -> None:
         with self._cond:
-            self._stream, self.stream_error = stream, None
+            self._retire_stream()
+            if self.reads_stream:
+                if self._outbox is not None:
+                    self._outbox.put(None)  # ends the old request iterator
+                # submit_reads puts under this lock too: a batch goes on the old stream or into `first`.
+                self._outbox = outbox = queue.SimpleQueue()
+                # Reads whose batch may have been lost with the old stream go again, marked: the daemon
+                # skips those it has (in flight or completed but not acked), so none runs twice.
+                first = pb.ReadBatch(engine_id=self.engine_id, ack_seq=self._last_seq, reads=self._pending.values())
+                for spec in first.reads:
+                    spec.resend = True
+                self._acked_seq = self._last_seq
+        if self.reads_stream:
+            stream = self.stub.Reads(_batches(first, outbox))
+            completions_of = lambda item: item.completions  # noqa: E731
+        else:
+            stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
+            completions_of = lambda item: (item,)  # noqa: E731
+        with self._cond:
+            self._stream = stream
+        self._start(lambda: self._watch(stream, completions_of))
 
     def reconnect_reads(self) -> None:
         """Open a new completion stream (after a broken one); unacked completions come again, deduplicated."""
-        if self._stream is not None:
-            self._stream.cancel()
         self._open_stream()
 
     def _watch(self, stream, completions_of) -> None:
         try:
             for item in stream:
-                ack = None
                 with self._cond:
+                    if stream is not self._stream:
+                        break  # retired: see _retire_stream
                     for completion in completions_of(item):
                         if completion.seq and completion.seq <= self._last_seq:
                             self.num_duplicates_dropped += 1  # sent again after a reconnect; this client has it
@@ -224,9 +228,8 @@ class EngineClient:
                         self._completions[completion.request_id] = (completion, time.time())
                     self._cond.notify_all()
                     if self.reads_stream and self._last_seq - self._acked_seq >= ACK_EVERY:
-                        ack = self._acked_seq = self._last_seq
-                if ack is not None and stream is self._stream:
-                    self._outbox.put(pb.ReadBatch(ack_seq=ack))
+                        self._acked_seq = self._last_seq
+                        self._outbox.put(pb.ReadBatch(ack_seq=self._acked_seq))
         except grpc.RpcError as err:
             with self._cond:
                 if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:

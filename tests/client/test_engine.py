@@ -1,0 +1,84 @@
+"""The engine client's stream switch, in-process: a stream that was replaced (reconnect, or a new
+registration) must not hand the client anything more, whatever its thread was doing at the time."""
+
+import queue
+import threading
+
+import grpc
+
+from kvxferd.client.engine import ACK_EVERY, EngineClient
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+
+
+class ScriptedStream:
+    """Yields completion batches; ``before(n)`` runs just before batch ``n`` is handed over."""
+
+    def __init__(self, batches, before=None, error: grpc.RpcError | None = None) -> None:
+        self.batches, self.before, self.error, self.cancelled = batches, before or {}, error, False
+
+    def __iter__(self):
+        for n, batch in enumerate(self.batches):
+            if n in self.before:
+                self.before[n]()
+            yield batch
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Aborted(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.ABORTED
+
+
+def _batch(*seqs: int) -> pb.CompletionBatch:
+    return pb.CompletionBatch(completions=[pb.Completion(request_id=f"r{s}", seq=s, ok=True) for s in seqs])
+
+
+def _client() -> EngineClient:
+    client = EngineClient("unix:/nonexistent/kvxferd.sock")  # the channel connects lazily: never here
+    client._outbox = queue.SimpleQueue()
+    return client
+
+
+def _retire(client: EngineClient) -> None:
+    """What a new registration does first, from another thread (as the heartbeat would)."""
+    def body():
+        with client._cond:
+            client._retire_stream()
+            client._last_seq = client._acked_seq = 0
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+
+
+def test_a_retired_stream_hands_over_nothing_more():
+    client = _client()
+    stream = ScriptedStream([_batch(1, 2), _batch(3)], before={1: lambda: _retire(client)})
+    client._stream = stream
+    client._watch(stream, lambda item: item.completions)
+    assert stream.cancelled
+    assert set(client._completions) == {"r1", "r2"}  # r3 comes again on the next stream (unacked)
+    assert client._last_seq == 0  # the new registration's numbering was left alone
+
+
+def test_a_retired_stream_sends_no_ack_and_reports_no_error():
+    client = _client()
+    seqs = list(range(1, ACK_EVERY + 1))
+    stream = ScriptedStream([_batch(*seqs)], before={0: lambda: _retire(client)}, error=Aborted())
+    client._stream = stream
+    client._watch(stream, lambda item: item.completions)
+    assert client._outbox.empty() and client.stream_error is None and client._completions == {}
+
+
+def test_the_current_stream_acks_and_reports_its_end():
+    client = _client()
+    seqs = list(range(1, ACK_EVERY + 1))
+    stream = ScriptedStream([_batch(*seqs)], error=Aborted())
+    client._stream = stream
+    client._watch(stream, lambda item: item.completions)
+    assert client._outbox.get_nowait().ack_seq == ACK_EVERY
+    assert client.stream_error is not None and client.stream_error.code() == grpc.StatusCode.ABORTED
+    assert len(client._completions) == ACK_EVERY
