@@ -10,7 +10,10 @@
 * NIXL: ``get_new_notifs`` with nothing new; a notification from one agent
   to another until the receiver sees it (both polling, same process);
 * gRPC: one message each way on a bidirectional ``grpc.aio`` stream over a
-  UNIX socket (the engine's Reads stream without the daemon behind it);
+  UNIX socket (the engine's Reads stream without the daemon behind it), with
+  client and server on one event loop, and as an engine makes them (the server
+  in another process, a synchronous client with a reader thread), back to back
+  and one every 3 ms;
 * planning: ``plan_request`` for a 2-layer, 2-block request, back to back
   and with 3 ms between calls (how the daemon calls it at 300 requests/s);
 * NIXL's own progress thread with a 1 ms delay (:mod:`kvxferd.bench.nixl_progress`):
@@ -23,11 +26,15 @@ import argparse
 import asyncio
 import json
 import os
+import queue
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
+import grpc
 import numpy as np
 
 from kvxferd.bench import nixl_progress
@@ -96,19 +103,24 @@ def nixl_notifications(repeat: int = 2000) -> dict:
     return {"get_new_notifs_empty": percentiles_us(empty), "notification_one_way": percentiles_us(trips[10:])}
 
 
-def grpc_stream(repeat: int = 1000) -> dict:
-    """Round trips of one small message each way on a bidirectional grpc.aio stream (UNIX socket)."""
-    import grpc
-
+def _echo_server(path: str) -> grpc.aio.Server:
+    """A grpc.aio server on ``unix://path`` whose one stream method sends back each message it gets."""
     async def echo(request_iterator, context):
         async for message in request_iterator:
             yield message
 
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(echo)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Echo", {"Echo": handler}),))
+    server.add_insecure_port(f"unix://{path}")
+    return server
+
+
+def grpc_stream(repeat: int = 1000) -> dict:
+    """Round trips of one small message each way on a bidirectional grpc.aio stream (UNIX socket),
+    client and server on one event loop."""
     async def run(path: str) -> list[float]:
-        server = grpc.aio.server()
-        handler = grpc.stream_stream_rpc_method_handler(echo)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Echo", {"Echo": handler}),))
-        server.add_insecure_port(f"unix://{path}")
+        server = _echo_server(path)
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
@@ -129,6 +141,70 @@ def grpc_stream(repeat: int = 1000) -> dict:
         trips = asyncio.run(run(os.path.join(workdir, "echo.sock")))
         cpu_s = process_cpu_s() - cpu
     return {"round_trip": percentiles_us(trips[50:]), "cpu_us_per_round_trip_both_sides": cpu_s / len(trips) * 1e6}
+
+
+def serve_echo(path: str) -> None:
+    """Body of the echo server process of :func:`grpc_stream_engine_client` (prints ``ready``)."""
+    async def run() -> None:
+        server = _echo_server(path)
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(run())
+
+
+def grpc_stream_engine_client(repeat: int = 1000, gap_s: float = 3e-3) -> dict:
+    """Round trips as an engine makes them: the server in another process, and a synchronous client
+    that puts each message on its request iterator's queue and takes replies on a reader thread,
+    as :class:`~kvxferd.client.engine.EngineClient` does. Back to back, and one every ``gap_s``
+    (300 requests/s leave 3 ms between messages: caches and threads are cold again)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        path = os.path.join(workdir, "echo.sock")
+        code = f"from kvxferd.bench.floors import serve_echo; serve_echo({path!r})"
+        server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            if server.stdout.readline().strip() != "ready":
+                raise RuntimeError("the echo server process did not start")
+            with grpc.insecure_channel(f"unix:{path}") as channel:
+                return {"back_to_back": _engine_client_trips(channel, repeat, 0.0),
+                        f"every_{gap_s * 1e3:g}_ms": _engine_client_trips(channel, max(repeat // 4, 20), gap_s)}
+        finally:
+            server.kill()
+            server.wait()
+
+
+def _engine_client_trips(channel: grpc.Channel, repeat: int, gap_s: float) -> dict:
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+
+    def requests():
+        while (message := outbox.get()) is not None:
+            yield message
+
+    call = channel.stream_stream("/floor.Echo/Echo")(requests())
+
+    def read() -> None:
+        try:
+            for message in call:
+                replies.put(message)
+        except grpc.RpcError:
+            pass  # cancelled below
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    trips = []
+    for _ in range(repeat):
+        if gap_s:
+            time.sleep(gap_s)
+        start = time.perf_counter()
+        outbox.put(b"x" * 64)
+        replies.get(timeout=10.0)
+        trips.append(time.perf_counter() - start)
+    outbox.put(None)
+    call.cancel()
+    reader.join(timeout=5.0)
+    return percentiles_us(trips[len(trips) // 10:])
 
 
 def planning(repeat: int = 300) -> dict:
@@ -158,7 +234,8 @@ def planning(repeat: int = 300) -> dict:
 
 def run() -> dict:
     return {"wakeups_100us": wakeups(), "thread_hop": thread_hop(), "nixl": nixl_notifications(),
-            "grpc_stream": grpc_stream(), "planning_us": planning(), "nixl_progress_thread": nixl_progress.run()}
+            "grpc_stream": grpc_stream(), "grpc_engine_client": grpc_stream_engine_client(),
+            "planning_us": planning(), "nixl_progress_thread": nixl_progress.run()}
 
 
 def format_table(f: dict) -> str:
@@ -166,12 +243,15 @@ def format_table(f: dict) -> str:
     for name, row in f["wakeups_100us"].items():
         lines.append(f"{name:<32}{row['cpu_us_per_wake']:>12.1f}{row['interval_us']:>12.0f}{row['core_percent']:>8.1f}")
     n, g = f["nixl"], f["grpc_stream"]
-    lines += ["", f"{'step':<52}{'p50 us':>9}{'p99 us':>9}"]
+    lines += ["", f"{'step':<56}{'p50 us':>9}{'p99 us':>9}"]
     for label, row in (("thread hop (Waker.set -> sleeping thread runs)", f["thread_hop"]),
                        ("NIXL get_new_notifs, nothing new", n["get_new_notifs_empty"]),
                        ("NIXL notification, one way (both polling)", n["notification_one_way"]),
                        ("gRPC aio stream, one message each way", g["round_trip"])):
-        lines.append(f"{label:<52}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
+        lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
+    for gap, row in f.get("grpc_engine_client", {}).items():
+        label = f"gRPC stream, sync client, other process, {gap.replace('_', ' ')}"
+        lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
     lines.append(f"gRPC aio stream: {g['cpu_us_per_round_trip_both_sides']:.0f} us CPU per round trip (both sides)")
     p = f["planning_us"]
     lines.append(f"plan_request, 2 layers x 2 blocks: {p['back to back']:.0f} us back to back, "

@@ -9,11 +9,14 @@ def test_each_floor_is_measured():
     assert all(row["interval_us"] >= 100 and row["cpu_us_per_wake"] > 0 for row in wakeups.values())
     figures = {"wakeups_100us": wakeups, "thread_hop": floors.thread_hop(50),
                "nixl": floors.nixl_notifications(100), "grpc_stream": floors.grpc_stream(80),
-               "planning_us": floors.planning(10)}
+               "grpc_engine_client": floors.grpc_stream_engine_client(80, gap_s=1e-3), "planning_us": floors.planning(10)}
     assert figures["nixl"]["notification_one_way"]["p50_us"] > 0
     assert figures["grpc_stream"]["round_trip"]["p50_us"] > 0
+    assert set(figures["grpc_engine_client"]) == {"back_to_back", "every_1_ms"}
+    assert all(row["p99_us"] >= row["p50_us"] > 0 for row in figures["grpc_engine_client"].values())
     text = floors.format_table(figures)
     assert "gRPC aio stream" in text and "plan_request" in text
+    assert "sync client, other process, every 1 ms" in text
 
 
 def test_nixl_progress_thread_is_measured_and_printed():
