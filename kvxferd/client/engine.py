@@ -26,7 +26,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -109,26 +109,30 @@ class EngineClient:
         self._lost: set[str] = set()  # pending when the registration was replaced: no completion will come
         self.num_duplicates_dropped = 0  # completions sent again after a reconnect that this client had
         self._register_request: pb.RegisterRequest | None = None  # what re-registering sends again
+        self._fd_source: Callable[[], str] | None = None  # passes the fds again; returns their token
         self._register_lock = threading.Lock()
         self.num_reregistrations = 0  # times a heartbeat found the registration gone and registered again
 
     # ---- registration -------------------------------------------------------------
     def register(self, engine: pb.EngineRank, *, lease_s: float = 0.0, heartbeat_s: float | None = None,
-                 fd_token: str = "", allowed_reader_engine_ids: Sequence[str] = ()) -> pb.RegisterReply:
+                 fd_token: str = "", allowed_reader_engine_ids: Sequence[str] = (),
+                 fd_source: Callable[[], str] | None = None) -> pb.RegisterReply:
         """Register this rank, then heartbeat every ``heartbeat_s`` (lease / 3) and watch completions.
 
         Call it again to re-register: the completion stream is opened anew
         and a :class:`NotifySubscriber` of this client follows the new
         registration's event sequence. The heartbeat does that by itself when
         the daemon answers NOT_FOUND (it restarted, or its lease ran out while
-        it could not hear this client), unless the memory came as passed fds
-        (``fd_token``): those must be passed again by the engine.
+        it could not hear this client). Memory passed as fds (``fd_token``) must
+        be passed again first: give ``fd_source``, which passes them and returns
+        the new token; without it such a registration is not renewed.
         """
         request = pb.RegisterRequest(engine=engine, lease_s=lease_s, fd_token=fd_token,
                                      allowed_reader_engine_ids=list(allowed_reader_engine_ids))
         first = self.engine_id is None
         reply = self._send_register(request)
-        self._register_request = None if fd_token else request
+        self._register_request = None if fd_token and fd_source is None else request
+        self._fd_source = fd_source
         interval_s = heartbeat_s if heartbeat_s is not None else (lease_s or 30.0) / 3
         if first and interval_s > 0:
             self._start(lambda: self._heartbeat(interval_s))
@@ -172,10 +176,18 @@ class EngineClient:
         if self._stop.is_set():
             return
         try:
+            if self._fd_source is not None:
+                self._register_request.fd_token = self._fd_source()
             self._send_register(self._register_request)
             self.num_reregistrations += 1
-        except grpc.RpcError:
-            pass  # the next heartbeat tries again
+        except (grpc.RpcError, OSError):
+            pass  # the next heartbeat tries again (OSError: the fds could not be passed)
+
+    def take_lost(self) -> set[str]:
+        """Reads sent on a registration that was replaced since (they will never complete), once each."""
+        with self._cond:
+            lost, self._lost = self._lost, set()
+        return lost
 
     def _retire_stream(self) -> None:
         """Cancel the current stream; call with ``_cond`` held. From here its thread neither takes

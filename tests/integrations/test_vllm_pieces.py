@@ -168,3 +168,79 @@ def test_hold_order_read_cycle_on_real_daemons(tmp_path):
             worker.close()
         for daemon in daemons:
             daemon.terminate()
+
+
+def _gather(workers, until, timeout_s: float = 20.0) -> dict:
+    """Merge each worker's results until ``until(merged)``; merged: worker -> field -> ids."""
+    merged = {w: {"recv": set(), "failed": set(), "sent": set()} for w in workers}
+    deadline = time.monotonic() + timeout_s
+    while not until(merged) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for worker in workers:
+            got = worker.results()
+            merged[worker]["recv"] |= got.finished_recving
+            merged[worker]["failed"] |= got.failed_recving
+            merged[worker]["sent"] |= got.finished_sending
+    return merged
+
+
+def _restart(daemons, index: int, tmp_path, while_down=lambda: None) -> None:
+    """Kill daemon ``index``, call ``while_down()``, start it again on the same socket and peer port."""
+    old = daemons[index]
+    old.kill()
+    while_down()
+    port = old.peer_address.rsplit(":", 1)[1]
+    daemons[index] = DaemonProcess(old.daemon_id, socket_dir=str(tmp_path), extra_args=("--peer-port", port))
+
+
+def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
+    """Host memory: the heartbeat passes the fds again and registers again. Decode: a read the old
+    daemon had is a failed load, never a hang, and the next read handshakes anew and is byte-exact.
+    Prefill: holds of the old registration end (their blocks may go); later holds are refused, cleanly."""
+    daemons = DaemonProcess.start_many(["rp0", "rd0"], socket_dir=str(tmp_path))
+    workers = []
+    try:
+        prefill_cache, decode_cache = layer_cache(), layer_cache()
+        for tensor in prefill_cache.values():
+            tensor.copy_(torch.randn_like(tensor, dtype=torch.float32).to(torch.bfloat16))
+        settings = [ConnectorSettings(engine_socket=d.socket, heartbeat_s=0.2) for d in daemons]
+        prefill, decode = WorkerSide("p", 0, 1, settings[0]), WorkerSide("d", 0, 1, settings[1])
+        workers = [prefill, decode]
+        ranks = [prefill.register([group(prefill_cache)], prefill_cache)]
+        decode.register([group(decode_cache)], decode_cache)
+        prefill_scheduler, decode_scheduler = SchedulerSide("p", settings[0]), SchedulerSide("d", settings[1])
+        prefill_scheduler.set_ranks(ranks)
+
+        def order(request_id: str, remote_blocks, local_blocks):
+            delay, params = prefill_scheduler.hold(request_id, (remote_blocks,), 32 * len(remote_blocks))
+            assert delay, params
+            prefill.expect_held(prefill_scheduler.take_held())
+            decode_scheduler.matched_tokens(f"d-{request_id}", params, 32 * len(remote_blocks), 0)
+            decode_scheduler.after_alloc(f"d-{request_id}", params, [local_blocks], 32 * len(remote_blocks))
+            return decode_scheduler.take_orders()
+
+        decode.submit(order("first", [1, 2], [1, 2]))  # handshakes with the prefill engine
+        merged = _gather([decode], lambda m: "d-first" in m[decode]["recv"])
+        assert merged[decode]["recv"] == {"d-first"} and not merged[decode]["failed"]
+        lost = order("lost", [3], [3])
+        _restart(daemons, 1, tmp_path, lambda: decode.submit(lost))  # the decode daemon: the read goes nowhere
+        merged = _gather([decode], lambda m: "d-lost" in m[decode]["recv"])
+        assert merged[decode]["failed"] == {"d-lost"} and decode.client.num_reregistrations == 1
+        after = order("after", [4, 5], [9, 10])
+        decode.submit(after)
+        merged = _gather([decode, prefill], lambda m: "d-after" in m[decode]["recv"] and "after" in m[prefill]["sent"])
+        assert merged[decode]["recv"] == {"d-after"} and not merged[decode]["failed"]
+        for name in prefill_cache:
+            assert torch.equal(decode_cache[name][9:11], prefill_cache[name][4:6])
+        assert "lost" not in merged[prefill]["sent"]  # still held: that daemon did not restart
+
+        _restart(daemons, 0, tmp_path)  # the prefill daemon, with "lost" still held there
+        merged = _gather([prefill], lambda m: "lost" in m[prefill]["sent"])
+        assert merged[prefill]["sent"] == {"lost"} and prefill.client.num_reregistrations == 1
+        delay, params = prefill_scheduler.hold("later", ([6],), 32)
+        assert not delay and params.get("do_remote_decode") is not True  # refused: a failed prefill, no exception
+    finally:
+        for worker in workers:
+            worker.close()
+        for daemon in daemons:
+            daemon.terminate()

@@ -65,6 +65,8 @@ class WorkerSide:
         self._failed_now: set[str] = set()  # orders that failed before reaching the daemon
         self._held: set[str] = set()  # prefill requests the scheduler held
         self._ended: set[str] = set()  # holds that ended before the worker heard they were held
+        self._incarnation = ""  # of the registration the handshakes and holds were made on
+        self._holds_lost = False  # the daemon lost that registration: every hold made on it is gone
 
     # ---- registration ---------------------------------------------------------------
     def register(self, groups: Sequence[GroupLayout], tensors: Mapping[str, torch.Tensor]) -> RankDaemon:
@@ -74,18 +76,22 @@ class WorkerSide:
                                f"{self.socket}` next to this engine, or set kv_connector_extra_config.engine_socket)")
         engine, fds = describe_engine(self.engine_id, self.tp_rank, self.tp_size, groups, tensors)
         self.num_groups = len(groups)
-        token = ""
-        if fds:
+
+        def pass_fds() -> str:
             token = uuid.uuid4().hex
             send_fds(fd_socket_path(self.socket), token, fds, timeout_s=self.settings.timeout_s)
+            return token
+
+        token = pass_fds() if fds else ""
         self.client = EngineClient(f"unix:{self.socket}", timeout_s=self.settings.timeout_s)
         lease_s = max(3 * self.settings.heartbeat_s, 10.0)
         # A restarted engine finds its previous registration alive until that lease runs out.
         give_up_s = time.monotonic() + lease_s + 5.0
         while True:
             try:
+                # After a daemon restart the heartbeat registers again, passing host memory's fds anew.
                 reply = self.client.register(engine, lease_s=lease_s, heartbeat_s=self.settings.heartbeat_s,
-                                             fd_token=token)
+                                             fd_token=token, fd_source=pass_fds if fds else None)
                 break
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up_s:
@@ -93,7 +99,7 @@ class WorkerSide:
                     continue
                 raise RuntimeError(f"kvxferd: the daemon at {self.socket} refused the KV cache: "
                                    f"{err.code().name}: {err.details()}") from None
-        self.peer_address = reply.peer_address
+        self.peer_address, self._incarnation = reply.peer_address, self.client.incarnation
         self.subscriber = NotifySubscriber(self.client)
         log.info("kvxferd: KV cache registered", extra={"engine_id": self.engine_id, "tp_rank": self.tp_rank,
                                                         "socket": self.socket, "peer": self.peer_address})
@@ -105,6 +111,7 @@ class WorkerSide:
 
         A read the daemon refuses comes back as a failed completion (``refused_code``).
         """
+        self._follow_registration()
         specs = []
         for order in orders:
             try:
@@ -139,6 +146,9 @@ class WorkerSide:
         out = TransferResults()
         if self.client is None:
             return out
+        self._follow_registration()
+        self._failed_now |= self.client.take_lost() & self._reading  # in flight when the daemon went away
+        self._reading -= self._failed_now
         for request_id in self._failed_now:
             out.finished_recving.add(request_id)
             out.failed_recving.add(request_id)
@@ -156,14 +166,33 @@ class WorkerSide:
                 out.invalid_block_ids.update(int(b) for b in lists[0].ids)
             else:  # several groups (ids are not unique across them) or nothing named: fail the request
                 out.failed_recving.add(completion.request_id)
-        for event in self.subscriber.poll():
+        try:
+            events = self.subscriber.poll()
+        except grpc.RpcError as err:  # the daemon is down or restarting: its events are fetched later
+            log.debug("kvxferd: notify catch-up failed", extra={"error": err.code().name})
+            events = []
+        for event in events:
             if event.kind in TERMINAL:
                 self._ended.add(event.request_id)
-        done = self._ended & self._held
+        done = set(self._held) if self._holds_lost else self._ended & self._held
         self._ended -= done
         self._held -= done
         out.finished_sending = done
         return out
+
+    def _follow_registration(self) -> None:
+        """After the client registered again (the daemon restarted or lost the lease): the daemon
+        knows no remote engine any more, so handshakes are redone on the next read; and the holds
+        of the old registration are gone with it, so their blocks may go. The scheduler's holds
+        carry the first registration's session, so every later hold is refused (fails the prefill
+        cleanly); an engine restart restores them."""
+        incarnation = self.client.incarnation
+        if incarnation == self._incarnation:
+            return
+        log.warning("kvxferd: registered again with the daemon; holds of the old registration ended",
+                    extra={"engine_id": self.engine_id, "tp_rank": self.tp_rank, "num_held": len(self._held)})
+        self._incarnation, self._holds_lost = incarnation, True
+        self._remotes.clear()
 
     def close(self) -> None:
         if self.subscriber is not None:
