@@ -97,6 +97,7 @@ class EngineClient:
         self.engine_id: str | None = None
         self.incarnation = self.notify_address = self.notify_curve_server_key = ""
         self.notify_last_seq = 0
+        self.incarnations: list[str] = []  # of every registration this client made, the current one last
         self._completions: dict[str, tuple[pb.Completion, float]] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -148,6 +149,7 @@ class EngineClient:
         self.session, self.notify_curve_server_key = reply.session, reply.notify_curve_server_key
         self.engine_id, self.notify_address = engine.engine_id, reply.notify_address
         self.notify_last_seq, self.incarnation = reply.notify_last_seq, reply.incarnation
+        self.incarnations.append(reply.incarnation)
         with self._cond:
             self._retire_stream()  # in the lock: its thread must not number the new registration's seqs
             self._last_seq = self._acked_seq = 0  # a new registration numbers from 1
@@ -334,9 +336,11 @@ class EngineClient:
         return taken
 
     # ---- holds ------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> None:
-        self.stub.Hold(pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
-                                      lease_s=lease_s), timeout=self.timeout_s)
+    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> str:
+        """Hold blocks for readers; the incarnation of the registration that holds them."""
+        return self.stub.Hold(pb.HoldRequest(engine_id=self.engine_id, request_id=request_id,
+                                             block_ids=ids_to_pb(block_ids), lease_s=lease_s),
+                              timeout=self.timeout_s).incarnation
 
     def renew(self, request_ids: Sequence[str], *, lease_s: float = 0.0) -> list[str]:
         reply = self.stub.RenewLease(pb.RenewLeaseRequest(engine_id=self.engine_id, request_ids=list(request_ids),

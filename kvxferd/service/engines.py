@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import time
 import uuid
@@ -38,6 +39,8 @@ from kvxferd.xfer.agent import NixlAgent, collect_agents
 from kvxferd.xfer.reads import ReadExecutor
 
 log = logging.getLogger("kvxferd.engines")
+SESSION_BYTES = 32  # secrets.token_urlsafe(32): 43 URL-safe characters
+_SESSION_FORMAT = re.compile(r"[A-Za-z0-9_-]{43}")  # what this daemon issues; anything else is not kept
 MAX_EXPIRIES_PER_TICK = 8192  # per engine and maintenance tick (0.2 s): 40,000 a second
 # The maintenance tick comes at least every second (daemon.IDLE_TICK_S). A longer gap means this
 # daemon did not run (SIGSTOP, a paused VM or container, a starved host); see Registry.expire.
@@ -138,7 +141,7 @@ class Registry:
         groups = groups_from_pb(message.engine)  # a malformed message is refused as such, whoever is registered
         async with self._exclusive(message.engine.engine_id):
             self._check_replace(message.engine.engine_id, session)
-            return await self._register(message, groups, lease_s)
+            return await self._register(message, groups, lease_s, session)
 
     def _check_bytes(self, engine: pb.EngineRank, groups) -> int:
         """Bytes this registration adds; refused past ``max_registered_bytes`` (a replaced one's bytes count as freed)."""
@@ -153,7 +156,7 @@ class Registry:
                                                                  f"{self.max_registered_bytes} ({in_use} in use)")
         return num_bytes
 
-    async def _register(self, message: pb.RegisterRequest, groups, lease_s: float) -> EngineSlot:
+    async def _register(self, message: pb.RegisterRequest, groups, lease_s: float, session: str) -> EngineSlot:
         engine = message.engine
         num_bytes = self._check_bytes(engine, groups)
         fds = self.fd_inbox.take(message.fd_token) if message.fd_token and self.fd_inbox else []
@@ -162,12 +165,16 @@ class Registry:
             memory = await asyncio.to_thread(self._open_memory, engine, groups, fds, mapped)
             cache = engine_from_pb(engine, memory)
             old = self.slots.get(cache.engine_id)
+            # A session presented while this daemon has no registration of the id (it restarted, or
+            # the lease was swept) is kept: the engine's other processes, such as vLLM's scheduler,
+            # hold it and go on working. Replacing a live registration always issues a new one.
+            kept = session if old is None and _SESSION_FORMAT.fullmatch(session) else ""
             if old is not None:
                 log.info("engine re-registered: dropping the old registration", extra={"engine_id": cache.engine_id})
                 await self._deregister(old, "engine re-registered")
             incarnation = uuid.uuid4().hex
             slot = await asyncio.to_thread(self._new_slot, cache, incarnation, mapped, lease_s)
-            slot.num_bytes, slot.session = num_bytes, secrets.token_urlsafe(32)
+            slot.num_bytes, slot.session = num_bytes, kept or secrets.token_urlsafe(SESSION_BYTES)
             slot.allowed_readers = frozenset(message.allowed_reader_engine_ids)
         except BaseException:
             for mapping in mapped:

@@ -241,7 +241,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if len(slot.holds) == 1:
             self.daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
             self.daemon.wake_maintenance()  # and from the idle tick to the lease tick
-        return pb.HoldReply()
+        return pb.HoldReply(incarnation=slot.incarnation)
 
     @rpc
     async def RenewLease(self, request, context):

@@ -11,7 +11,7 @@ import torch
 from kvxferd.client import DaemonProcess
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine, share_host_storages
 from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill
-from kvxferd.integrations.vllm.scheduler import RankDaemon, SchedulerSide, real_blocks
+from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, SchedulerSide, real_blocks
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
 from kvxferd.integrations.vllm.worker import WorkerSide
 from kvxferd.service.config import DaemonConfig
@@ -196,7 +196,8 @@ def _restart(daemons, index: int, tmp_path, while_down=lambda: None) -> None:
 def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
     """Host memory: the heartbeat passes the fds again and registers again. Decode: a read the old
     daemon had is a failed load, never a hang, and the next read handshakes anew and is byte-exact.
-    Prefill: holds of the old registration end (their blocks may go); later holds are refused, cleanly."""
+    Prefill: holds of the old registration end (their blocks may go), and the scheduler's later
+    holds work (the new registration kept the session) and are read byte-exact."""
     daemons = DaemonProcess.start_many(["rp0", "rd0"], socket_dir=str(tmp_path))
     workers = []
     try:
@@ -237,10 +238,53 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         _restart(daemons, 0, tmp_path)  # the prefill daemon, with "lost" still held there
         merged = _gather([prefill], lambda m: "lost" in m[prefill]["sent"])
         assert merged[prefill]["sent"] == {"lost"} and prefill.client.num_reregistrations == 1
-        delay, params = prefill_scheduler.hold("later", ([6],), 32)
-        assert not delay and params.get("do_remote_decode") is not True  # refused: a failed prefill, no exception
+        # The new registration kept the session the scheduler holds with: holds and reads go on.
+        decode.submit(order("later", [6, 7], [12, 13]))
+        merged = _gather([decode, prefill], lambda m: "d-later" in m[decode]["recv"] and "later" in m[prefill]["sent"])
+        assert merged[decode]["recv"] == {"d-later"} and not merged[decode]["failed"], merged
+        for name in prefill_cache:
+            assert torch.equal(decode_cache[name][12:14], prefill_cache[name][6:8])
     finally:
         for worker in workers:
             worker.close()
         for daemon in daemons:
             daemon.terminate()
+
+
+class _QuietClient:
+    """What WorkerSide.results reads of its client, with nothing new."""
+
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation, self.incarnations = incarnation, [incarnation]
+
+    def registered_again(self, incarnation: str) -> None:
+        self.incarnation = incarnation
+        self.incarnations.append(incarnation)
+
+    def take_lost(self) -> set[str]:
+        return set()
+
+    def take_completions(self) -> list:
+        return []
+
+
+class _QuietSubscriber:
+    def poll(self) -> list:
+        return []
+
+
+def test_only_holds_of_a_replaced_registration_end_with_it():
+    """Matched by the incarnation each Hold answered: a hold the scheduler made on the new
+    registration (even one the worker hears of after the change) is never let go early."""
+    worker = WorkerSide("p", 1, 2, ConnectorSettings(engine_socket="/nonexistent/p.sock"))
+    worker.client, worker.subscriber, worker._incarnation = _QuietClient("i1"), _QuietSubscriber(), "i1"
+    worker.expect_held([HeldRequest("old", ("x", "i1"))])  # this worker is rank 1
+    assert worker.results().finished_sending == set()
+    worker.client.registered_again("i2")  # the daemon restarted; the heartbeat registered again
+    worker.expect_held([HeldRequest("new", ("x", "i2")), HeldRequest("late-old", ("x", "i1"))])
+    assert worker.results().finished_sending == {"old", "late-old"}
+    assert worker.results().finished_sending == set()  # "new" waits for its CONSUMED / EXPIRED
+    worker.client.registered_again("i3")  # twice between two polls: both earlier ones are gone
+    worker.client.registered_again("i4")
+    worker.expect_held([HeldRequest("newer", ("x", "i3")), HeldRequest("newest", ("x", "i4"))])
+    assert worker.results().finished_sending == {"new", "newer"}

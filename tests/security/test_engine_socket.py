@@ -136,6 +136,29 @@ def test_a_live_engine_id_cannot_be_registered_again_by_someone_else(daemon, are
         intruder.close()
 
 
+def test_a_new_registration_keeps_only_a_session_of_the_daemons_own_format(daemon, arenas):
+    """A client registering again after a daemon restart presents its session and keeps it (its
+    scheduler process holds with it); a made-up session never opens a live registration, and
+    anything not of the daemon's format is replaced by a fresh one."""
+    kept = "k" * 43  # the format of secrets.token_urlsafe(32)
+    for presented, expect_kept in ((kept, True), ("short", False), ("k" * 42 + "!", False), ("", False)):
+        client = EngineClient(daemon.engine_target)
+        client.session = presented
+        try:
+            reply = client.register(engine_pb(GROUPS[0], "tenant-s", arenas), lease_s=30, heartbeat_s=0)
+            assert (reply.session == presented) is expect_kept, presented
+            assert len(reply.session) == 43
+            if expect_kept:
+                intruder = EngineClient(daemon.engine_target)
+                intruder.session = "i" * 43  # well-formed, but not this live registration's
+                code, details = status(lambda: intruder.register(engine_pb(GROUPS[0], "tenant-s", arenas)))
+                assert code == C.ALREADY_EXISTS, details
+                intruder.close()
+        finally:
+            client.deregister()
+            client.close()
+
+
 def test_an_expired_registration_may_be_taken_over(daemon, arenas):
     gone = EngineClient(daemon.engine_target)
     gone.register(engine_pb(GROUPS[0], "tenant-c", arenas), lease_s=0.5, heartbeat_s=0)  # never heartbeats

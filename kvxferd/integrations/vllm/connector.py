@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from kvxferd.integrations.vllm.describe import GroupLayout, torch_dtype_name
-from kvxferd.integrations.vllm.scheduler import RankDaemon, ReadOrder, SchedulerSide
+from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide
 from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.worker import TransferResults, WorkerSide
 
@@ -43,7 +43,7 @@ class KvxferdMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
     orders: list[ReadOrder] = field(default_factory=list)
-    held: list[str] = field(default_factory=list)
+    held: list[HeldRequest] = field(default_factory=list)
 
 
 @dataclass

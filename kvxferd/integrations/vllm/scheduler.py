@@ -50,6 +50,15 @@ class RankDaemon:
 
 
 @dataclass(frozen=True)
+class HeldRequest:
+    """Scheduler -> workers: ``request_id`` is held on every rank; per rank, the incarnation of the
+    registration holding it (a worker whose registration was replaced since knows the hold is gone)."""
+
+    request_id: str
+    incarnations: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ReadOrder:
     """Scheduler -> worker: read ``remote`` into ``local_block_ids`` (per group), or fail with ``error``."""
 
@@ -73,7 +82,7 @@ class SchedulerSide:
         self.ranks: list[RankDaemon] = []
         self._clients: dict[int, EngineClient] = {}
         self._orders: list[ReadOrder] = []
-        self._held: list[str] = []  # held since the last build_connector_meta
+        self._held: list[HeldRequest] = []  # held since the last build_connector_meta
         self._pending: dict[str, RemotePrefill | ParamsError] = {}  # decode requests not scheduled yet
 
     # ---- the daemons of every rank ---------------------------------------------------
@@ -100,9 +109,10 @@ class SchedulerSide:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
         held: list[RankDaemon] = []
+        incarnations: list[str] = []
         try:
             for rank in self.ranks:
-                self._client(rank).hold(request_id, blocks, lease_s=self.settings.lease_s)
+                incarnations.append(self._client(rank).hold(request_id, blocks, lease_s=self.settings.lease_s))
                 held.append(rank)
         except grpc.RpcError as err:
             for rank in held:  # all ranks or none
@@ -113,14 +123,14 @@ class SchedulerSide:
             error = f"rank {len(held)} ({self.ranks[len(held)].engine_socket}): {err.code().name}: {err.details()}"
             log.warning("kvxferd: could not hold a finished prefill", extra={"request_id": request_id, "error": error})
             return False, failed_prefill_params(error)
-        self._held.append(request_id)
+        self._held.append(HeldRequest(request_id, tuple(incarnations)))
         params = RemotePrefill(kvxferd=1, remote_engine_id=self.engine_id, remote_request_id=request_id,
                                remote_peer_addresses=[r.peer_address for r in self.ranks],
                                remote_block_ids=[list(g) for g in blocks], remote_num_tokens=num_tokens,
                                remote_lease_expiry_unix_s=time.time() + self.settings.lease_s)
         return True, params.to_params()
 
-    def take_held(self) -> list[str]:
+    def take_held(self) -> list[HeldRequest]:
         held, self._held = self._held, []
         return held
 

@@ -32,7 +32,7 @@ from kvxferd.client.engine import EngineClient
 from kvxferd.client.notify import TERMINAL, NotifySubscriber
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine
 from kvxferd.integrations.vllm.params import RemotePrefill
-from kvxferd.integrations.vllm.scheduler import RankDaemon, ReadOrder
+from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 from kvxferd.service.fdpass import fd_socket_path, send_fds
 
@@ -63,10 +63,10 @@ class WorkerSide:
         self._remotes: dict[str, tuple[str, ...]] = {}  # remote engine -> addresses handshaked
         self._reading: set[str] = set()
         self._failed_now: set[str] = set()  # orders that failed before reaching the daemon
-        self._held: set[str] = set()  # prefill requests the scheduler held
+        self._held: dict[str, str] = {}  # prefill requests the scheduler held -> incarnation holding it
         self._ended: set[str] = set()  # holds that ended before the worker heard they were held
-        self._incarnation = ""  # of the registration the handshakes and holds were made on
-        self._holds_lost = False  # the daemon lost that registration: every hold made on it is gone
+        self._incarnation = ""  # of the current registration (the one handshakes were made on)
+        self._gone_incarnations: set[str] = set()  # registrations replaced since: their holds are gone
 
     # ---- registration ---------------------------------------------------------------
     def register(self, groups: Sequence[GroupLayout], tensors: Mapping[str, torch.Tensor]) -> RankDaemon:
@@ -137,8 +137,9 @@ class WorkerSide:
                                      num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s)
 
     # ---- prefill: holds ---------------------------------------------------------------
-    def expect_held(self, request_ids: Sequence[str]) -> None:
-        self._held.update(request_ids)
+    def expect_held(self, held: Sequence[HeldRequest]) -> None:
+        """Requests the scheduler held (on every rank): they end on CONSUMED / EXPIRED, or with their registration."""
+        self._held.update((h.request_id, h.incarnations[self.tp_rank]) for h in held)
 
     # ---- both: what finished ---------------------------------------------------------
     def results(self) -> TransferResults:
@@ -174,24 +175,27 @@ class WorkerSide:
         for event in events:
             if event.kind in TERMINAL:
                 self._ended.add(event.request_id)
-        done = set(self._held) if self._holds_lost else self._ended & self._held
+        done = {r for r, incarnation in self._held.items() if r in self._ended or incarnation in self._gone_incarnations}
         self._ended -= done
-        self._held -= done
+        for request_id in done:
+            del self._held[request_id]
         out.finished_sending = done
         return out
 
     def _follow_registration(self) -> None:
         """After the client registered again (the daemon restarted or lost the lease): the daemon
         knows no remote engine any more, so handshakes are redone on the next read; and the holds
-        of the old registration are gone with it, so their blocks may go. The scheduler's holds
-        carry the first registration's session, so every later hold is refused (fails the prefill
-        cleanly); an engine restart restores them."""
+        of the old registration are gone with it, so their blocks may go. Holds are matched by the
+        incarnation the daemon answered each Hold with, so a hold the scheduler already made on the
+        new registration is never let go early. (The new registration keeps the session, so the
+        scheduler's later holds work.)"""
         incarnation = self.client.incarnation
         if incarnation == self._incarnation:
             return
         log.warning("kvxferd: registered again with the daemon; holds of the old registration ended",
-                    extra={"engine_id": self.engine_id, "tp_rank": self.tp_rank, "num_held": len(self._held)})
-        self._incarnation, self._holds_lost = incarnation, True
+                    extra={"engine_id": self.engine_id, "tp_rank": self.tp_rank})
+        self._gone_incarnations.update(self.client.incarnations[:-1])  # every one before the current
+        self._incarnation = incarnation
         self._remotes.clear()
 
     def close(self) -> None:

@@ -294,8 +294,10 @@ class HoldRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class HoldReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("incarnation",)
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("engine_id", "request_ids", "lease_s")
