@@ -10,9 +10,13 @@ would send them. ``test_vllm_tp2_recompute.py`` has TP=2 prefill and the
 
 from __future__ import annotations
 
+import os
+import time
 import types
 
 import pytest
+
+from kvxferd.client import DaemonProcess
 
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, engine, greedy, hold_events, metric, prefill_params,
                                              prompt_tokens_by_source, prompts_of, random_prompts, record_events,
@@ -28,7 +32,7 @@ def pd(tmp_path_factory):
     model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm"), ["vp0", "vd0"])
     cluster = types.SimpleNamespace()
     try:
-        vars(cluster).update(prefill_daemon=daemons[0], decode_daemon=daemons[1], model=model)
+        vars(cluster).update(prefill_daemon=daemons[0], decode_daemon=daemons[1], model=model, daemons=daemons)
         recorder = record_events(daemons[0], "prefill")
         cluster.prefill = engine(model, "prefill", daemons[0].socket)
         # vLLM's Prometheus counters are process-global: the engine built last owns them,
@@ -117,3 +121,28 @@ def test_bad_kv_transfer_params_fail_that_request_only(pd, damage):
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(4, bad), greedy(4, params[1])], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "error"
     assert token_ids(outputs)[1] == single[1]
+
+
+def test_both_daemons_restart_under_running_engines_and_pd_goes_on(pd):
+    """kill -9 of both daemons, restarted at the same sockets and peer ports: each engine's worker
+    registers its cache again by itself (fds passed anew, its session kept), and P/D gives the
+    single-instance tokens again, with no engine restarted. (Runs last: the bus recorder of the
+    fixture does not follow the restarted prefill daemon.)"""
+    prompts = random_prompts(11, (70, 40))
+    single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
+    for index, old in enumerate(pd.daemons):
+        old.kill()
+        port = old.peer_address.rsplit(":", 1)[1]
+        pd.daemons[index] = DaemonProcess(old.daemon_id, socket_dir=os.path.dirname(old.socket),
+                                          extra_args=("--peer-port", port))
+    pd.prefill_daemon, pd.decode_daemon = pd.daemons
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(metric(d, "kvxferd_engines_registered") == 1 for d in pd.daemons):
+        time.sleep(0.2)
+    assert [metric(d, "kvxferd_engines_registered") for d in pd.daemons] == [1, 1]
+    params = prefill_params(pd.prefill, prompts)
+    assert all(p and p.get("remote_block_ids") for p in params), params  # holds work: the session was kept
+    outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
+    assert token_ids(outputs) == single
+    assert metric(pd.decode_daemon, "kvxferd_read_bytes_total") == sum(blocks(len(p)) for p in prompts) * BLOCK_BYTES
+    assert metric(pd.prefill_daemon, "kvxferd_holds_pending") == 0
