@@ -139,13 +139,15 @@ class EngineClient:
             self._start(lambda: self._heartbeat(interval_s))
         return reply
 
-    def _send_register(self, request: pb.RegisterRequest) -> pb.RegisterReply:
+    def _send_register(self, request: pb.RegisterRequest, again: bool = False) -> pb.RegisterReply:
         with self._register_lock:
             reply = self.stub.Register(request, timeout=self.timeout_s)
-            self._registered(request.engine, reply)
+            self._registered(request.engine, reply, again)
         return reply
 
-    def _registered(self, engine: pb.EngineRank, reply: pb.RegisterReply) -> None:
+    def _registered(self, engine: pb.EngineRank, reply: pb.RegisterReply, again: bool) -> None:
+        if again:  # counted before the new incarnation shows: whoever sees it sees the count too
+            self.num_reregistrations += 1
         self.session, self.notify_curve_server_key = reply.session, reply.notify_curve_server_key
         self.engine_id, self.notify_address = engine.engine_id, reply.notify_address
         self.notify_last_seq, self.incarnation = reply.notify_last_seq, reply.incarnation
@@ -180,8 +182,7 @@ class EngineClient:
         try:
             if self._fd_source is not None:
                 self._register_request.fd_token = self._fd_source()
-            self._send_register(self._register_request)
-            self.num_reregistrations += 1
+            self._send_register(self._register_request, again=True)
         except (grpc.RpcError, OSError):
             pass  # the next heartbeat tries again (OSError: the fds could not be passed)
 

@@ -172,16 +172,22 @@ def test_hold_order_read_cycle_on_real_daemons(tmp_path):
 
 def _gather(workers, until, timeout_s: float = 20.0) -> dict:
     """Merge each worker's results until ``until(merged)``; merged: worker -> field -> ids."""
-    merged = {w: {"recv": set(), "failed": set(), "sent": set()} for w in workers}
+    merged = {w: {"recv": set(), "failed": set(), "sent": set(), "invalid": set()} for w in workers}
     deadline = time.monotonic() + timeout_s
-    while not until(merged) and time.monotonic() < deadline:
+    while not until(merged):
+        assert time.monotonic() < deadline, f"not done in {timeout_s} s: {merged}"
         time.sleep(0.05)
         for worker in workers:
             got = worker.results()
             merged[worker]["recv"] |= got.finished_recving
             merged[worker]["failed"] |= got.failed_recving
             merged[worker]["sent"] |= got.finished_sending
+            merged[worker]["invalid"] |= got.invalid_block_ids
     return merged
+
+
+# No peer probe within the test: the decode daemon learns of the prefill restart from a failed read.
+NO_PROBES = ("--peer-check-s", "600")
 
 
 def _restart(daemons, index: int, tmp_path, while_down=lambda: None) -> None:
@@ -190,15 +196,17 @@ def _restart(daemons, index: int, tmp_path, while_down=lambda: None) -> None:
     old.kill()
     while_down()
     port = old.peer_address.rsplit(":", 1)[1]
-    daemons[index] = DaemonProcess(old.daemon_id, socket_dir=str(tmp_path), extra_args=("--peer-port", port))
+    daemons[index] = DaemonProcess(old.daemon_id, socket_dir=str(tmp_path), extra_args=("--peer-port", port, *NO_PROBES))
 
 
 def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
     """Host memory: the heartbeat passes the fds again and registers again. Decode: a read the old
     daemon had is a failed load, never a hang, and the next read handshakes anew and is byte-exact.
-    Prefill: holds of the old registration end (their blocks may go), and the scheduler's later
-    holds work (the new registration kept the session) and are read byte-exact."""
-    daemons = DaemonProcess.start_many(["rp0", "rd0"], socket_dir=str(tmp_path))
+    Prefill: holds of the old registration end (their blocks may go); the first read after it, on
+    the decode daemon's link to the old daemon, names its blocks invalid (vLLM recomputes them);
+    the scheduler's later holds work (the new registration kept the session) and are read
+    byte-exact."""
+    daemons = DaemonProcess.start_many(["rp0", "rd0"], socket_dir=str(tmp_path), extra_args=NO_PROBES)
     workers = []
     try:
         prefill_cache, decode_cache = layer_cache(), layer_cache()
@@ -225,7 +233,8 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         assert merged[decode]["recv"] == {"d-first"} and not merged[decode]["failed"]
         lost = order("lost", [3], [3])
         _restart(daemons, 1, tmp_path, lambda: decode.submit(lost))  # the decode daemon: the read goes nowhere
-        merged = _gather([decode], lambda m: "d-lost" in m[decode]["recv"])
+        # The heartbeat registers again on its own; the lost read fails meanwhile or after.
+        merged = _gather([decode], lambda m: "d-lost" in m[decode]["recv"] and decode.client.num_reregistrations)
         assert merged[decode]["failed"] == {"d-lost"} and decode.client.num_reregistrations == 1
         after = order("after", [4, 5], [9, 10])
         decode.submit(after)
@@ -240,8 +249,18 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         assert merged[prefill]["sent"] == {"lost"} and prefill.client.num_reregistrations == 1
         # The new registration kept the session the scheduler holds with: holds and reads go on.
         decode.submit(order("later", [6, 7], [12, 13]))
-        merged = _gather([decode, prefill], lambda m: "d-later" in m[decode]["recv"] and "later" in m[prefill]["sent"])
-        assert merged[decode]["recv"] == {"d-later"} and not merged[decode]["failed"], merged
+        merged = _gather([decode], lambda m: "d-later" in m[decode]["recv"])
+        # The decode daemon reads on its link to the old prefill daemon (no probe saw the restart):
+        # the read fails, nothing is written, and vLLM is told to recompute exactly those blocks
+        # (one cache group: a failed read names its blocks instead of failing the request). The
+        # failure marks the link stale, so the next read handshakes with the new daemon. ("later"
+        # stays held there until its lease runs out.)
+        assert merged[decode]["invalid"] == {12, 13} and not merged[decode]["failed"], merged
+        decode.submit(order("later-again", [6, 7], [12, 13]))
+        merged = _gather([decode, prefill], lambda m: "d-later-again" in m[decode]["recv"]
+                         and "later-again" in m[prefill]["sent"])
+        assert merged[decode]["recv"] == {"d-later-again"}, merged
+        assert not merged[decode]["failed"] and not merged[decode]["invalid"], merged
         for name in prefill_cache:
             assert torch.equal(decode_cache[name][12:14], prefill_cache[name][6:8])
     finally:
