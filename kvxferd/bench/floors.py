@@ -7,6 +7,9 @@
   :class:`~kvxferd.xfer.waker.Waker` (eventfd + select) and ``time.sleep``;
 * thread hop: one thread hands an item to another that sleeps on a Waker
   (the event loop to the data-plane thread), latency until it runs;
+* UDP wake-up: a 28-byte datagram over loopback to a thread asleep in
+  ``select`` on its socket, latency until it has read it (what a "poke"
+  from a peer daemon would cost instead of polling; docs/benchmarks.md);
 * NIXL: ``get_new_notifs`` with nothing new; a notification from one agent
   to another until the receiver sees it (both polling, same process);
 * gRPC: one message each way on a bidirectional ``grpc.aio`` stream over a
@@ -27,6 +30,8 @@ import asyncio
 import json
 import os
 import queue
+import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -78,6 +83,41 @@ def thread_hop(repeat: int = 2000) -> dict:
         waker.set()
     done.wait(10)
     return percentiles_us(latencies)
+
+
+def udp_wakeup(repeat: int = 2000) -> dict:
+    """A datagram's trip over loopback to a thread asleep in ``select`` on its socket; and what
+    sending and reading one costs back to back (no sleeper)."""
+    sender, receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    address, datagram = receiver.getsockname(), b"x" * 28
+    sent, latencies, done = [0.0], [], threading.Event()
+
+    def worker():
+        while len(latencies) < repeat:
+            if select.select([receiver], [], [], 1.0)[0]:
+                receiver.recv(64)
+                latencies.append(time.perf_counter() - sent[0])
+        done.set()
+
+    try:
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        for _ in range(repeat):
+            time.sleep(200e-6)
+            sent[0] = time.perf_counter()
+            sender.sendto(datagram, address)
+        done.wait(10)
+        thread.join(1.0)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            sender.sendto(datagram, address)
+            receiver.recv(64)
+        back_to_back_us = (time.perf_counter() - start) / repeat * 1e6
+    finally:
+        sender.close()
+        receiver.close()
+    return {"one_way": percentiles_us(latencies[repeat // 10:]), "send_and_read_us": back_to_back_us}
 
 
 def nixl_notifications(repeat: int = 2000) -> dict:
@@ -233,7 +273,7 @@ def planning(repeat: int = 300) -> dict:
 
 
 def run() -> dict:
-    return {"wakeups_100us": wakeups(), "thread_hop": thread_hop(), "nixl": nixl_notifications(),
+    return {"wakeups_100us": wakeups(), "thread_hop": thread_hop(), "udp_wakeup": udp_wakeup(), "nixl": nixl_notifications(),
             "grpc_stream": grpc_stream(), "grpc_engine_client": grpc_stream_engine_client(),
             "planning_us": planning(), "nixl_progress_thread": nixl_progress.run()}
 
@@ -245,6 +285,7 @@ def format_table(f: dict) -> str:
     n, g = f["nixl"], f["grpc_stream"]
     lines += ["", f"{'step':<56}{'p50 us':>9}{'p99 us':>9}"]
     for label, row in (("thread hop (Waker.set -> sleeping thread runs)", f["thread_hop"]),
+                       ("UDP datagram -> thread asleep in select has read it", f["udp_wakeup"]["one_way"]),
                        ("NIXL get_new_notifs, nothing new", n["get_new_notifs_empty"]),
                        ("NIXL notification, one way (both polling)", n["notification_one_way"]),
                        ("gRPC aio stream, one message each way", g["round_trip"])):
@@ -253,6 +294,7 @@ def format_table(f: dict) -> str:
         label = f"gRPC stream, sync client, other process, {gap.replace('_', ' ')}"
         lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
     lines.append(f"gRPC aio stream: {g['cpu_us_per_round_trip_both_sides']:.0f} us CPU per round trip (both sides)")
+    lines.append(f"UDP datagram: {f['udp_wakeup']['send_and_read_us']:.1f} us to send and read one (back to back, loopback)")
     p = f["planning_us"]
     lines.append(f"plan_request, 2 layers x 2 blocks: {p['back to back']:.0f} us back to back, "
                  f"{p['every 3 ms']:.0f} us every 3 ms")
