@@ -66,7 +66,6 @@ class WorkerSide:
         self._held: dict[str, str] = {}  # prefill requests the scheduler held -> incarnation holding it
         self._ended: set[str] = set()  # holds that ended before the worker heard they were held
         self._incarnation = ""  # of the current registration (the one handshakes were made on)
-        self._gone_incarnations: set[str] = set()  # registrations replaced since: their holds are gone
 
     # ---- registration ---------------------------------------------------------------
     def register(self, groups: Sequence[GroupLayout], tensors: Mapping[str, torch.Tensor]) -> RankDaemon:
@@ -175,7 +174,8 @@ class WorkerSide:
         for event in events:
             if event.kind in TERMINAL:
                 self._ended.add(event.request_id)
-        done = {r for r, incarnation in self._held.items() if r in self._ended or incarnation in self._gone_incarnations}
+        gone = set(self.client.incarnations[:-1])  # registrations replaced since: their holds are gone
+        done = {r for r, incarnation in self._held.items() if r in self._ended or incarnation in gone}
         self._ended -= done
         for request_id in done:
             del self._held[request_id]
@@ -194,7 +194,6 @@ class WorkerSide:
             return
         log.warning("kvxferd: registered again with the daemon; holds of the old registration ended",
                     extra={"engine_id": self.engine_id, "tp_rank": self.tp_rank})
-        self._gone_incarnations.update(self.client.incarnations[:-1])  # every one before the current
         self._incarnation = incarnation
         self._remotes.clear()
 
