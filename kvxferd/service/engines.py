@@ -39,8 +39,9 @@ from kvxferd.xfer.agent import NixlAgent, collect_agents
 from kvxferd.xfer.reads import ReadExecutor
 
 log = logging.getLogger("kvxferd.engines")
-SESSION_BYTES = 32  # secrets.token_urlsafe(32): 43 URL-safe characters
-_SESSION_FORMAT = re.compile(r"[A-Za-z0-9_-]{43}")  # what this daemon issues; anything else is not kept
+SESSION_BYTES = 32  # secrets.token_urlsafe: 43 URL-safe characters
+# What this daemon issues (the length follows from SESSION_BYTES); anything else is not kept.
+_SESSION_FORMAT = re.compile(rf"[A-Za-z0-9_-]{{{len(secrets.token_urlsafe(SESSION_BYTES))}}}")
 MAX_EXPIRIES_PER_TICK = 8192  # per engine and maintenance tick (0.2 s): 40,000 a second
 # The maintenance tick comes at least every second (daemon.IDLE_TICK_S). A longer gap means this
 # daemon did not run (SIGSTOP, a paused VM or container, a starved host); see Registry.expire.
