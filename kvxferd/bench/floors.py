@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -64,14 +65,13 @@ def wakeups(seconds: float = 2.0, interval_s: float = 100e-6) -> dict:
     return rows
 
 
-def thread_hop(repeat: int = 2000) -> dict:
-    """Latency from ``Waker.set`` in one thread until the sleeping thread runs."""
-    waker, done = Waker(), threading.Event()
-    sent, latencies = [0.0], []
+def _wake_latencies(repeat: int, wake: Callable[[], None], wait: Callable[[], bool]) -> list[float]:
+    """Latency from ``wake()`` here until a thread blocked in ``wait()`` (True: woken) runs; one every 200 µs."""
+    sent, latencies, done = [0.0], [], threading.Event()
 
     def worker():
         while len(latencies) < repeat:
-            if waker.wait(1.0):
+            if wait():
                 latencies.append(time.perf_counter() - sent[0])
         done.set()
 
@@ -80,9 +80,16 @@ def thread_hop(repeat: int = 2000) -> dict:
     for _ in range(repeat):
         time.sleep(200e-6)
         sent[0] = time.perf_counter()
-        waker.set()
+        wake()
     done.wait(10)
-    return percentiles_us(latencies)
+    thread.join(1.0)
+    return latencies
+
+
+def thread_hop(repeat: int = 2000) -> dict:
+    """Latency from ``Waker.set`` in one thread until the sleeping thread runs."""
+    waker = Waker()
+    return percentiles_us(_wake_latencies(repeat, waker.set, lambda: waker.wait(1.0)))
 
 
 def udp_wakeup(repeat: int = 2000) -> dict:
@@ -91,24 +98,15 @@ def udp_wakeup(repeat: int = 2000) -> dict:
     sender, receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     receiver.bind(("127.0.0.1", 0))
     address, datagram = receiver.getsockname(), b"x" * 28
-    sent, latencies, done = [0.0], [], threading.Event()
 
-    def worker():
-        while len(latencies) < repeat:
-            if select.select([receiver], [], [], 1.0)[0]:
-                receiver.recv(64)
-                latencies.append(time.perf_counter() - sent[0])
-        done.set()
+    def wait() -> bool:
+        if not select.select([receiver], [], [], 1.0)[0]:
+            return False
+        receiver.recv(64)
+        return True
 
     try:
-        thread = threading.Thread(target=worker, daemon=True)
-        thread.start()
-        for _ in range(repeat):
-            time.sleep(200e-6)
-            sent[0] = time.perf_counter()
-            sender.sendto(datagram, address)
-        done.wait(10)
-        thread.join(1.0)
+        latencies = _wake_latencies(repeat, lambda: sender.sendto(datagram, address), wait)
         start = time.perf_counter()
         for _ in range(repeat):
             sender.sendto(datagram, address)
