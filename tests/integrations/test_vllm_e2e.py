@@ -132,9 +132,8 @@ def test_both_daemons_restart_under_running_engines_and_pd_goes_on(pd):
     single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
     for index, old in enumerate(pd.daemons):
         old.kill()
-        port = old.peer_address.rsplit(":", 1)[1]
         pd.daemons[index] = DaemonProcess(old.daemon_id, socket_dir=os.path.dirname(old.socket),
-                                          extra_args=("--peer-port", port))
+                                          extra_args=old.port_args(("peer",)))
     pd.prefill_daemon, pd.decode_daemon = pd.daemons
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(metric(d, "kvxferd_engines_registered") == 1 for d in pd.daemons):

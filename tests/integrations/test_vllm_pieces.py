@@ -195,8 +195,7 @@ def _restart(daemons, index: int, tmp_path, while_down=lambda: None) -> None:
     old = daemons[index]
     old.kill()
     while_down()
-    port = old.peer_address.rsplit(":", 1)[1]
-    daemons[index] = DaemonProcess(old.daemon_id, socket_dir=str(tmp_path), extra_args=("--peer-port", port, *NO_PROBES))
+    daemons[index] = DaemonProcess(old.daemon_id, socket_dir=str(tmp_path), extra_args=(*old.port_args(("peer",)), *NO_PROBES))
 
 
 def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
