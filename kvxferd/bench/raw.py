@@ -11,7 +11,7 @@ from kvxferd.plan.descriptors import expand_rows
 from kvxferd.plan.engine import EngineTransferPlan, RankPlan, RankRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.agent import NixlAgent
 
@@ -61,7 +61,7 @@ def fetch_peer_info(address: str, remote_engine_id: str, tp_rank: int, local: En
     channel = (grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", "kvxferd-peer")])
                if credentials is not None else grpc.insecure_channel(address))
     with channel:
-        reply = pb_grpc.PeerServiceStub(channel).GetEngineInfo(
+        reply = peer_grpc.PeerServiceStub(channel).GetEngineInfo(
             pb.EngineInfoRequest(engine_id=remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=tp_rank,
                                  reader_engine_id=reader.name, reader_tp_rank=local.tp_rank,
                                  reader_tp_size=local.tp_size, reader_agent_metadata=reader.metadata()),

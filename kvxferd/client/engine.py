@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
 from kvxferd.wire.names import SESSION_KEY
 
@@ -93,7 +93,7 @@ class EngineClient:
                    else grpc.insecure_channel(target, options=options))
         self._channel = grpc.intercept_channel(channel, _CallMetadata(self))
         self._raw_channel = channel
-        self.stub = pb_grpc.EngineServiceStub(self._channel)
+        self.stub = engine_grpc.EngineServiceStub(self._channel)
         self.engine_id: str | None = None
         self.incarnation = self.notify_address = self.notify_curve_server_key = ""
         self.notify_last_seq = 0

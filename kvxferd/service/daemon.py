@@ -35,7 +35,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, PermissionDeniedError
 from kvxferd.plan.leases import HoldEnd
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
+from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.bus import NotifyBus
 from kvxferd.service.config import DaemonConfig
 from kvxferd.service.dataplane import DataPlane, ReadDone
@@ -56,7 +58,9 @@ EXIT_CONFIG, EXIT_STARTUP = 2, 3
 GIL_SWITCH_INTERVAL_S = 200e-6
 LOOP_STALL_S = 0.25  # the maintenance tick waking this late is logged and counted
 IDLE_TICK_S = 1.0  # maintenance tick with nothing held and nothing read (idle CPU)
-SERVICES = ("kvxfer.v1.EngineService", "kvxfer.v1.PeerService")
+# Full names (kvxfer.v1.*); importing the *_pb2 modules also puts their descriptors where reflection looks.
+SERVICES = tuple(module.DESCRIPTOR.services_by_name[name].full_name
+                 for module, name in ((engine_service_pb2, "EngineService"), (peer_service_pb2, "PeerService")))
 
 
 class Daemon:
@@ -119,8 +123,8 @@ class Daemon:
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
             engine_server, peer_server = self._new_server(), self._new_server()
-            pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
-            pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
+            engine_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
+            peer_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
             with socket_umask(gid):
                 bind(engine_server, f"unix:{self.socket_path}")
             restrict_socket(self.socket_path, gid)

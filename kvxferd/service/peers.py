@@ -24,7 +24,7 @@ import grpc
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.slots import EngineSlot
@@ -106,7 +106,7 @@ class Peers:
     async def _unary(self, entry: "_PeerChannel", method: str, request, **kwargs):
         entry.num_calls += 1
         try:
-            return await getattr(pb_grpc.PeerServiceStub(entry.channel), method)(request, **kwargs)
+            return await getattr(peer_grpc.PeerServiceStub(entry.channel), method)(request, **kwargs)
         finally:
             entry.num_calls -= 1
             if entry.retired and not entry.num_calls:

@@ -30,8 +30,9 @@ import numpy as np
 from kvxferd.errors import (InvalidArgumentError, KvxferError, PermissionDeniedError,
                             ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from kvxferd.plan.engine import expected_readers
+from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.completions import StreamReplaced
 from kvxferd.service.status import status_code
 from kvxferd.service.tls import authorize_peer
@@ -101,7 +102,7 @@ def metadata_value(context, key: str) -> str:
     return ""
 
 
-class EngineServicer(pb_grpc.EngineServiceServicer):
+class EngineServicer(engine_grpc.EngineServiceServicer):
     def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
 
@@ -273,7 +274,7 @@ def _renew(daemon: "DaemonParts", slot, request: pb.RenewLeaseRequest) -> pb.Ren
     return pb.RenewLeaseReply(unknown_request_ids=unknown)
 
 
-class PeerServicer(pb_grpc.PeerServiceServicer):
+class PeerServicer(peer_grpc.PeerServiceServicer):
     def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
 

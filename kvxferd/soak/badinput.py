@@ -17,8 +17,9 @@ import grpc
 import numpy as np
 
 from kvxferd.client import DaemonProcess
+from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 ANSWER_S = 3.0
@@ -83,8 +84,8 @@ def burst(daemon: DaemonProcess, engine_id: str, rng: np.random.Generator) -> tu
     """Bad input on every listener of ``daemon``; ``(messages sent, wrong answers)``."""
     wrong, sent = [], 0
     with grpc.insecure_channel(daemon.engine_target) as engine, grpc.insecure_channel(daemon.peer_address) as peer:
-        calls = _engine_calls(pb_grpc.EngineServiceStub(engine), rng, engine_id)
-        calls += _peer_calls(pb_grpc.PeerServiceStub(peer), rng, engine_id)
+        calls = _engine_calls(engine_grpc.EngineServiceStub(engine), rng, engine_id)
+        calls += _peer_calls(peer_grpc.PeerServiceStub(peer), rng, engine_id)
         for call in calls:
             sent += 1
             try:

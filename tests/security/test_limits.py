@@ -11,7 +11,7 @@ import pytest
 
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.servicers import rpc
 from kvxferd.verify.certs import DevCA
 from kvxferd.verify.models import ModelShape, model_groups
@@ -47,7 +47,7 @@ def test_limits_name_themselves(limited):
         assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_holds_per_engine"), details
         first.release("h1")
         first.hold("h3", [[3]])  # room again
-        peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(limited.peer_address))
+        peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(limited.peer_address))
 
         def introduce(reader: str, agent: NixlAgent):
             return peer.GetEngineInfo(pb.EngineInfoRequest(

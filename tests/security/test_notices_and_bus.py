@@ -18,7 +18,7 @@ import zmq
 
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.bus import NotifyBus
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
@@ -37,7 +37,7 @@ def cluster(workdir):
 
 def holder_info(cluster, agent: NixlAgent, reader_engine_id: str, reader_tp_size: int) -> pb.EngineInfo:
     """Introduce ``agent`` as a reader (possible without TLS) and get the holder's agent metadata."""
-    stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
+    stub = peer_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
     reply = stub.GetEngineInfo(pb.EngineInfoRequest(
         engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader_engine_id,
         reader_tp_rank=0, reader_tp_size=reader_tp_size, reader_agent_metadata=agent.metadata()), timeout=10)

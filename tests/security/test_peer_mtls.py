@@ -13,7 +13,7 @@ import pytest
 
 from kvxferd.bench.raw import RawReader
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.certs import DevCA
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
@@ -38,7 +38,7 @@ def peer_code(address: str, credentials: grpc.ChannelCredentials | None, method:
     channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
                else grpc.insecure_channel(address))
     try:
-        getattr(pb_grpc.PeerServiceStub(channel), method)(request, timeout=ANSWER_S)
+        getattr(peer_grpc.PeerServiceStub(channel), method)(request, timeout=ANSWER_S)
         return C.OK
     except grpc.RpcError as err:
         return err.code()

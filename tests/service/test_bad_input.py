@@ -5,12 +5,13 @@ import os
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
@@ -142,7 +143,7 @@ def test_holds_and_events(cluster):
 
 
 def test_peer_service(cluster):
-    peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
+    peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
     ask = pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=99)
     code, details = status(lambda: peer.GetEngineInfo(ask))
     assert code == C.FAILED_PRECONDITION and details.startswith("protocol_version")
@@ -162,6 +163,13 @@ def test_health_and_reflection(cluster):
     (reply,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for s in reply.list_services_response.service}
     assert {"kvxfer.v1.EngineService", "kvxfer.v1.PeerService", "grpc.health.v1.Health"} <= names
+    # A client such as grpcurl can describe each service: its file and the messages it imports.
+    for service in ("kvxfer.v1.EngineService", "kvxfer.v1.PeerService"):
+        ask = reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)
+        (reply,) = reflection.ServerReflectionInfo(iter([ask]))
+        files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                 for raw in reply.file_descriptor_response.file_descriptor_proto]
+        assert service.split(".")[-1] in {s.name for f in files for s in f.service}, reply
 
 
 def test_still_serving_after_all_that(cluster):

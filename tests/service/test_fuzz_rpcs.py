@@ -22,8 +22,9 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
@@ -176,8 +177,8 @@ def test_malformed_input_gets_a_precise_status_in_time(cluster, method):
     channels = {"engine": grpc.insecure_channel(cluster.decode_daemons[0].engine_target),
                 "prefill": grpc.insecure_channel(cluster.prefill_daemons[0].engine_target),
                 "peer": grpc.insecure_channel(cluster.prefill_daemons[0].peer_address)}
-    stubs = {"engine": pb_grpc.EngineServiceStub(channels["engine"]),
-             "prefill": pb_grpc.EngineServiceStub(channels["prefill"]), "peer": pb_grpc.PeerServiceStub(channels["peer"])}
+    stubs = {"engine": engine_grpc.EngineServiceStub(channels["engine"]),
+             "prefill": engine_grpc.EngineServiceStub(channels["prefill"]), "peer": peer_grpc.PeerServiceStub(channels["peer"])}
     sessions = {"engine": cluster.decode_clients[0].session, "prefill": cluster.prefill_clients[0].session, "peer": ""}
     service, base = base_messages(cluster, arenas)[method]
     metadata = [("kvxferd-session", sessions[service])] if sessions[service] else []

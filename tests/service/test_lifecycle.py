@@ -8,7 +8,7 @@ import pytest
 
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
@@ -51,7 +51,7 @@ def test_engine_disconnect_deregisters_and_expires_its_holds(workdir):
         observer = EngineClient(daemon.engine_target)
         observer.engine_id = cluster.prefill_id
         assert _code(lambda: observer.stub.Heartbeat(pb.HeartbeatRequest(engine_id=cluster.prefill_id))) == grpc.StatusCode.NOT_FOUND
-        peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
+        peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
         assert _code(lambda: peer.GetEngineInfo(pb.EngineInfoRequest(engine_id=cluster.prefill_id,
                                                                      protocol_version=PROTOCOL_VERSION))) \
             == grpc.StatusCode.NOT_FOUND

@@ -17,7 +17,7 @@ import pytest
 
 from kvxferd.client import EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
@@ -45,8 +45,8 @@ def read_still_works(cluster: DaemonCluster, name: str, seed: int = 0) -> None:
     assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
 
 
-def peer_stub(address: str) -> pb_grpc.PeerServiceStub:
-    return pb_grpc.PeerServiceStub(grpc.insecure_channel(address))
+def peer_stub(address: str) -> peer_grpc.PeerServiceStub:
+    return peer_grpc.PeerServiceStub(grpc.insecure_channel(address))
 
 
 @functools.cache

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvxferd.plan.engine import ReadRequest
+from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups
 
@@ -135,7 +135,7 @@ def test_a_malformed_stream_ends_with_a_clear_error_and_the_session_stays_usable
         _, code, details = _exchange(decode.stub, batches, 10 ** 6)  # (unacked completions of before come first)
         assert code == C.INVALID_ARGUMENT and text in details, (text, code, details)
     # no session: refused before anything is read
-    raw = pb_grpc.EngineServiceStub(grpc.insecure_channel(cluster.decode_daemons[0].engine_target))
+    raw = engine_grpc.EngineServiceStub(grpc.insecure_channel(cluster.decode_daemons[0].engine_target))
     _, code, _ = _exchange(raw, [pb.ReadBatch(engine_id=cluster.decode_id)], 10 ** 6)
     assert code == C.UNAUTHENTICATED
     decode.reconnect_reads()
