@@ -18,6 +18,13 @@ Three measurements, each one agent against one peer in this process:
 * a notification's one-way trip to a receiver whose Python checks
   ``get_new_notifs`` right after the send and then every 100 µs (as the
   daemon's holder polls), with and without the thread.
+
+And one about the owner's progress without the thread (what a holder that
+polls rarely would cost its readers): READs of 256 KiB from a connected owner
+that does not poll during the read, alone, carrying a notification, right
+after the reader's agent sent the owner a notification, and right after a
+third agent did. A READ behind a notification on the same pair of agents
+waits until the owner makes progress; one behind another agent's does not.
 """
 
 from __future__ import annotations
@@ -144,10 +151,54 @@ def notification_trip(progress_thread: bool, repeat: int = 300, poll_s: float = 
     return percentiles_us(trips[10:])
 
 
+def reads_behind_notifications(repeat: int = 30, timeout_s: float = 0.02) -> dict:
+    """READs of 256 KiB from an owner that does not poll while they run: completed within
+    ``timeout_s`` and their median µs, for four cases (after each, the owner polls once)."""
+    owner, reader, other = (make_agent(f"owner-progress-{n}", progress_thread=False) for n in ("o", "r", "n"))
+    source, target = np.ones(1 << 18, np.uint8), np.zeros(1 << 18, np.uint8)
+    owner.register_memory([(source.ctypes.data, source.nbytes, 0, "")], "DRAM")
+    reader.register_memory([(target.ctypes.data, target.nbytes, 0, "")], "DRAM")
+    for sender in (reader, other):
+        _connect(sender, owner)
+        _traffic(sender, owner)
+    remote = reader.prep_xfer_dlist(owner.name, [(source.ctypes.data, source.nbytes, 0)], "DRAM")
+    local = reader.prep_xfer_dlist("", [(target.ctypes.data, target.nbytes, 0)], "DRAM")
+
+    def read(notification: bytes = b"", notifier=None) -> float | None:
+        if notifier is not None:
+            notifier.send_notif(owner.name, b"before")
+        handle = reader.make_prepped_xfer("READ", local, [0], remote, [0], notification)
+        start = time.perf_counter()
+        state = reader.transfer(handle)
+        while state == "PROC" and time.perf_counter() - start < timeout_s:
+            state = reader.check_xfer_state(handle)
+        took_s = time.perf_counter() - start if state != "PROC" else None
+        owner.get_new_notifs()  # the owner's progress lets a waiting READ finish
+        while state == "PROC":
+            state = reader.check_xfer_state(handle)
+        reader.release_xfer_handle(handle)
+        for agent in (reader, other):
+            agent.get_new_notifs()
+        return took_s
+
+    cases = {"alone": {}, "notification attached": {"notification": b"n"},
+             "after the reader's notification": {"notifier": reader},
+             "after another agent's notification": {"notifier": other}}
+    for _ in range(5):  # warm-up: the first READs of a new pair may wait for the owner (connection set-up)
+        read()
+    figures = {}
+    for label, kwargs in cases.items():
+        done_s = [t for t in (read(**kwargs) for _ in range(repeat)) if t is not None]
+        figures[label] = {"completed": len(done_s), "tried": repeat,
+                          "median_us": float(np.median(done_s) * 1e6) if done_s else None}
+    return figures
+
+
 def run(seconds: float = 1.0, repeat: int = 300) -> dict:
     return {"delay_us": DELAY_US, "idle_core_percent": idle_cpu(seconds),
             "idle_owner_read": {"without": read_from_idle_owner(False), "with": read_from_idle_owner(True)},
-            "trip_polling_100us": {"without": notification_trip(False, repeat), "with": notification_trip(True, repeat)}}
+            "trip_polling_100us": {"without": notification_trip(False, repeat), "with": notification_trip(True, repeat)},
+            "reads_behind_notifications": reads_behind_notifications()}
 
 
 def format_lines(f: dict) -> list[str]:
@@ -163,4 +214,6 @@ def format_lines(f: dict) -> list[str]:
             f"READ 1 MiB from an owner that never polls: without the thread {read_text(reads['without'])}; "
             f"with it {read_text(reads['with'])}",
             f"notification one way, receiver checking at once, then every 100 us: p50 {trips['without']['p50_us']:.0f} us "
-            f"without the thread, {trips['with']['p50_us']:.0f} us with it"]
+            f"without the thread, {trips['with']['p50_us']:.0f} us with it",
+            "READ 256 KiB from a connected owner that does not poll during it (no thread), done within 20 ms:",
+            *(f"  {label:<38}{read_text(row)}" for label, row in f["reads_behind_notifications"].items())]

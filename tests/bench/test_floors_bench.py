@@ -31,5 +31,11 @@ def test_nixl_progress_thread_is_measured_and_printed():
     # With the thread, the owner's agent makes progress on its own: this is the one thing it is for.
     assert figures["idle_owner_read"]["with"]["completed"] == 3
     assert all(row["p50_us"] > 0 for row in figures["trip_polling_100us"].values())
+    # What a holder that polls rarely would rely on: a READ does not wait for its owner, unless a
+    # notification went to the owner before it on the same pair of agents.
+    behind = figures["reads_behind_notifications"]
+    assert behind["alone"]["completed"] == behind["alone"]["tried"] == 30
+    assert behind["after another agent's notification"]["completed"] == 30
+    assert behind["after the reader's notification"]["completed"] < 30
     text = "\n".join(nixl_progress.format_lines(figures))
-    assert "never polls" in text and "% of a core" in text
+    assert "never polls" in text and "% of a core" in text and "after another agent's notification" in text
