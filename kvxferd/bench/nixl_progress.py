@@ -106,29 +106,46 @@ def idle_cpu(seconds: float = 1.0) -> dict:
     return figures
 
 
+def _buffers(owner, reader, num_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The owner's source and the reader's target, registered (keep them alive while in use)."""
+    source, target = np.ones(num_bytes, np.uint8), np.zeros(num_bytes, np.uint8)
+    owner.register_memory([(source.ctypes.data, source.nbytes, 0, "")], "DRAM")
+    reader.register_memory([(target.ctypes.data, target.nbytes, 0, "")], "DRAM")
+    return source, target
+
+
+def _transfer_within(agent, handle, timeout_s: float) -> tuple[str, float | None]:
+    """Post ``handle`` and check it until it leaves PROC or ``timeout_s``: its state, and the
+    seconds it took when DONE (else None)."""
+    start = time.perf_counter()
+    state = agent.transfer(handle)
+    while state == "PROC" and time.perf_counter() - start < timeout_s:
+        state = agent.check_xfer_state(handle)
+    return state, (time.perf_counter() - start if state == "DONE" else None)
+
+
+def _completed(times_s: list[float | None]) -> dict:
+    """How many of the tries completed (a time, not None), and their median µs."""
+    done_s = [t for t in times_s if t is not None]
+    return {"completed": len(done_s), "tried": len(times_s),
+            "median_us": float(np.median(done_s) * 1e6) if done_s else None}
+
+
 def read_from_idle_owner(progress_thread: bool, repeat: int = 3, timeout_s: float = 0.5) -> dict:
     """READs of 1 MiB from an owner whose Python never touches its agent; completed count and time."""
     tag = "t" if progress_thread else "n"
     owner, reader = make_agent(f"progress-owner-{tag}", progress_thread=progress_thread), \
         make_agent(f"progress-reader-{tag}", progress_thread=False)
-    source, target = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
-    owner.register_memory([(source.ctypes.data, source.nbytes, 0, "")], "DRAM")
-    reader.register_memory([(target.ctypes.data, target.nbytes, 0, "")], "DRAM")
+    source, target = _buffers(owner, reader, 1 << 20)
     reader.add_remote_agent(owner.get_agent_metadata())
     remote = reader.get_xfer_descs([(source.ctypes.data, source.nbytes, 0)], "DRAM")
     local = reader.get_xfer_descs([(target.ctypes.data, target.nbytes, 0)], "DRAM")
     times_s = []
     for n in range(repeat):
         handle = reader.initialize_xfer("READ", local, remote, owner.name, b"r%d" % n)
-        start = time.perf_counter()
-        state = reader.transfer(handle)
-        while state == "PROC" and time.perf_counter() - start < timeout_s:
-            state = reader.check_xfer_state(handle)
-        if state == "DONE":
-            times_s.append(time.perf_counter() - start)
+        times_s.append(_transfer_within(reader, handle, timeout_s)[1])
         reader.release_xfer_handle(handle)
-    return {"completed": len(times_s), "tried": repeat,
-            "median_us": float(np.median(times_s) * 1e6) if times_s else None}
+    return _completed(times_s)
 
 
 def notification_trip(progress_thread: bool, repeat: int = 300, poll_s: float = 100e-6) -> dict:
@@ -155,9 +172,7 @@ def reads_behind_notifications(repeat: int = 30, timeout_s: float = 0.02) -> dic
     """READs of 256 KiB from an owner that does not poll while they run: completed within
     ``timeout_s`` and their median µs, for four cases (after each, the owner polls once)."""
     owner, reader, other = (make_agent(f"owner-progress-{n}", progress_thread=False) for n in ("o", "r", "n"))
-    source, target = np.ones(1 << 18, np.uint8), np.zeros(1 << 18, np.uint8)
-    owner.register_memory([(source.ctypes.data, source.nbytes, 0, "")], "DRAM")
-    reader.register_memory([(target.ctypes.data, target.nbytes, 0, "")], "DRAM")
+    source, target = _buffers(owner, reader, 1 << 18)
     for sender in (reader, other):
         _connect(sender, owner)
         _traffic(sender, owner)
@@ -168,11 +183,7 @@ def reads_behind_notifications(repeat: int = 30, timeout_s: float = 0.02) -> dic
         if notifier is not None:
             notifier.send_notif(owner.name, b"before")
         handle = reader.make_prepped_xfer("READ", local, [0], remote, [0], notification)
-        start = time.perf_counter()
-        state = reader.transfer(handle)
-        while state == "PROC" and time.perf_counter() - start < timeout_s:
-            state = reader.check_xfer_state(handle)
-        took_s = time.perf_counter() - start if state != "PROC" else None
+        state, took_s = _transfer_within(reader, handle, timeout_s)
         owner.get_new_notifs()  # the owner's progress lets a waiting READ finish
         while state == "PROC":
             state = reader.check_xfer_state(handle)
@@ -186,12 +197,7 @@ def reads_behind_notifications(repeat: int = 30, timeout_s: float = 0.02) -> dic
              "after another agent's notification": {"notifier": other}}
     for _ in range(5):  # warm-up: the first READs of a new pair may wait for the owner (connection set-up)
         read()
-    figures = {}
-    for label, kwargs in cases.items():
-        done_s = [t for t in (read(**kwargs) for _ in range(repeat)) if t is not None]
-        figures[label] = {"completed": len(done_s), "tried": repeat,
-                          "median_us": float(np.median(done_s) * 1e6) if done_s else None}
-    return figures
+    return {label: _completed([read(**kwargs) for _ in range(repeat)]) for label, kwargs in cases.items()}
 
 
 def run(seconds: float = 1.0, repeat: int = 300) -> dict:
