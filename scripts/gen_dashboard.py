@@ -25,9 +25,10 @@ PANELS = [
     ("Reads in flight / holds pending", "short", [
         ("reads in flight", f"sum(kvxferd_reads_in_flight{SEL})"), ("holds pending", f"sum(kvxferd_holds_pending{SEL})")]),
     ("Notify events / s", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_notify_events_total{SEL}{RATE}))")]),
-    ("Leases expired and stale reads / s", "ops", [
+    ("Leases expired, stale reads and late notices / s", "ops", [
         ("leases expired", f"sum(rate(kvxferd_leases_expired_total{SEL}{RATE}))"),
-        ("stale reads ({{side}})", f"sum by (side) (rate(kvxferd_stale_reads_total{SEL}{RATE}))")]),
+        ("stale reads", f"sum(rate(kvxferd_stale_reads_total{SEL}{RATE}))"),
+        ("late notices", f"sum(rate(kvxferd_late_notices_total{SEL}{RATE}))")]),
     ("Handshakes p99 by outcome", "s", [
         ("{{outcome}}", f"histogram_quantile(0.99, sum by (le, outcome) (rate(kvxferd_handshake_duration_seconds_bucket{SEL}{RATE})))")]),
     ("RPC errors / s", "ops", [("{{method}} {{code}}", f"sum by (method, code) (rate(kvxferd_rpc_errors_total{SEL}{RATE}))")]),

@@ -32,7 +32,7 @@ def test_demo_verifies_every_preset_through_daemons():
         assert 2 <= len(warm_up_ms) <= 8 and (warm_up_ms[-1] < 50 or len(warm_up_ms) == 8), warm_up_ms
         assert row["latency_p99_ms"] >= row["latency_p50_ms"] > 0
         stages = row["stage_p50_ms"]  # where the time went, from the daemon's and the engine's clocks
-        assert set(stages) == {"to_daemon", "plan", "post", "transfer", "acks", "to_engine"}
+        assert set(stages) == {"to_daemon", "plan", "post", "transfer", "check", "to_engine"}
         assert stages["plan"] > 0 and stages["post"] > 0 and sum(stages.values()) <= 2 * row["latency_p99_ms"]
 
 

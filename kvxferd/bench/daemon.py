@@ -128,7 +128,7 @@ def _format_one(f: dict) -> str:
     for key, label in (("submit_call", "SubmitRead call (client)"), ("daemon_plan", "submit -> planned (daemon)"),
                        ("submit_to_posted", "submit -> posted (daemon)"),
                        ("daemon_transfer", "posted -> transfer ended (daemon)"),
-                       ("daemon_ack", "transfer ended -> acked (daemon)"),
+                       ("daemon_check", "transfer ended -> checked (daemon)"),
                        ("completion_to_delivered", "completion -> delivered (engine)"),
                        ("end_to_end", "submit -> delivered (end to end)"), ("raw_nixl", "raw NIXL, same request alone")):
         lines.append(f"  {label:<34}{o[key]['p50_us']:>9.0f}{o[key]['p99_us']:>9.0f}")

@@ -168,7 +168,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         if not submit_call_s:
             submit_call_s = [0.0]  # the stream has no call to wait for
         post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], len(not_submitted), start_unix
-        stages_s = {"plan": [], "transfer": [], "ack": []}
+        stages_s = {"plan": [], "transfer": [], "check": []}
         for request in requests:
             if request.request_id in not_submitted:
                 continue

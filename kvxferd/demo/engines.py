@@ -197,14 +197,14 @@ def read_stages(submitted_unix_s: float, delivered: Sequence[tuple[pb.Completion
 
     Wall clocks of the engine and its daemon (one host): submitted -> the daemon
     took the read -> planned -> every rank posted (``transfer()`` copies host
-    memory synchronously, so the copy is here) -> transfers ended -> acks in
+    memory synchronously, so the copy is here) -> transfers ended -> board checks in
     -> the engine has the completion.
     """
     completion, delivered_unix_s = max(delivered, key=lambda item: item[1])
     started_unix_s = completion.done_unix_s - completion.duration_s
     return {"to_daemon": started_unix_s - submitted_unix_s, "plan": completion.plan_s,
             "post": completion.post_s - completion.plan_s, "transfer": completion.transfer_s,
-            "acks": completion.ack_s, "to_engine": delivered_unix_s - completion.done_unix_s}
+            "check": completion.check_s, "to_engine": delivered_unix_s - completion.done_unix_s}
 
 
 # Opening a UCX connection needs its owner to make progress, and a prefill daemon that holds

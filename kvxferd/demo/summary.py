@@ -96,7 +96,7 @@ def format_table(summary: dict) -> str:
 
 
 STAGE_HEADS = (("to_daemon", "to daemon"), ("plan", "plan"), ("post", "post+copy"), ("transfer", "transfer"),
-               ("acks", "acks"), ("to_engine", "to engine"))
+               ("check", "check"), ("to_engine", "to engine"))
 
 
 def _stage_lines(rows: list[dict]) -> list[str]:

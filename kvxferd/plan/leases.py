@@ -8,9 +8,12 @@ publishes what ends. Every hold ends exactly once::
       ├──► lease runs out (renewals push it back) ──────────────────────► EXPIRED
       └──► engine releases it / goes away ───────────────────────────────► EXPIRED
 
-A notice for a request that is not held (never held, already ended, or
-past its lease even if the expiry timer has not run yet) is answered "not
-alive": the reader must not report that read as a success.
+With a :class:`HoldBoard`, a hold's tag is on the board from ``hold`` until
+the call that ends it: every end clears the tag before it is returned, so a
+reader that still finds the tag after its read knows the blocks had not been
+freed. A notice for a request that is not held (never held, already ended,
+or past its lease even if the expiry timer has not run yet) counts for
+nothing.
 
 Cost per hold: ``hold``, ``release`` and ``record`` are O(1) (a dict);
 ``renew`` is O(1) per id; ``expire`` is O(log n) per hold it ends, through a
@@ -27,6 +30,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.plan.board import HoldBoard, hold_tag
 from kvxferd.plan.notifications import ReadNotice
 
 CONSUMED, EXPIRED = "CONSUMED", "EXPIRED"
@@ -45,7 +49,7 @@ class HoldEnd:
 
 @dataclass(frozen=True)
 class NoticeOutcome:
-    """What one reader's notice did: the ack to send, and what to publish."""
+    """What one reader's notice did: whether it counted, and what to publish."""
 
     alive: bool
     failed: bool = False  # a live hold got a failed reader (publish FAILED)
@@ -57,14 +61,16 @@ class _Hold:
     block_ids: tuple
     expires_s: float
     token: int  # tells this hold's heap entry from a former hold of the same request id
+    tag: int  # on the board while held
     expected: int | None = None
     readers: dict[tuple[str, int], bool] = field(default_factory=dict)
 
 
 class HoldTable:
-    """Holds of one engine rank, by the engine's request id (not thread-safe)."""
+    """Holds of one engine rank, by the engine's request id (not thread-safe); ``board`` mirrors them."""
 
-    def __init__(self) -> None:
+    def __init__(self, board: HoldBoard | None = None) -> None:
+        self.board = board
         self._holds: dict[str, _Hold] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (expires_s at push, token, request id)
         self._tokens = itertools.count()
@@ -78,7 +84,9 @@ class HoldTable:
             raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
         if request_id in self._holds:
             raise InvalidArgumentError("request_id", f"request {request_id!r} is already held")
-        entry = _Hold(block_ids, now + lease_s, next(self._tokens))
+        entry = _Hold(block_ids, now + lease_s, next(self._tokens), hold_tag(request_id))
+        if self.board is not None:
+            self.board.add(entry.tag)  # may refuse (both buckets full): then nothing is held
         self._holds[request_id] = entry
         heapq.heappush(self._deadlines, (entry.expires_s, entry.token, request_id))
 
@@ -98,6 +106,7 @@ class HoldTable:
         entry = self._holds.pop(request_id, None)
         if entry is None:
             raise NotFoundError("request_id", f"request {request_id!r} is not held")
+        self._unboard(entry)
         return HoldEnd(request_id, EXPIRED, entry.block_ids, "released")
 
     def record(self, notice: ReadNotice, now: float, expected_readers: int | None = None) -> NoticeOutcome:
@@ -124,6 +133,7 @@ class HoldTable:
         if len(entry.readers) < entry.expected:
             return NoticeOutcome(alive=True, failed=failed)
         del self._holds[notice.request_id]
+        self._unboard(entry)
         failed_readers = tuple(sorted(r for r, ok in entry.readers.items() if not ok))
         return NoticeOutcome(True, failed, HoldEnd(notice.request_id, CONSUMED, entry.block_ids, "", failed_readers))
 
@@ -140,6 +150,7 @@ class HoldTable:
                 heapq.heappush(deadlines, (entry.expires_s, token, request_id))
                 continue
             del self._holds[request_id]
+            self._unboard(entry)
             ended.append(HoldEnd(request_id, EXPIRED, entry.block_ids, "lease"))
         if not self._holds:
             deadlines.clear()  # entries of holds that ended otherwise
@@ -148,9 +159,16 @@ class HoldTable:
     def drop_all(self, reason: str) -> list[HoldEnd]:
         """End every hold (the engine is going away)."""
         ended = [HoldEnd(rid, EXPIRED, entry.block_ids, reason) for rid, entry in self._holds.items()]
+        for entry in self._holds.values():
+            self._unboard(entry)
         self._holds.clear()
         self._deadlines.clear()
         return ended
+
+    def _unboard(self, entry: _Hold) -> None:
+        """Clear a hold's tag: before its end leaves this table, so before anyone can free its blocks."""
+        if self.board is not None:
+            self.board.remove(entry.tag)
 
     def request_ids(self) -> list[str]:
         return list(self._holds)

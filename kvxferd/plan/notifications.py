@@ -1,21 +1,22 @@
-"""The notification a reader sends every remote rank holding a request's data, and the holder's ack.
+"""The notification a reader sends every remote rank holding a request's data.
 
-Sent over NIXL (attached to the transfer when the rank was read, standalone
-otherwise). A notice names the prefill-side request, the reader, whether the
-read succeeded, and how many readers the prefill rank must hear from before
-it may free the request's blocks. The holder answers with an ack saying
-whether the hold was alive when the notice came.
+Sent over NIXL from the reader's notice agent (a second agent, so that its
+data READs never queue behind a notification: docs/benchmarks.md), after the
+read ended and the holder's board was checked. A notice names the
+prefill-side request, the reader, whether the read succeeded, and how many
+readers the prefill rank must hear from before it may free the request's
+blocks. Nothing answers it: whether the hold was alive is what the reader
+learned from the board (:mod:`kvxferd.plan.board`).
 
-Both are small fixed binary records (encoding one is ~1 µs, a JSON object
-was ~5 µs each way), validated field by field on decode: they come from
-peers::
+A small fixed binary record (encoding one is ~1 µs, a JSON object was ~5 µs
+each way), validated field by field on decode: it comes from peers::
 
     offset  size  field
-         0     2  magic           b"KN" notice | b"KA" ack
+         0     2  magic           b"KN"
          2     1  version         1
-         3     1  flags           bit 0: ok (notice) / alive (ack)
+         3     1  flags           bit 0: ok
          4     2  reader_rank     little-endian u16
-         6     2  expected        u16: readers to expect (notice, >= 1); 0 in an ack
+         6     2  expected        u16: readers to expect, >= 1
          8     2  len(request_id)         u16, 1..MAX_ID_BYTES
         10     2  len(reader_engine_id)   u16, 1..MAX_ID_BYTES
         12     .  request_id, reader_engine_id (UTF-8), nothing after
@@ -31,20 +32,15 @@ from kvxferd.errors import InvalidArgumentError
 RECORD_VERSION = 1
 MAX_ID_BYTES = 512
 _HEADER = struct.Struct("<2sBBHHHH")
-_NOTICE, _ACK = b"KN", b"KA"
+_NOTICE = b"KN"
 
 
-def _encode(magic: bytes, flag: bool, reader_rank: int, expected: int, request_id: str, reader_engine_id: str) -> bytes:
-    rid, eid = request_id.encode(), reader_engine_id.encode()
-    return _HEADER.pack(magic, RECORD_VERSION, int(flag), reader_rank, expected, len(rid), len(eid)) + rid + eid
-
-
-def _decode(message: bytes, magic: bytes, field: str) -> tuple[bool, int, int, str, str]:
-    """(flag, reader_rank, expected, request_id, reader_engine_id) of a peer's record, every field checked."""
+def _decode(message: bytes, field: str = "notification") -> tuple[bool, int, int, str, str]:
+    """(ok, reader_rank, expected, request_id, reader_engine_id) of a peer's record, every field checked."""
     if not isinstance(message, (bytes, bytearray)) or len(message) < _HEADER.size:
         raise InvalidArgumentError(field, f"not a kvxferd {field}: {len(message or b'')} bytes")
     got_magic, version, flags, reader_rank, expected, rid_len, eid_len = _HEADER.unpack_from(message)
-    if got_magic != magic:
+    if got_magic != _NOTICE:
         raise InvalidArgumentError(field, f"not a kvxferd {field}: starts with {bytes(message[:2])!r}")
     if version != RECORD_VERSION:
         raise InvalidArgumentError(f"{field}.version", f"unsupported {field} version {version}")
@@ -73,43 +69,14 @@ class ReadNotice:
     ok: bool = True
 
     def encode(self) -> bytes:
-        return _encode(_NOTICE, self.ok, self.reader_rank, self.expected_readers, self.request_id, self.reader_engine_id)
+        rid, eid = self.request_id.encode(), self.reader_engine_id.encode()
+        return _HEADER.pack(_NOTICE, RECORD_VERSION, int(self.ok), self.reader_rank, self.expected_readers,
+                            len(rid), len(eid)) + rid + eid
 
     @classmethod
     def decode(cls, message: bytes) -> "ReadNotice":
         """Parse a peer's message; raises :class:`InvalidArgumentError` naming the field."""
-        ok, reader_rank, expected, request_id, reader_engine_id = _decode(message, _NOTICE, "notification")
+        ok, reader_rank, expected, request_id, reader_engine_id = _decode(message)
         if expected < 1:
             raise InvalidArgumentError("notification.expected_readers", "a notice must expect at least one reader")
         return cls(request_id, reader_engine_id, reader_rank, expected, ok)
-
-
-@dataclass(frozen=True)
-class ReadAck:
-    """The holder's answer to a reader's notice: was the hold alive when it came?
-
-    A read is a success only if every rank it read from answers ``alive``:
-    the notice follows the data, so an alive hold means the bytes were read
-    while the blocks were still held (never freed and reused under the read).
-    """
-
-    request_id: str  # the prefill side's request id, as in the notice
-    reader_engine_id: str
-    reader_rank: int
-    alive: bool
-
-    def encode(self) -> bytes:
-        return _encode(_ACK, self.alive, self.reader_rank, 0, self.request_id, self.reader_engine_id)
-
-    @classmethod
-    def decode(cls, message: bytes) -> "ReadAck":
-        """Parse a holder's ack; raises :class:`InvalidArgumentError` naming the field."""
-        alive, reader_rank, expected, request_id, reader_engine_id = _decode(message, _ACK, "ack")
-        if expected != 0:
-            raise InvalidArgumentError("ack", "an ack carries no reader count")
-        return cls(request_id, reader_engine_id, reader_rank, alive)
-
-
-def is_ack(message: bytes) -> bool:
-    """Acks and notices share the NIXL channel; each record starts with its magic."""
-    return message[:2] == _ACK

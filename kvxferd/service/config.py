@@ -89,8 +89,9 @@ class DaemonConfig(BaseSettings):
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
     handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
     peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")
-    poll_interval_s: float = Field(100e-6, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
-                                   "while requests are held (how soon a reader's notice is acknowledged) (s)")
+    poll_interval_s: float = Field(1e-3, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
+                                   "while requests are held: how soon readers' notices are counted; lower it "
+                                   "(e.g. 1e-4) where UCX runs over TCP, whose READs wait for the holder's poll (s)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
 

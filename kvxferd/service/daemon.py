@@ -117,7 +117,8 @@ class Daemon:
             self.registry = Registry(self.dataplane, self.publish, daemon_id=config.daemon_id,
                                      default_lease_s=config.lease_s, max_lease_s=config.max_lease_s,
                                      fd_inbox=self._fd_inbox, max_engines=config.max_engines,
-                                     max_registered_bytes=config.max_registered_bytes)
+                                     max_registered_bytes=config.max_registered_bytes,
+                                     max_holds=config.max_holds_per_engine)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))

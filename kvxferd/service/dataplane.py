@@ -6,20 +6,21 @@ from the event loop on the hot path::
     event loop (gRPC)              data-plane thread
     ─────────────────              ─────────────────────────────────────────
     submit: validate, plan ──────► post (make_prepped_xfer + transfer per rank)
-                                   poll states and notices of every agent:
+                                   poll own reads: data ended -> board check READ -> notices
+                                   poll notices of every agent (and the notice agents' progress):
                                      reader notice -> from the agent that reader introduced?
-                                       no: dropped, counted; yes: hold table -> ack to the reader
-                                     holder ack    -> the waiting read
+                                       no: dropped, counted; yes: hold table
     ReadPath.done(list) ◄───────── reads that ended this round (one hop per round, not per read):
-    notify bus          ◄───────── transfer finished AND every rank read from acked "alive"
-                                   hold CONSUMED / reader FAILED (also a list per round)
+                                   transfer finished AND every rank's hold still on its board
+    notify bus          ◄───────── hold CONSUMED / reader FAILED (also a list per round)
 
 How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing)::
 
     own reads in flight          poll, sleeping 20 µs doubling to READ_POLL_MAX_S
-    holds a reader may notify    poll every HOLD_POLL_S (an ack within ~0.1 ms); Hold wakes it
-    neither                      poll every IDLE_POLL_S (a stray notice still gets its "not
-                                 alive" answer, UCX keeps progressing) until woken
+    holds a reader may notify,   poll every ``interval_s`` (config poll_interval_s, 1 ms): no
+    or notices sent lately       reader waits for it over shared memory or RDMA (it only counts
+                                 notices), but UCX over TCP needs it to serve READs
+    neither                      poll every IDLE_POLL_S (UCX keeps progressing) until woken
     no engine registered         block until woken
 
 Holds are shared with the event loop (Hold, RenewLease, expiry) under the
@@ -36,12 +37,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from kvxferd.errors import InvalidArgumentError, KvxferError
+from kvxferd.errors import KvxferError
 from kvxferd.plan.engine import PlannedRead
 from kvxferd.plan.leases import HoldEnd
-from kvxferd.plan.notifications import ReadAck, is_ack
 from kvxferd.service.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
@@ -49,13 +49,14 @@ from kvxferd.xfer.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
-HOLD_POLL_S = 100e-6  # sleep while some engine holds requests a reader may notify about
+HOLD_POLL_S = 1e-3  # sleep while some engine holds requests a reader may notify about
+NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 
 
 @dataclass(eq=False)
 class DaemonRead:
-    """A submitted read from its post to its acks."""
+    """A submitted read from its post to its end."""
 
     slot: EngineSlot
     remote: RemoteEngine
@@ -65,9 +66,7 @@ class DaemonRead:
     inflight: InFlightRead | None = None
     queued_s: float = 0.0  # handed to this thread
     posted_s: float = 0.0
-    transferred_s: float = 0.0  # every rank's transfer ended
     transfer: ReadResult | None = None
-    acks: dict[int, bool | None] = field(default_factory=dict)  # remote rank read -> holder alive?
 
     @property
     def request_id(self) -> str:
@@ -85,7 +84,7 @@ class ReadDone:
     failure: ReadFailure  # NONE when ok
     plan_s: float = 0.0  # submit -> handed to the data-plane thread
     transfer_s: float = 0.0  # posted -> every transfer ended
-    ack_s: float = 0.0  # transfers ended -> acks in
+    check_s: float = 0.0  # transfers ended -> board checks in, notices sent
 
 
 class DataPlane:
@@ -102,9 +101,10 @@ class DataPlane:
         self._metrics = metrics
         self.interval_s = interval_s
         self._slots: list[EngineSlot] = []
+        # id(slot) -> (its executor's num_notices_sent when last seen changed, when: perf_counter)
+        self._notices_seen: dict[int, tuple[int, float]] = {}
+        self._notices_active = False  # some notice agent was polled this round
         self._reads: list[DaemonRead] = []
-        # (reader engine, holder agent, holder's request id) -> the read and the holder's rank
-        self._awaiting: dict[tuple[str, str, str], tuple[DaemonRead, int]] = {}
         self._commands: collections.deque = collections.deque()
         self._wake = Waker()
         self._stop = threading.Event()
@@ -154,17 +154,14 @@ class DataPlane:
             return
         if kind == "foreign":
             self._metrics.notices_dropped.inc()
-        elif kind == "stale":
-            self._metrics.stale_reads.labels("holder").inc()
+        elif kind == "late":
+            self._metrics.late_notices.inc()
 
     def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None) -> None:
         """Abort a slot's reads (of one remote engine, or all) before their memory or lists go."""
         for read in list(self._reads):
             if read.slot is slot and remote_engine_id in (None, read.remote.plan.remote_engine_id):
-                if read.transfer is None:
-                    read.transfer = slot.executor.abort(read.inflight, reason)
-                else:
-                    read.transfer = _failed(read, read.transfer, reason, tuple(q for q, a in read.acks.items() if a is None))
+                read.transfer = slot.executor.abort(read.inflight, reason)
                 self._finish(read, ReadFailure.ABORTED)
 
     def remove_slot(self, slot: EngineSlot, reason: str) -> None:
@@ -172,6 +169,8 @@ class DataPlane:
         self.fail_reads(slot, reason)
         if slot in self._slots:
             self._slots.remove(slot)
+        self._notices_seen.pop(id(slot), None)
+        slot.holder.close()
         slot.executor.close()
 
     # ---- the thread ----------------------------------------------------------------
@@ -186,7 +185,7 @@ class DataPlane:
                 sleep_s = POLL_MIN_S
             elif self._reads:
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
-            elif any(len(slot.holds) for slot in self._slots):
+            elif self._notices_active or any(len(slot.holds) for slot in self._slots):
                 sleep_s = self.interval_s
             else:
                 sleep_s = IDLE_POLL_S if self._slots else None
@@ -229,99 +228,65 @@ class DataPlane:
         except KvxferError as err:
             self._deliver(read, error_result(read, str(err)), ReadFailure.REMOTE_GONE)
             return
-        read.posted_s = time.perf_counter()
-        names = read.remote.agent_names
-        for rank_read in read.planned.reads:
-            q = rank_read.remote_rank
-            read.acks[q] = None
-            self._awaiting[(read.slot.engine_id, names[q], read.planned.request.remote_request_id)] = (read, q)
+        read.posted_s = read.inflight.posted_s  # before the first poll, which may see the transfer end
         self._reads.append(read)
 
     def _advance_reads(self) -> bool:
         busy = False
         now = time.perf_counter()
         for read in list(self._reads):
-            if read.transfer is None:
-                read.transfer = read.slot.executor.poll(read.inflight)
-                if read.transfer is None and now >= read.deadline_s:
-                    read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer did not finish in time",
-                                                             ReadFailure.DEADLINE)
-                if read.transfer is None:
-                    continue
-                read.transferred_s = now
-            busy |= self._settle(read, now)
+            read.transfer = read.slot.executor.poll(read.inflight)
+            if read.transfer is None and now >= read.deadline_s:
+                read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer or its board check "
+                                                         "did not end in time", ReadFailure.DEADLINE)
+            if read.transfer is not None:
+                self._finish(read, read.transfer.failure)
+                busy = True
         return busy
-
-    def _settle(self, read: DaemonRead, now: float) -> bool:
-        """Finish a read whose transfer ended once its acks are in; True when it finished."""
-        if not read.transfer.ok:
-            self._finish(read, read.transfer.failure or ReadFailure.TRANSFER)
-            return True
-        waiting = tuple(q for q, alive in read.acks.items() if alive is None)
-        stale = tuple(q for q, alive in read.acks.items() if alive is False)
-        if stale:
-            read.transfer = _failed(read, read.transfer, "stale read: the hold had ended (lease expired or "
-                                    "released) before the holder acknowledged the read", stale)
-            self._finish(read, ReadFailure.STALE)
-        elif not waiting:
-            self._finish(read, ReadFailure.NONE)
-        elif now >= read.deadline_s:
-            read.transfer = _failed(read, read.transfer, "deadline: the holder did not acknowledge the read", waiting)
-            self._finish(read, ReadFailure.DEADLINE)
-        else:
-            return False  # still waiting for an ack: not progress, keep backing off
-        return True
 
     def _finish(self, read: DaemonRead, failure: ReadFailure) -> None:
         self._reads.remove(read)
-        names = read.remote.agent_names
-        for q in read.acks:
-            self._awaiting.pop((read.slot.engine_id, names[q], read.planned.request.remote_request_id), None)
         self._deliver(read, read.transfer, failure)
 
     def _deliver(self, read: DaemonRead, result: ReadResult, failure: ReadFailure) -> None:
         self._num_done += 1
         now = time.perf_counter()
         post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
-        result = replace(result, duration_s=now - read.submitted_s)  # includes the acks
+        result = replace(result, duration_s=now - read.submitted_s)  # includes the board checks
         stages = {}
         if read.posted_s:
             stages["plan_s"] = read.queued_s - read.submitted_s
-            if read.transferred_s:
-                stages.update(transfer_s=read.transferred_s - read.posted_s, ack_s=now - read.transferred_s)
+            transferred_s = read.inflight.transferred_s if read.inflight is not None else 0.0
+            if transferred_s:
+                stages.update(transfer_s=transferred_s - read.posted_s, check_s=now - transferred_s)
         self._finished.append(ReadDone(read.slot, result, post_s, time.time(), failure, **stages))
 
-    # ---- notices and acks ------------------------------------------------------------
+    # ---- notices ----------------------------------------------------------------------
     def _poll_notifications(self) -> bool:
-        busy = False
+        busy = self._notices_active = False
         for slot in self._slots:
             try:
                 messages = slot.agent.new_messages()
+                self._progress_notices(slot)
             except NixlError as err:
                 log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
                 continue
             for sender, message in messages:
                 busy = True
-                if is_ack(message):
-                    self._on_ack(slot, sender, message)
-                else:
-                    self._on_notice(slot, sender, message)
+                for kind, end in slot.holder.on_notice(sender, message):
+                    self._hold_events.append((slot, kind, end))
         return busy
 
-    def _on_notice(self, slot: EngineSlot, sender: str, message: bytes) -> None:
-        for kind, end in slot.holder.on_notice(sender, message):
-            self._hold_events.append((slot, kind, end))
-
-    def _on_ack(self, slot: EngineSlot, sender: str, message: bytes) -> None:
-        try:
-            ack = ReadAck.decode(message)
-        except InvalidArgumentError:
-            return  # not an ack of ours: a read waiting for one fails on its deadline
-        entry = self._awaiting.get((ack.reader_engine_id, sender, ack.request_id))
-        if entry is None or entry[0].slot is not slot:
-            return  # the read ended already (deadline, abort), or a forged ack
-        read, q = entry
-        read.acks[q] = ack.alive
+    def _progress_notices(self, slot: EngineSlot) -> None:
+        """Poll a slot's notice agent for NOTICE_PROGRESS_S after its last notice: it receives nothing, but
+        UCX sends a notice on only while its agent makes progress (an idle one costs nothing)."""
+        sent, now = slot.executor.num_notices_sent, time.perf_counter()
+        seen = self._notices_seen.get(id(slot))
+        if seen is None or seen[0] != sent:
+            self._notices_seen[id(slot)] = seen = (sent, now)
+        if now - seen[1] < NOTICE_PROGRESS_S:
+            self._notices_active = True
+            slot.executor.notices.poll_notifications()
 
 
 def error_result(read: DaemonRead, error: str) -> ReadResult:
@@ -329,12 +294,4 @@ def error_result(read: DaemonRead, error: str) -> ReadResult:
     everything = tuple(range(len(read.remote.agent_names)))
     return ReadResult(planned.request.request_id, read.remote.plan.remote_engine_id, False, 0, 0,
                       time.perf_counter() - read.submitted_s, planned.invalid_block_ids(everything), everything, error)
-
-
-def _failed(read: DaemonRead, result: ReadResult, error: str, ranks: tuple[int, ...]) -> ReadResult:
-    failed = tuple(sorted(set(result.failed_ranks) | set(ranks)))
-    return replace(result, ok=False, failed_ranks=failed, error=error,
-                   invalid_block_ids=read.planned.invalid_block_ids(failed),
-                   num_bytes=sum(r.num_bytes for r in read.planned.reads if r.remote_rank not in failed),
-                   duration_s=time.perf_counter() - read.submitted_s)
 

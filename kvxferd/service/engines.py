@@ -36,6 +36,7 @@ from kvxferd.service.memory import open_region
 from kvxferd.service.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.agent import NixlAgent, collect_agents
+from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.reads import ReadExecutor
 
 log = logging.getLogger("kvxferd.engines")
@@ -53,8 +54,9 @@ class Registry:
 
     def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, str, HoldEnd], None], *,
                  daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
-                 max_engines: int = 64, max_registered_bytes: int = 1 << 40) -> None:
+                 max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000) -> None:
         self.dataplane = dataplane
+        self.max_holds = max_holds  # per engine rank: sizes its hold board
         self.max_engines = max_engines
         self.max_registered_bytes = max_registered_bytes
         self.publish = publish
@@ -211,8 +213,10 @@ class Registry:
         name = f"{self.daemon_id}.{cache.engine_id}.{cache.tp_rank}.{incarnation[:12]}"
         agent = NixlAgent(name)
         executor = ReadExecutor(agent, cache)
-        slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0)
-        slot.metadata = agent.metadata()  # after registration: carries the memory keys peers need
+        holder = Holder(agent, self.max_holds)
+        slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
+        slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need
+        slot.notices_metadata = executor.notices.metadata()
         slot.heartbeat()
         return slot
 

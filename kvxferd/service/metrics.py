@@ -23,7 +23,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.read_duration = Histogram("kvxferd_read_duration_seconds", "submit to completion of a read (incl. holder acks)",
+        self.read_duration = Histogram("kvxferd_read_duration_seconds", "submit to completion of a read (incl. board checks)",
                                        ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.read_post = Histogram("kvxferd_read_post_seconds", "submit to every rank posted",
                                    buckets=_LATENCY_BUCKETS, registry=r)
@@ -36,10 +36,13 @@ class Metrics:
         self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",
                                             ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.leases_expired = Counter("kvxferd_leases_expired", "holds whose lease ran out unread", registry=r)
-        self.stale_reads = Counter("kvxferd_stale_reads", "reads caught racing a freed hold", ["side"], registry=r)
+        self.stale_reads = Counter("kvxferd_stale_reads", "reads whose hold had left the holder's board when they were "
+                                   "checked (blocks invalid)", registry=r)
+        self.late_notices = Counter("kvxferd_late_notices", "readers' notices for holds that had ended already "
+                                    "(lease, release): counted for nothing", registry=r)
         self.events = Counter("kvxferd_notify_events", "notify-bus events published", ["kind"], registry=r)
         self.notices_dropped = Counter("kvxferd_notices_dropped", "read notices from NIXL agents not introduced for "
-                                       "that reader (forged or stale), dropped unanswered", registry=r)
+                                       "that reader (forged or stale), dropped", registry=r)
         self.insecure_listeners = Gauge("kvxferd_insecure_listeners", "listeners reachable from other hosts without "
                                         "authentication (only with --insecure)", registry=r)
         self.tls_reloads = Counter("kvxferd_tls_reloads", "times changed TLS files were loaded", registry=r)

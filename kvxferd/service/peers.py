@@ -175,11 +175,12 @@ class Peers:
                     and addresses == link.addresses and slot.executor.is_current(link.remote):
                 return  # idempotent: nothing changed
             caches, metadata = [i.cache for i in infos], [i.agent_metadata for i in infos]
+            boards = [i.board for i in infos]
 
             def connect() -> RemoteEngine:
                 self.dataplane.fail_reads(slot, "the remote engine was re-handshaked (restarted or unreachable)",
                                           link.remote_engine_id)
-                return slot.executor.connect(caches, metadata)
+                return slot.executor.connect(caches, metadata, boards)
 
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
             link.addresses, link.incarnations, link.stale = addresses, incarnations, False
@@ -196,7 +197,8 @@ class Peers:
         field = f"peer_addresses[{q}]"
         request = pb.EngineInfoRequest(engine_id=link.remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=q,
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
-                                       reader_tp_size=slot.cache.tp_size, reader_agent_metadata=slot.metadata)
+                                       reader_tp_size=slot.cache.tp_size,
+                                       reader_agent_metadata=slot.notices_metadata)
         try:
             reply = await self.call(address, "GetEngineInfo", request)
         except grpc.aio.AioRpcError as err:

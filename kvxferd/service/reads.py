@@ -111,7 +111,7 @@ class ReadPath:
             if not result.ok:
                 m.read_failures.labels((done.failure or ReadFailure.TRANSFER).value).inc()
                 if done.failure is ReadFailure.STALE:
-                    m.stale_reads.labels("reader").inc()
+                    m.stale_reads.inc()
                 link = slot.links.get(result.remote_engine_id)
                 if link is not None and done.failure in STALE_LINK_FAILURES:
                     link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
@@ -120,4 +120,4 @@ class ReadPath:
                 num_descriptors=result.num_descriptors, duration_s=result.duration_s,
                 invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
                 post_s=done.post_s, done_unix_s=done.done_unix_s, failed_ranks=result.failed_ranks,
-                plan_s=done.plan_s, transfer_s=done.transfer_s, ack_s=done.ack_s))
+                plan_s=done.plan_s, transfer_s=done.transfer_s, check_s=done.check_s))

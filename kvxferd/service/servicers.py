@@ -40,6 +40,7 @@ from kvxferd.wire.messages import (MAX_TP_SIZE, check_id, check_peer_addresses, 
                                    read_request_from_pb, read_request_from_spec)
 from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
+from kvxferd.xfer.agent import agent_name_of
 from kvxferd.xfer.holder import Reader
 
 if TYPE_CHECKING:
@@ -293,15 +294,15 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
             raise InvalidArgumentError("tp_rank", f"this daemon serves rank {slot.cache.tp_rank} of "
                                                   f"{request.engine_id!r}, not {request.tp_rank}")
         await self._introduce(slot, request)  # no agent metadata or addresses for anyone who does not
-        return encode_info(slot.incarnation, slot.metadata, slot.cache)
+        return encode_info(slot.incarnation, slot.metadata, slot.cache, slot.holder.board)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest) -> None:
-        """Load the reader's agent; one reference per (reader engine, rank), the previous one dropped.
+        """Record which NIXL agent this reader's notices come from, by the name its metadata carries.
 
-        A bad introduction fails here without touching any agent already
-        loaded: :meth:`NixlAgent.add_remote` refuses a known name with other
-        bytes, and an agent shared by several introductions stays loaded
-        until the last one lets go.
+        Nothing is loaded: the holder sends readers nothing (they check their
+        holds on its board), so it needs only the name to count the reader's
+        notices and drop everyone else's. The same reader introduced again
+        (restarted under a new agent) replaces its old name.
         """
         check_id(request.reader_engine_id, "reader_engine_id")
         if not request.reader_agent_metadata:
@@ -315,17 +316,14 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
             raise PermissionDeniedError("reader_engine_id", f"engine {slot.engine_id!r} does not allow "
                                                             f"{request.reader_engine_id!r} to read it")
         expected = expected_readers(slot.cache, request.reader_tp_size)  # raises for an impossible TP pairing
+        name = agent_name_of(request.reader_agent_metadata, "reader_agent_metadata")
+        if name == slot.agent.name:
+            raise InvalidArgumentError("reader_agent_metadata", f"agent {name!r} is this engine's own agent")
         reader = (request.reader_engine_id, request.reader_tp_rank)
         limit = self.daemon.config.max_readers_per_engine
-        async with slot.introductions:
-            if reader not in slot.readers and len(slot.readers) >= limit:
-                raise ResourceExhaustedError("max_readers_per_engine", f"{limit} readers are introduced already")
-            name = await self.daemon.run_blocking(slot.agent.add_remote, request.reader_agent_metadata,
-                                                  "reader_agent_metadata")
-            old = slot.readers.get(reader)
-            slot.readers[reader] = Reader(name, request.reader_tp_size, expected)
-            if old is not None:  # the same reader again, or restarted under a new agent
-                await self.daemon.run_blocking(slot.agent.remove_remote, old.agent_name)
+        if reader not in slot.readers and len(slot.readers) >= limit:
+            raise ResourceExhaustedError("max_readers_per_engine", f"{limit} readers are introduced already")
+        slot.readers[reader] = Reader(name, request.reader_tp_size, expected)
 
     @rpc
     async def GetIncarnation(self, request, context):

@@ -1,15 +1,15 @@
 """One registered engine rank inside the daemon.
 
 A slot owns what the engine handed over (its mapped memory), the NIXL agent
-and executor that register that memory, the holder (holds of its requests
-and the readers introduced to it) and the engine's completion queue. The
+and executor that register that memory, the holder (holds of its requests,
+their board and the readers introduced to it) and the engine's completion
+queue. The
 event loop and the data-plane thread share it; ``holds`` is guarded by
 ``lock``, everything else belongs to one side as marked.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,20 +42,16 @@ class EngineSlot:
     mapped: list  # MappedRegion / GPU mappings: closed after NIXL deregistration
     lease_s: float
     lease_expires_s: float  # monotonic; pushed back by heartbeats (loop side)
-    holder: Holder | None = None  # its holds and introduced readers (made from the agent when None)
+    holder: Holder  # its holds, their board (registered with ``agent``) and introduced readers
     completions: CompletionFeed = field(default_factory=CompletionFeed)  # loop side
     active: dict[str, ActiveRead] = field(default_factory=dict)  # loop side, by request id
     links: dict = field(default_factory=dict)  # remote engine id -> RemoteLink (loop side)
     allowed_readers: frozenset[str] = frozenset()  # empty: any reader engine
     session: str = ""  # the engine's proof of identity on later calls
     num_bytes: int = 0  # registered memory
-    introductions: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reader introduction at a time (loop side)
     metadata: bytes = b""  # NIXL agent metadata after registration
+    notices_metadata: bytes = b""  # of the executor's notice agent: how this rank introduces itself as a reader
     closing: bool = False
-
-    def __post_init__(self) -> None:
-        if self.holder is None:
-            self.holder = Holder(self.agent)
 
     @property
     def engine_id(self) -> str:

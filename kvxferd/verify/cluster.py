@@ -4,8 +4,9 @@ The data-plane proof: every rank has its own NIXL agent over UCX on
 loopback and its own host-memory arena; decode ranks connect to the
 prefill engine (plan + prepared lists), post real NIXL reads, and every
 decode byte is checked against the oracle. Every prefill rank answers its
-readers' notices with the daemon's own :class:`Holder` (hold table, reader
-introductions, acks), driven by a :class:`HolderThread`.
+readers' notices with the daemon's own :class:`Holder` (hold table and
+board, reader introductions), driven by a :class:`HolderThread`, and every
+read is checked against the holder's board as in the daemon.
 """
 
 from __future__ import annotations
@@ -41,11 +42,10 @@ class LocalCluster(DecodeChecks):
         for holder, engine in zip(self.holders, self.prefill):
             expected = expected_readers(engine.cache, decode_tp)
             for r, executor in enumerate(self.executors):
-                name = holder.agent.add_remote(executor.agent.metadata(), f"decode[{r}]")  # acks go to it
-                holder.readers[(self.decode_id, r)] = Reader(name, decode_tp, expected)
-        # Decode agents are polled too: their notices leave only while their agent makes progress.
-        self.holder_thread = HolderThread(self.prefill_agents + [e.agent for e in self.executors],
-                                 dict(enumerate(self.holders))).__enter__()
+                holder.readers[(self.decode_id, r)] = Reader(executor.notices.name, decode_tp, expected)
+        # Decode agents are polled too: their notices leave only while their notice agent makes progress.
+        self.holder_thread = HolderThread(self.prefill_agents + [a for e in self.executors for a in (e.agent, e.notices)],
+                                          dict(enumerate(self.holders))).__enter__()
         try:
             self.connect()
         except BaseException:
@@ -56,8 +56,9 @@ class LocalCluster(DecodeChecks):
         """(Re)handshake every decode rank with the prefill engine."""
         caches = [engine.cache for engine in self.prefill]
         metadata = [agent.metadata() for agent in self.prefill_agents]
+        boards = [holder.board for holder in self.holders]
         for executor in self.executors:
-            executor.connect(caches, metadata)
+            executor.connect(caches, metadata, boards)
 
     def read(self, request: ReadRequest, timeout_s: float = 30.0, *, hold: bool = True) -> list[ReadResult]:
         """Every decode rank reads ``request``; prefill ranks hold it first."""
@@ -72,5 +73,6 @@ class LocalCluster(DecodeChecks):
         self.holder_thread.stop()
         for executor in self.executors:
             executor.close()
-        for agent, engine in zip(self.prefill_agents, self.prefill):
-            agent.deregister(engine.cache.engine_id)
+        for holder, engine in zip(self.holders, self.prefill):
+            holder.close()
+            holder.agent.deregister(engine.cache.engine_id)

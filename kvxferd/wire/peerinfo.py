@@ -15,11 +15,14 @@ from google.protobuf.message import DecodeError
 
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
 from kvxferd.layout.specs import AttentionSpec
+from kvxferd.plan.board import BoardInfo, check_num_buckets
 from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from_pb
 
-PROTOCOL_VERSION = 3  # 2: readers introduce their TP size (required); 3: notices and acks are binary records
+# 2: readers introduce their TP size (required); 3: notices and acks are binary records;
+# 4: hold boards replace acks (EngineInfo.hold_board required; notices from a second agent, unanswered)
+PROTOCOL_VERSION = 4
 
 
 def model_facts(cache: EngineCache) -> str:
@@ -47,11 +50,13 @@ class PeerInfo:
     incarnation: str
     agent_metadata: bytes
     cache: EngineCache
+    board: BoardInfo
 
 
-def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache) -> pb.EngineInfoReply:
+def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, board: BoardInfo) -> pb.EngineInfoReply:
     info = pb.EngineInfo(incarnation=incarnation, agent_metadata=agent_metadata,
-                         engine=engine_to_pb(cache, with_addresses=True))
+                         engine=engine_to_pb(cache, with_addresses=True),
+                         hold_board=pb.HoldBoard(address=board.address, num_buckets=board.num_buckets))
     return pb.EngineInfoReply(protocol_version=PROTOCOL_VERSION, compatibility_hash=compatibility_hash(cache),
                               payload=info.SerializeToString())
 
@@ -68,4 +73,14 @@ def decode_info(reply: pb.EngineInfoReply, local: EngineCache) -> PeerInfo:
     remote = engine_from_pb(info.engine, peer_memory_from_pb(info.engine))
     if reply.compatibility_hash != compatibility_hash(local) or compatibility_hash(remote) != reply.compatibility_hash:
         raise LayoutMismatchError("compatibility_hash", f"peer model [{model_facts(remote)}] vs local [{model_facts(local)}]")
-    return PeerInfo(info.incarnation, info.agent_metadata, remote)
+    return PeerInfo(info.incarnation, info.agent_metadata, remote, decode_board(info))
+
+
+def decode_board(info: pb.EngineInfo) -> BoardInfo:
+    """The holder's board: required, a power of two of buckets at a nonzero, 8-byte aligned address."""
+    if not info.HasField("hold_board"):
+        raise InvalidArgumentError("hold_board", "the peer announced no hold board")
+    board = info.hold_board
+    if not board.address or board.address % 8:
+        raise InvalidArgumentError("hold_board.address", f"{board.address:#x} is not a u64-aligned address")
+    return BoardInfo(board.address, check_num_buckets(board.num_buckets, "hold_board.num_buckets"))

@@ -60,7 +60,7 @@ SLOW_CALL_S = 0.1  # a NIXL call this long stalls the data plane: logged
 # Calls made once per engine or peer, off the per-request path: a slow one is expected (create_agent
 # takes about 0.5 s), so it is logged at INFO, not as a warning.
 SETUP_CALLS = frozenset({"create_agent", "register_memory", "deregister_memory", "get_agent_metadata",
-                         "add_remote_agent", "remove_remote_agent", "prep_xfer_dlist"})
+                         "add_remote_agent", "remove_remote_agent", "prep_xfer_dlist", "make_connection"})
 
 METADATA_MAGIC, NAME_TAG = b"nixlSerDes|", b"Agent"
 MAX_AGENT_NAME_BYTES = 1024
@@ -148,8 +148,16 @@ class NixlAgent:
         regions = [(m.address, m.num_bytes, m.device_id, "") for group in cache.memory for m in group]
         self._registrations[cache.engine_id] = self._call("register_memory", self._agent.register_memory, regions, cache.mem_type)
 
+    def register_array(self, key: str, array: np.ndarray) -> None:
+        """Register a host array of our own (a hold board, a check area) under ``key``; keep it alive until
+        :meth:`deregister`."""
+        if key in self._registrations:
+            raise InvalidArgumentError("key", f"{key!r} is already registered on agent {self.name!r}")
+        self._registrations[key] = self._call("register_memory", self._agent.register_memory,
+                                              [(array.ctypes.data, array.nbytes, 0, "")], "DRAM")
+
     def deregister(self, engine_id: str) -> None:
-        """Deregister an engine's memory (before that memory may be freed)."""
+        """Deregister an engine's memory, or an array's by its key (before that memory may be freed)."""
         descs = self._registrations.pop(engine_id, None)
         if descs is not None:
             self._call("deregister_memory", self._agent.deregister_memory, descs)
@@ -260,6 +268,10 @@ class NixlAgent:
     def poll_notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender; also makes progress for peers reading us."""
         return self._call("get_new_notifs", self._agent.get_new_notifs)
+
+    def connect_to(self, agent_name: str) -> None:
+        """Set up the connection to a loaded agent now, not with the first transfer or notification."""
+        self._call("make_connection", self._agent.make_connection, agent_name)
 
     def new_messages(self) -> list[tuple[str, bytes]]:
         """:meth:`poll_notifications` as ``(sender agent name, message)`` pairs, in arrival order per sender."""

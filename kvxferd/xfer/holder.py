@@ -1,17 +1,22 @@
-"""The holder's half of the data plane: readers' notices in, acks out, holds ended exactly once.
+"""The holder's half of the data plane: the hold board, readers' notices in, holds ended exactly once.
 
-One :class:`Holder` per engine rank whose memory others read. The daemon's
-data-plane thread and the in-process test cluster drive the same class, so
-the NIXL test matrix exercises the daemon's notice and ack path::
+One :class:`Holder` per engine rank whose memory others read. It keeps the
+rank's hold board (:mod:`kvxferd.plan.board`) in host memory registered with
+the rank's agent, so readers check their holds with a one-sided READ and no
+reader waits for this side. The daemon's data-plane thread and the
+in-process test cluster drive the same class, so the NIXL test matrix
+exercises the daemon's board and notice path::
 
+    Hold        ──► HoldTable.hold: tag onto the board, then held
     notice from agent A ──► decode (typed errors: counted, dropped)
-                        ──► A introduced for that reader?  no: dropped unanswered, counted
+                        ──► A introduced for that reader?  no: dropped, counted
                         ──► HoldTable.record (the holder's own reader count)
-                        ──► ack "alive"/"not alive" to A
-                        ──► HoldEnd: FAILED reader (hold lives on), CONSUMED (last reader)
+                        ──► HoldEnd: FAILED reader (hold lives on), CONSUMED (last reader;
+                            its tag left the board first)
 
-Notices are untrusted: nothing a notice says can end a hold early or
-reach a reader that was not introduced over an authenticated channel.
+Notices are untrusted: nothing a notice says can end a hold early or count
+for a reader that was not introduced over an authenticated channel. Nothing
+is sent back, so a notice can make this side send nothing.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvxferd.errors import InvalidArgumentError
+from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.leases import HoldEnd, HoldTable
-from kvxferd.plan.notifications import ReadAck, ReadNotice
+from kvxferd.plan.notifications import ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError
 from kvxferd.xfer.waker import Waker
 
@@ -32,7 +38,7 @@ from kvxferd.xfer.waker import Waker
 class Reader:
     """A reader engine rank introduced to the holder (by an authenticated peer daemon)."""
 
-    agent_name: str  # only this NIXL agent's notices count for the reader
+    agent_name: str  # only this NIXL agent's notices count for the reader (its notice agent)
     tp_size: int
     expected_readers: int  # reader ranks of that engine that notify this rank per request
 
@@ -42,32 +48,52 @@ class NoticeCounts:
     """What the holder refused or could not answer; ``on_add(kind)`` (the daemon's metrics) sees each one."""
 
     bad: int = 0  # undecodable or inconsistent notices
-    foreign: int = 0  # from an agent not introduced for that reader: dropped unanswered
-    stale: int = 0  # a successful read whose hold had ended: answered "not alive"
-    ack_errors: int = 0  # the ack could not be sent (the reader went away)
+    foreign: int = 0  # from an agent not introduced for that reader: dropped
+    late: int = 0  # a successful read's notice after its hold had ended (lease, release): counts for nothing
     on_add: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def add(self, kind: str) -> None:
-        """Count one ``bad``, ``foreign``, ``stale`` or ``ack_errors`` notice."""
+        """Count one ``bad``, ``foreign`` or ``late`` notice."""
         setattr(self, kind, getattr(self, kind) + 1)
         if self.on_add is not None:
             self.on_add(kind)
 
 
+BOARD_KEY = "hold-board"
+
+
 @dataclass(eq=False)
 class Holder:
-    """Holds of one engine rank and the readers introduced to it; ``lock`` guards ``holds``."""
+    """Holds of one engine rank, its board and the readers introduced to it; ``lock`` guards ``holds``.
+
+    The board is sized for ``max_holds`` and registered with ``agent`` here;
+    :meth:`close` deregisters it (before the agent closes).
+    """
 
     agent: NixlAgent
-    holds: HoldTable = field(default_factory=HoldTable)
+    max_holds: int = 100_000
     lock: threading.Lock = field(default_factory=threading.Lock)
     # (reader engine id, rank) -> Reader. Written by whoever introduces readers, read here
     # (single dict lookups: atomic under the GIL).
     readers: dict[tuple[str, int], Reader] = field(default_factory=dict)
     counts: NoticeCounts = field(default_factory=NoticeCounts)
+    holds: HoldTable = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.holds = HoldTable(HoldBoard(buckets_for(self.max_holds)))
+        self.agent.register_array(BOARD_KEY, self.holds.board.words)
+
+    @property
+    def board(self) -> BoardInfo:
+        words = self.holds.board.words
+        return BoardInfo(words.ctypes.data, len(words))
+
+    def close(self) -> None:
+        """Deregister the board (its holds are ended by whoever ends them: :meth:`HoldTable.drop_all`)."""
+        self.agent.deregister(BOARD_KEY)
 
     def on_notice(self, sender: str, message: bytes, now: float | None = None) -> list[tuple[str, HoldEnd]]:
-        """Answer one reader's notice; the events to publish, as ``(kind, end)``: FAILED and/or CONSUMED."""
+        """Count one reader's notice; the events to publish, as ``(kind, end)``: FAILED and/or CONSUMED."""
         try:
             notice = ReadNotice.decode(message)
         except InvalidArgumentError:
@@ -75,8 +101,7 @@ class Holder:
             return []
         reader = self.readers.get((notice.reader_engine_id, notice.reader_rank))
         if reader is None or reader.agent_name != sender:
-            # Not from the agent that reader introduced: dropped unanswered, so a forged
-            # notice can neither end a hold nor learn anything.
+            # Not from the agent that reader introduced: dropped, so a forged notice cannot end a hold.
             self.counts.add("foreign")
             return []
         try:
@@ -86,14 +111,8 @@ class Holder:
         except InvalidArgumentError:
             self.counts.add("bad")
             outcome = None
-        alive = outcome is not None and outcome.alive
-        if not alive and notice.ok:
-            self.counts.add("stale")
-        try:
-            self.agent.notify(sender, ReadAck(notice.request_id, notice.reader_engine_id, notice.reader_rank,
-                                              alive).encode())
-        except NixlError:
-            self.counts.add("ack_errors")  # the reader is gone; it fails on its deadline
+        if outcome is not None and not outcome.alive and notice.ok:
+            self.counts.add("late")  # the reader judged its read by the board; this notice only came late
         events = []
         if outcome is not None and outcome.failed:
             events.append(("FAILED", HoldEnd(notice.request_id, "FAILED", (),
@@ -103,14 +122,14 @@ class Holder:
         return events
 
     def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float | None = None) -> None:
-        """Start holding a request's blocks for its readers."""
+        """Start holding a request's blocks for its readers (its tag goes onto the board first)."""
         with self.lock:
             self.holds.hold(request_id, block_ids, lease_s, time.monotonic() if now is None else now)
 
 
 class HolderThread:
     """Drives agents outside a daemon (the in-process test cluster, benchmarks): polls each one
-    every ``interval_s``; notices to an agent with a :class:`Holder` are answered by it, and the
+    every ``interval_s``; notices to an agent with a :class:`Holder` are counted by it, and the
     holds it ends wait in ``ended`` until :meth:`wait_end` takes them. Agents without a holder
     are polled only so that their transfers and notices make progress."""
 

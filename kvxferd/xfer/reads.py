@@ -2,18 +2,23 @@
 
 ::
 
-    connect(remote ranks' caches + agent metadata)       once per remote engine
-      plan = EngineTransferPlan(local, remotes)          pure, validated
-      add_remote_agent x T_r; prep_xfer_dlist x 2 per read rank (strided rows)
-    post(request)                                         per request
-      plan.plan_request -> ids per rank                  typed errors before any I/O
-      make_prepped_xfer(ids, notice) + transfer per rank
-    poll / wait                                           no busy spin
-      check_xfer_state; on completion: standalone notices to unread holders,
-      release handles, ReadResult (status, bytes, invalid block ids per group)
+    connect(remote ranks' caches + agent metadata + boards)   once per remote engine
+      plan = EngineTransferPlan(local, remotes)               pure, validated
+      add_remote_agent x T_r (reader and notice agent); prep_xfer_dlist x 3 per read
+      rank (strided rows: local, remote, the holder's board)
+    post(request)                                              per request
+      plan.plan_request -> ids per rank                       typed errors before any I/O
+      make_prepped_xfer(ids) + transfer per rank               no notification attached
+    poll / wait                                                no busy spin
+      check_xfer_state; a rank's data ended -> READ its two board buckets (checks.py);
+      all ended -> notices from the notice agent to every holder, release handles,
+      ReadResult (status, bytes, invalid block ids per group; stale ranks failed)
 
-A failure of one rank fails that request only: its result lists the local
-block ids the failed ranks were writing, and other requests carry on.
+Notices come from a second agent because a READ queued behind a notification
+on the same pair of agents waits for the holder's next poll (measured in
+``kvxferd bench floors``); nothing answers them. A failure of one rank fails
+that request only: its result lists the local block ids the failed ranks
+were writing, and other requests carry on.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.checks import CheckArea, board_rows
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
 POLL_MAX_S = 1e-3
@@ -41,8 +48,8 @@ class ReadFailure(str, enum.Enum):
     NONE = ""
     TRANSFER = "transfer"  # NIXL reported an error for a rank
     REMOTE_GONE = "remote_gone"  # the remote agent disconnected or is unknown
-    DEADLINE = "deadline"  # the transfer or the holder's ack did not come in time
-    STALE = "stale"  # the hold had ended before the holder acknowledged the read
+    DEADLINE = "deadline"  # the transfer or the board check did not end in time
+    STALE = "stale"  # the hold's tag had left the holder's board when the read was checked
     ABORTED = "aborted"  # the engine or the link went away under the read
     HANDSHAKE = "handshake"  # a re-handshake before posting failed
     REFUSED = "refused"  # refused before anything was posted (Reads stream)
@@ -73,6 +80,8 @@ class RemoteEngine:
     agent_names: tuple[str, ...]  # per remote rank
     local_lists: dict[int, object]  # per read rank: prepared local descriptors
     remote_lists: dict[int, object]
+    board_lists: dict[int, object] = field(default_factory=dict)  # per read rank: the holder's board, per bucket
+    board_buckets: tuple[int, ...] = ()  # per remote rank; () when connected without boards (nothing checked)
 
 
 @dataclass(eq=False)
@@ -86,6 +95,12 @@ class InFlightRead:
     errors: dict[int, str] = field(default_factory=dict)  # rank -> why it failed
     failure: ReadFailure = ReadFailure.NONE  # the first failure's kind
     result: ReadResult | None = None
+    tag: int = 0  # the hold's board tag (0: not checked)
+    unchecked: list[int] = field(default_factory=list)  # ranks read, waiting for a free check slot
+    checks: dict[int, tuple[object, int]] = field(default_factory=dict)  # rank -> (check handle, slot)
+    stale_ranks: set[int] = field(default_factory=set)  # checked: the hold had ended
+    posted_s: float = 0.0  # perf_counter when every rank was posted
+    transferred_s: float = 0.0  # perf_counter when the last data READ ended
 
     def fail(self, q: int, error: str, failure: ReadFailure) -> None:
         self.errors.setdefault(q, error)
@@ -94,34 +109,55 @@ class InFlightRead:
 
 
 class ReadExecutor:
-    """Reads into one local engine rank's registered cache."""
+    """Reads into one local engine rank's registered cache.
+
+    Owns a second agent, ``notices``, that sends the readers' notices (see
+    the module doc), and the area its board checks land in.
+    """
 
     def __init__(self, agent: NixlAgent, cache: EngineCache) -> None:
         self.agent = agent
         self.cache = cache
         self._remotes: dict[str, RemoteEngine] = {}
         agent.register(cache)
+        self.checks = CheckArea(agent)
+        self.notices = NixlAgent(f"{agent.name}.notices")
+        self.num_notices_sent = 0  # the data plane polls the notice agent (its progress) only after new ones
 
-    def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes]) -> RemoteEngine:
-        """Plan and prepare reads from a remote engine (one cache and metadata per rank)."""
+    def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
+                boards: Sequence[BoardInfo] | None = None) -> RemoteEngine:
+        """Plan and prepare reads from a remote engine (one cache, metadata and hold board per rank).
+
+        Without ``boards`` nothing is checked: reads of memory nobody holds
+        (benchmarks of the data path alone). The daemon always passes them.
+        """
         plan = EngineTransferPlan(self.cache, remotes)
         if len(metadata) != len(remotes):
             raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata for {len(remotes)} remote ranks")
+        if boards is not None and len(boards) != len(remotes):
+            raise InvalidArgumentError("boards", f"{len(boards)} hold boards for {len(remotes)} remote ranks")
         if plan.remote_engine_id in self._remotes:
             self.disconnect(plan.remote_engine_id)
+        remote = RemoteEngine(plan, (), {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()))
         names: list[str] = []
-        local_lists, remote_lists = {}, {}
+        num_notice_remotes = 0
         try:
             for q, m in enumerate(metadata):
                 names.append(self.agent.add_remote(m, f"metadata[{q}]"))
+                remote.agent_names = tuple(names)
+                self.notices.add_remote(m, f"metadata[{q}]")
+                num_notice_remotes += 1
+                self.notices.connect_to(names[q])  # now, not on the first notice (which would stall reads)
             for rank_plan in plan.rank_plans:
                 q = rank_plan.remote_rank
-                local_lists[q] = self.agent.prep_local(rank_plan.local_rows, self.cache.mem_type)
-                remote_lists[q] = self.agent.prep_remote(names[q], rank_plan.remote_rows, remotes[q].mem_type)
+                remote.local_lists[q] = self.agent.prep_local(rank_plan.local_rows, self.cache.mem_type)
+                remote.remote_lists[q] = self.agent.prep_remote(names[q], rank_plan.remote_rows, remotes[q].mem_type)
+                if boards is not None:
+                    remote.board_lists[q] = self.agent.prep_remote(
+                        names[q], board_rows(boards[q].address, boards[q].num_buckets), "DRAM")
         except BaseException:  # a bad peer leaves nothing behind
-            self._unload(RemoteEngine(plan, tuple(names), local_lists, remote_lists))
+            self._unload(remote, num_notice_remotes)
             raise
-        remote = RemoteEngine(plan, tuple(names), local_lists, remote_lists)
         self._remotes[plan.remote_engine_id] = remote
         return remote
 
@@ -131,23 +167,29 @@ class ReadExecutor:
         if remote is not None:
             self._unload(remote)
 
-    def _unload(self, remote: RemoteEngine) -> None:
-        for handle in (*remote.local_lists.values(), *remote.remote_lists.values()):
+    def _unload(self, remote: RemoteEngine, num_notice_remotes: int | None = None) -> None:
+        lists = (remote.local_lists, remote.remote_lists, remote.board_lists)
+        for handle in (h for handles in lists for h in handles.values()):
             handle.release()
-        remote.local_lists.clear()  # a released handle still points at the agent: let go of it
-        remote.remote_lists.clear()
-        for name in remote.agent_names:  # one reference per rank, as connect took them
-            try:
-                self.agent.remove_remote(name)
-            except NixlError:
-                pass  # already removed (e.g. the peer went away)
+        for handles in lists:  # a released handle still points at the agent: let go of it
+            handles.clear()
+        names = remote.agent_names
+        for n, name in enumerate(names):  # one reference per rank and agent, as connect took them
+            agents = (self.agent, self.notices) if num_notice_remotes is None or n < num_notice_remotes else (self.agent,)
+            for agent in agents:
+                try:
+                    agent.remove_remote(name)
+                except NixlError:
+                    pass  # already removed (e.g. the peer went away)
 
     def close(self) -> None:
-        """Disconnect every remote engine, deregister the local cache, destroy the agent."""
+        """Disconnect every remote engine, deregister the local cache, destroy the agents."""
         for engine_id in list(self._remotes):
             self.disconnect(engine_id)
+        self.checks.close()
         self.agent.deregister(self.cache.engine_id)
         self.agent.close()
+        self.notices.close()
 
     def remote(self, engine_id: str) -> RemoteEngine:
         try:
@@ -167,14 +209,14 @@ class ReadExecutor:
     def post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None) -> InFlightRead:
         """Post a request planned with ``remote.plan`` (which must be current)."""
         inflight = InFlightRead(planned, remote, time.perf_counter() if start_s is None else start_s)
-        request = planned.request
+        if remote.board_lists:
+            inflight.tag = hold_tag(planned.request.remote_request_id)
         for read in planned.reads:
             q = read.remote_rank
-            notice = self._notice(remote, request, q, ok=True)
             handle = None
             try:
                 handle = self.agent.make_read(remote.local_lists[q], read.local_ids, remote.remote_lists[q],
-                                              read.remote_ids, notice)
+                                              read.remote_ids, b"")
                 state = self.agent.post(handle)
             except NixlError as err:
                 inflight.fail(q, str(err), _nixl_failure(err))
@@ -186,25 +228,37 @@ class ReadExecutor:
                 self._release(handle)
             else:
                 inflight.handles[q] = handle
+        inflight.posted_s = time.perf_counter()
         self.poll(inflight)
         return inflight
 
     def poll(self, inflight: InFlightRead) -> ReadResult | None:
-        """Advance a posted request; returns its result once every rank finished."""
+        """Advance a posted request; returns its result once every rank's read and board check ended."""
         if inflight.result is not None:
             return inflight.result
         for q, handle in list(inflight.handles.items()):
-            try:
-                state = self.agent.state(handle)
-            except NixlError as err:
-                state = TransferState.ERR
-                inflight.fail(q, str(err), _nixl_failure(err))
+            state = self._state(inflight, q, handle)
             if state is TransferState.PROC:
                 continue
             if state is TransferState.ERR:
                 inflight.fail(q, "transfer: completed with an error", ReadFailure.TRANSFER)
+            elif inflight.tag:
+                inflight.unchecked.append(q)  # the data is in: now ask the board whether it was still held
             self._release(inflight.handles.pop(q))
-        if inflight.handles:
+        if not inflight.handles and not inflight.transferred_s:
+            inflight.transferred_s = time.perf_counter()
+        self._post_checks(inflight)
+        for q, (handle, slot) in list(inflight.checks.items()):
+            state = self._state(inflight, q, handle)
+            if state is TransferState.PROC:
+                continue
+            if state is TransferState.ERR:
+                inflight.fail(q, "board check: reading the holder's hold board failed", ReadFailure.TRANSFER)
+            elif not self.checks.found(slot, inflight.tag):
+                inflight.fail(q, STALE_ERROR, ReadFailure.STALE)
+                inflight.stale_ranks.add(q)
+            self._end_check(inflight, q)
+        if inflight.handles or inflight.checks or inflight.unchecked:
             return None
         inflight.result = self._finish(inflight)
         return inflight.result
@@ -221,10 +275,15 @@ class ReadExecutor:
         return result
 
     def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED) -> ReadResult:
-        """Stop every rank still running (releasing a handle aborts its transfer) and finish."""
+        """Stop every rank still reading or checking (releasing a handle aborts its transfer) and finish."""
         for q in list(inflight.handles):
             inflight.fail(q, reason, failure)
             self._release(inflight.handles.pop(q))
+        for q in [*inflight.checks, *inflight.unchecked]:
+            inflight.fail(q, reason, failure)
+            if q in inflight.checks:
+                self._end_check(inflight, q)
+        inflight.unchecked.clear()
         return self.poll(inflight)
 
     def read(self, remote_engine_id: str, request: ReadRequest, timeout_s: float = 30.0) -> ReadResult:
@@ -232,9 +291,37 @@ class ReadExecutor:
         return self.wait(self.post(remote_engine_id, request), timeout_s)
 
     # ---- internals ---------------------------------------------------------
-    def _notice(self, remote: RemoteEngine, request: ReadRequest, q: int, *, ok: bool) -> bytes:
-        return ReadNotice(request.remote_request_id, self.cache.engine_id, self.cache.tp_rank,
-                          remote.plan.expected_notifiers[q], ok).encode()
+    def _state(self, inflight: InFlightRead, q: int, handle) -> TransferState:
+        try:
+            return self.agent.state(handle)
+        except NixlError as err:
+            inflight.fail(q, str(err), _nixl_failure(err))
+            return TransferState.ERR
+
+    def _post_checks(self, inflight: InFlightRead) -> None:
+        """Post the board checks of ranks whose data is in, while check slots are free."""
+        remote = inflight.remote
+        while inflight.unchecked:
+            q = inflight.unchecked[0]
+            try:
+                posted = self.checks.post(remote.board_lists[q], remote.board_buckets[q], inflight.tag)
+            except NixlError as err:
+                inflight.unchecked.pop(0)
+                inflight.fail(q, f"board check: {err}", _nixl_failure(err))
+                continue
+            if posted is None:
+                return  # every slot taken: the next poll tries again
+            inflight.unchecked.pop(0)
+            handle, slot, state = posted
+            inflight.checks[q] = (handle, slot)
+            if state is TransferState.ERR:
+                inflight.fail(q, "board check: posting reported an error", ReadFailure.TRANSFER)
+                self._end_check(inflight, q)
+
+    def _end_check(self, inflight: InFlightRead, q: int) -> None:
+        handle, slot = inflight.checks.pop(q)
+        self._release(handle)
+        self.checks.give(slot)
 
     def _release(self, handle) -> None:
         try:
@@ -245,24 +332,35 @@ class ReadExecutor:
     def _finish(self, inflight: InFlightRead) -> ReadResult:
         planned, remote = inflight.planned, inflight.remote
         ok = not inflight.errors
-        read_ranks = {r.remote_rank for r in planned.reads}
-        # Holders that were not read (replicas, nothing to read) or whose read failed
-        # get a standalone notice; a successful read carried its notice already.
+        request = planned.request
+        # Every holder hears once how the read went, after it ended (and was checked); not a rank whose
+        # hold had ended: that notice could only count for a later hold of the same request id.
         unnotified = []
         for q in planned.notify_ranks:
-            if q in read_ranks and q not in inflight.errors:
+            if q in inflight.stale_ranks:
                 continue
+            notice = ReadNotice(request.remote_request_id, self.cache.engine_id, self.cache.tp_rank,
+                                remote.plan.expected_notifiers[q], ok)
             try:
-                self.agent.notify(remote.agent_names[q], self._notice(remote, planned.request, q, ok=ok))
+                self.notices.notify(remote.agent_names[q], notice.encode())
             except NixlError:
                 unnotified.append(q)  # the peer is gone; its hold expires on its side
+        self.num_notices_sent += 1
+        try:
+            self.notices.poll_notifications()  # progress: sends them on now (the daemon's thread also polls it)
+        except NixlError:
+            pass
         failed = tuple(sorted(inflight.errors))
         invalid = planned.invalid_block_ids(failed) if failed else tuple(np.zeros(0, np.int64) for _ in planned.units)
         error = "; ".join(f"rank {q}: {inflight.errors[q]}" for q in failed) or None
-        return ReadResult(planned.request.request_id, remote.plan.remote_engine_id, ok,
+        return ReadResult(request.request_id, remote.plan.remote_engine_id, ok,
                           sum(r.num_bytes for r in planned.reads if r.remote_rank not in inflight.errors),
                           sum(r.num_descriptors for r in planned.reads), time.perf_counter() - inflight.start_s,
                           invalid, failed, error, tuple(unnotified), inflight.failure)
+
+
+STALE_ERROR = ("stale read: the hold had ended (lease expired or released) before the read was checked "
+               "against the holder's board")
 
 
 def _nixl_failure(err: NixlError) -> ReadFailure:

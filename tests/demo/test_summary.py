@@ -48,7 +48,7 @@ def test_any_problem_fails_the_row_and_the_summary(row):
 def test_stage_figures_are_p50_per_stage_and_printed_next_to_the_latency():
     row = figures.new_row("gqa", 2, 1, "full")
     for i in range(3):
-        stages = {"to_daemon": 0.001 * (i + 1), "plan": 0.0002, "post": 0.003, "transfer": 0.0, "acks": 0.0005,
+        stages = {"to_daemon": 0.001 * (i + 1), "plan": 0.0002, "post": 0.003, "transfer": 0.0, "check": 0.0005,
                   "to_engine": 0.0007}
         figures.add_read(row, {"ok": True, "latency_s": 0.006, "errors": [], "bytes": 1000, "descriptors": 10,
                                "post_s": 0.0, "verified_bytes": 4000, "mismatched_bytes": 0, "mismatches": [],

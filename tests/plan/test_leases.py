@@ -1,12 +1,13 @@
-"""Hold table: every hold ends exactly once; a notice is acknowledged alive only while held."""
+"""Hold table: every hold ends exactly once; a notice counts only while held; the board mirrors the holds."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from kvxferd.plan.board import HoldBoard, hold_tag
 from kvxferd.plan.leases import CONSUMED, EXPIRED, HoldTable
-from kvxferd.plan.notifications import ReadAck, ReadNotice, is_ack
+from kvxferd.plan.notifications import ReadNotice
 
 
 def notice(rid="r", reader=0, expected=2, ok=True):
@@ -55,8 +56,9 @@ def test_renew_release_and_failed_readers():
 @given(st.lists(st.tuples(st.sampled_from(["hold", "notice", "renew", "release", "tick"]),
                           st.integers(0, 3), st.integers(0, 2)), max_size=40))
 def test_every_hold_ends_exactly_once(ops):
-    """Random interleavings: holds end once; alive acks only between hold and end."""
-    table, now, live, ended, started = HoldTable(), 0.0, set(), [], 0
+    """Random interleavings: holds end once; a notice counts only between hold and end; a hold's tag is on
+    the board exactly while the table holds it, so it is gone before any end is returned."""
+    table, now, live, ended, started = HoldTable(HoldBoard(2)), 0.0, set(), [], 0
     for op, rid_n, reader in ops:
         rid = f"r{rid_n}"
         now += 0.4
@@ -78,8 +80,11 @@ def test_every_hold_ends_exactly_once(ops):
         for end in table.expire(now):
             ended.append(end)
             live.discard(end.request_id)
+        held = set(table.request_ids())
+        assert {f"r{n}" for n in range(4) if table.board.contains(hold_tag(f"r{n}"))} == held
+        assert table.board.num_tags == len(held)
     ended += table.drop_all("end")
-    assert len(ended) == started
+    assert len(ended) == started and table.board.num_tags == 0 and not table.board.words.any()
 
 
 @settings(max_examples=300, deadline=None)
@@ -140,16 +145,6 @@ def _expired(table, rid, now):
     return entry is not None and entry.expires_s <= now
 
 
-def test_ack_round_trip_and_validation():
-    ack = ReadAck("r", "dec", 1, False)
-    message = ack.encode()
-    assert is_ack(message) and not is_ack(notice().encode())
-    assert ReadAck.decode(message) == ack
-    for bad in (b"nope", message[:-1], notice().encode(), message[:6] + b"\x01\x00" + message[8:]):
-        with pytest.raises(InvalidArgumentError):
-            ReadAck.decode(bad)
-
-
 def test_the_holders_own_reader_count_wins_over_a_notice():
     """A notice announcing one reader cannot end a hold the holder knows two readers need (issue 11, attack 4)."""
     table = HoldTable()
@@ -159,3 +154,16 @@ def test_the_holders_own_reader_count_wins_over_a_notice():
     assert len(table) == 1  # still held
     assert table.record(notice(reader=0), now=1, expected_readers=2).end is None
     assert table.record(notice(reader=1), now=1, expected_readers=2).end.kind == CONSUMED
+
+
+def test_a_hold_the_board_cannot_take_is_not_held():
+    """Both buckets full: the hold is refused and nothing of it stays (table and board)."""
+    table = HoldTable(HoldBoard(2))  # two buckets of eight: the 17th hold cannot fit
+    for n in range(16):
+        table.hold(f"r{n}", (), 10, now=0)
+    with pytest.raises(ResourceExhaustedError):
+        table.hold("r16", (), 10, now=0)
+    assert len(table) == 16 and "r16" not in table.request_ids() and table.board.num_tags == 16
+    table.release("r3")
+    table.hold("r16", (), 10, now=0)
+    assert table.board.contains(hold_tag("r16")) and not table.board.contains(hold_tag("r3"))

@@ -9,7 +9,10 @@ from kvxferd.service.status import status_code
 from kvxferd.verify.engines import allocate_engine
 from kvxferd.verify.models import MODELS, ModelShape, model_groups
 from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from_pb, read_request_from_pb
+from kvxferd.plan.board import BoardInfo
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, compatibility_hash, decode_info, encode_info
+
+BOARD = BoardInfo(0x7F00_0000_1000, 1024)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -17,8 +20,8 @@ def test_engine_round_trip_through_peer_info(model):
     prefill_groups, decode_groups = model_groups(model, ModelShape(decode_block_size=32, kernel_block_size=8))
     prefill = allocate_engine("p", prefill_groups, 2, 1, tagged=False).cache
     decode = allocate_engine("d", decode_groups, 1, 0, tagged=False).cache
-    peer = decode_info(encode_info("inc-1", b"meta", prefill), decode)
-    assert peer.incarnation == "inc-1" and peer.agent_metadata == b"meta"
+    peer = decode_info(encode_info("inc-1", b"meta", prefill, BOARD), decode)
+    assert peer.incarnation == "inc-1" and peer.agent_metadata == b"meta" and peer.board == BOARD
     assert peer.cache.groups == prefill.groups and peer.cache.memory == prefill.memory
     assert (peer.cache.tp_rank, peer.cache.tp_size, peer.cache.engine_id) == (1, 2, "p")
 
@@ -29,19 +32,38 @@ def test_peer_of_another_model_or_version_is_refused():
     prefill = allocate_engine("p", prefill_groups, 1, 0, tagged=False).cache
     other = allocate_engine("d", other_groups, 1, 0, tagged=False).cache
     with pytest.raises(LayoutMismatchError) as err:
-        decode_info(encode_info("i", b"", prefill), other)
+        decode_info(encode_info("i", b"", prefill, BOARD), other)
     assert err.value.field == "compatibility_hash" and "heads=8" in err.value.message
-    reply = encode_info("i", b"", prefill)
+    reply = encode_info("i", b"", prefill, BOARD)
     reply.protocol_version = PROTOCOL_VERSION + 1
     with pytest.raises(LayoutMismatchError) as err:
         decode_info(reply, prefill)
     assert err.value.field == "protocol_version"
-    reply = encode_info("i", b"", prefill)
+    reply = encode_info("i", b"", prefill, BOARD)
     reply.payload = b"\xff\xff garbage"
     with pytest.raises(InvalidArgumentError) as err:
         decode_info(reply, prefill)
     assert err.value.field == "payload"
     assert compatibility_hash(prefill) != compatibility_hash(other)
+
+
+@pytest.mark.parametrize("board, field", [(None, "hold_board"), (pb.HoldBoard(address=0, num_buckets=8), "hold_board.address"),
+                                          (pb.HoldBoard(address=12, num_buckets=8), "hold_board.address"),
+                                          (pb.HoldBoard(address=4096, num_buckets=6), "hold_board.num_buckets"),
+                                          (pb.HoldBoard(address=4096, num_buckets=0), "hold_board.num_buckets")])
+def test_a_peer_without_a_good_hold_board_is_refused(board, field):
+    """Every read is checked against the holder's board: a peer must announce one that could exist."""
+    prefill_groups, _ = model_groups("gqa", ModelShape())
+    prefill = allocate_engine("p", prefill_groups, 1, 0, tagged=False).cache
+    reply = encode_info("i", b"", prefill, BOARD)
+    info = pb.EngineInfo.FromString(reply.payload)
+    info.ClearField("hold_board")
+    if board is not None:
+        info.hold_board.CopyFrom(board)
+    reply.payload = info.SerializeToString()
+    with pytest.raises(InvalidArgumentError) as err:
+        decode_info(reply, prefill)
+    assert err.value.field == field
 
 
 def engine_message(**attention):

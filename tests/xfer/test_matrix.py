@@ -58,4 +58,4 @@ def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int) -> N
                 end = cluster.holder_thread.wait_end(q, request.remote_request_id, timeout_s=10)
                 assert end is not None and end.kind == "CONSUMED" and not end.failed_readers, f"prefill rank {q}: {end}"
                 assert holder.readers[(cluster.decode_id, 0)].expected_readers == notifiers[q]
-        assert [h.counts for h in cluster.holders] == [NoticeCounts()] * p  # nothing refused, every ack sent
+        assert [h.counts for h in cluster.holders] == [NoticeCounts()] * p  # nothing refused or late

@@ -208,7 +208,7 @@ class WatchCompletionsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code", "plan_s", "transfer_s", "ack_s")
+    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code", "plan_s", "transfer_s", "check_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -223,7 +223,7 @@ class Completion(_message.Message):
     REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
     PLAN_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
-    ACK_S_FIELD_NUMBER: _ClassVar[int]
+    CHECK_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     num_bytes: int
@@ -238,8 +238,8 @@ class Completion(_message.Message):
     refused_code: int
     plan_s: float
     transfer_s: float
-    ack_s: float
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ack_s: _Optional[float] = ...) -> None: ...
+    check_s: float
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., check_s: _Optional[float] = ...) -> None: ...
 
 class ReadSpec(_message.Message):
     __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend")
@@ -400,14 +400,24 @@ class EngineInfoReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("incarnation", "agent_metadata", "engine")
+    __slots__ = ("incarnation", "agent_metadata", "engine", "hold_board")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_BOARD_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_metadata: bytes
     engine: EngineRank
-    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ...) -> None: ...
+    hold_board: HoldBoard
+    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ...) -> None: ...
+
+class HoldBoard(_message.Message):
+    __slots__ = ("address", "num_buckets")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    num_buckets: int
+    def __init__(self, address: _Optional[int] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
 class IncarnationRequest(_message.Message):
     __slots__ = ("engine_id",)
