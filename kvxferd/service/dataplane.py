@@ -101,9 +101,11 @@ class DataPlane:
         self._metrics = metrics
         self.interval_s = interval_s
         self._slots: list[EngineSlot] = []
-        # id(slot) -> (its executor's num_notices_sent when last seen changed, when: perf_counter)
-        self._notices_seen: dict[int, tuple[int, float]] = {}
-        self._notices_active = False  # some notice agent was polled this round
+        # id(slot) -> (its executor's num_notices_sent, when that last changed, when its notice agent
+        # was last polled): perf_counter
+        self._notices_seen: dict[int, tuple[int, float, float]] = {}
+        self._notices_active = False  # some notice agent was polled in the last polling round
+        self._notices_polled_s = 0.0  # perf_counter of the last polling round
         self._reads: list[DaemonRead] = []
         self._commands: collections.deque = collections.deque()
         self._wake = Waker()
@@ -235,7 +237,9 @@ class DataPlane:
         busy = False
         now = time.perf_counter()
         for read in list(self._reads):
+            step = read.inflight.step
             read.transfer = read.slot.executor.poll(read.inflight)
+            busy |= read.inflight.step != step  # a rank's data came in: its check is posted, poll again soon
             if read.transfer is None and now >= read.deadline_s:
                 read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer or its board check "
                                                          "did not end in time", ReadFailure.DEADLINE)
@@ -263,6 +267,12 @@ class DataPlane:
 
     # ---- notices ----------------------------------------------------------------------
     def _poll_notifications(self) -> bool:
+        """Every agent's notices, at most every ``interval_s`` (rounds come every 20-100 µs while this
+        daemon's own reads run; nobody waits for a notice, so polling faster only costs CPU)."""
+        now = time.perf_counter()
+        if now - self._notices_polled_s < self.interval_s:
+            return False
+        self._notices_polled_s = now
         busy = self._notices_active = False
         for slot in self._slots:
             try:
@@ -278,15 +288,18 @@ class DataPlane:
         return busy
 
     def _progress_notices(self, slot: EngineSlot) -> None:
-        """Poll a slot's notice agent for NOTICE_PROGRESS_S after its last notice: it receives nothing, but
-        UCX sends a notice on only while its agent makes progress (an idle one costs nothing)."""
+        """Poll a slot's notice agent every ``interval_s`` for NOTICE_PROGRESS_S after its last notice: it
+        receives nothing, but UCX sends a notice on only while its agent makes progress. The executor
+        polls it right after sending; this is the safety net (an idle one costs nothing)."""
         sent, now = slot.executor.num_notices_sent, time.perf_counter()
         seen = self._notices_seen.get(id(slot))
         if seen is None or seen[0] != sent:
-            self._notices_seen[id(slot)] = seen = (sent, now)
+            self._notices_seen[id(slot)] = seen = (sent, now, seen[2] if seen else 0.0)
         if now - seen[1] < NOTICE_PROGRESS_S:
             self._notices_active = True
-            slot.executor.notices.poll_notifications()
+            if now - seen[2] >= self.interval_s:
+                self._notices_seen[id(slot)] = (sent, seen[1], now)
+                slot.executor.notices.poll_notifications()
 
 
 def error_result(read: DaemonRead, error: str) -> ReadResult:

@@ -99,6 +99,7 @@ class InFlightRead:
     unchecked: list[int] = field(default_factory=list)  # ranks read, waiting for a free check slot
     checks: dict[int, tuple[object, int]] = field(default_factory=dict)  # rank -> (check handle, slot)
     stale_ranks: set[int] = field(default_factory=set)  # checked: the hold had ended
+    step: int = 0  # counts ranks whose data READ or check ended: a poller sees progress short of the end
     posted_s: float = 0.0  # perf_counter when every rank was posted
     transferred_s: float = 0.0  # perf_counter when the last data READ ended
 
@@ -240,6 +241,7 @@ class ReadExecutor:
             state = self._state(inflight, q, handle)
             if state is TransferState.PROC:
                 continue
+            inflight.step += 1
             if state is TransferState.ERR:
                 inflight.fail(q, "transfer: completed with an error", ReadFailure.TRANSFER)
             elif inflight.tag:
@@ -252,6 +254,7 @@ class ReadExecutor:
             state = self._state(inflight, q, handle)
             if state is TransferState.PROC:
                 continue
+            inflight.step += 1
             if state is TransferState.ERR:
                 inflight.fail(q, "board check: reading the holder's hold board failed", ReadFailure.TRANSFER)
             elif not self.checks.found(slot, inflight.tag):
