@@ -170,7 +170,8 @@ def notification_trip(progress_thread: bool, repeat: int = 300, poll_s: float = 
 
 def reads_behind_notifications(repeat: int = 30, timeout_s: float = 0.02) -> dict:
     """READs of 256 KiB from an owner that does not poll while they run: completed within
-    ``timeout_s`` and their median µs, for four cases (after each, the owner polls once)."""
+    ``timeout_s`` and their median µs, for four cases (after each, the owner polls once); and a
+    hold board's check, two READs of 64 bytes, alone."""
     owner, reader, other = (make_agent(f"owner-progress-{n}", progress_thread=False) for n in ("o", "r", "n"))
     source, target = _buffers(owner, reader, 1 << 18)
     for sender in (reader, other):
@@ -178,11 +179,15 @@ def reads_behind_notifications(repeat: int = 30, timeout_s: float = 0.02) -> dic
         _traffic(sender, owner)
     remote = reader.prep_xfer_dlist(owner.name, [(source.ctypes.data, source.nbytes, 0)], "DRAM")
     local = reader.prep_xfer_dlist("", [(target.ctypes.data, target.nbytes, 0)], "DRAM")
+    buckets = [(source.ctypes.data + offset, 64, 0) for offset in (0, 4096)]  # two buckets of a board
+    board = (reader.prep_xfer_dlist("", [(target.ctypes.data + o, 64, 0) for o in (0, 64)], "DRAM"),
+             reader.prep_xfer_dlist(owner.name, buckets, "DRAM"), [0, 1])
 
-    def read(notification: bytes = b"", notifier=None) -> float | None:
+    def read(notification: bytes = b"", notifier=None, lists=(local, remote, [0])) -> float | None:
         if notifier is not None:
             notifier.send_notif(owner.name, b"before")
-        handle = reader.make_prepped_xfer("READ", local, [0], remote, [0], notification)
+        local_list, remote_list, ids = lists
+        handle = reader.make_prepped_xfer("READ", local_list, ids, remote_list, ids, notification)
         state, took_s = _transfer_within(reader, handle, timeout_s)
         owner.get_new_notifs()  # the owner's progress lets a waiting READ finish
         while state == "PROC":
@@ -194,7 +199,8 @@ def reads_behind_notifications(repeat: int = 30, timeout_s: float = 0.02) -> dic
 
     cases = {"alone": {}, "notification attached": {"notification": b"n"},
              "after the reader's notification": {"notifier": reader},
-             "after another agent's notification": {"notifier": other}}
+             "after another agent's notification": {"notifier": other},
+             "a board check (2 x 64 B), alone": {"lists": board}}
     for _ in range(5):  # warm-up: the first READs of a new pair may wait for the owner (connection set-up)
         read()
     return {label: _completed([read(**kwargs) for _ in range(repeat)]) for label, kwargs in cases.items()}

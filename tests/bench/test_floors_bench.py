@@ -37,5 +37,6 @@ def test_nixl_progress_thread_is_measured_and_printed():
     assert behind["alone"]["completed"] == behind["alone"]["tried"] == 30
     assert behind["after another agent's notification"]["completed"] == 30
     assert behind["after the reader's notification"]["completed"] < 30
+    assert behind["a board check (2 x 64 B), alone"]["completed"] == 30  # what every read's hold check relies on
     text = "\n".join(nixl_progress.format_lines(figures))
     assert "never polls" in text and "% of a core" in text and "after another agent's notification" in text
