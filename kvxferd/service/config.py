@@ -74,7 +74,8 @@ class DaemonConfig(BaseSettings):
     max_lease_s: float = Field(600.0, gt=0, description="longest lease an engine or peer may ask for (holds, registrations, renewals) (s)")
     max_deadline_s: float = Field(600.0, gt=0, description="longest read deadline an engine may ask for (s)")
     max_engines: int = Field(64, ge=1, description="engine ranks registered on this daemon at once")
-    max_holds_per_engine: int = Field(100_000, ge=1, description="requests one engine rank may hold at once")
+    max_holds_per_engine: int = Field(100_000, ge=1, le=10_000_000, description="requests one engine rank may hold at "
+                                      "once; sizes its hold board (16-32 bytes of registered memory per hold)")
     max_registered_bytes: int = Field(1 << 40, ge=1, description="bytes of engine memory registered on this daemon in all")
     max_readers_per_engine: int = Field(1024, ge=1, description="reader agents introduced to one engine rank at once")
     max_reads_per_engine: int = Field(8192, ge=1, description="reads of one engine rank in flight or with a completion "

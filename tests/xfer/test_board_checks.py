@@ -53,6 +53,15 @@ def test_a_released_or_consumed_hold_makes_the_next_read_stale(cluster):
         cluster.holders[1].holds.release(request.remote_request_id)
     (result,) = cluster.read(request, hold=False)
     assert not result.ok and result.failure is ReadFailure.STALE and result.failed_ranks == (1,)
+    # Rank 0 still held it: it hears that the read failed and ends the hold (its only reader reported).
+    end = cluster.holder_thread.wait_end(0, request.remote_request_id)
+    assert end.kind == "CONSUMED" and end.failed_readers == ((cluster.decode_id, 0),)
+    # Rank 1 gets no notice: its hold had ended, and a notice could only count for a later hold of the id.
+    cluster.holders[1].hold(request.remote_request_id, request.remote_block_ids, 60)
+    assert cluster.holder_thread.wait_end(1, request.remote_request_id, timeout_s=0.3) is None
+    assert cluster.holders[1].counts.late == 0
+    with cluster.holders[1].lock:
+        cluster.holders[1].holds.release(request.remote_request_id)
     consumed = _request(cluster, "consumed", 4)
     assert cluster.read(consumed)[0].ok
     assert all(cluster.holder_thread.wait_end(q, consumed.remote_request_id).kind == "CONSUMED" for q in range(2))
