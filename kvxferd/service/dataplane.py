@@ -17,9 +17,11 @@ from the event loop on the hot path::
 How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing)::
 
     own reads in flight          poll, sleeping 20 µs doubling to READ_POLL_MAX_S
-    holds a reader may notify,   poll every ``interval_s`` (config poll_interval_s, 1 ms): no
-    or notices sent lately       reader waits for it over shared memory or RDMA (it only counts
+    holds a reader may notify    poll every ``interval_s`` (config poll_interval_s, 1 ms): no
+                                 reader waits for it over shared memory or RDMA (it only counts
                                  notices), but UCX over TCP needs it to serve READs
+    notices sent lately          poll every NOTICE_POLL_S (10 ms) for 50 ms (a safety net: the
+                                 executor makes progress right after sending)
     neither                      poll every IDLE_POLL_S (UCX keeps progressing) until woken
     no engine registered         block until woken
 
@@ -50,7 +52,8 @@ from kvxferd.xfer.waker import Waker
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
 HOLD_POLL_S = 1e-3  # sleep while some engine holds requests a reader may notify about
-NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice
+NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
+NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 
 
@@ -187,8 +190,10 @@ class DataPlane:
                 sleep_s = POLL_MIN_S
             elif self._reads:
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
-            elif self._notices_active or any(len(slot.holds) for slot in self._slots):
+            elif any(len(slot.holds) for slot in self._slots):
                 sleep_s = self.interval_s
+            elif self._notices_active:
+                sleep_s = max(self.interval_s, NOTICE_POLL_S)
             else:
                 sleep_s = IDLE_POLL_S if self._slots else None
             self._wake.wait(sleep_s)
@@ -288,7 +293,7 @@ class DataPlane:
         return busy
 
     def _progress_notices(self, slot: EngineSlot) -> None:
-        """Poll a slot's notice agent every ``interval_s`` for NOTICE_PROGRESS_S after its last notice: it
+        """Poll a slot's notice agent every NOTICE_POLL_S for NOTICE_PROGRESS_S after its last notice: it
         receives nothing, but UCX sends a notice on only while its agent makes progress. The executor
         polls it right after sending; this is the safety net (an idle one costs nothing)."""
         sent, now = slot.executor.num_notices_sent, time.perf_counter()
@@ -297,7 +302,7 @@ class DataPlane:
             self._notices_seen[id(slot)] = seen = (sent, now, seen[2] if seen else 0.0)
         if now - seen[1] < NOTICE_PROGRESS_S:
             self._notices_active = True
-            if now - seen[2] >= self.interval_s:
+            if now - seen[2] >= NOTICE_POLL_S:
                 self._notices_seen[id(slot)] = (sent, seen[1], now)
                 slot.executor.notices.poll_notifications()
 
