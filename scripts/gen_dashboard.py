@@ -36,7 +36,7 @@ PANELS = [
     ("Event-loop stalls / s (late by over 0.25 s)", "ops", [
         ("{{pod}}", f"sum by (pod) (rate(kvxferd_loop_stalls_total{SEL}{RATE}))")]),
     ("Security: refused and dropped / s", "ops", [
-        ("forged or stale notices dropped", f"sum(rate(kvxferd_notices_dropped_total{SEL}{RATE}))"),
+        ("notices dropped ({{reason}})", f"sum by (reason) (rate(kvxferd_notices_dropped_total{SEL}{RATE}))"),
         ("fd socket refused ({{reason}})", f"sum by (reason) (rate(kvxferd_fd_socket_refused_total{SEL}{RATE}))")]),
     ("Security: insecure listeners and TLS reloads", "short", [
         ("insecure listeners ({{pod}})", f"max by (pod) (kvxferd_insecure_listeners{SEL})"),

@@ -158,7 +158,9 @@ class DataPlane:
         if self._metrics is None:
             return
         if kind == "foreign":
-            self._metrics.notices_dropped.inc()
+            self._metrics.notices_dropped.labels("foreign").inc()
+        elif kind == "bad":
+            self._metrics.notices_dropped.labels("malformed").inc()
         elif kind == "late":
             self._metrics.late_notices.inc()
 

@@ -41,8 +41,9 @@ class Metrics:
         self.late_notices = Counter("kvxferd_late_notices", "readers' notices for holds that had ended already "
                                     "(lease, release): counted for nothing", registry=r)
         self.events = Counter("kvxferd_notify_events", "notify-bus events published", ["kind"], registry=r)
-        self.notices_dropped = Counter("kvxferd_notices_dropped", "read notices from NIXL agents not introduced for "
-                                       "that reader (forged or stale), dropped", registry=r)
+        self.notices_dropped = Counter("kvxferd_notices_dropped", "read notices dropped: from a NIXL agent not "
+                                       "introduced for that reader (foreign: forged or stale), or not a valid notice "
+                                       "(malformed)", ["reason"], registry=r)
         self.insecure_listeners = Gauge("kvxferd_insecure_listeners", "listeners reachable from other hosts without "
                                         "authentication (only with --insecure)", registry=r)
         self.tls_reloads = Counter("kvxferd_tls_reloads", "times changed TLS files were loaded", registry=r)

@@ -56,7 +56,7 @@ def _wrappers(metrics: Metrics) -> list[MetricWrapperBase]:
 
 _SERIES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 _LABEL_VALUES = {"kind": "failure kinds: " + ", ".join(f"`{k}`" for k in FAILURE_KINDS) + "; for events: "
-                 "`CONSUMED`, `EXPIRED`, `FAILED`", "outcome": "`ok`, `failed`",
+                 "`CONSUMED`, `EXPIRED`, `FAILED`", "outcome": "`ok`, `failed`", "reason": "notices: `foreign`, `malformed`; fd-socket refusals: `uid`, `malformed`, `tokens`, `io`, `error`",
                  "method": "a method of the engine or peer service", "code": "a gRPC status code name"}
 
 

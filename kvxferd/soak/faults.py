@@ -21,6 +21,9 @@ slow_read           SIGSTOP of a prefill daemon for a third to most of the
 early_release       the prefill engine releases before or while decode reads
 lease_expiry        a lease short enough to run out around the read
 bad_input           a burst of bad input on every listener of one daemon
+forged_notices      after the hold, a rogue NIXL agent sends one prefill rank
+                    notices naming the real readers, and junk: every one must
+                    be dropped, and the hold must live on until it is read
 ==================  ==========================================================
 """
 
@@ -29,8 +32,9 @@ from __future__ import annotations
 import numpy as np
 
 KINDS = ("kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine", "stop_short",
-         "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input")
-# Faults that act on a read in flight when drawn "mid"; the others always act before the hold.
+         "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input", "forged_notices")
+# Faults that act on a read in flight when drawn "mid"; the others always act before the hold
+# (early_release and forged_notices: after it, before the read).
 CAN_BE_MID = {"kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine",
               "stop_short", "stop_long", "slow_read", "early_release"}
 

@@ -19,6 +19,8 @@ INVARIANTS = {
                 "pairing, maps no shared memory and has no engine registered once the engines are gone",
     "daemon_alive": "daemons that were not killed never exit",
     "bad_input_refused": "bad input is refused with a precise status, in time",
+    "forged_notices_dropped": "a notice from an agent its reader did not introduce, or one that is not a notice, "
+                              "is dropped and counted, and ends no hold",
     "recovery": "after a fault, engines register and handshake again",
 }
 MAX_EXAMPLES = 5  # per invariant, in the JSON

@@ -26,6 +26,7 @@ from kvxferd.soak.configs import SoakConfig, draw_config
 from kvxferd.soak.daemons import DaemonLife, DaemonSet, leaks, measure
 from kvxferd.soak.engines import SoakDecode, SoakPrefill
 from kvxferd.soak.faults import FaultPlan
+from kvxferd.soak.forged import NoticeForger
 from kvxferd.soak.holds import HoldLedger
 from kvxferd.soak.report import Report
 
@@ -33,6 +34,8 @@ HOLD_LEASE_S = 3.0  # hold lease of a normal request
 ENGINE_LEASE_S = 2.0  # registration lease: a killed engine is noticed within it
 DEADLINE_S = 2.0  # read deadline
 GRACE_S = 2.0  # a completion must come within deadline + GRACE_S (+ the time its own daemon was frozen)
+FORGED_COUNTED_S = 2.0  # how long a holder may take to count forged notices as dropped
+AFTER_THE_HOLD = ("early_release", "forged_notices")  # faults that act after the hold, before the read
 STOP_SHORT_S = (0.1, 1.0)
 STOP_LONG_S = (HOLD_LEASE_S + 0.5, HOLD_LEASE_S + 1.5)
 
@@ -55,6 +58,7 @@ class Soak:
         self._timers: list[threading.Timer] = []
         self._arenas: dict[str, list[str]] = {}
         self._hung: list[tuple[int, int, float]] = []  # (prefill rank, daemon life, SIGSTOP time)
+        self.forger: NoticeForger | None = None  # made on the first forged_notices fault
 
     # ---- engines ---------------------------------------------------------------------------------
     def _start_engine(self, role: str) -> EngineProcess:
@@ -162,6 +166,8 @@ class Soak:
             effect["life"] = life
         elif kind == "early_release":
             self.prefill.call("release", request.remote_request_id)
+        elif kind == "forged_notices":
+            return self._forge(request, effect)
         elif kind == "bad_input":
             awake = [life for life in self.daemons.all if life.stopped_since is None]  # a frozen one cannot answer
             if not awake:
@@ -172,6 +178,38 @@ class Soak:
             self.report.count("bad_messages", sent)
             for problem in wrong:
                 self.report.violate("bad_input_refused", problem)
+        return effect
+
+    def _forge(self, request, effect: dict) -> dict:
+        """Forged notices to one awake prefill rank: each must be counted as dropped, and the hold must live on."""
+        life = self._pick("prefill")
+        if life is None:
+            return self._skip(effect)
+        daemon, prefill_id = life.daemon, self._engine_id("prefill")
+        before = {reason: daemon.metric("kvxferd_notices_dropped_total", f'reason="{reason}"')
+                  for reason in ("foreign", "malformed")}
+        if self.forger is None:
+            self.forger = NoticeForger()
+        sent = dict(zip(before, self.forger.forge(daemon.peer_address, prefill_id, life.index,
+                                                  request.remote_request_id, self._engine_id("decode"),
+                                                  self.config.decode_tp, self.rng)))
+        self.report.log(f"  {sent} forged notices to {daemon.daemon_id}")
+        self.report.count("forged_notices", sum(sent.values()))
+        deadline = time.monotonic() + FORGED_COUNTED_S
+        while True:  # the holder counts them on its next poll (every poll_interval_s)
+            dropped = {reason: daemon.metric("kvxferd_notices_dropped_total", f'reason="{reason}"') - before[reason]
+                       for reason in before}
+            if all(dropped[r] >= sent[r] for r in sent) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if any(dropped[r] < sent[r] for r in sent):
+            self.report.violate("forged_notices_dropped", f"{daemon.daemon_id}: {dropped} dropped of {sent} forged")
+        self.ledger.drain()
+        hold = self.ledger.holds.get((life.index, self.ledger.lives[life.index], prefill_id, request.remote_request_id))
+        if hold is not None and hold.ends:
+            self.report.violate("forged_notices_dropped", f"{daemon.daemon_id}: {request.remote_request_id!r} ended "
+                                                          f"{hold.ends} after forged notices, before it was read")
+        effect["forged_on"] = life
         return effect
 
     def _skip(self, effect: dict) -> dict:
@@ -205,14 +243,14 @@ class Soak:
         effect = None
         if kind:
             self.report.faults[kind] += 1
-        if kind and not mid and kind != "early_release":
+        if kind and not mid and kind not in AFTER_THE_HOLD:
             effect = self.act(kind, request)
         prefill_id = self._engine_id("prefill")
         if self.prefill.process.is_alive():
             answers = self.prefill.call("hold", request.remote_request_id, request.remote_block_ids, lease_s)
             for rank, answer in enumerate(answers):
                 self.ledger.placed(rank, prefill_id, request.remote_request_id, answer)
-        if kind == "early_release" and not mid:
+        if kind in AFTER_THE_HOLD and not mid:
             effect = self.act(kind, request)
         if kind == "lease_expiry":
             time.sleep(float(self.rng.uniform(0.0, 0.5)))
@@ -232,6 +270,8 @@ class Soak:
         self.report.requests += 1
         if result is not None:
             self._check_read(request, result, deadline_s, effect, sent_s)
+            if effect is not None and "forged_on" in effect:
+                self._check_forged_read(request, result, sent_s)
         if effect is not None:
             self.recover(effect)
         failed = result is None or any(rank["outcome"] != "ok" for rank in result["ranks"])
@@ -268,6 +308,16 @@ class Soak:
             elif outcome["outcome"] != "ok" and life is not None and life.role == "prefill" \
                     and effect["kind"] == "stop_long":
                 self.report.figure("hung_prefill_failed_read_s", outcome["latency_s"])
+
+    def _check_forged_read(self, request, result: dict, sent_s: float) -> None:
+        """The real readers still read a hold that forged notices named: ok, unless a daemon was frozen meanwhile."""
+        now = time.monotonic()
+        if any(life.stopped_since is not None or life.frozen_during(sent_s, now) for life in self.daemons.all):
+            return
+        failed = [f"rank {r}: {o.get('error') or o['outcome']}" for r, o in enumerate(result["ranks"]) if o["outcome"] != "ok"]
+        if failed:
+            self.report.violate("forged_notices_dropped", f"{request.request_id}: the read after forged notices "
+                                                          f"failed: {failed}")
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -316,4 +366,6 @@ class Soak:
         with contextlib.suppress(Exception):
             self.end_epoch()
         self.ledger.close()
+        if self.forger is not None:
+            self.forger.close()
         self.daemons.close()

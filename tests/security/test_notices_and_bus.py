@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import numpy as np
 import pytest
 import zmq
 
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.bus import NotifyBus
+from kvxferd.soak.forged import holder_info, send
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.names import topic
-from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
 
 GROUPS = model_groups("gqa", ModelShape())
@@ -35,26 +33,11 @@ def cluster(workdir):
         yield c
 
 
-def holder_info(cluster, agent: NixlAgent, reader_engine_id: str, reader_tp_size: int) -> pb.EngineInfo:
-    """Introduce ``agent`` as a reader (possible without TLS) and get the holder's agent metadata."""
-    stub = peer_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
-    reply = stub.GetEngineInfo(pb.EngineInfoRequest(
-        engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader_engine_id,
-        reader_tp_rank=0, reader_tp_size=reader_tp_size, reader_agent_metadata=agent.metadata()), timeout=10)
-    info = pb.EngineInfo()
-    info.ParseFromString(reply.payload)
-    return info
-
-
 def forge(cluster, agent_name: str, reader_engine_id: str, reader_tp_size: int, notice: ReadNotice) -> NixlAgent:
     agent = NixlAgent(agent_name)
-    info = holder_info(cluster, agent, reader_engine_id, reader_tp_size)
-    holder = agent.add_remote(info.agent_metadata)
-    agent.notify(holder, notice.encode())
-    deadline = time.monotonic() + 0.5
-    while time.monotonic() < deadline:  # no progress thread: polling drives the send
-        agent.poll_notifications()
-        time.sleep(0.01)
+    info = holder_info(cluster.prefill_daemons[0].peer_address, cluster.prefill_id, 0, agent, reader_engine_id,
+                       reader_tp_size)
+    send(agent, info.agent_metadata, [notice.encode()], send_s=0.5)
     return agent
 
 
@@ -62,12 +45,14 @@ def test_forged_notices_end_no_hold(cluster):
     request = random_request("forged", *GROUPS, 48, np.random.default_rng(3))
     cluster.hold(request)
     prefill = cluster.prefill_daemons[0]
-    dropped = prefill.metric("kvxferd_notices_dropped_total")
+    dropped = prefill.metric("kvxferd_notices_dropped_total", 'reason="foreign"')
+    malformed = prefill.metric("kvxferd_notices_dropped_total", 'reason="malformed"')
     # 1. An agent introduced under its own name claims to be the real reader: not that reader's agent.
     agents = [forge(cluster, "mallory-1", "mallory", 1, ReadNotice(request.remote_request_id, cluster.decode_id, 0, 1))]
-    assert prefill.metric("kvxferd_notices_dropped_total") == dropped + 1
+    assert prefill.metric("kvxferd_notices_dropped_total", 'reason="foreign"') == dropped + 1
     # 2. A reader of TP 2 announces one reader: the holder itself expects two, so the notice is refused.
     agents.append(forge(cluster, "mallory-2", "mallory-tp2", 2, ReadNotice(request.remote_request_id, "mallory-tp2", 0, 1)))
+    assert prefill.metric("kvxferd_notices_dropped_total", 'reason="malformed"') == malformed + 1
     assert cluster.subscribers[0].wait_for(request.remote_request_id, timeout_s=0.5) is None  # still held
     # The real readers still read and end the hold, exactly once.
     cluster.submit(request)
