@@ -130,8 +130,13 @@ class SoakDecode(SoakRanks):
             except TimeoutError as err:
                 lost = isinstance(err, LostRead) or client.stream_error is not None
                 outcome = "lost" if lost else "missing"
+                # Why, for a post-mortem: the stream's status, or a registration replaced under the read.
+                why = f"{type(err).__name__}: {err}"
+                if client.stream_error is not None:
+                    why += f" [stream {client.stream_error.code().name}: {client.stream_error.details()}]"
+                why += f" [re-registrations so far: {client.num_reregistrations}]"
                 ranks.append({"outcome": outcome, "latency_s": time.monotonic() - start, "problems": [],
-                              "verified_bytes": 0})
+                              "verified_bytes": 0, "error": why})
                 continue
             # When it reached this engine, not when this loop got to it (an earlier rank may have been slow).
             ranks.append(self._check(rank, completion, arrived - start_wall, prefill_groups, request))

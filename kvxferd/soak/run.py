@@ -301,7 +301,8 @@ class Soak:
             if outcome["outcome"] == "missing":
                 self.report.violate("completion_in_time", f"{where}: no completion after {outcome['latency_s']:.1f} s")
             elif outcome["outcome"] == "lost" and not (mine and effect["kind"] == "kill_decode_daemon"):
-                self.report.violate("completion_in_time", f"{where}: the completion stream broke")
+                self.report.violate("completion_in_time", f"{where}: the completion stream broke "
+                                                          f"({outcome.get('error', '')})")
             elif outcome["latency_s"] > bound_s:
                 self.report.violate("completion_in_time", f"{where}: completion after {outcome['latency_s']:.2f} s "
                                                           f"(bound {bound_s:.2f} s)")

@@ -27,12 +27,14 @@ def _soak(*args: str, timeout_s: float, logs: Path) -> tuple[int, dict, str]:
 
 
 def _post_mortem(summary: dict, logs: Path) -> str:
-    """What a failed run leaves for whoever reads CI's output: the violations, the fault log, daemon warnings."""
+    """What a failed run leaves for whoever reads CI's output: the violations, the fault log, daemon warnings
+    and every registration's start and end (a read lost with no fault: was its registration dropped?)."""
     warnings = [f"{path.name}: {line.strip()}" for path in sorted(logs.glob("*.log"))
                 for line in path.read_text(errors="replace").splitlines()
-                if '"level": "WARNING"' in line or '"level": "ERROR"' in line]
+                if '"level": "WARNING"' in line or '"level": "ERROR"' in line or '"engine registered"' in line
+                or '"engine deregistered"' in line or '"engine re-registered' in line]
     return "\n".join([json.dumps(summary["violations"], indent=1), "fault log (end):", *summary["fault_log"][-60:],
-                      "daemon warnings and errors (end):", *warnings[-80:]])
+                      "daemon warnings, errors and registrations (end):", *warnings[-120:]])
 
 
 def _check(code: int, summary: dict, logs: Path) -> None:
