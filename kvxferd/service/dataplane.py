@@ -6,6 +6,8 @@ from the event loop on the hot path::
     event loop (gRPC)              data-plane thread
     ─────────────────              ─────────────────────────────────────────
     submit: validate, plan ──────► post (make_prepped_xfer + transfer per rank)
+    (a small read: post_now posts
+    it on the loop; ended there ─► its completion at once; else ─────► polled here)
                                    poll own reads: data ended -> board check READ -> notices
                                    poll notices of every agent (and the notice agents' progress):
                                      reader notice -> from the agent that reader introduced?
@@ -54,7 +56,9 @@ READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in f
 HOLD_POLL_S = 1e-3  # sleep while some engine holds requests a reader may notify about
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
-IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
+IDLE_POLL_S = 0.5
+INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
+INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over  # engines registered, nothing outstanding: a stray notice waits up to this long
 
 
 @dataclass(eq=False)
@@ -114,7 +118,8 @@ class DataPlane:
         self._wake = Waker()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
-        self._num_submitted = self._num_done = 0  # written by the loop / by this thread only
+        # written by the loop / by this thread / by the loop (reads that ended within post_now) only
+        self._num_submitted = self._num_done = self._num_done_now = 0
 
     # ---- API (any thread) -----------------------------------------------------
     def start(self) -> None:
@@ -128,8 +133,8 @@ class DataPlane:
 
     @property
     def num_reads(self) -> int:
-        """Reads queued or in flight (read from any thread: two single-writer counters, no iteration)."""
-        return self._num_submitted - self._num_done
+        """Reads queued or in flight (read from any thread: single-writer counters, no iteration)."""
+        return self._num_submitted - self._num_done - self._num_done_now
 
     def submit(self, read: DaemonRead) -> None:
         """Queue a planned read for posting (event-loop thread)."""
@@ -137,6 +142,34 @@ class DataPlane:
         read.queued_s = time.perf_counter()
         self._commands.append(("post", read))
         self._wake.set()
+
+    def post_now(self, read: DaemonRead) -> ReadDone | None:
+        """Post a small read on the calling thread (the event loop): its end when it ended within the post
+        (host memory: NIXL copies inside ``transfer()``) and INLINE_CHECK_WAIT_S of polling for its board
+        checks, else None and this thread polls it. Saves the hop here and back (docs/benchmarks.md).
+
+        The caller keeps it to reads of at most INLINE_MAX_BYTES: the copy blocks the loop meanwhile.
+        Everything happens under the executor's lock, which a re-handshake or a deregistration takes
+        to fail the slot's reads and release their lists: a read handed over here is among them.
+        """
+        self._num_submitted += 1
+        read.queued_s = time.perf_counter()
+        executor = read.slot.executor
+        with executor.lock:
+            if not self._start(read):
+                self._num_done_now += 1
+                return self._ended(read, read.transfer, ReadFailure.REMOTE_GONE)
+            inflight = read.inflight
+            wait_until_s = time.perf_counter() + INLINE_CHECK_WAIT_S
+            while inflight.result is None and not inflight.handles and time.perf_counter() < wait_until_s:
+                executor.poll(inflight)  # the data is in, its board checks are not: a few µs (bench floors)
+            if inflight.result is None:
+                self._reads.append(read)  # list.append is atomic; this thread polls it from now on
+                self._wake.set()
+                return None
+        self._num_done_now += 1
+        read.transfer = inflight.result
+        return self._ended(read, read.transfer, read.transfer.failure)
 
     def wake(self) -> None:
         """Something changed that needs faster polling (a new hold): any thread."""
@@ -165,7 +198,8 @@ class DataPlane:
             self._metrics.late_notices.inc()
 
     def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None) -> None:
-        """Abort a slot's reads (of one remote engine, or all) before their memory or lists go."""
+        """Abort a slot's reads (of one remote engine, or all) before their memory or lists go; call with
+        the slot's ``executor.lock`` held up to that release, so no read is posted on the loop meanwhile."""
         for read in list(self._reads):
             if read.slot is slot and remote_engine_id in (None, read.remote.plan.remote_engine_id):
                 read.transfer = slot.executor.abort(read.inflight, reason)
@@ -173,12 +207,13 @@ class DataPlane:
 
     def remove_slot(self, slot: EngineSlot, reason: str) -> None:
         """Fail the slot's reads, disconnect its remotes and deregister its memory."""
-        self.fail_reads(slot, reason)
-        if slot in self._slots:
-            self._slots.remove(slot)
-        self._notices_seen.pop(id(slot), None)
-        slot.holder.close()
-        slot.executor.close()
+        with slot.executor.lock:
+            self.fail_reads(slot, reason)
+            if slot in self._slots:
+                self._slots.remove(slot)
+            self._notices_seen.pop(id(slot), None)
+            slot.holder.close()
+            slot.executor.close()
 
     # ---- the thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -206,8 +241,12 @@ class DataPlane:
             kind, item = self._commands.popleft()
             busy = True
             if kind == "post":
-                self._post(item)
+                if self._start(item):
+                    self._reads.append(item)
+                else:
+                    self._deliver(item, item.transfer, ReadFailure.REMOTE_GONE)
                 continue
+
             fn, future = item
             try:
                 value = fn()
@@ -227,18 +266,18 @@ class DataPlane:
             events, self._hold_events = self._hold_events, []
             self._on_hold_events(events)
 
-    def _post(self, read: DaemonRead) -> None:
-        executor = read.slot.executor
+    @staticmethod
+    def _start(read: DaemonRead) -> bool:
+        """Post on the engine's current link (either thread); False, with ``read.transfer`` the failure,
+        when the remote is gone."""
         try:
-            if not executor.is_current(read.remote):  # re-handshaked since planning: same layout, new lists
-                read.remote = executor.remote(read.remote.plan.remote_engine_id)
-                read.planned = read.remote.plan.plan_request(read.planned.request)
-            read.inflight = executor.post_planned(read.remote, read.planned, read.submitted_s)
+            read.remote, read.planned, read.inflight = read.slot.executor.post_current(read.remote, read.planned,
+                                                                                      read.submitted_s)
         except KvxferError as err:
-            self._deliver(read, error_result(read, str(err)), ReadFailure.REMOTE_GONE)
-            return
+            read.transfer = error_result(read, str(err))
+            return False
         read.posted_s = read.inflight.posted_s  # before the first poll, which may see the transfer end
-        self._reads.append(read)
+        return True
 
     def _advance_reads(self) -> bool:
         busy = False
@@ -260,7 +299,12 @@ class DataPlane:
         self._deliver(read, read.transfer, failure)
 
     def _deliver(self, read: DaemonRead, result: ReadResult, failure: ReadFailure) -> None:
+        """A read ended on this thread: handed to the loop with the round's others."""
         self._num_done += 1
+        self._finished.append(self._ended(read, result, failure))
+
+    @staticmethod
+    def _ended(read: DaemonRead, result: ReadResult, failure: ReadFailure) -> ReadDone:
         now = time.perf_counter()
         post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
         result = replace(result, duration_s=now - read.submitted_s)  # includes the board checks
@@ -270,7 +314,7 @@ class DataPlane:
             transferred_s = read.inflight.transferred_s if read.inflight is not None else 0.0
             if transferred_s:
                 stages.update(transfer_s=transferred_s - read.posted_s, check_s=now - transferred_s)
-        self._finished.append(ReadDone(read.slot, result, post_s, time.time(), failure, **stages))
+        return ReadDone(read.slot, result, post_s, time.time(), failure, **stages)
 
     # ---- notices ----------------------------------------------------------------------
     def _poll_notifications(self) -> bool:

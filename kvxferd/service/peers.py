@@ -178,9 +178,10 @@ class Peers:
             boards = [i.board for i in infos]
 
             def connect() -> RemoteEngine:
-                self.dataplane.fail_reads(slot, "the remote engine was re-handshaked (restarted or unreachable)",
-                                          link.remote_engine_id)
-                return slot.executor.connect(caches, metadata, boards)
+                with slot.executor.lock:  # no read posted on the loop between failing the old ones and the swap
+                    self.dataplane.fail_reads(slot, "the remote engine was re-handshaked (restarted or "
+                                                    "unreachable)", link.remote_engine_id)
+                    return slot.executor.connect(caches, metadata, boards)
 
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
             link.addresses, link.incarnations, link.stale = addresses, incarnations, False

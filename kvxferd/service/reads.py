@@ -5,7 +5,10 @@
     submit (SubmitRead, or one ReadSpec of a Reads batch)
       checks: draining? duplicate id? too many reads in flight? handshake done?
       plan once (vectorised: bad ids fail here, before any I/O)
-      ─► data-plane thread posts it ── or, link stale ─► re-handshake, plan again, post
+      ─► small (<= INLINE_MAX_BYTES): posted here on the loop; ended within the post (host
+         memory) -> its completion at once, else the data-plane thread polls it
+      ─► larger: the data-plane thread posts it
+      ─► link stale: re-handshake, plan again, post
     done (a list per data-plane round, one hop back to the loop)
       metrics; a failed transfer marks the link stale (the next read re-handshakes)
       ─► Completion queued on the engine's feed (numbered; the stream sends it)
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.dataplane import DaemonRead, ReadDone, error_result
+from kvxferd.service.dataplane import INLINE_MAX_BYTES, DaemonRead, ReadDone, error_result
 from kvxferd.service.slots import ActiveRead, EngineSlot
 from kvxferd.service.status import status_code
 from kvxferd.wire.messages import check_seconds, ids_to_pb
@@ -60,7 +63,11 @@ class ReadPath:
         planned = link.remote.plan.plan_request(request)  # bad ids fail here, before anything is posted
         slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
         read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s)
-        if link.ready:
+        if link.ready and planned.num_bytes <= INLINE_MAX_BYTES:
+            done = daemon.dataplane.post_now(read)  # small: posted here, most often ended here too
+            if done is not None:
+                self.done([done])
+        elif link.ready:
             daemon.dataplane.submit(read)
         else:  # re-handshake first (the remote restarted or failed); the engine is not kept waiting
             daemon.spawn(self._submit_after_handshake(read, link))

@@ -31,7 +31,8 @@ def board_rows(address: int, num_buckets: int) -> np.ndarray:
 
 
 class CheckArea:
-    """Where the checks of one reader agent land; used from one thread (the data plane's)."""
+    """Where the checks of one reader agent land. Slots are taken (``list.pop``) and given back
+    (``append``) atomically, so the event loop and the data-plane thread may both post checks."""
 
     def __init__(self, agent: NixlAgent, num_slots: int = NUM_CHECK_SLOTS) -> None:
         self.agent = agent
@@ -52,9 +53,10 @@ class CheckArea:
         """Post the check of ``tag`` on a board prepared as ``remote_list``: None when
         every slot is taken (try again once a check ended); ``(handle, slot, state)`` when posted. Raises
         :class:`NixlError` (the slot given back)."""
-        if not self._free:
+        try:
+            slot = self._free.pop()
+        except IndexError:
             return None
-        slot = self._free.pop()
         handle = None
         try:
             handle = self.agent.make_read(self.local_list, np.array([2 * slot, 2 * slot + 1], np.int32), remote_list,

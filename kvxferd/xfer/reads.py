@@ -24,6 +24,7 @@ were writing, and other requests carry on.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -114,12 +115,19 @@ class ReadExecutor:
 
     Owns a second agent, ``notices``, that sends the readers' notices (see
     the module doc), and the area its board checks land in.
+
+    Two threads may use one executor: a daemon posts small reads on its event
+    loop and polls the rest on its data-plane thread. ``lock`` keeps a post
+    apart from whatever replaces or releases prepared lists (connect,
+    disconnect, close); polls touch only their own read's handles and the
+    check area, whose slots are taken and given back atomically.
     """
 
     def __init__(self, agent: NixlAgent, cache: EngineCache) -> None:
         self.agent = agent
         self.cache = cache
         self._remotes: dict[str, RemoteEngine] = {}
+        self.lock = threading.RLock()
         agent.register(cache)
         self.checks = CheckArea(agent)
         self.notices = NixlAgent(f"{agent.name}.notices")
@@ -132,6 +140,10 @@ class ReadExecutor:
         Without ``boards`` nothing is checked: reads of memory nobody holds
         (benchmarks of the data path alone). The daemon always passes them.
         """
+        with self.lock:
+            return self._connect(remotes, metadata, boards)
+
+    def _connect(self, remotes, metadata, boards) -> RemoteEngine:
         plan = EngineTransferPlan(self.cache, remotes)
         if len(metadata) != len(remotes):
             raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata for {len(remotes)} remote ranks")
@@ -164,9 +176,10 @@ class ReadExecutor:
 
     def disconnect(self, engine_id: str) -> None:
         """Forget a remote engine: release its lists and its agents."""
-        remote = self._remotes.pop(engine_id, None)
-        if remote is not None:
-            self._unload(remote)
+        with self.lock:
+            remote = self._remotes.pop(engine_id, None)
+            if remote is not None:
+                self._unload(remote)
 
     def _unload(self, remote: RemoteEngine, num_notice_remotes: int | None = None) -> None:
         lists = (remote.local_lists, remote.remote_lists, remote.board_lists)
@@ -185,12 +198,13 @@ class ReadExecutor:
 
     def close(self) -> None:
         """Disconnect every remote engine, deregister the local cache, destroy the agents."""
-        for engine_id in list(self._remotes):
-            self.disconnect(engine_id)
-        self.checks.close()
-        self.agent.deregister(self.cache.engine_id)
-        self.agent.close()
-        self.notices.close()
+        with self.lock:
+            for engine_id in list(self._remotes):
+                self.disconnect(engine_id)
+            self.checks.close()
+            self.agent.deregister(self.cache.engine_id)
+            self.agent.close()
+            self.notices.close()
 
     def remote(self, engine_id: str) -> RemoteEngine:
         try:
@@ -208,7 +222,21 @@ class ReadExecutor:
         return self._remotes.get(remote.plan.remote_engine_id) is remote
 
     def post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None) -> InFlightRead:
-        """Post a request planned with ``remote.plan`` (which must be current)."""
+        """Post a request planned with ``remote.plan`` (which must be current: see :meth:`post_current`)."""
+        with self.lock:
+            return self._post_planned(remote, planned, start_s)
+
+    def post_current(self, remote: RemoteEngine, planned: PlannedRead,
+                     start_s: float | None = None) -> tuple[RemoteEngine, PlannedRead, InFlightRead]:
+        """Post on the remote engine's current connection: a request planned before a re-handshake is
+        planned again on the new one (same layouts, new lists). Raises a typed error when it is gone."""
+        with self.lock:
+            if not self.is_current(remote):
+                remote = self.remote(remote.plan.remote_engine_id)
+                planned = remote.plan.plan_request(planned.request)
+            return remote, planned, self._post_planned(remote, planned, start_s)
+
+    def _post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None) -> InFlightRead:
         inflight = InFlightRead(planned, remote, time.perf_counter() if start_s is None else start_s)
         if remote.board_lists:
             inflight.tag = hold_tag(planned.request.remote_request_id)
