@@ -1,7 +1,8 @@
-"""The daemon's data-plane thread: every NIXL call on the hot path happens here.
+"""The daemon's data-plane thread: it polls every agent, and posts every read but the small ones.
 
-One thread drives every registered engine's agent, so NIXL is never called
-from the event loop on the hot path::
+One thread drives every registered engine's agent. The event loop calls
+NIXL on the hot path only to post a small read (``post_now``: host memory is
+copied inside ``transfer()``, so such a read most often ends right there)::
 
     event loop (gRPC)              data-plane thread
     ─────────────────              ─────────────────────────────────────────
