@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,6 +14,40 @@ import time
 import urllib.request
 
 READY = re.compile(r"^kvxferd ready: (.*)$")
+NUM_FIXED_PORTS = 12000  # how far below the ephemeral range listeners' ports are drawn
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands out for port 0 (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` ports free now, drawn below the ephemeral range.
+
+    A daemon restarted in place must get its old ports back, but a port the
+    kernel picked for port 0 can be taken meanwhile by anyone who asks for
+    port 0, and every NIXL agent does: UCX's TCP transport listens on two
+    ephemeral ports per agent. Ports below that range are taken only by
+    whoever names them.
+    """
+    top = ephemeral_port_floor()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(max(1024, top - NUM_FIXED_PORTS), top)
+        if port in ports:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 class DaemonProcess:
@@ -24,8 +60,10 @@ class DaemonProcess:
         self.daemon_id = daemon_id
         self.socket = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.sock")
         socket_args = () if default_socket else ("--engine-socket", self.socket)
+        peer, notify, metrics = free_ports(3)  # flags in extra_args come later and win (a restart in place)
         self.args = [sys.executable, "-m", "kvxferd", "serve", "--daemon-id", daemon_id, *socket_args,
-                     "--peer-port", "0", "--notify-port", "0", "--metrics-port", "0", *extra_args]
+                     "--peer-port", str(peer), "--notify-port", str(notify), "--metrics-port", str(metrics),
+                     *extra_args]
         self.log_path = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.log")
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, text=True,
