@@ -57,9 +57,9 @@ READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in f
 HOLD_POLL_S = 1e-3  # sleep while some engine holds requests a reader may notify about
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
-IDLE_POLL_S = 0.5
+IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
-INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over  # engines registered, nothing outstanding: a stray notice waits up to this long
+INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
 
 
 @dataclass(eq=False)
@@ -72,7 +72,7 @@ class DaemonRead:
     submitted_s: float  # perf_counter when the RPC arrived
     deadline_s: float  # perf_counter
     inflight: InFlightRead | None = None
-    queued_s: float = 0.0  # handed to this thread
+    queued_s: float = 0.0  # posting began (post_now) or handed to this thread (submit)
     posted_s: float = 0.0
     transfer: ReadResult | None = None
 
@@ -90,7 +90,7 @@ class ReadDone:
     post_s: float  # submit -> every rank posted
     done_unix_s: float
     failure: ReadFailure  # NONE when ok
-    plan_s: float = 0.0  # submit -> handed to the data-plane thread
+    plan_s: float = 0.0  # submit -> posting began (on the loop, or handed to the data-plane thread)
     transfer_s: float = 0.0  # posted -> every transfer ended
     check_s: float = 0.0  # transfers ended -> board checks in, notices sent
 
@@ -247,7 +247,6 @@ class DataPlane:
                 else:
                     self._deliver(item, item.transfer, ReadFailure.REMOTE_GONE)
                 continue
-
             fn, future = item
             try:
                 value = fn()

@@ -3,9 +3,9 @@
 A slot owns what the engine handed over (its mapped memory), the NIXL agent
 and executor that register that memory, the holder (holds of its requests,
 their board and the readers introduced to it) and the engine's completion
-queue. The
-event loop and the data-plane thread share it; ``holds`` is guarded by
-``lock``, everything else belongs to one side as marked.
+queue. The event loop and the data-plane thread share it; ``holds`` is
+guarded by ``lock``, the executor's lists by ``executor.lock``, everything
+else belongs to one side as marked.
 """
 
 from __future__ import annotations
