@@ -5,8 +5,9 @@
     submit (SubmitRead, or one ReadSpec of a Reads batch)
       checks: draining? duplicate id? too many reads in flight? handshake done?
       plan once (vectorised: bad ids fail here, before any I/O)
-      ─► small (<= INLINE_MAX_BYTES): posted here on the loop; ended within the post (host
-         memory) -> its completion at once, else the data-plane thread polls it
+      ─► small (the batch's reads posted here stay within INLINE_MAX_BYTES): posted here on
+         the loop; ended within the post (host memory) -> its completion at once, else the
+         data-plane thread polls it
       ─► larger: the data-plane thread posts it
       ─► link stale: re-handshake, plan again, post
     done (a list per data-plane round, one hop back to the loop)
@@ -43,6 +44,12 @@ class ReadPath:
 
     def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
+        self._inline_left = INLINE_MAX_BYTES  # bytes the current batch may still post on the loop
+
+    def begin_batch(self) -> None:
+        """A new batch (a ``Reads`` batch, or one ``SubmitRead``): it may post up to INLINE_MAX_BYTES on the
+        event loop in all, so a batch of many small reads blocks the loop for one small copy at most."""
+        self._inline_left = INLINE_MAX_BYTES
 
     def submit(self, slot: EngineSlot, remote_engine_id: str, request: ReadRequest, deadline_s: float,
                received_s: float) -> None:
@@ -63,7 +70,8 @@ class ReadPath:
         planned = link.remote.plan.plan_request(request)  # bad ids fail here, before anything is posted
         slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
         read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s)
-        if link.ready and planned.num_bytes <= INLINE_MAX_BYTES:
+        if link.ready and planned.num_bytes <= self._inline_left:
+            self._inline_left -= planned.num_bytes
             done = daemon.dataplane.post_now(read)  # small: posted here, most often ended here too
             if done is not None:
                 self.done([done])

@@ -153,6 +153,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
     async def SubmitRead(self, request, context):
         received_s = time.perf_counter()
         slot = self._slot(request.engine_id, context)
+        self.daemon.reads.begin_batch()
         self.daemon.reads.submit(slot, request.remote_engine_id, read_request_from_pb(request), request.deadline_s,
                                  received_s)
         return pb.SubmitReadReply()
@@ -206,6 +207,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
                 raise InvalidArgumentError("ack_seq", f"{batch.ack_seq} acks completions not sent yet "
                                                       f"(last seq {slot.completions.last_seq})")
             slot.completions.ack(batch.ack_seq)
+            reads.begin_batch()
             for spec in batch.reads:
                 if spec.resend and (spec.request_id in slot.active or slot.completions.has(spec.request_id)):
                     continue  # the first send arrived; its completion is on its way

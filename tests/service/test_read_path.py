@@ -1,0 +1,60 @@
+"""ReadPath's choice of where a read is posted: a batch posts at most INLINE_MAX_BYTES on the event loop in
+all (the copy blocks the loop), the rest goes to the data-plane thread; a new batch starts a new budget."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from kvxferd.layout.specs import AttentionSpec
+from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.service.completions import CompletionFeed
+from kvxferd.service.dataplane import INLINE_MAX_BYTES
+from kvxferd.service.reads import ReadPath
+from kvxferd.verify.engines import paper_cache
+
+
+class _DataPlane:
+    def __init__(self) -> None:
+        self.here, self.there = [], []
+
+    def post_now(self, read):
+        self.here.append(read.request_id)
+        return None  # as if handed over: no completion yet
+
+    def submit(self, read):
+        self.there.append(read.request_id)
+
+
+def _path():
+    spec = AttentionSpec("packed_HND", num_blocks=64, num_kv_heads=8, head_size=128, block_size=16)
+    groups = (CacheGroup("full", spec, 2),)
+    plan = EngineTransferPlan(paper_cache("d", groups, 1, 0), [paper_cache("p", groups, 1, 0)])
+    link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan), ready=True)
+    slot = types.SimpleNamespace(active={}, completions=CompletionFeed(), links={"p": link})
+    config = types.SimpleNamespace(max_reads_per_engine=1000, deadline_s=30.0, max_deadline_s=600.0)
+    daemon = types.SimpleNamespace(config=config, dataplane=_DataPlane(),
+                                   registry=types.SimpleNamespace(check_accepting=lambda: None))
+    return ReadPath(daemon), slot, plan, daemon.dataplane
+
+
+def _request(n: int, num_blocks: int) -> ReadRequest:
+    ids = np.arange(num_blocks) + (n % 2) * num_blocks
+    return ReadRequest(f"r{n}", f"r{n}@p", (ids,), (ids,))
+
+
+def test_a_batch_posts_at_most_its_budget_on_the_loop():
+    path, slot, plan, dataplane = _path()
+    num_bytes = plan.plan_request(_request(0, 8)).num_bytes  # 8 blocks x 2 layers x 64 KiB: 1 MiB
+    assert num_bytes == INLINE_MAX_BYTES
+    path.begin_batch()
+    for n in range(3):
+        path.submit(slot, "p", _request(n, 8), 0.0, 0.0)
+    assert dataplane.here == ["r0"] and dataplane.there == ["r1", "r2"]
+    path.begin_batch()  # the next batch: a budget of its own
+    path.submit(slot, "p", _request(3, 4), 0.0, 0.0)
+    path.submit(slot, "p", _request(4, 4), 0.0, 0.0)
+    path.submit(slot, "p", _request(5, 1), 0.0, 0.0)
+    assert dataplane.here == ["r0", "r3", "r4"] and dataplane.there == ["r1", "r2", "r5"]
