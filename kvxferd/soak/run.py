@@ -186,8 +186,12 @@ class Soak:
         if life is None:
             return self._skip(effect)
         daemon, prefill_id = life.daemon, self._engine_id("prefill")
-        before = {reason: daemon.metric("kvxferd_notices_dropped_total", f'reason="{reason}"')
-                  for reason in ("foreign", "malformed")}
+
+        def dropped_so_far() -> dict[str, float]:
+            return {reason: daemon.metric("kvxferd_notices_dropped_total", f'reason="{reason}"')
+                    for reason in ("foreign", "malformed")}
+
+        before = dropped_so_far()
         if self.forger is None:
             self.forger = NoticeForger()
         sent = dict(zip(before, self.forger.forge(daemon.peer_address, prefill_id, life.index,
@@ -197,8 +201,7 @@ class Soak:
         self.report.count("forged_notices", sum(sent.values()))
         deadline = time.monotonic() + FORGED_COUNTED_S
         while True:  # the holder counts them on its next poll (every poll_interval_s)
-            dropped = {reason: daemon.metric("kvxferd_notices_dropped_total", f'reason="{reason}"') - before[reason]
-                       for reason in before}
+            dropped = {reason: count - before[reason] for reason, count in dropped_so_far().items()}
             if all(dropped[r] >= sent[r] for r in sent) or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)

@@ -143,18 +143,18 @@ class NixlAgent:
     # ---- memory ---------------------------------------------------------
     def register(self, cache: EngineCache) -> None:
         """Register every region of an engine rank once."""
-        if cache.engine_id in self._registrations:
-            raise InvalidArgumentError("engine_id", f"engine {cache.engine_id!r} is already registered on agent {self.name!r}")
         regions = [(m.address, m.num_bytes, m.device_id, "") for group in cache.memory for m in group]
-        self._registrations[cache.engine_id] = self._call("register_memory", self._agent.register_memory, regions, cache.mem_type)
+        self._register(cache.engine_id, "engine_id", regions, cache.mem_type)
 
     def register_array(self, key: str, array: np.ndarray) -> None:
         """Register a host array of our own (a hold board, a check area) under ``key``; keep it alive until
         :meth:`deregister`."""
+        self._register(key, "key", [(array.ctypes.data, array.nbytes, 0, "")], "DRAM")
+
+    def _register(self, key: str, field: str, regions: list, mem_type: str) -> None:
         if key in self._registrations:
-            raise InvalidArgumentError("key", f"{key!r} is already registered on agent {self.name!r}")
-        self._registrations[key] = self._call("register_memory", self._agent.register_memory,
-                                              [(array.ctypes.data, array.nbytes, 0, "")], "DRAM")
+            raise InvalidArgumentError(field, f"{key!r} is already registered on agent {self.name!r}")
+        self._registrations[key] = self._call("register_memory", self._agent.register_memory, regions, mem_type)
 
     def deregister(self, engine_id: str) -> None:
         """Deregister an engine's memory, or an array's by its key (before that memory may be freed)."""
