@@ -39,15 +39,19 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = random.randrange(max(1024, top - NUM_FIXED_PORTS), top)
-        if port in ports:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-        ports.append(port)
+        if port not in ports and port_is_free(port, host):
+            ports.append(port)
     return ports
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``port`` on ``host`` can be bound now."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class DaemonProcess:

@@ -21,6 +21,7 @@ from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.service.exposure import is_loopback
 from kvxferd.verify.models import ModelShape, model_groups
 from tests.service.helpers import engine_pb
+from tests.sockets import listening_sockets
 
 SERVE = [sys.executable, "-m", "kvxferd", "serve", "--peer-port", "0", "--notify-port", "0", "--metrics-port", "0"]
 
@@ -55,26 +56,6 @@ def test_insecure_starts_warns_and_counts(workdir):
         daemon.terminate()
 
 
-def listening_addresses(pid: int) -> list[str]:
-    """Local addresses of every listening TCP socket the process holds (hex, as /proc/net/tcp{,6} writes them)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as lines:
-            for line in lines.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                    found.append(fields[1].split(":")[0])
-    return found
-
-
 def _is_loopback_hex(address: str) -> bool:
     if len(address) == 8:  # IPv4, little-endian
         return address.endswith("7F")
@@ -89,7 +70,7 @@ def test_every_listener_of_a_default_daemon_is_on_loopback(workdir):
         client = EngineClient(daemon.engine_target)
         client.register(engine_pb(model_groups("gqa", ModelShape())[0], "loop-engine", arenas))  # creates the NIXL agent
         try:
-            found = listening_addresses(daemon.process.pid)
+            found = [address for address, _ in listening_sockets(daemon.process.pid)]
             assert len(found) >= 4, found  # peer, notify, metrics, UCX
             assert all(_is_loopback_hex(a) for a in found), found
         finally:

@@ -9,20 +9,12 @@ import sys
 import pytest
 
 from kvxferd.client import DaemonProcess
+from kvxferd.client.launch import port_is_free
 from kvxferd.wire.names import default_engine_socket
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def test_no_options_starts_on_loopback_defaults():
-    if not all(_free(p) for p in (47100, 47200, 9464)):
+    if not all(port_is_free(p) for p in (47100, 47200, 9464)):
         pytest.skip("a default port is taken on this machine")
     process = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve"], stdout=subprocess.PIPE, text=True,
                                stderr=subprocess.DEVNULL)
