@@ -188,9 +188,9 @@ class ReadExecutor:
         for handles in lists:  # a released handle still points at the agent: let go of it
             handles.clear()
         names = remote.agent_names
-        for n, name in enumerate(names):  # one reference per rank and agent, as connect took them
-            agents = (self.agent, self.notices) if num_notice_remotes is None or n < num_notice_remotes else (self.agent,)
-            for agent in agents:
+        # One reference per rank and agent, as connect took them (a failed connect: only those it took).
+        for agent, loaded in ((self.agent, names), (self.notices, names[:num_notice_remotes])):
+            for name in loaded:
                 try:
                     agent.remove_remote(name)
                 except NixlError:

@@ -10,9 +10,9 @@ checks that wait for a free slot still end.
 import numpy as np
 import pytest
 
+from kvxferd.errors import InvalidArgumentError
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.checks import CheckArea
 from kvxferd.xfer.reads import ReadFailure
 
 
@@ -70,20 +70,33 @@ def test_a_released_or_consumed_hold_makes_the_next_read_stale(cluster):
 
 
 def test_checks_wait_for_a_free_slot_and_all_end(cluster):
-    """One check slot for eight reads of two ranks each: every check still runs, one after another."""
+    """One free check slot for eight reads of two ranks each: every check still runs, one after another."""
     executor = cluster.executors[0]
-    spare, executor.checks = executor.checks, None
+    checks = executor.checks
+    taken = [checks._free.pop() for _ in range(checks.num_free - 1)]
     try:
-        executor.agent.deregister("board-checks")
-        executor.checks = CheckArea(executor.agent, num_slots=1)
         requests = [_request(cluster, f"queued-{n}", 10 + n) for n in range(8)]
         for request in requests:
             for holder in cluster.holders:
                 holder.hold(request.remote_request_id, request.remote_block_ids, 60)
         inflight = [executor.post(cluster.prefill_id, request) for request in requests]
         results = [executor.wait(f, 10) for f in inflight]
-        assert [r.error for r in results] == [None] * 8 and executor.checks.num_free == 1
+        assert [r.error for r in results] == [None] * 8 and checks.num_free == 1
     finally:
-        executor.checks.close()
-        executor.agent.register_array("board-checks", spare.words)
-        executor.checks = spare
+        checks._free.extend(taken)
+
+
+def test_a_connect_that_fails_halfway_unloads_what_it_loaded(cluster):
+    """The second rank's metadata is garbage: the first rank's agent was loaded into both the reader's agent
+    and its notice agent, and both references go again. (A new connect drops the old link first, as a
+    re-handshake does, so nothing at all stays loaded.)"""
+    executor = cluster.executors[0]
+    assert (executor.agent.num_remotes(), executor.notices.num_remotes()) == (2, 2)
+    good = cluster.prefill_agents[0].metadata()
+    with pytest.raises(InvalidArgumentError):
+        executor.connect([engine.cache for engine in cluster.prefill], [good, b"nixlSerDes|garbage"],
+                         [holder.board for holder in cluster.holders])
+    assert (executor.agent.num_remotes(), executor.notices.num_remotes()) == (0, 0)
+    cluster.connect()
+    assert (executor.agent.num_remotes(), executor.notices.num_remotes()) == (2, 2)
+    assert cluster.read(_request(cluster, "after-bad-connect", 30))[0].ok
