@@ -109,7 +109,11 @@ class DataPlane:
         self._metrics = metrics
         self.interval_s = interval_s
         self._slots: list[EngineSlot] = []
-        self._notices_polled_at: dict[int, float] = {}  # id(slot) -> when its notice agent was polled
+        # id(slot) -> (its executor's num_notices_sent, when this thread saw it change, when its notice
+        # agent was last polled): perf_counter. Counted, not timed by the sender: notices sent on the
+        # event loop while this thread sleeps IDLE_POLL_S still get their polls once it wakes (a notice
+        # on a new connection needs more than the sender's one poll: test_fuzz_rpcs lost CONSUMED so).
+        self._notices_seen: dict[int, tuple[int, float, float]] = {}
         self._notices_active = False  # some notice agent was polled in the last polling round
         self._notices_polled_s = 0.0  # perf_counter of the last polling round
         self._reads: list[DaemonRead] = []
@@ -210,7 +214,7 @@ class DataPlane:
             self.fail_reads(slot, reason)
             if slot in self._slots:
                 self._slots.remove(slot)
-            self._notices_polled_at.pop(id(slot), None)
+            self._notices_seen.pop(id(slot), None)
             slot.holder.close()
             slot.executor.close()
 
@@ -340,13 +344,15 @@ class DataPlane:
         """Poll a slot's notice agent every NOTICE_POLL_S for NOTICE_PROGRESS_S after its last notice: it
         receives nothing, but UCX sends a notice on only while its agent makes progress. The executor
         polls it right after sending; this is the safety net (an idle one costs nothing)."""
-        now = time.perf_counter()
-        if now - slot.executor.last_notice_s >= NOTICE_PROGRESS_S:
-            return
-        self._notices_active = True
-        if now - self._notices_polled_at.get(id(slot), 0.0) >= NOTICE_POLL_S:
-            self._notices_polled_at[id(slot)] = now
-            slot.executor.notices.poll_notifications()
+        sent, now = slot.executor.num_notices_sent, time.perf_counter()
+        seen = self._notices_seen.get(id(slot))
+        if seen is None or seen[0] != sent:
+            self._notices_seen[id(slot)] = seen = (sent, now, seen[2] if seen else 0.0)
+        if now - seen[1] < NOTICE_PROGRESS_S:
+            self._notices_active = True
+            if now - seen[2] >= NOTICE_POLL_S:
+                self._notices_seen[id(slot)] = (sent, seen[1], now)
+                slot.executor.notices.poll_notifications()
 
 
 def error_result(read: DaemonRead, error: str) -> ReadResult:

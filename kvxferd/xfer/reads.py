@@ -131,7 +131,7 @@ class ReadExecutor:
         agent.register(cache)
         self.checks = CheckArea(agent)
         self.notices = NixlAgent(f"{agent.name}.notices")
-        self.last_notice_s = 0.0  # perf_counter of the last notices sent (the data plane's safety-net polls follow)
+        self.num_notices_sent = 0  # the data plane polls the notice agent (its progress) only after new ones
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
                 boards: Sequence[BoardInfo] | None = None) -> RemoteEngine:
@@ -376,7 +376,7 @@ class ReadExecutor:
                 self.notices.notify(remote.agent_names[q], notice.encode())
             except NixlError:
                 unnotified.append(q)  # the peer is gone; its hold expires on its side
-        self.last_notice_s = time.perf_counter()
+        self.num_notices_sent += 1
         try:
             self.notices.poll_notifications()  # progress: sends them on now (the daemon's thread also polls it)
         except NixlError:
