@@ -139,8 +139,13 @@ class EngineClient:
             self._start(lambda: self._heartbeat(interval_s))
         return reply
 
-    def _send_register(self, request: pb.RegisterRequest, again: bool = False) -> pb.RegisterReply:
+    def _send_register(self, request: pb.RegisterRequest, again: bool = False,
+                       num_registrations: int | None = None) -> pb.RegisterReply | None:
+        """Register; with ``num_registrations``, only if this client made no registration since it had
+        that many (else None: the newer registration stands)."""
         with self._register_lock:
+            if num_registrations is not None and len(self.incarnations) != num_registrations:
+                return None
             reply = self.stub.Register(request, timeout=self.timeout_s)
             self._registered(request.engine, reply, again)
         return reply
@@ -167,6 +172,7 @@ class EngineClient:
 
     def _heartbeat(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            num_registrations = len(self.incarnations)
             try:
                 self.stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.engine_id), timeout=self.timeout_s)
             except grpc.RpcError as err:
@@ -174,15 +180,17 @@ class EngineClient:
                 # out while it could not hear us): register the same cache again. Anything else (the
                 # daemon is down, draining, or another client took the engine id) is left alone.
                 if err.code() == grpc.StatusCode.NOT_FOUND and self._register_request is not None:
-                    self._register_again()
+                    self._register_again(num_registrations)
 
-    def _register_again(self) -> None:
-        if self._stop.is_set():
+    def _register_again(self, num_registrations: int) -> None:
+        """Register the same cache again, unless someone registered it since the heartbeat went out:
+        replacing that fresh registration would end its stream and lose the reads sent on it."""
+        if self._stop.is_set() or len(self.incarnations) != num_registrations:
             return
         try:
             if self._fd_source is not None:
                 self._register_request.fd_token = self._fd_source()
-            self._send_register(self._register_request, again=True)
+            self._send_register(self._register_request, again=True, num_registrations=num_registrations)
         except (grpc.RpcError, OSError):
             pass  # the next heartbeat tries again (OSError: the fds could not be passed)
 

@@ -82,3 +82,42 @@ def test_the_current_stream_acks_and_reports_its_end():
     assert client._outbox.get_nowait().ack_seq == ACK_EVERY
     assert client.stream_error is not None and client.stream_error.code() == grpc.StatusCode.ABORTED
     assert len(client._completions) == ACK_EVERY
+
+
+class NotFound(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+
+class RestartedDaemon:
+    """A daemon that restarted: the heartbeat sent before the engine registered again is answered
+    NOT_FOUND only after that registration went through (``during_heartbeat`` stands for it)."""
+
+    def __init__(self, during_heartbeat) -> None:
+        self.during_heartbeat, self.registrations = during_heartbeat, []
+
+    def Heartbeat(self, request, timeout):
+        self.during_heartbeat()
+        raise NotFound()
+
+    def Register(self, request, timeout):
+        self.registrations.append(request.engine.engine_id)
+        return pb.RegisterReply(session=f"s{len(self.registrations)}", incarnation=f"i{len(self.registrations)}")
+
+
+def test_a_heartbeat_does_not_replace_a_registration_made_while_it_was_out():
+    """The soak's lost-stream flake: after a daemon restart the engine registered again, and the heartbeat
+    that had found the old registration gone registered once more, replacing the fresh registration and
+    ending the stream its next read was on. It must register again only if nobody did meanwhile."""
+    client = _client()
+    client._open_stream = lambda: None  # no stream in this test
+    engine = pb.EngineRank(engine_id="e")
+    client._register_request = pb.RegisterRequest(engine=engine)
+    client.stub = RestartedDaemon(lambda: client._send_register(client._register_request))  # the engine's own
+    client._stop.wait = lambda interval_s, calls=iter([False, True]): next(calls)  # one heartbeat, then stop
+    client._heartbeat(0.0)
+    assert client.stub.registrations == ["e"] and client.num_reregistrations == 0  # the engine's, only
+    client.stub = RestartedDaemon(lambda: None)  # nobody registers meanwhile: the heartbeat does
+    client._stop.wait = lambda interval_s, calls=iter([False, True]): next(calls)
+    client._heartbeat(0.0)
+    assert client.stub.registrations == ["e"] and client.num_reregistrations == 1
