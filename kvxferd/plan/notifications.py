@@ -20,6 +20,11 @@ each way), validated field by field on decode: it comes from peers::
          8     2  len(request_id)         u16, 1..MAX_ID_BYTES
         10     2  len(reader_engine_id)   u16, 1..MAX_ID_BYTES
         12     .  request_id, reader_engine_id (UTF-8), nothing after
+
+A reader also sends each holder one ``HELLO`` (3 bytes) when it connects:
+UCX picks its protocol for a new connection's first notification, which
+took about 1 ms here, and that would otherwise be the first request's.
+A holder ignores a hello (it says nothing and ends nothing).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ RECORD_VERSION = 1
 MAX_ID_BYTES = 512
 _HEADER = struct.Struct("<2sBBHHHH")
 _NOTICE = b"KN"
+HELLO = b"KH\x01"  # sent once per connection; ignored by the holder
 
 
 def _decode(message: bytes, field: str = "notification") -> tuple[bool, int, int, str, str]:

@@ -23,6 +23,8 @@ How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing
     holds a reader may notify    poll every ``interval_s`` (config poll_interval_s, 1 ms): no
                                  reader waits for it over shared memory or RDMA (it only counts
                                  notices), but UCX over TCP needs it to serve READs
+    a reader introduced lately   the same for READER_SETUP_S: its handshake reads our board
+                                 (the probe) over a new connection
     notices sent lately          poll every NOTICE_POLL_S (10 ms) for 50 ms (a safety net: the
                                  executor makes progress right after sending)
     neither                      poll every IDLE_POLL_S (UCX keeps progressing) until woken
@@ -57,6 +59,7 @@ READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in f
 HOLD_POLL_S = 1e-3  # sleep while some engine holds requests a reader may notify about
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
+READER_SETUP_S = 0.5  # how long the holder polls at interval_s after a reader's introduction
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
 INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
@@ -116,6 +119,7 @@ class DataPlane:
         self._notices_seen: dict[int, tuple[int, float, float]] = {}
         self._notices_active = False  # some notice agent was polled in the last polling round
         self._notices_polled_s = 0.0  # perf_counter of the last polling round
+        self._reader_setup_until_s = 0.0  # perf_counter: poll at interval_s until then (expect_reader)
         self._reads: list[DaemonRead] = []
         self._commands: collections.deque = collections.deque()
         self._wake = Waker()
@@ -174,6 +178,12 @@ class DataPlane:
         read.transfer = inflight.result
         return self._ended(read, read.transfer, read.transfer.failure)
 
+    def expect_reader(self) -> None:
+        """A reader was introduced: its handshake probes our board over a new connection next, which
+        over UCX on TCP needs our progress. Poll at ``interval_s`` for READER_SETUP_S (any thread)."""
+        self._reader_setup_until_s = time.perf_counter() + READER_SETUP_S
+        self.wake()
+
     def wake(self) -> None:
         """Something changed that needs faster polling (a new hold): any thread."""
         self._wake.set()
@@ -230,7 +240,7 @@ class DataPlane:
                 sleep_s = POLL_MIN_S
             elif self._reads:
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
-            elif any(len(slot.holds) for slot in self._slots):
+            elif any(len(slot.holds) for slot in self._slots) or time.perf_counter() < self._reader_setup_until_s:
                 sleep_s = self.interval_s
             elif self._notices_active:
                 sleep_s = max(self.interval_s, NOTICE_POLL_S)

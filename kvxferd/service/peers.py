@@ -60,6 +60,7 @@ class _PeerChannel:
     retired: bool = False  # replaced after a failure or a certificate rotation: close once the last call ends
 
 
+PROBE_POLL_MIN_S, PROBE_POLL_MAX_S = 50e-6, 1e-3  # how the handshake's probe is polled (growing sleeps)
 PEER_RETRY_S = 2.0  # how long the one retry after UNAVAILABLE waits for the peer to accept
 
 
@@ -184,15 +185,43 @@ class Peers:
                     return slot.executor.connect(caches, metadata, boards)
 
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
-            link.addresses, link.incarnations, link.stale = addresses, incarnations, False
+            link.addresses = addresses  # the remote connected to: a failed probe leaves the link stale
+            probe_s = await self._probe(slot, link.remote, addresses)
+            link.incarnations, link.stale = incarnations, False
             self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)
             log.info("handshake done", extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id,
-                                              "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4)})
+                                              "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4),
+                                              "probe_s": round(probe_s, 4)})
         except BaseException:
             self.metrics.handshake_duration.labels("failed").observe(time.perf_counter() - start)
             if addresses == link.addresses:
                 link.stale = True
             raise
+
+    async def _probe(self, slot: EngineSlot, remote: RemoteEngine, addresses: tuple[str, ...]) -> float:
+        """Read every remote rank's hold board once (``BoardProbe``) before the link is ready; its seconds.
+
+        UCX sets a connection up on its first transfer (10-35 ms here, longer
+        with the holder busy): paid here, not by the first request. A holder
+        whose memory does not answer fails the handshake, naming its address.
+        """
+        start = time.perf_counter()
+        deadline_s, sleep_s = start + self.timeout_s, PROBE_POLL_MIN_S
+        probe = slot.executor.start_probe(remote)
+        try:
+            while (errors := slot.executor.poll_probe(remote)) is None:
+                if time.perf_counter() >= deadline_s:
+                    errors = dict.fromkeys([*probe.waiting, *probe.running], f"no answer in {self.timeout_s:g} s")
+                    break
+                await asyncio.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, PROBE_POLL_MAX_S)
+        finally:
+            slot.executor.abort_probe(remote, "the handshake ended")
+        if errors:
+            q = min(errors)
+            raise TransferError(f"peer_addresses[{q}]", f"{addresses[q]}: the data plane did not answer: reading the "
+                                                        f"holder's board over NIXL failed: {errors[q]}")
+        return time.perf_counter() - start
 
     async def _engine_info(self, slot: EngineSlot, link: RemoteLink, q: int, address: str, tp_size: int):
         field = f"peer_addresses[{q}]"

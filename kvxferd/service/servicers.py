@@ -326,6 +326,7 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         if reader not in slot.readers and len(slot.readers) >= limit:
             raise ResourceExhaustedError("max_readers_per_engine", f"{limit} readers are introduced already")
         slot.readers[reader] = Reader(name, request.reader_tp_size, expected)
+        self.daemon.dataplane.expect_reader()  # its handshake's probe READs our board next
 
     @rpc
     async def GetIncarnation(self, request, context):

@@ -11,6 +11,10 @@ The area is host memory registered with the reader's agent, one prepared
 list of 64-byte descriptors, so a check is ``make_prepped_xfer`` with four
 ids. Slots are reused; when all are taken a check waits for one (bounded
 memory, nothing lost).
+
+A handshake probes each new connection the same way (:class:`BoardProbe`):
+UCX sets up a connection's transports on its first transfer, which took
+10-35 ms here, and that first transfer would otherwise be a request's read.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvxferd.plan.board import BUCKET_BYTES, SLOTS_PER_BUCKET, bucket_pair, check_num_buckets, tag_in
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
 
 CHECK_AREA_KEY = "board-checks"
+PROBE_TAG = 1  # a probe reads some bucket pair; which one does not matter
 NUM_CHECK_SLOTS = 2048  # checks in flight at once (256 KiB): beyond that a check waits for a slot
 
 
@@ -81,3 +86,61 @@ class CheckArea:
         self.local_list.release()
         self.local_list = None
         self.agent.deregister(CHECK_AREA_KEY)
+
+
+class BoardProbe:
+    """One READ of every remote rank's board (two buckets), posted when a connection is made.
+
+    It proves at the handshake that each holder's memory answers, and it
+    pays UCX's connection set-up there instead of in the first request's
+    read (``docs/benchmarks.md``, "The first read after a handshake").
+    """
+
+    def __init__(self, area: CheckArea, boards: dict[int, tuple[object, int]]) -> None:
+        """``boards``: remote rank -> (its prepared board list, its number of buckets)."""
+        self.area = area
+        self.waiting = dict(boards)  # not posted yet (no free slot)
+        self.running: dict[int, tuple[object, int]] = {}  # rank -> (handle, slot)
+        self.errors: dict[int, str] = {}
+
+    def poll(self) -> dict[int, str] | None:
+        """None while a READ runs; then every rank's error (empty: every board answered)."""
+        for q, (board_list, num_buckets) in list(self.waiting.items()):
+            try:
+                posted = self.area.post(board_list, num_buckets, PROBE_TAG)
+            except NixlError as err:
+                del self.waiting[q]
+                self.errors[q] = str(err)
+                continue
+            if posted is None:
+                break  # every slot taken by reads' checks: the next poll tries again
+            del self.waiting[q]
+            self.running[q] = posted[:2]
+        for q, (handle, _slot) in list(self.running.items()):
+            try:
+                state = self.area.agent.state(handle)
+            except NixlError as err:
+                self.errors[q] = str(err)
+                state = TransferState.ERR
+            if state is TransferState.PROC:
+                continue
+            if state is TransferState.ERR:
+                self.errors.setdefault(q, "the READ of its hold board ended with an error")
+            self._end(q)
+        return None if self.waiting or self.running else dict(self.errors)
+
+    def abort(self, reason: str) -> None:
+        """Stop every READ still running (the connection is being released)."""
+        for q in [*self.waiting, *self.running]:
+            self.errors.setdefault(q, reason)
+            if q in self.running:
+                self._end(q)
+        self.waiting.clear()
+
+    def _end(self, q: int) -> None:
+        handle, slot = self.running.pop(q)
+        try:
+            self.area.agent.release(handle)
+        except NixlError:
+            pass  # the handle of a failed transfer may already be gone
+        self.area.give(slot)

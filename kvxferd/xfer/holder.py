@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.leases import HoldEnd, HoldTable
-from kvxferd.plan.notifications import ReadNotice
+from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError
 from kvxferd.xfer.waker import Waker
 
@@ -94,6 +94,8 @@ class Holder:
 
     def on_notice(self, sender: str, message: bytes, now: float | None = None) -> list[tuple[str, HoldEnd]]:
         """Count one reader's notice; the events to publish, as ``(kind, end)``: FAILED and/or CONSUMED."""
+        if message == HELLO:
+            return []  # a reader's new connection warming up: nothing to count
         try:
             notice = ReadNotice.decode(message)
         except InvalidArgumentError:

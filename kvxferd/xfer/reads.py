@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.errors import InvalidArgumentError, NotFoundError, TransferError
 from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
-from kvxferd.plan.notifications import ReadNotice
+from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
-from kvxferd.xfer.checks import CheckArea, board_rows
+from kvxferd.xfer.checks import BoardProbe, CheckArea, board_rows
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
 POLL_MAX_S = 1e-3
@@ -83,6 +83,7 @@ class RemoteEngine:
     remote_lists: dict[int, object]
     board_lists: dict[int, object] = field(default_factory=dict)  # per read rank: the holder's board, per bucket
     board_buckets: tuple[int, ...] = ()  # per remote rank; () when connected without boards (nothing checked)
+    probe: BoardProbe | None = None  # the connection's probe while it runs (start_probe)
 
 
 @dataclass(eq=False)
@@ -181,7 +182,44 @@ class ReadExecutor:
             if remote is not None:
                 self._unload(remote)
 
+    def start_probe(self, remote: RemoteEngine) -> BoardProbe:
+        """Post one READ of every remote rank's hold board (:class:`BoardProbe`), and send each holder the
+        notice agent's ``HELLO``: a new connection's first transfer and first notification cost
+        milliseconds here, not in a request. See :meth:`poll_probe`."""
+        with self.lock:
+            if remote.probe is None:
+                for q in remote.plan.notify_ranks:
+                    try:
+                        self.notices.notify(remote.agent_names[q], HELLO)
+                    except NixlError:
+                        pass  # the probe's READ of that holder says whether it is reachable
+                self.num_notices_sent += 1  # the data plane makes progress for the notice agent
+                remote.probe = BoardProbe(self.checks, {q: (remote.board_lists[q], remote.board_buckets[q])
+                                                        for q in remote.board_lists})
+                remote.probe.poll()  # posts the READs (a check area with no free slot: the next poll)
+            return remote.probe
+
+    def poll_probe(self, remote: RemoteEngine) -> dict[int, str] | None:
+        """None while the probe runs; then the error of each remote rank whose board did not answer.
+        Raises :class:`TransferError` when the connection was released or replaced meanwhile."""
+        with self.lock:
+            if not self.is_current(remote):
+                raise TransferError("remote_engine_id", "the connection was released while it was probed")
+            if remote.probe is None:
+                return {}
+            errors = remote.probe.poll()
+            if errors is not None:
+                remote.probe = None
+            return errors
+
+    def abort_probe(self, remote: RemoteEngine, reason: str) -> None:
+        with self.lock:
+            if remote.probe is not None:
+                remote.probe.abort(reason)
+                remote.probe = None
+
     def _unload(self, remote: RemoteEngine, num_notice_remotes: int | None = None) -> None:
+        self.abort_probe(remote, "the connection was released")
         lists = (remote.local_lists, remote.remote_lists, remote.board_lists)
         for handle in (h for handles in lists for h in handles.values()):
             handle.release()

@@ -113,3 +113,25 @@ def test_a_read_of_a_gone_remote_fails_at_once_on_either_path(plane):
     assert sum(len(ids) for ids in ended.result.invalid_block_ids) > 0 and dataplane.num_reads == 0
     with cluster.holders[0].lock:
         cluster.holders[0].holds.release(read.planned.request.remote_request_id)
+
+
+def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, monkeypatch):
+    """Idle, the thread polls every 0.5 s; a reader's introduction makes it poll every interval_s for
+    READER_SETUP_S (the reader's probe over a new connection needs the holder's progress over TCP)."""
+    cluster, slot, dataplane, done = plane
+    rounds = []
+    real = dataplane._progress_notices  # called once per slot in each polling round
+    monkeypatch.setattr(dataplane, "_progress_notices", lambda s: rounds.append(time.perf_counter()) or real(s))
+    monkeypatch.setattr(dataplane_module, "READER_SETUP_S", 0.3)
+
+    def rounds_in(seconds: float) -> int:
+        start = time.perf_counter()
+        time.sleep(seconds)
+        return sum(start <= t < start + seconds for t in rounds)
+
+    time.sleep(0.6)  # past the notice agents' safety net: idle
+    assert rounds_in(0.3) <= 1
+    dataplane.expect_reader()
+    assert rounds_in(0.25) >= 25  # every 1 ms, on a loaded machine far fewer
+    time.sleep(0.1)
+    assert rounds_in(0.6) <= 2

@@ -4,15 +4,21 @@ The holder's tag leaves the board before any end of the hold is returned
 (tests/plan/test_leases.py); here the reader's one-sided check must see
 that: a read of a held request passes, a read after the hold ended (never
 held, released, consumed) fails with every read rank's blocks invalid, and
-checks that wait for a free slot still end.
+checks that wait for a free slot still end. A handshake's probe reads each
+holder's board once, waits for a free slot like a check, and fails once its
+connection is released under it.
 """
+
+import time
 
 import numpy as np
 import pytest
 
-from kvxferd.errors import InvalidArgumentError
+from kvxferd.errors import InvalidArgumentError, TransferError
+from kvxferd.plan.notifications import HELLO
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.xfer.checks import NUM_CHECK_SLOTS
 from kvxferd.xfer.reads import ReadFailure
 
 
@@ -100,3 +106,69 @@ def test_a_connect_that_fails_halfway_unloads_what_it_loaded(cluster):
     cluster.connect()
     assert (executor.agent.num_remotes(), executor.notices.num_remotes()) == (2, 2)
     assert cluster.read(_request(cluster, "after-bad-connect", 30))[0].ok
+
+
+def _probe_until_done(executor, remote, timeout_s: float = 10.0):
+    deadline = time.perf_counter() + timeout_s
+    while (errors := executor.poll_probe(remote)) is None:
+        assert time.perf_counter() < deadline, "the probe did not end"
+        time.sleep(1e-3)
+    return errors
+
+
+def test_a_probe_reads_every_holders_board_and_gives_its_slots_back(cluster):
+    executor = cluster.executors[0]
+    remote = executor.remote(cluster.prefill_id)
+    probe = executor.start_probe(remote)
+    assert not probe.waiting  # both READs posted (here in process they may already have ended)
+    assert _probe_until_done(executor, remote) == {}
+    assert remote.probe is None and executor.checks.num_free == NUM_CHECK_SLOTS
+
+
+def test_a_probe_waits_for_a_free_check_slot(cluster):
+    executor = cluster.executors[0]
+    remote = executor.remote(cluster.prefill_id)
+    taken = [executor.checks._free.pop() for _ in range(executor.checks.num_free)]
+    try:
+        probe = executor.start_probe(remote)
+        assert sorted(probe.waiting) == [0, 1] and executor.poll_probe(remote) is None
+    finally:
+        executor.checks._free.extend(taken)
+    assert _probe_until_done(executor, remote) == {}
+    assert executor.checks.num_free == NUM_CHECK_SLOTS
+
+
+def test_a_connection_released_under_its_probe_fails_the_probe(cluster):
+    """A re-handshake or a deregistration releases the lists under a running probe: its READs are
+    released first, their slots come back, and whoever polls it learns that it is gone."""
+    executor = cluster.executors[0]
+    remote = executor.remote(cluster.prefill_id)
+    executor.start_probe(remote)
+    try:
+        executor.disconnect(cluster.prefill_id)
+        assert executor.checks.num_free == NUM_CHECK_SLOTS
+        with pytest.raises(TransferError, match="released while it was probed"):
+            executor.poll_probe(remote)
+    finally:
+        cluster.connect()
+    assert cluster.read(_request(cluster, "after-probe", 31))[0].ok
+
+
+def test_the_probes_hello_reaches_every_holder_and_counts_for_nothing(cluster, monkeypatch):
+    executor = cluster.executors[0]
+    heard = []
+    for q, holder in enumerate(cluster.holders):
+        real = holder.on_notice
+        monkeypatch.setattr(holder, "on_notice", lambda sender, message, real=real, q=q:
+                            heard.append((q, sender, bytes(message))) or real(sender, message))
+    before = [(holder.counts.bad, holder.counts.foreign) for holder in cluster.holders]
+    executor.start_probe(executor.remote(cluster.prefill_id))
+    assert _probe_until_done(executor, executor.remote(cluster.prefill_id)) == {}
+    deadline = time.perf_counter() + 5
+    while sum(h[2] == HELLO for h in heard) < 2 and time.perf_counter() < deadline:
+        time.sleep(1e-3)
+    time.sleep(0.05)  # and nothing else of ours comes (earlier tests' notices may still arrive)
+    assert sorted(h for h in heard if h[2] == HELLO) == [(0, executor.notices.name, HELLO), (1, executor.notices.name, HELLO)]
+    # Ignored from anyone: not a malformed notice, not a foreign one, and it ends nothing.
+    assert cluster.holders[0].on_notice("some-other-agent", HELLO) == []
+    assert [(holder.counts.bad, holder.counts.foreign) for holder in cluster.holders] == before
