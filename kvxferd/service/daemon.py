@@ -118,7 +118,8 @@ class Daemon:
                                      default_lease_s=config.lease_s, max_lease_s=config.max_lease_s,
                                      fd_inbox=self._fd_inbox, max_engines=config.max_engines,
                                      max_registered_bytes=config.max_registered_bytes,
-                                     max_holds=config.max_holds_per_engine)
+                                     max_holds=config.max_holds_per_engine,
+                                     populate_host_memory=config.populate_host_memory)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))

@@ -32,7 +32,7 @@ from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.fdpass import FdInbox
-from kvxferd.service.memory import open_region
+from kvxferd.service.memory import open_region, populate
 from kvxferd.service.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.agent import NixlAgent, collect_agents
@@ -54,8 +54,10 @@ class Registry:
 
     def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, str, HoldEnd], None], *,
                  daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
-                 max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000) -> None:
+                 max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
+                 populate_host_memory: bool = True) -> None:
         self.dataplane = dataplane
+        self.populate_host_memory = populate_host_memory  # fault a host cache's pages in at registration
         self.max_holds = max_holds  # per engine rank: sizes its hold board
         self.max_engines = max_engines
         self.max_registered_bytes = max_registered_bytes
@@ -192,8 +194,8 @@ class Registry:
                                              "incarnation": incarnation, "agent": slot.agent.name})
         return slot
 
-    @staticmethod
-    def _open_memory(engine: pb.EngineRank, groups, fds, mapped: list) -> list[list]:
+    def _open_memory(self, engine: pb.EngineRank, groups, fds, mapped: list) -> list[list]:
+        """Map every region (in a worker thread: populating a large host cache takes a while)."""
         memory = []
         for g, (group_pb, group) in enumerate(zip(engine.groups, groups)):
             need = group.spec.region(engine.tp_size or 1, engine.tp_rank).num_bytes
@@ -207,6 +209,15 @@ class Registry:
                 mapped.append(mapping)
                 regions.append(mapping.memory)
             memory.append(regions)
+        if self.populate_host_memory:
+            start = time.perf_counter()
+            try:
+                num_bytes = populate(mapped)
+            except OSError as err:  # the reads fault their pages in instead
+                log.warning("faulting in host memory failed", extra={"engine_id": engine.engine_id, "error": str(err)})
+            else:
+                log.info("host memory faulted in", extra={"engine_id": engine.engine_id, "num_bytes": num_bytes,
+                                                          "duration_s": round(time.perf_counter() - start, 4)})
         return memory
 
     def _new_slot(self, cache, incarnation: str, mapped: list, lease_s: float) -> EngineSlot:

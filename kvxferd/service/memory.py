@@ -7,12 +7,19 @@ engine deregisters. It deliberately avoids
 attached segment with the resource tracker, which would unlink the engine's
 cache when the daemon exits.
 
+Each page of a fresh mapping faults the first time a read touches it (in
+the reader's copy, or in the holder's pages the reader's kernel pins): about
+1 µs a page, which doubled the first reads of a new registration here.
+:func:`populate` faults them all in at registration instead.
+
 GPU memory (CUDA IPC handles, CUDA VMM fds) is opened by
 :mod:`kvxferd.service.gpu`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import pathlib
@@ -49,6 +56,34 @@ class MappedRegion:
 
 
 SHM_NAME_MAX_BYTES = 255  # NAME_MAX: one path component under /dev/shm
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap module does not name it before 3.13
+_PAGE_BYTES = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def populate(regions: Sequence[object]) -> int:
+    """Fault in every page of these host mappings now, in this process's page tables; the bytes done.
+
+    One ``madvise(MADV_POPULATE_WRITE)`` per region, through ctypes, which
+    lets go of the GIL for the call (about 0.2 ms per MiB here). GPU regions
+    are skipped; so is everything on a kernel without it (``EINVAL``): reads
+    then fault their pages in as before.
+    """
+    num_bytes = 0
+    for region in regions:
+        if not isinstance(region, MappedRegion) or not region.array.nbytes:
+            continue
+        start = region.array.ctypes.data // _PAGE_BYTES * _PAGE_BYTES
+        length = region.array.ctypes.data + region.array.nbytes - start
+        if _libc.madvise(start, length, MADV_POPULATE_WRITE) != 0:
+            if ctypes.get_errno() == errno.EINVAL:
+                return num_bytes
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        num_bytes += region.array.nbytes
+    return num_bytes
 
 
 def shm_path(name: str, field: str) -> pathlib.Path:

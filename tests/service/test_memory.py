@@ -1,5 +1,7 @@
-"""Mapping an engine's shared memory: the daemon sees the engine's bytes, errors name the field."""
+"""Mapping an engine's shared memory: the daemon sees the engine's bytes, errors name the field, and a
+registered region's pages are faulted in at once."""
 
+import mmap
 import os
 from multiprocessing import shared_memory
 
@@ -8,7 +10,7 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.memory import SHM_DIR, map_shm, open_region
+from kvxferd.service.memory import SHM_DIR, map_shm, open_region, populate
 
 
 @pytest.fixture
@@ -109,3 +111,35 @@ def test_a_passed_fd_maps_the_engines_bytes_and_bad_fds_name_the_field(tmp_path)
         assert err.value.field == "g.r.handle.shm_fd_index" and "read-write" in err.value.message
     finally:
         os.close(read_only)
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that contains ``address`` (its pages in our page tables)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+def test_populate_faults_in_every_page_of_the_registered_region_only():
+    """The engine wrote its whole cache; the daemon's fresh mapping has none of its pages until populated,
+    and then every page of the region (not of the rest of the segment)."""
+    shm = shared_memory.SharedMemory(create=True, size=64 * mmap.PAGESIZE)
+    try:
+        np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf)[:] = 7
+        region = map_shm(shm.name, 8 * mmap.PAGESIZE, 32 * mmap.PAGESIZE, "regions[0]")
+        address = region.array.ctypes.data
+        assert _resident_bytes(address) == 0
+        assert populate([region, object()]) == 32 * mmap.PAGESIZE  # other kinds of region are skipped
+        assert _resident_bytes(address) == 32 * mmap.PAGESIZE
+        assert region.array[::4096].tolist() == [7] * 32
+        region.close()
+    finally:
+        shm.close()
+        shm.unlink()
