@@ -28,6 +28,15 @@ def test_precedence_flag_env_file(tmp_path, monkeypatch):
     assert (config.peer_port, config.notify_port, config.metrics_port) == (5000, 6001, 7002)
 
 
+def test_boolean_flags_set_clear_or_leave_the_option(monkeypatch):
+    """--x sets it, --no-x clears it (also a default-on option), and leaving both out keeps the
+    environment's or the default."""
+    assert parse().populate_host_memory is True and parse().insecure is False
+    assert parse("--no-populate-host-memory").populate_host_memory is False
+    monkeypatch.setenv("KVXFERD_POPULATE_HOST_MEMORY", "false")
+    assert parse().populate_host_memory is False and parse("--populate-host-memory").populate_host_memory is True
+
+
 def test_yaml_file(tmp_path):
     path = tmp_path / "kvxferd.yaml"
     path.write_text("daemon_id: decode-3\ndeadline_s: 2.5\n")
