@@ -217,9 +217,10 @@ class Daemon:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._maintenance_due.wait(), wait_s)
             self._maintenance_due.clear()
-            self._note_stall(time.monotonic() - slept_from - wait_s)
+            stalled_s = time.monotonic() - slept_from - wait_s  # < 0: woken early (a hold arrived)
+            self._note_stall(stalled_s)
             try:
-                await self.registry.expire()
+                await self.registry.expire(max(stalled_s, 0.0))
                 now = time.monotonic()
                 if now - last_renew >= renew_every_s:
                     last_renew = now

@@ -255,15 +255,18 @@ class Registry:
         collect_agents()  # the slot's NIXL agent goes now, not at some later collection
         log.info("engine deregistered", extra={"engine_id": slot.engine_id, "reason": reason})
 
-    async def expire(self) -> None:
+    async def expire(self, stalled_s: float = 0.0) -> None:
         """Deregister engines whose heartbeats stopped; expire held leases.
 
-        After a stretch in which this daemon did not run, every registration
-        counts its lease from now, as if a heartbeat had just come: the
-        engines' heartbeats could not be heard, and the engines are most
-        likely alive. Without it, a daemon frozen for longer than a
-        registration lease dropped every engine on resuming. Holds keep
-        their leases: their blocks stay held until they end, either way.
+        ``stalled_s``: how much later than due this sweep runs (the daemon did
+        not run meanwhile). A registration's lease counts only time in which
+        the daemon could hear heartbeats: every lease is pushed back by a
+        stall, and after a stretch longer than ``PAUSE_S`` every registration
+        counts its lease from now, as if a heartbeat had just come. Without
+        it, a daemon frozen for about a lease dropped every engine on
+        resuming, before it read the heartbeats waiting on its socket (the
+        soak, seed 23: a 1.5 s stop against a 2 s lease). Holds keep their
+        leases: their blocks stay held until they end, either way.
         """
         now = time.monotonic()
         gap_s = now - self._last_sweep_s
@@ -273,6 +276,9 @@ class Registry:
                         "registrations count their leases from now", extra={"gap_s": round(gap_s, 3)})
             for slot in self.slots.values():
                 slot.lease_expires_s = max(slot.lease_expires_s, now + slot.lease_s)
+        elif stalled_s > 0:
+            for slot in self.slots.values():
+                slot.lease_expires_s += stalled_s
         for slot in list(self.slots.values()):
             if slot.closing:
                 continue
