@@ -16,6 +16,7 @@ import contextlib
 import os
 import json
 import sys
+import traceback
 import tempfile
 
 from kvxferd.soak.faults import KINDS
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             soak.run()
         except Exception as err:  # the run could not go on: that is a finding too
+            traceback.print_exc(file=sys.stderr)  # where it stopped, for whoever replays the seed
             report.violate("recovery", f"the run stopped: {type(err).__name__}: {err}")
         finally:
             soak.close()
