@@ -163,9 +163,9 @@ class DataPlane:
         read.queued_s = time.perf_counter()
         executor = read.slot.executor
         with executor.lock:
-            if not self._start(read):
+            if (failure := self._start(read)) is not ReadFailure.NONE:
                 self._num_done_now += 1
-                return self._ended(read, read.transfer, ReadFailure.REMOTE_GONE)
+                return self._ended(read, read.transfer, failure)
             inflight = read.inflight
             wait_until_s = time.perf_counter() + INLINE_CHECK_WAIT_S
             while inflight.result is None and not inflight.handles and time.perf_counter() < wait_until_s:
@@ -254,10 +254,10 @@ class DataPlane:
             kind, item = self._commands.popleft()
             busy = True
             if kind == "post":
-                if self._start(item):
+                if (failure := self._start(item)) is ReadFailure.NONE:
                     self._reads.append(item)
                 else:
-                    self._deliver(item, item.transfer, ReadFailure.REMOTE_GONE)
+                    self._deliver(item, item.transfer, failure)
                 continue
             fn, future = item
             try:
@@ -279,17 +279,22 @@ class DataPlane:
             self._on_hold_events(events)
 
     @staticmethod
-    def _start(read: DaemonRead) -> bool:
-        """Post on the engine's current link (either thread); False, with ``read.transfer`` the failure,
-        when the remote is gone."""
+    def _start(read: DaemonRead) -> ReadFailure:
+        """Post on the engine's current link (either thread). A read whose deadline passed before it
+        could be posted fails as DEADLINE with nothing posted (the engine was promised an answer by
+        then; under a backlog this sheds what nobody waits for any more); a remote that is gone,
+        REMOTE_GONE. Either way ``read.transfer`` holds the failed result."""
+        if time.perf_counter() >= read.deadline_s:
+            read.transfer = error_result(read, "deadline: it passed before the read could be posted")
+            return ReadFailure.DEADLINE
         try:
             read.remote, read.planned, read.inflight = read.slot.executor.post_current(read.remote, read.planned,
                                                                                       read.submitted_s)
         except KvxferError as err:
             read.transfer = error_result(read, str(err))
-            return False
+            return ReadFailure.REMOTE_GONE
         read.posted_s = read.inflight.posted_s  # before the first poll, which may see the transfer end
-        return True
+        return ReadFailure.NONE
 
     def _advance_reads(self) -> bool:
         busy = False

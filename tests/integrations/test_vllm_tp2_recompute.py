@@ -69,7 +69,20 @@ def test_prefill_tp2_to_decode_tp1(tp2):
     assert token_ids(outputs) == single
     for daemon in tp2.prefill_daemons:  # both prefill ranks' holds were consumed
         events = hold_events(daemon, "prefill-tp2")
-        assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * 3
+        assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * 3, _post_mortem(tp2)
+
+
+def _post_mortem(tp2) -> str:
+    """What the daemons counted and logged (a failed read is recomputed here, so tokens do not show it)."""
+    import urllib.request
+    lines = []
+    for daemon in (*tp2.prefill_daemons, tp2.recompute_daemon):
+        text = urllib.request.urlopen(daemon.addresses["metrics"], timeout=5).read().decode()
+        lines += [f"{daemon.daemon_id}: {line}" for line in text.splitlines()
+                  if line.startswith(("kvxferd_read_failures_total", "kvxferd_holds_pending", "kvxferd_stale",
+                                      "kvxferd_notices", "kvxferd_late", "kvxferd_read_bytes_total"))]
+        lines += [line for line in daemon.tail(30000).splitlines() if '"DEBUG"' not in line][-15:]
+    return "\n".join(lines)
 
 
 def test_a_failed_read_is_recomputed_under_recompute_with_the_same_tokens(tp2):

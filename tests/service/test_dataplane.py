@@ -135,3 +135,27 @@ def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, 
     assert rounds_in(0.25) >= 25  # every 1 ms, on a loaded machine far fewer
     time.sleep(0.1)
     assert rounds_in(0.6) <= 2
+
+
+def test_a_read_past_its_deadline_before_its_post_fails_with_nothing_posted(plane):
+    """On either path: the engine was promised an answer by the deadline; posting now would only move
+    bytes nobody waits for (under a backlog, this sheds them)."""
+    cluster, slot, dataplane, done = plane
+    for path, request_id in (("here", "late-here"), ("there", "late-there")):
+        cluster.reset_decode()
+        read = _read(cluster, slot, request_id, 40)
+        read.deadline_s = read.submitted_s  # already passed
+        if path == "here":
+            ended = dataplane.post_now(read)
+        else:
+            dataplane.submit(read)
+            ended = done.get(timeout=10)
+        assert ended.result.request_id == request_id and not ended.result.ok
+        assert ended.failure is ReadFailure.DEADLINE and "before the read could be posted" in ended.result.error
+        assert read.inflight is None and ended.post_s == 0  # nothing was posted
+        assert sum(len(ids) for ids in ended.result.invalid_block_ids) == sum(
+            len(ids) for ids in read.planned.request.local_block_ids)
+        for holder in cluster.holders:  # what an engine does with a failed read: release
+            with holder.lock:
+                holder.holds.release(read.planned.request.remote_request_id)
+    assert dataplane.num_reads == 0
