@@ -293,7 +293,8 @@ class EngineProcess:
             raise EngineFailed(f"{self.kind} engine: no answer to {what} after {timeout_s:g} s")
         try:
             status, value = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # OSError: it died with a command unread (the pipe was reset)
+            self.process.join(1.0)
             raise EngineFailed(f"{self.kind} engine exited (code {self.process.exitcode}) during {what}") from None
         if status != "ok":
             raise EngineFailed(value)

@@ -118,6 +118,7 @@ class DataPlane:
         # on a new connection needs more than the sender's one poll: test_fuzz_rpcs lost CONSUMED so).
         self._notices_seen: dict[int, tuple[int, float, float]] = {}
         self._notices_active = False  # some notice agent was polled in the last polling round
+        self._idle = False  # this thread sleeps IDLE_POLL_S (or until woken): notices_sent() wakes it
         self._notices_polled_s = 0.0  # perf_counter of the last polling round
         self._reader_setup_until_s = 0.0  # perf_counter: poll at interval_s until then (expect_reader)
         self._reads: list[DaemonRead] = []
@@ -176,7 +177,17 @@ class DataPlane:
                 return None
         self._num_done_now += 1
         read.transfer = inflight.result
+        self.notices_sent()
         return self._ended(read, read.transfer, read.transfer.failure)
+
+    def notices_sent(self) -> None:
+        """The calling thread sent notices (a read that ended in post_now, a probe's HELLO): they go out
+        only while their agent makes progress, and the sender's one poll may not send them (a new
+        connection, a busy machine). An idle thread would poll the notice agent only IDLE_POLL_S later,
+        the holder's blocks held that long (a vLLM test saw no CONSUMED after 0.3 s): wake it. A thread
+        already polling sees the new count within NOTICE_POLL_S, so most reads cost no wake-up."""
+        if self._idle:
+            self._wake.set()
 
     def expect_reader(self) -> None:
         """A reader was introduced: its handshake probes our board over a new connection next, which
@@ -245,8 +256,12 @@ class DataPlane:
             elif self._notices_active:
                 sleep_s = max(self.interval_s, NOTICE_POLL_S)
             else:
-                sleep_s = IDLE_POLL_S if self._slots else None
+                # Marked idle before looking at the counts, and notices_sent() counts before it looks at
+                # the mark: a notice sent meanwhile is either seen here or wakes us.
+                self._idle = True
+                sleep_s = self.interval_s if self._notices_unseen() else IDLE_POLL_S if self._slots else None
             self._wake.wait(sleep_s)
+            self._idle = False
 
     def _run_commands(self) -> bool:
         busy = False
@@ -354,6 +369,11 @@ class DataPlane:
                 for kind, end in slot.holder.on_notice(sender, message):
                     self._hold_events.append((slot, kind, end))
         return busy
+
+    def _notices_unseen(self) -> bool:
+        """Some executor sent notices since this thread last counted them."""
+        return any(slot.executor.num_notices_sent != self._notices_seen.get(id(slot), (-1,))[0]
+                   for slot in self._slots)
 
     def _progress_notices(self, slot: EngineSlot) -> None:
         """Poll a slot's notice agent every NOTICE_POLL_S for NOTICE_PROGRESS_S after its last notice: it

@@ -208,6 +208,7 @@ class Peers:
         start = time.perf_counter()
         deadline_s, sleep_s = start + self.timeout_s, PROBE_POLL_MIN_S
         probe = slot.executor.start_probe(remote)
+        self.dataplane.notices_sent()  # its HELLOs
         try:
             while (errors := slot.executor.poll_probe(remote)) is None:
                 if time.perf_counter() >= deadline_s:

@@ -9,6 +9,7 @@ notice agents as in a daemon); the decode rank gets a daemon slot and a running 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import numpy as np
@@ -135,6 +136,35 @@ def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, 
     assert rounds_in(0.25) >= 25  # every 1 ms, on a loaded machine far fewer
     time.sleep(0.1)
     assert rounds_in(0.6) <= 2
+
+
+def test_notices_sent_on_the_loop_get_the_idle_threads_progress_at_once(plane, monkeypatch):
+    """A read that ends in post_now sends its notices on the calling thread, whose one poll may not send
+    them; the idle thread is woken to poll the notice agent, not IDLE_POLL_S later (a vLLM test's holder
+    saw no CONSUMED after 0.3 s)."""
+    cluster, slot, dataplane, done = plane
+    monkeypatch.setattr(dataplane_module, "IDLE_POLL_S", 30.0)
+    monkeypatch.setattr(dataplane_module, "INLINE_CHECK_WAIT_S", 5.0)
+    dataplane.wake()  # its next idle sleep is 30 s
+    time.sleep(0.1)  # past the wake-up's round (and any safety-net polls: NOTICE_PROGRESS_S)
+    deadline = time.monotonic() + 5
+    while not dataplane._idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dataplane._idle
+    polls = []
+    notices = slot.executor.notices
+    real = notices.poll_notifications
+    monkeypatch.setattr(notices, "poll_notifications",
+                        lambda: polls.append(threading.current_thread().name) or real())
+    cluster.reset_decode()
+    read = _read(cluster, slot, "woken", 41)
+    ended = dataplane.post_now(read)
+    assert ended is not None and ended.result.ok
+    deadline = time.monotonic() + 3
+    while "kvxferd-dataplane" not in polls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "kvxferd-dataplane" in polls, polls
+    assert _consumed(cluster, read)
 
 
 def test_a_read_past_its_deadline_before_its_post_fails_with_nothing_posted(plane):

@@ -26,28 +26,30 @@ def _soak(*args: str, timeout_s: float, logs: Path) -> tuple[int, dict, str]:
     return run.returncode, summary, run.stderr
 
 
-def _post_mortem(summary: dict, logs: Path) -> str:
-    """What a failed run leaves for whoever reads CI's output: the violations, the fault log, daemon warnings
-    and every registration's start and end (a read lost with no fault: was its registration dropped?)."""
+def _post_mortem(summary: dict, logs: Path, stderr: str) -> str:
+    """What a failed run leaves for whoever reads CI's output: the violations, the fault log, daemon warnings,
+    every registration's start and end (a read lost with no fault: was its registration dropped?), and last
+    (CI shows the end) where a run that stopped stopped."""
     warnings = [f"{path.name}: {line.strip()}" for path in sorted(logs.glob("*.log"))
                 for line in path.read_text(errors="replace").splitlines()
                 if '"level": "WARNING"' in line or '"level": "ERROR"' in line or '"engine registered"' in line
                 or '"engine deregistered"' in line or '"engine re-registered' in line]
     return "\n".join([json.dumps(summary["violations"], indent=1), "fault log (end):", *summary["fault_log"][-60:],
-                      "daemon warnings, errors and registrations (end):", *warnings[-120:]])
+                      "daemon warnings, errors and registrations (end):", *warnings[-80:],
+                      "the soak's stderr (end):", stderr[-2500:]])
 
 
-def _check(code: int, summary: dict, logs: Path) -> None:
-    assert summary["violations"] == [] and code == 0, _post_mortem(summary, logs)
+def _check(code: int, summary: dict, logs: Path, stderr: str) -> None:
+    assert summary["violations"] == [] and code == 0, _post_mortem(summary, logs, stderr)
     assert set(summary["invariants"]) == set(INVARIANTS) and not any(summary["invariants"].values())
     assert summary["holds"]["open"] == 0 and summary["holds"]["CONSUMED"] > 0
     assert summary["read_outcomes"]["ok"] > 0 and summary["verified_bytes"] > 0
 
 
 def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
-    code, summary, _ = _soak("--duration", "90", "--seed", str(SHORT_SEED), "--fault-rate", "0.35",
+    code, summary, stderr = _soak("--duration", "90", "--seed", str(SHORT_SEED), "--fault-rate", "0.35",
                              timeout_s=600, logs=tmp_path)
-    _check(code, summary, tmp_path)
+    _check(code, summary, tmp_path, stderr)
     assert summary["seed"] == SHORT_SEED and summary["requests"] >= 50
     assert set(summary["faults"]) == set(KINDS), summary["faults"]  # the cycle reaches every kind
     assert summary["pairings"] >= 2
@@ -67,5 +69,5 @@ def test_bad_arguments_exit_2():
 
 @pytest.mark.slow
 def test_a_thirty_minute_soak_breaks_no_invariant(tmp_path):
-    code, summary, _ = _soak("--duration", "1800", "--seed", "2026", timeout_s=2400, logs=tmp_path)
-    _check(code, summary, tmp_path)
+    code, summary, stderr = _soak("--duration", "1800", "--seed", "2026", timeout_s=2400, logs=tmp_path)
+    _check(code, summary, tmp_path, stderr)
