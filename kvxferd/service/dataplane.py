@@ -26,7 +26,8 @@ How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing
     a reader introduced lately   the same for READER_SETUP_S: its handshake reads our board
                                  (the probe) over a new connection
     notices sent lately          poll every NOTICE_POLL_S (10 ms) for 50 ms (a safety net: the
-                                 executor makes progress right after sending)
+                                 executor makes progress right after sending; notices sent on
+                                 the event loop wake an idle thread for it: notices_sent)
     neither                      poll every IDLE_POLL_S (UCX keeps progressing) until woken
     no engine registered         block until woken
 
