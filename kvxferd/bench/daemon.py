@@ -1,6 +1,6 @@
-"""Through the daemons vs raw NIXL, in one run, on the same bytes; the old unary path beside the stream.
+"""Through the daemons vs raw NIXL, in one run, on the same bytes; the older engine paths beside the new.
 
-    kvxferd bench daemon [--quick] [--json] [--mtls]
+    kvxferd bench daemon [--quick] [--json] [--mtls] [--no-unary] [--no-grpc-stream]
 
 Two ``kvxferd serve`` processes (prefill rank, decode rank) over loopback;
 the engines' caches are shared memory owned by this process. The raw
@@ -8,8 +8,9 @@ baseline is a NIXL agent in this process, registered on the decode cache,
 reading the prefill daemon's agent: the same bytes over the same
 cross-process transport, without the daemons' control plane.
 
-For each engine path, ``unary`` (SubmitRead + WatchCompletions, one call
-per read) and ``stream`` (the Reads stream: batches in, completions out):
+For each engine path, ``socket`` (the new path: Reads batches over the
+daemon's reads socket), ``stream`` (the same batches on the gRPC Reads
+stream) and ``unary`` (SubmitRead + WatchCompletions, one call per read):
 
 * bulk: one large request, alternating rounds of raw NIXL and the daemon
   path. Ratio = daemon GB/s / raw GB/s.
@@ -18,7 +19,7 @@ per read) and ``stream`` (the Reads stream: batches in, completions out):
   same request alone as the floor, CPU per request of each daemon.
 * idle: each daemon's CPU with an engine registered and nothing to do.
 
-``--mtls`` adds the stream path with the peer ports on mutual TLS (a
+``--mtls`` adds the socket path with the peer ports on mutual TLS (a
 throw-away CA), plain and TLS alternating (plain, TLS, TLS, plain; means
 of two): bytes move over NIXL, so TLS should cost the bulk nothing.
 """
@@ -46,12 +47,12 @@ QUICK = dict(rounds=3, bulk_layers=16, bulk_blocks=128, num_requests_300=450, nu
 
 def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int, bulk_blocks: int,
              num_requests_300: int, num_requests_1000: int, idle_s: float, rate_layers: int = 2,
-             rate_blocks: int = 2) -> dict:
+             rate_blocks: int = 2, reads_socket: bool = True) -> dict:
     """Every figure of one engine path, with the flat keys the targets name."""
-    b = bulk(workdir, bulk_layers, bulk_blocks, rounds, reads_stream=reads_stream)
-    o300 = overhead(workdir, rate_layers, rate_blocks, 300.0, num_requests_300, reads_stream=reads_stream,
-                    idle_s=idle_s)
-    o1000 = overhead(workdir, rate_layers, rate_blocks, 1000.0, num_requests_1000, reads_stream=reads_stream)
+    path = dict(reads_stream=reads_stream, reads_socket=reads_socket)
+    b = bulk(workdir, bulk_layers, bulk_blocks, rounds, **path)
+    o300 = overhead(workdir, rate_layers, rate_blocks, 300.0, num_requests_300, idle_s=idle_s, **path)
+    o1000 = overhead(workdir, rate_layers, rate_blocks, 1000.0, num_requests_1000, **path)
     cpu = o300["cpu_us_per_request"]
     return {"bulk": b, "overhead": o300, "overhead_1000": o1000,
             "bulk_ratio": b["ratio"],
@@ -61,11 +62,15 @@ def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int,
             "idle_cpu_percent": max(o300["idle_cpu_percent"].values())}
 
 
-def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None, unary: bool = True) -> dict:
-    """The stream path's figures at the top level, the unary path's under ``"unary"``, TLS under ``"mtls"``."""
+def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None, unary: bool = True,
+        grpc_stream: bool = True) -> dict:
+    """The socket path's figures at the top level, the gRPC stream's under ``"stream"``, the unary path's
+    under ``"unary"``, TLS under ``"mtls"``."""
     sizes = sizes or (QUICK if quick else FULL)
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
         figures = one_path(workdir, True, **sizes)
+        if grpc_stream:
+            figures["stream"] = one_path(workdir, True, reads_socket=False, **sizes)
         if unary:
             figures["unary"] = one_path(workdir, False, **sizes)
         if mtls:
@@ -74,7 +79,7 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None, u
 
 
 def _mtls(workdir: str, sizes: dict) -> dict:
-    """Plain vs mutual TLS on the stream path (plain, TLS, TLS, plain; means of two)."""
+    """Plain vs mutual TLS on the socket path (plain, TLS, TLS, plain; means of two)."""
     tls = Tls(workdir)
 
     def one(t):
@@ -95,20 +100,23 @@ def _mean(a, b):
 
 
 def format_table(f: dict) -> str:
-    """Targets, new and old path side by side, then each path's detail."""
-    old = f.get("unary", {})
-    lines = [f"{'target (issue 12)':<52}{'goal':>10}{'stream':>10}{'unary':>10}"]
+    """Targets, new and old paths side by side, then each path's detail."""
+    stream, old = f.get("stream", {}), f.get("unary", {})
+    lines = [f"{'target (issue 12)':<52}{'goal':>10}{'socket':>10}{'stream':>10}{'unary':>10}"]
     for key, op, goal, label in TARGETS:
         value = f[key]
         met = value <= goal if op == "<=" else value >= goal
         lines.append(f"{label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}"
-                     f"{format(old[key], '.3g') if key in old else '-':>10}  {'met' if met else 'NOT met'}")
-    text = "\n".join(lines) + "\n\nstream path (Reads):\n" + _format_one(f)
+                     + "".join(f"{format(p[key], '.3g') if key in p else '-':>10}" for p in (stream, old))
+                     + f"  {'met' if met else 'NOT met'}")
+    text = "\n".join(lines) + "\n\nsocket path (Reads batches on the reads socket):\n" + _format_one(f)
+    if stream:
+        text += "\n\nstream path (Reads batches on the gRPC stream):\n" + _format_one(stream)
     if old:
         text += "\n\nunary path (SubmitRead + WatchCompletions):\n" + _format_one(old)
     if "mtls" in f:
         p, t = f["mtls"]["plain"], f["mtls"]["tls"]
-        text += (f"\n\nmutual TLS on the peer ports (stream path; plain vs TLS): bulk ratio {p['bulk']['ratio']:.3f} vs "
+        text += (f"\n\nmutual TLS on the peer ports (socket path; plain vs TLS): bulk ratio {p['bulk']['ratio']:.3f} vs "
                  f"{t['bulk']['ratio']:.3f}; end to end p50 {p['overhead']['end_to_end']['p50_us']:.0f} vs "
                  f"{t['overhead']['end_to_end']['p50_us']:.0f} us; handshake {p['bulk']['handshake_ms']:.2f} vs "
                  f"{t['bulk']['handshake_ms']:.2f} ms")
@@ -147,11 +155,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer and smaller requests (under two minutes)")
     parser.add_argument("--mtls", action="store_true", help="also plain vs mutual TLS on the peer ports")
     parser.add_argument("--no-unary", action="store_true", help="skip the old unary path")
+    parser.add_argument("--no-grpc-stream", action="store_true", help="skip the gRPC Reads stream path")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
 def run_args(args: argparse.Namespace) -> int:
-    figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary)
+    figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary, grpc_stream=not args.no_grpc_stream)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 

@@ -1,8 +1,9 @@
 """The measurements of ``kvxferd bench daemon``: one daemon pair per measurement, raw NIXL beside it.
 
-Each takes ``reads_stream``: True for the engine's Reads stream (batches in,
-numbered completions out), False for the unary SubmitRead + WatchCompletions
-path, so both are measured the same way in one run.
+Each takes ``reads_stream``: True for the engine's Reads session (batches in,
+numbered completions out), over the daemon's reads socket or, with
+``reads_socket=False``, the gRPC ``Reads`` stream; False for the unary
+SubmitRead + WatchCompletions path. All are measured the same way in one run.
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ class Tls:
 
 
 def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls | None,
-             reads_stream: bool) -> DaemonCluster:
+             reads_stream: bool, reads_socket: bool = True) -> DaemonCluster:
     spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=8, head_size=128, block_size=16)
     groups = (CacheGroup("full", spec, num_layers),)
     # The unary path keeps one gRPC call open per read in flight: when the daemons fall behind at
     # 1 000/s, more than the default 256 per connection (max_concurrent_streams) would be refused.
     args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")))
-    return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args, reads_stream=reads_stream)
+    return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args, reads_stream=reads_stream,
+                         reads_socket=reads_socket)
 
 
 def _credentials(tls: Tls | None):
@@ -83,9 +85,9 @@ def _daemon_read(cluster: DaemonCluster, request: ReadRequest) -> float:
 
 
 def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
-         reads_stream: bool = True) -> dict:
+         reads_stream: bool = True, reads_socket: bool = True) -> dict:
     """Alternate raw NIXL and the daemon path on one big request; also time repeated handshakes."""
-    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_stream) as cluster:
+    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_stream, reads_socket) as cluster:
         handshake_s = [cluster.decode_clients[0].handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])
                        .duration_s for _ in range(max(rounds, 3))]
         ids = np.arange(num_blocks)
@@ -110,7 +112,7 @@ def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls |
 
 
 def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
-             tls: Tls | None = None, *, reads_stream: bool = True, idle_s: float = 0.0,
+             tls: Tls | None = None, *, reads_stream: bool = True, reads_socket: bool = True, idle_s: float = 0.0,
              reads_per_step: int = 1) -> dict:
     """Small requests at a steady rate: where the daemon adds time.
 
@@ -119,7 +121,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
     step that scheduled them would; end to end counts from the batch's submission.
     """
     num_blocks = 4 * blocks_per_request
-    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream) as cluster:
+    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream, reads_socket) as cluster:
         rng = np.random.default_rng(0)
         requests = []
         for n in range(num_requests):

@@ -23,6 +23,7 @@ another client gets ALREADY_EXISTS while this one is alive.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -31,7 +32,9 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
+from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.wire.frames import reads_socket_path
 from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
 from kvxferd.wire.names import SESSION_KEY
 
@@ -79,12 +82,18 @@ class EngineClient:
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
-                 channel_options: Sequence[tuple[str, object]] = (), reads_stream: bool = True) -> None:
+                 channel_options: Sequence[tuple[str, object]] = (), reads_stream: bool = True,
+                 reads_socket: bool = True) -> None:
         """``target``: ``unix:PATH`` (the default daemon socket) or, with ``credentials`` (TLS) and
         ``token``, the daemon's ``engine_tcp`` address (``channel_options`` e.g. a TLS target name override).
-        ``reads_stream=False``: completions over ``WatchCompletions`` instead of the ``Reads`` stream."""
+        ``reads_stream=False``: completions over ``WatchCompletions`` instead of the ``Reads`` stream.
+        ``reads_socket``: a ``unix:`` target's reads go over the daemon's reads socket (the same
+        batches without gRPC) when it offers one, else over the gRPC ``Reads`` stream."""
         self.target = target
         self.reads_stream = reads_stream
+        self.max_message_bytes = max_message_bytes
+        self.reads_socket_path = (reads_socket_path(target.removeprefix("unix:"))
+                                  if reads_socket and reads_stream and target.startswith("unix:") else None)
         self.timeout_s = timeout_s
         self.session, self.token = "", token
         options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
@@ -209,6 +218,7 @@ class EngineClient:
         self._stream, self.stream_error = None, None
 
     def _open_stream(self) -> None:
+        socket_stream = None
         with self._cond:
             self._retire_stream()
             if self.reads_stream:
@@ -222,6 +232,18 @@ class EngineClient:
                 for spec in first.reads:
                     spec.resend = True
                 self._acked_seq = self._last_seq
+                if self.reads_socket_path and os.path.exists(self.reads_socket_path):
+                    first.session = self.session  # what gRPC sends as metadata
+                    socket_stream = ReadsSocketStream(self.reads_socket_path, first, timeout_s=self.timeout_s,
+                                                      max_frame_bytes=self.max_message_bytes)
+                    if socket_stream.connected:  # else (a stale path, say) the gRPC stream
+                        self._outbox = self._stream = socket_stream  # in the lock: later batches go after `first`
+                    else:
+                        socket_stream = None
+                        first.session = ""
+        if socket_stream is not None:
+            self._start(lambda: self._watch(socket_stream, lambda item: item.completions))
+            return
         if self.reads_stream:
             stream = self.stub.Reads(_batches(first, outbox))
             completions_of = lambda item: item.completions  # noqa: E731

@@ -86,6 +86,8 @@ class DaemonConfig(BaseSettings):
     max_concurrent_streams: int = Field(256, ge=1, description="concurrent gRPC calls per connection")
     max_fds_per_token: int = Field(1024, ge=1, le=4096, description="file descriptors one fd-socket message may carry")
     max_fd_tokens: int = Field(256, ge=1, description="fd-socket deliveries waiting for their Register at once")
+    reads_socket: bool = Field(True, description="also take engines' read batches on <engine_socket>.reads (the "
+                               "engine's fast path; the gRPC Reads stream stays)")
     fd_recv_timeout_s: float = Field(2.0, gt=0, le=60, description="how long the fd socket waits for a client's message (s)")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish (s)")
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, description="largest gRPC message accepted (bytes)")

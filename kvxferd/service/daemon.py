@@ -49,9 +49,11 @@ from kvxferd.service.localsock import group_id, prepare_private_dir, restrict_so
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.peers import Peers, RemoteLink
 from kvxferd.service.reads import ReadPath
+from kvxferd.service.readsock import ReadSocketServer
 from kvxferd.service.servicers import EngineServicer, PeerServicer
 from kvxferd.service.slots import EngineSlot
 from kvxferd.service.tls import TlsFiles
+from kvxferd.wire.frames import reads_socket_path
 
 log = logging.getLogger("kvxferd.daemon")
 EXIT_CONFIG, EXIT_STARTUP = 2, 3
@@ -91,6 +93,7 @@ class Daemon:
         self._maintenance_due = asyncio.Event()  # an idle daemon's slow tick, cut short by a new hold
         self._metrics_server = None
         self._fd_inbox: FdInbox | None = None
+        self._reads_socket: ReadSocketServer | None = None
         self._owns_socket = False
 
     # ---- start --------------------------------------------------------------------
@@ -130,6 +133,14 @@ class Daemon:
             with socket_umask(gid):
                 bind(engine_server, f"unix:{self.socket_path}")
             restrict_socket(self.socket_path, gid)
+            if config.reads_socket:
+                self._reads_socket = ReadSocketServer(
+                    self, reads_socket_path(self.socket_path), allowed_uids=frozenset(config.allowed_uids), group=gid,
+                    max_frame_bytes=config.max_message_bytes, max_sessions=2 * config.max_engines,
+                    hello_timeout_s=config.fd_recv_timeout_s)
+                await self._reads_socket.start()
+            elif os.path.exists(reads_socket_path(self.socket_path)):  # a killed daemon's: clients would try it
+                os.unlink(reads_socket_path(self.socket_path))
             if config.engine_tcp:  # TLS (server side) plus the bearer token checked per call
                 tcp_port = bind(engine_server, config.engine_tcp, engine_tls(self.tls))
             peer_credentials = self.tls.server_credentials() if self.tls is not None else None
@@ -300,6 +311,8 @@ class Daemon:
             self.bus.close()
         if self._fd_inbox is not None:
             self._fd_inbox.close()
+        if self._reads_socket is not None:
+            self._reads_socket.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -24,13 +24,14 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError
+from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError,
+                            UnavailableError)
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import INLINE_MAX_BYTES, DaemonRead, ReadDone, error_result
 from kvxferd.service.slots import ActiveRead, EngineSlot
 from kvxferd.service.status import status_code
-from kvxferd.wire.messages import check_seconds, ids_to_pb
+from kvxferd.wire.messages import check_seconds, ids_to_pb, read_request_from_spec
 from kvxferd.xfer.reads import ReadFailure
 
 if TYPE_CHECKING:
@@ -79,6 +80,36 @@ class ReadPath:
             daemon.dataplane.submit(read)
         else:  # re-handshake first (the remote restarted or failed); the engine is not kept waiting
             daemon.spawn(self._submit_after_handshake(read, link))
+
+    def take_batch(self, slot: EngineSlot, batch: pb.ReadBatch, received_s: float) -> None:
+        """One ``ReadBatch`` of an engine's session (the gRPC ``Reads`` stream or the reads socket): its
+        ack, then each read submitted or refused as a completion. Raises a typed error that ends the
+        session: the registration ended, a batch of another engine, over ``max_reads_per_batch``, an ack
+        of completions not sent, or an engine that reads not even its refusals."""
+        config = self.daemon.config
+        if slot.closing:  # reads refused now could never reach the engine: end the session instead
+            raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
+        if batch.engine_id and batch.engine_id != slot.engine_id:
+            raise InvalidArgumentError("engine_id", f"this session belongs to {slot.engine_id!r}")
+        if len(batch.reads) > config.max_reads_per_batch:
+            raise InvalidArgumentError("reads", f"{len(batch.reads)} reads in one batch, the limit is "
+                                                f"{config.max_reads_per_batch} (max_reads_per_batch)")
+        if batch.ack_seq > slot.completions.last_seq:
+            raise InvalidArgumentError("ack_seq", f"{batch.ack_seq} acks completions not sent yet "
+                                                  f"(last seq {slot.completions.last_seq})")
+        slot.completions.ack(batch.ack_seq)
+        self.begin_batch()
+        for spec in batch.reads:
+            if spec.resend and (spec.request_id in slot.active or slot.completions.has(spec.request_id)):
+                continue  # the first send arrived; its completion is on its way
+            try:
+                self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
+            except KvxferError as err:
+                if len(slot.active) + len(slot.completions) >= 2 * config.max_reads_per_engine:
+                    # Even refusals are not read: end the session instead of queueing more.
+                    raise ResourceExhaustedError("max_reads_per_engine", "the engine does not read its "
+                                                 "completions (reconnect and ack them)") from None
+                self.refuse(slot, spec.request_id, err)
 
     def refuse(self, slot: EngineSlot, request_id: str, err: KvxferError) -> None:
         """A refused read of a Reads batch: a completion naming why (nothing was posted or written)."""

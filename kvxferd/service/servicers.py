@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import logging
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 import grpc
@@ -34,10 +32,10 @@ from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.completions import StreamReplaced
-from kvxferd.service.status import status_code
+from kvxferd.service.status import error_status, status_code
 from kvxferd.service.tls import authorize_peer
 from kvxferd.wire.messages import (MAX_TP_SIZE, check_id, check_peer_addresses, check_seconds, ids_from_pb,
-                                   read_request_from_pb, read_request_from_spec)
+                                   read_request_from_pb)
 from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
 from kvxferd.xfer.agent import agent_name_of
@@ -46,7 +44,6 @@ from kvxferd.xfer.holder import Reader
 if TYPE_CHECKING:
     from kvxferd.service.parts import DaemonParts
 
-log = logging.getLogger("kvxferd.rpc")
 COMPLETIONS_PER_BATCH = 256
 
 
@@ -61,27 +58,11 @@ def rpc(fn):
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as err:
-            code, message = _error_status(name, err)
+            code, message = error_status(name, err)
         self.daemon.metrics.rpc_errors.labels(name, code.name).inc()
         await context.abort(code, message)
 
     return handler
-
-
-def _error_status(method: str, err: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status and message a caller gets for ``err`` (call it in the ``except`` block that caught it).
-
-    Typed errors map through :func:`status_code`; a replaced completion stream
-    is ABORTED; anything else is a bug: logged under a new id, and the caller
-    gets only the id, never our exception text or paths.
-    """
-    if isinstance(err, KvxferError):
-        return status_code(err), str(err)
-    if isinstance(err, StreamReplaced):
-        return grpc.StatusCode.ABORTED, f"engine_id: {err}"
-    error_id = uuid.uuid4().hex[:12]
-    log.exception("internal error", extra={"method": method, "error_id": error_id})
-    return grpc.StatusCode.INTERNAL, f"internal error {error_id} (details in the daemon's log)"
 
 
 def _check_block_ids(lists, slot, field: str) -> tuple[np.ndarray, ...]:
@@ -184,7 +165,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as err:
-            code, message = _error_status("Reads", err)
+            code, message = error_status("Reads", err)
         finally:
             if receiver is not None:
                 receiver.cancel()
@@ -192,33 +173,9 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         await context.abort(code, message)
 
     async def _receive_reads(self, slot, first, request_iterator) -> None:
-        reads, config = self.daemon.reads, self.daemon.config
         batch = first
         while batch is not None:
-            received_s = time.perf_counter()
-            if slot.closing:  # reads refused now could never reach the engine: end the stream instead
-                raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
-            if batch.engine_id and batch.engine_id != slot.engine_id:
-                raise InvalidArgumentError("engine_id", f"this stream belongs to {slot.engine_id!r}")
-            if len(batch.reads) > config.max_reads_per_batch:
-                raise InvalidArgumentError("reads", f"{len(batch.reads)} reads in one batch, the limit is "
-                                                    f"{config.max_reads_per_batch} (max_reads_per_batch)")
-            if batch.ack_seq > slot.completions.last_seq:
-                raise InvalidArgumentError("ack_seq", f"{batch.ack_seq} acks completions not sent yet "
-                                                      f"(last seq {slot.completions.last_seq})")
-            slot.completions.ack(batch.ack_seq)
-            reads.begin_batch()
-            for spec in batch.reads:
-                if spec.resend and (spec.request_id in slot.active or slot.completions.has(spec.request_id)):
-                    continue  # the first send arrived; its completion is on its way
-                try:
-                    reads.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
-                except KvxferError as err:
-                    if len(slot.active) + len(slot.completions) >= 2 * config.max_reads_per_engine:
-                        # Even refusals are not read: end the stream instead of queueing more.
-                        raise ResourceExhaustedError("max_reads_per_engine", "the engine does not read its "
-                                                     "completions (reconnect and ack them)") from None
-                    reads.refuse(slot, spec.request_id, err)
+            self.daemon.reads.take_batch(slot, batch, time.perf_counter())
             batch = await anext(request_iterator, None)
         # The engine half-closed: it submits nothing more; completions keep flowing until it cancels.
 
@@ -228,7 +185,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
             async for completion in slot.completions.stream():
                 yield completion
         except (KvxferError, StreamReplaced) as err:
-            await context.abort(*_error_status("WatchCompletions", err))
+            await context.abort(*error_status("WatchCompletions", err))
 
     @rpc
     async def Hold(self, request, context):

@@ -17,11 +17,17 @@ which part of its request was wrong.
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import grpc
 
 from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError,
                             PermissionDeniedError, ResourceExhaustedError, TransferError, UnauthenticatedError,
                             UnavailableError)
+from kvxferd.service.completions import StreamReplaced
+
+log = logging.getLogger("kvxferd.rpc")
 
 _CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -47,3 +53,19 @@ def status_code(error: KvxferError) -> grpc.StatusCode:
 async def abort_with(context: grpc.aio.ServicerContext, error: KvxferError) -> None:
     """Abort an RPC with the status and message of ``error``."""
     await context.abort(status_code(error), str(error))
+
+
+def error_status(method: str, err: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a caller gets for ``err`` (call it in the ``except`` block that caught it).
+
+    Typed errors map through :func:`status_code`; a replaced completion stream
+    is ABORTED; anything else is a bug: logged under a new id, and the caller
+    gets only the id, never our exception text or paths.
+    """
+    if isinstance(err, KvxferError):
+        return status_code(err), str(err)
+    if isinstance(err, StreamReplaced):
+        return grpc.StatusCode.ABORTED, f"engine_id: {err}"
+    error_id = uuid.uuid4().hex[:12]
+    log.exception("internal error", extra={"method": method, "error_id": error_id})
+    return grpc.StatusCode.INTERNAL, f"internal error {error_id} (details in the daemon's log)"

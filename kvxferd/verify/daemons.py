@@ -25,9 +25,10 @@ class DaemonCluster(DecodeChecks):
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
                  prefill_tp: int, decode_tp: int, *, workdir: str, name: str = "c", lease_s: float = 30.0,
-                 daemon_args: tuple[str, ...] = (), reads_stream: bool = True) -> None:
-        """``reads_stream=False``: the decode clients use unary SubmitRead and WatchCompletions (the old path)."""
-        self.reads_stream = reads_stream
+                 daemon_args: tuple[str, ...] = (), reads_stream: bool = True, reads_socket: bool = True) -> None:
+        """``reads_stream=False``: the decode clients use unary SubmitRead and WatchCompletions (the old path);
+        ``reads_socket=False``: their Reads sessions go over gRPC, not the daemon's reads socket."""
+        self.reads_stream, self.reads_socket = reads_stream, reads_socket
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
         self.workdir, self.lease_s, self.daemon_args = workdir, lease_s, daemon_args
@@ -65,7 +66,7 @@ class DaemonCluster(DecodeChecks):
         return allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=allocate)
 
     def _register(self, daemon: DaemonProcess, engine: EngineBuffers) -> EngineClient:
-        client = EngineClient(daemon.engine_target, reads_stream=self.reads_stream)
+        client = EngineClient(daemon.engine_target, reads_stream=self.reads_stream, reads_socket=self.reads_socket)
         self.clients.append(client)
         arena = next(a for a in self.arenas if a.array.ctypes.data == engine.arena.ctypes.data)
         client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)

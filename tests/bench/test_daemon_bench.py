@@ -1,21 +1,21 @@
-"""``kvxferd bench daemon`` at tiny sizes: both engine paths and the TLS comparison run and report."""
+"""``kvxferd bench daemon`` at tiny sizes: the three engine paths and the TLS comparison run and report."""
 
 import pytest
 
 from kvxferd.bench import daemon
 
-pytestmark = pytest.mark.slow  # six daemon clusters: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # ten daemon clusters: about a minute and a half on 2 cores
 
 TINY = dict(rounds=1, bulk_layers=2, bulk_blocks=16, num_requests_300=20, num_requests_1000=20, idle_s=0.2)
 
 
-def test_daemon_bench_runs_both_paths_and_mutual_tls():
+def test_daemon_bench_runs_every_path_and_mutual_tls():
     figures = daemon.run(sizes=TINY, mtls=True)
-    for path in (figures, figures["unary"]):
+    for path in (figures, figures["stream"], figures["unary"]):
         for key, *_ in daemon.TARGETS:
             assert isinstance(path[key], float), key
         assert path["overhead"]["failed"] == 0 and path["overhead"]["requests"] == 20
     for mode in figures["mtls"].values():
         assert mode["bulk"]["ratio"] > 0 and mode["bulk"]["handshake_ms"] > 0
     text = daemon.format_table(figures)
-    assert "unary path" in text and "mutual TLS on the peer ports" in text and "target (issue 12)" in text
+    assert "socket path" in text and "stream path" in text and "unary path" in text and "mutual TLS on the peer ports" in text and "target (issue 12)" in text

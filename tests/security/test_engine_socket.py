@@ -5,7 +5,8 @@
 * Every engine call but Register carries the session Register returned: another
   local client cannot act as an engine, and a live engine id cannot be taken over.
 * The fd socket checks the peer's uid, bounds each client's time, and survives
-  clients that stall or vanish.
+  clients that stall or vanish. So does the reads socket (an engine's read batches
+  without gRPC), which also needs the session in its first batch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.fdpass import fd_socket_path, send_fds
+from kvxferd.wire.frames import encode_frame, reads_socket_path
 from kvxferd.verify.models import ModelShape, model_groups
 from tests.service.helpers import engine_pb, status
 
@@ -52,7 +54,7 @@ def test_sockets_are_private_to_the_daemons_user(daemon):
     directory = os.path.dirname(path)
     assert directory.endswith("/xdg/kvxferd")
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-    for sock in (path, fd_socket_path(path)):
+    for sock in (path, fd_socket_path(path), reads_socket_path(path)):
         info = os.stat(sock)
         assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, sock
 
@@ -86,6 +88,7 @@ def test_another_user_cannot_connect(daemon):
     path = daemon.engine_target.removeprefix("unix:")
     assert _connect_as(65534, path) == "EACCES"
     assert _connect_as(65534, fd_socket_path(path)) == "EACCES"
+    assert _connect_as(65534, reads_socket_path(path)) == "EACCES"
     assert _connect_as(os.getuid(), path) == "connected"  # the control
 
 
@@ -220,3 +223,52 @@ def test_the_fd_socket_refuses_other_uids_even_when_reachable(daemon):
         os.chmod(path, 0o600)
         for directory in directories:
             os.chmod(directory, 0o700)
+
+
+@as_root
+def test_the_reads_socket_refuses_other_uids_even_when_reachable(daemon, arenas):
+    """Another user, even holding a live engine's session, gets nothing: the connection is closed before
+    a byte of it is read (SO_PEERCRED), and counted."""
+    owner = EngineClient(daemon.engine_target)
+    owner.register(engine_pb(GROUPS[0], "tenant-r", arenas), lease_s=30)
+    path = reads_socket_path(daemon.engine_target.removeprefix("unix:"))
+    directories = [os.path.dirname(path), os.path.dirname(os.path.dirname(path)), os.path.dirname(daemon.log_path)]
+    for directory in directories:
+        os.chmod(directory, 0o711)
+    os.chmod(path, 0o666)  # as if an operator widened the modes: SO_PEERCRED still decides
+    metric = ("kvxferd_rpc_errors_total", 'code="PERMISSION_DENIED",method="ReadsSocket"')
+    try:
+        before = daemon.metric(*metric)
+        hello = encode_frame(pb.ReadBatch(engine_id="tenant-r", session=owner.session).SerializeToString())
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: connects, sends the stolen session, reports what came back
+            os.close(read_end)
+            outcome = b"?"
+            try:
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                    conn.settimeout(5)
+                    conn.connect(path)
+                    conn.sendall(hello)
+                    outcome = b"answered" if conn.recv(64) else b"closed"
+            except OSError as err:
+                outcome = type(err).__name__.encode()
+            os.write(write_end, outcome)
+            os._exit(0)
+        os.close(write_end)
+        os.waitpid(pid, 0)
+        with os.fdopen(read_end, "rb") as result:
+            outcome = result.read().decode()
+        assert outcome in ("closed", "ConnectionResetError", "BrokenPipeError"), outcome
+        deadline = time.monotonic() + 5
+        while daemon.metric(*metric) < before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert daemon.metric(*metric) == before + 1
+        assert owner.take_lost() == set() and owner.stream_error is None  # the owner's session is untouched
+    finally:
+        os.chmod(path, 0o600)
+        for directory in directories:
+            os.chmod(directory, 0o700)
+        owner.deregister()
+        owner.close()

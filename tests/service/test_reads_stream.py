@@ -1,5 +1,7 @@
 """The Reads stream: batches in, numbered completions out; bad input, a client that stops
-reading, and a broken stream that the engine reopens, against real daemons."""
+reading, and a broken stream that the engine reopens, against real daemons. The client's own
+session runs over the reads socket and over gRPC (``decode``); the raw streams here are gRPC's
+(the socket's own bad input: test_reads_socket.py)."""
 
 import threading
 import time
@@ -8,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -40,14 +43,22 @@ def _settled_completions(client, quiet_s: float = 1.0, timeout_s: float = 15.0) 
     return seen
 
 
-@pytest.fixture
-def decode(cluster):
-    """The decode client with a fresh stream and nothing left unacked by the tests before."""
+@pytest.fixture(params=["socket", "grpc"])
+def decode(cluster, request):
+    """The decode client with a fresh session and nothing left unacked by the tests before: its batches on
+    the daemon's reads socket (the default for a local daemon), or on the gRPC Reads stream."""
     client = cluster.decode_clients[0]
-    client.reconnect_reads()
-    _settled_completions(client)  # completions of raw streams before, sent again
-    client.submit_reads([])  # acks them
-    yield client
+    socket_path = client.reads_socket_path
+    if request.param == "grpc":
+        client.reads_socket_path = None
+    try:
+        client.reconnect_reads()
+        assert isinstance(client._stream, ReadsSocketStream) == (request.param == "socket")
+        _settled_completions(client)  # completions of raw streams before, sent again
+        client.submit_reads([])  # acks them
+        yield client
+    finally:
+        client.reads_socket_path = socket_path
 
 
 def _request(name: str, k: int) -> ReadRequest:

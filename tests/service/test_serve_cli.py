@@ -46,7 +46,8 @@ def test_start_up_failure_exits_3(workdir):
                               "--peer-port", "0", "--notify-port", "0", "--metrics-port", "0"],
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 3 and "already serves the engine socket" in run.stdout
-        assert os.path.exists(first.socket) and os.path.exists(first.socket + ".fds")  # left alone
+        for path in (first.socket, first.socket + ".fds", first.socket + ".reads"):  # left alone
+            assert os.path.exists(path), path
     finally:
         assert first.terminate() == 0
 

@@ -266,20 +266,26 @@ class ReadSpec(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReadBatch(_message.Message):
-    __slots__ = ("engine_id", "reads", "ack_seq")
+    __slots__ = ("engine_id", "reads", "ack_seq", "session")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     reads: _containers.RepeatedCompositeFieldContainer[ReadSpec]
     ack_seq: int
-    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class CompletionBatch(_message.Message):
-    __slots__ = ("completions",)
+    __slots__ = ("completions", "end_code", "end_message")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    END_CODE_FIELD_NUMBER: _ClassVar[int]
+    END_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+    end_code: int
+    end_message: str
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., end_code: _Optional[int] = ..., end_message: _Optional[str] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "lease_s")

@@ -1,0 +1,184 @@
+"""The reads socket: an engine's read batches and their completions without gRPC's framework.
+
+The gRPC ``Reads`` stream costs 150-500 µs per message each way on this
+machine (``kvxferd bench floors``): most of an engine's per-request
+overhead. The same batches over a plain UNIX stream socket next to the
+engine socket cost tens of µs (``wire/frames.py`` has the framing)::
+
+    engine                                  daemon (event loop, asyncio protocol)
+    connect <engine_socket>.reads ───────►  SO_PEERCRED: an allowed uid, else closed
+    ReadBatch{engine_id, session, ...} ──►  the registration's session, else the end frame
+    ReadBatch{reads, ack_seq} ───────────►  ReadPath.take_batch (as the gRPC stream)
+                                  ◄───────  CompletionBatch{completions} (the engine's feed)
+                                  ◄───────  CompletionBatch{end_code, end_message}, then close
+
+One session per connection, the same rules as the gRPC stream: the first
+batch must come within ``hello_timeout_s``; a frame over
+``max_message_bytes``, a batch that does not parse or breaks a rule ends the
+session with a status code and why (the engine reconnects: nothing is
+lost, completions not acked come again). A session that stops reading
+stops taking completions (the transport's write buffer is bounded), and
+unacked completions count against ``max_reads_per_engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.localsock import credentials_allowed, peer_credentials, restrict_socket, socket_umask
+from kvxferd.service.status import error_status
+from kvxferd.wire.frames import FrameReader, encode_frame
+from kvxferd.wire.messages import check_id
+
+if TYPE_CHECKING:
+    from kvxferd.service.parts import DaemonParts
+
+log = logging.getLogger("kvxferd.readsock")
+METHOD = "ReadsSocket"  # its label in kvxferd_rpc_errors
+COMPLETIONS_PER_BATCH = 256
+WRITE_HIGH_WATER_BYTES = 1 << 20  # a session that does not read stops taking completions beyond this
+
+
+class ReadSocketServer:
+    """The listener; :meth:`start` binds it (mode 0600, 0660 with a group), :meth:`close` ends every session."""
+
+    def __init__(self, daemon: "DaemonParts", path: str, *, allowed_uids: frozenset[int], group: int | None,
+                 max_frame_bytes: int, max_sessions: int, hello_timeout_s: float = 2.0) -> None:
+        self.daemon, self.path = daemon, path
+        self.allowed_uids, self.group = allowed_uids, group
+        self.max_frame_bytes, self.max_sessions, self.hello_timeout_s = max_frame_bytes, max_sessions, hello_timeout_s
+        self.sessions: set[ReadSession] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        with socket_umask(self.group):  # never world-accessible, not even before the chmod
+            self._server = await asyncio.get_running_loop().create_unix_server(lambda: ReadSession(self), self.path)
+        restrict_socket(self.path, self.group)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for session in list(self.sessions):
+            session.end(grpc.StatusCode.UNAVAILABLE, "engine_id: the daemon is stopping")
+
+
+class ReadSession(asyncio.Protocol):
+    """One engine session on the reads socket (event-loop thread only)."""
+
+    def __init__(self, server: ReadSocketServer) -> None:
+        self.server, self.daemon = server, server.daemon
+        self.frames = FrameReader(server.max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.slot = None
+        self.ended = False
+        self._sender: asyncio.Task | None = None
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    # ---- the connection ---------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        _pid, uid, gid = peer_credentials(transport.get_extra_info("socket"))
+        if not credentials_allowed(uid, gid, self.server.allowed_uids, self.server.group):
+            log.warning("reads socket: refused a client", extra={"uid": uid})
+            self.daemon.metrics.rpc_errors.labels(METHOD, grpc.StatusCode.PERMISSION_DENIED.name).inc()
+            self.ended = True
+            transport.abort()
+            return
+        self.server.sessions.add(self)
+        if len(self.server.sessions) > self.server.max_sessions:
+            self._end_with(ResourceExhaustedError("reads socket", f"{self.server.max_sessions} sessions are open "
+                                                                  "already (max_engines)"))
+            return
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
+        self._hello_timer = asyncio.get_running_loop().call_later(
+            self.server.hello_timeout_s, lambda: self._end_with(InvalidArgumentError(
+                "engine_id", f"no first batch naming the engine within {self.server.hello_timeout_s:g} s")))
+
+    def data_received(self, data: bytes) -> None:
+        if self.ended:
+            return
+        received_s = time.perf_counter()
+        try:
+            for payload in self.frames.feed(data):
+                try:
+                    batch = pb.ReadBatch.FromString(payload)
+                except DecodeError:
+                    raise InvalidArgumentError("frame", "not a ReadBatch") from None
+                if self.slot is None:
+                    self._open(batch)
+                self.daemon.reads.take_batch(self.slot, batch, received_s)
+        except Exception as err:  # ends this session only, with the status an engine would get on gRPC
+            self._end_with(err)
+
+    def eof_received(self) -> bool:
+        return False  # the engine is done with this session: close it
+
+    def connection_lost(self, exc) -> None:
+        self.ended = True
+        self.server.sessions.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self._sender is not None:
+            self._sender.cancel()
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # ---- the session ------------------------------------------------------------------
+    def _open(self, batch: pb.ReadBatch) -> None:
+        """The first batch: the engine and its session (as gRPC's metadata would carry it)."""
+        check_id(batch.engine_id, "engine_id")
+        self.slot = self.daemon.registry.session_slot(batch.engine_id, batch.session)
+        self._hello_timer.cancel()
+        self._sender = self.daemon.spawn(self._send())
+
+    async def _send(self) -> None:
+        """The engine's completions, in batches, until the session or the registration ends."""
+        slot = self.slot
+        try:
+            async for completions in slot.completions.batches(COMPLETIONS_PER_BATCH, lambda: self.ended):
+                self.transport.write(encode_frame(pb.CompletionBatch(completions=completions).SerializeToString()))
+                await self._writable.wait()  # a session that stops reading stops taking completions
+            if not self.ended:  # everything queued was sent; the engine learns no more will come
+                raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            self._end_with(err)
+
+    def _end_with(self, err: Exception) -> None:
+        code, message = error_status(METHOD, err)
+        self.daemon.metrics.rpc_errors.labels(METHOD, code.name).inc()
+        self.end(code, message)
+
+    def end(self, code: grpc.StatusCode, message: str) -> None:
+        """The last frame (the status and why), then close once it is written."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.slot is not None:
+            self.slot.completions.poke()  # the sender sees `ended` and stops taking completions
+        end = pb.CompletionBatch(end_code=code.value[0], end_message=message[:1024])
+        self.transport.write(encode_frame(end.SerializeToString()))
+        self.transport.close()
