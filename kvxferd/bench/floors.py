@@ -16,7 +16,8 @@
   UNIX socket (the engine's Reads stream without the daemon behind it), with
   client and server on one event loop, and as an engine makes them (the server
   in another process, a synchronous client with a reader thread), back to back
-  and one every 3 ms;
+  and one every 3 ms; and the same trip over the reads socket's frames (an
+  asyncio protocol on uvloop in the other process: gRPC's framework left out);
 * planning: ``plan_request`` for a 2-layer, 2-block request, back to back
   and with 3 ms between calls (how the daemon calls it at 300 requests/s);
 * NIXL's own progress thread with a 1 ms delay (:mod:`kvxferd.bench.nixl_progress`):
@@ -45,6 +46,7 @@ import numpy as np
 
 from kvxferd.bench import nixl_progress
 from kvxferd.bench.common import bench_main, percentiles_us, process_cpu_s
+from kvxferd.wire.frames import FrameReader, encode_frame
 from kvxferd.xfer.waker import Waker
 
 
@@ -212,6 +214,68 @@ def grpc_stream_engine_client(repeat: int = 1000, gap_s: float = 3e-3) -> dict:
             server.wait()
 
 
+def serve_socket_echo(path: str) -> None:
+    """Body of the echo server process of :func:`socket_engine_client`: frames back as they came, from an
+    asyncio protocol on uvloop, as the daemon's reads socket takes them (prints ``ready``)."""
+    import uvloop
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            self.transport, self.frames = transport, FrameReader(1 << 20)
+
+        def data_received(self, data: bytes) -> None:
+            for payload in self.frames.feed(data):
+                self.transport.write(encode_frame(payload))
+
+    async def run() -> None:
+        await asyncio.get_running_loop().create_unix_server(Echo, path)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(run())
+
+
+def socket_engine_client(repeat: int = 1000, gap_s: float = 3e-3) -> dict:
+    """:func:`grpc_stream_engine_client` over the reads socket's framing instead of gRPC: the client
+    sends from the calling thread and takes replies on a reader thread, as
+    :class:`~kvxferd.client.readsock.ReadsSocketStream` does."""
+    with tempfile.TemporaryDirectory() as workdir:
+        path = os.path.join(workdir, "echo.reads")
+        code = f"from kvxferd.bench.floors import serve_socket_echo; serve_socket_echo({path!r})"
+        server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            if server.stdout.readline().strip() != "ready":
+                raise RuntimeError("the echo server process did not start")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(path)
+                replies: queue.SimpleQueue = queue.SimpleQueue()
+
+                def read() -> None:
+                    frames = FrameReader(1 << 20)
+                    while data := conn.recv(1 << 16):
+                        for payload in frames.feed(data):
+                            replies.put(payload)
+
+                threading.Thread(target=read, daemon=True).start()
+                rows = {}
+                for name, count, gap in (("back_to_back", repeat, 0.0),
+                                         (f"every_{gap_s * 1e3:g}_ms", max(repeat // 4, 20), gap_s)):
+                    trips = []
+                    for _ in range(count):
+                        if gap:
+                            time.sleep(gap)
+                        start = time.perf_counter()
+                        conn.sendall(encode_frame(b"x" * 64))
+                        replies.get(timeout=10.0)
+                        trips.append(time.perf_counter() - start)
+                    rows[name] = percentiles_us(trips[len(trips) // 10:])
+                conn.shutdown(socket.SHUT_RDWR)
+                return rows
+        finally:
+            server.kill()
+            server.wait()
+
+
 def _engine_client_trips(channel: grpc.Channel, repeat: int, gap_s: float) -> dict:
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     replies: queue.SimpleQueue = queue.SimpleQueue()
@@ -273,6 +337,7 @@ def planning(repeat: int = 300) -> dict:
 def run() -> dict:
     return {"wakeups_100us": wakeups(), "thread_hop": thread_hop(), "udp_wakeup": udp_wakeup(), "nixl": nixl_notifications(),
             "grpc_stream": grpc_stream(), "grpc_engine_client": grpc_stream_engine_client(),
+            "socket_engine_client": socket_engine_client(),
             "planning_us": planning(), "nixl_progress_thread": nixl_progress.run()}
 
 
@@ -288,9 +353,10 @@ def format_table(f: dict) -> str:
                        ("NIXL notification, one way (both polling)", n["notification_one_way"]),
                        ("gRPC aio stream, one message each way", g["round_trip"])):
         lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
-    for gap, row in f.get("grpc_engine_client", {}).items():
-        label = f"gRPC stream, sync client, other process, {gap.replace('_', ' ')}"
-        lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
+    for key, name in (("grpc_engine_client", "gRPC stream"), ("socket_engine_client", "reads socket frames")):
+        for gap, row in f.get(key, {}).items():
+            label = f"{name}, sync client, other process, {gap.replace('_', ' ')}"
+            lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
     lines.append(f"gRPC aio stream: {g['cpu_us_per_round_trip_both_sides']:.0f} us CPU per round trip (both sides)")
     lines.append(f"UDP datagram: {f['udp_wakeup']['send_and_read_us']:.1f} us to send and read one (back to back, loopback)")
     p = f["planning_us"]

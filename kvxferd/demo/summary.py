@@ -88,7 +88,7 @@ def format_table(summary: dict) -> str:
                   f"{s['verified_bytes'] / 2**20:.1f} MiB of decode memory checked, {s['mismatched_bytes']} bytes wrong; "
                   f"{s['failed_requests']} failed requests; {s['consumed']}/{s['holds']} holds CONSUMED, "
                   f"{s['lost_events']} lost and {s['stray_events']} stray events.",
-              "p50/p99: a read on every decode rank's Reads stream -> every completion delivered. "
+              "p50/p99: a read on every decode rank's Reads session (the reads socket) -> every completion delivered. "
               "GB/s: bytes over that time; "
               "raw GB/s: the same descriptors posted straight on NIXL from the decode engine, no daemon in the path. "
               "consumed: CONSUMED events on the prefill notify bus / holds (one per prefill rank and request)."]
