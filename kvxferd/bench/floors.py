@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -252,11 +253,13 @@ def socket_engine_client(repeat: int = 1000, gap_s: float = 3e-3) -> dict:
 
                 def read() -> None:
                     frames = FrameReader(1 << 20)
-                    while data := conn.recv(1 << 16):
-                        for payload in frames.feed(data):
-                            replies.put(payload)
+                    with contextlib.suppress(OSError):  # ends when the socket is shut down and closed
+                        while data := conn.recv(1 << 16):
+                            for payload in frames.feed(data):
+                                replies.put(payload)
 
-                threading.Thread(target=read, daemon=True).start()
+                reader = threading.Thread(target=read, daemon=True)
+                reader.start()
                 rows = {}
                 for name, count, gap in (("back_to_back", repeat, 0.0),
                                          (f"every_{gap_s * 1e3:g}_ms", max(repeat // 4, 20), gap_s)):
@@ -270,6 +273,7 @@ def socket_engine_client(repeat: int = 1000, gap_s: float = 3e-3) -> dict:
                         trips.append(time.perf_counter() - start)
                     rows[name] = percentiles_us(trips[len(trips) // 10:])
                 conn.shutdown(socket.SHUT_RDWR)
+                reader.join(timeout=5.0)
                 return rows
         finally:
             server.kill()
@@ -353,7 +357,7 @@ def format_table(f: dict) -> str:
                        ("NIXL notification, one way (both polling)", n["notification_one_way"]),
                        ("gRPC aio stream, one message each way", g["round_trip"])):
         lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
-    for key, name in (("grpc_engine_client", "gRPC stream"), ("socket_engine_client", "reads socket frames")):
+    for key, name in (("grpc_engine_client", "gRPC stream"), ("socket_engine_client", "reads socket")):
         for gap, row in f.get(key, {}).items():
             label = f"{name}, sync client, other process, {gap.replace('_', ' ')}"
             lines.append(f"{label:<56}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")

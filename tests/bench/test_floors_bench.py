@@ -22,7 +22,7 @@ def test_each_floor_is_measured():
     text = floors.format_table(figures)
     assert "gRPC aio stream" in text and "plan_request" in text and "UDP datagram" in text
     assert "gRPC stream, sync client, other process, every 1 ms" in text
-    assert "reads socket frames, sync client, other process, every 1 ms" in text
+    assert "reads socket, sync client, other process, every 1 ms" in text
 
 
 def test_nixl_progress_thread_is_measured_and_printed():
