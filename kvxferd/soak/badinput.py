@@ -2,7 +2,7 @@
 
 Engine gRPC (no session, unknown ids, damaged fields), peer gRPC (unknown
 engines, wrong protocol versions, junk agent names), and raw bytes on the
-engine socket, the peer port, the notify bus and the metrics port. Each
+engine socket, the reads socket, the peer port, the notify bus and the metrics port. Each
 must be refused (any status but UNKNOWN, INTERNAL, or no answer in time)
 and leave the daemon serving; the soak's crash check and the next valid
 request prove the second part.
@@ -20,6 +20,7 @@ from kvxferd.client import DaemonProcess
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.wire.frames import reads_socket_path
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 ANSWER_S = 3.0
@@ -96,7 +97,8 @@ def burst(daemon: DaemonProcess, engine_id: str, rng: np.random.Generator) -> tu
                     wrong.append(f"{daemon.daemon_id}: bad input answered {err.code().name}: {err.details()}")
     junk = rng.bytes(int(rng.integers(1, 4096)))
     _raw(socket.AF_UNIX, daemon.socket, junk)
+    _raw(socket.AF_UNIX, reads_socket_path(daemon.socket), junk)  # read as frames: ended with a status
     for name in ("peer", "notify", "metrics"):
         payload = b"GET /\xff\x00 HTTP/9\r\n\r\n" if name == "metrics" else junk
         _raw(socket.AF_INET, _host_port(daemon.addresses[name]), payload)
-    return sent + 4, wrong
+    return sent + 5, wrong
