@@ -28,7 +28,8 @@ How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing
     notices sent lately          poll every NOTICE_POLL_S (10 ms) for 50 ms (a safety net: the
                                  executor makes progress right after sending; notices sent on
                                  the event loop wake an idle thread for it: notices_sent)
-    neither                      poll every IDLE_POLL_S (UCX keeps progressing) until woken
+    neither                      poll every IDLE_POLL_S (UCX keeps progressing, the notice agents
+                                 too: a notice stuck on a slow connection set-up) until woken
     no engine registered         block until woken
 
 Holds are shared with the event loop (Hold, RenewLease, expiry) under the
@@ -389,6 +390,12 @@ class DataPlane:
             if now - seen[2] >= NOTICE_POLL_S:
                 self._notices_seen[id(slot)] = (sent, seen[1], now)
                 slot.executor.notices.poll_notifications()
+        elif now - seen[2] >= IDLE_POLL_S / 2:
+            # Long after the last notice, still on every idle round: a notice whose connection took longer
+            # than the window to set up (its holder busy or stopped) would otherwise wait for the next
+            # notice of this agent, maybe forever, and its hold would end EXPIRED instead of CONSUMED.
+            self._notices_seen[id(slot)] = (sent, seen[1], now)
+            slot.executor.notices.poll_notifications()
 
 
 def error_result(read: DaemonRead, error: str) -> ReadResult:

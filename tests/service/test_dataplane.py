@@ -167,6 +167,22 @@ def test_notices_sent_on_the_loop_get_the_idle_threads_progress_at_once(plane, m
     assert _consumed(cluster, read)
 
 
+def test_an_idle_thread_still_polls_the_notice_agents_long_after_their_last_notice(plane, monkeypatch):
+    """A notice can outlast its window of fast polls (its connection still being set up, its holder busy or
+    stopped): the idle rounds keep polling the notice agent, so it goes out late rather than never."""
+    cluster, slot, dataplane, done = plane
+    monkeypatch.setattr(dataplane_module, "IDLE_POLL_S", 0.05)
+    dataplane.wake()
+    time.sleep(dataplane_module.NOTICE_PROGRESS_S + 0.1)  # past the last notice's window of fast polls
+    polls = []
+    notices = slot.executor.notices
+    real = notices.poll_notifications
+    monkeypatch.setattr(notices, "poll_notifications",
+                        lambda: polls.append(threading.current_thread().name) or real())
+    time.sleep(0.5)
+    assert polls.count("kvxferd-dataplane") >= 3, polls  # every 25-50 ms; none without the idle polls
+
+
 def test_a_read_past_its_deadline_before_its_post_fails_with_nothing_posted(plane):
     """On either path: the engine was promised an answer by the deadline; posting now would only move
     bytes nobody waits for (under a backlog, this sheds them)."""
