@@ -170,12 +170,14 @@ def test_hold_order_read_cycle_on_real_daemons(tmp_path):
             daemon.terminate()
 
 
-def _gather(workers, until, timeout_s: float = 20.0) -> dict:
-    """Merge each worker's results until ``until(merged)``; merged: worker -> field -> ids."""
+def _gather(workers, until, timeout_s: float = 20.0, daemons=()) -> dict:
+    """Merge each worker's results until ``until(merged)``; merged: worker -> field -> ids. A timeout names
+    what came, and the end of each of ``daemons``' logs (what CI shows of a failure)."""
     merged = {w: {"recv": set(), "failed": set(), "sent": set(), "invalid": set()} for w in workers}
     deadline = time.monotonic() + timeout_s
     while not until(merged):
-        assert time.monotonic() < deadline, f"not done in {timeout_s} s: {merged}"
+        assert time.monotonic() < deadline, "\n".join([f"not done in {timeout_s} s: {merged}",
+                                                        *(f"{d.daemon_id}: {d.tail(1500)}" for d in daemons)])
         time.sleep(0.05)
         for worker in workers:
             got = worker.results()
@@ -228,27 +230,31 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
             return decode_scheduler.take_orders()
 
         decode.submit(order("first", [1, 2], [1, 2]))  # handshakes with the prefill engine
-        merged = _gather([decode], lambda m: "d-first" in m[decode]["recv"])
+        merged = _gather([decode], lambda m: "d-first" in m[decode]["recv"], daemons=daemons)
         assert merged[decode]["recv"] == {"d-first"} and not merged[decode]["failed"]
         lost = order("lost", [3], [3])
         _restart(daemons, 1, tmp_path, lambda: decode.submit(lost))  # the decode daemon: the read goes nowhere
         # The heartbeat registers again on its own; the lost read fails meanwhile or after.
-        merged = _gather([decode], lambda m: "d-lost" in m[decode]["recv"] and decode.client.num_reregistrations)
-        assert merged[decode]["failed"] == {"d-lost"} and decode.client.num_reregistrations == 1
+        merged = _gather([decode], lambda m: "d-lost" in m[decode]["recv"] and decode.client.num_reregistrations,
+                         daemons=daemons)
+        assert merged[decode]["failed"] == {"d-lost"} and decode.client.num_reregistrations == 1, \
+            (merged, decode.client.num_reregistrations)
         after = order("after", [4, 5], [9, 10])
         decode.submit(after)
-        merged = _gather([decode, prefill], lambda m: "d-after" in m[decode]["recv"] and "after" in m[prefill]["sent"])
-        assert merged[decode]["recv"] == {"d-after"} and not merged[decode]["failed"]
+        merged = _gather([decode, prefill], lambda m: "d-after" in m[decode]["recv"] and "after" in m[prefill]["sent"],
+                         daemons=daemons)
+        assert merged[decode]["recv"] == {"d-after"} and not merged[decode]["failed"], merged
         for name in prefill_cache:
             assert torch.equal(decode_cache[name][9:11], prefill_cache[name][4:6])
         assert "lost" not in merged[prefill]["sent"]  # still held: that daemon did not restart
 
         _restart(daemons, 0, tmp_path)  # the prefill daemon, with "lost" still held there
-        merged = _gather([prefill], lambda m: "lost" in m[prefill]["sent"])
-        assert merged[prefill]["sent"] == {"lost"} and prefill.client.num_reregistrations == 1
+        merged = _gather([prefill], lambda m: "lost" in m[prefill]["sent"], daemons=daemons)
+        assert merged[prefill]["sent"] == {"lost"} and prefill.client.num_reregistrations == 1, \
+            (merged, prefill.client.num_reregistrations)
         # The new registration kept the session the scheduler holds with: holds and reads go on.
         decode.submit(order("later", [6, 7], [12, 13]))
-        merged = _gather([decode], lambda m: "d-later" in m[decode]["recv"])
+        merged = _gather([decode], lambda m: "d-later" in m[decode]["recv"], daemons=daemons)
         # The decode daemon reads on its link to the old prefill daemon (no probe saw the restart):
         # the read fails, nothing is written, and vLLM is told to recompute exactly those blocks
         # (one cache group: a failed read names its blocks instead of failing the request). The
@@ -257,7 +263,7 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         assert merged[decode]["invalid"] == {12, 13} and not merged[decode]["failed"], merged
         decode.submit(order("later-again", [6, 7], [12, 13]))
         merged = _gather([decode, prefill], lambda m: "d-later-again" in m[decode]["recv"]
-                         and "later-again" in m[prefill]["sent"])
+                         and "later-again" in m[prefill]["sent"], daemons=daemons)
         assert merged[decode]["recv"] == {"d-later-again"}, merged
         assert not merged[decode]["failed"] and not merged[decode]["invalid"], merged
         for name in prefill_cache:
