@@ -1,6 +1,6 @@
 """What the request handlers may use of the daemon: a narrow, typed view instead of the object.
 
-``servicers.py`` and ``reads.py`` are written against :class:`DaemonParts`;
+``servicers.py``, ``readsock.py`` and ``reads.py`` are written against :class:`DaemonParts`;
 ``daemon.py`` builds the parts and satisfies it. Nothing here imports the
 daemon at run time, so there is no import circle.
 """

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvxferd.client import DaemonProcess
+from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine, share_host_storages
 from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, SchedulerSide, real_blocks
@@ -232,6 +233,7 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         decode.submit(order("first", [1, 2], [1, 2]))  # handshakes with the prefill engine
         merged = _gather([decode], lambda m: "d-first" in m[decode]["recv"], daemons=daemons)
         assert merged[decode]["recv"] == {"d-first"} and not merged[decode]["failed"]
+        assert isinstance(decode.client._stream, ReadsSocketStream)  # the worker's reads skip gRPC
         lost = order("lost", [3], [3])
         _restart(daemons, 1, tmp_path, lambda: decode.submit(lost))  # the decode daemon: the read goes nowhere
         # The heartbeat registers again on its own; the lost read fails meanwhile or after.
@@ -244,6 +246,7 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         merged = _gather([decode, prefill], lambda m: "d-after" in m[decode]["recv"] and "after" in m[prefill]["sent"],
                          daemons=daemons)
         assert merged[decode]["recv"] == {"d-after"} and not merged[decode]["failed"], merged
+        assert isinstance(decode.client._stream, ReadsSocketStream)  # a new session on the new daemon's socket
         for name in prefill_cache:
             assert torch.equal(decode_cache[name][9:11], prefill_cache[name][4:6])
         assert "lost" not in merged[prefill]["sent"]  # still held: that daemon did not restart
