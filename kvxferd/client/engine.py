@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
-from kvxferd.client.readsock import ReadsSocketStream
+from kvxferd.client.readsock import ReadsSocketError, ReadsSocketStream, hold_error
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.frames import reads_socket_path
 from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
@@ -117,6 +117,7 @@ class EngineClient:
         self._last_seq = self._acked_seq = 0  # completions had / acked on this registration
         self._pending: dict[str, pb.ReadSpec] = {}  # sent on the Reads stream, no completion yet
         self._lost: set[str] = set()  # pending when the registration was replaced: no completion will come
+        self._hold_answers: dict[str, pb.HoldAnswer | None] = {}  # holds sent on the reads socket -> answer
         self.num_duplicates_dropped = 0  # completions sent again after a reconnect that this client had
         self._register_request: pb.RegisterRequest | None = None  # what re-registering sends again
         self._fd_source: Callable[[], str] | None = None  # passes the fds again; returns their token
@@ -235,7 +236,8 @@ class EngineClient:
                 if self.reads_socket_path and os.path.exists(self.reads_socket_path):
                     first.session = self.session  # what gRPC sends as metadata
                     socket_stream = ReadsSocketStream(self.reads_socket_path, first, timeout_s=self.timeout_s,
-                                                      max_frame_bytes=self.max_message_bytes)
+                                                      max_frame_bytes=self.max_message_bytes,
+                                                      on_holds=self._hold_answers_arrived)
                     if socket_stream.connected:  # else (a stale path, say) the gRPC stream
                         self._outbox = self._stream = socket_stream  # in the lock: later batches go after `first`
                     else:
@@ -368,10 +370,46 @@ class EngineClient:
 
     # ---- holds ------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> str:
-        """Hold blocks for readers; the incarnation of the registration that holds them."""
-        return self.stub.Hold(pb.HoldRequest(engine_id=self.engine_id, request_id=request_id,
-                                             block_ids=ids_to_pb(block_ids), lease_s=lease_s),
-                              timeout=self.timeout_s).incarnation
+        """Hold blocks for readers; the incarnation of the registration that holds them. On the reads
+        socket when this client has a session there (no gRPC call), else the ``Hold`` call; either way a
+        refusal raises :class:`grpc.RpcError` with the daemon's status code."""
+        request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
+                                 lease_s=lease_s)
+        with self._cond:
+            stream = self._stream
+            on_socket = isinstance(stream, ReadsSocketStream) and request_id not in self._hold_answers
+            if on_socket:
+                self._hold_answers[request_id] = None
+                stream.put(pb.ReadBatch(holds=[request]))
+        if not on_socket:
+            return self.stub.Hold(request, timeout=self.timeout_s).incarnation
+        return self._hold_answer(stream, request_id)
+
+    def _hold_answer(self, stream: ReadsSocketStream, request_id: str) -> str:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            try:
+                while (answer := self._hold_answers[request_id]) is None:
+                    left = deadline - time.monotonic()
+                    if stream is not self._stream or self.stream_error is not None or left <= 0:
+                        raise ReadsSocketError(grpc.StatusCode.UNAVAILABLE if left > 0 else
+                                               grpc.StatusCode.DEADLINE_EXCEEDED,
+                                               f"request_id: the reads session ended before the hold of "
+                                               f"{request_id!r} was answered (it may or may not be held)")
+                    self._cond.wait(left)
+            finally:
+                self._hold_answers.pop(request_id, None)
+        if (error := hold_error(answer)) is not None:
+            raise error
+        return answer.incarnation
+
+    def _hold_answers_arrived(self, answers) -> None:
+        """The reads socket's reader thread: answers to holds sent on it."""
+        with self._cond:
+            for answer in answers:
+                if answer.request_id in self._hold_answers:
+                    self._hold_answers[answer.request_id] = answer
+            self._cond.notify_all()
 
     def renew(self, request_ids: Sequence[str], *, lease_s: float = 0.0) -> list[str]:
         reply = self.stub.RenewLease(pb.RenewLeaseRequest(engine_id=self.engine_id, request_ids=list(request_ids),

@@ -45,8 +45,10 @@ class ReadsSocketStream:
     reading) ends the session: half a frame on the wire would garble it.
     """
 
-    def __init__(self, path: str, first: pb.ReadBatch, *, timeout_s: float, max_frame_bytes: int) -> None:
-        self.path, self.max_frame_bytes = path, max_frame_bytes
+    def __init__(self, path: str, first: pb.ReadBatch, *, timeout_s: float, max_frame_bytes: int,
+                 on_holds=lambda answers: None) -> None:
+        """``on_holds``: called on the reader thread with each frame's answers to ``ReadBatch.holds``."""
+        self.path, self.max_frame_bytes, self.on_holds = path, max_frame_bytes, on_holds
         self._send_lock = threading.Lock()
         self._cancelled = False
         self._error: ReadsSocketError | None = None
@@ -119,4 +121,14 @@ class ReadsSocketStream:
             for batch in batches:
                 if batch.end_code:
                     raise ReadsSocketError(_STATUS.get(batch.end_code, grpc.StatusCode.UNKNOWN), batch.end_message)
-                yield batch
+                if batch.holds:
+                    self.on_holds(batch.holds)
+                if batch.completions:
+                    yield batch
+
+
+def hold_error(answer: pb.HoldAnswer) -> ReadsSocketError | None:
+    """The error of a refused hold, as its Hold call would have raised it (None when held)."""
+    if not answer.code:
+        return None
+    return ReadsSocketError(_STATUS.get(answer.code, grpc.StatusCode.UNKNOWN), answer.error)

@@ -9,6 +9,8 @@ engine socket cost tens of µs (``wire/frames.py`` has the framing)::
     connect <engine_socket>.reads ───────►  SO_PEERCRED: an allowed uid, else closed
     ReadBatch{engine_id, session, ...} ──►  the registration's session, else the end frame
     ReadBatch{reads, ack_seq} ───────────►  ReadPath.take_batch (as the gRPC stream)
+    ReadBatch{holds} ────────────────────►  place_hold, each (as the Hold call)
+                                  ◄───────  CompletionBatch{holds: one answer per hold}, at once
                                   ◄───────  CompletionBatch{completions} (the engine's feed)
                                   ◄───────  CompletionBatch{end_code, end_message}, then close
 
@@ -33,10 +35,11 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedError, UnavailableError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.localsock import credentials_allowed, peer_credentials, restrict_socket, socket_umask
-from kvxferd.service.status import error_status
+from kvxferd.service.holding import place_hold
+from kvxferd.service.status import error_status, status_code
 from kvxferd.wire.frames import FrameReader, encode_frame
 from kvxferd.wire.messages import check_id
 
@@ -123,6 +126,8 @@ class ReadSession(asyncio.Protocol):
                     raise InvalidArgumentError("frame", "not a ReadBatch") from None
                 if self.slot is None:
                     self._open(batch)
+                if batch.holds:
+                    self._hold(batch.holds)
                 self.daemon.reads.take_batch(self.slot, batch, received_s)
         except Exception as err:  # ends this session only, with the status an engine would get on gRPC
             self._end_with(err)
@@ -152,6 +157,25 @@ class ReadSession(asyncio.Protocol):
         self.slot = self.daemon.registry.session_slot(batch.engine_id, batch.session)
         self._hello_timer.cancel()
         self._sender = self.daemon.spawn(self._send())
+
+    def _hold(self, holds) -> None:
+        """Place each hold (as the Hold call would) and answer them all in one frame, at once."""
+        limit = self.daemon.config.max_reads_per_batch
+        if len(holds) > limit:
+            raise InvalidArgumentError("holds", f"{len(holds)} holds in one batch, the limit is {limit} "
+                                                "(max_reads_per_batch)")
+        answers = []
+        for request in holds:
+            if request.engine_id and request.engine_id != self.slot.engine_id:
+                raise InvalidArgumentError("engine_id", f"this session belongs to {self.slot.engine_id!r}")
+            try:
+                place_hold(self.daemon, self.slot, request)
+                answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=self.slot.incarnation))
+            except KvxferError as err:  # one hold refused: answered, the session goes on
+                self.daemon.metrics.rpc_errors.labels("Hold", status_code(err).name).inc()
+                answers.append(pb.HoldAnswer(request_id=request.request_id, code=status_code(err).value[0],
+                                             error=str(err)))
+        self.transport.write(encode_frame(pb.CompletionBatch(holds=answers).SerializeToString()))
 
     async def _send(self) -> None:
         """The engine's completions, in batches, until the session or the registration ends."""

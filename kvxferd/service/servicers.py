@@ -23,7 +23,6 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
-import numpy as np
 
 from kvxferd.errors import (InvalidArgumentError, KvxferError, PermissionDeniedError,
                             ResourceExhaustedError, UnauthenticatedError, UnavailableError)
@@ -32,10 +31,10 @@ from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.completions import StreamReplaced
+from kvxferd.service.holding import lease_seconds, place_hold
 from kvxferd.service.status import error_status, status_code
 from kvxferd.service.tls import authorize_peer
-from kvxferd.wire.messages import (MAX_TP_SIZE, check_id, check_peer_addresses, check_seconds, ids_from_pb,
-                                   read_request_from_pb)
+from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
 from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
 from kvxferd.xfer.agent import agent_name_of
@@ -63,17 +62,6 @@ def rpc(fn):
         await context.abort(code, message)
 
     return handler
-
-
-def _check_block_ids(lists, slot, field: str) -> tuple[np.ndarray, ...]:
-    groups = slot.cache.groups
-    if len(lists) != len(groups):
-        raise InvalidArgumentError(field, f"{len(lists)} groups given, engine has {len(groups)}")
-    out = ids_from_pb(lists)
-    for g, (ids, group) in enumerate(zip(out, groups)):
-        if len(ids) and (ids.min() < 0 or ids.max() >= group.spec.num_blocks):
-            raise InvalidArgumentError(f"{field}[{g}]", f"block ids must lie in [0, {group.spec.num_blocks})")
-    return out
 
 
 def metadata_value(context, key: str) -> str:
@@ -189,19 +177,8 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
 
     @rpc
     async def Hold(self, request, context):
-        self.daemon.registry.check_accepting()
         slot = self._slot(request.engine_id, context)
-        check_id(request.request_id, "request_id")
-        block_ids = _check_block_ids(request.block_ids, slot, "block_ids")
-        lease_s = _lease_s(self.daemon, request.lease_s)
-        limit = self.daemon.config.max_holds_per_engine
-        if len(slot.holds) >= limit:
-            raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
-        with slot.lock:
-            slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
-        if len(slot.holds) == 1:
-            self.daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
-            self.daemon.wake_maintenance()  # and from the idle tick to the lease tick
+        place_hold(self.daemon, slot, request)
         return pb.HoldReply(incarnation=slot.incarnation)
 
     @rpc
@@ -223,12 +200,8 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         return self.daemon.bus.missed(request.engine_id, request.after_seq)
 
 
-def _lease_s(daemon: "DaemonParts", value: float) -> float:
-    return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
-
-
 def _renew(daemon: "DaemonParts", slot, request: pb.RenewLeaseRequest) -> pb.RenewLeaseReply:
-    lease_s = _lease_s(daemon, request.lease_s)
+    lease_s = lease_seconds(daemon, request.lease_s)
     with slot.lock:
         unknown = slot.holds.renew(request.request_ids, lease_s, time.monotonic())
     return pb.RenewLeaseReply(unknown_request_ids=unknown)

@@ -33,8 +33,9 @@ def cluster(workdir):
         yield c
 
 
-def _path(cluster) -> str:
-    return reads_socket_path(cluster.decode_daemons[0].engine_target.removeprefix("unix:"))
+def _path(cluster, side: str = "decode") -> str:
+    daemon = cluster.decode_daemons[0] if side == "decode" else cluster.prefill_daemons[0]
+    return reads_socket_path(daemon.engine_target.removeprefix("unix:"))
 
 
 def _request(name: str, k: int) -> ReadRequest:
@@ -47,13 +48,14 @@ def _spec(cluster, request: ReadRequest) -> pb.ReadSpec:
                                                request.local_block_ids, request.remote_block_ids, num_tokens=32)
 
 
-def _session(cluster, raw_frames: list[bytes], timeout_s: float = 10.0) -> tuple[list[pb.Completion], int, str]:
+def _session(cluster, raw_frames: list[bytes], timeout_s: float = 10.0,
+             path: str | None = None) -> tuple[list[pb.Completion], int, str]:
     """Send raw frames on a new connection, then read until the daemon closes it: the completions, and the
     end frame's code and message (0 and "" if it closed without one)."""
     completions, frames = [], FrameReader(1 << 24)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout_s)
-        conn.connect(_path(cluster))
+        conn.connect(path or _path(cluster))
         for frame in raw_frames:
             conn.sendall(frame)
         while data := conn.recv(1 << 16):
@@ -172,3 +174,41 @@ def test_a_daemon_without_the_socket_serves_reads_on_the_grpc_stream(workdir):
         daemon.terminate()
         for arena in arenas:
             arena.close()
+
+
+def test_holds_go_over_the_socket_and_a_refused_one_is_answered_with_its_code(cluster, monkeypatch):
+    prefill = cluster.prefill_clients[0]
+    assert isinstance(prefill._stream, ReadsSocketStream)
+
+    def no_grpc(*args, **kwargs):
+        raise AssertionError("Hold went over gRPC")
+
+    monkeypatch.setattr(prefill.stub, "Hold", no_grpc)
+    request = _request("sock-hold", 13)
+    assert prefill.hold(request.remote_request_id, request.remote_block_ids) == prefill.incarnation
+    with pytest.raises(grpc.RpcError) as refused:
+        prefill.hold("sock-bad", [np.array([10_000])] * len(GROUPS[0]))
+    assert refused.value.code() == C.INVALID_ARGUMENT and "block_ids" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as twice:  # the same id again: as the Hold call answers it
+        prefill.hold(request.remote_request_id, request.remote_block_ids)
+    assert twice.value.code() != C.OK and prefill.stream_error is None  # answered; the session goes on
+    cluster.submit(request)
+    (completion,) = cluster.completions(request)  # the hold made on the socket is read and consumed
+    assert completion.ok, completion.error
+    event = cluster.hold_events(request)[0]
+    assert event is not None and event.kind == pb.NotifyEvent.CONSUMED
+    cluster.reset_decode()
+
+
+def test_holds_of_another_engine_or_too_many_end_the_session(cluster):
+    prefill = cluster.prefill_clients[0]
+    hello = pb.ReadBatch(engine_id=cluster.prefill_id, session=prefill.session)
+    hold = pb.HoldRequest(request_id="x", block_ids=[])
+    cases = [(pb.ReadBatch(holds=[pb.HoldRequest(engine_id="someone-else", request_id="x")]), "engine_id"),
+             (pb.ReadBatch(holds=[hold] * (MAX_BATCH + 1)), "max_reads_per_batch")]
+    for batch, text in cases:
+        _, end_code, message = _session(cluster, [_frame(hello), _frame(batch)], path=_path(cluster, "prefill"))
+        assert end_code == C.INVALID_ARGUMENT.value[0] and text in message, message
+    prefill.reconnect_reads()  # its session was taken over by the raw ones
+    assert cluster.read(_request("after-holds", 14))[0].ok  # holds (on the socket again) and reads
+    cluster.reset_decode()

@@ -266,26 +266,42 @@ class ReadSpec(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReadBatch(_message.Message):
-    __slots__ = ("engine_id", "reads", "ack_seq", "session")
+    __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     reads: _containers.RepeatedCompositeFieldContainer[ReadSpec]
     ack_seq: int
     session: str
-    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    holds: _containers.RepeatedCompositeFieldContainer[HoldRequest]
+    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ..., session: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldRequest, _Mapping]]] = ...) -> None: ...
 
 class CompletionBatch(_message.Message):
-    __slots__ = ("completions", "end_code", "end_message")
+    __slots__ = ("completions", "end_code", "end_message", "holds")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     END_CODE_FIELD_NUMBER: _ClassVar[int]
     END_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     end_code: int
     end_message: str
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., end_code: _Optional[int] = ..., end_message: _Optional[str] = ...) -> None: ...
+    holds: _containers.RepeatedCompositeFieldContainer[HoldAnswer]
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., end_code: _Optional[int] = ..., end_message: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldAnswer, _Mapping]]] = ...) -> None: ...
+
+class HoldAnswer(_message.Message):
+    __slots__ = ("request_id", "incarnation", "code", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    incarnation: str
+    code: int
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "lease_s")

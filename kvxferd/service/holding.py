@@ -1,0 +1,53 @@
+"""Placing a hold: the checks and the bookkeeping of one ``Hold``, for the gRPC call and the reads socket.
+
+A hold keeps a request's blocks for its readers until they report (CONSUMED),
+its lease runs out or it is released (EXPIRED); see :mod:`kvxferd.plan.leases`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
+
+if TYPE_CHECKING:
+    from kvxferd.service.parts import DaemonParts
+    from kvxferd.service.slots import EngineSlot
+
+
+def check_block_ids(lists, slot: "EngineSlot", field: str) -> tuple[np.ndarray, ...]:
+    """Block ids per cache group of ``slot``'s engine, each in range (typed error naming ``field``)."""
+    groups = slot.cache.groups
+    if len(lists) != len(groups):
+        raise InvalidArgumentError(field, f"{len(lists)} groups given, engine has {len(groups)}")
+    out = ids_from_pb(lists)
+    for g, (ids, group) in enumerate(zip(out, groups)):
+        if len(ids) and (ids.min() < 0 or ids.max() >= group.spec.num_blocks):
+            raise InvalidArgumentError(f"{field}[{g}]", f"block ids must lie in [0, {group.spec.num_blocks})")
+    return out
+
+
+def lease_seconds(daemon: "DaemonParts", value: float) -> float:
+    """A requested lease (0: the default), checked against ``max_lease_s``."""
+    return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
+
+
+def place_hold(daemon: "DaemonParts", slot: "EngineSlot", request: pb.HoldRequest) -> None:
+    """Hold ``request``'s blocks on ``slot`` (event-loop thread); raises a typed error, holding nothing."""
+    daemon.registry.check_accepting()
+    check_id(request.request_id, "request_id")
+    block_ids = check_block_ids(request.block_ids, slot, "block_ids")
+    lease_s = lease_seconds(daemon, request.lease_s)
+    limit = daemon.config.max_holds_per_engine
+    if len(slot.holds) >= limit:
+        raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
+    with slot.lock:
+        slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
+    if len(slot.holds) == 1:
+        daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
+        daemon.wake_maintenance()  # and from the idle tick to the lease tick
