@@ -200,19 +200,39 @@ def grpc_stream_engine_client(repeat: int = 1000, gap_s: float = 3e-3) -> dict:
     that puts each message on its request iterator's queue and takes replies on a reader thread,
     as :class:`~kvxferd.client.engine.EngineClient` does. Back to back, and one every ``gap_s``
     (300 requests/s leave 3 ms between messages: caches and threads are cold again)."""
+    with _echo_process("serve_echo", "echo.sock") as path, grpc.insecure_channel(f"unix:{path}") as channel:
+        return {"back_to_back": _engine_client_trips(channel, repeat, 0.0),
+                f"every_{gap_s * 1e3:g}_ms": _engine_client_trips(channel, max(repeat // 4, 20), gap_s)}
+
+
+@contextlib.contextmanager
+def _echo_process(serve: str, socket_name: str):
+    """One of this module's echo servers (``serve``: its function) in another process; yields its
+    socket's path once it is ready, kills it afterwards."""
     with tempfile.TemporaryDirectory() as workdir:
-        path = os.path.join(workdir, "echo.sock")
-        code = f"from kvxferd.bench.floors import serve_echo; serve_echo({path!r})"
+        path = os.path.join(workdir, socket_name)
+        code = f"from kvxferd.bench.floors import {serve}; {serve}({path!r})"
         server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         try:
             if server.stdout.readline().strip() != "ready":
                 raise RuntimeError("the echo server process did not start")
-            with grpc.insecure_channel(f"unix:{path}") as channel:
-                return {"back_to_back": _engine_client_trips(channel, repeat, 0.0),
-                        f"every_{gap_s * 1e3:g}_ms": _engine_client_trips(channel, max(repeat // 4, 20), gap_s)}
+            yield path
         finally:
             server.kill()
             server.wait()
+
+
+def _timed_trips(send, replies: queue.SimpleQueue, repeat: int, gap_s: float) -> dict:
+    """``repeat`` round trips, one every ``gap_s``: ``send`` one message, wait for its echo on ``replies``."""
+    trips = []
+    for _ in range(repeat):
+        if gap_s:
+            time.sleep(gap_s)
+        start = time.perf_counter()
+        send()
+        replies.get(timeout=10.0)
+        trips.append(time.perf_counter() - start)
+    return percentiles_us(trips[len(trips) // 10:])
 
 
 def serve_socket_echo(path: str) -> None:
@@ -240,44 +260,27 @@ def socket_engine_client(repeat: int = 1000, gap_s: float = 3e-3) -> dict:
     """:func:`grpc_stream_engine_client` over the reads socket's framing instead of gRPC: the client
     sends from the calling thread and takes replies on a reader thread, as
     :class:`~kvxferd.client.readsock.ReadsSocketStream` does."""
-    with tempfile.TemporaryDirectory() as workdir:
-        path = os.path.join(workdir, "echo.reads")
-        code = f"from kvxferd.bench.floors import serve_socket_echo; serve_socket_echo({path!r})"
-        server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        try:
-            if server.stdout.readline().strip() != "ready":
-                raise RuntimeError("the echo server process did not start")
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.connect(path)
-                replies: queue.SimpleQueue = queue.SimpleQueue()
+    with _echo_process("serve_socket_echo", "echo.reads") as path, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(path)
+        replies: queue.SimpleQueue = queue.SimpleQueue()
 
-                def read() -> None:
-                    frames = FrameReader(1 << 20)
-                    with contextlib.suppress(OSError):  # ends when the socket is shut down and closed
-                        while data := conn.recv(1 << 16):
-                            for payload in frames.feed(data):
-                                replies.put(payload)
+        def read() -> None:
+            frames = FrameReader(1 << 20)
+            with contextlib.suppress(OSError):  # ends when the socket is shut down and closed
+                while data := conn.recv(1 << 16):
+                    for payload in frames.feed(data):
+                        replies.put(payload)
 
-                reader = threading.Thread(target=read, daemon=True)
-                reader.start()
-                rows = {}
-                for name, count, gap in (("back_to_back", repeat, 0.0),
-                                         (f"every_{gap_s * 1e3:g}_ms", max(repeat // 4, 20), gap_s)):
-                    trips = []
-                    for _ in range(count):
-                        if gap:
-                            time.sleep(gap)
-                        start = time.perf_counter()
-                        conn.sendall(encode_frame(b"x" * 64))
-                        replies.get(timeout=10.0)
-                        trips.append(time.perf_counter() - start)
-                    rows[name] = percentiles_us(trips[len(trips) // 10:])
-                conn.shutdown(socket.SHUT_RDWR)
-                reader.join(timeout=5.0)
-                return rows
-        finally:
-            server.kill()
-            server.wait()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        frame = encode_frame(b"x" * 64)
+        rows = {"back_to_back": _timed_trips(lambda: conn.sendall(frame), replies, repeat, 0.0),
+                f"every_{gap_s * 1e3:g}_ms": _timed_trips(lambda: conn.sendall(frame), replies,
+                                                          max(repeat // 4, 20), gap_s)}
+        conn.shutdown(socket.SHUT_RDWR)
+        reader.join(timeout=5.0)
+        return rows
 
 
 def _engine_client_trips(channel: grpc.Channel, repeat: int, gap_s: float) -> dict:
@@ -299,18 +302,11 @@ def _engine_client_trips(channel: grpc.Channel, repeat: int, gap_s: float) -> di
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    trips = []
-    for _ in range(repeat):
-        if gap_s:
-            time.sleep(gap_s)
-        start = time.perf_counter()
-        outbox.put(b"x" * 64)
-        replies.get(timeout=10.0)
-        trips.append(time.perf_counter() - start)
+    row = _timed_trips(lambda: outbox.put(b"x" * 64), replies, repeat, gap_s)
     outbox.put(None)
     call.cancel()
     reader.join(timeout=5.0)
-    return percentiles_us(trips[len(trips) // 10:])
+    return row
 
 
 def planning(repeat: int = 300) -> dict:
