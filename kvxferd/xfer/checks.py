@@ -78,7 +78,12 @@ class CheckArea:
         """Whether the check that landed in ``slot`` saw ``tag``."""
         return tag_in(self.words[2 * slot:2 * slot + 2], tag)
 
-    def give(self, slot: int) -> None:
+    def end(self, handle, slot: int) -> None:
+        """A posted check is over (done, failed or abandoned): release its handle, give its slot back."""
+        try:
+            self.agent.release(handle)
+        except NixlError:
+            pass  # the handle of a failed transfer may already be gone
         self._free.append(slot)
 
     def close(self) -> None:
@@ -138,9 +143,4 @@ class BoardProbe:
         self.waiting.clear()
 
     def _end(self, q: int) -> None:
-        handle, slot = self.running.pop(q)
-        try:
-            self.area.agent.release(handle)
-        except NixlError:
-            pass  # the handle of a failed transfer may already be gone
-        self.area.give(slot)
+        self.area.end(*self.running.pop(q))

@@ -388,9 +388,7 @@ class ReadExecutor:
                 self._end_check(inflight, q)
 
     def _end_check(self, inflight: InFlightRead, q: int) -> None:
-        handle, slot = inflight.checks.pop(q)
-        self._release(handle)
-        self.checks.give(slot)
+        self.checks.end(*inflight.checks.pop(q))
 
     def _release(self, handle) -> None:
         try:
