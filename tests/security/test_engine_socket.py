@@ -59,8 +59,9 @@ def test_sockets_are_private_to_the_daemons_user(daemon):
         assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, sock
 
 
-def _connect_as(uid: int, path: str) -> str:
-    """Connect to ``path`` from a child running as ``uid``; returns what happened."""
+def _connect_as(uid: int, path: str, payload: bytes | None = None) -> str:
+    """Connect to ``path`` from a child running as ``uid``, and send ``payload`` if given; returns what
+    happened ("connected", or with a payload "answered" / "closed"; else the error)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -70,7 +71,11 @@ def _connect_as(uid: int, path: str) -> str:
             os.setgid(uid)
             os.setuid(uid)
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(5)
                 conn.connect(path)
+                if payload is not None:
+                    conn.sendall(payload)
+                    outcome = b"answered" if conn.recv(64) else b"closed"
         except PermissionError:
             outcome = b"EACCES"
         except OSError as err:
@@ -240,26 +245,7 @@ def test_the_reads_socket_refuses_other_uids_even_when_reachable(daemon, arenas)
     try:
         before = daemon.metric(*metric)
         hello = encode_frame(pb.ReadBatch(engine_id="tenant-r", session=owner.session).SerializeToString())
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: connects, sends the stolen session, reports what came back
-            os.close(read_end)
-            outcome = b"?"
-            try:
-                os.setuid(65534)
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                    conn.settimeout(5)
-                    conn.connect(path)
-                    conn.sendall(hello)
-                    outcome = b"answered" if conn.recv(64) else b"closed"
-            except OSError as err:
-                outcome = type(err).__name__.encode()
-            os.write(write_end, outcome)
-            os._exit(0)
-        os.close(write_end)
-        os.waitpid(pid, 0)
-        with os.fdopen(read_end, "rb") as result:
-            outcome = result.read().decode()
+        outcome = _connect_as(65534, path, hello)  # the stolen session, from another uid
         assert outcome in ("closed", "ConnectionResetError", "BrokenPipeError"), outcome
         deadline = time.monotonic() + 5
         while daemon.metric(*metric) < before + 1 and time.monotonic() < deadline:
