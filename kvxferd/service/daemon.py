@@ -133,14 +133,15 @@ class Daemon:
             with socket_umask(gid):
                 bind(engine_server, f"unix:{self.socket_path}")
             restrict_socket(self.socket_path, gid)
+            reads_path = reads_socket_path(self.socket_path)
             if config.reads_socket:
                 self._reads_socket = ReadSocketServer(
-                    self, reads_socket_path(self.socket_path), allowed_uids=frozenset(config.allowed_uids), group=gid,
+                    self, reads_path, allowed_uids=frozenset(config.allowed_uids), group=gid,
                     max_frame_bytes=config.max_message_bytes, max_sessions=2 * config.max_engines,
                     hello_timeout_s=config.fd_recv_timeout_s)
                 await self._reads_socket.start()
-            elif os.path.exists(reads_socket_path(self.socket_path)):  # a killed daemon's: clients would try it
-                os.unlink(reads_socket_path(self.socket_path))
+            elif os.path.exists(reads_path):  # a killed daemon's: clients would try it
+                os.unlink(reads_path)
             if config.engine_tcp:  # TLS (server side) plus the bearer token checked per call
                 tcp_port = bind(engine_server, config.engine_tcp, engine_tls(self.tls))
             peer_credentials = self.tls.server_credentials() if self.tls is not None else None

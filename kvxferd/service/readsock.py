@@ -126,9 +126,9 @@ class ReadSession(asyncio.Protocol):
                     raise InvalidArgumentError("frame", "not a ReadBatch") from None
                 if self.slot is None:
                     self._open(batch)
+                self.daemon.reads.take_batch(self.slot, batch, received_s)  # the batch's own rules first
                 if batch.holds:
                     self._hold(batch.holds)
-                self.daemon.reads.take_batch(self.slot, batch, received_s)
         except Exception as err:  # ends this session only, with the status an engine would get on gRPC
             self._end_with(err)
 
