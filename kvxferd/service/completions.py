@@ -36,6 +36,9 @@ from collections.abc import AsyncIterator
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 
 
+COMPLETIONS_PER_BATCH = 256  # at most this many completions in one CompletionBatch, on either transport
+
+
 class StreamReplaced(Exception):
     """A newer stream took over this engine's completions."""
 

@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedError, UnavailableError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.completions import COMPLETIONS_PER_BATCH
 from kvxferd.service.localsock import credentials_allowed, peer_credentials, restrict_socket, socket_umask
 from kvxferd.service.holding import place_hold
 from kvxferd.service.status import error_status, status_code
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvxferd.readsock")
 METHOD = "ReadsSocket"  # its label in kvxferd_rpc_errors
-COMPLETIONS_PER_BATCH = 256
 WRITE_HIGH_WATER_BYTES = 1 << 20  # a session that does not read stops taking completions beyond this
 
 

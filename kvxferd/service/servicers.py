@@ -30,7 +30,7 @@ from kvxferd.plan.engine import expected_readers
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.service.completions import StreamReplaced
+from kvxferd.service.completions import COMPLETIONS_PER_BATCH, StreamReplaced
 from kvxferd.service.holding import lease_seconds, place_hold
 from kvxferd.service.status import error_status, status_code
 from kvxferd.service.tls import authorize_peer
@@ -42,8 +42,6 @@ from kvxferd.xfer.holder import Reader
 
 if TYPE_CHECKING:
     from kvxferd.service.parts import DaemonParts
-
-COMPLETIONS_PER_BATCH = 256
 
 
 def rpc(fn):
