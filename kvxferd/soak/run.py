@@ -32,6 +32,7 @@ from kvxferd.soak.report import Report
 
 HOLD_LEASE_S = 3.0  # hold lease of a normal request
 ENGINE_LEASE_S = 2.0  # registration lease: a killed engine is noticed within it
+REAP_MARGIN_S = 3.0  # past a lease: the daemon's sweep reaps a lapsed registration within it
 DEADLINE_S = 2.0  # read deadline
 GRACE_S = 2.0  # a completion must come within deadline + GRACE_S (+ the time its own daemon was frozen)
 FORGED_COUNTED_S = 2.0  # how long a holder may take to count forged notices as dropped
@@ -347,7 +348,19 @@ class Soak:
         self._timers.clear()
 
     def _measure(self, when: str) -> None:
+        """What each daemon holds, once its engines' registrations are gone.
+
+        An engine that closed deregisters, but a deregistration may fail (its
+        daemon restarted under it, a frozen peer): that registration is then
+        the daemon's to reap when its lease lapses. So the end waits until no
+        daemon has an engine left, up to a lease and a sweep past the last
+        deregistration; what is left after that is a leak.
+        """
         time.sleep(1.0)  # deregistrations finish
+        give_up_s = time.monotonic() + ENGINE_LEASE_S + REAP_MARGIN_S
+        while when == "end" and time.monotonic() < give_up_s and any(
+                leaks(None, measure(life)) for life in self.daemons.all):
+            time.sleep(0.2)
         for life in self.daemons.all:
             self.report.usage.setdefault(life.daemon.daemon_id, {})[when] = measure(life)
 

@@ -88,3 +88,33 @@ def test_leaks_compare_one_life_and_always_flag_engine_memory_left():
     assert problem.startswith("fds 30 -> 47")
     assert leaks(start, {**grown, "pid": 2}) == []  # killed and restarted since: a new life
     assert len(leaks(None, {**start, "engine_shm": ["/dev/shm/psm_1"], "engines_registered": 1})) == 1
+
+
+def test_the_end_measure_waits_for_a_registration_whose_deregistration_failed(monkeypatch):
+    """A registration left by a failed deregistration lapses with its lease: the end waits for it, then
+    measures; one that outlives its lease is measured (and then reported as a leak)."""
+    import importlib
+    import types
+
+    run = importlib.import_module("kvxferd.soak.run")  # the module (the package exports a function of that name)
+
+    clean = {"pid": 1, "fds": 30, "threads": 15, "rss_bytes": 1, "other_shm_mappings": 0, "engine_shm": [],
+             "engines_registered": 0}
+    left = {**clean, "engine_shm": ["/dev/shm/psm_1"], "engines_registered": 1}
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    for num_left, lapses in ((3, True), (10 ** 9, False)):
+        calls = []
+
+        def fake_measure(life, calls=calls, num_left=num_left):
+            calls.append(life)
+            return left if len(calls) <= num_left else clean
+
+        clock = iter(range(10 ** 6))
+        monkeypatch.setattr(run, "measure", fake_measure)
+        monkeypatch.setattr(run.time, "monotonic", lambda: next(clock) * 0.5)
+        soak = types.SimpleNamespace(daemons=types.SimpleNamespace(all=[types.SimpleNamespace(
+            daemon=types.SimpleNamespace(daemon_id="soak-p0"))]), report=types.SimpleNamespace(usage={}))
+        run.Soak._measure(soak, "end")
+        assert soak.report.usage["soak-p0"]["end"] == (clean if lapses else left)
+        if not lapses:  # gave up after a lease and the reaping margin
+            assert len(calls) <= (run.ENGINE_LEASE_S + run.REAP_MARGIN_S) / 0.5 + 2
