@@ -15,6 +15,8 @@ import urllib.request
 
 READY = re.compile(r"^kvxferd ready: (.*)$")
 NUM_FIXED_PORTS = 12000  # how far below the ephemeral range listeners' ports are drawn
+PORT_FLAGS = frozenset({"--peer-port", "--notify-port", "--metrics-port"})
+PORT_RACE_ATTEMPTS = 5  # starts of a daemon whose drawn port was taken before it bound it
 
 
 def ephemeral_port_floor() -> int:
@@ -63,19 +65,28 @@ class DaemonProcess:
         """``default_socket``: let the daemon pick its engine socket (its private runtime directory)."""
         self.daemon_id = daemon_id
         self.socket = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.sock")
-        socket_args = () if default_socket else ("--engine-socket", self.socket)
-        peer, notify, metrics = free_ports(3)  # flags in extra_args come later and win (a restart in place)
-        self.args = [sys.executable, "-m", "kvxferd", "serve", "--daemon-id", daemon_id, *socket_args,
-                     "--peer-port", str(peer), "--notify-port", str(notify), "--metrics-port", str(metrics),
-                     *extra_args]
+        self._socket_args = () if default_socket else ("--engine-socket", self.socket)
+        self._extra_args, self._env = tuple(extra_args), env
+        # Ports drawn here are free when drawn, not when the daemon binds them a second later: another
+        # process may take one meanwhile. A daemon that lost that race is started again on new ports;
+        # one whose ports were given (a restart in place) is not.
+        self._own_ports = not any(arg in PORT_FLAGS for arg in self._extra_args)
         self.log_path = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.log")
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                        env={**os.environ, **(env or {})})
         self.ready_timeout_s = ready_timeout_s
         self.addresses: dict[str, str] = {}
+        self._launch()
         if wait:
             self.wait_ready()
+
+    def _launch(self) -> None:
+        peer, notify, metrics = free_ports(3)  # flags in extra_args come later and win (a restart in place)
+        self.args = [sys.executable, "-m", "kvxferd", "serve", "--daemon-id", self.daemon_id, *self._socket_args,
+                     "--peer-port", str(peer), "--notify-port", str(notify), "--metrics-port", str(metrics),
+                     *self._extra_args]
+        self._log_start = os.path.getsize(self.log_path)  # this start's lines begin here
+        self.process = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                        env={**os.environ, **(self._env or {})})
 
     @classmethod
     def start_many(cls, daemon_ids, **kwargs) -> list["DaemonProcess"]:
@@ -92,7 +103,15 @@ class DaemonProcess:
 
     def wait_ready(self) -> dict[str, str]:
         """Block until the ready line; raises with the log tail if the daemon died."""
-        self.addresses = self._wait_ready(self.ready_timeout_s)
+        for attempt in range(PORT_RACE_ATTEMPTS):
+            try:
+                self.addresses = self._wait_ready(self.ready_timeout_s)
+                break
+            except RuntimeError:
+                if not (self._own_ports and attempt + 1 < PORT_RACE_ATTEMPTS and self._lost_a_port()):
+                    raise
+                self.process.stdout.close()
+                self._launch()
         self.socket = self.addresses["engine"].removeprefix("unix:")
         return self.addresses
 
@@ -106,6 +125,12 @@ class DaemonProcess:
                 return dict(part.split("=", 1) for part in match.group(1).split())
         self.kill()
         raise RuntimeError(f"daemon {self.daemon_id} did not start (exit {self.process.poll()}); log: {self.tail()}")
+
+    def _lost_a_port(self) -> bool:
+        """Whether the last start failed because one of its ports was taken meanwhile."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            return b"Address already in use" in log.read()
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of this daemon's Prometheus metrics (``labels`` as exported, e.g. ``kind="uid"``); 0 if absent."""
