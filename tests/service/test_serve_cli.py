@@ -10,6 +10,7 @@ import pytest
 
 from kvxferd.client import DaemonProcess
 from kvxferd.client.launch import port_is_free
+from kvxferd.service.fdtable import RESERVED_FDS
 from kvxferd.wire.names import default_engine_socket
 
 
@@ -58,6 +59,8 @@ def test_health_command_answers_for_a_live_daemon_only(workdir):
                               timeout=60, env=env)
     daemon = DaemonProcess("health", socket_dir=workdir)
     try:
+        with open(f"/proc/{daemon.process.pid}/status") as status:  # grown at start-up (fdtable.py)
+            assert int(next(line for line in status if line.startswith("FDSize:")).split()[1]) >= RESERVED_FDS
         for args in (("--target", daemon.peer_address), ("--target", daemon.engine_target),
                      ("--target", daemon.peer_address, "--service", "kvxfer.v1.PeerService")):
             run = health(*args)
