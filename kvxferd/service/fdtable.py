@@ -10,9 +10,9 @@ must be quick: UCX accepts and opens sockets while peers handshake.
 Found by the test suite on a loaded 2-core VM: a prefill daemon's NIXL
 progress and its reader's ``add_remote_agent`` sat 1.5-25 s in the kernel
 (threads in state D, ``wchan`` ``expand_files`` / ``synchronize_rcu_normal``,
-in ``accept`` and ``openat``), the NIXL call holding the GIL, so the whole
-daemon stood still; reads failed and holds ended late. Measured alone on
-that machine, each growth of a two-thread process's table took 6-20 ms.
+in ``accept`` and ``openat``); handshakes outlived reads' deadlines and holds
+ended late. Measured alone on that machine, each growth of a two-thread
+process's table took 6-20 ms.
 
 Reserving the table up front costs ``RESERVED_FDS`` x 8 bytes (128 KiB) and
 moves the only wait to start-up, before any peer depends on the daemon.

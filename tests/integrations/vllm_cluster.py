@@ -81,10 +81,7 @@ def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str
     if engine_id is not None:
         transfer = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.integrations.vllm",
                     "kv_role": "kv_both", "engine_id": engine_id, "kv_load_failure_policy": policy,
-                    # lease_s: a loaded full run once took 21.6 s for the decode daemon's first handshake (NIXL's
-                    # add_remote_agent waited 13.9 s while the holder sat in get_new_notifs: docs/reliability.md),
-                    # and 20 s holds ended EXPIRED before the read; tokens were right (recompute), events not.
-                    "kv_connector_extra_config": {"engine_socket": socket, "lease_s": 60.0, "deadline_s": 10.0,
+                    "kv_connector_extra_config": {"engine_socket": socket, "lease_s": 20.0, "deadline_s": 10.0,
                                                   "heartbeat_s": 1.0}}  # a restarted daemon hears from it soon
     return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
                max_model_len=1024, block_size=BLOCK_SIZE, dtype="bfloat16", max_num_seqs=16,
