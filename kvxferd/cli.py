@@ -16,6 +16,13 @@
 
 from __future__ import annotations
 
+import sys
+
+if sys.argv[1:2] == ["serve"]:  # the daemon's fd table, grown while this process has one thread: no RCU wait
+    from kvxferd.service.fdtable import reserve_fd_table  # (service/fdtable.py); imports nothing that starts one
+
+    reserve_fd_table()
+
 import argparse
 
 from kvxferd import demo, serve, soak
