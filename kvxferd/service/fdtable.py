@@ -14,8 +14,9 @@ in ``accept`` and ``openat``); handshakes outlived reads' deadlines and holds
 ended late. Measured alone on that machine, each growth of a two-thread
 process's table took 6-20 ms.
 
-Reserving the table up front costs ``RESERVED_FDS`` x 8 bytes (128 KiB) and
-moves the only wait to start-up, before any peer depends on the daemon.
+Reserving the table up front costs ``RESERVED_FDS`` x 8 bytes (128 KiB).
+``kvxferd serve`` does it before any import starts a thread (``cli.py``): a
+process with one thread grows its table without waiting for RCU at all.
 """
 
 from __future__ import annotations
