@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from kvxferd.client import SharedArena, engine_rank_pb
+from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.engines import allocate_engine
+from kvxferd.verify.models import ModelShape, model_groups
+
+GQA_GROUPS = model_groups("gqa", ModelShape())  # (prefill, decode) groups of the Reads tests' clusters
+
+
+def two_block_request(name: str, k: int) -> ReadRequest:
+    """Request ``k`` (< 32) of a :data:`GQA_GROUPS` cluster reads two blocks of its own on the decode side:
+    concurrent reads never overlap."""
+    ids = np.arange(2 * k, 2 * k + 2) % 64
+    return ReadRequest(name, f"{name}@p", tuple(ids for _ in GQA_GROUPS[1]), tuple(ids for _ in GQA_GROUPS[0]), 32)
 
 
 def engine_pb(groups, engine_id: str = "other", arenas: list | None = None) -> pb.EngineRank:

@@ -16,12 +16,11 @@ from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups
 from kvxferd.wire.frames import HEADER, FrameReader, encode_frame, reads_socket_path
-from tests.service.helpers import engine_pb
+from tests.service.helpers import GQA_GROUPS, engine_pb, two_block_request
 
 C = grpc.StatusCode
-GROUPS = model_groups("gqa", ModelShape())
+GROUPS = GQA_GROUPS
 MAX_READS, MAX_BATCH, HELLO_S = 8, 10, 0.5
 
 
@@ -36,11 +35,6 @@ def cluster(workdir):
 def _path(cluster, side: str = "decode") -> str:
     daemon = cluster.decode_daemons[0] if side == "decode" else cluster.prefill_daemons[0]
     return reads_socket_path(daemon.engine_target.removeprefix("unix:"))
-
-
-def _request(name: str, k: int) -> ReadRequest:
-    ids = np.arange(2 * k, 2 * k + 2) % 64
-    return ReadRequest(name, f"{name}@p", tuple(ids for _ in GROUPS[1]), tuple(ids for _ in GROUPS[0]), 32)
 
 
 def _spec(cluster, request: ReadRequest) -> pb.ReadSpec:
@@ -76,7 +70,7 @@ def test_a_local_engine_reads_over_the_socket_byte_exact(cluster):
     assert isinstance(client._stream, ReadsSocketStream)
     mode = stat.S_IMODE(os.stat(_path(cluster)).st_mode)
     assert mode == 0o600, oct(mode)  # as the engine socket: the daemon's user (and allowed uids) only
-    requests = [_request(f"sock{n}", n) for n in range(4)]
+    requests = [two_block_request(f"sock{n}", n) for n in range(4)]
     results = [cluster.read(request) for request in requests]
     assert all(r.ok for rs in results for r in rs)
     cluster.reset_decode()
@@ -99,7 +93,7 @@ def test_what_is_not_a_session_of_a_registered_engine_ends_with_a_status(cluster
         got, end_code, message = _session(cluster, frames)
         assert (got, end_code) == ([], code.value[0]) and text in message, (text, end_code, message)
         assert time.monotonic() - start < HELLO_S + 5
-    assert cluster.read(_request("after-bad", 5))[0].ok  # the daemon and the engine's session go on
+    assert cluster.read(two_block_request("after-bad", 5))[0].ok  # the daemon and the engine's session go on
     cluster.reset_decode()
 
 
@@ -108,13 +102,13 @@ def test_a_session_breaking_a_rule_ends_and_the_engine_reconnects_losing_nothing
     completions over from the client's); the client reconnects and reads on."""
     client = cluster.decode_clients[0]
     hello = pb.ReadBatch(engine_id=cluster.decode_id, session=client.session)
-    too_many = pb.ReadBatch(reads=[_spec(cluster, _request("many", 1))] * (MAX_BATCH + 1))
+    too_many = pb.ReadBatch(reads=[_spec(cluster, two_block_request("many", 1))] * (MAX_BATCH + 1))
     got, end_code, message = _session(cluster, [_frame(hello), _frame(too_many)])
     assert end_code == C.INVALID_ARGUMENT.value[0] and "max_reads_per_batch" in message, message
     time.sleep(0.05)
     assert client.stream_error is not None and client.stream_error.code() == C.ABORTED  # it was taken over
     client.reconnect_reads()
-    assert cluster.read(_request("after-rule", 6))[0].ok
+    assert cluster.read(two_block_request("after-rule", 6))[0].ok
     cluster.reset_decode()
 
 
@@ -122,7 +116,7 @@ def test_a_session_that_never_acks_is_bounded_and_a_new_one_gets_everything_once
     client = cluster.decode_clients[0]
     client.submit_reads([])  # acks what the tests before read: none of it counts against MAX_READS
     time.sleep(0.1)
-    requests = [_request(f"quiet{n}", n) for n in range(3 * MAX_READS)]
+    requests = [two_block_request(f"quiet{n}", n) for n in range(3 * MAX_READS)]
     for request in requests:
         cluster.hold(request)
     frames = [_frame(pb.ReadBatch(engine_id=cluster.decode_id, session=client.session))]
@@ -148,7 +142,7 @@ def test_a_session_that_never_acks_is_bounded_and_a_new_one_gets_everything_once
             cluster.prefill_clients[0].release(request.remote_request_id)
     client.submit_reads([])  # acks them
     cluster.reset_decode()
-    assert cluster.read(_request("after-quiet", 7))[0].ok
+    assert cluster.read(two_block_request("after-quiet", 7))[0].ok
     cluster.reset_decode()
 
 
@@ -184,7 +178,7 @@ def test_holds_go_over_the_socket_and_a_refused_one_is_answered_with_its_code(cl
         raise AssertionError("Hold went over gRPC")
 
     monkeypatch.setattr(prefill.stub, "Hold", no_grpc)
-    request = _request("sock-hold", 13)
+    request = two_block_request("sock-hold", 13)
     assert prefill.hold(request.remote_request_id, request.remote_block_ids) == prefill.incarnation
     with pytest.raises(grpc.RpcError) as refused:
         prefill.hold("sock-bad", [np.array([10_000])] * len(GROUPS[0]))
@@ -210,5 +204,5 @@ def test_holds_of_another_engine_or_too_many_end_the_session(cluster):
         _, end_code, message = _session(cluster, [_frame(hello), _frame(batch)], path=_path(cluster, "prefill"))
         assert end_code == C.INVALID_ARGUMENT.value[0] and text in message, message
     prefill.reconnect_reads()  # its session was taken over by the raw ones
-    assert cluster.read(_request("after-holds", 14))[0].ok  # holds (on the socket again) and reads
+    assert cluster.read(two_block_request("after-holds", 14))[0].ok  # holds (on the socket again) and reads
     cluster.reset_decode()

@@ -15,10 +15,10 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups
+from tests.service.helpers import GQA_GROUPS, two_block_request
 
 C = grpc.StatusCode
-GROUPS = model_groups("gqa", ModelShape())
+GROUPS = GQA_GROUPS
 MAX_READS = 8  # per engine, in flight or not acked (refusals count too)
 MAX_BATCH = 10
 
@@ -59,12 +59,6 @@ def decode(cluster, request):
         yield client
     finally:
         client.reads_socket_path = socket_path
-
-
-def _request(name: str, k: int) -> ReadRequest:
-    """Request ``k`` (< 32) reads two blocks of its own on the decode side: concurrent reads never overlap."""
-    ids = np.arange(2 * k, 2 * k + 2) % 64
-    return ReadRequest(name, f"{name}@p", tuple(ids for _ in GROUPS[1]), tuple(ids for _ in GROUPS[0]), 32)
 
 
 def _check_bytes(cluster, requests) -> None:
@@ -108,13 +102,13 @@ def _exchange(stub, batches, num_completions: int, timeout_s: float = 10.0):
 
 
 def test_a_batch_reads_byte_exact_and_each_refusal_names_its_read(cluster, decode):
-    good = [_request(f"ok{n}", n) for n in range(3)]
+    good = [two_block_request(f"ok{n}", n) for n in range(3)]
     for request in good:
         cluster.hold(request)
-    bad_ids = _spec(cluster, _request("odd", 9), local_block_ids=b"\1\0\0")  # not whole int32s
-    sizes = _spec(cluster, _request("sizes", 10), local_group_sizes=[1] * len(GROUPS[1]))
-    nobody = _spec(cluster, _request("nobody", 11), remote_engine_id="nobody")
-    in_range = _request("range", 12)
+    bad_ids = _spec(cluster, two_block_request("odd", 9), local_block_ids=b"\1\0\0")  # not whole int32s
+    sizes = _spec(cluster, two_block_request("sizes", 10), local_group_sizes=[1] * len(GROUPS[1]))
+    nobody = _spec(cluster, two_block_request("nobody", 11), remote_engine_id="nobody")
+    in_range = two_block_request("range", 12)
     out_of_range = _spec(cluster, ReadRequest("range", "range", tuple(ids + 10_000 for ids in in_range.local_block_ids),
                                               in_range.remote_block_ids, 32))
     batch = pb.ReadBatch(engine_id=cluster.decode_id,
@@ -135,7 +129,7 @@ def test_a_batch_reads_byte_exact_and_each_refusal_names_its_read(cluster, decod
 
 
 def test_a_malformed_stream_ends_with_a_clear_error_and_the_session_stays_usable(cluster, decode):
-    request = _request("many", 1)
+    request = two_block_request("many", 1)
     too_many = pb.ReadBatch(engine_id=cluster.decode_id, reads=[_spec(cluster, request)] * (MAX_BATCH + 1))
     cases = {
         "max_reads_per_batch": [too_many],
@@ -150,12 +144,12 @@ def test_a_malformed_stream_ends_with_a_clear_error_and_the_session_stays_usable
     _, code, _ = _exchange(raw, [pb.ReadBatch(engine_id=cluster.decode_id)], 10 ** 6)
     assert code == C.UNAUTHENTICATED
     decode.reconnect_reads()
-    assert cluster.read(_request("after", 2))[0].ok  # the engine's session still reads
+    assert cluster.read(two_block_request("after", 2))[0].ok  # the engine's session still reads
 
 
 def test_a_client_that_stops_reading_is_bounded_and_loses_nothing(cluster, decode):
     """Never acking: reads past the limit are refused, then the stream ends; a new stream gets everything once."""
-    requests = [_request(f"quiet{n}", n) for n in range(3 * MAX_READS)]
+    requests = [two_block_request(f"quiet{n}", n) for n in range(3 * MAX_READS)]
     for request in requests:
         cluster.hold(request)
     batches = [pb.ReadBatch(engine_id=cluster.decode_id)]
@@ -176,12 +170,12 @@ def test_a_client_that_stops_reading_is_bounded_and_loses_nothing(cluster, decod
     for request in requests:
         if request.request_id not in ok:
             cluster.prefill_clients[0].release(request.remote_request_id)
-    assert cluster.read(_request("after-quiet", 3))[0].ok
+    assert cluster.read(two_block_request("after-quiet", 3))[0].ok
 
 
 def test_a_broken_stream_loses_and_duplicates_no_completion(cluster, decode):
     """Break the stream while reads complete, reopen it: every read completes exactly once."""
-    requests = [_request(f"brk{n}", n) for n in range(24)]
+    requests = [two_block_request(f"brk{n}", n) for n in range(24)]
     for request in requests:
         cluster.hold(request)
     got = {}
@@ -210,7 +204,7 @@ def test_the_end_of_a_replaced_stream_never_lands_on_the_next(cluster, decode):
     once: the first stream's error, reported while the new one opens, must not fail the new one's waits.
     (It did, about one time in ten, before the client swapped stream and error under one lock.)"""
     for n in range(30):
-        refused = _spec(cluster, _request(f"swap{n}", 1), remote_engine_id="nobody")
+        refused = _spec(cluster, two_block_request(f"swap{n}", 1), remote_engine_id="nobody")
         call = decode.stub.Reads(iter([pb.ReadBatch(engine_id=cluster.decode_id, reads=[refused])]), timeout=10.0)
         assert next(iter(call)).completions  # it took over: the client's stream is ending now
         call.cancel()
