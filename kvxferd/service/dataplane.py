@@ -53,6 +53,7 @@ from kvxferd.plan.engine import PlannedRead
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.service.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
+from kvxferd.xfer.osthreads import name_this_thread
 from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
 from kvxferd.xfer.waker import Waker
 
@@ -243,6 +244,7 @@ class DataPlane:
 
     # ---- the thread ----------------------------------------------------------------
     def _run(self) -> None:
+        name_this_thread(threading.current_thread().name)
         sleep_s = POLL_MIN_S
         while not self._stop.is_set():
             busy = self._run_commands()

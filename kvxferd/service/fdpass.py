@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.service.localsock import credentials_allowed, peer_credentials
+from kvxferd.xfer.osthreads import name_this_thread
 
 log = logging.getLogger("kvxferd.fdpass")
 MAX_FDS = 4096
@@ -57,6 +58,7 @@ class FdInbox:
         self._thread.start()
 
     def _serve(self) -> None:
+        name_this_thread(threading.current_thread().name)
         while not self._closed:
             try:
                 conn, _ = self._socket.accept()

@@ -31,6 +31,7 @@ from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.leases import HoldEnd, HoldTable
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError
+from kvxferd.xfer.osthreads import name_this_thread
 from kvxferd.xfer.waker import Waker
 
 
@@ -191,6 +192,7 @@ class HolderThread:
                 self._cond.wait(left)
 
     def _run(self) -> None:
+        name_this_thread(threading.current_thread().name)
         while not self._stop.is_set():
             self.poll_once()
             self._wake.wait(self.interval_s)

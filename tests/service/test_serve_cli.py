@@ -61,6 +61,9 @@ def test_health_command_answers_for_a_live_daemon_only(workdir):
     try:
         with open(f"/proc/{daemon.process.pid}/status") as status:  # grown at start-up (fdtable.py)
             assert int(next(line for line in status if line.startswith("FDSize:")).split()[1]) >= RESERVED_FDS
+        task_dir = f"/proc/{daemon.process.pid}/task"
+        names = {open(f"{task_dir}/{tid}/comm").read().strip() for tid in os.listdir(task_dir)}
+        assert {"kvx-dataplane", "kvx-fd-inbox"} <= names, names  # its own threads, named for top -H
         for args in (("--target", daemon.peer_address), ("--target", daemon.engine_target),
                      ("--target", daemon.peer_address, "--service", "kvxfer.v1.PeerService")):
             run = health(*args)
