@@ -18,7 +18,6 @@ import sys
 from kvxferd.errors import KvxferError
 from kvxferd.service.config import config_from_args
 from kvxferd.service.daemon import EXIT_CONFIG, serve
-from kvxferd.service.fdtable import reserve_fd_table
 from kvxferd.service.logs import setup_logging
 
 
@@ -29,7 +28,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvxferd serve: bad configuration: {err}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config.log_level, config.log_format)
-    reserve_fd_table()  # before the daemon's threads open anything (see fdtable.py)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - a dependency; plain asyncio works too
