@@ -244,7 +244,7 @@ class DataPlane:
 
     # ---- the thread ----------------------------------------------------------------
     def _run(self) -> None:
-        name_this_thread(threading.current_thread().name)
+        name_this_thread()
         sleep_s = POLL_MIN_S
         while not self._stop.is_set():
             busy = self._run_commands()

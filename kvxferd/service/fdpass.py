@@ -58,7 +58,7 @@ class FdInbox:
         self._thread.start()
 
     def _serve(self) -> None:
-        name_this_thread(threading.current_thread().name)
+        name_this_thread()
         while not self._closed:
             try:
                 conn, _ = self._socket.accept()

@@ -192,7 +192,7 @@ class HolderThread:
                 self._cond.wait(left)
 
     def _run(self) -> None:
-        name_this_thread(threading.current_thread().name)
+        name_this_thread()
         while not self._stop.is_set():
             self.poll_once()
             self._wake.wait(self.interval_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import threading
 
 PR_SET_NAME = 15  # prctl(2)
 MAX_NAME_BYTES = 15  # the kernel keeps 16 bytes with the terminating NUL
@@ -23,7 +24,9 @@ def os_thread_name(name: str) -> bytes:
     return short.encode("ascii", "replace")[:MAX_NAME_BYTES]
 
 
-def name_this_thread(name: str) -> None:
-    """Set the calling thread's OS name (Linux; elsewhere nothing happens). Call it first in a thread's target."""
+def name_this_thread(name: str | None = None) -> None:
+    """Give the calling thread ``name`` (default: its Python name) in the OS (Linux; elsewhere nothing
+    happens). Call it first in a thread's target."""
     if _libc is not None:
+        name = threading.current_thread().name if name is None else name
         _libc.prctl(PR_SET_NAME, ctypes.c_char_p(os_thread_name(name)), 0, 0, 0)
