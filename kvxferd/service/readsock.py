@@ -172,9 +172,9 @@ class ReadSession(asyncio.Protocol):
                 place_hold(self.daemon, self.slot, request)
                 answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=self.slot.incarnation))
             except KvxferError as err:  # one hold refused: answered, the session goes on
-                self.daemon.metrics.rpc_errors.labels("Hold", status_code(err).name).inc()
-                answers.append(pb.HoldAnswer(request_id=request.request_id, code=status_code(err).value[0],
-                                             error=str(err)))
+                code = status_code(err)
+                self.daemon.metrics.rpc_errors.labels("Hold", code.name).inc()
+                answers.append(pb.HoldAnswer(request_id=request.request_id, code=code.value[0], error=str(err)))
         self.transport.write(encode_frame(pb.CompletionBatch(holds=answers).SerializeToString()))
 
     async def _send(self) -> None:
