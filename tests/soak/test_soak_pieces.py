@@ -101,7 +101,6 @@ def test_the_end_measure_waits_for_a_registration_whose_deregistration_failed(mo
     clean = {"pid": 1, "fds": 30, "threads": 15, "rss_bytes": 1, "other_shm_mappings": 0, "engine_shm": [],
              "engines_registered": 0}
     left = {**clean, "engine_shm": ["/dev/shm/psm_1"], "engines_registered": 1}
-    monkeypatch.setattr(run.time, "sleep", lambda s: None)
     for num_left, lapses in ((3, True), (10 ** 9, False)):
         calls = []
 
@@ -111,7 +110,8 @@ def test_the_end_measure_waits_for_a_registration_whose_deregistration_failed(mo
 
         clock = iter(range(10 ** 6))
         monkeypatch.setattr(run, "measure", fake_measure)
-        monkeypatch.setattr(run.time, "monotonic", lambda: next(clock) * 0.5)
+        monkeypatch.setattr(run, "time", types.SimpleNamespace(sleep=lambda s: None,
+                                                               monotonic=lambda: next(clock) * 0.5))
         soak = types.SimpleNamespace(daemons=types.SimpleNamespace(all=[types.SimpleNamespace(
             daemon=types.SimpleNamespace(daemon_id="soak-p0"))]), report=types.SimpleNamespace(usage={}))
         run.Soak._measure(soak, "end")
