@@ -12,11 +12,12 @@ from tqdm import tqdm
 
 from kvxferd.client import DaemonProcess
 from kvxferd.demo import summary as figures
-from kvxferd.demo.engines import EngineFailed, EngineProcess
+from kvxferd.demo.engines import DecodeEngine, PrefillEngine
 from kvxferd.errors import KvxferError
 from kvxferd.tp.shards import check_tp
 from kvxferd.verify.engines import check_pairing
 from kvxferd.verify.models import DECODE_LAYOUTS, MODELS, ModelShape, model_groups, random_request
+from kvxferd.verify.process import EngineFailed, EngineProcess
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,9 +95,9 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
     prefill = decode = None
     try:
         prefill = EngineProcess("prefill", prefill_id, prefill_groups, [d.engine_target for d in daemons["prefill"]],
-                                lease_s=lease_s, wait=False)
+                                factory=PrefillEngine, lease_s=lease_s, wait=False)
         decode = EngineProcess("decode", decode_id, decode_groups, [d.engine_target for d in daemons["decode"]],
-                               lease_s=lease_s, wait=False)
+                               factory=DecodeEngine, lease_s=lease_s, wait=False)
         prefill.wait_started()
         decode.wait_started()
         decode.call("handshake", prefill_id, peer_addresses)

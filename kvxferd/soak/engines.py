@@ -1,6 +1,6 @@
 """The soak's engines: a prefill and a decode engine, each its own OS process so it can be killed.
 
-They run in :class:`kvxferd.demo.engines.EngineProcess` children and take
+They run in :class:`kvxferd.verify.process.EngineProcess` children and take
 commands over its pipe. Unlike the demo's engines they expect their
 daemons to vanish, freeze and come back: every RPC has a short timeout,
 a rank registers again on command, and a read reports what each rank's

@@ -20,7 +20,6 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvxferd.demo.engines import EngineFailed, EngineProcess
 from kvxferd.soak import badinput
 from kvxferd.soak.configs import SoakConfig, draw_config
 from kvxferd.soak.daemons import DaemonLife, DaemonSet, leaks, measure
@@ -29,6 +28,7 @@ from kvxferd.soak.faults import FaultPlan
 from kvxferd.soak.forged import NoticeForger
 from kvxferd.soak.holds import HoldLedger
 from kvxferd.soak.report import Report
+from kvxferd.verify.process import EngineFailed, EngineProcess
 
 HOLD_LEASE_S = 3.0  # hold lease of a normal request
 ENGINE_LEASE_S = 2.0  # registration lease: a killed engine is noticed within it

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from kvxferd.demo.engines import EngineFailed, EngineProcess
+from kvxferd.verify.process import EngineFailed, EngineProcess
 
 
 class Napper:
