@@ -12,6 +12,7 @@
     kvxferd bench holds     hold bookkeeping from 10 to 100,000 outstanding holds
     kvxferd bench scale     cost per read from 1 to 16 remote ranks, and offered rate up to saturation
     kvxferd bench floors    what each step of a read costs alone (wake-up, thread hop, NIXL notice, gRPC)
+    kvxferd bench gpu       GPU caches (CUDA IPC, NIXL VRAM): through the daemons vs raw NIXL; needs a GPU
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvxferd.verify import certs as devcerts
 from kvxferd.service import config
 from kvxferd.bench import daemon as daemon_bench
 from kvxferd.bench import floors as floors_bench
+from kvxferd.bench import gpu as gpu_bench
 from kvxferd.bench import holds as holds_bench
 from kvxferd.bench import layout as layout_bench
 from kvxferd.bench import scale as scale_bench
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     holds_bench.add_arguments(suites.add_parser("holds", help="hold bookkeeping from 10 to 100,000 holds"))
     floors_bench.add_arguments(suites.add_parser("floors", help="what each step of a read costs alone"))
     scale_bench.add_arguments(suites.add_parser("scale", help="1 to 16 remote ranks per read; offered rate to saturation"))
+    gpu_bench.add_arguments(suites.add_parser("gpu", help="GPU caches: through the daemons vs raw NIXL (needs a GPU)",
+                                              description=gpu_bench.__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite is None:
         return suite.run_args(args)
     suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench, "holds": holds_bench,
-              "scale": scale_bench, "floors": floors_bench}
+              "scale": scale_bench, "floors": floors_bench, "gpu": gpu_bench}
     return suites[args.suite].run_args(args)
 
 

@@ -16,14 +16,18 @@ from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.agent import NixlAgent
 
 
-def prepare_raw(raw_agent, remote_agent_name: str, rank_plan: RankPlan, read: RankRead) -> tuple[object, object, np.ndarray]:
-    """Descriptor lists holding exactly ``read``'s descriptors, and the ids that select all of them."""
+def prepare_raw(raw_agent, remote_agent_name: str, rank_plan: RankPlan, read: RankRead, *,
+                mem_types: tuple[str, str] = ("DRAM", "DRAM")) -> tuple[object, object, np.ndarray]:
+    """Descriptor lists holding exactly ``read``'s descriptors, and the ids that select all of them.
+
+    ``mem_types``: (local, remote) NIXL memory types, "VRAM" for GPU caches.
+    """
     descs = []
     for rows, ids in ((rank_plan.local_rows, read.local_ids), (rank_plan.remote_rows, read.remote_ids)):
         addresses, lengths = expand_rows(rows)
         descs.append(np.stack([addresses[ids], lengths[ids], np.zeros(len(ids), np.int64)], axis=1).astype(np.uint64))
-    local = raw_agent.prep_xfer_dlist("", descs[0], "DRAM")
-    remote = raw_agent.prep_xfer_dlist(remote_agent_name, descs[1], "DRAM")
+    local = raw_agent.prep_xfer_dlist("", descs[0], mem_types[0])
+    remote = raw_agent.prep_xfer_dlist(remote_agent_name, descs[1], mem_types[1])
     return local, remote, np.arange(len(read.local_ids), dtype=np.int32)
 
 
@@ -85,13 +89,15 @@ class RawReader:
         infos = [fetch_peer_info(a, remote_engine_id, q, local, self.agent, credentials)
                  for q, a in enumerate(peer_addresses)]
         self.remote_names = [self.agent.add_remote(info.agent_metadata) for info in infos]
+        self.remote_mem_types = [info.cache.mem_type for info in infos]
         self.plan = EngineTransferPlan(local, [info.cache for info in infos])
         self._rank_plans = {rank_plan.remote_rank: rank_plan for rank_plan in self.plan.rank_plans}
 
     def prepare(self, request: ReadRequest) -> list[tuple[object, object, np.ndarray, int]]:
         """``(local list, remote list, ids, bytes)`` per remote rank this request reads from."""
         return [(*prepare_raw(self.agent.raw, self.remote_names[read.remote_rank], self._rank_plans[read.remote_rank],
-                              read), read.num_bytes)
+                              read, mem_types=(self.local.mem_type, self.remote_mem_types[read.remote_rank])),
+                 read.num_bytes)
                 for read in self.plan.plan_request(request).reads]
 
     def transfers(self, prepared: list[tuple[object, object, np.ndarray, int]]) -> list[tuple]:

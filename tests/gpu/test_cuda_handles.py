@@ -27,26 +27,16 @@ from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
 from kvxferd.service.fdpass import fd_socket_path, send_fds  # noqa: E402
 from kvxferd.service.gpu import export_ipc  # noqa: E402
 from kvxferd.verify.engines import allocate_engine, verify_decode  # noqa: E402
+from kvxferd.verify.gpu import GpuEngine  # noqa: E402
 from kvxferd.verify.models import ModelShape, model_groups, random_request  # noqa: E402
 from kvxferd.wire.messages import engine_to_pb  # noqa: E402
 
 
 def _gpu_engine(engine_id, groups, tp, rank, tagged):
-    host = allocate_engine(engine_id, groups, tp, rank, tagged=tagged)
-    device = torch.from_numpy(host.arena.copy()).cuda()
-    if tagged:  # prefill: the bare cudaIpcMemHandle_t of the allocation
-        handle, arena_offset = export_ipc(device.data_ptr())
-    else:  # decode: torch's own encoding, as an engine sharing a storage gets it
-        _device, handle, _size, arena_offset, *_ = device.untyped_storage()._share_cuda_()
-    message = engine_to_pb(host.cache, with_addresses=False)
-    message.mem_type = "VRAM"
-    base = host.arena.ctypes.data
-    for group_pb, memory in zip(message.groups, host.cache.memory):
-        for region_pb, region in zip(group_pb.regions, memory):
-            region_pb.handle.cuda_ipc_handle = handle
-            region_pb.handle.offset = arena_offset + region.address - base
-            region_pb.device_id = device.device.index
-    return host, device, message
+    engine = GpuEngine.allocate(engine_id, groups, tp, rank, tagged=tagged)
+    # prefill: the bare cudaIpcMemHandle_t of the allocation; decode: torch's own encoding, as an
+    # engine sharing a storage gets it
+    return engine, engine.register_pb(export_ipc(engine.tensor.data_ptr()) if tagged else None)
 
 
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gqa", 2, 1), ("mla", 1, 2)])
@@ -57,7 +47,7 @@ def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp):
         prefill = [_gpu_engine("gp", prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
         decode = [_gpu_engine("gd", decode_groups, decode_tp, r, False) for r in range(decode_tp)]
         clients = [EngineClient(d.engine_target) for d in daemons]
-        for client, (_, _, message) in zip(clients, prefill + decode):
+        for client, (_, message) in zip(clients, prefill + decode):
             client.register(message)
         request = random_request("g", prefill_groups, decode_groups, 70, np.random.default_rng(0))
         for client in clients[:prefill_tp]:
@@ -69,10 +59,9 @@ def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp):
         for client in clients[prefill_tp:]:
             completion = client.wait_completion(request.request_id)
             assert completion.ok, completion.error
-        torch.cuda.synchronize()
-        for host, device, _ in decode:
-            host.arena[...] = device.cpu().numpy()
-        assert verify_decode([h for h, _, _ in decode], prefill_groups, request) == ([], 0)
+        for engine, _ in decode:
+            engine.download()
+        assert verify_decode([engine.host for engine, _ in decode], prefill_groups, request) == ([], 0)
         for client in clients:
             client.deregister()
             client.close()
@@ -86,7 +75,7 @@ def test_an_ipc_region_beyond_its_allocation_is_refused(tmp_path):
     groups = model_groups("gqa", ModelShape())[0]
     daemon = DaemonProcess("gb", socket_dir=str(tmp_path))
     try:
-        _host, device, message = _gpu_engine("gbig", groups, 1, 0, False)  # device: kept alive while registering
+        engine, message = _gpu_engine("gbig", groups, 1, 0, False)  # engine: kept alive while registering
         message.groups[0].regions[-1].handle.offset += 1 << 40  # far past the end of the allocation
         client = EngineClient(daemon.engine_target)
         try:
@@ -96,7 +85,7 @@ def test_an_ipc_region_beyond_its_allocation_is_refused(tmp_path):
             assert "exceeds the shared allocation" in refused.value.details(), refused.value.details()
         finally:
             client.close()
-        assert device.is_cuda
+        assert engine.tensor.is_cuda
     finally:
         daemon.terminate()
 
@@ -198,3 +187,17 @@ def test_vmm_fd_regions_read_through_daemons_and_are_bounds_checked(tmp_path):
             client.close()
         for daemon in daemons:
             daemon.terminate()
+
+
+def test_bench_gpu_quick_reads_byte_exact_and_reports_both_paths():
+    """``kvxferd bench gpu --quick``: VRAM reads through the daemons and over raw NIXL, the checked read exact."""
+    from kvxferd.bench import gpu as gpu_bench
+
+    figures = gpu_bench.run(**gpu_bench.QUICK)
+    bulk, small = figures["bulk"], figures["per_request"]
+    assert bulk["byte_exact"], bulk["problems"]
+    assert bulk["bytes"] == 8 * 64 * 64 * 1024  # QUICK: 8 layers x 64 blocks of 64 KiB
+    for key in ("device_copy_gbps", "raw_gbps", "daemon_gbps", "ratio"):
+        assert bulk[key] > 0, key
+    assert small["raw"]["p50_us"] > 0 and small["daemon"]["p50_us"] > 0
+    print(gpu_bench.format_table(figures))

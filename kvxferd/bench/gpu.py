@@ -1,0 +1,223 @@
+"""``kvxferd bench gpu``: reads between GPU caches, through the daemons and over raw NIXL.
+
+    kvxferd bench gpu [--quick] [--json]
+
+Needs a CUDA GPU and a CUDA build of torch; without them it says so and
+exits 2. One prefill and one decode daemon run on this host. Each engine's
+cache is one CUDA allocation, shared with its daemon by a CUDA IPC handle
+(``VRAM``). The prefill engine is a process of its own, as in production:
+CUDA opens an IPC handle only in a process other than the one that made it.
+This process is the decode engine, and the raw-NIXL reader beside it::
+
+    prefill engine process ── IPC ──► prefill daemon ◄── NIXL READ ── decode daemon ◄── IPC ── this process
+                                             ▲                                                 (decode engine)
+                                             └───────────── NIXL READ, raw baseline ───────────┘
+
+Measured in one run:
+
+* device copy: the GPU copying the bulk request's bytes within its own
+  memory (torch, one contiguous copy): the floor of any transfer here;
+* bulk: one large request, raw NIXL and the daemon path alternating, the
+  median of each; then the decode cache is reset, read once more through
+  the daemons, copied back and checked byte for byte against the oracle;
+* per request: small requests one after another, alternating the two paths:
+  p50 and p99 of each and what the daemons add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from kvxferd.bench.common import bench_main, percentiles_us
+from kvxferd.bench.raw import RawReader
+from kvxferd.client import DaemonProcess, EngineClient
+from kvxferd.layout.specs import AttentionSpec
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.verify.engines import verify_decode
+from kvxferd.verify.gpu import GpuEngine, cuda_missing
+from kvxferd.verify.process import EngineProcess
+
+FULL = dict(num_layers=32, num_blocks=256, rounds=6, small_blocks=2, num_small=300)
+QUICK = dict(num_layers=8, num_blocks=64, rounds=3, small_blocks=2, num_small=60)
+PREFILL_ID, DECODE_ID = "gpu-prefill", "gpu-decode"
+
+
+def bench_groups(num_layers: int, num_blocks: int) -> tuple[CacheGroup, ...]:
+    """One full-attention group, packed HND, 8 KV heads of 128 channels, 16 tokens a block (64 KiB a block and layer)."""
+    spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=8, head_size=128, block_size=16)
+    return (CacheGroup("full", spec, num_layers),)
+
+
+class GpuPrefill:
+    """The prefill engine (in its own process): a tagged GPU cache registered with its daemon; holds on command."""
+
+    def __init__(self, groups: tuple[CacheGroup, ...], engine_target: str) -> None:
+        self.engine = GpuEngine.allocate(PREFILL_ID, groups, 1, 0, tagged=True)
+        self.client = EngineClient(engine_target)
+        self.client.register(self.engine.register_pb(), lease_s=60.0)
+
+    def hold(self, request_id: str, block_ids: list[np.ndarray]) -> str:
+        return self.client.hold(request_id, block_ids)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _daemon_read(prefill: EngineProcess, client: EngineClient, request: ReadRequest) -> float:
+    """Hold (untimed), then submit -> completion on the decode engine's Reads session: seconds."""
+    prefill.call("hold", request.remote_request_id, list(request.remote_block_ids))
+    start = time.perf_counter()
+    client.submit_reads([client.read_spec(request.request_id, PREFILL_ID, request.remote_request_id,
+                                          request.local_block_ids, request.remote_block_ids)])
+    completion = client.wait_completion(request.request_id)
+    elapsed = time.perf_counter() - start
+    if not completion.ok:
+        raise RuntimeError(f"daemon read {request.request_id} failed: {completion.error}")
+    return elapsed
+
+
+def _device_copy_s(num_bytes: int, rounds: int) -> float:
+    """Median seconds of one device-to-device copy of ``num_bytes`` (CUDA events)."""
+    import torch
+
+    source = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(rounds + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[1:])
+
+
+class _Pair:
+    """Both daemons, the prefill engine process, the decode engine and the raw reader."""
+
+    def __init__(self, workdir: str, groups: tuple[CacheGroup, ...]) -> None:
+        self.daemons = DaemonProcess.start_many(["gpu-p0", "gpu-d0"], socket_dir=workdir,
+                                                extra_args=("--log-level", "WARNING"))
+        self.prefill = self.client = self.raw = None
+        try:
+            self.prefill = EngineProcess("prefill", groups, self.daemons[0].engine_target, factory=GpuPrefill)
+            self.decode = GpuEngine.allocate(DECODE_ID, groups, 1, 0, tagged=False)
+            self.client = EngineClient(self.daemons[1].engine_target)
+            self.client.register(self.decode.register_pb(), lease_s=60.0)
+            self.client.handshake(PREFILL_ID, [self.daemons[0].peer_address])
+            self.raw = RawReader(self.decode.cache, PREFILL_ID, [self.daemons[0].peer_address], "raw-gpu-decode")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for closer in (self.raw, self.client, self.prefill):
+            if closer is not None:
+                closer.close()
+        for daemon in self.daemons:
+            daemon.terminate()
+
+
+def _alternate(pair: _Pair, requests: list[ReadRequest]) -> tuple[list[float], list[float], int, int]:
+    """Raw NIXL then the daemons for each request: ``(raw seconds, daemon seconds, bytes, descriptors)``."""
+    prepared = pair.raw.prepare(requests[0])
+    num_bytes = sum(p[3] for p in prepared)
+    num_descriptors = sum(len(p[2]) for p in prepared)
+    raw_s, daemon_s = [], []
+    try:
+        for request in requests:
+            raw_s.append(pair.raw.read(prepared))
+            daemon_s.append(_daemon_read(pair.prefill, pair.client, request))
+    finally:
+        pair.raw.release(prepared)
+    return raw_s, daemon_s, num_bytes, num_descriptors
+
+
+def _requests(name: str, block_ids: np.ndarray, count: int) -> list[ReadRequest]:
+    return [ReadRequest(f"{name}-{i}", f"{name}-{i}@p", (block_ids,), (block_ids,)) for i in range(count)]
+
+
+def run(*, num_layers: int, num_blocks: int, rounds: int, small_blocks: int, num_small: int) -> dict:
+    """Every figure of the suite, as a dict (see the module's docstring)."""
+    import torch
+
+    groups = bench_groups(num_layers, num_blocks)
+    with tempfile.TemporaryDirectory(prefix="kvxferd-bench-gpu-") as workdir:
+        pair = _Pair(workdir, groups)
+        try:
+            # Round 0 of each path warms its connections up and is left out.
+            raw_s, daemon_s, num_bytes, num_descriptors = _alternate(pair, _requests("bulk", np.arange(num_blocks),
+                                                                                     rounds + 1))
+            pair.decode.reset()  # the raw reads wrote the same bytes: check a daemon read on its own
+            checked = ReadRequest("checked", "checked@p", (np.arange(num_blocks),), (np.arange(num_blocks),))
+            _daemon_read(pair.prefill, pair.client, checked)
+            pair.decode.download()
+            problems, wrong_bytes = verify_decode([pair.decode.host], groups, checked)
+            small = np.arange(small_blocks) * (num_blocks // small_blocks)  # scattered blocks
+            small_raw_s, small_daemon_s, small_bytes, small_descriptors = _alternate(
+                pair, _requests("small", small, num_small + 1))
+            device_s = _device_copy_s(num_bytes, rounds)
+        finally:
+            pair.close()
+    raw_bulk_s, daemon_bulk_s = statistics.median(raw_s[1:]), statistics.median(daemon_s[1:])
+    raw_small, daemon_small = percentiles_us(small_raw_s[1:]), percentiles_us(small_daemon_s[1:])
+    return {"device": torch.cuda.get_device_name(0),
+            "bulk": {"bytes": num_bytes, "descriptors": num_descriptors, "rounds": rounds,
+                     "device_copy_gbps": num_bytes / device_s / 1e9, "raw_gbps": num_bytes / raw_bulk_s / 1e9,
+                     "daemon_gbps": num_bytes / daemon_bulk_s / 1e9, "ratio": raw_bulk_s / daemon_bulk_s,
+                     "raw_ms": raw_bulk_s * 1e3, "daemon_ms": daemon_bulk_s * 1e3,
+                     "byte_exact": not problems and wrong_bytes == 0, "wrong_bytes": wrong_bytes,
+                     "problems": problems[:3]},
+            "per_request": {"bytes": small_bytes, "descriptors": small_descriptors, "requests": num_small,
+                            "raw": raw_small, "daemon": daemon_small,
+                            "overhead_p50_us": daemon_small["p50_us"] - raw_small["p50_us"]}}
+
+
+def format_table(f: dict) -> str:
+    """The figures as a few readable lines."""
+    b, s = f["bulk"], f["per_request"]
+    return "\n".join([
+        f"GPU: {f['device']}; P1->D1 daemons, both caches on this GPU (CUDA IPC handles, NIXL VRAM)",
+        f"bulk: {b['bytes'] / 2**20:.0f} MiB per request ({b['descriptors']} descriptors), median of {b['rounds']} "
+        f"alternating rounds",
+        f"  device copy {b['device_copy_gbps']:.1f} GB/s   raw NIXL {b['raw_gbps']:.1f} GB/s ({b['raw_ms']:.2f} ms)   "
+        f"through daemons {b['daemon_gbps']:.1f} GB/s ({b['daemon_ms']:.2f} ms)   ratio {b['ratio']:.3f}",
+        f"  checked read: {'byte-exact' if b['byte_exact'] else 'WRONG: %d bytes; %s' % (b['wrong_bytes'], b['problems'])}",
+        f"per request: {s['requests']} requests of {s['bytes'] / 2**10:.0f} KiB ({s['descriptors']} descriptors), "
+        f"one at a time, alternating",
+        f"  raw NIXL p50 {s['raw']['p50_us']:.0f} us, p99 {s['raw']['p99_us']:.0f} us;   "
+        f"through daemons p50 {s['daemon']['p50_us']:.0f} us, p99 {s['daemon']['p99_us']:.0f} us;   "
+        f"added at p50 {s['overhead_p50_us']:.0f} us"])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smaller caches and fewer requests (a smoke run)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Exit 2 (one line) without a GPU; 1 when the checked read was not byte-exact; else 0."""
+    missing = cuda_missing()
+    if missing:
+        print(f"kvxferd bench gpu: needs a CUDA GPU: {missing}", file=sys.stderr)
+        return 2
+    figures = run(**(QUICK if args.quick else FULL))
+    print(json.dumps(figures) if args.json else format_table(figures))
+    return 0 if figures["bulk"]["byte_exact"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("python -m kvxferd.bench.gpu", __doc__, add_arguments, run_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
