@@ -45,7 +45,7 @@ from kvxferd.verify.engines import verify_decode
 from kvxferd.verify.gpu import GpuEngine, cuda_missing
 from kvxferd.verify.process import EngineProcess
 
-FULL = dict(num_layers=32, num_blocks=256, rounds=6, small_blocks=2, num_small=300)
+FULL = dict(num_layers=32, num_blocks=256, rounds=4, small_blocks=2, num_small=100)
 QUICK = dict(num_layers=8, num_blocks=64, rounds=3, small_blocks=2, num_small=60)
 PREFILL_ID, DECODE_ID = "gpu-prefill", "gpu-decode"
 
