@@ -21,33 +21,45 @@ Measured in one run:
   median of each; then the decode cache is reset, read once more through
   the daemons, copied back and checked byte for byte against the oracle;
 * per request: small requests one after another, alternating the two paths:
-  p50 and p99 of each and what the daemons add.
+  p50 and p99 of each and what the daemons add;
+* own memory: raw NIXL again, but from a process that allocated the memory
+  and registered it itself (no daemon, no CUDA IPC import): what UCX does
+  when its cuda_ipc transport can serve the owner's memory.
+
+UCX turns cuda_ipc GETs off on hosts without NVLink; the suite turns them on
+(``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``, for every process it starts) unless the
+variable is set already, and prints the value it ran with.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
 
 from kvxferd.bench.common import bench_main, percentiles_us
-from kvxferd.bench.raw import RawReader
+from kvxferd.bench.raw import RawReader, prepare_raw, read_all
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.layout.specs import AttentionSpec
-from kvxferd.plan.engine import ReadRequest
-from kvxferd.plan.groups import CacheGroup
+from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
+from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.engines import verify_decode
 from kvxferd.verify.gpu import GpuEngine, cuda_missing
 from kvxferd.verify.process import EngineProcess
+from kvxferd.xfer.agent import NixlAgent
 
 FULL = dict(num_layers=32, num_blocks=256, rounds=4, small_blocks=2, num_small=100)
 QUICK = dict(num_layers=8, num_blocks=64, rounds=3, small_blocks=2, num_small=60)
-PREFILL_ID, DECODE_ID = "gpu-prefill", "gpu-decode"
+PREFILL_ID, DECODE_ID, OWNER_ID = "gpu-prefill", "gpu-decode", "gpu-owner"
+GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+OWNER_POLL_S = 1e-3  # an emulated GET (UCX over TCP) needs the owner's progress
 
 
 def bench_groups(num_layers: int, num_blocks: int) -> tuple[CacheGroup, ...]:
@@ -69,6 +81,58 @@ class GpuPrefill:
 
     def close(self) -> None:
         self.client.close()
+
+
+class GpuOwner:
+    """A process that allocates a GPU cache and registers it with a NIXL agent of its own (no daemon)."""
+
+    def __init__(self, groups: tuple[CacheGroup, ...]) -> None:
+        self.engine = GpuEngine.allocate(OWNER_ID, groups, 1, 0, tagged=True)
+        self.agent = NixlAgent(OWNER_ID)
+        self.agent.register(self.engine.cache)
+        self._stop = threading.Event()
+        self._progress = threading.Thread(target=self._poll, name="owner-progress", daemon=True)
+        self._progress.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(OWNER_POLL_S):
+            self.agent.poll_notifications()
+
+    def info(self) -> tuple[bytes, list[list[tuple[int, int]]]]:
+        """The agent's metadata and each region's (device address, bytes)."""
+        return self.agent.metadata(), [[(r.address, r.num_bytes) for r in regions] for regions in self.engine.cache.memory]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._progress.join()
+        self.agent.close()
+
+
+def _own_memory_s(decode: GpuEngine, groups: tuple[CacheGroup, ...], request: ReadRequest, rounds: int) -> float:
+    """Median seconds of raw NIXL reading ``request`` from a :class:`GpuOwner`'s own memory."""
+    owner = EngineProcess("owner", groups, factory=GpuOwner)
+    agent = None
+    try:
+        metadata, memory = owner.call("info")
+        owner_cache = EngineCache(OWNER_ID, 1, 0, groups, tuple(tuple(RegionMemory(a, n, decode.tensor.device.index)
+                                                                      for a, n in regions) for regions in memory),
+                                  mem_type="VRAM")
+        agent = NixlAgent("gpu-own-reader")
+        agent.register(decode.cache)
+        plan = EngineTransferPlan(decode.cache, [owner_cache])
+        (read,) = plan.plan_request(request).reads
+        local, remote, ids = prepare_raw(agent.raw, agent.add_remote(metadata), plan.rank_plans[0], read,
+                                         mem_types=("VRAM", "VRAM"))
+        try:
+            times_s = [read_all([(agent.raw, local, remote, ids)]) for _ in range(rounds + 1)]
+        finally:
+            local.release()
+            remote.release()
+        return statistics.median(times_s[1:])
+    finally:
+        if agent is not None:
+            agent.close()
+        owner.close()
 
 
 def _daemon_read(prefill: EngineProcess, client: EngineClient, request: ReadRequest) -> float:
@@ -150,6 +214,17 @@ def run(*, num_layers: int, num_blocks: int, rounds: int, small_blocks: int, num
     """Every figure of the suite, as a dict (see the module's docstring)."""
     import torch
 
+    set_before = os.environ.get(GET_ZCOPY)
+    get_zcopy = os.environ.setdefault(GET_ZCOPY, "y")  # inherited by the daemons and engine processes started below
+    try:
+        figures = _measure(num_layers, num_blocks, rounds, small_blocks, num_small)
+    finally:
+        if set_before is None:
+            os.environ.pop(GET_ZCOPY, None)
+    return {"device": torch.cuda.get_device_name(0), GET_ZCOPY: get_zcopy, **figures}
+
+
+def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, num_small: int) -> dict:
     groups = bench_groups(num_layers, num_blocks)
     with tempfile.TemporaryDirectory(prefix="kvxferd-bench-gpu-") as workdir:
         pair = _Pair(workdir, groups)
@@ -165,14 +240,15 @@ def run(*, num_layers: int, num_blocks: int, rounds: int, small_blocks: int, num
             small = np.arange(small_blocks) * (num_blocks // small_blocks)  # scattered blocks
             small_raw_s, small_daemon_s, small_bytes, small_descriptors = _alternate(
                 pair, _requests("small", small, num_small + 1))
+            own_s = _own_memory_s(pair.decode, groups, checked, rounds)
             device_s = _device_copy_s(num_bytes, rounds)
         finally:
             pair.close()
     raw_bulk_s, daemon_bulk_s = statistics.median(raw_s[1:]), statistics.median(daemon_s[1:])
     raw_small, daemon_small = percentiles_us(small_raw_s[1:]), percentiles_us(small_daemon_s[1:])
-    return {"device": torch.cuda.get_device_name(0),
-            "bulk": {"bytes": num_bytes, "descriptors": num_descriptors, "rounds": rounds,
-                     "device_copy_gbps": num_bytes / device_s / 1e9, "raw_gbps": num_bytes / raw_bulk_s / 1e9,
+    return {"bulk": {"bytes": num_bytes, "descriptors": num_descriptors, "rounds": rounds,
+                     "device_copy_gbps": num_bytes / device_s / 1e9, "own_memory_gbps": num_bytes / own_s / 1e9,
+                     "raw_gbps": num_bytes / raw_bulk_s / 1e9,
                      "daemon_gbps": num_bytes / daemon_bulk_s / 1e9, "ratio": raw_bulk_s / daemon_bulk_s,
                      "raw_ms": raw_bulk_s * 1e3, "daemon_ms": daemon_bulk_s * 1e3,
                      "byte_exact": not problems and wrong_bytes == 0, "wrong_bytes": wrong_bytes,
@@ -186,11 +262,13 @@ def format_table(f: dict) -> str:
     """The figures as a few readable lines."""
     b, s = f["bulk"], f["per_request"]
     return "\n".join([
-        f"GPU: {f['device']}; P1->D1 daemons, both caches on this GPU (CUDA IPC handles, NIXL VRAM)",
+        f"GPU: {f['device']}; P1->D1 daemons, both caches on this GPU (CUDA IPC handles, NIXL VRAM); "
+        f"{GET_ZCOPY}={f[GET_ZCOPY]}",
         f"bulk: {b['bytes'] / 2**20:.0f} MiB per request ({b['descriptors']} descriptors), median of {b['rounds']} "
         f"alternating rounds",
         f"  device copy {b['device_copy_gbps']:.1f} GB/s   raw NIXL {b['raw_gbps']:.1f} GB/s ({b['raw_ms']:.2f} ms)   "
         f"through daemons {b['daemon_gbps']:.1f} GB/s ({b['daemon_ms']:.2f} ms)   ratio {b['ratio']:.3f}",
+        f"  raw NIXL from an owner's own memory (no daemon, no IPC import) {b['own_memory_gbps']:.1f} GB/s",
         f"  checked read: {'byte-exact' if b['byte_exact'] else 'WRONG: %d bytes; %s' % (b['wrong_bytes'], b['problems'])}",
         f"per request: {s['requests']} requests of {s['bytes'] / 2**10:.0f} KiB ({s['descriptors']} descriptors), "
         f"one at a time, alternating",
