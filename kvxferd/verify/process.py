@@ -49,7 +49,7 @@ class EngineProcess:
         self.kind = kind
         self._conn, child = context.Pipe()
         self.process = context.Process(target=engine_main, args=(kind, factory, args, kwargs, child),
-                                       daemon=True, name=f"kvxferd-demo-{kind}")
+                                       daemon=True, name=f"kvxferd-engine-{kind}")
         self.process.start()
         child.close()
         self.start_timeout_s = start_timeout_s
@@ -57,7 +57,7 @@ class EngineProcess:
             self.wait_started()
 
     def wait_started(self) -> None:
-        """Block until the engine registered every rank (or raise what went wrong)."""
+        """Block until the engine was built (or raise what went wrong)."""
         self._answer(self.start_timeout_s, "start")
 
     def _answer(self, timeout_s: float, what: str):
