@@ -258,9 +258,24 @@ def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, n
                             "overhead_p50_us": daemon_small["p50_us"] - raw_small["p50_us"]}}
 
 
+# Through the daemons at under a tenth of what UCX gives an owner of its memory: not the per-request
+# path (1-2 ms a read) but the transport: UCX emulating the READs over TCP (docs/benchmarks.md).
+SLOW_TRANSPORT_FRACTION = 0.1
+
+
+def transport_hint(bulk: dict) -> str:
+    """A line that says why the daemons' reads are far slower than an owner's own (or "")."""
+    if bulk["daemon_gbps"] >= SLOW_TRANSPORT_FRACTION * bulk["own_memory_gbps"]:
+        return ""
+    return (f"  note: the daemons read at {bulk['daemon_gbps'] / bulk['own_memory_gbps']:.2%} of the own-memory speed: "
+            "most likely UCX's software path, as its cuda_ipc cannot serve memory a daemon imported "
+            "(UCX_PROTO_INFO=y shows the path; docs/benchmarks.md, \"GPU caches on an H100\")")
+
+
 def format_table(f: dict) -> str:
     """The figures as a few readable lines."""
     b, s = f["bulk"], f["per_request"]
+    hint = transport_hint(b)
     return "\n".join([
         f"GPU: {f['device']}; P1->D1 daemons, both caches on this GPU (CUDA IPC handles, NIXL VRAM); "
         f"{GET_ZCOPY}={f[GET_ZCOPY]}",
@@ -269,6 +284,7 @@ def format_table(f: dict) -> str:
         f"  device copy {b['device_copy_gbps']:.1f} GB/s   raw NIXL {b['raw_gbps']:.1f} GB/s ({b['raw_ms']:.2f} ms)   "
         f"through daemons {b['daemon_gbps']:.1f} GB/s ({b['daemon_ms']:.2f} ms)   ratio {b['ratio']:.3f}",
         f"  raw NIXL from an owner's own memory (no daemon, no IPC import) {b['own_memory_gbps']:.1f} GB/s",
+        *([hint] if hint else []),
         f"  checked read: {'byte-exact' if b['byte_exact'] else 'WRONG: %d bytes; %s' % (b['wrong_bytes'], b['problems'])}",
         f"per request: {s['requests']} requests of {s['bytes'] / 2**10:.0f} KiB ({s['descriptors']} descriptors), "
         f"one at a time, alternating",

@@ -1,4 +1,4 @@
-"""``kvxferd bench gpu`` where there is no GPU: one clear line and exit 2 (tests/gpu runs it on a GPU)."""
+"""``kvxferd bench gpu`` where there is no GPU (one clear line, exit 2), and its table (tests/gpu runs it on a GPU)."""
 
 import subprocess
 import sys
@@ -7,9 +7,8 @@ import pytest
 
 from kvxferd.verify.gpu import cuda_missing
 
-pytestmark = pytest.mark.skipif(not cuda_missing(), reason="this machine has a GPU: tests/gpu runs the benchmark")
 
-
+@pytest.mark.skipif(not cuda_missing(), reason="this machine has a GPU: tests/gpu runs the benchmark")
 def test_bench_gpu_without_a_gpu_says_why_and_exits_2():
     done = subprocess.run([sys.executable, "-m", "kvxferd", "bench", "gpu", "--quick"], capture_output=True, text=True,
                           timeout=120)
@@ -18,3 +17,21 @@ def test_bench_gpu_without_a_gpu_says_why_and_exits_2():
     assert done.stderr.startswith("kvxferd bench gpu: needs a CUDA GPU: "), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
+
+def _figures(daemon_gbps: float, own_gbps: float) -> dict:
+    bulk = {"bytes": 1 << 29, "descriptors": 8192, "rounds": 4, "device_copy_gbps": 1300.0, "own_memory_gbps": own_gbps,
+            "raw_gbps": daemon_gbps, "daemon_gbps": daemon_gbps, "ratio": 1.0, "raw_ms": 1.0, "daemon_ms": 1.0,
+            "byte_exact": True, "wrong_bytes": 0, "problems": []}
+    small = {"bytes": 1 << 22, "descriptors": 64, "requests": 100, "raw": {"p50_us": 10.0, "p99_us": 20.0},
+             "daemon": {"p50_us": 12.0, "p99_us": 25.0}, "overhead_p50_us": 2.0}
+    return {"device": "a GPU", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "bulk": bulk, "per_request": small}
+
+
+@pytest.mark.parametrize("daemon_gbps,own_gbps,hinted", [(0.4, 1074.0, True), (900.0, 1074.0, False),
+                                                         (0.4, 0.4, False)])
+def test_the_table_says_why_when_the_daemons_read_far_slower_than_an_owner(daemon_gbps, own_gbps, hinted):
+    from kvxferd.bench.gpu import format_table
+
+    table = format_table(_figures(daemon_gbps, own_gbps))
+    assert ("software path" in table) == hinted, table
+    assert "byte-exact" in table
