@@ -12,9 +12,12 @@ from __future__ import annotations
 import multiprocessing
 import traceback
 
+from kvxferd.xfer.fdtable import reserve_fd_table
+
 
 def engine_main(kind: str, factory, args: tuple, kwargs: dict, conn) -> None:
     """Body of an engine process: build the engine (``factory``), then serve commands until ``stop``."""
+    reserve_fd_table()  # before the engine starts threads: its table then never grows under load (fdtable.py)
     try:
         engine = factory(*args, **kwargs)
     except Exception as err:

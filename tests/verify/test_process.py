@@ -1,10 +1,12 @@
 """The driver's handle of an engine process: an engine that dies is EngineFailed, whatever the pipe says."""
 
+import resource
 import time
 
 import pytest
 
 from kvxferd.verify.process import EngineFailed, EngineProcess
+from kvxferd.xfer.fdtable import RESERVED_FDS, fd_table_size
 
 
 class Napper:
@@ -44,3 +46,23 @@ def test_an_engine_killed_between_commands_is_engine_failed():
             engine.call("nap", 0.0, timeout_s=5)
     finally:
         engine.close(timeout_s=1)
+
+
+class FdTable:
+    """An engine that reports its process's fd table."""
+
+    def size(self) -> int:
+        return fd_table_size()
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_engine_process_grows_its_fd_table_before_its_engine_starts():
+    # As a daemon does (xfer/fdtable.py): grown while the child has one thread, it never grows under load.
+    engine = EngineProcess("fds", factory=FdTable, start_timeout_s=60)
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert engine.call("size") >= min(RESERVED_FDS, soft)
+    finally:
+        engine.close(timeout_s=5)

@@ -1,4 +1,4 @@
-"""Grow the daemon's file-descriptor table once, at start-up, so that it never grows under load.
+"""Grow a process's file-descriptor table once, at start-up, so that it never grows under load.
 
 Linux keeps a process's open files in a table that doubles when a new fd
 does not fit (64 -> 128 -> 256 ...) and never shrinks. In a process with
@@ -15,8 +15,11 @@ ended late. Measured alone on that machine, each growth of a two-thread
 process's table took 6-20 ms.
 
 Reserving the table up front costs ``RESERVED_FDS`` x 8 bytes (128 KiB).
-``kvxferd serve`` does it before any import starts a thread (``cli.py``): a
-process with one thread grows its table without waiting for RCU at all.
+``kvxferd serve`` does it before any import starts a thread (``cli.py``), and
+so do the engine processes of the demo, the soak and the benchmarks
+(``verify/process.py``): a process with one thread grows its table without
+waiting for RCU at all. Beside ``osthreads.py``: both shape the OS process
+that runs NIXL agents.
 """
 
 from __future__ import annotations
