@@ -10,6 +10,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvxferd.layout.specs import AttentionSpec
+from kvxferd.plan.groups import CacheGroup
+
+
+def full_attention_groups(num_layers: int, num_blocks: int) -> tuple[CacheGroup, ...]:
+    """The benchmarks' cache: one full-attention group, packed HND, 8 KV heads of 128 channels, 16 tokens a
+    block (bf16: 64 KiB a block and layer)."""
+    spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=8, head_size=128, block_size=16)
+    return (CacheGroup("full", spec, num_layers),)
+
 
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
     """Median wall time of ``repeat`` calls (seconds) and the last result."""

@@ -15,11 +15,9 @@ import time
 import grpc
 import numpy as np
 
-from kvxferd.bench.common import percentiles_us
+from kvxferd.bench.common import full_attention_groups, percentiles_us
 from kvxferd.bench.raw import RawReader
-from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import ReadRequest
-from kvxferd.plan.groups import CacheGroup
 from kvxferd.verify.certs import DevCA
 from kvxferd.verify.daemons import DaemonCluster
 
@@ -60,8 +58,7 @@ class Tls:
 
 def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls | None,
              reads_stream: bool, reads_socket: bool = True) -> DaemonCluster:
-    spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=8, head_size=128, block_size=16)
-    groups = (CacheGroup("full", spec, num_layers),)
+    groups = full_attention_groups(num_layers, num_blocks)
     # The unary path keeps one gRPC call open per read in flight: when the daemons fall behind at
     # 1 000/s, more than the default 256 per connection (max_concurrent_streams) would be refused.
     args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")))

@@ -46,7 +46,7 @@ import grpc
 import numpy as np
 
 from kvxferd.bench import nixl_progress
-from kvxferd.bench.common import bench_main, percentiles_us, process_cpu_s
+from kvxferd.bench.common import bench_main, full_attention_groups, percentiles_us, process_cpu_s
 from kvxferd.wire.frames import FrameReader, encode_frame
 from kvxferd.xfer.waker import Waker
 
@@ -311,13 +311,10 @@ def _engine_client_trips(channel: grpc.Channel, repeat: int, gap_s: float) -> di
 
 def planning(repeat: int = 300) -> dict:
     """``plan_request`` for a small request, back to back and spaced out."""
-    from kvxferd.layout.specs import AttentionSpec
     from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
-    from kvxferd.plan.groups import CacheGroup
     from kvxferd.verify.engines import allocate_engine
 
-    spec = AttentionSpec("packed_HND", num_blocks=8, num_kv_heads=8, head_size=128, block_size=16)
-    groups = (CacheGroup("full", spec, 2),)
+    groups = full_attention_groups(2, 8)
     plan = EngineTransferPlan(allocate_engine("fd", groups, 1, 0, tagged=False).cache,
                               [allocate_engine("fp", groups, 1, 0, tagged=False).cache])
     request = ReadRequest("r", "r@p", (np.array([3, 5]),), (np.array([0, 1]),))

@@ -44,10 +44,9 @@ import time
 
 import numpy as np
 
-from kvxferd.bench.common import bench_main, percentiles_us
+from kvxferd.bench.common import bench_main, full_attention_groups, percentiles_us
 from kvxferd.bench.raw import RawReader, prepare_raw, read_all
 from kvxferd.client import DaemonProcess, EngineClient
-from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.engines import verify_decode
@@ -60,12 +59,6 @@ QUICK = dict(num_layers=8, num_blocks=64, rounds=3, small_blocks=2, num_small=60
 PREFILL_ID, DECODE_ID, OWNER_ID = "gpu-prefill", "gpu-decode", "gpu-owner"
 GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 OWNER_POLL_S = 1e-3  # an emulated GET (UCX over TCP) needs the owner's progress
-
-
-def bench_groups(num_layers: int, num_blocks: int) -> tuple[CacheGroup, ...]:
-    """One full-attention group, packed HND, 8 KV heads of 128 channels, 16 tokens a block (64 KiB a block and layer)."""
-    spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=8, head_size=128, block_size=16)
-    return (CacheGroup("full", spec, num_layers),)
 
 
 class GpuPrefill:
@@ -225,7 +218,7 @@ def run(*, num_layers: int, num_blocks: int, rounds: int, small_blocks: int, num
 
 
 def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, num_small: int) -> dict:
-    groups = bench_groups(num_layers, num_blocks)
+    groups = full_attention_groups(num_layers, num_blocks)
     with tempfile.TemporaryDirectory(prefix="kvxferd-bench-gpu-") as workdir:
         pair = _Pair(workdir, groups)
         try:

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvxferd.bench.common import bench_main, timed
+from kvxferd.bench.common import bench_main, full_attention_groups, timed
 from kvxferd.bench.raw import prepare_raw, raw_read
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
@@ -35,8 +35,7 @@ from kvxferd.xfer.reads import ReadExecutor
 
 def bulk(num_layers: int, num_blocks: int, blocks_per_request: int, rounds: int, scattered: bool, seed: int = 0) -> dict:
     """Alternate raw NIXL and the plan path on one request's descriptors."""
-    spec = AttentionSpec("packed_HND", num_blocks=num_blocks, num_kv_heads=8, head_size=128, block_size=16)
-    groups = (CacheGroup("full", spec, num_layers),)
+    groups = full_attention_groups(num_layers, num_blocks)
     prefill = allocate_engine("bench-prefill", groups, 1, 0, tagged=False)
     decode = allocate_engine("bench-decode", groups, 1, 0, tagged=False)
     prefill_agent = NixlAgent("bench-prefill-0")
