@@ -52,8 +52,9 @@ def reserve_fd_table(num_fds: int = RESERVED_FDS) -> int:
     """
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     top = min(num_fds, soft if soft != resource.RLIM_INFINITY else num_fds) - 1
-    if top <= fd_table_size():
-        return fd_table_size()
+    size = fd_table_size()
+    if top <= size:
+        return size
     probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
         high = fcntl.fcntl(probe, fcntl.F_DUPFD_CLOEXEC, top)

@@ -17,10 +17,9 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.wire.frames import HEADER, FrameReader, encode_frame, reads_socket_path
-from tests.service.helpers import GQA_GROUPS, engine_pb, two_block_request
+from tests.service.helpers import GQA_GROUPS as GROUPS, engine_pb, two_block_request
 
 C = grpc.StatusCode
-GROUPS = GQA_GROUPS
 MAX_READS, MAX_BATCH, HELLO_S = 8, 10, 0.5
 
 

@@ -15,10 +15,9 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
-from tests.service.helpers import GQA_GROUPS, two_block_request
+from tests.service.helpers import GQA_GROUPS as GROUPS, two_block_request
 
 C = grpc.StatusCode
-GROUPS = GQA_GROUPS
 MAX_READS = 8  # per engine, in flight or not acked (refusals count too)
 MAX_BATCH = 10
 
