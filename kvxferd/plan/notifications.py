@@ -6,7 +6,10 @@ read ended and the holder's board was checked. A notice names the
 prefill-side request, the reader, whether the read succeeded, and how many
 readers the prefill rank must hear from before it may free the request's
 blocks. Nothing answers it: whether the hold was alive is what the reader
-learned from the board (:mod:`kvxferd.plan.board`).
+learned from the board (:mod:`kvxferd.plan.board`). It also says whether the
+reader needed the holder's progress: over shared memory on one host UCX
+copies inside the READ's post (``process_vm_readv``) and the holder may poll
+slowly; over TCP a READ waits for the holder's next poll.
 
 A small fixed binary record (encoding one is ~1 µs, a JSON object was ~5 µs
 each way), validated field by field on decode: it comes from peers::
@@ -14,7 +17,9 @@ each way), validated field by field on decode: it comes from peers::
     offset  size  field
          0     2  magic           b"KN"
          2     1  version         1
-         3     1  flags           bit 0: ok
+         3     1  flags           bit 0: ok; bit 1: alone (every READ of this
+                                  holder's memory, data and board check, ended
+                                  within its post: no progress of the holder's)
          4     2  reader_rank     little-endian u16
          6     2  expected        u16: readers to expect, >= 1
          8     2  len(request_id)         u16, 1..MAX_ID_BYTES
@@ -38,11 +43,12 @@ RECORD_VERSION = 1
 MAX_ID_BYTES = 512
 _HEADER = struct.Struct("<2sBBHHHH")
 _NOTICE = b"KN"
+_OK, _ALONE = 1, 2  # flag bits
 HELLO = b"KH\x01"  # sent once per connection; ignored by the holder
 
 
-def _decode(message: bytes, field: str = "notification") -> tuple[bool, int, int, str, str]:
-    """(ok, reader_rank, expected, request_id, reader_engine_id) of a peer's record, every field checked."""
+def _decode(message: bytes, field: str = "notification") -> tuple[int, int, int, str, str]:
+    """(flags, reader_rank, expected, request_id, reader_engine_id) of a peer's record, every field checked."""
     if not isinstance(message, (bytes, bytearray)) or len(message) < _HEADER.size:
         raise InvalidArgumentError(field, f"not a kvxferd {field}: {len(message or b'')} bytes")
     got_magic, version, flags, reader_rank, expected, rid_len, eid_len = _HEADER.unpack_from(message)
@@ -50,7 +56,7 @@ def _decode(message: bytes, field: str = "notification") -> tuple[bool, int, int
         raise InvalidArgumentError(field, f"not a kvxferd {field}: starts with {bytes(message[:2])!r}")
     if version != RECORD_VERSION:
         raise InvalidArgumentError(f"{field}.version", f"unsupported {field} version {version}")
-    if flags > 1:
+    if flags & ~(_OK | _ALONE):
         raise InvalidArgumentError(f"{field}.flags", f"unknown flags {flags:#x}")
     if not (0 < rid_len <= MAX_ID_BYTES and 0 < eid_len <= MAX_ID_BYTES):
         raise InvalidArgumentError(field, f"id lengths {rid_len}, {eid_len} outside [1, {MAX_ID_BYTES}]")
@@ -61,7 +67,7 @@ def _decode(message: bytes, field: str = "notification") -> tuple[bool, int, int
         reader_engine_id = bytes(message[_HEADER.size + rid_len:]).decode()
     except UnicodeDecodeError as err:
         raise InvalidArgumentError(field, f"ids are not UTF-8: {err}") from None
-    return bool(flags), reader_rank, expected, request_id, reader_engine_id
+    return flags, reader_rank, expected, request_id, reader_engine_id
 
 
 @dataclass(frozen=True)
@@ -73,16 +79,18 @@ class ReadNotice:
     reader_rank: int
     expected_readers: int
     ok: bool = True
+    alone: bool = False  # the reader's READs of this holder ended within their posts (no progress needed)
 
     def encode(self) -> bytes:
         rid, eid = self.request_id.encode(), self.reader_engine_id.encode()
-        return _HEADER.pack(_NOTICE, RECORD_VERSION, int(self.ok), self.reader_rank, self.expected_readers,
+        flags = (_OK if self.ok else 0) | (_ALONE if self.alone else 0)
+        return _HEADER.pack(_NOTICE, RECORD_VERSION, flags, self.reader_rank, self.expected_readers,
                             len(rid), len(eid)) + rid + eid
 
     @classmethod
     def decode(cls, message: bytes) -> "ReadNotice":
         """Parse a peer's message; raises :class:`InvalidArgumentError` naming the field."""
-        ok, reader_rank, expected, request_id, reader_engine_id = _decode(message)
+        flags, reader_rank, expected, request_id, reader_engine_id = _decode(message)
         if expected < 1:
             raise InvalidArgumentError("notification.expected_readers", "a notice must expect at least one reader")
-        return cls(request_id, reader_engine_id, reader_rank, expected, ok)
+        return cls(request_id, reader_engine_id, reader_rank, expected, bool(flags & _OK), bool(flags & _ALONE))

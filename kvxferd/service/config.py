@@ -95,8 +95,13 @@ class DaemonConfig(BaseSettings):
     handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
     peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")
     poll_interval_s: float = Field(1e-3, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
-                                   "while requests are held: how soon readers' notices are counted; lower it "
-                                   "(e.g. 1e-4) where UCX runs over TCP, whose READs wait for the holder's poll (s)")
+                                   "while requests are held and some reader's READs wait for this daemon's "
+                                   "progress (UCX over TCP; its notices say so), and after a reader's "
+                                   "introduction; lower it (e.g. 1e-4) where UCX runs over TCP (s)")
+    notice_poll_interval_s: float = Field(1e-2, gt=0, le=1.0, description="sleep of the data-plane thread between "
+                                          "NIXL polls while requests are held and no reader needs this daemon's "
+                                          "progress (shared memory on one host): how soon the last reader's "
+                                          "notice is counted and the hold ends CONSUMED (s)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
 

@@ -78,7 +78,8 @@ class Daemon:
         self.socket_path = config.engine_socket_path
         self.reads = ReadPath(self)
         self.dataplane = DataPlane(self._reads_done_threadsafe, self._hold_events_threadsafe,
-                                   interval_s=config.poll_interval_s, metrics=self.metrics)
+                                   interval_s=config.poll_interval_s,
+                                   notice_interval_s=config.notice_poll_interval_s, metrics=self.metrics)
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
                            max_message_bytes=config.max_message_bytes, tls=self.tls,
                            server_name=config.peer_server_name)

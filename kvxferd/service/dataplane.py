@@ -20,10 +20,14 @@ copied inside ``transfer()``, so such a read most often ends right there)::
 How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing)::
 
     own reads in flight          poll, sleeping 20 µs doubling to READ_POLL_MAX_S
-    holds a reader may notify    poll every ``interval_s`` (config poll_interval_s, 1 ms): no
-                                 reader waits for it over shared memory or RDMA (it only counts
-                                 notices), but UCX over TCP needs it to serve READs
-    a reader introduced lately   the same for READER_SETUP_S: its handshake reads our board
+    holds, a reader needs us     poll every ``interval_s`` (config poll_interval_s, 1 ms): UCX
+                                 over TCP serves a READ only while the holder makes progress;
+                                 such a reader's notices say its READs waited (Holder.wants_progress)
+    holds, no reader needs us    poll every ``notice_interval_s`` (config notice_poll_interval_s,
+                                 10 ms): over shared memory a reader copies inside its post, and
+                                 this only counts notices (how soon a hold ends CONSUMED). Measured:
+                                 the 1 ms polls of four holders cost kvxferd demo 0.1 of its ratio
+    a reader introduced lately   ``interval_s`` for READER_SETUP_S: its handshake reads our board
                                  (the probe) over a new connection
     notices sent lately          poll every NOTICE_POLL_S (10 ms) for 50 ms (a safety net: the
                                  executor makes progress right after sending; notices sent on
@@ -59,7 +63,8 @@ from kvxferd.xfer.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
-HOLD_POLL_S = 1e-3  # sleep while some engine holds requests a reader may notify about
+HOLD_POLL_S = 1e-3  # sleep while holding requests for a reader whose READs need our progress
+NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alone (only their notices wait)
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
 READER_SETUP_S = 0.5  # how long the holder polls at interval_s after a reader's introduction
@@ -106,14 +111,14 @@ class DataPlane:
 
     def __init__(self, on_reads_done: Callable[[list[ReadDone]], None],
                  on_hold_events: Callable[[list[tuple[EngineSlot, str, HoldEnd]]], None], *,
-                 interval_s: float = HOLD_POLL_S,
+                 interval_s: float = HOLD_POLL_S, notice_interval_s: float = NOTICE_HOLD_POLL_S,
                  metrics=None) -> None:
         self._on_reads_done = on_reads_done
         self._finished: list[ReadDone] = []  # this round's, handed over together
         self._on_hold_events = on_hold_events
         self._hold_events: list[tuple[EngineSlot, str, HoldEnd]] = []  # this round's
         self._metrics = metrics
-        self.interval_s = interval_s
+        self.interval_s, self.notice_interval_s = interval_s, notice_interval_s
         self._slots: list[EngineSlot] = []
         # id(slot) -> (its executor's num_notices_sent, when this thread saw it change, when its notice
         # agent was last polled): perf_counter. Counted, not timed by the sender: notices sent on the
@@ -255,8 +260,11 @@ class DataPlane:
                 sleep_s = POLL_MIN_S
             elif self._reads:
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
-            elif any(len(slot.holds) for slot in self._slots) or time.perf_counter() < self._reader_setup_until_s:
+            elif time.perf_counter() < self._reader_setup_until_s:
                 sleep_s = self.interval_s
+            elif holding := [slot for slot in self._slots if len(slot.holds)]:
+                wanted = any(slot.holder.wants_progress() for slot in holding)
+                sleep_s = self.interval_s if wanted else max(self.interval_s, self.notice_interval_s)
             elif self._notices_active:
                 sleep_s = max(self.interval_s, NOTICE_POLL_S)
             else:

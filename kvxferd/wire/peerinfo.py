@@ -22,7 +22,8 @@ from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from
 
 # 2: readers introduce their TP size (required); 3: notices and acks are binary records;
 # 4: hold boards replace acks (EngineInfo.hold_board required; notices from a second agent, unanswered)
-PROTOCOL_VERSION = 4
+# 5: notices say whether the reader needed the holder's progress (flag bit 1: a holder of v4 refuses it)
+PROTOCOL_VERSION = 5
 
 
 def model_facts(cache: EngineCache) -> str:

@@ -17,6 +17,13 @@ exercises the daemon's board and notice path::
 Notices are untrusted: nothing a notice says can end a hold early or count
 for a reader that was not introduced over an authenticated channel. Nothing
 is sent back, so a notice can make this side send nothing.
+
+A notice also says whether the reader's READs needed this side's progress
+(UCX over TCP emulates a READ with messages the holder must answer; over
+shared memory the reader copies alone). :meth:`Holder.wants_progress` tells
+the daemon's data-plane thread to poll fast while some reader said so
+lately, and slowly (only to count notices) otherwise. A reader can only
+speak for itself: saying "alone" clears its own entry, never another's.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class NoticeCounts:
 
 
 BOARD_KEY = "hold-board"
+PROGRESS_WANTED_S = 10.0  # a reader whose READs waited for our progress keeps polling fast this long
 
 
 @dataclass(eq=False)
@@ -79,6 +87,9 @@ class Holder:
     readers: dict[tuple[str, int], Reader] = field(default_factory=dict)
     counts: NoticeCounts = field(default_factory=NoticeCounts)
     holds: HoldTable = field(init=False)
+    # reader -> time.monotonic() until which its READs may need our progress (its last notice said they
+    # waited). Written here on the polling thread; bounded by the introduced readers.
+    progress_wanted: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.holds = HoldTable(HoldBoard(buckets_for(self.max_holds)))
@@ -92,6 +103,16 @@ class Holder:
     def close(self) -> None:
         """Deregister the board (its holds are ended by whoever ends them: :meth:`HoldTable.drop_all`)."""
         self.agent.deregister(BOARD_KEY)
+
+    def wants_progress(self, now: float | None = None) -> bool:
+        """Some reader's READs waited for this side's progress within PROGRESS_WANTED_S (poll fast)."""
+        if not self.progress_wanted:
+            return False
+        now = time.monotonic() if now is None else now
+        if any(until > now for until in self.progress_wanted.values()):
+            return True
+        self.progress_wanted.clear()  # all lapsed
+        return False
 
     def on_notice(self, sender: str, message: bytes, now: float | None = None) -> list[tuple[str, HoldEnd]]:
         """Count one reader's notice; the events to publish, as ``(kind, end)``: FAILED and/or CONSUMED."""
@@ -107,10 +128,15 @@ class Holder:
             # Not from the agent that reader introduced: dropped, so a forged notice cannot end a hold.
             self.counts.add("foreign")
             return []
+        now = time.monotonic() if now is None else now
+        key = (notice.reader_engine_id, notice.reader_rank)
+        if not notice.alone:
+            self.progress_wanted[key] = now + PROGRESS_WANTED_S
+        elif notice.ok:
+            self.progress_wanted.pop(key, None)
         try:
             with self.lock:
-                outcome = self.holds.record(notice, time.monotonic() if now is None else now,
-                                            reader.expected_readers)
+                outcome = self.holds.record(notice, now, reader.expected_readers)
         except InvalidArgumentError:
             self.counts.add("bad")
             outcome = None

@@ -101,6 +101,10 @@ class InFlightRead:
     unchecked: list[int] = field(default_factory=list)  # ranks read, waiting for a free check slot
     checks: dict[int, tuple[object, int]] = field(default_factory=dict)  # rank -> (check handle, slot)
     stale_ranks: set[int] = field(default_factory=set)  # checked: the hold had ended
+    # Ranks whose data READ or board check did not end within its post. Over shared memory UCX copies
+    # inside the post and the holder does nothing; over TCP the READ waits for the holder's progress
+    # (RDMA also ends later, without it: counted here too, the holder's safe side). The notice says so.
+    waited_ranks: set[int] = field(default_factory=set)
     step: int = 0  # counts ranks whose data READ or check ended: a poller sees progress short of the end
     posted_s: float = 0.0  # perf_counter when every rank was posted
     transferred_s: float = 0.0  # perf_counter when the last data READ ended
@@ -295,6 +299,8 @@ class ReadExecutor:
                 self._release(handle)
             else:
                 inflight.handles[q] = handle
+                if state is TransferState.PROC:
+                    inflight.waited_ranks.add(q)
         inflight.posted_s = time.perf_counter()
         self.poll(inflight)
         return inflight
@@ -383,6 +389,8 @@ class ReadExecutor:
             inflight.unchecked.pop(0)
             handle, slot, state = posted
             inflight.checks[q] = (handle, slot)
+            if state is TransferState.PROC:
+                inflight.waited_ranks.add(q)
             if state is TransferState.ERR:
                 inflight.fail(q, "board check: posting reported an error", ReadFailure.TRANSFER)
                 self._end_check(inflight, q)
@@ -407,7 +415,7 @@ class ReadExecutor:
             if q in inflight.stale_ranks:
                 continue
             notice = ReadNotice(request.remote_request_id, self.cache.engine_id, self.cache.tp_rank,
-                                remote.plan.expected_notifiers[q], ok)
+                                remote.plan.expected_notifiers[q], ok, alone=q not in inflight.waited_ranks)
             try:
                 self.notices.notify(remote.agent_names[q], notice.encode())
             except NixlError:

@@ -11,6 +11,8 @@ from kvxferd.plan.notifications import ReadNotice
 def test_notice_round_trip_and_rejects_garbage():
     notice = ReadNotice("req|1:ü", "decode", 3, 4, ok=False)
     assert ReadNotice.decode(notice.encode()) == notice
+    alone = ReadNotice("r", "d", 0, 1, alone=True)
+    assert ReadNotice.decode(alone.encode()) == alone and alone.encode()[3] == 3
     good = ReadNotice("r", "d", 0, 1).encode()
     for message, field in [(b"\xff", "notification"), (b"[1]" * 5, "notification"),
                            (good[:2] + b"\x02" + good[3:], "notification.version"),
@@ -37,7 +39,7 @@ def test_any_bytes_decode_to_a_record_or_a_typed_error(message):
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(min_size=1, max_size=40), st.text(min_size=1, max_size=40), st.integers(0, 65535),
-       st.integers(1, 65535), st.booleans())
-def test_notices_round_trip(request_id, engine_id, rank, expected, flag):
-    notice = ReadNotice(request_id, engine_id, rank, expected, flag)
+       st.integers(1, 65535), st.booleans(), st.booleans())
+def test_notices_round_trip(request_id, engine_id, rank, expected, ok, alone):
+    notice = ReadNotice(request_id, engine_id, rank, expected, ok, alone)
     assert ReadNotice.decode(notice.encode()) == notice

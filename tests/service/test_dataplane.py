@@ -138,6 +138,39 @@ def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, 
     assert rounds_in(0.6) <= 2
 
 
+def test_holding_polls_slowly_unless_a_readers_reads_wait_for_us(plane, monkeypatch):
+    """While requests are held, the thread polls every notice_interval_s (only to count notices: readers
+    over shared memory copy alone), and every interval_s while some reader's notice said its READs waited
+    for our progress (UCX over TCP)."""
+    cluster, slot, dataplane, done = plane
+    rounds = []
+    real = dataplane._progress_notices  # called once per slot in each polling round
+    monkeypatch.setattr(dataplane, "_progress_notices", lambda s: rounds.append(time.perf_counter()) or real(s))
+    monkeypatch.setattr(dataplane, "notice_interval_s", 0.05)
+    monkeypatch.setattr(dataplane, "_reader_setup_until_s", 0.0)
+
+    def rounds_in(seconds: float) -> int:
+        start = time.perf_counter()
+        time.sleep(seconds)
+        return sum(start <= t < start + seconds for t in rounds)
+
+    slot.holder.hold("held-for-a-reader", (np.arange(2),), 60)
+    try:
+        dataplane.wake()
+        time.sleep(dataplane_module.NOTICE_PROGRESS_S + 0.05)  # past the last notices' fast polls
+        assert rounds_in(0.3) <= 8  # every 50 ms
+        slot.holder.progress_wanted[("tcp-reader", 0)] = time.monotonic() + 60
+        dataplane.wake()
+        assert rounds_in(0.25) >= 25  # every 1 ms, on a loaded machine far fewer
+        slot.holder.progress_wanted.clear()
+        time.sleep(0.06)
+        assert rounds_in(0.3) <= 8
+    finally:
+        slot.holder.progress_wanted.clear()
+        with slot.holder.lock:
+            slot.holder.holds.release("held-for-a-reader")
+
+
 def test_notices_sent_on_the_loop_get_the_idle_threads_progress_at_once(plane, monkeypatch):
     """A read that ends in post_now sends its notices on the calling thread, whose one poll may not send
     them; the idle thread is woken to poll the notice agent, not IDLE_POLL_S later (a vLLM test's holder
