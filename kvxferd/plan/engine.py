@@ -213,11 +213,17 @@ def expected_readers(holder: EngineCache, reader_tp_size: int) -> int:
     them. It equals :attr:`EngineTransferPlan.expected_notifiers` of every
     reader rank's plan (the same union over groups of the TP notify sets).
     """
+    return int(notifying_readers(holder, reader_tp_size).sum())
+
+
+def notifying_readers(holder: EngineCache, reader_tp_size: int) -> np.ndarray:
+    """Per rank of a reader engine with ``reader_tp_size`` ranks: whether it reads (or replicates) and so
+    notifies rank ``holder.tp_rank`` (bool array). A reader rank outside it never reads this rank."""
     notify = np.zeros((reader_tp_size, holder.tp_size), dtype=bool)
     for g in range(len(holder.groups)):
         extents = tuple(f.global_extent for f in holder.region(g).fields)
         notify |= TpPairing(reader_tp_size, holder.tp_size, extents).notify_matrix
-    return int(notify[:, holder.tp_rank].sum())
+    return notify[:, holder.tp_rank]
 
 
 def _check_remotes(remotes: Sequence[EngineCache]) -> None:

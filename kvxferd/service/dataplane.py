@@ -20,15 +20,15 @@ copied inside ``transfer()``, so such a read most often ends right there)::
 How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing)::
 
     own reads in flight          poll, sleeping 20 µs doubling to READ_POLL_MAX_S
-    holds, a reader needs us     poll every ``interval_s`` (config poll_interval_s, 1 ms): UCX
-                                 over TCP serves a READ only while the holder makes progress;
-                                 such a reader's notices say its READs waited (Holder.wants_progress)
+    a reader may need us         poll every ``interval_s`` (config poll_interval_s, 1 ms): UCX
+                                 over TCP serves a READ only while the holder makes progress; such
+                                 a reader's notices say its READs waited, and a reader just
+                                 introduced probes our board over a new connection
+                                 (Holder.wants_progress)
     holds, no reader needs us    poll every ``notice_interval_s`` (config notice_poll_interval_s,
                                  10 ms): over shared memory a reader copies inside its post, and
                                  this only counts notices (how soon a hold ends CONSUMED). Measured:
-                                 the 1 ms polls of four holders cost kvxferd demo 0.1 of its ratio
-    a reader introduced lately   ``interval_s`` for READER_SETUP_S: its handshake reads our board
-                                 (the probe) over a new connection
+                                 the 1 ms polls of four holders cost kvxferd demo 0.05-0.1 of its ratio
     notices sent lately          poll every NOTICE_POLL_S (10 ms) for 50 ms (a safety net: the
                                  executor makes progress right after sending; notices sent on
                                  the event loop wake an idle thread for it: notices_sent)
@@ -67,7 +67,6 @@ HOLD_POLL_S = 1e-3  # sleep while holding requests for a reader whose READs need
 NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alone (only their notices wait)
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
-READER_SETUP_S = 0.5  # how long the holder polls at interval_s after a reader's introduction
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
 INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
@@ -128,7 +127,6 @@ class DataPlane:
         self._notices_active = False  # some notice agent was polled in the last polling round
         self._idle = False  # this thread sleeps IDLE_POLL_S (or until woken): notices_sent() wakes it
         self._notices_polled_s = 0.0  # perf_counter of the last polling round
-        self._reader_setup_until_s = 0.0  # perf_counter: poll at interval_s until then (expect_reader)
         self._reads: list[DaemonRead] = []
         self._commands: collections.deque = collections.deque()
         self._wake = Waker()
@@ -197,12 +195,6 @@ class DataPlane:
         if self._idle:
             self._wake.set()
 
-    def expect_reader(self) -> None:
-        """A reader was introduced: its handshake probes our board over a new connection next, which
-        over UCX on TCP needs our progress. Poll at ``interval_s`` for READER_SETUP_S (any thread)."""
-        self._reader_setup_until_s = time.perf_counter() + READER_SETUP_S
-        self.wake()
-
     def wake(self) -> None:
         """Something changed that needs faster polling (a new hold): any thread."""
         self._wake.set()
@@ -260,11 +252,10 @@ class DataPlane:
                 sleep_s = POLL_MIN_S
             elif self._reads:
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
-            elif time.perf_counter() < self._reader_setup_until_s:
+            elif any(slot.holder.wants_progress() for slot in self._slots):
                 sleep_s = self.interval_s
-            elif holding := [slot for slot in self._slots if len(slot.holds)]:
-                wanted = any(slot.holder.wants_progress() for slot in holding)
-                sleep_s = self.interval_s if wanted else max(self.interval_s, self.notice_interval_s)
+            elif any(len(slot.holds) for slot in self._slots):
+                sleep_s = max(self.interval_s, self.notice_interval_s)
             elif self._notices_active:
                 sleep_s = max(self.interval_s, NOTICE_POLL_S)
             else:

@@ -26,7 +26,7 @@ import grpc
 
 from kvxferd.errors import (InvalidArgumentError, KvxferError, PermissionDeniedError,
                             ResourceExhaustedError, UnauthenticatedError, UnavailableError)
-from kvxferd.plan.engine import expected_readers
+from kvxferd.plan.engine import notifying_readers
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
@@ -245,7 +245,8 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         if slot.allowed_readers and request.reader_engine_id not in slot.allowed_readers:
             raise PermissionDeniedError("reader_engine_id", f"engine {slot.engine_id!r} does not allow "
                                                             f"{request.reader_engine_id!r} to read it")
-        expected = expected_readers(slot.cache, request.reader_tp_size)  # raises for an impossible TP pairing
+        notifying = notifying_readers(slot.cache, request.reader_tp_size)  # raises for an impossible TP pairing
+        expected = int(notifying.sum())
         name = agent_name_of(request.reader_agent_metadata, "reader_agent_metadata")
         if name == slot.agent.name:
             raise InvalidArgumentError("reader_agent_metadata", f"agent {name!r} is this engine's own agent")
@@ -253,8 +254,9 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         limit = self.daemon.config.max_readers_per_engine
         if reader not in slot.readers and len(slot.readers) >= limit:
             raise ResourceExhaustedError("max_readers_per_engine", f"{limit} readers are introduced already")
-        slot.readers[reader] = Reader(name, request.reader_tp_size, expected)
-        self.daemon.dataplane.expect_reader()  # its handshake's probe READs our board next
+        slot.holder.introduce(reader, Reader(name, request.reader_tp_size, expected),
+                              reads_here=bool(notifying[request.reader_tp_rank]))
+        self.daemon.dataplane.wake()  # to poll fast: its handshake's probe READs our board next
 
     @rpc
     async def GetIncarnation(self, request, context):

@@ -21,9 +21,15 @@ is sent back, so a notice can make this side send nothing.
 A notice also says whether the reader's READs needed this side's progress
 (UCX over TCP emulates a READ with messages the holder must answer; over
 shared memory the reader copies alone). :meth:`Holder.wants_progress` tells
-the daemon's data-plane thread to poll fast while some reader said so
-lately, and slowly (only to count notices) otherwise. A reader can only
-speak for itself: saying "alone" clears its own entry, never another's.
+the daemon's data-plane thread to poll fast while some reader may need it,
+and slowly (only to count notices) otherwise::
+
+    introduce(reader)          wanted for READER_SETUP_S (its handshake's probe over a new connection)
+    notice, READs waited       wanted for PROGRESS_WANTED_S from now
+    notice ok, READs alone     not wanted for that reader (a failed read proves nothing)
+
+A reader can only speak for itself: its notices set or clear its own entry,
+never another's, and only from the agent it was introduced with.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class NoticeCounts:
 
 BOARD_KEY = "hold-board"
 PROGRESS_WANTED_S = 10.0  # a reader whose READs waited for our progress keeps polling fast this long
+READER_SETUP_S = 0.5  # a newly introduced reader gets fast polls this long (or until it reads alone)
 
 
 @dataclass(eq=False)
@@ -87,8 +94,9 @@ class Holder:
     readers: dict[tuple[str, int], Reader] = field(default_factory=dict)
     counts: NoticeCounts = field(default_factory=NoticeCounts)
     holds: HoldTable = field(init=False)
-    # reader -> time.monotonic() until which its READs may need our progress (its last notice said they
-    # waited). Written here on the polling thread; bounded by the introduced readers.
+    # reader -> time.monotonic() until which its READs may need our progress. Written by introduce (the
+    # event loop) and on_notice (the polling thread): single sets and pops, atomic under the GIL; one
+    # entry per introduced reader at most (a reader introduced again replaces its own).
     progress_wanted: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,15 +112,23 @@ class Holder:
         """Deregister the board (its holds are ended by whoever ends them: :meth:`HoldTable.drop_all`)."""
         self.agent.deregister(BOARD_KEY)
 
+    def introduce(self, key: tuple[str, int], reader: Reader, *, reads_here: bool = True,
+                  now: float | None = None) -> None:
+        """Count ``reader``'s notices from now on (by its agent's name) and, when it reads this rank, poll
+        fast for its handshake's probe: over UCX on TCP that READ of our board waits for our progress.
+        A reader rank the TP mapping never sends here gets no fast polls (any thread)."""
+        self.readers[key] = reader
+        if reads_here:
+            self.progress_wanted[key] = (time.monotonic() if now is None else now) + READER_SETUP_S
+        else:
+            self.progress_wanted.pop(key, None)
+
     def wants_progress(self, now: float | None = None) -> bool:
-        """Some reader's READs waited for this side's progress within PROGRESS_WANTED_S (poll fast)."""
+        """Some reader may need this side's progress now (see the module doc): poll fast."""
         if not self.progress_wanted:
             return False
         now = time.monotonic() if now is None else now
-        if any(until > now for until in self.progress_wanted.values()):
-            return True
-        self.progress_wanted.clear()  # all lapsed
-        return False
+        return any(until > now for until in list(self.progress_wanted.values()))  # list(): one atomic copy
 
     def on_notice(self, sender: str, message: bytes, now: float | None = None) -> list[tuple[str, HoldEnd]]:
         """Count one reader's notice; the events to publish, as ``(kind, end)``: FAILED and/or CONSUMED."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError, TpConfigError
-from kvxferd.plan.engine import EngineTransferPlan, ReadRequest, expected_readers
+from kvxferd.plan.engine import EngineTransferPlan, ReadRequest, expected_readers, notifying_readers
 from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
 from kvxferd.plan.descriptors import expand_rows
@@ -73,8 +73,13 @@ def test_holder_counts_its_readers_as_every_reader_plan_does(model, shape):
     prefill_groups, decode_groups = model_groups(model, SHAPES[shape])
     for p, d in TP_PAIRS:
         prefill = [allocate_engine("P", prefill_groups, p, q, tagged=False).cache for q in range(p)]
-        plan = EngineTransferPlan(allocate_engine("D", decode_groups, d, 0, tagged=False).cache, prefill)
-        assert [expected_readers(prefill[q], d) for q in range(p)] == [plan.expected_notifiers[q] for q in range(p)], (p, d)
+        plans = [EngineTransferPlan(allocate_engine("D", decode_groups, d, r, tagged=False).cache, prefill)
+                 for r in range(d)]
+        assert [expected_readers(prefill[q], d) for q in range(p)] == [plans[0].expected_notifiers[q]
+                                                                      for q in range(p)], (p, d)
+        # Which reader ranks notify (and so read or replicate) each holder rank: exactly the plans that do.
+        for q in range(p):
+            assert notifying_readers(prefill[q], d).tolist() == [q in plan.notify_ranks for plan in plans], (p, d, q)
 
 
 def test_contiguous_allocations_merge_to_one_descriptor_per_region():

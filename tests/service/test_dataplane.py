@@ -20,7 +20,8 @@ from kvxferd.service.dataplane import DaemonRead, DataPlane, ReadDone
 from kvxferd.service.slots import EngineSlot
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.holder import Holder
+from kvxferd.xfer import holder as holder_module
+from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.xfer.reads import ReadFailure
 
 
@@ -118,12 +119,15 @@ def test_a_read_of_a_gone_remote_fails_at_once_on_either_path(plane):
 
 def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, monkeypatch):
     """Idle, the thread polls every 0.5 s; a reader's introduction makes it poll every interval_s for
-    READER_SETUP_S (the reader's probe over a new connection needs the holder's progress over TCP)."""
+    READER_SETUP_S (the reader's probe over a new connection needs the holder's progress over TCP), and a
+    reader rank the TP mapping never sends here gets none."""
     cluster, slot, dataplane, done = plane
     rounds = []
     real = dataplane._progress_notices  # called once per slot in each polling round
     monkeypatch.setattr(dataplane, "_progress_notices", lambda s: rounds.append(time.perf_counter()) or real(s))
-    monkeypatch.setattr(dataplane_module, "READER_SETUP_S", 0.3)
+    monkeypatch.setattr(holder_module, "READER_SETUP_S", 0.3)
+    monkeypatch.setattr(slot.holder, "progress_wanted", {})
+    monkeypatch.setattr(slot.holder, "readers", dict(slot.holder.readers))
 
     def rounds_in(seconds: float) -> int:
         start = time.perf_counter()
@@ -132,7 +136,11 @@ def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, 
 
     time.sleep(0.6)  # past the notice agents' safety net: idle
     assert rounds_in(0.3) <= 1
-    dataplane.expect_reader()
+    slot.holder.introduce(("elsewhere", 1), Reader("elsewhere-notices", 2, 1), reads_here=False)
+    dataplane.wake()
+    assert rounds_in(0.3) <= 2
+    slot.holder.introduce(("new-reader", 0), Reader("new-reader-notices", 1, 1))
+    dataplane.wake()
     assert rounds_in(0.25) >= 25  # every 1 ms, on a loaded machine far fewer
     time.sleep(0.1)
     assert rounds_in(0.6) <= 2
@@ -147,7 +155,7 @@ def test_holding_polls_slowly_unless_a_readers_reads_wait_for_us(plane, monkeypa
     real = dataplane._progress_notices  # called once per slot in each polling round
     monkeypatch.setattr(dataplane, "_progress_notices", lambda s: rounds.append(time.perf_counter()) or real(s))
     monkeypatch.setattr(dataplane, "notice_interval_s", 0.05)
-    monkeypatch.setattr(dataplane, "_reader_setup_until_s", 0.0)
+    monkeypatch.setattr(slot.holder, "progress_wanted", {})
 
     def rounds_in(seconds: float) -> int:
         start = time.perf_counter()

@@ -13,7 +13,7 @@ import pytest
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.holder import PROGRESS_WANTED_S, Reader
+from kvxferd.xfer.holder import PROGRESS_WANTED_S, READER_SETUP_S, Reader
 
 GROUPS = model_groups("gqa", ModelShape())
 
@@ -57,7 +57,7 @@ def holder_and_reader():
     prefill_groups, decode_groups = GROUPS
     with LocalCluster(prefill_groups, decode_groups, 1, 1, name="speaks") as cluster:
         holder = cluster.holders[0]
-        holder.readers[("other", 0)] = Reader("other-notices", 1, 1)  # a second introduced reader
+        holder.introduce(("other", 0), Reader("other-notices", 1, 1), now=0.0)  # a second reader
         yield holder, cluster.executors[0].notices.name, cluster.decode_id
 
 
@@ -81,4 +81,15 @@ def test_a_reader_speaks_only_for_itself(holder_and_reader):
     assert not holder.wants_progress(now + 1)
     holder.on_notice("other-notices", notice("other", alone=False), now)
     assert holder.wants_progress(now + 1) and not holder.wants_progress(now + PROGRESS_WANTED_S + 1)
-    assert holder.progress_wanted == {}  # lapsed entries go
+
+
+def test_a_new_reader_gets_fast_polls_until_it_reads_alone_and_one_that_never_reads_here_none(holder_and_reader):
+    holder, agent_name, decode_id = holder_and_reader
+    holder.progress_wanted.clear()
+    reader = holder.readers[(decode_id, 0)]
+    holder.introduce((decode_id, 0), reader, now=50.0)  # introduced again (a re-handshake)
+    assert holder.wants_progress(50.0) and not holder.wants_progress(50.0 + READER_SETUP_S)
+    holder.on_notice(agent_name, ReadNotice("never-held", decode_id, 0, 1, alone=True).encode(), 50.1)
+    assert not holder.wants_progress(50.1)  # its first read went alone: the window ends early
+    holder.introduce(("elsewhere", 3), Reader("elsewhere-notices", 4, 1), reads_here=False, now=60.0)
+    assert not holder.wants_progress(60.0) and ("elsewhere", 3) in holder.readers
