@@ -95,9 +95,10 @@ class DaemonConfig(BaseSettings):
     handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
     peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")
     poll_interval_s: float = Field(1e-3, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
-                                   "while requests are held and some reader's READs wait for this daemon's "
-                                   "progress (UCX over TCP; its notices say so), and after a reader's "
-                                   "introduction; lower it (e.g. 1e-4) where UCX runs over TCP (s)")
+                                   "while some reader may need this daemon's progress: its READs waited for "
+                                   "it in the last 10 s (UCX over TCP; its notices say so), or it was "
+                                   "introduced in the last 0.5 s and has not read alone yet; lower it (e.g. "
+                                   "1e-4) where UCX runs over TCP (s)")
     notice_poll_interval_s: float = Field(1e-2, gt=0, le=1.0, description="sleep of the data-plane thread between "
                                           "NIXL polls while requests are held and no reader needs this daemon's "
                                           "progress (shared memory on one host): how soon the last reader's "

@@ -220,6 +220,8 @@ class DataPlane:
             self._metrics.notices_dropped.labels("malformed").inc()
         elif kind == "late":
             self._metrics.late_notices.inc()
+        elif kind == "waited":
+            self._metrics.waited_notices.inc()
 
     def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None) -> None:
         """Abort a slot's reads (of one remote engine, or all) before their memory or lists go; call with

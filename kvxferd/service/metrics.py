@@ -40,6 +40,9 @@ class Metrics:
                                    "checked (blocks invalid)", registry=r)
         self.late_notices = Counter("kvxferd_late_notices", "readers' notices for holds that had ended already "
                                     "(lease, release): counted for nothing", registry=r)
+        self.waited_notices = Counter("kvxferd_waited_notices", "readers' notices saying their READs waited for "
+                                      "this daemon's progress (UCX over TCP, RDMA): each keeps the holder polling "
+                                      "every poll_interval_s for 10 s", registry=r)
         self.events = Counter("kvxferd_notify_events", "notify-bus events published", ["kind"], registry=r)
         self.notices_dropped = Counter("kvxferd_notices_dropped", "read notices dropped: from a NIXL agent not "
                                        "introduced for that reader (foreign: forged or stale), or not a valid notice "

@@ -64,10 +64,11 @@ class NoticeCounts:
     bad: int = 0  # undecodable or inconsistent notices
     foreign: int = 0  # from an agent not introduced for that reader: dropped
     late: int = 0  # a successful read's notice after its hold had ended (lease, release): counts for nothing
+    waited: int = 0  # an introduced reader's notice whose READs waited for our progress (we poll fast)
     on_add: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def add(self, kind: str) -> None:
-        """Count one ``bad``, ``foreign`` or ``late`` notice."""
+        """Count one ``bad``, ``foreign``, ``late`` or ``waited`` notice."""
         setattr(self, kind, getattr(self, kind) + 1)
         if self.on_add is not None:
             self.on_add(kind)
@@ -148,6 +149,7 @@ class Holder:
         key = (notice.reader_engine_id, notice.reader_rank)
         if not notice.alone:
             self.progress_wanted[key] = now + PROGRESS_WANTED_S
+            self.counts.add("waited")
         elif notice.ok:
             self.progress_wanted.pop(key, None)
         try:
