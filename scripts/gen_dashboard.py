@@ -25,6 +25,8 @@ PANELS = [
     ("Reads in flight / holds pending", "short", [
         ("reads in flight", f"sum(kvxferd_reads_in_flight{SEL})"), ("holds pending", f"sum(kvxferd_holds_pending{SEL})")]),
     ("Notify events / s", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_notify_events_total{SEL}{RATE}))")]),
+    ("Readers' notices that waited for the holder (fast polls) / s", "ops", [
+        ("{{pod}}", f"sum by (pod) (rate(kvxferd_waited_notices_total{SEL}{RATE}))")]),
     ("Leases expired, stale reads and late notices / s", "ops", [
         ("leases expired", f"sum(rate(kvxferd_leases_expired_total{SEL}{RATE}))"),
         ("stale reads", f"sum(rate(kvxferd_stale_reads_total{SEL}{RATE}))"),
