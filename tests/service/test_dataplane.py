@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -117,22 +118,30 @@ def test_a_read_of_a_gone_remote_fails_at_once_on_either_path(plane):
         cluster.holders[0].holds.release(read.planned.request.remote_request_id)
 
 
-def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, monkeypatch):
-    """Idle, the thread polls every 0.5 s; a reader's introduction makes it poll every interval_s for
-    READER_SETUP_S (the reader's probe over a new connection needs the holder's progress over TCP), and a
-    reader rank the TP mapping never sends here gets none."""
-    cluster, slot, dataplane, done = plane
+def _polling_rounds(dataplane: DataPlane, monkeypatch) -> Callable[[float], int]:
+    """Count the data-plane thread's polling rounds: the returned ``rounds_in(seconds)`` sleeps that long and
+    says how many rounds began meanwhile (``_progress_notices`` runs once per slot in each round)."""
     rounds = []
-    real = dataplane._progress_notices  # called once per slot in each polling round
+    real = dataplane._progress_notices
     monkeypatch.setattr(dataplane, "_progress_notices", lambda s: rounds.append(time.perf_counter()) or real(s))
-    monkeypatch.setattr(holder_module, "READER_SETUP_S", 0.3)
-    monkeypatch.setattr(slot.holder, "progress_wanted", {})
-    monkeypatch.setattr(slot.holder, "readers", dict(slot.holder.readers))
 
     def rounds_in(seconds: float) -> int:
         start = time.perf_counter()
         time.sleep(seconds)
         return sum(start <= t < start + seconds for t in rounds)
+
+    return rounds_in
+
+
+def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, monkeypatch):
+    """Idle, the thread polls every 0.5 s; a reader's introduction makes it poll every interval_s for
+    READER_SETUP_S (the reader's probe over a new connection needs the holder's progress over TCP), and a
+    reader rank the TP mapping never sends here gets none."""
+    cluster, slot, dataplane, done = plane
+    rounds_in = _polling_rounds(dataplane, monkeypatch)
+    monkeypatch.setattr(holder_module, "READER_SETUP_S", 0.3)
+    monkeypatch.setattr(slot.holder, "progress_wanted", {})
+    monkeypatch.setattr(slot.holder, "readers", dict(slot.holder.readers))
 
     time.sleep(0.6)  # past the notice agents' safety net: idle
     assert rounds_in(0.3) <= 1
@@ -151,16 +160,9 @@ def test_holding_polls_slowly_unless_a_readers_reads_wait_for_us(plane, monkeypa
     over shared memory copy alone), and every interval_s while some reader's notice said its READs waited
     for our progress (UCX over TCP)."""
     cluster, slot, dataplane, done = plane
-    rounds = []
-    real = dataplane._progress_notices  # called once per slot in each polling round
-    monkeypatch.setattr(dataplane, "_progress_notices", lambda s: rounds.append(time.perf_counter()) or real(s))
+    rounds_in = _polling_rounds(dataplane, monkeypatch)
     monkeypatch.setattr(dataplane, "notice_interval_s", 0.05)
-    monkeypatch.setattr(slot.holder, "progress_wanted", {})
-
-    def rounds_in(seconds: float) -> int:
-        start = time.perf_counter()
-        time.sleep(seconds)
-        return sum(start <= t < start + seconds for t in rounds)
+    monkeypatch.setattr(slot.holder, "progress_wanted", {})  # the fixture's dict is back after the test
 
     slot.holder.hold("held-for-a-reader", (np.arange(2),), 60)
     try:
@@ -174,7 +176,6 @@ def test_holding_polls_slowly_unless_a_readers_reads_wait_for_us(plane, monkeypa
         time.sleep(0.06)
         assert rounds_in(0.3) <= 8
     finally:
-        slot.holder.progress_wanted.clear()
         with slot.holder.lock:
             slot.holder.holds.release("held-for-a-reader")
 
