@@ -120,6 +120,12 @@ class EngineTransferPlan:
         # Prefill rank q releases a request after this many readers notified it.
         self.expected_notifiers = {q: int(notify[:, q].sum()) for q in range(len(remotes))}
         self.rank_plans = tuple(self._rank_plan(q, tables[q]) for q in sorted(tables))
+        # Per group, the bytes one local block reads when every unit of it is paired: a request's size is
+        # bounded before it is planned (max_read_bytes).
+        self.bytes_per_block = tuple(
+            self.pairings[g].local_units_per_block * sum(t.descriptors_per_unit * t.local.span_bytes
+                                                         for rp in self.rank_plans for t in rp.tables if t.group == g)
+            for g in range(len(self.pairings)))
 
     @property
     def remote_engine_id(self) -> str:
@@ -169,6 +175,10 @@ class EngineTransferPlan:
                 raise InvalidArgumentError(name, f"{len(getattr(request, name))} groups given, engine has {num_groups}")
         return [p.pair_units(request.local_block_ids[g], request.remote_block_ids[g], request.num_tokens, f"groups[{g}]")
                 for g, p in enumerate(self.pairings)]
+
+    def max_read_bytes(self, request: ReadRequest) -> int:
+        """At least ``plan_request(request).num_bytes``, without planning or validating (a few µs)."""
+        return sum(len(ids) * num_bytes for ids, num_bytes in zip(request.local_block_ids, self.bytes_per_block))
 
     def plan_request(self, request: ReadRequest) -> PlannedRead:
         """Descriptor ids per remote rank for one request (vectorised; no I/O)."""

@@ -6,15 +6,17 @@ copied inside ``transfer()``, so such a read most often ends right there)::
 
     event loop (gRPC)              data-plane thread
     ─────────────────              ─────────────────────────────────────────
-    submit: validate, plan ──────► post (make_prepped_xfer + transfer per rank)
+    submit: validate, plan ──────► post (make_prepped_xfer + transfer per rank); a batch's
+                                   large read comes unplanned: planned here first
     (a small read: post_now posts
     it on the loop; ended there ─► its completion at once; else ─────► polled here)
-                                   poll own reads: data ended -> board check READ -> notices
+                                   poll own reads: data ended -> board check READ
                                    poll notices of every agent (and the notice agents' progress):
                                      reader notice -> from the agent that reader introduced?
                                        no: dropped, counted; yes: hold table
     ReadPath.done(list) ◄───────── reads that ended this round (one hop per round, not per read):
-                                   transfer finished AND every rank's hold still on its board
+                                   transfer finished AND every rank's hold still on its board;
+                                   then the holders' notices (the engine does not wait for them)
     notify bus          ◄───────── hold CONSUMED / reader FAILED (also a list per round)
 
 How often it wakes (measured in docs/benchmarks.md; an idle daemon costs nothing)::
@@ -53,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvxferd.errors import KvxferError
-from kvxferd.plan.engine import PlannedRead
+from kvxferd.plan.engine import PlannedRead, ReadRequest
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.service.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
@@ -78,17 +80,23 @@ class DaemonRead:
 
     slot: EngineSlot
     remote: RemoteEngine
-    planned: PlannedRead
+    planned: PlannedRead | None  # None: planned on this thread when it starts (a large read of a batch)
     submitted_s: float  # perf_counter when the RPC arrived
     deadline_s: float  # perf_counter
     inflight: InFlightRead | None = None
-    queued_s: float = 0.0  # posting began (post_now) or handed to this thread (submit)
+    queued_s: float = 0.0  # planned and handed to NIXL's post (post_now), or to this thread (submit)
     posted_s: float = 0.0
     transfer: ReadResult | None = None
+    request: ReadRequest | None = None  # planned.request when planned is given
+    refusal: KvxferError | None = None  # planning on this thread refused it: nothing was posted
+
+    def __post_init__(self) -> None:
+        if self.request is None:
+            self.request = self.planned.request
 
     @property
     def request_id(self) -> str:
-        return self.planned.request.request_id
+        return self.request.request_id
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,7 +110,8 @@ class ReadDone:
     failure: ReadFailure  # NONE when ok
     plan_s: float = 0.0  # submit -> posting began (on the loop, or handed to the data-plane thread)
     transfer_s: float = 0.0  # posted -> every transfer ended
-    check_s: float = 0.0  # transfers ended -> board checks in, notices sent
+    check_s: float = 0.0  # transfers ended -> board checks in
+    refusal: KvxferError | None = None  # refused when planned on the data-plane thread (nothing posted)
 
 
 class DataPlane:
@@ -114,6 +123,7 @@ class DataPlane:
                  metrics=None) -> None:
         self._on_reads_done = on_reads_done
         self._finished: list[ReadDone] = []  # this round's, handed over together
+        self._unnotified: list[DaemonRead] = []  # this round's finished reads: notices after the hand-over
         self._on_hold_events = on_hold_events
         self._hold_events: list[tuple[EngineSlot, str, HoldEnd]] = []  # this round's
         self._metrics = metrics
@@ -176,15 +186,23 @@ class DataPlane:
             inflight = read.inflight
             wait_until_s = time.perf_counter() + INLINE_CHECK_WAIT_S
             while inflight.result is None and not inflight.handles and time.perf_counter() < wait_until_s:
-                executor.poll(inflight)  # the data is in, its board checks are not: a few µs (bench floors)
+                executor.poll(inflight, notify=False)  # the data is in, its checks not yet: a few µs (bench floors)
             if inflight.result is None:
                 self._reads.append(read)  # list.append is atomic; this thread polls it from now on
                 self._wake.set()
                 return None
         self._num_done_now += 1
         read.transfer = inflight.result
-        self.notices_sent()
         return self._ended(read, read.transfer, read.transfer.failure)
+
+    def send_notices(self, read: DaemonRead) -> None:
+        """The holders' notices of a read that ended in :meth:`post_now` (event-loop thread), once its
+        completion was handed on: the engine does not wait for the holders' bookkeeping."""
+        if read.inflight is None:
+            return
+        with read.slot.executor.lock:  # not interleaved with a deregistration closing the agents
+            read.slot.executor.send_notices(read.inflight)
+        self.notices_sent()
 
     def notices_sent(self) -> None:
         """The calling thread sent notices (a read that ended in post_now, a probe's HELLO): they go out
@@ -294,22 +312,36 @@ class DataPlane:
         if self._finished:
             finished, self._finished = self._finished, []
             self._on_reads_done(finished)
+        if self._unnotified:  # after the hand-over: the completions do not wait for the notices
+            unnotified, self._unnotified = self._unnotified, []
+            for read in unnotified:
+                read.slot.executor.send_notices(read.inflight)
         if self._hold_events:
             events, self._hold_events = self._hold_events, []
             self._on_hold_events(events)
 
     @staticmethod
     def _start(read: DaemonRead) -> ReadFailure:
-        """Post on the engine's current link (either thread). A read whose deadline passed before it
-        could be posted fails as DEADLINE with nothing posted (the engine was promised an answer by
-        then; under a backlog this sheds what nobody waits for any more); a remote that is gone,
-        REMOTE_GONE. Either way ``read.transfer`` holds the failed result."""
+        """Plan a read handed over unplanned, then post on the engine's current link (either thread). Bad
+        ids are REFUSED (``read.refusal``) before any I/O. A read whose deadline passed before it could
+        be posted fails as DEADLINE with nothing posted (the engine was promised an answer by then;
+        under a backlog this sheds what nobody waits for any more); a remote that is gone, REMOTE_GONE.
+        Either way ``read.transfer`` holds the failed result."""
+        if read.planned is None:
+            try:
+                read.planned = read.remote.plan.plan_request(read.request)
+            except KvxferError as err:
+                read.refusal = err
+                read.transfer = ReadResult(read.request_id, read.remote.plan.remote_engine_id, False, 0, 0,
+                                           time.perf_counter() - read.submitted_s, (), (), str(err))
+                return ReadFailure.REFUSED
+            read.queued_s = time.perf_counter()  # the plan stage ends here, as on the loop
         if time.perf_counter() >= read.deadline_s:
             read.transfer = error_result(read, "deadline: it passed before the read could be posted")
             return ReadFailure.DEADLINE
         try:
-            read.remote, read.planned, read.inflight = read.slot.executor.post_current(read.remote, read.planned,
-                                                                                      read.submitted_s)
+            read.remote, read.planned, read.inflight = read.slot.executor.post_current(
+                read.remote, read.planned, read.submitted_s, notify=False)
         except KvxferError as err:
             read.transfer = error_result(read, str(err))
             return ReadFailure.REMOTE_GONE
@@ -321,7 +353,7 @@ class DataPlane:
         now = time.perf_counter()
         for read in list(self._reads):
             step = read.inflight.step
-            read.transfer = read.slot.executor.poll(read.inflight)
+            read.transfer = read.slot.executor.poll(read.inflight, notify=False)
             busy |= read.inflight.step != step  # a rank's data came in: its check is posted, poll again soon
             if read.transfer is None and now >= read.deadline_s:
                 read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer or its board check "
@@ -339,6 +371,8 @@ class DataPlane:
         """A read ended on this thread: handed to the loop with the round's others."""
         self._num_done += 1
         self._finished.append(self._ended(read, result, failure))
+        if read.inflight is not None:
+            self._unnotified.append(read)
 
     @staticmethod
     def _ended(read: DaemonRead, result: ReadResult, failure: ReadFailure) -> ReadDone:
@@ -351,7 +385,7 @@ class DataPlane:
             transferred_s = read.inflight.transferred_s if read.inflight is not None else 0.0
             if transferred_s:
                 stages.update(transfer_s=transferred_s - read.posted_s, check_s=now - transferred_s)
-        return ReadDone(read.slot, result, post_s, time.time(), failure, **stages)
+        return ReadDone(read.slot, result, post_s, time.time(), failure, **stages, refusal=read.refusal)
 
     # ---- notices ----------------------------------------------------------------------
     def _poll_notifications(self) -> bool:

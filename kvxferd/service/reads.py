@@ -4,11 +4,14 @@
 
     submit (SubmitRead, or one ReadSpec of a Reads batch)
       checks: draining? duplicate id? too many reads in flight? handshake done?
+      ─► a batch's read over what the batch may still post here (max_read_bytes, a bound):
+         handed to the data-plane thread unplanned; it plans (bad ids: refused there, before
+         any I/O, as the read's completion) and posts
       plan once (vectorised: bad ids fail here, before any I/O)
       ─► small (the batch's reads posted here stay within INLINE_MAX_BYTES): posted here on
-         the loop; ended within the post (host memory) -> its completion at once, else the
-         data-plane thread polls it
-      ─► larger: the data-plane thread posts it
+         the loop; ended within the post (host memory) -> its completion at once, then the
+         holders' notices, else the data-plane thread polls it
+      ─► larger (SubmitRead): the data-plane thread posts it
       ─► link stale: re-handshake, plan again, post
     done (a list per data-plane round, one hop back to the loop)
       metrics; a failed transfer marks the link stale (the next read re-handshakes)
@@ -53,8 +56,14 @@ class ReadPath:
         self._inline_left = INLINE_MAX_BYTES
 
     def submit(self, slot: EngineSlot, remote_engine_id: str, request: ReadRequest, deadline_s: float,
-               received_s: float) -> None:
-        """Check, plan and hand a read to the data plane; raises a typed error when refused (nothing posted)."""
+               received_s: float, *, plan_here: bool = True) -> None:
+        """Check, plan and hand a read to the data plane; raises a typed error when refused (nothing posted).
+
+        ``plan_here=False`` (a read of a ``Reads`` batch, whose refusals are
+        completions anyway): a read larger than the batch may still post here
+        is planned on the data-plane thread instead, so the loop hands it over
+        at once; bad ids are refused there, before any I/O.
+        """
         daemon = self.daemon
         config = daemon.config
         daemon.registry.check_accepting()
@@ -68,6 +77,12 @@ class ReadPath:
             raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet")
         deadline_at_s = received_s + check_seconds(deadline_s, "deadline_s", default_s=config.deadline_s,
                                                    max_s=config.max_deadline_s)
+        if not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left:
+            # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often
+            # land on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
+            slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
+            daemon.dataplane.submit(DaemonRead(slot, link.remote, None, received_s, deadline_at_s, request=request))
+            return
         planned = link.remote.plan.plan_request(request)  # bad ids fail here, before anything is posted
         slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
         read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s)
@@ -76,6 +91,8 @@ class ReadPath:
             done = daemon.dataplane.post_now(read)  # small: posted here, most often ended here too
             if done is not None:
                 self.done([done])
+                # After the loop's next step, which writes the completion (the engine does not wait for them).
+                asyncio.get_running_loop().call_soon(daemon.dataplane.send_notices, read)
         elif link.ready:
             daemon.dataplane.submit(read)
         else:  # re-handshake first (the remote restarted or failed); the engine is not kept waiting
@@ -103,7 +120,8 @@ class ReadPath:
             if spec.resend and (spec.request_id in slot.active or slot.completions.has(spec.request_id)):
                 continue  # the first send arrived; its completion is on its way
             try:
-                self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
+                self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s,
+                            plan_here=False)
             except KvxferError as err:
                 if len(slot.active) + len(slot.completions) >= 2 * config.max_reads_per_engine:
                     # Even refusals are not read: end the session instead of queueing more.
@@ -130,7 +148,7 @@ class ReadPath:
             await asyncio.wait_for(self.daemon.peers.handshake(read.slot, link.remote_engine_id),
                                    max(0.0, read.deadline_s - time.perf_counter()))
             read.remote = link.remote
-            read.planned = link.remote.plan.plan_request(read.planned.request)
+            read.planned = link.remote.plan.plan_request(read.request)
         except asyncio.TimeoutError:
             self._fail(read, "deadline: the re-handshake did not finish in time", ReadFailure.DEADLINE)
             return
@@ -149,6 +167,9 @@ class ReadPath:
         for done in finished:
             result, slot = done.result, done.slot
             slot.active.pop(result.request_id, None)
+            if done.refusal is not None:  # planned on the data-plane thread, refused there: nothing was posted
+                self.refuse(slot, result.request_id, done.refusal)
+                continue
             m.read_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
             if done.post_s:
                 m.read_post.observe(done.post_s)

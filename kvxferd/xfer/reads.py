@@ -11,8 +11,11 @@
       make_prepped_xfer(ids) + transfer per rank               no notification attached
     poll / wait                                                no busy spin
       check_xfer_state; a rank's data ended -> READ its two board buckets (checks.py);
-      all ended -> notices from the notice agent to every holder, release handles,
-      ReadResult (status, bytes, invalid block ids per group; stale ranks failed)
+      all ended -> release handles, ReadResult (status, bytes, invalid block ids per
+      group; stale ranks failed)
+    send_notices                                               once, after the result
+      a notice from the notice agent to every holder (poll sends it at once unless
+      told not to: a daemon hands the result to its engine first)
 
 Notices come from a second agent because a READ queued behind a notification
 on the same pair of agents waits for the holder's next poll (measured in
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, NotFoundError, TransferError
+from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, TransferError
 from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
@@ -69,7 +72,6 @@ class ReadResult:
     invalid_block_ids: tuple[np.ndarray, ...]  # per group; empty when ok
     failed_ranks: tuple[int, ...] = ()
     error: str | None = None
-    unnotified_ranks: tuple[int, ...] = ()  # holders a notice could not reach
     failure: ReadFailure = ReadFailure.NONE
 
 
@@ -108,6 +110,7 @@ class InFlightRead:
     step: int = 0  # counts ranks whose data READ or check ended: a poller sees progress short of the end
     posted_s: float = 0.0  # perf_counter when every rank was posted
     transferred_s: float = 0.0  # perf_counter when the last data READ ended
+    notified: bool = False  # its notices went out (send_notices)
 
     def fail(self, q: int, error: str, failure: ReadFailure) -> None:
         self.errors.setdefault(q, error)
@@ -266,19 +269,21 @@ class ReadExecutor:
     def post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None) -> InFlightRead:
         """Post a request planned with ``remote.plan`` (which must be current: see :meth:`post_current`)."""
         with self.lock:
-            return self._post_planned(remote, planned, start_s)
+            return self._post_planned(remote, planned, start_s, notify=True)
 
-    def post_current(self, remote: RemoteEngine, planned: PlannedRead,
-                     start_s: float | None = None) -> tuple[RemoteEngine, PlannedRead, InFlightRead]:
+    def post_current(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None, *,
+                     notify: bool = True) -> tuple[RemoteEngine, PlannedRead, InFlightRead]:
         """Post on the remote engine's current connection: a request planned before a re-handshake is
-        planned again on the new one (same layouts, new lists). Raises a typed error when it is gone."""
+        planned again on the new one (same layouts, new lists). Raises a typed error when it is gone.
+        ``notify``: as in :meth:`poll` (the post polls once)."""
         with self.lock:
             if not self.is_current(remote):
                 remote = self.remote(remote.plan.remote_engine_id)
                 planned = remote.plan.plan_request(planned.request)
-            return remote, planned, self._post_planned(remote, planned, start_s)
+            return remote, planned, self._post_planned(remote, planned, start_s, notify=notify)
 
-    def _post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None) -> InFlightRead:
+    def _post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None, *,
+                      notify: bool) -> InFlightRead:
         inflight = InFlightRead(planned, remote, time.perf_counter() if start_s is None else start_s)
         if remote.board_lists:
             inflight.tag = hold_tag(planned.request.remote_request_id)
@@ -302,12 +307,19 @@ class ReadExecutor:
                 if state is TransferState.PROC:
                     inflight.waited_ranks.add(q)
         inflight.posted_s = time.perf_counter()
-        self.poll(inflight)
+        self.poll(inflight, notify=notify)
         return inflight
 
-    def poll(self, inflight: InFlightRead) -> ReadResult | None:
-        """Advance a posted request; returns its result once every rank's read and board check ended."""
+    def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
+        """Advance a posted request; returns its result once every rank's read and board check ended.
+
+        With ``notify`` the holders' notices go out with the result; without, the
+        caller sends them with :meth:`send_notices` once it has passed the result on
+        (the holders' bookkeeping need not delay the engine: the checks already ran).
+        """
         if inflight.result is not None:
+            if notify:
+                self.send_notices(inflight)
             return inflight.result
         for q, handle in list(inflight.handles.items()):
             state = self._state(inflight, q, handle)
@@ -336,6 +348,8 @@ class ReadExecutor:
         if inflight.handles or inflight.checks or inflight.unchecked:
             return None
         inflight.result = self._finish(inflight)
+        if notify:
+            self.send_notices(inflight)
         return inflight.result
 
     def wait(self, inflight: InFlightRead, timeout_s: float = 30.0) -> ReadResult:
@@ -404,34 +418,44 @@ class ReadExecutor:
         except NixlError:
             pass  # the handle of a failed transfer may already be gone
 
+    def send_notices(self, inflight: InFlightRead) -> None:
+        """Tell every holder how a finished read went, once (nothing before its result).
+
+        Not a rank whose hold had ended: that notice could only count for a
+        later hold of the same request id. A holder that is gone is skipped:
+        its hold expires on its side.
+        """
+        result = inflight.result
+        if result is None or inflight.notified:
+            return
+        inflight.notified = True
+        planned, remote = inflight.planned, inflight.remote
+        for q in planned.notify_ranks:
+            if q in inflight.stale_ranks:
+                continue
+            notice = ReadNotice(planned.request.remote_request_id, self.cache.engine_id, self.cache.tp_rank,
+                                remote.plan.expected_notifiers[q], result.ok, alone=q not in inflight.waited_ranks)
+            try:
+                self.notices.notify(remote.agent_names[q], notice.encode())
+            except KvxferError:  # the peer went away, or this executor was closed meanwhile
+                pass
+        self.num_notices_sent += 1
+        try:
+            self.notices.poll_notifications()  # progress: sends them on now (the daemon's thread also polls it)
+        except KvxferError:
+            pass
+
     def _finish(self, inflight: InFlightRead) -> ReadResult:
         planned, remote = inflight.planned, inflight.remote
         ok = not inflight.errors
         request = planned.request
-        # Every holder hears once how the read went, after it ended (and was checked); not a rank whose
-        # hold had ended: that notice could only count for a later hold of the same request id.
-        unnotified = []
-        for q in planned.notify_ranks:
-            if q in inflight.stale_ranks:
-                continue
-            notice = ReadNotice(request.remote_request_id, self.cache.engine_id, self.cache.tp_rank,
-                                remote.plan.expected_notifiers[q], ok, alone=q not in inflight.waited_ranks)
-            try:
-                self.notices.notify(remote.agent_names[q], notice.encode())
-            except NixlError:
-                unnotified.append(q)  # the peer is gone; its hold expires on its side
-        self.num_notices_sent += 1
-        try:
-            self.notices.poll_notifications()  # progress: sends them on now (the daemon's thread also polls it)
-        except NixlError:
-            pass
         failed = tuple(sorted(inflight.errors))
         invalid = planned.invalid_block_ids(failed) if failed else tuple(np.zeros(0, np.int64) for _ in planned.units)
         error = "; ".join(f"rank {q}: {inflight.errors[q]}" for q in failed) or None
         return ReadResult(request.request_id, remote.plan.remote_engine_id, ok,
                           sum(r.num_bytes for r in planned.reads if r.remote_rank not in inflight.errors),
                           sum(r.num_descriptors for r in planned.reads), time.perf_counter() - inflight.start_s,
-                          invalid, failed, error, tuple(unnotified), inflight.failure)
+                          invalid, failed, error, inflight.failure)
 
 
 STALE_ERROR = ("stale read: the hold had ended (lease expired or released) before the read was checked "

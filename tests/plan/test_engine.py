@@ -33,7 +33,11 @@ def simulate(model, shape, p, d, requests):
         plan = EngineTransferPlan(decode.cache, [e.cache for e in prefill])
         for request in requests(prefill_groups, decode_groups):
             decode.reset()
-            apply_planned_read(plan.plan_request(request), decode, prefill)
+            planned = plan.plan_request(request)
+            # the bound a daemon decides with where to plan a read (before planning it)
+            if plan.max_read_bytes(request) < planned.num_bytes:
+                problems.append(f"{request.request_id}: bound {plan.max_read_bytes(request)} < {planned.num_bytes}")
+            apply_planned_read(planned, decode, prefill)
             problems += check_buffers(decode, expected_buffers(decode.cache, prefill_groups, request))
     return problems
 
@@ -51,6 +55,14 @@ def test_plan_moves_exactly_the_oracle_bytes(pair, model, shape):
                              contiguous=False)
 
     assert simulate(model, SHAPES[shape], p, d, requests) == []
+
+
+def test_max_read_bytes_is_exact_when_every_block_is_read_whole():
+    prefill_groups, decode_groups = model_groups("gqa", ModelShape())
+    prefill = [allocate_engine("P", prefill_groups, 2, q, tagged=False).cache for q in range(2)]
+    plan = EngineTransferPlan(allocate_engine("D", decode_groups, 1, 0, tagged=False).cache, prefill)
+    request = random_request("r", prefill_groups, decode_groups, 160, np.random.default_rng(0))
+    assert plan.max_read_bytes(request) == plan.plan_request(request).num_bytes > 0
 
 
 def test_notify_sets_cover_every_holder_of_every_group():

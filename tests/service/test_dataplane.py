@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kvxferd.errors import InvalidArgumentError
 from kvxferd.service import dataplane as dataplane_module
 from kvxferd.service.dataplane import DaemonRead, DataPlane, ReadDone
 from kvxferd.service.slots import EngineSlot
@@ -73,13 +74,38 @@ def test_posted_here_or_on_the_thread_a_read_ends_the_same(plane, monkeypatch):
     ended = dataplane.post_now(here)
     assert ended is not None and ended.result.ok and ended.failure is ReadFailure.NONE
     assert ended.post_s > 0 and ended.check_s > 0 and cluster.check(here.planned.request) == []
+    # The holders hear of it only once the loop handed the completion on and sent the notices.
+    assert cluster.holder_thread.wait_end(0, here.planned.request.remote_request_id, timeout_s=0.2) is None
+    dataplane.send_notices(here)
+    dataplane.send_notices(here)  # once only: a second call sends nothing (no second notice, no late one)
     assert _consumed(cluster, here)
+    time.sleep(0.05)  # a second notice would reach the holder now: late, for a hold that ended
+    assert cluster.holders[0].counts.late == 0
     cluster.reset_decode()
     there = _read(cluster, slot, "there", 2)
     dataplane.submit(there)
     ended = done.get(timeout=10)
     assert ended.result.request_id == "there" and ended.result.ok and cluster.check(there.planned.request) == []
     assert _consumed(cluster, there) and dataplane.num_reads == 0
+
+
+def test_a_read_handed_over_unplanned_is_planned_on_the_thread_and_bad_ids_are_refused(plane):
+    cluster, slot, dataplane, done = plane
+    cluster.reset_decode()
+    good, bad = _read(cluster, slot, "unplanned", 5), _read(cluster, slot, "unplanned-bad", 6)
+    request = bad.request
+    bad.request = type(request)(request.request_id, request.remote_request_id,
+                                tuple(ids + 10_000 for ids in request.local_block_ids), request.remote_block_ids)
+    for read in (good, bad):
+        read.planned = None
+        dataplane.submit(read)
+    ended = {d.result.request_id: d for d in (done.get(timeout=10), done.get(timeout=10))}
+    assert ended["unplanned"].result.ok and ended["unplanned"].refusal is None and ended["unplanned"].plan_s > 0
+    assert cluster.check(good.request) == [] and _consumed(cluster, good)
+    refused = ended["unplanned-bad"]
+    assert isinstance(refused.refusal, InvalidArgumentError) and refused.failure is ReadFailure.REFUSED
+    assert not refused.result.ok and refused.post_s == 0 and bad.inflight is None  # nothing was posted
+    assert dataplane.num_reads == 0
 
 
 def test_a_read_that_does_not_end_within_its_post_is_handed_over(plane):
@@ -181,8 +207,8 @@ def test_holding_polls_slowly_unless_a_readers_reads_wait_for_us(plane, monkeypa
 
 
 def test_notices_sent_on_the_loop_get_the_idle_threads_progress_at_once(plane, monkeypatch):
-    """A read that ends in post_now sends its notices on the calling thread, whose one poll may not send
-    them; the idle thread is woken to poll the notice agent, not IDLE_POLL_S later (a vLLM test's holder
+    """A read that ends in post_now has its notices sent on the calling thread (send_notices, after the
+    completion), whose one poll may not send them; the idle thread is woken to poll the notice agent, not IDLE_POLL_S later (a vLLM test's holder
     saw no CONSUMED after 0.3 s)."""
     cluster, slot, dataplane, done = plane
     monkeypatch.setattr(dataplane_module, "IDLE_POLL_S", 30.0)
@@ -202,6 +228,7 @@ def test_notices_sent_on_the_loop_get_the_idle_threads_progress_at_once(plane, m
     read = _read(cluster, slot, "woken", 41)
     ended = dataplane.post_now(read)
     assert ended is not None and ended.result.ok
+    dataplane.send_notices(read)
     deadline = time.monotonic() + 3
     while "kvxferd-dataplane" not in polls and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,5 +1,7 @@
 """ReadPath's choice of where a read is posted: a batch posts at most INLINE_MAX_BYTES on the event loop in
-all (the copy blocks the loop), the rest goes to the data-plane thread; a new batch starts a new budget."""
+all (the copy blocks the loop), the rest goes to the data-plane thread; a new batch starts a new budget.
+A read of a Reads batch that goes there goes unplanned (the thread plans it); a refusal from there
+becomes the read's completion."""
 
 from __future__ import annotations
 
@@ -11,14 +13,18 @@ from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.service.completions import CompletionFeed
-from kvxferd.service.dataplane import INLINE_MAX_BYTES
+import grpc
+
+from kvxferd.errors import InvalidArgumentError
+from kvxferd.service.dataplane import INLINE_MAX_BYTES, ReadDone
+from kvxferd.xfer.reads import ReadFailure, ReadResult
 from kvxferd.service.reads import ReadPath
 from kvxferd.verify.engines import paper_cache
 
 
 class _DataPlane:
     def __init__(self) -> None:
-        self.here, self.there = [], []
+        self.here, self.there, self.unplanned = [], [], []
 
     def post_now(self, read):
         self.here.append(read.request_id)
@@ -26,6 +32,8 @@ class _DataPlane:
 
     def submit(self, read):
         self.there.append(read.request_id)
+        if read.planned is None:
+            self.unplanned.append(read.request_id)
 
 
 def _path():
@@ -35,7 +43,9 @@ def _path():
     link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan), ready=True)
     slot = types.SimpleNamespace(active={}, completions=CompletionFeed(), links={"p": link})
     config = types.SimpleNamespace(max_reads_per_engine=1000, deadline_s=30.0, max_deadline_s=600.0)
-    daemon = types.SimpleNamespace(config=config, dataplane=_DataPlane(),
+    counter = types.SimpleNamespace(inc=lambda *args: None)
+    metrics = types.SimpleNamespace(read_failures=types.SimpleNamespace(labels=lambda *args: counter))
+    daemon = types.SimpleNamespace(config=config, dataplane=_DataPlane(), metrics=metrics,
                                    registry=types.SimpleNamespace(check_accepting=lambda: None))
     return ReadPath(daemon), slot, plan, daemon.dataplane
 
@@ -58,3 +68,27 @@ def test_a_batch_posts_at_most_its_budget_on_the_loop():
     path.submit(slot, "p", _request(4, 4), 0.0, 0.0)
     path.submit(slot, "p", _request(5, 1), 0.0, 0.0)
     assert dataplane.here == ["r0", "r3", "r4"] and dataplane.there == ["r1", "r2", "r5"]
+
+
+def test_a_batch_hands_its_large_reads_over_unplanned():
+    path, slot, plan, dataplane = _path()
+    path.begin_batch()
+    for n in range(3):
+        path.submit(slot, "p", _request(n, 8), 0.0, 0.0, plan_here=False)
+    assert dataplane.here == ["r0"] and dataplane.there == ["r1", "r2"] and dataplane.unplanned == ["r1", "r2"]
+    assert set(slot.active) == {"r0", "r1", "r2"}  # all in flight (the fake post_now ended nothing)
+    path.begin_batch()
+    path.submit(slot, "p", _request(3, 16), 0.0, 0.0)  # SubmitRead: planned here, whatever its size
+    assert dataplane.there[-1] == "r3" and dataplane.unplanned == ["r1", "r2"]
+
+
+def test_a_refusal_from_the_data_plane_thread_is_the_reads_completion():
+    path, slot, plan, dataplane = _path()
+    path.submit(slot, "p", _request(1, 16), 0.0, 0.0, plan_here=False)
+    assert dataplane.unplanned == ["r1"]
+    err = InvalidArgumentError("local_block_ids", "block id 99 out of range")
+    result = ReadResult("r1", "p", False, 0, 0, 0.001, (), (), str(err))
+    path.done([ReadDone(slot, result, 0.0, 0.0, ReadFailure.REFUSED, refusal=err)])
+    [completion] = list(slot.completions._queued)
+    assert completion.request_id == "r1" and not completion.ok and "out of range" in completion.error
+    assert completion.refused_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "r1" not in slot.active
