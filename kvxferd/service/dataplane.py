@@ -332,8 +332,7 @@ class DataPlane:
                 read.planned = read.remote.plan.plan_request(read.request)
             except KvxferError as err:
                 read.refusal = err
-                read.transfer = ReadResult(read.request_id, read.remote.plan.remote_engine_id, False, 0, 0,
-                                           time.perf_counter() - read.submitted_s, (), (), str(err))
+                read.transfer = error_result(read, str(err))
                 return ReadFailure.REFUSED
             read.queued_s = time.perf_counter()  # the plan stage ends here, as on the loop
         if time.perf_counter() >= read.deadline_s:
@@ -436,8 +435,10 @@ class DataPlane:
 
 
 def error_result(read: DaemonRead, error: str) -> ReadResult:
-    planned = read.planned
+    """A read that failed with nothing posted: every block it was planned to write is invalid (none
+    when it was refused before being planned)."""
     everything = tuple(range(len(read.remote.agent_names)))
-    return ReadResult(planned.request.request_id, read.remote.plan.remote_engine_id, False, 0, 0,
-                      time.perf_counter() - read.submitted_s, planned.invalid_block_ids(everything), everything, error)
+    invalid = read.planned.invalid_block_ids(everything) if read.planned is not None else ()
+    return ReadResult(read.request_id, read.remote.plan.remote_engine_id, False, 0, 0,
+                      time.perf_counter() - read.submitted_s, invalid, everything, error)
 

@@ -77,16 +77,16 @@ class ReadPath:
             raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet")
         deadline_at_s = received_s + check_seconds(deadline_s, "deadline_s", default_s=config.deadline_s,
                                                    max_s=config.max_deadline_s)
-        if not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left:
-            # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often
-            # land on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
-            slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
-            daemon.dataplane.submit(DaemonRead(slot, link.remote, None, received_s, deadline_at_s, request=request))
-            return
-        planned = link.remote.plan.plan_request(request)  # bad ids fail here, before anything is posted
+        # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often land
+        # on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
+        plan_there = not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
+        # bad ids fail here, before anything is posted (or there, as a refusal)
+        planned = None if plan_there else link.remote.plan.plan_request(request)
         slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
-        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s)
-        if link.ready and planned.num_bytes <= self._inline_left:
+        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request)
+        if plan_there:
+            daemon.dataplane.submit(read)
+        elif link.ready and planned.num_bytes <= self._inline_left:
             self._inline_left -= planned.num_bytes
             done = daemon.dataplane.post_now(read)  # small: posted here, most often ended here too
             if done is not None:
