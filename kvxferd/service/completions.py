@@ -20,10 +20,18 @@ Two kinds of stream:
 * ``WatchCompletions`` (:meth:`CompletionFeed.stream`): a completion counts
   as acked once handed to gRPC (the simple, at-most-once path).
 
+* The reads socket (:meth:`CompletionFeed.pump` with a sink): as ``Reads``,
+  and the data-plane thread may number and write an ok read's completion
+  itself (:meth:`CompletionFeed.put_direct`) when the sink is caught up and
+  writable; it skips the hop back to the loop (docs/benchmarks.md).
+
 Unacked completions count against the engine's limit of reads in flight,
 so an engine that stops reading is refused new reads instead of growing
 the daemon's memory. Deregistering ends the current stream after what is
-queued has been sent. Only the event loop's thread touches a feed.
+queued has been sent. The event loop's thread does everything but
+:meth:`CompletionFeed.put_direct`; a lock keeps numbering, queueing and
+writing to a sink in one order, so the wire order is the seq order (an
+engine drops a seq at or below the last it has as a duplicate).
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 
@@ -43,6 +53,24 @@ class StreamReplaced(Exception):
     """A newer stream took over this engine's completions."""
 
 
+class CompletionSink(Protocol):
+    """Where :meth:`CompletionFeed.pump` writes: a session's socket (``service/readsock.py``)."""
+
+    @property
+    def writable(self) -> bool:
+        """Room for more, and not closed (any thread)."""
+
+    @property
+    def closed(self) -> bool:
+        """Gone for good: nothing it is given is written any more."""
+
+    def send(self, completions: list[pb.Completion]) -> bool:
+        """Write one batch, whole, after everything sent before (any thread); False once the sink is gone."""
+
+    async def wait_writable(self) -> None:
+        """Until :attr:`writable` (or the sink is gone)."""
+
+
 class CompletionFeed:
     """Queued (unacked) completions plus the one stream allowed to take them."""
 
@@ -52,6 +80,9 @@ class CompletionFeed:
         self._next_seq = 1
         self._current: asyncio.Event | None = None  # the current stream's wake-up
         self.closed = False
+        self._lock = threading.Lock()  # put_direct comes from the data-plane thread
+        self._sink: CompletionSink | None = None  # the current stream's, when it is a pump
+        self._sink_sent_seq = 0  # the last seq written to the sink
 
     def __len__(self) -> int:
         """Completions queued and not yet acked."""
@@ -62,22 +93,49 @@ class CompletionFeed:
         return self._next_seq - 1
 
     def put(self, completion: pb.Completion) -> None:
+        """Number and queue a completion; the current stream sends it (event loop)."""
+        with self._lock:
+            self._append(completion)
+        if self._current is not None:
+            self._current.set()
+
+    def put_direct(self, completion: pb.Completion) -> bool:
+        """Number, queue and write a completion to the current stream's sink now (any thread), when that
+        sink has sent everything queued before and has room; False (nothing done) otherwise: then
+        :meth:`put` it on the loop. Deregistering closes the feed to this path."""
+        with self._lock:
+            sink = self._sink
+            if sink is None or self.closed or self._sink_sent_seq != self._next_seq - 1 or not sink.writable:
+                return False
+            self._append(completion)
+            self._sink_sent_seq = completion.seq
+            if not sink.send([completion]):  # the sink is gone: queued, the next stream sends it
+                self._sink = None
+        return True
+
+    def detach(self, sink: CompletionSink) -> None:
+        """No more writes to ``sink`` (its session is ending); once this returns, none is under way."""
+        with self._lock:
+            if self._sink is sink:
+                self._sink = None
+
+    def _append(self, completion: pb.Completion) -> None:
         completion.seq = self._next_seq
         self._next_seq += 1
         self._queued.append(completion)
         self._queued_ids[completion.request_id] = self._queued_ids.get(completion.request_id, 0) + 1
-        if self._current is not None:
-            self._current.set()
 
     def ack(self, seq: int) -> None:
         """The engine has every completion up to ``seq``."""
         queued = self._queued
-        while queued and queued[0].seq <= seq:
-            self._forget(queued.popleft())
+        with self._lock:
+            while queued and queued[0].seq <= seq:
+                self._forget(queued.popleft())
 
     def has(self, request_id: str) -> bool:
         """A completion of ``request_id`` is queued (not acked yet)."""
-        return request_id in self._queued_ids
+        with self._lock:
+            return request_id in self._queued_ids
 
     def _forget(self, completion: pb.Completion) -> pb.Completion:
         left = self._queued_ids.pop(completion.request_id) - 1
@@ -87,13 +145,16 @@ class CompletionFeed:
 
     def close(self) -> None:
         """No more completions: the current stream ends once it has sent what is queued."""
-        self.closed = True
+        with self._lock:
+            self.closed = True
         if self._current is not None:
             self._current.set()
 
-    def _take_over(self) -> asyncio.Event:
+    def _take_over(self, sink: CompletionSink | None = None) -> asyncio.Event:
         me = asyncio.Event()
-        previous, self._current = self._current, me
+        with self._lock:
+            previous, self._current = self._current, me
+            self._sink, self._sink_sent_seq = sink, 0  # a new stream sends every unacked completion again
         if previous is not None:
             previous.set()  # wakes the older stream so it sees it was replaced
         return me
@@ -114,12 +175,13 @@ class CompletionFeed:
         try:
             while True:
                 while self._queued and self._current is me:
-                    yield self._forget(self._queued.popleft())
+                    with self._lock:
+                        completion = self._forget(self._queued.popleft())
+                    yield completion
                 if not await self._wait(me):
                     return
         finally:
-            if self._current is me:
-                self._current = None
+            self._leave(me)
 
     def poke(self) -> None:
         """Wake the current stream (its ``should_stop`` may have turned true)."""
@@ -136,8 +198,8 @@ class CompletionFeed:
         try:
             while not should_stop():
                 while self._queued and self._current is me and self._queued[-1].seq > sent_seq:
-                    first = max(0, sent_seq + 1 - self._queued[0].seq)
-                    batch = list(itertools.islice(self._queued, first, first + max_batch))
+                    with self._lock:
+                        batch = self._unsent(sent_seq, max_batch)
                     sent_seq = batch[-1].seq
                     yield batch
                     if should_stop():
@@ -145,5 +207,40 @@ class CompletionFeed:
                 if not await self._wait(me):
                     return
         finally:
+            self._leave(me)
+
+    async def pump(self, sink: CompletionSink, max_batch: int, should_stop: Callable[[], bool]) -> None:
+        """:meth:`batches`, written to ``sink`` inside the feed's lock, so that :meth:`put_direct` may
+        write to it too: seqs go out in order, each once per stream. Waits while the sink has no room;
+        returns once the sink is closed (what it did not take stays queued for the next stream)."""
+        me = self._take_over(sink)
+        try:
+            while not should_stop():
+                with self._lock:
+                    if self._current is me and (self._sink is not sink or sink.closed):
+                        return
+                    while (self._current is me and sink.writable and self._queued
+                           and self._queued[-1].seq > self._sink_sent_seq):
+                        batch = self._unsent(self._sink_sent_seq, max_batch)
+                        self._sink_sent_seq = batch[-1].seq
+                        if not sink.send(batch):
+                            self._sink = None
+                            return
+                    blocked = (self._current is me and not sink.writable and bool(self._queued)
+                               and self._queued[-1].seq > self._sink_sent_seq)
+                if blocked:
+                    await sink.wait_writable()  # an engine that stops reading stops taking completions
+                elif not await self._wait(me):
+                    return
+        finally:
+            self._leave(me)
+
+    def _unsent(self, sent_seq: int, max_batch: int) -> list[pb.Completion]:
+        """Under the lock: up to ``max_batch`` queued completions after ``sent_seq``, oldest first."""
+        first = max(0, sent_seq + 1 - self._queued[0].seq)
+        return list(itertools.islice(self._queued, first, first + max_batch))
+
+    def _leave(self, me: asyncio.Event) -> None:
+        with self._lock:
             if self._current is me:
-                self._current = None
+                self._current, self._sink = None, None

@@ -14,8 +14,10 @@ copied inside ``transfer()``, so such a read most often ends right there)::
                                    poll notices of every agent (and the notice agents' progress):
                                      reader notice -> from the agent that reader introduced?
                                        no: dropped, counted; yes: hold table
+    engine's reads socket ◄─────── an ok read's completion, written here (CompletionFeed.put_direct)
     ReadPath.done(list) ◄───────── reads that ended this round (one hop per round, not per read):
                                    transfer finished AND every rank's hold still on its board;
+                                   the loop's bookkeeping, and the completions not written here;
                                    then the holders' notices (the engine does not wait for them)
     notify bus          ◄───────── hold CONSUMED / reader FAILED (also a list per round)
 
@@ -57,7 +59,9 @@ from dataclasses import dataclass, replace
 from kvxferd.errors import KvxferError
 from kvxferd.plan.engine import PlannedRead, ReadRequest
 from kvxferd.plan.leases import HoldEnd
-from kvxferd.service.slots import EngineSlot
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.slots import ActiveRead, EngineSlot
+from kvxferd.wire.messages import ids_to_pb
 from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.osthreads import name_this_thread
 from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
@@ -89,6 +93,7 @@ class DaemonRead:
     transfer: ReadResult | None = None
     request: ReadRequest | None = None  # planned.request when planned is given
     refusal: KvxferError | None = None  # planning on this thread refused it: nothing was posted
+    active: ActiveRead | None = None  # the loop's record of it (slot.active)
 
     def __post_init__(self) -> None:
         if self.request is None:
@@ -99,7 +104,7 @@ class DaemonRead:
         return self.request.request_id
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class ReadDone:
     """A finished read as the engine will see it."""
 
@@ -112,6 +117,32 @@ class ReadDone:
     transfer_s: float = 0.0  # posted -> every transfer ended
     check_s: float = 0.0  # transfers ended -> board checks in
     refusal: KvxferError | None = None  # refused when planned on the data-plane thread (nothing posted)
+    active: ActiveRead | None = None
+    delivered: bool = False  # its completion was written straight to the engine's session (deliver_now)
+
+    def completion(self) -> pb.Completion:
+        """The engine's completion of it (not of a refusal: ReadPath.refuse)."""
+        result = self.result
+        return pb.Completion(
+            request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
+            num_descriptors=result.num_descriptors, duration_s=result.duration_s,
+            invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
+            post_s=self.post_s, done_unix_s=self.done_unix_s, failed_ranks=result.failed_ranks,
+            plan_s=self.plan_s, transfer_s=self.transfer_s, check_s=self.check_s)
+
+    def deliver_now(self) -> bool:
+        """An ok read's completion written to the engine's session now, from whichever thread ended it,
+        when that session can take it in order (a reads socket that sent everything before); the loop
+        does the bookkeeping later. Failed reads go through the loop, which marks their link stale
+        before the engine can retry."""
+        if self.delivered or not self.result.ok or self.refusal is not None:
+            return self.delivered
+        if self.active is not None:
+            self.active.delivered = True  # the engine may reuse the id at once: the loop must not refuse it
+        self.delivered = self.slot.completions.put_direct(self.completion())
+        if self.active is not None:
+            self.active.delivered = self.delivered
+        return self.delivered
 
 
 class DataPlane:
@@ -311,6 +342,8 @@ class DataPlane:
     def _flush_finished(self) -> None:
         if self._finished:
             finished, self._finished = self._finished, []
+            for done in finished:  # before the hop to the loop, which they no longer wait for
+                done.deliver_now()
             self._on_reads_done(finished)
         if self._unnotified:  # after the hand-over: the completions do not wait for the notices
             unnotified, self._unnotified = self._unnotified, []
@@ -384,7 +417,8 @@ class DataPlane:
             transferred_s = read.inflight.transferred_s if read.inflight is not None else 0.0
             if transferred_s:
                 stages.update(transfer_s=transferred_s - read.posted_s, check_s=now - transferred_s)
-        return ReadDone(read.slot, result, post_s, time.time(), failure, **stages, refusal=read.refusal)
+        return ReadDone(read.slot, result, post_s, time.time(), failure, **stages, refusal=read.refusal,
+                        active=read.active)
 
     # ---- notices ----------------------------------------------------------------------
     def _poll_notifications(self) -> bool:

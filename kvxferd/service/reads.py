@@ -13,9 +13,12 @@
          holders' notices, else the data-plane thread polls it
       ─► larger (SubmitRead): the data-plane thread posts it
       ─► link stale: re-handshake, plan again, post
+    an ok read that ended on the data-plane thread, its engine on the reads socket:
+      ─► Completion numbered, queued and written by that thread (ReadDone.deliver_now)
     done (a list per data-plane round, one hop back to the loop)
-      metrics; a failed transfer marks the link stale (the next read re-handshakes)
-      ─► Completion queued on the engine's feed (numbered; the stream sends it)
+      a failed transfer marks the link stale (the next read re-handshakes)
+      ─► Completion numbered and queued on the engine's feed (on the reads socket also
+         written at once), unless the thread wrote it; then the metrics
 
 A read refused in a ``Reads`` batch becomes a completion too (``refused_code``),
 so the engine learns about every read it sent on the same stream.
@@ -34,7 +37,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import INLINE_MAX_BYTES, DaemonRead, ReadDone, error_result
 from kvxferd.service.slots import ActiveRead, EngineSlot
 from kvxferd.service.status import status_code
-from kvxferd.wire.messages import check_seconds, ids_to_pb, read_request_from_spec
+from kvxferd.wire.messages import check_seconds, read_request_from_spec
 from kvxferd.xfer.reads import ReadFailure
 
 if TYPE_CHECKING:
@@ -67,7 +70,8 @@ class ReadPath:
         daemon = self.daemon
         config = daemon.config
         daemon.registry.check_accepting()
-        if request.request_id in slot.active:
+        active = slot.active.get(request.request_id)
+        if active is not None and not active.delivered:
             raise InvalidArgumentError("request_id", f"request {request.request_id!r} is already in flight")
         limit = config.max_reads_per_engine
         if len(slot.active) + len(slot.completions) >= limit:
@@ -82,8 +86,9 @@ class ReadPath:
         plan_there = not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
         # bad ids fail here, before anything is posted (or there, as a refusal)
         planned = None if plan_there else link.remote.plan.plan_request(request)
-        slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id, time.monotonic())
-        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request)
+        active = slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id,
+                                                              time.monotonic())
+        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request, active=active)
         if plan_there:
             daemon.dataplane.submit(read)
         elif link.ready and planned.num_bytes <= self._inline_left:
@@ -159,16 +164,29 @@ class ReadPath:
 
     def _fail(self, read: DaemonRead, error: str, failure: ReadFailure) -> None:
         """A read that ends before anything was posted: every block invalid."""
-        self.done([ReadDone(read.slot, error_result(read, error), 0.0, time.time(), failure)])
+        self.done([ReadDone(read.slot, error_result(read, error), 0.0, time.time(), failure, active=read.active)])
 
     def done(self, finished: list[ReadDone]) -> None:
         """Completions of a round of finished reads (event-loop thread)."""
         m = self.daemon.metrics
         for done in finished:
             result, slot = done.result, done.slot
-            slot.active.pop(result.request_id, None)
+            if done.active is None or slot.active.get(result.request_id) is done.active:
+                slot.active.pop(result.request_id, None)  # not a later read the engine sent under its id
             if done.refusal is not None:  # planned on the data-plane thread, refused there: nothing was posted
                 self.refuse(slot, result.request_id, done.refusal)
+                continue
+            if not result.ok:
+                link = slot.links.get(result.remote_engine_id)
+                if link is not None and done.failure in STALE_LINK_FAILURES:
+                    link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
+            # Written by the data-plane thread already, or now when the engine's reads socket can take it
+            # (no wait for the sender task's turn); else queued for the engine's stream.
+            if not done.deliver_now():
+                slot.completions.put(done.completion())
+        for done in finished:  # after the writes: the engine does not wait for the metrics
+            result = done.result
+            if done.refusal is not None:
                 continue
             m.read_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
             if done.post_s:
@@ -179,12 +197,3 @@ class ReadPath:
                 m.read_failures.labels((done.failure or ReadFailure.TRANSFER).value).inc()
                 if done.failure is ReadFailure.STALE:
                     m.stale_reads.inc()
-                link = slot.links.get(result.remote_engine_id)
-                if link is not None and done.failure in STALE_LINK_FAILURES:
-                    link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
-            slot.completions.put(pb.Completion(
-                request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
-                num_descriptors=result.num_descriptors, duration_s=result.duration_s,
-                invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
-                post_s=done.post_s, done_unix_s=done.done_unix_s, failed_ranks=result.failed_ranks,
-                plan_s=done.plan_s, transfer_s=done.transfer_s, check_s=done.check_s))

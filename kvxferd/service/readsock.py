@@ -11,7 +11,8 @@ engine socket cost tens of µs (``wire/frames.py`` has the framing)::
     ReadBatch{reads, ack_seq} ───────────►  ReadPath.take_batch (as the gRPC stream)
     ReadBatch{holds} ────────────────────►  place_hold, each (as the Hold call)
                                   ◄───────  CompletionBatch{holds: one answer per hold}, at once
-                                  ◄───────  CompletionBatch{completions} (the engine's feed)
+                                  ◄───────  CompletionBatch{completions} (the engine's feed; an ok
+                                            read's own frame, written by the data-plane thread)
                                   ◄───────  CompletionBatch{end_code, end_message}, then close
 
 One session per connection, the same rules as the gRPC stream: the first
@@ -19,8 +20,10 @@ batch must come within ``hello_timeout_s``; a frame over
 ``max_message_bytes``, a batch that does not parse or breaks a rule ends the
 session with a status code and why (the engine reconnects: nothing is
 lost, completions not acked come again). A session that stops reading
-stops taking completions (the transport's write buffer is bounded), and
-unacked completions count against ``max_reads_per_engine``.
+stops taking completions (its writer's buffer is bounded), and unacked
+completions count against ``max_reads_per_engine``. Every frame back goes
+through one :class:`FrameWriter`: the loop and the data-plane thread both
+write completions (``CompletionFeed.put_direct``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from google.protobuf.message import DecodeError
 from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedError, UnavailableError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.completions import COMPLETIONS_PER_BATCH
+from kvxferd.service.framewriter import FrameWriter
 from kvxferd.service.holding import place_hold
 from kvxferd.service.localsock import credentials_allowed, peer_credentials, restrict_socket, socket_umask
 from kvxferd.service.status import error_status, status_code
@@ -87,11 +91,10 @@ class ReadSession(asyncio.Protocol):
         self.server, self.daemon = server, server.daemon
         self.frames = FrameReader(server.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
+        self.writer: FrameWriter | None = None  # every frame back; the transport only reads
         self.slot = None
         self.ended = False
         self._sender: asyncio.Task | None = None
-        self._writable = asyncio.Event()
-        self._writable.set()
         self._hello_timer: asyncio.TimerHandle | None = None
 
     # ---- the connection ---------------------------------------------------------------
@@ -104,12 +107,13 @@ class ReadSession(asyncio.Protocol):
             self.ended = True
             transport.abort()
             return
+        self.writer = FrameWriter(asyncio.get_running_loop(), transport.get_extra_info("socket").fileno(),
+                                  high_water_bytes=WRITE_HIGH_WATER_BYTES, on_broken=self._broken)
         self.server.sessions.add(self)
         if len(self.server.sessions) > self.server.max_sessions:
             self._end_with(ResourceExhaustedError("reads socket", f"{self.server.max_sessions} sessions are open "
                                                                   "already (max_engines)"))
             return
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
         self._hello_timer = asyncio.get_running_loop().call_later(
             self.server.hello_timeout_s, lambda: self._end_with(InvalidArgumentError(
                 "engine_id", f"no first batch naming the engine within {self.server.hello_timeout_s:g} s")))
@@ -142,13 +146,18 @@ class ReadSession(asyncio.Protocol):
             self._hello_timer.cancel()
         if self._sender is not None:
             self._sender.cancel()
-        self._writable.set()
+        if self.slot is not None:
+            self.slot.completions.detach(self)
+        if self.writer is not None:
+            self.writer.close()
 
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
+    def _broken(self, err: OSError) -> None:
+        """A write failed: the engine is gone (the transport sees it too); stop taking completions."""
+        if not self.ended:
+            self.ended = True
+            if self.slot is not None:
+                self.slot.completions.poke()
+            self.transport.abort()
 
     # ---- the session ------------------------------------------------------------------
     def _open(self, batch: pb.ReadBatch) -> None:
@@ -175,15 +184,28 @@ class ReadSession(asyncio.Protocol):
                 code = status_code(err)
                 self.daemon.metrics.rpc_errors.labels("Hold", code.name).inc()
                 answers.append(pb.HoldAnswer(request_id=request.request_id, code=code.value[0], error=str(err)))
-        self.transport.write(encode_frame(pb.CompletionBatch(holds=answers).SerializeToString()))
+        self.writer.write(encode_frame(pb.CompletionBatch(holds=answers).SerializeToString()))
+
+    # CompletionSink (the feed writes completions through these, on the loop or the data-plane thread)
+    @property
+    def writable(self) -> bool:
+        return self.writer.writable
+
+    @property
+    def closed(self) -> bool:
+        return self.writer.closed
+
+    def send(self, completions: list) -> bool:
+        return self.writer.write(encode_frame(pb.CompletionBatch(completions=completions).SerializeToString()))
+
+    async def wait_writable(self) -> None:
+        await self.writer.wait_writable()
 
     async def _send(self) -> None:
         """The engine's completions, in batches, until the session or the registration ends."""
         slot = self.slot
         try:
-            async for completions in slot.completions.batches(COMPLETIONS_PER_BATCH, lambda: self.ended):
-                self.transport.write(encode_frame(pb.CompletionBatch(completions=completions).SerializeToString()))
-                await self._writable.wait()  # a session that stops reading stops taking completions
+            await slot.completions.pump(self, COMPLETIONS_PER_BATCH, lambda: self.ended)
             if not self.ended:  # everything queued was sent; the engine learns no more will come
                 raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
         except asyncio.CancelledError:
@@ -202,7 +224,8 @@ class ReadSession(asyncio.Protocol):
             return
         self.ended = True
         if self.slot is not None:
+            self.slot.completions.detach(self)  # no completion from the data-plane thread after the end frame
             self.slot.completions.poke()  # the sender sees `ended` and stops taking completions
         end = pb.CompletionBatch(end_code=code.value[0], end_message=message[:1024])
-        self.transport.write(encode_frame(end.SerializeToString()))
-        self.transport.close()
+        self.writer.write(encode_frame(end.SerializeToString()))
+        self.writer.close_when_flushed(self.transport.close)

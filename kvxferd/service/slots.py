@@ -29,6 +29,9 @@ class ActiveRead:
     remote_engine_id: str
     remote_request_id: str
     submitted_s: float  # monotonic
+    # Its completion was written by the data-plane thread (ReadDone.deliver_now): the read is over for the
+    # engine, though the loop has not dropped this record yet. Set by that thread, read by the loop.
+    delivered: bool = False
 
 
 @dataclass(eq=False)

@@ -1,6 +1,7 @@
 """The data plane in process, over real NIXL: a read posted on the calling thread (``post_now``) and one
 posted by the data-plane thread end the same way, and a small read that does not end within its post is
-handed over and ends on the thread.
+handed over and ends on the thread; the thread writes an ok read's completion to the engine's session
+itself.
 
 The executors and holders come from :class:`LocalCluster` (one prefill and one decode rank, boards and
 notice agents as in a daemon); the decode rank gets a daemon slot and a running :class:`DataPlane`.
@@ -8,9 +9,11 @@ notice agents as in a daemon); the decode rank gets a daemon slot and a running 
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -106,6 +109,39 @@ def test_a_read_handed_over_unplanned_is_planned_on_the_thread_and_bad_ids_are_r
     assert isinstance(refused.refusal, InvalidArgumentError) and refused.failure is ReadFailure.REFUSED
     assert not refused.result.ok and refused.post_s == 0 and bad.inflight is None  # nothing was posted
     assert dataplane.num_reads == 0
+
+
+def test_the_thread_writes_an_ok_reads_completion_itself_before_the_hop_and_a_failed_ones_not(plane):
+    """The engine's session has a sink (its reads socket): the data-plane thread numbers and writes an ok
+    read's completion before it hands the round to the loop; a read that failed goes the loop's way."""
+    cluster, slot, dataplane, done = plane
+    cluster.reset_decode()
+    written: list[tuple[str, int]] = []
+    sink = types.SimpleNamespace(writable=True, closed=False, send=lambda completions: written.extend(
+        (c.request_id, threading.get_ident()) for c in completions) or True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pump = asyncio.ensure_future(slot.completions.pump(sink, 8, lambda: False))
+        await asyncio.sleep(0)
+        good, late = _read(cluster, slot, "direct", 7), _read(cluster, slot, "direct-late", 8)
+        late.deadline_s = 0.0
+        for read in (good, late):
+            dataplane.submit(read)
+        ended = {d.result.request_id: d for d in [await loop.run_in_executor(None, done.get, True, 10)
+                                                  for _ in range(2)]}
+        pump.cancel()
+        return good, late, ended
+
+    good, late, ended = asyncio.run(main())
+    assert ended["direct"].result.ok and ended["direct"].delivered  # written when the hop began
+    assert written == [("direct", dataplane._thread.ident)] and slot.completions.has("direct")
+    assert not ended["direct-late"].result.ok and not ended["direct-late"].delivered
+    assert cluster.check(good.planned.request) == [] and _consumed(cluster, good)
+    for holder in cluster.holders:
+        with holder.lock:
+            holder.holds.release(late.planned.request.remote_request_id)
+    slot.completions.ack(slot.completions.last_seq)
 
 
 def test_a_read_that_does_not_end_within_its_post_is_handed_over(plane):

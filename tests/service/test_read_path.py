@@ -5,9 +5,11 @@ becomes the read's completion."""
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import numpy as np
+import pytest
 
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
@@ -43,8 +45,10 @@ def _path():
     link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan), ready=True)
     slot = types.SimpleNamespace(active={}, completions=CompletionFeed(), links={"p": link})
     config = types.SimpleNamespace(max_reads_per_engine=1000, deadline_s=30.0, max_deadline_s=600.0)
-    counter = types.SimpleNamespace(inc=lambda *args: None)
-    metrics = types.SimpleNamespace(read_failures=types.SimpleNamespace(labels=lambda *args: counter))
+    counter = types.SimpleNamespace(inc=lambda *args: None, observe=lambda *args: None)
+    counter.labels = lambda *args: counter
+    metrics = types.SimpleNamespace(read_failures=counter, read_duration=counter, read_post=counter,
+                                    read_descriptors=counter, read_bytes=counter, stale_reads=counter)
     daemon = types.SimpleNamespace(config=config, dataplane=_DataPlane(), metrics=metrics,
                                    registry=types.SimpleNamespace(check_accepting=lambda: None))
     return ReadPath(daemon), slot, plan, daemon.dataplane
@@ -92,3 +96,48 @@ def test_a_refusal_from_the_data_plane_thread_is_the_reads_completion():
     [completion] = list(slot.completions._queued)
     assert completion.request_id == "r1" and not completion.ok and "out of range" in completion.error
     assert completion.refused_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "r1" not in slot.active
+
+
+def _ended(slot, request_id: str, ok: bool = True) -> ReadDone:
+    result = ReadResult(request_id, "p", ok, 1024, 2, 0.001, (), () if ok else (0,), None if ok else "rank 0: gone")
+    return ReadDone(slot, result, 0.0, 0.0, ReadFailure.NONE if ok else ReadFailure.TRANSFER,
+                    active=slot.active.get(request_id))
+
+
+def test_an_id_whose_completion_the_thread_wrote_may_come_again_before_the_loop_caught_up():
+    path, slot, plan, dataplane = _path()
+    path.submit(slot, "p", _request(1, 2), 0.0, 0.0)
+    with pytest.raises(InvalidArgumentError, match="already in flight"):
+        path.submit(slot, "p", _request(1, 2), 0.0, 0.0)
+    first = _ended(slot, "r1")
+    first.active.delivered = True  # as deliver_now on the data-plane thread, before the loop's done()
+    path.submit(slot, "p", _request(1, 2), 0.0, 0.0)  # the engine has its completion: a new read, same id
+    second = slot.active["r1"]
+    assert second is not first.active
+    path.done([first])
+    assert slot.active["r1"] is second  # the first read's done() leaves the second's record alone
+    path.done([_ended(slot, "r1")])
+    assert "r1" not in slot.active
+
+
+def test_the_loop_writes_an_ok_completion_at_once_and_a_failed_one_after_marking_the_link_stale():
+    async def main():
+        path, slot, plan, dataplane = _path()
+        link = slot.links["p"]
+        link.stale = False
+        sent: list[tuple[str, bool]] = []
+        sink = types.SimpleNamespace(writable=True, closed=False,
+                                     send=lambda cs: sent.extend((c.request_id, link.stale) for c in cs) or True)
+        pump = asyncio.ensure_future(slot.completions.pump(sink, 8, lambda: False))
+        await asyncio.sleep(0)
+        for n in (1, 2):
+            path.submit(slot, "p", _request(n, 2), 0.0, 0.0)
+        path.done([_ended(slot, "r1")])
+        assert sent == [("r1", False)]  # written within done(): no wait for the pump's turn
+        path.done([_ended(slot, "r2", ok=False)])
+        assert sent == [("r1", False)] and link.stale  # queued, not written at once
+        await asyncio.sleep(0)
+        assert sent == [("r1", False), ("r2", True)] and not slot.active
+        pump.cancel()
+
+    asyncio.run(main())

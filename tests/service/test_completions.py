@@ -1,0 +1,135 @@
+"""An engine's completion feed with a sink (the reads socket): the data-plane thread writes a completion
+itself only when the sink is caught up, so the sink sees every seq once and in order, however the
+thread's writes and the loop's interleave; a new stream gets every unacked completion again."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.completions import CompletionFeed
+
+
+class _Sink:
+    """Records what it is sent, from which thread."""
+
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+        self.threads: set[int] = set()
+        self.writable_now, self.closed = True, False
+        self._room = asyncio.Event()
+        self._room.set()
+
+    @property
+    def writable(self) -> bool:
+        return self.writable_now and not self.closed
+
+    def send(self, completions) -> bool:
+        if self.closed:
+            return False
+        self.seqs += [c.seq for c in completions]
+        self.threads.add(threading.get_ident())
+        return True
+
+    async def wait_writable(self) -> None:
+        await self._room.wait()
+
+    def block(self) -> None:
+        self.writable_now = False
+        self._room.clear()
+
+    def unblock(self) -> None:
+        self.writable_now = True
+        self._room.set()
+
+
+def _completion(n: int) -> pb.Completion:
+    return pb.Completion(request_id=f"r{n}", ok=True)
+
+
+def _pumping(feed: CompletionFeed, sink: _Sink, stop=lambda: False) -> asyncio.Task:
+    return asyncio.ensure_future(feed.pump(sink, 4, stop))
+
+
+def test_a_completion_is_written_at_once_only_when_the_sink_has_everything_before_it():
+    async def main():
+        feed = CompletionFeed()
+        assert not feed.put_direct(_completion(0)) and len(feed) == 0  # no stream: the loop queues it
+        sink = _Sink()
+        pump = _pumping(feed, sink)
+        await asyncio.sleep(0)
+        assert feed.put_direct(_completion(1)) and sink.seqs == [1] and feed.has("r1")  # queued until acked
+        feed.put(_completion(2))  # the loop's: the pump sends it on its next turn
+        assert not feed.put_direct(_completion(3)) and sink.seqs == [1]  # 2 would come after 3: refused
+        await asyncio.sleep(0)
+        assert sink.seqs == [1, 2] and feed.put_direct(_completion(3)) and sink.seqs == [1, 2, 3]
+        sink.block()
+        assert not feed.put_direct(_completion(4))  # no room: the loop queues it, the pump waits for room
+        feed.put(_completion(4))
+        await asyncio.sleep(0.01)
+        assert sink.seqs == [1, 2, 3]
+        sink.unblock()
+        await asyncio.sleep(0.01)
+        assert sink.seqs == [1, 2, 3, 4] and feed.put_direct(_completion(5)) and sink.seqs[-1] == 5
+        feed.close()
+        assert not feed.put_direct(_completion(6))  # deregistering: the loop's path only
+        await asyncio.wait_for(pump, 5)
+
+    asyncio.run(main())
+
+
+def test_a_threads_writes_and_the_loops_interleave_yet_every_seq_arrives_once_in_order():
+    async def main():
+        loop = asyncio.get_running_loop()
+        feed, sink = CompletionFeed(), _Sink()
+        pump = _pumping(feed, sink)
+        await asyncio.sleep(0)
+        num_each = 2000
+
+        def thread_side():  # as the data-plane thread: write now, else hand over to the loop
+            for n in range(num_each):
+                completion = _completion(n)
+                if not feed.put_direct(completion):
+                    loop.call_soon_threadsafe(feed.put, completion)
+
+        thread = threading.Thread(target=thread_side)
+        thread.start()
+        for n in range(num_each):
+            feed.put(_completion(num_each + n))
+            if n % 7 == 0:
+                await asyncio.sleep(0)
+        while thread.is_alive() or len(sink.seqs) < 2 * num_each:
+            await asyncio.sleep(0.001)
+        assert sink.seqs == list(range(1, 2 * num_each + 1))
+        assert len(sink.threads) == 2  # both wrote: the test exercised the race it claims to
+        pump.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_new_stream_gets_every_unacked_completion_once_and_the_old_sink_nothing_more():
+    async def main():
+        feed, first = CompletionFeed(), _Sink()
+        pump = _pumping(feed, first)
+        await asyncio.sleep(0)
+        for n in range(1, 6):
+            assert feed.put_direct(_completion(n))
+        feed.ack(2)  # the engine had 1 and 2
+        first.closed = True  # the connection broke
+        assert not feed.put_direct(_completion(6))
+        feed.put(_completion(6))
+        await asyncio.wait_for(pump, 5)  # a closed sink ends its pump
+        assert first.seqs == [1, 2, 3, 4, 5]
+        second = _Sink()
+        pump = _pumping(feed, second)
+        await asyncio.sleep(0)
+        assert second.seqs == [3, 4, 5, 6] and feed.put_direct(_completion(7)) and second.seqs[-1] == 7
+        # A gRPC stream takes over: nobody writes to the old sink any more, the new stream gets the rest.
+        stream = feed.batches(16)
+        assert [c.seq for c in await stream.__anext__()] == [3, 4, 5, 6, 7]
+        assert not feed.put_direct(_completion(8)) and second.seqs[-1] == 7
+        await stream.aclose()
+        pump.cancel()
+
+    asyncio.run(main())
