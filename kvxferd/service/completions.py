@@ -154,7 +154,9 @@ class CompletionFeed:
         me = asyncio.Event()
         with self._lock:
             previous, self._current = self._current, me
-            self._sink, self._sink_sent_seq = sink, 0  # a new stream sends every unacked completion again
+            # A new stream sends every unacked completion again: "sent" is what comes before the oldest.
+            self._sink = sink
+            self._sink_sent_seq = self._queued[0].seq - 1 if self._queued else self._next_seq - 1
         if previous is not None:
             previous.set()  # wakes the older stream so it sees it was replaced
         return me

@@ -56,22 +56,24 @@ def test_a_completion_is_written_at_once_only_when_the_sink_has_everything_befor
     async def main():
         feed = CompletionFeed()
         assert not feed.put_direct(_completion(0)) and len(feed) == 0  # no stream: the loop queues it
+        feed.put(_completion(0))
+        feed.ack(1)  # an earlier stream's, acked: nothing for a new stream to resend
         sink = _Sink()
         pump = _pumping(feed, sink)
         await asyncio.sleep(0)
-        assert feed.put_direct(_completion(1)) and sink.seqs == [1] and feed.has("r1")  # queued until acked
+        assert feed.put_direct(_completion(1)) and sink.seqs == [2] and feed.has("r1")  # queued until acked
         feed.put(_completion(2))  # the loop's: the pump sends it on its next turn
-        assert not feed.put_direct(_completion(3)) and sink.seqs == [1]  # 2 would come after 3: refused
+        assert not feed.put_direct(_completion(3)) and sink.seqs == [2]  # 3 would come before 4: refused
         await asyncio.sleep(0)
-        assert sink.seqs == [1, 2] and feed.put_direct(_completion(3)) and sink.seqs == [1, 2, 3]
+        assert sink.seqs == [2, 3] and feed.put_direct(_completion(3)) and sink.seqs == [2, 3, 4]
         sink.block()
         assert not feed.put_direct(_completion(4))  # no room: the loop queues it, the pump waits for room
         feed.put(_completion(4))
         await asyncio.sleep(0.01)
-        assert sink.seqs == [1, 2, 3]
+        assert sink.seqs == [2, 3, 4]
         sink.unblock()
         await asyncio.sleep(0.01)
-        assert sink.seqs == [1, 2, 3, 4] and feed.put_direct(_completion(5)) and sink.seqs[-1] == 5
+        assert sink.seqs == [2, 3, 4, 5] and feed.put_direct(_completion(5)) and sink.seqs[-1] == 6
         feed.close()
         assert not feed.put_direct(_completion(6))  # deregistering: the loop's path only
         await asyncio.wait_for(pump, 5)
