@@ -105,7 +105,7 @@ class CompletionFeed:
         :meth:`put` it on the loop. Deregistering closes the feed to this path."""
         with self._lock:
             sink = self._sink
-            if sink is None or self.closed or self._sink_sent_seq != self._next_seq - 1 or not sink.writable:
+            if sink is None or self.closed or self._has_unsent(self._sink_sent_seq) or not sink.writable:
                 return False
             self._append(completion)
             self._sink_sent_seq = completion.seq
@@ -199,7 +199,7 @@ class CompletionFeed:
         sent_seq = 0  # a new stream sends every unacked completion again
         try:
             while not should_stop():
-                while self._queued and self._current is me and self._queued[-1].seq > sent_seq:
+                while self._current is me and self._has_unsent(sent_seq):
                     with self._lock:
                         batch = self._unsent(sent_seq, max_batch)
                     sent_seq = batch[-1].seq
@@ -221,21 +221,23 @@ class CompletionFeed:
                 with self._lock:
                     if self._current is me and (self._sink is not sink or sink.closed):
                         return
-                    while (self._current is me and sink.writable and self._queued
-                           and self._queued[-1].seq > self._sink_sent_seq):
+                    while self._current is me and sink.writable and self._has_unsent(self._sink_sent_seq):
                         batch = self._unsent(self._sink_sent_seq, max_batch)
                         self._sink_sent_seq = batch[-1].seq
                         if not sink.send(batch):
                             self._sink = None
                             return
-                    blocked = (self._current is me and not sink.writable and bool(self._queued)
-                               and self._queued[-1].seq > self._sink_sent_seq)
+                    blocked = self._current is me and not sink.writable and self._has_unsent(self._sink_sent_seq)
                 if blocked:
                     await sink.wait_writable()  # an engine that stops reading stops taking completions
                 elif not await self._wait(me):
                     return
         finally:
             self._leave(me)
+
+    def _has_unsent(self, sent_seq: int) -> bool:
+        """Some queued completion comes after ``sent_seq``."""
+        return bool(self._queued) and self._queued[-1].seq > sent_seq
 
     def _unsent(self, sent_seq: int, max_batch: int) -> list[pb.Completion]:
         """Under the lock: up to ``max_batch`` queued completions after ``sent_seq``, oldest first."""

@@ -25,13 +25,11 @@ turns false: the session stops taking completions until the engine reads
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import threading
 from collections.abc import Callable
 
-log = logging.getLogger("kvxferd.readsock")
 CLOSE_FLUSH_S = 5.0  # how long a closing writer waits for the engine to take its last frames
 
 
@@ -78,12 +76,8 @@ class FrameWriter:
             if self._closed:
                 return False
             if not self._buffer:
-                try:
-                    sent = self._sock.send(data)
-                except BlockingIOError:
-                    sent = 0
-                except OSError as err:  # the engine went away: the session ends
-                    self._break(err)
+                sent = self._send_locked(data)
+                if sent is None:
                     return False
                 if sent == len(data):
                     return True
@@ -105,7 +99,7 @@ class FrameWriter:
         with self._lock:
             if self._buffer and not self._closed:
                 self._when_flushed = then
-                self._loop.call_later(CLOSE_FLUSH_S, self._give_up_flushing)
+                self._loop.call_later(CLOSE_FLUSH_S, self._close_and_call_back)  # the engine may never read
                 return
             self._close_locked()
         then()
@@ -115,11 +109,25 @@ class FrameWriter:
         """Run ``fn`` on the loop: now when called there, else soon (any thread)."""
         if threading.get_ident() == self._loop_thread:
             fn()
-            return
+        else:
+            self._later(fn)
+
+    def _later(self, fn: Callable[..., None], *args) -> None:
+        """Run ``fn`` in a later step of the loop (any thread)."""
         try:
-            self._loop.call_soon_threadsafe(fn)
+            self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop closed: the daemon is stopping, nothing is written any more
             pass
+
+    def _send_locked(self, data) -> int | None:
+        """Under the lock: bytes the socket took now (0 when full); None when the connection is gone."""
+        try:
+            return self._sock.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError as err:  # the engine went away: the session ends
+            self._break(err)
+            return None
 
     def _watch(self) -> None:
         with self._lock:
@@ -129,14 +137,7 @@ class FrameWriter:
 
     def _flush(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            try:
-                sent = self._sock.send(self._buffer)
-            except BlockingIOError:
-                sent = 0
-            except OSError as err:
-                self._break(err)
+            if self._closed or (sent := self._send_locked(self._buffer)) is None:
                 return
             del self._buffer[:sent]
             self._drained_changed()
@@ -144,14 +145,13 @@ class FrameWriter:
                 return
             self._watching = False
             self._loop.remove_writer(self._sock.fileno())
-            then, self._when_flushed = self._when_flushed, None
-            if then is not None:
-                self._close_locked()
-        if then is not None:
-            then()
+            closing = self._when_flushed is not None
+        if closing:
+            self._close_and_call_back()
 
-    def _give_up_flushing(self) -> None:
-        """The engine did not take the last frames in time: close anyway."""
+    def _close_and_call_back(self) -> None:
+        """Close, then call what :meth:`close_when_flushed` was given (once): everything was sent, or
+        the engine did not take it within CLOSE_FLUSH_S."""
         with self._lock:
             then, self._when_flushed = self._when_flushed, None
             self._close_locked()
@@ -168,10 +168,7 @@ class FrameWriter:
         """Under the lock (any thread): the connection is gone; tell the session on the loop, in a later
         step (never inside a caller's locks)."""
         self._close_locked()
-        try:
-            self._loop.call_soon_threadsafe(self._on_broken, err)
-        except RuntimeError:  # the loop closed
-            pass
+        self._later(self._on_broken, err)
 
     def _close_locked(self) -> None:
         """Under the lock (any thread). The descriptor is closed on the loop, after add_writer is off: an
