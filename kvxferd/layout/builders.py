@@ -6,6 +6,8 @@ their memory order, so any two of them can be paired::
 
     packed      (B, H, N, 2C)   = (B, H, N, KV, C)   K|V packed in the content dim
     kv_per_head (B, H, 2N, C)   = (B, H, KV, N, C)   per head: every token's K, then every token's V
+    kv_per_head_kt                                   per head: K transposed (C, N), then V (N, C):
+                                                     two fields, "k" and "v" (vLLM's CPU "vec" kernels)
     split_kv    (B, 2H, N, C)   = (B, KV, H, N, C)   fp8 / nvfp4: K heads, then V heads
     legacy      (2, B, N, H, C) = (KV, B, N, H, C)   K/V outermost, token-major
     cross_layer (B, L, H, N, 2C)                     all layers of a block together
@@ -76,6 +78,31 @@ def kv_per_head_attention(num_blocks, num_kv_heads, block_size, head_size, dtype
     """``(B, H, KV, N, C)``: within a block and head, K of every token, then V (vLLM's CPU attention)."""
     return _attention("kv_per_head", ("B", "H", "KV", "N", "C"), num_blocks, num_kv_heads, block_size,
                       head_size, dtype, tp_size, tp_rank, kernel_block_size)
+
+
+def kv_per_head_kt_attention(num_blocks, num_kv_heads, block_size, head_size, dtype="bfloat16", *,
+                             tp_size=1, tp_rank=0, kernel_block_size=None) -> Region:
+    """vLLM's CPU attention with its ``vec`` kernels: per kernel block and head, K transposed, then V.
+
+    ::
+
+        kernel block b, head h:  [ K: c0: t0 t1 .. tN-1 | c1: t0 .. | .. ] [ V: t0: c0 .. cC-1 | t1: .. ]
+
+    K and V order (token, channel) differently, so they are two fields; a
+    sub-block of tokens (when the two sides' block sizes differ) is then one
+    run of tokens per channel of K, and one run per head of V.
+    """
+    shard = Shard("H", positive_int(num_kv_heads, "num_kv_heads"), tp_size, tp_rank)
+    k, kernel = _kernel_split(block_size, kernel_block_size)
+    blocks, heads, channels = positive_int(num_blocks, "num_blocks") * k, shard.local_extent, positive_int(head_size, "head_size")
+    head_stride = 2 * kernel * channels
+    block_stride = heads * head_stride
+    key = Layout.create(("B", "H", "C", "N"), (blocks, heads, channels, kernel),
+                        (block_stride, head_stride, kernel, 1), dtype).group_blocks(k)
+    value = Layout.create(("B", "H", "N", "C"), (blocks, heads, kernel, channels),
+                          (block_stride, head_stride, channels, 1), dtype, kernel * channels).group_blocks(k)
+    return Region("kv_per_head_kt", (Field("k", key, shard), Field("v", value, shard)),
+                  blocks * block_stride * key.itemsize)
 
 
 def legacy_attention(num_blocks, num_kv_heads, block_size, head_size, dtype="bfloat16", *,

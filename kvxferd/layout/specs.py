@@ -14,7 +14,10 @@ from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout import builders
 from kvxferd.layout.region import Region
 
-ATTENTION_LAYOUTS = ("packed_HND", "packed_NHD", "kv_per_head", "split_kv", "legacy", "cross_layer", "mla")
+ATTENTION_LAYOUTS = ("packed_HND", "packed_NHD", "kv_per_head", "kv_per_head_kt", "split_kv", "legacy", "cross_layer",
+                     "mla")
+# Layouts whose regions have fields of their own ("k" and "v", "latent", ...): they pair only with themselves.
+SELF_PAIRED_LAYOUTS = ("kv_per_head_kt", "cross_layer", "mla")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class AttentionSpec:
             return builders.packed_attention(*head, order=self.layout[-3:], **common)
         if self.layout == "kv_per_head":
             return builders.kv_per_head_attention(*head, **common)
+        if self.layout == "kv_per_head_kt":
+            return builders.kv_per_head_kt_attention(*head, **common)
         if self.layout == "split_kv":
             return builders.split_kv_attention(*head, **common)
         if self.layout == "legacy":

@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.layout.specs import AttentionSpec, MambaSpec
+from kvxferd.layout.specs import SELF_PAIRED_LAYOUTS, AttentionSpec, MambaSpec
 from kvxferd.layout.strided import positive_int
 from kvxferd.plan.groups import CacheGroup
 
 MODELS = ("gqa", "fp8", "mla", "swa", "hybrid")
-DECODE_LAYOUTS = {"packed": "packed_HND", "nhd": "packed_NHD", "kvhead": "kv_per_head", "legacy": "legacy"}
+DECODE_LAYOUTS = {"packed": "packed_HND", "nhd": "packed_NHD", "kvhead": "kv_per_head", "legacy": "legacy",
+                  "cpu": "kv_per_head_kt"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class ModelShape:
     prefill_block_size: int | None = None
     decode_block_size: int | None = None
     num_blocks: int = 64  # decode side; prefill holds as many tokens
-    layout: str = "packed"  # decode attention layout (prefill: packed HND)
+    layout: str = "packed"  # decode attention layout (prefill: packed HND, or the same when it pairs only with itself)
 
     def with_(self, **changes) -> "ModelShape":
         return replace(self, **changes)
@@ -49,7 +50,9 @@ def model_groups(model: str, shape: ModelShape) -> tuple[tuple[CacheGroup, ...],
     decode_blocks = positive_int(shape.num_blocks, "num_blocks")
     prefill_blocks = max(1, decode_blocks * decode_bs // prefill_bs)
     layers = positive_int(shape.num_layers, "num_layers")
-    base = AttentionSpec("packed_HND", num_blocks=prefill_blocks, num_kv_heads=shape.num_kv_heads,
+    decode_layout = DECODE_LAYOUTS[shape.layout]
+    prefill_layout = decode_layout if decode_layout in SELF_PAIRED_LAYOUTS else "packed_HND"
+    base = AttentionSpec(prefill_layout, num_blocks=prefill_blocks, num_kv_heads=shape.num_kv_heads,
                          head_size=shape.head_size, block_size=prefill_bs)
     decode_attn = dict(num_blocks=decode_blocks, block_size=decode_bs, kernel_block_size=shape.kernel_block_size)
 
@@ -57,7 +60,6 @@ def model_groups(model: str, shape: ModelShape) -> tuple[tuple[CacheGroup, ...],
         decode_spec = prefill_spec.with_(layout=decode_layout or prefill_spec.layout, **decode_attn)
         return CacheGroup(kind, prefill_spec, layers), CacheGroup(kind, decode_spec, layers)
 
-    decode_layout = DECODE_LAYOUTS[shape.layout]
     if model == "gqa":
         pairs = [pair("full", base, decode_layout)]
     elif model == "swa":

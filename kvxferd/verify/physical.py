@@ -54,7 +54,26 @@ def _global(local: np.ndarray, extent: int, tp_size: int, tp_rank: int) -> np.nd
     return local + owned_range(extent, tp_size, tp_rank)[0]
 
 
+def _kt_views(spec: AttentionSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -> list[TaggedView]:
+    """``kv_per_head_kt``: per kernel block and head, K as (C, Nk), then V as (Nk, C)."""
+    kernel = spec.kernel_block_size or spec.block_size
+    k = spec.block_size // kernel
+    start, stop = owned_range(spec.num_kv_heads, tp_size, tp_rank)
+    heads = buf.view(UINTS[ITEMSIZES[spec.dtype]]).reshape(spec.num_blocks * k, stop - start, 2, kernel * spec.head_size)
+    views = []
+    for name, part, axes in (("k", 0, ("Bk", "H", "C", "Nk")), ("v", 1, ("Bk", "H", "Nk", "C"))):
+        sizes = {"Bk": spec.num_blocks * k, "H": stop - start, "Nk": kernel, "C": spec.head_size}
+        shape = tuple(sizes[a] for a in axes)
+        array = heads[:, :, part].reshape(shape)
+        idx = {a: _axis_index(shape, i) for i, a in enumerate(axes)}
+        coords = {"N": (idx["Bk"] % k) * kernel + idx["Nk"], "C": idx["C"], "H": idx["H"] + start}
+        views.append(TaggedView(name, array, idx["Bk"] // k, coords))
+    return views
+
+
 def _attention_views(spec: AttentionSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -> list[TaggedView]:
+    if spec.layout == "kv_per_head_kt":
+        return _kt_views(spec, tp_size, tp_rank, buf)
     axes = ATTENTION_AXES[spec.layout]
     kernel = spec.kernel_block_size or spec.block_size
     k = spec.block_size // kernel

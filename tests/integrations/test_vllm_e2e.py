@@ -1,11 +1,15 @@
 """vLLM prefill/decode through kvxferd: the same greedy tokens as one instance, on a real vLLM (CPU).
 
-Two vLLM engines share one tiny model (dummy weights, fixed seed): a
-prefill instance (also the single-instance reference) and a decode instance
-with ``kv_load_failure_policy=fail``; each has its own kvxferd daemon.
-Requests go prefill (one token) -> kv_transfer_params -> decode, as a proxy
-would send them. ``test_vllm_tp2_recompute.py`` has TP=2 prefill and the
-``recompute`` policy (its own engines: the two files run side by side).
+Two vLLM engines share one tiny model (normal-scale weights from a fixed
+seed, so its tokens depend on the KV cache): a prefill instance (also the
+single-instance reference) and a decode instance with
+``kv_load_failure_policy=fail``; each has its own kvxferd daemon. Requests go
+prefill (one token) -> kv_transfer_params -> decode, as a proxy would send
+them. The negative controls read wrong KV (another request's, blocks out of
+order, heads swapped, K and V swapped) and must change the tokens: they show
+that "the same tokens" checks the bytes, not only the control flow.
+``test_vllm_tp2_recompute.py`` has TP 2 -> 1, TP 1 -> 2 with other block sizes
+and the ``recompute`` policy (its own engines: the files run side by side).
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import pytest
 
 from kvxferd.client import DaemonProcess
 
-from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, engine, greedy, hold_events, metric, prefill_params,
-                                             prompt_tokens_by_source, prompts_of, random_prompts, record_events,
-                                             released_early, shutdown, tiny_model_and_daemons, token_ids)
+from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, damage_blocks, engine, greedy, hold_events, metric,
+                                             prefill_params, prompt_tokens_by_source, prompts_of, random_prompts,
+                                             record_events, released_early, shutdown, tiny_model_and_daemons,
+                                             token_ids, wait_for_reset)
+from tests.integrations.vllm_stats_check import connector_metrics
 
 pytestmark = pytest.mark.vllm
 BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads"] * BLOCK_SIZE * 2
-               * TINY_LLAMA["head_dim"] * 2)  # K and V, bfloat16, every layer
+               * TINY_LLAMA["head_dim"] * 2)  # K and V, bfloat16, every layer: 64 KiB
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,7 @@ def test_prefill_decode_gives_the_single_instance_tokens(pd):
     params = prefill_params(pd.prefill, prompts)
     assert all(p and p.get("remote_block_ids") for p in params), params
     read_before = metric(pd.decode_daemon, "kvxferd_read_bytes_total")
-    sources_before = prompt_tokens_by_source(pd.decode)
+    sources_before, stats_before = prompt_tokens_by_source(pd.decode), connector_metrics(pd.decode)
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
     assert token_ids(outputs) == single
     assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(prompts)
@@ -68,10 +74,55 @@ def test_prefill_decode_gives_the_single_instance_tokens(pd):
                        "external_kv_transfer": sum(len(p) for p in prompts)}, sources
     read = metric(pd.decode_daemon, "kvxferd_read_bytes_total") - read_before
     assert read == sum(blocks(len(p)) for p in prompts) * BLOCK_BYTES
+    # vLLM's own metrics (the connector's stats hooks) count the same reads and bytes.
+    stats = {k: v - stats_before.get(k, 0) for k, v in connector_metrics(pd.decode).items()}
+    assert (stats["vllm:kvxferd_num_transfers"], stats["vllm:kvxferd_num_failed_transfers"],
+            stats["vllm:kvxferd_transferred_bytes"], stats["vllm:kvxferd_transfer_time_seconds_count"]) == (
+        len(prompts), 0, read, len(prompts)), stats
     # Every prefill hold ended exactly once, CONSUMED, and none is left.
     events = hold_events(pd.prefill_daemon, "prefill")
     assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
     assert metric(pd.prefill_daemon, "kvxferd_holds_pending") == 0
+
+
+def changed(tokens, expected) -> list[bool]:
+    return [a != b for a, b in zip(tokens, expected, strict=True)]
+
+
+def test_another_requests_kv_changes_the_tokens(pd):
+    """Negative control: two sets of prompts of the same lengths, each decoded with the other's params.
+    Every read succeeds (the bytes are real KV, of the wrong request) and the tokens must change."""
+    first, second = random_prompts(21), random_prompts(22)
+    single = token_ids(pd.prefill.generate(prompts_of(first + second), greedy(8), use_tqdm=False))
+    params = prefill_params(pd.prefill, first + second)
+    crossed = params[len(first):] + params[:len(first)]
+    outputs = pd.decode.generate(prompts_of(first + second), [greedy(8, p) for p in crossed], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(outputs)
+    assert sum(changed(token_ids(outputs), single)) >= len(outputs) - 1, (token_ids(outputs), single)
+
+
+def test_blocks_read_out_of_order_change_the_tokens(pd):
+    """Negative control: each request's remote block ids rotated by one (still its own held blocks).
+    Prompts of one block read the same bytes and keep their tokens; every longer prompt must change."""
+    prompts = random_prompts(23)
+    single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
+    params = prefill_params(pd.prefill, prompts)
+    rotated = [{**p, "remote_block_ids": [ids[1:] + ids[:1] for ids in p["remote_block_ids"]]} for p in params]
+    outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in rotated], use_tqdm=False)
+    assert changed(token_ids(outputs), single) == [blocks(len(p)) > 1 for p in prompts], (token_ids(outputs), single)
+
+
+@pytest.mark.parametrize("how", ["reversed_heads", "swapped_k_v"])
+def test_heads_or_k_v_in_the_wrong_place_change_the_tokens(pd, how):
+    """Negative control: prefill's held blocks damaged in place (KV heads reversed, or K and V swapped)
+    before decode reads them: what a wrong head or K/V mapping would deliver. The tokens must change."""
+    prompts = random_prompts(24 if how == "reversed_heads" else 25)
+    single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
+    params = prefill_params(pd.prefill, prompts)
+    damage_blocks(pd.prefill, [b for p in params for b in p["remote_block_ids"][0]], how)
+    outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
+    assert sum(changed(token_ids(outputs), single)) >= len(prompts) - 1, (token_ids(outputs), single)
+    wait_for_reset(pd.prefill)  # the damaged blocks stay in prefill's prefix cache
 
 
 def test_a_decode_prefix_hit_reads_only_the_uncached_tail(pd):
@@ -92,11 +143,42 @@ def test_a_failed_read_fails_that_request_under_fail_and_the_engines_keep_servin
     single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(6), use_tqdm=False))
     params = prefill_params(pd.prefill, prompts)
     params[0] = released_early(params[0])  # the blocks are freed before decode reads them
+    stats_before = connector_metrics(pd.decode)
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "error"
+    stats = {k: v - stats_before.get(k, 0) for k, v in connector_metrics(pd.decode).items()}
+    assert (stats["vllm:kvxferd_num_transfers"], stats["vllm:kvxferd_num_failed_transfers"],
+            stats["vllm:kvxferd_transferred_bytes"]) == (2, 1, blocks(40) * BLOCK_BYTES), stats
     assert token_ids(outputs)[1] == single[1] and outputs[1].outputs[0].finish_reason == "length"
     # ... and the next request is served as if nothing happened.
     again = random_prompts(5, (90,))
+    expected = token_ids(pd.prefill.generate(prompts_of(again), greedy(6), use_tqdm=False))
+    result = pd.decode.generate(prompts_of(again), [greedy(6, prefill_params(pd.prefill, again)[0])], use_tqdm=False)
+    assert token_ids(result) == expected
+
+
+def test_decode_requests_aborted_before_and_after_their_read_end_their_holds(pd):
+    """A decode request aborted before its scheduler matched it releases the prefill hold with an
+    empty read (vLLM never hears of that read); one aborted mid-generation had its read already.
+    Both holds end CONSUMED within seconds (not EXPIRED at the lease), and decode keeps serving."""
+    prompts = random_prompts(26, (100, 200))
+    params = prefill_params(pd.prefill, prompts)
+    engine = pd.decode.llm_engine
+    early, late = prompts_of(prompts)
+    engine.abort_request([engine.add_request("abort-early", early, greedy(50, params[0]))], internal=True)
+    late_id = engine.add_request("abort-late", late, greedy(300, params[1]))
+    deadline = time.monotonic() + 60
+    while not any(o.outputs[0].token_ids for o in engine.step() if o.request_id == "abort-late"):
+        assert time.monotonic() < deadline
+    engine.abort_request([late_id], internal=True)
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        engine.step()
+    deadline = time.monotonic() + 10  # well inside the 20 s lease
+    while metric(pd.prefill_daemon, "kvxferd_holds_pending") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    events = hold_events(pd.prefill_daemon, "prefill")
+    assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"], ["CONSUMED"]], events
+    again = random_prompts(27, (90,))
     expected = token_ids(pd.prefill.generate(prompts_of(again), greedy(6), use_tqdm=False))
     result = pd.decode.generate(prompts_of(again), [greedy(6, prefill_params(pd.prefill, again)[0])], use_tqdm=False)
     assert token_ids(result) == expected

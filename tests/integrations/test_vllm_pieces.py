@@ -1,20 +1,25 @@
-"""The connector's vLLM-free pieces: params, settings, cache description, and a hold -> read cycle on real daemons."""
+"""The connector's vLLM-free pieces: params, settings, cache description, transfer stats, and a hold -> read
+cycle on real daemons; and (where vLLM is installed) vLLM carrying the stats to its metrics."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvxferd.client import DaemonProcess
 from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine, share_host_storages
 from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill
-from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, SchedulerSide, real_blocks
+from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide, real_blocks
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
+from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
 from kvxferd.integrations.vllm.worker import WorkerSide
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.config import DaemonConfig
 
 GOOD = RemotePrefill(kvxferd=1, remote_engine_id="p", remote_request_id="r-1", remote_peer_addresses=["127.0.0.1:1"],
@@ -139,36 +144,56 @@ def test_hold_order_read_cycle_on_real_daemons(tmp_path):
             received |= got.finished_recving
             sent |= held.finished_sending
         assert (received, sent) == ({"dreq"}, {"req"})
+        read = decode.take_stats()  # one read of two blocks in each of two layers; the daemon counted the same bytes
+        block_bytes = decode_cache["layer.0"][0].nbytes
+        assert (read.data["num_transfers"], read.num_failed_transfers) == (1, 0), read
+        assert read.data["transferred_bytes"] == 2 * 2 * block_bytes, read
+        assert _eventually(lambda: daemons[1].metric("kvxferd_read_bytes_total")) == read.data["transferred_bytes"]
+        assert decode.take_stats() is None  # taken: recording starts over
+        assert prefill.take_stats().data["num_holds_ended"] == {"consumed": 1, "expired": 0}
         for name in prefill_cache:  # remote blocks 4, 5 landed in local blocks 9, 10; nothing else moved
             assert torch.equal(decode_cache[name][9:11], prefill_cache[name][4:6])
             assert decode_cache[name][:9].abs().sum() == 0 and decode_cache[name][11:].abs().sum() == 0
-        # A full local hit reads nothing, yet its empty read still ends the prefill hold (CONSUMED).
+        # A full local hit reads nothing, yet its empty read still ends the prefill hold (CONSUMED);
+        # vLLM is not waiting for that read, so it hears nothing of it and it is no transfer.
         delay, params = prefill_scheduler.hold("req2", ([6, 7],), 64)
         prefill.expect_held(prefill_scheduler.take_held())
         assert decode_scheduler.matched_tokens("dreq2", params, 64, 64) == (0, False)
         decode_scheduler.after_alloc("dreq2", params, [[]], 0)
         (order,) = decode_scheduler.take_orders()
-        assert order.local_block_ids == ((),)
+        assert order.local_block_ids == ((),) and not order.awaited
         decode.submit([order])
         deadline, received, sent = time.monotonic() + 20, set(), set()
-        while (not received or not sent) and time.monotonic() < deadline:
+        while not sent and time.monotonic() < deadline:
             time.sleep(0.02)
             got = decode.results()
             assert not got.failed_recving
             received |= got.finished_recving
             sent |= prefill.results().finished_sending
-        assert (received, sent) == ({"dreq2"}, {"req2"})
+        assert (received, sent) == (set(), {"req2"})
+        assert decode.take_stats() is None
+        assert prefill.take_stats().data["num_holds_ended"] == {"consumed": 1, "expired": 0}
         # A request whose params are bad fails alone, without an exception.
         decode_scheduler.matched_tokens("bad", {"do_remote_prefill": True}, 50, 0)
         decode_scheduler.after_alloc("bad", {"do_remote_prefill": True}, [[1, 2]], 50)
         decode.submit(decode_scheduler.take_orders())
         result = decode.results()
         assert result.failed_recving == {"bad"} and result.finished_recving == {"bad"}
+        failed = decode.take_stats()
+        assert failed.data["num_failed"]["not_submitted"] == 1 and failed.data["transferred_bytes"] == 0, failed
     finally:
         for worker in workers:
             worker.close()
         for daemon in daemons:
             daemon.terminate()
+
+
+def _eventually(value, timeout_s: float = 5.0):
+    """``value()`` once it is truthy (the daemon counts a read just after it sends its completion)."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := value()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
 
 
 def _gather(workers, until, timeout_s: float = 20.0, daemons=()) -> dict:
@@ -271,6 +296,11 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         assert not merged[decode]["failed"] and not merged[decode]["invalid"], merged
         for name in prefill_cache:
             assert torch.equal(decode_cache[name][12:14], prefill_cache[name][6:8])
+        # Five reads vLLM waited for; "lost" and "later" failed, and only the three ok ones count bytes.
+        stats = decode.take_stats()
+        assert stats.data["num_transfers"] == 5 and stats.num_failed_transfers == 2, stats.data
+        assert stats.data["num_failed"]["read"] >= 1, stats.data  # "later" (how "lost" fails depends on timing)
+        assert stats.data["transferred_bytes"] == 3 * 2 * 2 * decode_cache["layer.0"][0].nbytes, stats.data
     finally:
         for worker in workers:
             worker.close()
@@ -315,3 +345,176 @@ def test_only_holds_of_a_replaced_registration_end_with_it():
     worker.client.registered_again("i4")
     worker.expect_held([HeldRequest("newer", ("x", "i3")), HeldRequest("newest", ("x", "i4"))])
     assert worker.results().finished_sending == {"new", "newer"}
+
+
+# ---- transfer stats (stats.py) and vLLM carrying them ---------------------------------------
+
+def _two_workers() -> tuple[TransferStats, TransferStats]:
+    """Two TP ranks' stats of one interval."""
+    rank0, rank1 = TransferStats(), TransferStats()
+    rank0.record_read(1000, transfer_s=0.002, wait_s=0.010)
+    rank0.record_read(3000, transfer_s=0.004, wait_s=0.020)
+    rank0.record_failed_read("read", wait_s=0.030)
+    rank0.record_hold_ended("consumed")
+    rank1.record_read(500, transfer_s=0.001, wait_s=0.005)
+    rank1.record_failed_read("lost")
+    rank1.record_hold_ended("expired")
+    return rank0, rank1
+
+
+def test_transfer_stats_record_aggregate_reduce_and_reset():
+    rank0, rank1 = _two_workers()
+    summed = TransferStats(rank0.to_dict()).aggregate(rank1)  # from a payload: a copy, rank0 is untouched
+    assert rank0.data["num_transfers"] == 3 and rank0.data["transferred_bytes"] == 4000
+    data = summed.data
+    assert (data["num_transfers"], data["transferred_bytes"], summed.num_failed_transfers) == (5, 4500, 2)
+    assert data["num_failed"] == {"read": 1, "refused": 0, "not_submitted": 0, "lost": 1}
+    assert data["num_holds_ended"] == {"consumed": 1, "expired": 1}
+    assert data["transfer_s"] == [0.002, 0.004, 0.001] and data["wait_s"] == [0.010, 0.020, 0.030, 0.005]
+    assert summed.reduce() == {
+        "num_transfers": 5, "num_failed_transfers": 2, "transferred_MB": round(4500 / 2**20, 3),
+        "avg_transfer_ms": pytest.approx(2.333), "p90_transfer_ms": pytest.approx(3.6),
+        "throughput_MB_per_s": pytest.approx(round(4500 / 2**20 / 0.007, 3)), "avg_wait_ms": pytest.approx(16.25),
+        "num_holds_consumed": 1, "num_holds_expired": 1}
+    taken = summed.clone_and_reset()
+    assert summed.is_empty() and summed.data["transfer_s"] == [] and taken.data["transferred_bytes"] == 4500
+    holds_only = TransferStats()
+    holds_only.record_hold_ended("expired")
+    assert not holds_only.is_empty()  # an interval of expiries alone is still reported
+    assert TransferStats().reduce()["avg_transfer_ms"] == 0.0
+    with pytest.raises(ValueError, match="timeout"):
+        rank0.record_failed_read("timeout")  # labels stay bounded
+
+
+def _fresh_metric_types(registry: CollectorRegistry) -> dict[type, object]:
+    """What vLLM passes build_prom_metrics, registering into ``registry`` instead of the global one."""
+    return {kind: functools.partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram)}
+
+
+def _sample(registry: CollectorRegistry, name: str, engine: str = "0", **labels: str) -> float | None:
+    return registry.get_sample_value(name, {"model_name": "tiny", "engine": engine, **labels})
+
+
+def test_transfer_prom_metrics_count_into_a_fresh_registry():
+    registry = CollectorRegistry()
+    prom = TransferPromMetrics(None, _fresh_metric_types(registry), ["model_name", "engine"],
+                               {0: ["tiny", "0"], 1: ["tiny", "1"]})
+    rank0, rank1 = _two_workers()
+    prom.observe(rank0.aggregate(rank1).to_dict(), engine_idx=1)
+    failed_only = TransferStats()
+    failed_only.record_failed_read("refused")  # a failed read: a failure and a transfer, no bytes, no time
+    prom.observe(failed_only.to_dict(), engine_idx=1)
+    assert _sample(registry, "vllm:kvxferd_num_transfers_total", "1") == 6
+    assert _sample(registry, "vllm:kvxferd_transferred_bytes_total", "1") == 4500
+    assert [_sample(registry, "vllm:kvxferd_num_failed_transfers_total", "1", reason=r)
+            for r in ("read", "refused", "not_submitted", "lost")] == [1, 1, 0, 1]
+    assert _sample(registry, "vllm:kvxferd_transfer_time_seconds_count", "1") == 3
+    assert _sample(registry, "vllm:kvxferd_transfer_time_seconds_sum", "1") == pytest.approx(0.007)
+    assert _sample(registry, "vllm:kvxferd_transfer_time_seconds_bucket", "1", le="0.0025") == 2
+    assert _sample(registry, "vllm:kvxferd_wait_time_seconds_count", "1") == 4
+    assert _sample(registry, "vllm:kvxferd_num_holds_ended_total", "1", how="expired") == 1
+    assert _sample(registry, "vllm:kvxferd_num_transfers_total", "0") == 0  # the other engine saw nothing
+
+
+def test_vllm_carries_the_stats_from_workers_to_its_metrics_and_log():
+    """vLLM's own path: its TP output aggregator sums the ranks' stats, the payload crosses its msgpack
+    encoder, and its KVConnectorProm / KVConnectorLogging resolve the connector's classes."""
+    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    transfer = KVTransferConfig(kv_connector="KvxferdConnector", kv_connector_module_path="kvxferd.integrations.vllm",
+                                kv_role="kv_both", engine_id="d")
+    rank0, rank1 = _two_workers()
+    outputs = [ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                                 kv_connector_output=KVConnectorOutput(kv_connector_stats=stats))
+               for stats in (rank0, None, rank1)]  # a rank with nothing to report sends None
+    merged = KVOutputAggregator(expected_finished_count=3).aggregate(outputs).kv_connector_output.kv_connector_stats
+    payload = MsgpackDecoder().decode(MsgpackEncoder().encode(merged.to_dict()))  # as SchedulerStats carries it
+
+    registry = CollectorRegistry()
+    fresh = _fresh_metric_types(registry)
+
+    class FreshProm(KVConnectorProm):
+        _gauge_cls, _counter_cls, _histogram_cls = fresh[Gauge], fresh[Counter], fresh[Histogram]
+
+    prom = FreshProm(VllmConfig(kv_transfer_config=transfer), ["model_name", "engine"], {0: ["tiny", "0"]})
+    prom.observe(payload, 0)
+    assert _sample(registry, "vllm:kvxferd_num_transfers_total") == 5
+    assert _sample(registry, "vllm:kvxferd_transferred_bytes_total") == 4500
+    assert _sample(registry, "vllm:kvxferd_num_failed_transfers_total", reason="lost") == 1
+
+    logging_ = KVConnectorLogging(transfer)
+    logging_.observe(payload)
+    logging_.observe(payload)  # a second step of the same log interval
+    lines = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and "num_transfers=10," in lines[0] and "num_holds_expired=2" in lines[0], lines
+    assert prom.prom_metrics is not None and payload["num_transfers"] == 5  # logging added into its own copy
+
+
+class _ScriptedClient(_QuietClient):
+    """What WorkerSide.submit / results use of its client, with completions and lost reads the test sets."""
+
+    def __init__(self) -> None:
+        super().__init__("i1")
+        self.completions: list[pb.Completion] = []
+        self.lost: set[str] = set()
+
+    def handshake(self, remote_engine_id, peer_addresses) -> None:
+        return None
+
+    @staticmethod
+    def read_spec(request_id, *args, **kwargs) -> str:
+        return request_id
+
+    def submit_reads(self, specs) -> None:
+        return None
+
+    def take_lost(self) -> set[str]:
+        lost, self.lost = self.lost, set()
+        return lost
+
+    def take_completions(self) -> list:
+        completions, self.completions = self.completions, []
+        return completions
+
+
+class _ScriptedSubscriber:
+    def __init__(self, events) -> None:
+        self.events = list(events)
+
+    def poll(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+
+def test_the_worker_records_each_read_vllm_waited_for_once():
+    worker = WorkerSide("d", 0, 1, ConnectorSettings(engine_socket="/nonexistent/d.sock"))
+    kinds = pb.NotifyEvent
+    worker.client, worker._incarnation, worker.num_groups = _ScriptedClient(), "i1", 1
+    worker.subscriber = _ScriptedSubscriber([pb.NotifyEvent(request_id="h1", kind=kinds.CONSUMED),
+                                             pb.NotifyEvent(request_id="h2", kind=kinds.EXPIRED),
+                                             pb.NotifyEvent(request_id="h3", kind=kinds.FAILED)])  # not an end
+    worker.submit([*(ReadOrder(r, GOOD, ((7, 8),)) for r in ("ok", "failed", "refused", "lost")),
+                   ReadOrder("bad", None, (), "kv_transfer_params: bad"),
+                   ReadOrder("unawaited", GOOD, ((),), awaited=False)])
+    worker.client.completions = [
+        pb.Completion(request_id="ok", ok=True, num_bytes=4096, duration_s=0.003),
+        pb.Completion(request_id="failed", ok=False, num_bytes=2048, duration_s=0.5, error="deadline",
+                      invalid_block_ids=[pb.BlockIds(ids=[8])]),  # half written: no bytes count
+        pb.Completion(request_id="refused", ok=False, refused_code=9, error="refused"),
+        pb.Completion(request_id="unawaited", ok=True, num_bytes=64),  # vLLM did not wait: no transfer
+        pb.Completion(request_id="ok", ok=True, num_bytes=4096)]  # again (a resent read): counted once
+    worker.client.lost = {"lost", "never-submitted"}
+    result = worker.results()
+    assert result.finished_recving == {"ok", "failed", "refused", "lost", "bad"}, result
+    data = worker.take_stats().data
+    assert (data["num_transfers"], data["transferred_bytes"], data["transfer_s"]) == (5, 4096, [0.003]), data
+    assert data["num_failed"] == {"read": 1, "refused": 1, "not_submitted": 1, "lost": 1}, data
+    assert len(data["wait_s"]) == 4 and all(0 <= s < 5 for s in data["wait_s"]), data  # not "bad": never submitted
+    assert data["num_holds_ended"] == {"consumed": 1, "expired": 1}, data
+    assert worker.results().finished_recving == set() and worker.take_stats() is None

@@ -1,11 +1,22 @@
-"""vLLM through kvxferd with prefill TP=2, and a failed read recomputed under ``recompute``, on a real vLLM (CPU).
+"""vLLM through kvxferd across TP sizes and block sizes, and the ``recompute`` policy, on a real vLLM (CPU).
 
-Two vLLM engines with the tiny model of ``test_vllm_e2e.py``: a prefill
-instance at TP=2 (two ranks, each with its own kvxferd daemon) and a decode
-instance at TP=1 with ``kv_load_failure_policy=recompute`` and its own daemon.
-The decode instance is also the single-instance reference: it generates
-each prompt alone first, then forgets its prefix cache, so the P/D request
-that follows reads (or recomputes) every block.
+Three vLLM engines with the KV-sensitive tiny model (4 KV heads), each rank
+with its own kvxferd daemon::
+
+    prefill-tp2  (TP 2, blocks of 64)  ──►  decode-recompute (TP 1, blocks of 32, recompute)
+    decode-recompute as a prefill      ──►  decode-tp2       (TP 2, blocks of 64)
+
+TP 2 -> 1 reads two heads from each prefill rank, each prefill block into
+two decode blocks; TP 1 -> 2 has each decode rank read its two heads out of
+one prefill rank, two prefill blocks into one of its own. vLLM's CPU
+kernels keep K transposed per head (``kv_per_head_kt``), so a block split
+into the other side's tokens is many short runs: the layout, not only the
+block ids, must be right.
+A negative control with the prefill's heads reversed shows the TP 1 -> 2
+tokens depend on every head landing on the right rank. Each decode engine is
+also its own single-instance reference: it generates each prompt alone first,
+then forgets its prefix cache, so the P/D request that follows reads (or
+recomputes) every block.
 
 These engines are their own (not ``test_vllm_e2e.py``'s) so that the two
 files, each a few engine start-ups long, run side by side.
@@ -13,39 +24,55 @@ files, each a few engine start-ups long, run side by side.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
 import pytest
 
-from tests.integrations.vllm_cluster import (engine, greedy, hold_events, metric, prefill_params, prompts_of,
-                                             random_prompts, record_events, released_early, shutdown,
-                                             tiny_model_and_daemons, token_ids)
+from tests.integrations.vllm_cluster import (damage_blocks, engine, greedy, hold_events, metric, prefill_params,
+                                             prompts_of, random_prompts, record_events, released_early, shutdown,
+                                             tiny_model_and_daemons, token_ids, wait_for_reset)
 
 pytestmark = pytest.mark.vllm
+# float32 here: TP 1 and TP 2 sum a layer's partial products in another order, and in bfloat16 that
+# rounding alone flips near-tied greedy tokens of this random model after a few steps.
+DTYPE = "float32"
+BLOCK_BYTES = 2 * 4 * 32 * 2 * 64 * 4  # a prefill block of 32 tokens: 2 layers x 4 KV heads x K and V, float32
+
+
+@contextlib.contextmanager
+def one_core_per_worker():
+    """vLLM's CPU build binds each TP worker to a NUMA node unless told which cores to use; this
+    machine has one node, so each of the two workers gets one core."""
+    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") if previous is None else os.environ.update(
+            VLLM_CPU_OMP_THREADS_BIND=previous)
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-tp2")
-    model, daemons = tiny_model_and_daemons(work, ["vt0", "vt1", "vr0"])
-    cluster = types.SimpleNamespace(prefill_daemons=daemons[:2], recompute_daemon=daemons[2])
+    model, daemons = tiny_model_and_daemons(work, ["vt0", "vt1", "vr0", "vw0", "vw1"])
+    cluster = types.SimpleNamespace(prefill_daemons=daemons[:2], recompute_daemon=daemons[2],
+                                    decode_tp2_daemons=daemons[3:])
     recorders = []
     try:
         recorders = [record_events(daemon, "prefill-tp2") for daemon in daemons[:2]]
-        # vLLM's CPU build binds each TP worker to a NUMA node unless told which cores
-        # to use; this machine has one node, so each worker gets one core.
-        previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-        try:
-            cluster.prefill = engine(model, "prefill-tp2", str(work / "vt{rank}.sock"), tp_size=2)
-        finally:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") if previous is None else os.environ.update(
-                VLLM_CPU_OMP_THREADS_BIND=previous)
-        cluster.decode = engine(model, "decode-recompute", daemons[2].socket, policy="recompute")
+        recorders.append(record_events(daemons[2], "decode-recompute"))
+        with one_core_per_worker():
+            cluster.prefill = engine(model, "prefill-tp2", str(work / "vt{rank}.sock"), tp_size=2, block_size=64,
+                                     dtype=DTYPE)
+            cluster.decode_tp2 = engine(model, "decode-tp2", str(work / "vw{rank}.sock"), tp_size=2, block_size=64,
+                                      dtype=DTYPE)
+        cluster.decode = engine(model, "decode-recompute", daemons[2].socket, policy="recompute", dtype=DTYPE)
         yield cluster
     finally:
-        shutdown(*(getattr(cluster, name) for name in ("prefill", "decode") if name in vars(cluster)))
+        shutdown(*(getattr(cluster, name) for name in ("prefill", "decode", "decode_tp2") if name in vars(cluster)))
         for daemon in daemons:
             daemon.terminate()
         for recorder in recorders:
@@ -59,17 +86,42 @@ def single_instance(llm, prompts, max_tokens: int) -> list[list[int]]:
     return tokens
 
 
-def test_prefill_tp2_to_decode_tp1(tp2):
-    """Two prefill ranks (each with its own daemon) hold, one decode rank reads half the heads from each."""
-    prompts = random_prompts(8, (20, 70, 150))
+def test_prefill_tp2_to_decode_tp1_with_shorter_decode_blocks(tp2):
+    """Two prefill ranks (blocks of 64, each with its own daemon) hold; one decode rank (blocks of 32)
+    reads half the heads from each."""
+    prompts = random_prompts(8)
     single = single_instance(tp2.decode, prompts, 6)
     params = prefill_params(tp2.prefill, prompts)
-    assert [len(p["remote_peer_addresses"]) for p in params] == [2, 2, 2]
+    assert [len(p["remote_peer_addresses"]) for p in params] == [2] * len(prompts)
     outputs = tp2.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
     assert token_ids(outputs) == single
     for daemon in tp2.prefill_daemons:  # both prefill ranks' holds were consumed
         events = hold_events(daemon, "prefill-tp2")
-        assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * 3, _post_mortem(tp2)
+        assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts), _post_mortem(tp2)
+
+
+def test_prefill_tp1_to_decode_tp2_with_longer_decode_blocks(tp2):
+    """One prefill rank (blocks of 32) holds; each of two decode ranks (blocks of 64) reads its two heads."""
+    prompts = random_prompts(9)
+    single = single_instance(tp2.decode_tp2, prompts, 8)
+    params = prefill_params(tp2.decode, prompts)  # decode-recompute (TP 1) acts as the prefill here
+    read_before = [metric(d, "kvxferd_read_bytes_total") for d in tp2.decode_tp2_daemons]
+    outputs = tp2.decode_tp2.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
+    assert token_ids(outputs) == single
+    # Each decode rank read half of every prefill block (2 of 4 heads), and nothing twice.
+    read = [metric(d, "kvxferd_read_bytes_total") - before for d, before in zip(tp2.decode_tp2_daemons, read_before)]
+    assert read == [sum(-(-len(p) // 32) for p in prompts) * BLOCK_BYTES // 2] * 2, read
+    events = hold_events(tp2.recompute_daemon, "decode-recompute")
+    assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
+    # Negative control: the same prompts again with prefill's heads reversed in its held blocks (what
+    # reading each rank's heads from the wrong place would give) change decode's tokens.
+    assert tp2.decode_tp2.reset_prefix_cache()
+    params = prefill_params(tp2.decode, prompts)
+    damage_blocks(tp2.decode, [b for p in params for b in p["remote_block_ids"][0]], "reversed_heads")
+    outputs = tp2.decode_tp2.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
+    assert sum(a != b for a, b in zip(token_ids(outputs), single)) >= len(prompts) - 1, (token_ids(outputs), single)
+    for llm in (tp2.decode, tp2.decode_tp2):  # the damaged blocks stay in both prefix caches
+        wait_for_reset(llm)
 
 
 def _post_mortem(tp2) -> str:

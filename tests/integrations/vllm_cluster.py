@@ -1,14 +1,15 @@
 """A prefill and a decode vLLM engine (CPU), each with its own kvxferd daemon and the connector.
 
-The model is a tiny Llama written at test time with dummy weights drawn
-from a fixed seed, so every instance has the same weights; prompts are
-token ids (no tokenizer). The prefill instance doubles as the single
-instance the P/D tokens are compared with.
+The model is a tiny Llama checkpoint written at test time with normal-scale
+weights drawn from a fixed seed (:mod:`kvxferd.integrations.vllm.tinymodel`),
+loaded by vLLM's real loader, so every instance has the same weights and its
+greedy tokens depend on the KV cache (the negative controls show it);
+prompts are token ids (no tokenizer). The prefill instance doubles as the
+single instance the P/D tokens are compared with.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import threading
@@ -19,20 +20,15 @@ import pytest
 import zmq
 
 from kvxferd.client import DaemonProcess
+from kvxferd.integrations.vllm.tinymodel import TINY_LLAMA, sliding_window, write_tiny_model
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.names import topic
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
-}
 
 
 # The same model with sliding-window attention on every layer: vLLM gives it one sliding-window group.
-TINY_MISTRAL_SWA = {**TINY_LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
+TINY_MISTRAL_SWA = sliding_window(TINY_LLAMA, 64)
 
 
 # Shorter than a block, around block edges, several blocks.
@@ -57,12 +53,6 @@ def released_early(params: dict) -> dict:
     return {**params, "remote_request_id": params["remote_request_id"] + "-freed"}
 
 
-def write_tiny_model(directory: pathlib.Path, config: dict = TINY_LLAMA) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    return str(directory)
-
-
 def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str],
                            config: dict = TINY_LLAMA) -> tuple[str, list[DaemonProcess]]:
     """What every vLLM test starts with: vLLM importable (else the test is skipped), a small CPU KV
@@ -73,20 +63,58 @@ def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str],
     return model, DaemonProcess.start_many(daemon_ids, socket_dir=str(directory))
 
 
-def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail", tp_size: int = 1):
+def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail", tp_size: int = 1,
+           block_size: int = BLOCK_SIZE, lease_s: float = 20.0, dtype: str = "bfloat16"):
     """A vLLM engine on CPU; with ``engine_id`` it uses the kvxferd connector on ``socket`` (``{rank}``: TP rank)."""
     from vllm import LLM
 
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # damage_blocks sends a test function to the workers
     transfer = None
     if engine_id is not None:
         transfer = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.integrations.vllm",
                     "kv_role": "kv_both", "engine_id": engine_id, "kv_load_failure_policy": policy,
-                    "kv_connector_extra_config": {"engine_socket": socket, "lease_s": 20.0, "deadline_s": 10.0,
+                    "kv_connector_extra_config": {"engine_socket": socket, "lease_s": lease_s, "deadline_s": 10.0,
                                                   "heartbeat_s": 1.0}}  # a restarted daemon hears from it soon
-    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
-               max_model_len=1024, block_size=BLOCK_SIZE, dtype="bfloat16", max_num_seqs=16,
+    return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0,
+               max_model_len=1024, block_size=block_size, dtype=dtype, max_num_seqs=16,
                max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False,
                tensor_parallel_size=tp_size)
+
+
+def damage_blocks(llm, block_ids, how: str) -> None:
+    """Overwrite ``block_ids`` of ``llm``'s KV cache (every layer, every worker) with wrong KV, in place.
+
+    The negative controls hold a prefill, damage its held blocks here, and
+    show that decode's tokens change: ``reversed_heads`` puts each KV head's
+    bytes where another head belongs (what a wrong TP head mapping would
+    read), ``swapped_k_v`` swaps every head's K and V. Runs in vLLM's workers
+    (``collective_rpc``; the engine needs VLLM_ALLOW_INSECURE_SERIALIZATION).
+    """
+    llm.collective_rpc(_damage_blocks_on_worker, args=(sorted(set(block_ids)), how))
+
+
+def _damage_blocks_on_worker(worker, block_ids: list[int], how: str) -> None:
+    import torch
+
+    ids = torch.tensor(block_ids)
+    for cache in worker.model_runner.kv_caches:  # CPU_ATTN: (blocks, heads, tokens, 2 x head_size) per layer
+        blocks = cache[ids]
+        if how == "reversed_heads":
+            blocks = blocks.flip(1)
+        elif how == "swapped_k_v":  # per head: every token's K, then every token's V
+            blocks = blocks.reshape(*blocks.shape[:2], 2, -1).flip(2).reshape(blocks.shape)
+        else:
+            raise ValueError(how)
+        cache[ids] = blocks
+
+
+def wait_for_reset(llm, timeout_s: float = 10.0) -> None:
+    """Empty ``llm``'s prefix cache once its last held blocks are free (the negative controls leave
+    damaged blocks there)."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        assert time.monotonic() < deadline, "the prefix cache could not be reset"
+        time.sleep(0.1)
 
 
 def shutdown(*llms) -> None:

@@ -21,6 +21,9 @@ SHAPES = {
     "kernel_split": ModelShape(kernel_block_size=8, layout="legacy"),
     "prefill_blocks_32": ModelShape(prefill_block_size=32),
     "decode_blocks_32": ModelShape(decode_block_size=32, kernel_block_size=16, num_kv_heads=3),
+    # vLLM's CPU cache (K transposed per head): a block of one side is split into the other's units
+    "cpu_prefill_blocks_32": ModelShape(prefill_block_size=32, layout="cpu"),
+    "cpu_decode_blocks_32": ModelShape(decode_block_size=32, num_kv_heads=3, layout="cpu"),
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, MambaSpec
+from kvxferd.layout.specs import ATTENTION_LAYOUTS, SELF_PAIRED_LAYOUTS, AttentionSpec, MambaSpec
 from kvxferd.verify.scenario import run_scenario
 
 from tests.sampling import covering
@@ -76,6 +76,8 @@ PAIRS = [
     ("packed_HND", "packed_HND", None, 4),  # decode stores 4 kernel blocks per block
     ("packed_NHD", "legacy", 4, 2),
     ("mla", "mla", 2, 4),
+    ("kv_per_head_kt", "kv_per_head_kt", 2, None),
+    ("kv_per_head_kt", "kv_per_head_kt", None, 4),
 ]
 
 
@@ -119,8 +121,8 @@ def scenarios(draw):
                          kernel_block_size=draw(st.sampled_from(kernels)),
                          dtype=draw(st.sampled_from(["bfloat16", "float8_e4m3fn", "float32"])),
                          num_layers=draw(st.integers(1, 3)))
-    compatible = [spec.layout] if spec.layout in ("mla", "cross_layer") else [
-        name for name in ATTENTION_LAYOUTS if name not in ("mla", "cross_layer")]
+    compatible = [spec.layout] if spec.layout in SELF_PAIRED_LAYOUTS else [
+        name for name in ATTENTION_LAYOUTS if name not in SELF_PAIRED_LAYOUTS]
     decode = spec.with_(layout=draw(st.sampled_from(compatible)), kernel_block_size=draw(st.sampled_from(kernels)))
     return spec, decode, p, d
 

@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, Slid
 from kvxferd.integrations.vllm.describe import GroupLayout, torch_dtype_name
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide
 from kvxferd.integrations.vllm.settings import load_settings
+from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
 from kvxferd.integrations.vllm.worker import TransferResults, WorkerSide
 
 if TYPE_CHECKING:
@@ -33,9 +34,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxferd.vllm")
 
 # The memory order of each attention backend's per-layer cache, as a kvxferd layout.
-# CPU_ATTN allocates (B, H, N, 2C) but its kernels view it as (B, H, 2N, C): per head,
-# every token's K, then every token's V.
-BACKEND_LAYOUTS = {"CPU_ATTN": "kv_per_head"}
+# CPU_ATTN allocates (B, H, N, 2C) and splits each head into a K half and a V half, whose
+# order its kernels ("ISA") choose: the vec and vec16 kernels keep K transposed, (C, N),
+# and V as (N, C) (measured with vLLM's own cpu_attn_reshape_and_cache). A whole block
+# copies right whatever the order, but a block split into another block size's tokens
+# does not, so an order kvxferd has not measured is refused rather than guessed.
+BACKEND_LAYOUTS = {"CPU_ATTN": "cpu_isa"}
+CPU_ISA_LAYOUTS = {"vec": "kv_per_head_kt", "vec16": "kv_per_head_kt"}
 
 
 @dataclass
@@ -54,6 +59,17 @@ class KvxferdHandshake(KVConnectorHandshakeMetadata):
     engine_socket: str
     peer_address: str
     session: str
+
+
+def cpu_attention_layout(dtype: torch.dtype, kernel_block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The kvxferd layout of CPU_ATTN's cache with the kernels vLLM picks on this machine."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, kernel_block_size, head_size, cache_dtype)
+    if isa not in CPU_ISA_LAYOUTS:
+        raise ValueError(f"kvxferd: vLLM's CPU attention uses its {isa!r} kernels here, whose K/V order kvxferd does "
+                         f"not describe yet (only {sorted(CPU_ISA_LAYOUTS)}); see docs/vllm.md, Limits")
+    return CPU_ISA_LAYOUTS[isa]
 
 
 class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -102,11 +118,15 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError(f"kvxferd: attention backend {backend} is not supported yet ({sorted(BACKEND_LAYOUTS)})")
             tensor = kv_caches[first]
             num_kernel_blocks, local_heads, kernel_block_size, content = tensor.shape
+            layout = BACKEND_LAYOUTS[backend]
+            if layout == "cpu_isa":
+                layout = cpu_attention_layout(tensor.dtype, kernel_block_size, spec.head_size,
+                                              config.cache_config.cache_dtype)
             if content != 2 * spec.head_size or spec.block_size % kernel_block_size:
                 raise ValueError(f"kvxferd: layer {first!r} has shape {tuple(tensor.shape)}, expected "
                                  f"(blocks, heads, tokens, 2 x {spec.head_size}) with tokens dividing {spec.block_size}")
             layouts.append(GroupLayout(
-                kind=kind, layer_names=tuple(group.layer_names), layout=BACKEND_LAYOUTS[backend],
+                kind=kind, layer_names=tuple(group.layer_names), layout=layout,
                 num_blocks=num_kernel_blocks * kernel_block_size // spec.block_size,
                 num_kv_heads=1 if kind == "mla" else total_heads, head_size=spec.head_size,
                 block_size=spec.block_size, kernel_block_size=kernel_block_size, dtype=torch_dtype_name(tensor.dtype)))
@@ -145,6 +165,22 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # ---- stats: vLLM's /metrics (stats.py) ---------------------------------------------
+    def get_kv_connector_stats(self) -> TransferStats | None:
+        """Worker: the reads and holds that ended since the last call (None when none did)."""
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats:
+        """Frontend: the stats again from the payload vLLM carried (``TransferStats.to_dict()``)."""
+        return TransferStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TransferPromMetrics:
+        """Frontend: the ``vllm:kvxferd_*`` metrics (docs/vllm.md, "vLLM's own metrics")."""
+        return TransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -60,12 +60,19 @@ class HeldRequest:
 
 @dataclass(frozen=True)
 class ReadOrder:
-    """Scheduler -> worker: read ``remote`` into ``local_block_ids`` (per group), or fail with ``error``."""
+    """Scheduler -> worker: read ``remote`` into ``local_block_ids`` (per group), or fail with ``error``.
+
+    ``awaited``: vLLM parked the request until this read finishes, so the worker
+    reports it (finished or failed). An order with nothing to load (a full local
+    prefix hit, a request that ended before its read) only tells the holders to
+    let go; vLLM is not waiting for it and must not hear of it.
+    """
 
     request_id: str
     remote: dict | None  # RemotePrefill.to_params(); None when the params were bad
     local_block_ids: tuple[tuple[int, ...], ...]
     error: str = ""
+    awaited: bool = True
 
 
 def real_blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -155,35 +162,41 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if called again
-        remote = self._pending.pop(request_id, None)
-        if remote is None:
-            try:
-                remote = parse_remote_prefill({**params, "do_remote_prefill": True})
-            except ParamsError as err:
-                remote = err
+        remote = self._take_remote(request_id, params)
         local = real_blocks(new_block_ids) if num_external_tokens > 0 else ()
-        self._order(request_id, remote, local)
+        self._order(request_id, remote, local, awaited=num_external_tokens > 0)
 
     def finished_before_scheduled(self, request_id: str, params: dict | None) -> None:
         """A decode request that ended before its read: release the prefill hold with an empty read."""
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False
-        remote = self._pending.pop(request_id, None)
+        remote = self._take_remote(request_id, params)  # parsed now if aborted before it was ever matched
         if isinstance(remote, RemotePrefill):
-            self._order(request_id, remote, ())
+            self._order(request_id, remote, (), awaited=False)
 
-    def _order(self, request_id: str, remote: RemotePrefill | ParamsError, local) -> None:
+    def _take_remote(self, request_id: str, params: dict) -> RemotePrefill | ParamsError:
+        """The params ``matched_tokens`` parsed for this request, else ``params`` parsed now."""
+        remote = self._pending.pop(request_id, None)
+        if remote is None:
+            try:
+                remote = parse_remote_prefill({**params, "do_remote_prefill": True})
+            except ParamsError as err:
+                remote = err
+        return remote
+
+    def _order(self, request_id: str, remote: RemotePrefill | ParamsError, local, *, awaited: bool) -> None:
         if isinstance(remote, ParamsError):
-            self._orders.append(ReadOrder(request_id, None, (), str(remote)))
+            self._orders.append(ReadOrder(request_id, None, (), str(remote), awaited))
             return
         if not local:
             local = tuple(() for _ in remote.remote_block_ids)
         elif len(local) != len(remote.remote_block_ids):
             self._orders.append(ReadOrder(request_id, None, (), f"kv_transfer_params.remote_block_ids: "
-                                          f"{len(remote.remote_block_ids)} groups, this engine has {len(local)}"))
+                                          f"{len(remote.remote_block_ids)} groups, this engine has {len(local)}",
+                                          awaited))
             return
-        self._orders.append(ReadOrder(request_id, remote.to_params(), tuple(local)))
+        self._orders.append(ReadOrder(request_id, remote.to_params(), tuple(local), awaited=awaited))
 
     def take_orders(self) -> list[ReadOrder]:
         orders, self._orders = self._orders, []

@@ -9,6 +9,8 @@
                  (one KV cache group) or failed_recving (several groups: block ids
                  are not unique across groups, vLLM can only fail the request)
         prefill: CONSUMED / EXPIRED on the bus ─► finished_sending (the blocks may go)
+        both:    each read vLLM waited for and each hold that ended ─► TransferStats
+                 (get_kv_connector_stats ─► vLLM's /metrics)
 
 A read that cannot even be submitted (unknown remote, daemon error, bad
 params) is a failed load of that request, never an exception in vLLM's step.
@@ -34,6 +36,8 @@ from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine
 from kvxferd.integrations.vllm.params import RemotePrefill
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder
 from kvxferd.integrations.vllm.settings import ConnectorSettings
+from kvxferd.integrations.vllm.stats import TransferStats
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.fdpass import fd_socket_path, send_fds
 
 log = logging.getLogger("kvxferd.vllm")
@@ -61,11 +65,12 @@ class WorkerSide:
         self.peer_address = ""
         self.num_groups = 0
         self._remotes: dict[str, tuple[str, ...]] = {}  # remote engine -> addresses handshaked
-        self._reading: set[str] = set()
+        self._reading: dict[str, float] = {}  # reads vLLM waits for -> when submitted (monotonic)
         self._failed_now: set[str] = set()  # orders that failed before reaching the daemon
         self._held: dict[str, str] = {}  # prefill requests the scheduler held -> incarnation holding it
         self._ended: set[str] = set()  # holds that ended before the worker heard they were held
         self._incarnation = ""  # of the current registration (the one handshakes were made on)
+        self.stats = TransferStats()  # since the last take_stats
 
     # ---- registration ---------------------------------------------------------------
     def register(self, groups: Sequence[GroupLayout], tensors: Mapping[str, torch.Tensor]) -> RankDaemon:
@@ -115,11 +120,15 @@ class WorkerSide:
         for order in orders:
             try:
                 specs.append(self._spec(order))
-                self._reading.add(order.request_id)
             except (grpc.RpcError, ValueError) as err:
                 reason = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
                 log.warning("kvxferd: read not submitted", extra={"request_id": order.request_id, "error": reason})
-                self._failed_now.add(order.request_id)
+                if order.awaited:
+                    self._failed_now.add(order.request_id)
+                    self.stats.record_failed_read("not_submitted")
+                continue
+            if order.awaited:  # else only the holders hear of it (their blocks may go); vLLM does not wait
+                self._reading[order.request_id] = time.monotonic()
         if specs:
             self.client.submit_reads(specs)
 
@@ -147,19 +156,24 @@ class WorkerSide:
         if self.client is None:
             return out
         self._follow_registration()
-        self._failed_now |= self.client.take_lost() & self._reading  # in flight when the daemon went away
-        self._reading -= self._failed_now
+        now = time.monotonic()
+        for request_id in self.client.take_lost() & self._reading.keys():  # in flight when the daemon went away
+            self.stats.record_failed_read("lost", now - self._reading.pop(request_id))
+            self._failed_now.add(request_id)
         for request_id in self._failed_now:
+            self._reading.pop(request_id, None)
             out.finished_recving.add(request_id)
             out.failed_recving.add(request_id)
         self._failed_now.clear()
         for completion in self.client.take_completions():
-            if completion.request_id not in self._reading:
+            submitted = self._reading.pop(completion.request_id, None)
+            if submitted is None:
                 continue
-            self._reading.discard(completion.request_id)
             out.finished_recving.add(completion.request_id)
             if completion.ok:
+                self.stats.record_read(completion.num_bytes, completion.duration_s, now - submitted)
                 continue
+            self.stats.record_failed_read("refused" if completion.refused_code else "read", now - submitted)
             log.warning("kvxferd: read failed", extra={"request_id": completion.request_id, "error": completion.error})
             lists = completion.invalid_block_ids
             if self.num_groups == 1 and lists and lists[0].ids:
@@ -174,6 +188,7 @@ class WorkerSide:
         for event in events:
             if event.kind in TERMINAL:
                 self._ended.add(event.request_id)
+                self.stats.record_hold_ended("consumed" if event.kind == pb.NotifyEvent.CONSUMED else "expired")
         gone = set(self.client.incarnations[:-1])  # registrations replaced since: their holds are gone
         done = {r for r, incarnation in self._held.items() if r in self._ended or incarnation in gone}
         self._ended -= done
@@ -181,6 +196,10 @@ class WorkerSide:
             del self._held[request_id]
         out.finished_sending = done
         return out
+
+    def take_stats(self) -> TransferStats | None:
+        """What was recorded since the last call (None when nothing was); recording starts over."""
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def _follow_registration(self) -> None:
         """After the client registered again (the daemon restarted or lost the lease): the daemon
