@@ -35,9 +35,16 @@ def test_nixl_reads_are_byte_exact(pair, model, shape):
 
 @pytest.mark.parametrize("model", ["gqa", "swa"])
 @pytest.mark.parametrize("p, d", [(1, 1), (2, 1), (1, 2), (3, 2)], ids=lambda x: str(x))
-def test_vllm_cpu_layout_pairs_with_packed_hnd(model, p, d):
-    """vLLM's CPU attention stores (B, H, KV, N, C); prefill packed HND, blocks 32 -> 16."""
+def test_kv_per_head_pairs_with_packed_hnd(model, p, d):
+    """(B, H, KV, N, C) on decode, prefill packed HND, blocks 32 -> 16."""
     check_pairing(model, ModelShape(prefill_block_size=32, layout="kvhead"), "kvhead", p, d)
+
+
+@pytest.mark.parametrize("blocks", [{"prefill_block_size": 32}, {"decode_block_size": 32}], ids=["32_to_16", "16_to_32"])
+@pytest.mark.parametrize("p, d", [(1, 2), (2, 1)], ids=lambda x: str(x))
+def test_vllm_cpu_cache_between_block_sizes(blocks, p, d):
+    """vLLM's CPU cache (K transposed per head, ``kv_per_head_kt``) on both sides, block sizes differing."""
+    check_pairing("gqa", ModelShape(layout="cpu", **blocks), "cpu", p, d)
 
 
 def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int) -> None:
