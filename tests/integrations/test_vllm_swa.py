@@ -33,6 +33,13 @@ def test_sliding_window_prefill_decode_gives_the_single_instance_tokens(tmp_path
         assert [list(o.outputs[0].token_ids) for o in outputs] == single
         events = hold_events(daemons[0], "swa-prefill")
         assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
+        # Negative control: the same prompts with another prompt set's windows (same lengths) change the tokens.
+        others = [rng.integers(3, 500, len(p)).tolist() for p in prompts]
+        assert decode.reset_prefix_cache()
+        crossed = prefill_params(prefill, others)
+        outputs = decode.generate(prompts_of(prompts), [greedy(8, p) for p in crossed], use_tqdm=False)
+        changed = [list(o.outputs[0].token_ids) != s for o, s in zip(outputs, single)]
+        assert sum(changed) >= len(prompts) - 1, changed
     finally:
         shutdown(*engines)
         for daemon in daemons:
