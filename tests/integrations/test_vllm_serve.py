@@ -20,11 +20,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def free_base_port() -> int:
-    """A base port whose proxy (-100), prefill (+0) and decode (+100) ports are all free."""
+    """A base port whose proxy (-100), prefill (+0), decode (+100) and daemon (+600..+612) ports are all free."""
     for _ in range(50):
         base = random.randrange(20_000, 30_000)
         try:
-            for port in (base - 100, base, base + 100):
+            for port in (base - 100, base, base + 100, *range(base + 600, base + 613)):  # proxy, servers, daemons
                 with socket.socket() as probe:
                     probe.bind(("127.0.0.1", port))
             return base
@@ -41,4 +41,4 @@ def test_the_proxy_returns_the_single_instance_tokens():
     assert run.returncode == 0 and len(rows) == 2, run.stdout + run.stderr[-3000:]
     for tokens, _requests, _single, _pd, _ratio, kib, equal in rows:
         assert equal.strip() == "True", rows
-        assert int(kib) == -(-int(tokens) // 32) * 32, rows  # 32 KiB per block of 32 tokens, read once
+        assert int(kib) == -(-int(tokens) // 32) * 64, rows  # 64 KiB per block of 32 tokens, read once
