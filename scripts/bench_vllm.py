@@ -40,7 +40,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_vllm_servers import Setup, cpu_seconds, nixl_log_notes, start_setups  # noqa: E402  (next to this script)
+from bench_vllm_servers import Setup, cpu_seconds, metric_sum, nixl_log_notes, scrape, start_setups  # noqa: E402  (next to this script)
 
 from kvxferd.integrations.vllm.proxy import decode_request, prefill_request  # noqa: E402
 from kvxferd.integrations.vllm.tinymodel import TINY_LLAMA, write_tiny_model  # noqa: E402
@@ -249,6 +249,42 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
     return report
 
 
+def disconnect_check(setups: dict[str, Setup], model: str, timeout_s: float = 20.0) -> tuple[bool, str]:
+    """A client that leaves mid-stream through the kvxferd proxy: no prefill hold stays pinned (each
+    ends within ``timeout_s``, far inside the 30 s lease), decode stops the request, and P/D serves on."""
+    import socket
+
+    setup = setups["kvxferd"]
+    body = {"model": model, "prompt": prompt_ids(200, 999), "max_tokens": 400, "temperature": 0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True}
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", setup.port), timeout=120) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        seen = b""
+        while b"data: {" not in seen:  # decode streams: its read is done
+            chunk = sock.recv(65536)
+            if not chunk:
+                return False, "the proxy closed the stream before a token"
+            seen += chunk
+    deadline = time.monotonic() + timeout_s
+    prefill_daemon, decode_url = setup.daemons[0], f"http://127.0.0.1:{setup.decode}/metrics"
+    while time.monotonic() < deadline:
+        pending = prefill_daemon.metric("kvxferd_holds_pending")
+        running = metric_sum(scrape(decode_url), "vllm:num_requests_running")
+        if pending == 0 and running == 0:
+            break
+        time.sleep(0.2)
+    else:
+        return False, f"after {timeout_s:g} s: {pending:g} prefill holds pending, {running:g} decode requests running"
+    prompt = {**body, "prompt": prompt_ids(150, 998), "max_tokens": MAX_TOKENS, "ignore_eos": False}
+    _, single, _ = post(setups["single"].url, prompt, 120)
+    _, through, _ = post(setup.url, prompt, 120)
+    if single != through:
+        return False, f"the next P/D request gave {through}, one instance {single}"
+    return True, "ok: no hold pending, decode stopped the request, the next P/D request gave one instance's tokens"
+
+
 def _per(values: dict, amount: str, count: str, scale: float = 1e3) -> float | None:
     if not values.get(count):
         return None
@@ -369,6 +405,8 @@ def main() -> None:
                              "(default 1); 'auto': vLLM's own choice, which differs between plain and P/D servers")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--json", metavar="PATH", help="also write every number as JSON")
+    parser.add_argument("--disconnect-check", action="store_true",
+                        help="then a client that leaves mid-stream through the kvxferd proxy: no hold may stay pinned")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (their folder is printed)")
     args = parser.parse_args()
     if args.breakdown is None:
@@ -387,6 +425,9 @@ def main() -> None:
                      args.reserved_cpus, args.nixl_threads)
         setups = {name: setups[name] for name in names}
         report = run(args, setups, model)
+        if args.disconnect_check:
+            report["disconnect_check_ok"], message = disconnect_check(setups, model)
+            print(f"disconnect check: {message}")
         report["single_instance"] = "the kvxferd prefill server" if single_on_prefill else "a plain vLLM server"
         report["settings"] = {"reserved_cpus": args.reserved_cpus, "nixl_patches": list(patches),
                               "nixl_threads": args.nixl_threads, "pause_nixl": args.pause_nixl,
@@ -415,7 +456,7 @@ def main() -> None:
             print(f"\n{name}: {len(errors)} request(s) failed (counted nowhere above); the first: {errors[0]}")
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
-        failed = bool(report["unavailable"] or report["errors"])  # keep the logs that say why
+        failed = bool(report["unavailable"] or report["errors"] or report.get("disconnect_check_ok") is False)  # keep the logs that say why
     finally:
         for setup in setups.values():
             setup.stop()
