@@ -22,10 +22,10 @@ import pytest
 
 from kvxferd.client import DaemonProcess
 
-from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, damage_blocks, engine, greedy, hold_events, metric,
-                                             prefill_params, prompt_tokens_by_source, prompts_of, random_prompts,
-                                             record_events, released_early, shutdown, tiny_model_and_daemons,
-                                             token_ids, wait_for_reset)
+from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, changed, damage_blocks, engine, greedy,
+                                             hold_events, metric, prefill_params, prompt_tokens_by_source, prompts_of,
+                                             random_prompts, record_events, released_early, shutdown,
+                                             tiny_model_and_daemons, token_ids, wait_for_reset)
 from tests.integrations.vllm_stats_check import connector_metrics
 
 pytestmark = pytest.mark.vllm
@@ -83,10 +83,6 @@ def test_prefill_decode_gives_the_single_instance_tokens(pd):
     events = hold_events(pd.prefill_daemon, "prefill")
     assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
     assert metric(pd.prefill_daemon, "kvxferd_holds_pending") == 0
-
-
-def changed(tokens, expected) -> list[bool]:
-    return [a != b for a, b in zip(tokens, expected, strict=True)]
 
 
 def test_another_requests_kv_changes_the_tokens(pd):

@@ -45,6 +45,11 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def changed(tokens, expected) -> list[bool]:
+    """Per prompt, whether its tokens differ from ``expected`` (the negative controls count these)."""
+    return [a != b for a, b in zip(tokens, expected, strict=True)]
+
+
 def released_early(params: dict) -> dict:
     """Params naming a hold that no longer exists on prefill, as if its blocks were freed before decode read them.
 

@@ -33,14 +33,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvxferd.vllm")
 
-# The memory order of each attention backend's per-layer cache, as a kvxferd layout.
-# CPU_ATTN allocates (B, H, N, 2C) and splits each head into a K half and a V half, whose
-# order its kernels ("ISA") choose: the vec and vec16 kernels keep K transposed, (C, N),
-# and V as (N, C) (measured with vLLM's own cpu_attn_reshape_and_cache). A whole block
-# copies right whatever the order, but a block split into another block size's tokens
-# does not, so an order kvxferd has not measured is refused rather than guessed.
-BACKEND_LAYOUTS = {"CPU_ATTN": "cpu_isa"}
 CPU_ISA_LAYOUTS = {"vec": "kv_per_head_kt", "vec16": "kv_per_head_kt"}
+
+
+def cpu_attention_layout(dtype: torch.dtype, kernel_block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The kvxferd layout of CPU_ATTN's cache with the kernels vLLM picks on this machine."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, kernel_block_size, head_size, cache_dtype)
+    if isa not in CPU_ISA_LAYOUTS:
+        raise ValueError(f"kvxferd: vLLM's CPU attention uses its {isa!r} kernels here, whose K/V order kvxferd does "
+                         f"not describe yet (only {sorted(CPU_ISA_LAYOUTS)}); see docs/vllm.md, Limits")
+    return CPU_ISA_LAYOUTS[isa]
+
+
+# The memory order of each attention backend's per-layer cache, as a kvxferd layout, from the
+# cache's (dtype, kernel block size, head size, cache dtype). CPU_ATTN allocates (B, H, N, 2C) and
+# splits each head into a K half and a V half, whose order its kernels ("ISA") choose: the vec and
+# vec16 kernels keep K transposed, (C, N), and V as (N, C) (measured with vLLM's own
+# cpu_attn_reshape_and_cache). A whole block copies right whatever the order, but a block split
+# into another block size's tokens does not, so an order kvxferd has not measured is refused
+# rather than guessed.
+BACKEND_LAYOUTS = {"CPU_ATTN": cpu_attention_layout}
 
 
 @dataclass
@@ -59,17 +73,6 @@ class KvxferdHandshake(KVConnectorHandshakeMetadata):
     engine_socket: str
     peer_address: str
     session: str
-
-
-def cpu_attention_layout(dtype: torch.dtype, kernel_block_size: int, head_size: int, cache_dtype: str) -> str:
-    """The kvxferd layout of CPU_ATTN's cache with the kernels vLLM picks on this machine."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(dtype, kernel_block_size, head_size, cache_dtype)
-    if isa not in CPU_ISA_LAYOUTS:
-        raise ValueError(f"kvxferd: vLLM's CPU attention uses its {isa!r} kernels here, whose K/V order kvxferd does "
-                         f"not describe yet (only {sorted(CPU_ISA_LAYOUTS)}); see docs/vllm.md, Limits")
-    return CPU_ISA_LAYOUTS[isa]
 
 
 class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -118,9 +121,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError(f"kvxferd: attention backend {backend} is not supported yet ({sorted(BACKEND_LAYOUTS)})")
             tensor = kv_caches[first]
             num_kernel_blocks, local_heads, kernel_block_size, content = tensor.shape
-            layout = BACKEND_LAYOUTS[backend]
-            if layout == "cpu_isa":
-                layout = cpu_attention_layout(tensor.dtype, kernel_block_size, spec.head_size,
+            layout = BACKEND_LAYOUTS[backend](tensor.dtype, kernel_block_size, spec.head_size,
                                               config.cache_config.cache_dtype)
             if content != 2 * spec.head_size or spec.block_size % kernel_block_size:
                 raise ValueError(f"kvxferd: layer {first!r} has shape {tuple(tensor.shape)}, expected "
