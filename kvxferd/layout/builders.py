@@ -12,6 +12,8 @@ their memory order, so any two of them can be paired::
     legacy      (2, B, N, H, C) = (KV, B, N, H, C)   K/V outermost, token-major
     cross_layer (B, L, H, N, 2C)                     all layers of a block together
     mla         (B, N, C)                            latent, replicated on every rank
+    strided     (L, B, H, N, <content>) in any order one view over every layer of a group, strides as
+                                                     given (vLLM >= 0.32: LBHNC, LBNHC, LHBNC, BLHNC, ...)
 
 ``kernel_block_size`` < ``block_size`` stores each logical block as
 consecutive kernel blocks; the returned layout is already the logical view.
@@ -21,6 +23,7 @@ nvfp4 is described in bytes: dtype ``uint8``, ``head_size`` = packed bytes.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout.region import Field, Region, Shard
@@ -175,3 +178,106 @@ def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_
             (page // ssm_size, head_dim * state_size, state_size, 1), ssm_dtype, ssm_start // ssm_size), heads),
     )
     return Region("mamba", fields, num_blocks * page)
+
+
+CONTENTS = ("kv", "k_transposed", "latent", "bytes")
+
+
+@dataclass(frozen=True)
+class CacheStrides:
+    """Element strides of a cache stored as one view over all layers of a group (vLLM >= 0.32).
+
+    The engine allocates ``[L, B, H, N, <content>]`` in any physical order
+    and gives the strides of ``L``, kernel block ``B``, head ``H`` and token
+    ``N``; the content of one (head, token) is contiguous. ``content`` says
+    what it holds::
+
+        kv            [ K: C | V: C ]                 per (head, token)
+        k_transposed  per (head, kernel block): [ K: C x N | V: N x C ]   (vLLM's CPU "vec" kernels;
+                                                                           token stride must be 2C)
+        latent        [ C ]  per token, no heads (MLA)
+        bytes         [ C ]  per (head, token), moved whole: K, V and whatever the engine keeps beside them
+                             (quantisation scales); dtype uint8, C in bytes
+
+    ``head_size`` is C for ``latent`` and ``bytes``, half of it for the others.
+    """
+
+    content: str
+    layer: int
+    block: int
+    head: int
+    token: int
+
+    def __post_init__(self) -> None:
+        if self.content not in CONTENTS:
+            raise InvalidArgumentError("strides.content", f"must be one of {CONTENTS}, got {self.content!r}")
+        for name in ("layer", "block", "head", "token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"strides.{name}", f"must be a non-negative integer, got {value!r}")
+
+
+ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM's KVCacheLayout names
+
+
+def order_strides(order: str, content: str, *, num_layers: int, num_blocks: int, num_heads: int, block_size: int,
+                  head_size: int) -> CacheStrides:
+    """The strides of a dense cache stored in physical ``order`` (one of :data:`ORDERS`), as vLLM allocates it.
+
+    ``num_blocks`` and ``block_size`` are kernel blocks and their tokens;
+    ``num_heads`` is this rank's (1 for a latent).
+    """
+    if order not in ORDERS:
+        raise InvalidArgumentError("order", f"must be one of {ORDERS}, got {order!r}")
+    content_size = head_size if content in ("latent", "bytes") else 2 * head_size
+    sizes = {"L": num_layers, "B": num_blocks, "H": 1 if content == "latent" else num_heads, "N": block_size,
+             "C": content_size}
+    strides, step = {}, 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= sizes[dim]
+    return CacheStrides(content, strides["L"], strides["B"], strides["H"], strides["N"])
+
+
+def strided_attention(num_blocks, num_layers, num_kv_heads, block_size, head_size, dtype, strides: CacheStrides, *,
+                      tp_size=1, tp_rank=0, kernel_block_size=None) -> Region:
+    """One region for ``num_layers`` layers stored with ``strides`` (element 0: layer 0, block 0, head 0, token 0).
+
+    ::
+
+        BLHNC, 2 layers, 2 heads:   | blk 0 [ L0: h0 h1 | L1: h0 h1 ] | blk 1 [ L0: h0 h1 | L1: h0 h1 ] | ...
+        LBNHC:                      | L0 [ blk 0: n0 (h0 h1) n1 (h0 h1) .. | blk 1 .. ] | L1 [ .. ] |
+
+    Whatever the order, the field's dims are ``(L, B, H, N, KV, C)`` (no
+    ``H`` for a latent, no ``KV`` for a latent or whole bytes), so any two
+    orders of one content pair; the layout algebra finds the spans.
+    Overlapping strides are refused.
+    """
+    k, kernel = _kernel_split(block_size, kernel_block_size)
+    blocks, channels = positive_int(num_blocks, "num_blocks") * k, positive_int(head_size, "head_size")
+    layers = positive_int(num_layers, "num_layers")
+    s = strides
+    if s.content == "latent":
+        Shard("H", 1, tp_size, tp_rank)  # validates the rank; a latent is the same on every rank
+        latent = Layout.create(("L", "B", "N", "C"), (layers, blocks, kernel, channels), (s.layer, s.block, s.token, 1),
+                               dtype)
+        fields = (Field("latent", latent.group_blocks(k), None),)
+    else:
+        shard = Shard("H", positive_int(num_kv_heads, "num_kv_heads"), tp_size, tp_rank)
+        outer = (("L", "B", "H"), (layers, blocks, shard.local_extent), (s.layer, s.block, s.head))
+        if s.content == "bytes":
+            whole = Layout.create(outer[0] + ("N", "C"), outer[1] + (kernel, channels), outer[2] + (s.token, 1), dtype)
+            fields = (Field("content", whole.group_blocks(k), shard),)
+        elif s.content == "kv":
+            kv = Layout.create(outer[0] + ("N", "KV", "C"), outer[1] + (kernel, 2, channels),
+                               outer[2] + (s.token, channels, 1), dtype)
+            fields = (Field("kv", kv.group_blocks(k), shard),)
+        else:
+            if s.token != 2 * channels:
+                raise InvalidArgumentError("strides.token", f"k_transposed needs each head's tokens packed (token stride "
+                                                            f"{2 * channels}), got {s.token}")
+            key = Layout.create(outer[0] + ("C", "N"), outer[1] + (channels, kernel), outer[2] + (kernel, 1), dtype)
+            value = Layout.create(outer[0] + ("N", "C"), outer[1] + (kernel, channels), outer[2] + (channels, 1), dtype,
+                                  kernel * channels)
+            fields = (Field("k", key.group_blocks(k), shard), Field("v", value.group_blocks(k), shard))
+    return Region("strided", fields, max(f.layout.end_bytes for f in fields))

@@ -12,12 +12,14 @@ from dataclasses import dataclass, replace
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout import builders
+from kvxferd.layout.builders import CacheStrides
 from kvxferd.layout.region import Region
 
 ATTENTION_LAYOUTS = ("packed_HND", "packed_NHD", "kv_per_head", "kv_per_head_kt", "split_kv", "legacy", "cross_layer",
-                     "mla")
-# Layouts whose regions have fields of their own ("k" and "v", "latent", ...): they pair only with themselves.
-SELF_PAIRED_LAYOUTS = ("kv_per_head_kt", "cross_layer", "mla")
+                     "mla", "strided")
+# Layouts whose regions have fields of their own ("k" and "v", "latent", ...): they pair only with themselves
+# (a "strided" region, which holds every layer, also pairs with "cross_layer" when its content is "kv").
+SELF_PAIRED_LAYOUTS = ("kv_per_head_kt", "cross_layer", "mla", "strided")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class AttentionSpec:
     block_size: int
     kernel_block_size: int | None = None
     dtype: str = "bfloat16"
-    num_layers: int = 1  # stored inside the region only for "cross_layer"
+    num_layers: int = 1  # stored inside the region only for "cross_layer" and "strided"
+    strides: CacheStrides | None = None  # "strided" only: this rank's strides and what a (head, token) holds
 
     def region(self, tp_size: int = 1, tp_rank: int = 0) -> Region:
         common = dict(tp_size=tp_size, tp_rank=tp_rank, kernel_block_size=self.kernel_block_size)
@@ -50,11 +53,20 @@ class AttentionSpec:
             return builders.cross_layer_attention(self.num_blocks, self.num_layers, *head[1:], **common)
         if self.layout == "mla":
             return builders.mla_attention(self.num_blocks, self.block_size, self.head_size, self.dtype, **common)
+        if self.layout == "strided":
+            if self.strides is None:
+                raise InvalidArgumentError("strides", "layout 'strided' needs the cache's strides")
+            return builders.strided_attention(self.num_blocks, self.num_layers, *head[1:], self.strides, **common)
         raise InvalidArgumentError("layout", f"must be one of {ATTENTION_LAYOUTS}, got {self.layout!r}")
 
     @property
+    def is_latent(self) -> bool:
+        """An MLA latent: no heads, the same on every TP rank."""
+        return self.layout == "mla" or (self.strides is not None and self.strides.content == "latent")
+
+    @property
     def sharded_extents(self) -> tuple[int, ...]:
-        return (1,) if self.layout == "mla" else (self.num_kv_heads,)
+        return (1,) if self.is_latent else (self.num_kv_heads,)
 
     def with_(self, **changes) -> "AttentionSpec":
         return replace(self, **changes)

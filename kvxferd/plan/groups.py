@@ -53,7 +53,7 @@ class CacheGroup:
         stateful = self.kind in ("mamba", "linear")
         if stateful != isinstance(self.spec, MambaSpec):
             raise InvalidArgumentError("spec", f"a {self.kind!r} group needs a {'Mamba' if stateful else 'attention'} spec")
-        if isinstance(self.spec, AttentionSpec) and (self.kind == "mla") != (self.spec.layout == "mla"):
+        if isinstance(self.spec, AttentionSpec) and (self.kind == "mla") != self.spec.is_latent:
             raise InvalidArgumentError("spec.layout", f"a {self.kind!r} group cannot use layout {self.spec.layout!r}")
 
     @property

@@ -71,9 +71,52 @@ def _kt_views(spec: AttentionSpec, tp_size: int, tp_rank: int, buf: np.ndarray) 
     return views
 
 
+def _strided_shape(spec: AttentionSpec, tp_size: int, tp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """``strided``: the engine's own view ``(L, Bk, H, Nk, content)`` as (shape, element strides, first head)."""
+    s = spec.strides
+    kernel = spec.kernel_block_size or spec.block_size
+    blocks = spec.num_blocks * (spec.block_size // kernel)
+    start, stop = owned_range(1 if s.content == "latent" else spec.num_kv_heads, tp_size, tp_rank)
+    content = spec.head_size * (1 if s.content in ("latent", "bytes") else 2)
+    return ((spec.num_layers, blocks, stop - start, kernel, content), (s.layer, s.block, s.head, s.token, 1), start)
+
+
+def _strided_views(spec: AttentionSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -> list[TaggedView]:
+    """``strided``: numpy's own strided view of the buffer (as vLLM's ``as_strided``), split per content."""
+    shape, strides, start = _strided_shape(spec, tp_size, tp_rank)
+    item = ITEMSIZES[spec.dtype]
+    typed = buf.view(UINTS[item])
+    full = np.lib.stride_tricks.as_strided(typed, shape, tuple(x * item for x in strides), writeable=True)
+    layers, blocks, heads, kernel, _ = shape
+    k, c = spec.block_size // kernel, spec.head_size
+    content = spec.strides.content
+    if content == "latent":
+        parts = [("latent", full[:, :, 0], ("L", "Bk", "Nk", "C"))]
+    elif content == "bytes":
+        parts = [("content", full, ("L", "Bk", "H", "Nk", "C"))]
+    elif content == "kv":
+        parts = [("kv", full.reshape(layers, blocks, heads, kernel, 2, c), ("L", "Bk", "H", "Nk", "KV", "C"))]
+    else:  # k_transposed: a head's kernel block is [K as (C, Nk) | V as (Nk, C)] (token stride 2C)
+        per_head = full.reshape(layers, blocks, heads, 2 * kernel * c)
+        parts = [("k", per_head[..., : kernel * c].reshape(layers, blocks, heads, c, kernel), ("L", "Bk", "H", "C", "Nk")),
+                 ("v", per_head[..., kernel * c:].reshape(layers, blocks, heads, kernel, c), ("L", "Bk", "H", "Nk", "C"))]
+    views = []
+    for name, array, axes in parts:
+        idx = {a: _axis_index(array.shape, i) for i, a in enumerate(axes)}
+        coords = {"L": idx["L"], "N": (idx["Bk"] % k) * kernel + idx["Nk"], "C": idx["C"]}
+        if "H" in idx:
+            coords["H"] = idx["H"] + start
+        if "KV" in idx:
+            coords["KV"] = idx["KV"]
+        views.append(TaggedView(name, array, idx["Bk"] // k, coords))
+    return views
+
+
 def _attention_views(spec: AttentionSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -> list[TaggedView]:
     if spec.layout == "kv_per_head_kt":
         return _kt_views(spec, tp_size, tp_rank, buf)
+    if spec.layout == "strided":
+        return _strided_views(spec, tp_size, tp_rank, buf)
     axes = ATTENTION_AXES[spec.layout]
     kernel = spec.kernel_block_size or spec.block_size
     k = spec.block_size // kernel
@@ -138,6 +181,9 @@ def region_num_bytes(spec: CacheSpec, tp_size: int, tp_rank: int) -> int:
     """Bytes of one rank's region, computed from the spec alone."""
     if isinstance(spec, MambaSpec):
         return spec.num_blocks * mamba_page_facts(spec, tp_size, tp_rank)["page"]
+    if spec.layout == "strided":  # one past the farthest element the engine's view reaches
+        shape, strides, _ = _strided_shape(spec, tp_size, tp_rank)
+        return (sum((n - 1) * x for n, x in zip(shape, strides)) + 1) * ITEMSIZES[spec.dtype]
     start, stop = owned_range(1 if spec.layout == "mla" else spec.num_kv_heads, tp_size, tp_rank)
     per_token = spec.head_size * (1 if spec.layout == "mla" else 2 * (stop - start))
     layers = spec.num_layers if spec.layout == "cross_layer" else 1

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, KvxferError
-from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheSpec, MambaSpec
+from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheSpec, CacheStrides, MambaSpec
 from kvxferd.layout.strided import ITEMSIZES
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
@@ -83,8 +83,17 @@ def _spec_from_pb(group: pb.CacheGroup, field: str) -> CacheSpec:
             raise InvalidArgumentError(f"{field}.attention.layout", f"must be one of {ATTENTION_LAYOUTS}, got {a.layout!r}")
         if a.dtype not in ITEMSIZES:
             raise InvalidArgumentError(f"{field}.attention.dtype", f"unknown dtype {a.dtype!r}")
+        strides = None
+        if a.layout == "strided":
+            if not a.HasField("strides"):
+                raise InvalidArgumentError(f"{field}.attention.strides", "layout 'strided' needs the cache's strides")
+            t = a.strides
+            try:
+                strides = CacheStrides(t.content, t.layer, t.block, t.head, t.token)
+            except KvxferError as err:
+                raise type(err)(f"{field}.attention.{err.field}", err.message) from None
         return AttentionSpec(a.layout, a.num_blocks, a.num_kv_heads, a.head_size, a.block_size,
-                             a.kernel_block_size or None, a.dtype, a.num_layers or 1)
+                             a.kernel_block_size or None, a.dtype, a.num_layers or 1, strides)
     if which == "state":
         s = group.state
         for name in ("conv_dtype", "ssm_dtype"):
@@ -95,12 +104,17 @@ def _spec_from_pb(group: pb.CacheGroup, field: str) -> CacheSpec:
     raise InvalidArgumentError(f"{field}.spec", "a cache group needs an attention or a state spec")
 
 
-def _spec_to_pb(spec: CacheSpec, out: pb.CacheGroup) -> None:
+def spec_to_pb(spec: CacheSpec, out: pb.CacheGroup) -> None:
+    """Write ``spec`` into a cache group message (the inverse of what ``groups_from_pb`` reads)."""
     if isinstance(spec, AttentionSpec):
         out.attention.CopyFrom(pb.AttentionCache(
             layout=spec.layout, num_blocks=spec.num_blocks, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             block_size=spec.block_size, kernel_block_size=spec.kernel_block_size or 0, dtype=spec.dtype,
             num_layers=spec.num_layers))
+        if spec.strides is not None:
+            t = spec.strides
+            out.attention.strides.CopyFrom(pb.CacheStrides(content=t.content, layer=t.layer, block=t.block,
+                                                           head=t.head, token=t.token))
     else:
         out.state.CopyFrom(pb.StateCache(
             num_blocks=spec.num_blocks, num_heads=spec.num_heads, head_dim=spec.head_dim, num_groups=spec.num_groups,
@@ -145,7 +159,7 @@ def engine_to_pb(cache: EngineCache, *, with_addresses: bool) -> pb.EngineRank:
     out = pb.EngineRank(engine_id=cache.engine_id, tp_rank=cache.tp_rank, tp_size=cache.tp_size, mem_type=cache.mem_type)
     for group, memory in zip(cache.groups, cache.memory):
         message = out.groups.add(kind=group.kind)
-        _spec_to_pb(group.spec, message)
+        spec_to_pb(group.spec, message)
         for region in memory:
             message.regions.add(address=region.address if with_addresses else 0, num_bytes=region.num_bytes,
                                 device_id=region.device_id)

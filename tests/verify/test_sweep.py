@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvxferd.layout.builders import ORDERS, order_strides
 from kvxferd.layout.specs import ATTENTION_LAYOUTS, SELF_PAIRED_LAYOUTS, AttentionSpec, MambaSpec
 from kvxferd.verify.scenario import run_scenario
 
@@ -50,11 +51,41 @@ def check_notifications(extents, reads, p, d):
         assert reads[0].pairing.num_notifiers(q) == notified[q] >= 1
 
 
+def strided(spec: AttentionSpec, tp: int, order: str, content: str) -> AttentionSpec:
+    """``spec`` stored in vLLM's physical ``order`` as ``tp`` ranks allocate it (strides for the largest rank)."""
+    heads = 1 if content == "latent" else -(-spec.num_kv_heads // tp)
+    kernel = spec.kernel_block_size or spec.block_size
+    strides = order_strides(order, content, num_layers=spec.num_layers, num_heads=heads, block_size=kernel,
+                            num_blocks=spec.num_blocks * spec.block_size // kernel, head_size=spec.head_size)
+    return spec.with_(layout="strided", strides=strides, num_kv_heads=1 if content == "latent" else spec.num_kv_heads)
+
+
+# k_transposed needs each head's tokens packed: orders whose inner dims are H, N, C.
+STRIDED_CASES = [(o, c) for c in ("kv", "latent", "bytes") for o in ORDERS] + [
+    (o, "k_transposed") for o in ORDERS if o.endswith("HNC")]
+
+
 @pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
 def test_attention_every_tp_pair_and_head_count(layout):
-    for heads, p, d in itertools.product(HEADS, TP_SIZES, TP_SIZES):
+    for i, (heads, p, d) in enumerate(itertools.product(HEADS, TP_SIZES, TP_SIZES)):
         spec = AttentionSpec(layout, num_blocks=6, num_kv_heads=heads, head_size=2, block_size=4, num_layers=2)
-        check(spec, spec, p, d)
+        if layout != "strided":
+            check(spec, spec, p, d)
+            continue
+        # every order against every other, in turn, with each content
+        prefill_order, content = STRIDED_CASES[i % len(STRIDED_CASES)]
+        decode_orders = [o for o, c in STRIDED_CASES if c == content]
+        decode_order = decode_orders[(i // len(STRIDED_CASES)) % len(decode_orders)]
+        check(strided(spec, p, prefill_order, content), strided(spec, d, decode_order, content), p, d)
+
+
+def test_strided_orders_all_pairs_with_kernel_blocks():
+    """Every vLLM order into every other, across TP and a decode of kernel blocks half the size."""
+    for (po, content), (do, dc), (p, d) in itertools.product(STRIDED_CASES, STRIDED_CASES, [(1, 1), (2, 1), (1, 4)]):
+        if content != dc:
+            continue
+        spec = AttentionSpec("strided", num_blocks=5, num_kv_heads=4, head_size=3, block_size=8, num_layers=3)
+        check(strided(spec, p, po, content), strided(spec.with_(kernel_block_size=4), d, do, content), p, d)
 
 
 # Every head count and TP pair in each case; group counts and conv orders in turn by default (all with -m slow).
@@ -124,6 +155,11 @@ def scenarios(draw):
     compatible = [spec.layout] if spec.layout in SELF_PAIRED_LAYOUTS else [
         name for name in ATTENTION_LAYOUTS if name not in SELF_PAIRED_LAYOUTS]
     decode = spec.with_(layout=draw(st.sampled_from(compatible)), kernel_block_size=draw(st.sampled_from(kernels)))
+    if spec.layout == "strided":
+        content = draw(st.sampled_from(["kv", "latent", "bytes", "k_transposed"]))
+        orders = [o for o, c in STRIDED_CASES if c == content]
+        spec, decode = strided(spec, p, draw(st.sampled_from(orders)), content), strided(
+            decode, d, draw(st.sampled_from(orders)), content)
     return spec, decode, p, d
 
 

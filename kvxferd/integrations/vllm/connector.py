@@ -8,6 +8,7 @@ side hands the cache to the rank's daemon once and submits the reads
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorTransferResults, SupportsHMA)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-from kvxferd.integrations.vllm.describe import GroupLayout, torch_dtype_name
+from kvxferd.integrations.vllm.describe import GroupLayout, strided_group
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide
 from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
@@ -33,28 +34,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvxferd.vllm")
 
-CPU_ISA_LAYOUTS = {"vec": "kv_per_head_kt", "vec16": "kv_per_head_kt"}
+CPU_ISA_CONTENTS = {"vec": "k_transposed", "vec16": "k_transposed"}
 
 
-def cpu_attention_layout(dtype: torch.dtype, kernel_block_size: int, head_size: int, cache_dtype: str) -> str:
-    """The kvxferd layout of CPU_ATTN's cache with the kernels vLLM picks on this machine."""
+def cpu_attention_content(vllm_config: "VllmConfig", dtype: torch.dtype, kernel_block_size: int, head_size: int) -> str:
+    """CPU_ATTN views each head's kernel block as ``(2N, C)`` and lets its kernels ("ISA") order K and V:
+    the vec and vec16 kernels keep K transposed, ``(C, N)``, then V as ``(N, C)`` (measured with vLLM's
+    own cpu_attn_reshape_and_cache). A whole block copies right whatever the order, but a block split
+    into another block size's tokens does not, so an order kvxferd has not measured is refused."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(dtype, kernel_block_size, head_size, cache_dtype)
-    if isa not in CPU_ISA_LAYOUTS:
+    isa = _get_attn_isa(dtype, kernel_block_size, head_size, vllm_config.cache_config.cache_dtype)
+    if isa not in CPU_ISA_CONTENTS:
         raise ValueError(f"kvxferd: vLLM's CPU attention uses its {isa!r} kernels here, whose K/V order kvxferd does "
-                         f"not describe yet (only {sorted(CPU_ISA_LAYOUTS)}); see docs/vllm.md, Limits")
-    return CPU_ISA_LAYOUTS[isa]
+                         f"not describe yet (only {sorted(CPU_ISA_CONTENTS)}); see docs/vllm.md, Limits")
+    return CPU_ISA_CONTENTS[isa]
 
 
-# The memory order of each attention backend's per-layer cache, as a kvxferd layout, from the
-# cache's (dtype, kernel block size, head size, cache dtype). CPU_ATTN allocates (B, H, N, 2C) and
-# splits each head into a K half and a V half, whose order its kernels ("ISA") choose: the vec and
-# vec16 kernels keep K transposed, (C, N), and V as (N, C) (measured with vLLM's own
-# cpu_attn_reshape_and_cache). A whole block copies right whatever the order, but a block split
-# into another block size's tokens does not, so an order kvxferd has not measured is refused
-# rather than guessed.
-BACKEND_LAYOUTS = {"CPU_ATTN": cpu_attention_layout}
+# The few backends whose kernels read a (head, token)'s K|V other than as "K then V", by class: a
+# name cannot tell them apart (ROCm's AITER FA calls itself FLASH_ATTN too). Every other backend
+# reads vLLM's [B, H, N, K|V] view as it is, in whatever physical order vLLM resolved.
+CONTENT_READERS = {"vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend": cpu_attention_content}
 
 
 @dataclass
@@ -99,7 +99,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register(self._group_layouts(kv_caches), kv_caches)
 
     def _group_layouts(self, kv_caches: dict[str, torch.Tensor]) -> list[GroupLayout]:
-        """The daemon's view of every KV cache group, from vLLM's cache config and backends."""
+        """The daemon's view of every KV cache group: vLLM's spec, and the strides of its layer views."""
         config = self._vllm_config
         context = config.compilation_config.static_forward_context
         total_heads = config.model_config.get_total_num_kv_heads()
@@ -115,22 +115,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 raise ValueError(f"kvxferd: KV cache group {g} ({type(spec).__name__}) is not supported yet "
                                  "(full attention, sliding window and MLA are)")
-            first = group.layer_names[0]
-            backend = context[first].attn_backend.get_name()
-            if backend not in BACKEND_LAYOUTS:
-                raise ValueError(f"kvxferd: attention backend {backend} is not supported yet ({sorted(BACKEND_LAYOUTS)})")
-            tensor = kv_caches[first]
-            num_kernel_blocks, local_heads, kernel_block_size, content = tensor.shape
-            layout = BACKEND_LAYOUTS[backend](tensor.dtype, kernel_block_size, spec.head_size,
-                                              config.cache_config.cache_dtype)
-            if content != 2 * spec.head_size or spec.block_size % kernel_block_size:
-                raise ValueError(f"kvxferd: layer {first!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"(blocks, heads, tokens, 2 x {spec.head_size}) with tokens dividing {spec.block_size}")
-            layouts.append(GroupLayout(
-                kind=kind, layer_names=tuple(group.layer_names), layout=layout,
-                num_blocks=num_kernel_blocks * kernel_block_size // spec.block_size,
-                num_kv_heads=1 if kind == "mla" else total_heads, head_size=spec.head_size,
-                block_size=spec.block_size, kernel_block_size=kernel_block_size, dtype=torch_dtype_name(tensor.dtype)))
+            backend = context[group.layer_names[0]].attn_backend
+            reader = CONTENT_READERS.get(f"{backend.__module__}.{backend.__qualname__}")
+            try:
+                layouts.append(strided_group(kind, group.layer_names, [kv_caches[n] for n in group.layer_names], spec,
+                                             total_heads, reader and functools.partial(reader, config)))
+            except ValueError as err:
+                raise ValueError(f"kvxferd: KV cache group {g} ({kind}, backend {backend.get_name()}, layout "
+                                 f"{config.cache_config.kv_cache_layout}): {err}") from None
         return layouts
 
     def get_handshake_metadata(self) -> KvxferdHandshake | None:

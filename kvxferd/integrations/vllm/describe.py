@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from kvxferd.layout.specs import ATTENTION_LAYOUTS
+from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheStrides
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.wire.messages import spec_to_pb
 
 TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.uint8: "uint8",
@@ -45,10 +47,109 @@ class GroupLayout:
     block_size: int
     kernel_block_size: int
     dtype: str
+    strides: CacheStrides | None = None  # "strided": one region for every layer of the group
 
     def __post_init__(self) -> None:
         if self.layout not in ATTENTION_LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {ATTENTION_LAYOUTS}")
+
+    @property
+    def num_regions(self) -> int:
+        return 1 if self.layout == "strided" else len(self.layer_names)
+
+    def spec(self) -> AttentionSpec:
+        """The kvxferd spec of one region of this group."""
+        return AttentionSpec(self.layout, self.num_blocks, self.num_kv_heads, self.head_size, self.block_size,
+                             None if self.kernel_block_size == self.block_size else self.kernel_block_size,
+                             self.dtype, len(self.layer_names) if self.layout == "strided" else 1, self.strides)
+
+
+class CacheContent(NamedTuple):
+    """What one (head, token) of a layer view holds, as kvxferd describes it."""
+
+    kind: str  # kv | k_transposed | latent | bytes (kvxferd.layout.builders.CacheStrides)
+    dtype: str
+    head_size: int  # of K (and V) for kv; the whole content for latent and bytes
+
+    @property
+    def size(self) -> int:
+        """Elements of the view's last dim."""
+        return 2 * self.head_size if self.kind in ("kv", "k_transposed") else self.head_size
+
+
+def cache_content(kind: str, spec, dtype: torch.dtype) -> CacheContent:
+    """The content of vLLM's ``[B, H, N, C]`` view from its cache spec's fields (vLLM-free: read by name).
+
+    ``C`` holds ``head_size`` K elements then ``head_size_v`` V elements
+    unless the spec says it holds more (``state_content_bytes``: scales
+    beside them), in which case each (head, token) moves whole as bytes.
+    """
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    content_bytes = spec.state_content_size_bytes
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise ValueError(f"each state holds {spec.tokens_per_state} tokens (a compressed cache), which kvxferd does not "
+                         "describe yet")
+    slots = getattr(spec, "num_head_slots", None)
+    if slots not in (None, spec.num_kv_heads):
+        raise ValueError(f"{slots} head slots for {spec.num_kv_heads} KV heads (a backend that packs K and V as "
+                         "heads of their own, such as nvfp4), which kvxferd does not describe yet")
+    if kind == "mla":
+        if content_bytes == spec.head_size * itemsize:
+            return CacheContent("latent", torch_dtype_name(dtype), spec.head_size)
+        return CacheContent("latent", "uint8", content_bytes)  # fp8 latents with their scales: opaque per token
+    if spec.head_size_v != spec.head_size:
+        raise ValueError(f"K has {spec.head_size} channels and V {spec.head_size_v}, which kvxferd does not describe yet")
+    if content_bytes == 2 * spec.head_size * itemsize:
+        return CacheContent("kv", torch_dtype_name(dtype), spec.head_size)
+    return CacheContent("bytes", "uint8", content_bytes)
+
+
+def layer_strides(layers: Sequence[torch.Tensor], content: str, content_size: int) -> CacheStrides:
+    """The strides of a group's per-layer ``[B, H, N, C]`` views over one allocation (vLLM >= 0.32).
+
+    vLLM views every layer of a group with the same strides, layer ``l``
+    starting ``l * layer_stride`` bytes after layer 0 (any physical order:
+    the layer dim may sit outside or inside the block dim). That is all
+    kvxferd needs: the strides come from the tensors, never from a name.
+    """
+    layers = [layer.view(torch.uint8) if content == "bytes" else layer for layer in layers]  # C counted in bytes
+    first = layers[0]
+    itemsize = first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    for i, tensor in enumerate(layers):
+        if (tensor.shape, tensor.stride(), tensor.dtype) != (first.shape, first.stride(), first.dtype):
+            raise ValueError(f"layer {i} is viewed as {tuple(tensor.shape)} {tensor.stride()} {tensor.dtype}, layer 0 as "
+                             f"{tuple(first.shape)} {first.stride()} {first.dtype}: a group's layers must share one view")
+        if tensor.untyped_storage().data_ptr() != storage:
+            raise ValueError(f"layer {i} is not in the same allocation as layer 0")
+    if first.dim() != 4 or first.stride(3) != 1 or first.shape[3] != content_size:
+        raise ValueError(f"a layer is viewed as {tuple(first.shape)} with strides {first.stride()}; expected "
+                         f"(blocks, heads, tokens, {content_size}) with each (head, token)'s content contiguous")
+    steps = {b.data_ptr() - a.data_ptr() for a, b in zip(layers, layers[1:])}
+    if len(steps) > 1 or any(step <= 0 or step % itemsize for step in steps):
+        raise ValueError(f"the layers do not follow each other at one stride (steps {sorted(steps)} bytes)")
+    layer = steps.pop() // itemsize if steps else 0
+    block, head, token, _ = first.stride()
+    return CacheStrides(content, layer, block, head, token)
+
+
+def strided_group(kind: str, layer_names: Sequence[str], layers: Sequence[torch.Tensor], spec, total_heads: int,
+                  content_reader: Callable[[torch.dtype, int, int], str] | None = None) -> GroupLayout:
+    """A group of vLLM (>= 0.32) layer views as one ``strided`` region.
+
+    ``spec`` is vLLM's cache spec of the group (read by field name);
+    ``content_reader(dtype, kernel_block_size, head_size)`` names the
+    content for a backend whose kernels reinterpret it (CPU attention).
+    """
+    num_kernel_blocks, _, kernel_block_size, _ = layers[0].shape
+    content = cache_content(kind, spec, layers[0].dtype)
+    if content_reader is not None and content.kind == "kv":
+        content = content._replace(kind=content_reader(layers[0].dtype, kernel_block_size, spec.head_size))
+    return GroupLayout(kind=kind, layer_names=tuple(layer_names), layout="strided",
+                       num_blocks=num_kernel_blocks * kernel_block_size // spec.block_size,
+                       num_kv_heads=1 if kind == "mla" else total_heads, head_size=content.head_size,
+                       block_size=spec.block_size, kernel_block_size=kernel_block_size, dtype=content.dtype,
+                       strides=layer_strides(layers, content.kind, content.size))
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
@@ -85,40 +186,45 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
                     export_ipc: Callable[[int], tuple[bytes, int]] | None = None) -> tuple[pb.EngineRank, list[int]]:
     """The ``Register`` message of one engine rank and the fds to send first (host memory).
 
-    Every layer tensor must be contiguous and hold exactly its group's
-    region for this rank; each is one region. ``export_ipc`` (address ->
-    handle, offset) describes CUDA tensors (default:
-    :func:`kvxferd.service.gpu.export_ipc`).
+    A ``strided`` group is one region that starts at its first layer's
+    element 0 and spans every layer (the layers' views may interleave).
+    Otherwise every layer tensor must be contiguous and is one region.
+    ``export_ipc`` (address -> handle, offset) describes CUDA tensors
+    (default: :func:`kvxferd.service.gpu.export_ipc`).
     """
-    layers = [tensors[name] for group in groups for name in group.layer_names]
-    if not layers:
+    bases = [(g, name) for g, group in enumerate(groups)
+             for name in (group.layer_names[:1] if group.layout == "strided" else group.layer_names)]
+    if not bases:
         raise ValueError("no KV cache layers to register")
-    on_gpu = {t.device.type == "cuda" for t in layers}
+    on_gpu = {tensors[name].device.type == "cuda" for _, name in bases}
     if len(on_gpu) != 1:
         raise ValueError("KV cache layers are partly on the GPU and partly in host memory")
     on_gpu = on_gpu.pop()
-    fds, placement = ([], []) if on_gpu else share_host_storages(layers)
+    fds, placement = ([], []) if on_gpu else share_host_storages([tensors[name] for _, name in bases])
     if on_gpu and export_ipc is None:
         from kvxferd.service.gpu import export_ipc
     engine = pb.EngineRank(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mem_type="VRAM" if on_gpu else "DRAM")
-    n = 0
-    for g, group in enumerate(groups):
+    messages = []
+    for group in groups:
         message = engine.groups.add(kind=group.kind)
-        message.attention.CopyFrom(pb.AttentionCache(
-            layout=group.layout, num_blocks=group.num_blocks, num_kv_heads=group.num_kv_heads,
-            head_size=group.head_size, block_size=group.block_size,
-            kernel_block_size=0 if group.kernel_block_size == group.block_size else group.kernel_block_size,
-            dtype=group.dtype))
-        for name in group.layer_names:
-            tensor = tensors[name]
-            if not tensor.is_contiguous():
-                raise ValueError(f"groups[{g}] layer {name!r}: the KV cache tensor is not contiguous")
-            region = message.regions.add(num_bytes=tensor.numel() * tensor.element_size())
-            if on_gpu:
-                handle, offset = export_ipc(tensor.data_ptr())
-                region.handle.cuda_ipc_handle, region.handle.offset = handle, offset
-                region.device_id = tensor.device.index or 0
-            else:
-                region.handle.shm_fd_index, region.handle.offset = placement[n]
-            n += 1
+        spec_to_pb(group.spec(), message)
+        messages.append(message)
+    for n, (g, name) in enumerate(bases):
+        tensor, group = tensors[name], groups[g]
+        if group.layout == "strided":
+            num_bytes = group.spec().region(tp_size, tp_rank).num_bytes
+        elif tensor.is_contiguous():
+            num_bytes = tensor.numel() * tensor.element_size()
+        else:
+            raise ValueError(f"groups[{g}] layer {name!r}: the KV cache tensor is not contiguous")
+        region = messages[g].regions.add(num_bytes=num_bytes)
+        if on_gpu:
+            handle, offset = export_ipc(tensor.data_ptr())
+            region.handle.cuda_ipc_handle, region.handle.offset = handle, offset
+            region.device_id = tensor.device.index or 0
+        else:
+            region.handle.shm_fd_index, region.handle.offset = placement[n]
+            if placement[n][1] + num_bytes > tensor.untyped_storage().nbytes():
+                raise ValueError(f"groups[{g}]: the region of {num_bytes} bytes from layer {name!r} runs past its "
+                                 "allocation")
     return engine, fds

@@ -7,8 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CacheStrides(_message.Message):
+    __slots__ = ("content", "layer", "block", "head", "token")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    layer: int
+    block: int
+    head: int
+    token: int
+    def __init__(self, content: _Optional[str] = ..., layer: _Optional[int] = ..., block: _Optional[int] = ..., head: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+
 class AttentionCache(_message.Message):
-    __slots__ = ("layout", "num_blocks", "num_kv_heads", "head_size", "block_size", "kernel_block_size", "dtype", "num_layers")
+    __slots__ = ("layout", "num_blocks", "num_kv_heads", "head_size", "block_size", "kernel_block_size", "dtype", "num_layers", "strides")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +31,7 @@ class AttentionCache(_message.Message):
     KERNEL_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
     layout: str
     num_blocks: int
     num_kv_heads: int
@@ -25,7 +40,8 @@ class AttentionCache(_message.Message):
     kernel_block_size: int
     dtype: str
     num_layers: int
-    def __init__(self, layout: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    strides: CacheStrides
+    def __init__(self, layout: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., strides: _Optional[_Union[CacheStrides, _Mapping]] = ...) -> None: ...
 
 class StateCache(_message.Message):
     __slots__ = ("num_blocks", "num_heads", "head_dim", "num_groups", "state_size", "conv_window", "conv_dtype", "ssm_dtype", "conv_order", "page_bytes")
