@@ -90,9 +90,10 @@ def cache_content(kind: str, spec, dtype: torch.dtype) -> CacheContent:
         raise ValueError(f"each state holds {spec.tokens_per_state} tokens (a compressed cache), which kvxferd does not "
                          "describe yet")
     slots = getattr(spec, "num_head_slots", None)
-    if slots not in (None, spec.num_kv_heads):
-        raise ValueError(f"{slots} head slots for {spec.num_kv_heads} KV heads (a backend that packs K and V as "
-                         "heads of their own, such as nvfp4), which kvxferd does not describe yet")
+    if slots is not None:  # even when it equals the head count: the slots are then K and V, not heads
+        raise ValueError(f"{slots} head slots for {spec.num_kv_heads} KV heads (the backend packs K and V as slots "
+                         "of their own: nvfp4's K heads then V heads, ROCm's x-packed K slot and V slot), which "
+                         "kvxferd does not describe yet")
     if kind == "mla":
         if content_bytes == spec.head_size * itemsize:
             return CacheContent("latent", torch_dtype_name(dtype), spec.head_size)

@@ -1,0 +1,166 @@
+"""Every layout vLLM's backends can resolve, described from the layer views and addressed byte for byte.
+
+vLLM 0.32 lays the whole cache out in one allocation, in one of six physical
+orders picked from the backends' supported sets (vllm/v1/kv_cache_layout.py).
+For every backend that imports here and every layout it supports, with
+several shapes (heads, head sizes, block sizes, dtypes incl. fp8), vLLM's own
+allocator builds the cache on CPU, every byte is tagged through vLLM's views,
+and the connector's description must address every (layer, block, head,
+token, K/V, channel) where vLLM put it.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
+
+import torch  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvxferd.integrations.vllm.connector import CONTENT_READERS  # noqa: E402
+from kvxferd.integrations.vllm.describe import strided_group  # noqa: E402
+from tests.integrations.vllm_alloc import allocate, read_our_way, tag_through_views  # noqa: E402
+
+
+# Importing this one aborts the process (a native library's dlopen fails hard on a CPU build).
+ABORTS_ON_IMPORT = {"ROCM_FLASHMLA_SPARSE_DSV4"}
+
+
+def importable_backends() -> dict[str, type]:
+    """Backend classes of vLLM's registry that import on this machine, by enum name."""
+    found = {}
+    for member in AttentionBackendEnum:
+        if member.name in ABORTS_ON_IMPORT:
+            continue
+        try:
+            found[member.name] = member.get_class()
+        except Exception:  # noqa: BLE001 - a GPU-only backend's import fails in many ways on CPU
+            continue
+    return found
+
+
+BACKENDS = importable_backends()
+# Backends kvxferd refuses, and the feature each one's refusal must name.
+REFUSED = {"ROCM_ATTN": "head slots", "ROCM_SEGMENTED_ATTN": "head slots", "B12X": "head slots"}
+ATTENTION_SHAPES = [  # (local heads, head size, block size, dtype)
+    (2, 64, 16, torch.bfloat16), (1, 128, 32, torch.float16), (4, 80, 16, torch.float8_e4m3fn), (3, 32, 64, torch.float32)]
+MLA_SHAPES = [(1, 576, 16, torch.bfloat16), (1, 576, 64, torch.float8_e4m3fn)]
+
+
+def backend_layouts(backend) -> tuple[KVCacheLayout, ...]:
+    return backend.supported_kv_cache_layouts() or tuple(KVCacheLayout)  # None: the kernels take any layout
+
+
+def cases():
+    for name, backend in sorted(BACKENDS.items()):
+        mla = backend.is_mla()
+        for layout in backend_layouts(backend):
+            for shape in (MLA_SHAPES if mla else ATTENTION_SHAPES):
+                yield pytest.param(name, layout, shape, id=f"{name}-{layout.name}-{shape[1]}x{shape[2]}-{shape[3]}")
+
+
+def spec_of(backend, shape):
+    """The group's spec as vLLM hands it to the connector: after the backend's ``customize_spec``."""
+    heads, head_size, block_size, dtype = shape
+    if backend.is_mla():
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size, dtype=dtype)
+    else:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    customize = getattr(backend, "customize_spec", None)
+    return customize(spec) if customize is not None else spec
+
+
+def described(backend, spec, layers, total_heads):
+    reader = CONTENT_READERS.get(f"{backend.__module__}.{backend.__qualname__}")
+    config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
+    kind = "mla" if backend.is_mla() else "full"
+    return strided_group(kind, [f"l{i}" for i in range(len(layers))], layers, spec, total_heads,
+                         reader and functools.partial(reader, config))
+
+
+def check_every_byte(group, layers, tp_size, tp_rank):
+    for name, (ours, vllms) in read_our_way(group, layers, tp_size, tp_rank).items():
+        wrong = np.flatnonzero(ours.reshape(-1) != vllms.reshape(-1))
+        assert not len(wrong), f"field {name}: {len(wrong)} of {ours.size} bytes are not where vLLM put them"
+
+
+def test_the_registry_has_the_backends_the_issue_names():
+    """The sweep below is not empty: the CPU build imports these GPU backends' classes."""
+    assert {"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "CPU_ATTN"} <= BACKENDS.keys()
+    assert any(b.is_mla() for b in BACKENDS.values())
+    layouts = {layout for backend in BACKENDS.values() for layout in backend_layouts(backend)}
+    assert layouts == set(KVCacheLayout)
+
+
+@pytest.mark.parametrize("name, layout, shape", list(cases()))
+def test_every_backend_layout_is_addressed_where_vllm_puts_it(name, layout, shape):
+    backend = BACKENDS[name]
+    spec = spec_of(backend, shape)
+    tp_size, tp_rank = (2, 1) if not backend.is_mla() else (1, 0)  # rank 1 of 2: heads start at the local count
+    try:
+        layers, _ = allocate(spec, num_layers=3, num_blocks=5, layout=layout)
+    except (AssertionError, ValueError) as err:  # e.g. LHBNC cannot pad the pages this backend asks for
+        pytest.skip(f"vLLM itself does not allocate {name} in {layout.name}: {err}")
+    tag_through_views(layers, spec.block_size, first_head=tp_rank * spec.num_kv_heads)
+    if name in REFUSED:
+        with pytest.raises(ValueError, match=REFUSED[name]):
+            described(backend, spec, layers, spec.num_kv_heads * tp_size)
+        return
+    group = described(backend, spec, layers, spec.num_kv_heads * tp_size)
+    assert group.layout == "strided" and group.strides.content in ("kv", "k_transposed", "latent", "bytes")
+    check_every_byte(group, layers, tp_size, tp_rank)
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC])
+def test_kernel_blocks_inside_a_block_are_addressed_too(layout):
+    """Block-compact, layer-outer layouts split a block into kernel blocks (vLLM refuses it for the others)."""
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    layers, _ = allocate(spec, num_layers=2, num_blocks=4, layout=layout, kernel_block_size=16)
+    assert layers[0].shape[0] == 8 and layers[0].shape[2] == 16
+    tag_through_views(layers, spec.block_size, first_head=0)
+    group = described(BACKENDS["FLASH_ATTN"], spec, layers, 2)
+    assert group.kernel_block_size == 16 and group.num_blocks == 4
+    check_every_byte(group, layers, 1, 0)
+
+
+def test_a_description_of_another_layout_is_caught():
+    """Negative control: LBNHC memory described with LBHNC's strides fails the byte check."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    layers, _ = allocate(spec, num_layers=2, num_blocks=3, layout=KVCacheLayout.LBNHC)
+    tag_through_views(layers, 16, first_head=0)
+    group = described(BACKENDS["FLASH_ATTN"], spec, layers, 2)
+    wrong = group.__class__(**{**vars(group), "strides": group.strides.__class__(
+        "kv", group.strides.layer, group.strides.block, 16 * 128, 128)})
+    with pytest.raises(AssertionError, match="not where vLLM put them"):
+        check_every_byte(wrong, layers, 1, 0)
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+@pytest.mark.parametrize("content_bytes", [264, 136])
+def test_content_with_scales_moves_whole_per_head_and_token(layout, content_bytes):
+    """Triton's per-token-head quantisation keeps [K | scale | V | scale] per (head, token): moved as bytes."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.uint8,
+                             state_content_bytes=content_bytes)
+    layers, _ = allocate(spec, num_layers=2, num_blocks=4, layout=layout)
+    tag_through_views(layers, 16, first_head=2)
+    group = described(BACKENDS["TRITON_ATTN"], spec, layers, 4)
+    assert (group.strides.content, group.dtype, group.head_size) == ("bytes", "uint8", content_bytes)
+    check_every_byte(group, layers, 2, 1)
+
+
+@pytest.mark.parametrize("change, missing", [
+    (dict(num_head_slots=4), "head slots"),  # nvfp4's K heads then V heads; ROCm's K slot and V slot
+    (dict(head_size_v=64), "V 64"),
+])
+def test_what_kvxferd_cannot_describe_is_refused_by_what_it_is(change, missing):
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, **change)
+    layers, _ = allocate(spec, num_layers=2, num_blocks=4, layout=KVCacheLayout.LBHNC)
+    with pytest.raises(ValueError, match=missing):
+        described(BACKENDS["FLASH_ATTN"], spec, layers, 2)
