@@ -239,3 +239,19 @@ def test_prefill_lbnhc_tp2_to_decode_lbhnc_tp1_through_real_daemons(tmp_path, mi
         untouched = [b for b in range(12) if b not in decode_ids]
         assert not raw[untouched].any()
     assert bool(wrong) == misdescribed, wrong
+
+
+def test_the_connector_asks_for_lbhnc_unless_told_otherwise_and_refuses_pipeline_parallelism():
+    from kvxferd.integrations.vllm.connector import KvxferdConnector
+
+    def config(extra=None, use_mla=False, pp=1):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
+                               model_config=SimpleNamespace(use_mla=use_mla),
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+
+    assert KvxferdConnector.get_required_kvcache_layout(config()) == "LBHNC"
+    assert KvxferdConnector.get_required_kvcache_layout(config({"kv_cache_layout": "BLHNC"})) == "BLHNC"
+    assert KvxferdConnector.get_required_kvcache_layout(config({"kv_cache_layout": "auto"})) is None
+    assert KvxferdConnector.get_required_kvcache_layout(config(use_mla=True)) is None  # one head: any order
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        KvxferdConnector(config(pp=2), None, None)

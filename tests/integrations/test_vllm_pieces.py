@@ -58,6 +58,20 @@ def test_settings_defaults_match_the_daemon_and_bad_options_are_named(monkeypatc
     monkeypatch.setenv("KVXFERD_SOCKET_DIR", "/run/kvxferd")
     assert load_settings({}).socket_for(1, 2) == "/run/kvxferd/gpu1.sock"  # the Helm chart's sockets
     assert load_settings({"engine_socket": "/s/{rank}.sock"}).socket_for(3, 4) == "/s/3.sock"
+    # Data-parallel ranks of one host: each rank its own GPU, so its own daemon.
+    assert load_settings({}).socket_for(1, 2, dp_rank=1, dp_size=2) == "/run/kvxferd/gpu3.sock"
+    assert load_settings({"engine_socket": "/s/{host_rank}.sock"}).socket_for(0, 1, 1, 2) == "/s/1.sock"
+    assert load_settings({"engine_socket": "/s/{dp_rank}-{rank}.sock"}).socket_for(1, 2, 1, 2) == "/s/1-1.sock"
+    with pytest.raises(ValueError, match="host_rank"):  # two GPUs, one daemon: refused
+        load_settings({"engine_socket": "/s/{rank}.sock"}).socket_for(0, 1, 1, 2)
+    with pytest.raises(ValueError, match="unknown field"):
+        load_settings({"engine_socket": "/s/{gpu}.sock"}).socket_for(0, 1)
+    monkeypatch.delenv("KVXFERD_SOCKET_DIR")
+    with pytest.raises(ValueError, match="more than one rank"):
+        load_settings({}).socket_for(0, 1, 0, 2)
+    for bad in ("NHD", 1):
+        with pytest.raises(ValueError, match="kv_cache_layout"):
+            load_settings({"kv_cache_layout": bad})
     for bad, name in (({"lease_s": math.inf}, "lease_s"), ({"lease_s": -1}, "lease_s"), ({"colour": 1}, "colour")):
         with pytest.raises(ValueError, match=f"kv_connector_extra_config.{name}"):
             load_settings(bad)

@@ -79,6 +79,12 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill holds and decode reads through the kvxferd daemon of each rank."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            # Each stage registers only its own layers, and a read would have to pair stages of two
+            # engines whose layer splits may differ: not built yet, so refused before anything starts.
+            raise ValueError(f"kvxferd: pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size}) "
+                             "is not supported yet; run prefill and decode with pipeline_parallel_size=1")
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.engine_id = transfer.engine_id
@@ -91,8 +97,28 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            tp_size = vllm_config.parallel_config.tensor_parallel_size
-            self.worker = WorkerSide(self.engine_id, get_tensor_model_parallel_rank(), tp_size, self.settings)
+            self.worker = WorkerSide(self.engine_id, get_tensor_model_parallel_rank(), parallel.tensor_parallel_size,
+                                     self.settings, dp_rank=parallel.data_parallel_rank_local or 0,
+                                     dp_size=max(parallel.data_parallel_size_local, 1))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """The physical order kvxferd asks for: LBHNC unless ``kv_connector_extra_config.kv_cache_layout`` says otherwise.
+
+        kvxferd reads any order (the description comes from the layer views), but
+        transfers differ: LBHNC keeps a block's heads contiguous inside each
+        layer, so a remote TP rank's share of a block is one span per layer,
+        whatever the two sides' TP sizes; a layer-outer order also lets vLLM
+        split blocks into kernel blocks. MLA has one head: the order is the
+        backend's (None). vLLM drops the request, with a warning, when the
+        backends cannot use the order (FLEX_ATTENTION, TURBOQUANT: LBNHC only).
+        """
+        transfer = vllm_config.kv_transfer_config
+        layout = load_settings(transfer.kv_connector_extra_config if transfer else None).kv_cache_layout
+        model = vllm_config.model_config
+        if layout == "auto" or (model is not None and model.use_mla):
+            return None
+        return layout
 
     # ---- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -1,15 +1,17 @@
 """The connector's settings: ``kv_connector_extra_config`` (validated, defaults that match the daemon).
 
-Which daemon a rank talks to: ``engine_socket`` (a path, ``{rank}`` is the
-local TP rank), else ``$KVXFERD_SOCKET_DIR/gpu{rank}.sock`` (the Helm
-chart's sockets), else ``kvxferd serve``'s default socket for a
-single-rank engine.
+Which daemon a rank talks to: ``engine_socket`` (a path; ``{rank}`` is the
+TP rank, ``{dp_rank}`` the host-local data-parallel rank, ``{host_rank}``
+the rank's place among this host's ranks, ``dp_rank * tp_size + rank``),
+else ``$KVXFERD_SOCKET_DIR/gpu{host_rank}.sock`` (the Helm chart's
+sockets), else ``kvxferd serve``'s default socket for a single-rank engine.
+Two ranks of one host never share a daemon: each daemon serves one GPU.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -22,22 +24,35 @@ class ConnectorSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    engine_socket: str | None = Field(None, description="daemon engine socket; {rank} is the local TP rank")
+    engine_socket: str | None = Field(None, description="daemon engine socket; {rank}: TP rank, {dp_rank}: host-local DP "
+                                                        "rank, {host_rank}: dp_rank * tp_size + rank")
     lease_s: float = Field(30.0, gt=0, le=600, description="how long prefill holds blocks for decode to read (s)")
     deadline_s: float = Field(30.0, gt=0, le=600, description="how long a decode read may take (s)")
     timeout_s: float = Field(10.0, gt=0, le=120, description="timeout of each call to the local daemon (s)")
     heartbeat_s: float = Field(5.0, gt=0, le=60, description="heartbeat interval of each rank's registration (s)")
+    kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
+        "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "
+                             "VLLM_KV_CACHE_LAYOUT still wins, and kvxferd reads any order")
 
-    def socket_for(self, rank: int, tp_size: int) -> str:
-        """The engine socket path of local TP rank ``rank``."""
+    def socket_for(self, rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1) -> str:
+        """The engine socket path of TP rank ``rank`` of host-local data-parallel rank ``dp_rank`` (of ``dp_size``)."""
+        host_rank = dp_rank * tp_size + rank
         if self.engine_socket:
-            return self.engine_socket.format(rank=rank)
+            if dp_size > 1 and "{dp_rank}" not in self.engine_socket and "{host_rank}" not in self.engine_socket:
+                raise ValueError(f"kv_connector_extra_config.engine_socket: {dp_size} data-parallel ranks run on this "
+                                 "host, so {rank} alone would give two GPUs one daemon; use {host_rank} "
+                                 "(e.g. \"/run/kvxferd/gpu{host_rank}.sock\")")
+            try:
+                return self.engine_socket.format(rank=rank, dp_rank=dp_rank, host_rank=host_rank)
+            except (KeyError, IndexError, ValueError) as err:
+                raise ValueError(f"kv_connector_extra_config.engine_socket: {self.engine_socket!r} names an unknown "
+                                 f"field ({err}); known: {{rank}}, {{dp_rank}}, {{host_rank}}") from None
         if socket_dir := os.environ.get("KVXFERD_SOCKET_DIR"):
-            return os.path.join(socket_dir, f"gpu{rank}.sock")
-        if tp_size == 1:
+            return os.path.join(socket_dir, f"gpu{host_rank}.sock")
+        if tp_size == 1 and dp_size == 1:
             return default_engine_socket()  # what `kvxferd serve` with no options listens on
-        raise ValueError("kv_connector_extra_config.engine_socket: set it (e.g. \"/run/kvxferd/gpu{rank}.sock\") or "
-                         "KVXFERD_SOCKET_DIR when the engine has more than one TP rank")
+        raise ValueError("kv_connector_extra_config.engine_socket: set it (e.g. \"/run/kvxferd/gpu{host_rank}.sock\") "
+                         "or KVXFERD_SOCKET_DIR when the engine has more than one rank on this host")
 
 
 def load_settings(extra_config: dict[str, Any] | None) -> ConnectorSettings:

@@ -56,10 +56,11 @@ class TransferResults:
 class WorkerSide:
     """One TP rank's connection to its daemon."""
 
-    def __init__(self, engine_id: str, tp_rank: int, tp_size: int, settings: ConnectorSettings) -> None:
+    def __init__(self, engine_id: str, tp_rank: int, tp_size: int, settings: ConnectorSettings, *,
+                 dp_rank: int = 0, dp_size: int = 1) -> None:
         self.engine_id, self.tp_rank, self.tp_size = engine_id, tp_rank, tp_size
         self.settings = settings
-        self.socket = settings.socket_for(tp_rank, tp_size)
+        self.socket = settings.socket_for(tp_rank, tp_size, dp_rank, dp_size)  # host-local DP rank and size
         self.client: EngineClient | None = None
         self.subscriber: NotifySubscriber | None = None
         self.peer_address = ""
