@@ -138,6 +138,44 @@ def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: 
     return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), lambda: lib.cudaIpcCloseMemHandle(base))
 
 
+def format_uuid(raw: bytes) -> str:
+    """``GPU-`` and the 16 bytes of a ``CUuuid`` as 8-4-4-4-12 hex (nvidia-smi's form)."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def visible_device_uuids(field: str) -> list[str]:
+    """UUIDs of the GPUs this process sees, by index (``cuDeviceGetUuid``)."""
+    lib = _cuda(field)
+    _check_drv(lib.cuInit(0), "cuInit", field)
+    count = ctypes.c_int()
+    _check_drv(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount", field)
+    uuids = []
+    for index in range(count.value):
+        device, raw = ctypes.c_int(), (ctypes.c_char * 16)()
+        _check_drv(lib.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet", field)
+        _check_drv(lib.cuDeviceGetUuid(raw, device), "cuDeviceGetUuid", field)
+        uuids.append(format_uuid(bytes(raw)))
+    return uuids
+
+
+def resolve_device(device_id: int, device_uuid: str, field: str, *, visible=visible_device_uuids) -> int:
+    """The index under which this daemon sees the engine's GPU.
+
+    An engine and its daemon may see the same GPU under different indices
+    (another ``CUDA_VISIBLE_DEVICES``), and index 0 of both may be two
+    different GPUs: the UUID decides. Without one, the index is trusted.
+    """
+    if not device_uuid:
+        return device_id
+    uuids = visible(f"{field}.device_uuid")
+    if device_uuid in uuids:
+        return uuids.index(device_uuid)
+    raise UnavailableError(f"{field}.device_uuid", f"the engine's GPU {device_uuid} is not visible to this daemon "
+                                                   f"(it sees {uuids or 'no GPU'}): run the daemon on the engine's GPU, "
+                                                   "e.g. with the same CUDA_VISIBLE_DEVICES")
+
+
 def _address_range(address: int, field: str) -> tuple[int, int]:
     """``(base, size)`` of the allocation holding ``address`` (``cuMemGetAddressRange``)."""
     drv = _cuda(field)

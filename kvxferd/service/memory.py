@@ -164,10 +164,11 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
         if not 0 <= index < len(fds):
             raise InvalidArgumentError(f"{field}.handle.shm_fd_index", f"index {index}, {len(fds)} fds were sent")
         return map_fd(fds[index], offset, num_bytes, field)
+    device_id = gpu.resolve_device(region.device_id, region.device_uuid, field)
     if source == "cuda_ipc_handle":
-        return gpu.open_ipc(region.handle.cuda_ipc_handle, offset, num_bytes, region.device_id, field)
+        return gpu.open_ipc(region.handle.cuda_ipc_handle, offset, num_bytes, device_id, field)
     index = region.handle.cuda_vmm_fd_index
     if not 0 <= index < len(fds):
         raise InvalidArgumentError(f"{field}.handle.cuda_vmm_fd_index", f"index {index}, {len(fds)} fds were sent")
-    return gpu.import_vmm(os.dup(fds[index]), offset, num_bytes, region.device_id, field,
+    return gpu.import_vmm(os.dup(fds[index]), offset, num_bytes, device_id, field,
                           allocation_bytes=region.handle.allocation_bytes)

@@ -11,8 +11,8 @@ token, K/V, channel) where vLLM put it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +27,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxferd.integrations.vllm.connector import CONTENT_READERS  # noqa: E402
 from kvxferd.integrations.vllm.describe import strided_group  # noqa: E402
-from tests.integrations.vllm_alloc import allocate, read_our_way, tag_through_views  # noqa: E402
+from tests.integrations.layer_tags import (pd_read, read_our_way, strided_layer_views, tag_through_views,  # noqa: E402
+                                           wrong_decode_blocks)
+from tests.integrations.vllm_alloc import allocate  # noqa: E402
 
 
 # Importing this one aborts the process (a native library's dlopen fails hard on a CPU build).
@@ -176,12 +178,6 @@ def test_prefill_lbnhc_tp2_to_decode_lbhnc_tp1_through_real_daemons(tmp_path, mi
     for the same (layer, head, token, content byte); every other block is untouched. The negative
     control describes decode's memory with LBNHC's head and token strides: the same check fails.
     """
-    from kvxferd.client import DaemonProcess
-    from kvxferd.integrations.vllm.scheduler import SchedulerSide
-    from kvxferd.integrations.vllm.settings import ConnectorSettings
-    from kvxferd.integrations.vllm.worker import WorkerSide
-    from tests.integrations.vllm_alloc import byte_tags
-
     flash = BACKENDS["FLASH_ATTN"]
     prefill_spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     decode_spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
@@ -189,56 +185,25 @@ def test_prefill_lbnhc_tp2_to_decode_lbhnc_tp1_through_real_daemons(tmp_path, mi
     decode_layers, _ = allocate(decode_spec, 2, 12, KVCacheLayout.LBHNC, kernel_block_size=8)
     for rank, layers in enumerate(prefill_layers):
         tag_through_views(layers, 32, first_head=rank)
-    names = [f"l{i}" for i in range(2)]
-    daemons = DaemonProcess.start_many(["lp0", "lp1", "ld0"], socket_dir=str(tmp_path))
-    workers = []
-    try:
-        prefill = [WorkerSide("p", r, 2, ConnectorSettings(engine_socket=daemons[r].socket)) for r in range(2)]
-        decode = WorkerSide("d", 0, 1, ConnectorSettings(engine_socket=daemons[2].socket))
-        workers = [*prefill, decode]
-        ranks = [w.register([described(flash, prefill_spec, layers, 2)], dict(zip(names, layers)))
-                 for w, layers in zip(prefill, prefill_layers)]
-        decode_group = described(flash, decode_spec, decode_layers, 2)
-        if misdescribed:
-            strides = decode_group.strides
-            decode_group = decode_group.__class__(**{**vars(decode_group), "strides": strides.__class__(
-                strides.content, strides.layer, strides.block, strides.token, strides.token * 2)})  # LBNHC
-        decode.register([decode_group], dict(zip(names, decode_layers)))
-        prefill_scheduler, decode_scheduler = SchedulerSide("p", prefill[0].settings), SchedulerSide("d", decode.settings)
-        prefill_scheduler.set_ranks(ranks)
-        _delay, params = prefill_scheduler.hold("req", ([5, 2],), 60)  # 60 tokens: blocks 5 and 2 of 32
-        held = prefill_scheduler.take_held()
-        for worker in prefill:
-            worker.expect_held(held)
-        assert decode_scheduler.matched_tokens("dreq", params, 60, 0) == (60, True)
-        decode_ids = [9, 1, 4, 7]  # four blocks of 16
-        decode_scheduler.after_alloc("dreq", params, [decode_ids], 60)
-        decode.submit(decode_scheduler.take_orders())
-        deadline, received = time.monotonic() + 30, set()
-        while not received and time.monotonic() < deadline:
-            time.sleep(0.02)
-            got = decode.results()
-            assert not got.failed_recving and not got.invalid_block_ids
-            received |= got.finished_recving
-        assert received == {"dreq"}
-    finally:
-        for worker in workers:
-            worker.close()
-        for daemon in daemons:
-            daemon.terminate()
-    wrong = []
-    for layer, view in enumerate(decode_layers):
-        raw = view.view(torch.uint8).unflatten(0, (12, 2))  # [block, kernel block, H, 8, bytes]
-        for i, block in enumerate(decode_ids):
-            token = i * 16 + np.arange(2).reshape(-1, 1, 1, 1) * 8 + np.arange(8).reshape(1, 1, -1, 1)
-            expected = byte_tags(layer, np.array([5, 2])[token // 32], np.arange(2).reshape(1, -1, 1, 1), token % 32,
-                                 np.arange(256).reshape(1, 1, 1, -1))
-            expected = np.broadcast_to(expected, (2, 2, 8, 256))  # whole blocks move, past token 60 too
-            if not np.array_equal(raw[block].numpy(), expected):
-                wrong.append((layer, block))
-        untouched = [b for b in range(12) if b not in decode_ids]
-        assert not raw[untouched].any()
+    decode_group = described(flash, decode_spec, decode_layers, 2)
+    if misdescribed:
+        strides = decode_group.strides
+        decode_group = dataclasses.replace(decode_group, strides=dataclasses.replace(
+            strides, head=strides.token, token=strides.token * 2))  # LBNHC's, for LBHNC memory
+    pd_read(tmp_path, [described(flash, prefill_spec, layers, 2) for layers in prefill_layers], prefill_layers,
+            decode_group, decode_layers, remote_ids=[5, 2], decode_ids=[9, 1, 4, 7], num_tokens=60)
+    wrong = wrong_decode_blocks(decode_layers, 16, [9, 1, 4, 7], [5, 2], 32)  # whole blocks move, past token 60 too
     assert bool(wrong) == misdescribed, wrong
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def test_the_gpu_tests_allocation_is_vllms(order):
+    """tests/gpu lays caches out with ``strided_layer_views`` (no vLLM there): the same views as vLLM's allocator."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    ours = strided_layer_views(order, 3, 5, 2, 16, 64, torch.bfloat16)
+    vllms, _ = allocate(spec, 3, 5, KVCacheLayout[order])
+    for a, b in zip(ours, vllms):
+        assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (b.shape, b.stride(), b.storage_offset(), b.dtype)
 
 
 def test_the_connector_asks_for_lbhnc_unless_told_otherwise_and_refuses_pipeline_parallelism():

@@ -117,10 +117,12 @@ def test_cuda_tensors_are_described_by_ipc_handle():
     fake_device = type("D", (), {"type": "cuda", "index": 1})()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(fake), "device", property(lambda self: fake_device))
-        engine, fds = describe_engine("e", 0, 1, [group(["l0"])], tensors, export_ipc=export)
+        engine, fds = describe_engine("e", 0, 1, [group(["l0"])], tensors, export_ipc=export,
+                                      device_uuid=lambda index: f"GPU-{index}")
     region = engine.groups[0].regions[0]
     assert fds == [] and engine.mem_type == "VRAM" and calls == [fake.data_ptr()]
     assert (region.handle.cuda_ipc_handle, region.handle.offset, region.device_id) == (b"h" * 64, 4096, 1)
+    assert region.device_uuid == "GPU-1"  # the daemon finds the GPU by UUID, not by index
 
 
 def test_a_missing_daemon_is_a_clear_error_naming_the_socket(tmp_path):

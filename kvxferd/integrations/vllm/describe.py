@@ -160,6 +160,12 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"KV cache dtype {dtype} is not supported by kvxferd ({sorted(TORCH_DTYPES.values())})") from None
 
 
+def torch_device_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as nvidia-smi prints it (``GPU-...``)."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
 def share_host_storages(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[tuple[int, int]]]:
     """Move every distinct storage of ``tensors`` into shared memory in place.
 
@@ -184,14 +190,17 @@ def share_host_storages(tensors: Sequence[torch.Tensor]) -> tuple[list[int], lis
 
 def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence[GroupLayout],
                     tensors: Mapping[str, torch.Tensor], *,
-                    export_ipc: Callable[[int], tuple[bytes, int]] | None = None) -> tuple[pb.EngineRank, list[int]]:
+                    export_ipc: Callable[[int], tuple[bytes, int]] | None = None,
+                    device_uuid: Callable[[int], str] | None = None) -> tuple[pb.EngineRank, list[int]]:
     """The ``Register`` message of one engine rank and the fds to send first (host memory).
 
     A ``strided`` group is one region that starts at its first layer's
     element 0 and spans every layer (the layers' views may interleave).
     Otherwise every layer tensor must be contiguous and is one region.
     ``export_ipc`` (address -> handle, offset) describes CUDA tensors
-    (default: :func:`kvxferd.service.gpu.export_ipc`).
+    (default: :func:`kvxferd.service.gpu.export_ipc`), and ``device_uuid``
+    (device index -> ``GPU-...``) names their GPU, so the daemon opens them
+    on the same GPU whatever index it sees it under (default: torch's).
     """
     bases = [(g, name) for g, group in enumerate(groups)
              for name in (group.layer_names[:1] if group.layout == "strided" else group.layer_names)]
@@ -204,6 +213,8 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
     fds, placement = ([], []) if on_gpu else share_host_storages([tensors[name] for _, name in bases])
     if on_gpu and export_ipc is None:
         from kvxferd.service.gpu import export_ipc
+    if on_gpu and device_uuid is None:
+        device_uuid = torch_device_uuid
     engine = pb.EngineRank(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mem_type="VRAM" if on_gpu else "DRAM")
     messages = []
     for group in groups:
@@ -223,6 +234,7 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
             handle, offset = export_ipc(tensor.data_ptr())
             region.handle.cuda_ipc_handle, region.handle.offset = handle, offset
             region.device_id = tensor.device.index or 0
+            region.device_uuid = device_uuid(region.device_id)
         else:
             region.handle.shm_fd_index, region.handle.offset = placement[n]
             if placement[n][1] + num_bytes > tensor.untyped_storage().nbytes():

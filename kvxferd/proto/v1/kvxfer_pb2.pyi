@@ -84,16 +84,18 @@ class MemoryHandle(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("handle", "address", "num_bytes", "device_id")
+    __slots__ = ("handle", "address", "num_bytes", "device_id", "device_uuid")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     handle: MemoryHandle
     address: int
     num_bytes: int
     device_id: int
-    def __init__(self, handle: _Optional[_Union[MemoryHandle, _Mapping]] = ..., address: _Optional[int] = ..., num_bytes: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, handle: _Optional[_Union[MemoryHandle, _Mapping]] = ..., address: _Optional[int] = ..., num_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class CacheGroup(_message.Message):
     __slots__ = ("kind", "attention", "state", "regions")
