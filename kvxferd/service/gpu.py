@@ -205,6 +205,54 @@ def export_ipc(address: int, field: str = "address") -> tuple[bytes, int]:
     return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES), address - base
 
 
+@dataclass(frozen=True)
+class GpuExport:
+    """How an engine shares one GPU region: a CUDA IPC handle, or a VMM allocation's fd (then it owns the fd)."""
+
+    offset: int  # of the region in the allocation
+    ipc_handle: bytes = b""
+    vmm_fd: int = -1
+    allocation_bytes: int = 0  # VMM: the allocation's size (the daemon maps all of it)
+
+
+def export_region(address: int, num_bytes: int, field: str = "address") -> GpuExport:
+    """Engine side: share ``[address, address + num_bytes)`` by CUDA IPC, else as a VMM allocation's fd.
+
+    ``cudaIpcGetMemHandle`` refuses memory made with ``cuMemCreate`` (vLLM's
+    sleep-mode allocator); that memory is shared by fd instead. A region
+    over several allocations (torch's expandable segments) can be neither.
+    """
+    try:
+        handle, offset = export_ipc(address, field)
+        return GpuExport(offset, ipc_handle=handle)
+    except InvalidArgumentError as ipc:
+        try:
+            return export_vmm(address, num_bytes, field)
+        except InvalidArgumentError as vmm:
+            raise InvalidArgumentError(field, f"{ipc.message}; as a VMM allocation: {vmm.message}") from None
+
+
+def export_vmm(address: int, num_bytes: int, field: str = "address") -> GpuExport:
+    """Engine side: a POSIX fd of the VMM allocation holding the region (``cuMemRetainAllocationHandle``)."""
+    lib = _cuda(field)
+    lib.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_void_p]
+    lib.cuMemExportToShareableHandle.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong]
+    handle = ctypes.c_ulonglong()
+    _check_drv(lib.cuMemRetainAllocationHandle(ctypes.byref(handle), address), "cuMemRetainAllocationHandle", field)
+    try:
+        base, size = _address_range(address, field)
+        if address + num_bytes > base + size:
+            raise InvalidArgumentError(field, f"the region of {num_bytes} bytes runs past its allocation of {size} bytes "
+                                              "(a cache over several allocations, such as torch's expandable segments, "
+                                              "cannot be shared as one region)")
+        fd = ctypes.c_int()
+        _check_drv(lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, _CU_HANDLE_TYPE_POSIX_FD, 0),
+                   "cuMemExportToShareableHandle", field)
+    finally:
+        lib.cuMemRelease(handle)  # the retain took a reference; the allocation lives on in the engine
+    return GpuExport(address - base, vmm_fd=fd.value, allocation_bytes=size)
+
+
 def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, *,
                allocation_bytes: int = 0) -> GpuMapping:
     """Import a VMM shareable fd and map all of it read-write on ``device_id``; always closes ``fd``.

@@ -201,3 +201,23 @@ def test_bench_gpu_quick_reads_byte_exact_and_reports_both_paths():
         assert bulk[key] > 0, key
     assert small["raw"]["p50_us"] > 0 and small["daemon"]["p50_us"] > 0
     print(gpu_bench.format_table(figures))
+
+
+def test_memory_cuda_ipc_cannot_share_is_exported_as_a_vmm_fd():
+    """vLLM's sleep mode allocates with cuMemCreate: export_region falls back to the allocation's fd."""
+    from kvxferd.service.gpu import export_region, import_vmm
+
+    vmm = _VmmAllocation(4 << 20)
+    data = np.arange(vmm.size, dtype=np.uint8)
+    vmm.copy(data, to_device=True)
+    exported = export_region(vmm.address.value + 4096, 8192)
+    assert exported.ipc_handle == b"" and exported.vmm_fd >= 0
+    assert (exported.offset, exported.allocation_bytes) == (4096, vmm.size)
+    mapping = import_vmm(exported.vmm_fd, exported.offset, 8192, 0, "r", allocation_bytes=exported.allocation_bytes)
+    try:
+        seen = np.zeros(8192, dtype=np.uint8)
+        assert vmm.cuda.cuMemcpyDtoH_v2(seen.ctypes.data_as(ctypes.c_void_p), ctypes.c_ulonglong(mapping.memory.address),
+                                        ctypes.c_size_t(8192)) == 0
+        assert np.array_equal(seen, data[4096:4096 + 8192])
+    finally:
+        mapping.close()

@@ -104,25 +104,34 @@ def test_host_tensors_are_shared_in_place_and_described_per_layer():
     assert placement == [(0, regions[1].handle.offset)]
 
 
-def test_cuda_tensors_are_described_by_ipc_handle():
-    """The CUDA path without a GPU: a meta tensor that reports a CUDA device stands in for vLLM's cache."""
+@pytest.mark.parametrize("vmm", [False, True], ids=["ipc", "vmm-fd"])
+def test_cuda_tensors_are_described_by_ipc_handle_or_vmm_fd(vmm):
+    """The CUDA path without a GPU: a meta tensor that reports a CUDA device stands in for vLLM's cache;
+    memory CUDA IPC cannot share (vLLM's sleep mode: cuMemCreate) goes as a VMM fd beside host fds."""
+    from kvxferd.service.gpu import GpuExport
+
     tensors = {"l0": torch.empty(16, 2, 32, 128, dtype=torch.bfloat16, device="meta")}
     calls = []
 
-    def export(address):
-        calls.append(address)
-        return b"h" * 64, 4096
+    def export(address, num_bytes):
+        calls.append((address, num_bytes))
+        return GpuExport(4096, vmm_fd=77, allocation_bytes=1 << 21) if vmm else GpuExport(4096, ipc_handle=b"h" * 64)
 
     fake = tensors["l0"]
     fake_device = type("D", (), {"type": "cuda", "index": 1})()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(fake), "device", property(lambda self: fake_device))
-        engine, fds = describe_engine("e", 0, 1, [group(["l0"])], tensors, export_ipc=export,
+        engine, fds = describe_engine("e", 0, 1, [group(["l0"])], tensors, export_gpu=export,
                                       device_uuid=lambda index: f"GPU-{index}")
     region = engine.groups[0].regions[0]
-    assert fds == [] and engine.mem_type == "VRAM" and calls == [fake.data_ptr()]
-    assert (region.handle.cuda_ipc_handle, region.handle.offset, region.device_id) == (b"h" * 64, 4096, 1)
+    assert engine.mem_type == "VRAM" and calls == [(fake.data_ptr(), fake.numel() * 2)]
+    assert (region.handle.offset, region.device_id) == (4096, 1)
     assert region.device_uuid == "GPU-1"  # the daemon finds the GPU by UUID, not by index
+    if vmm:
+        assert fds == [77] and region.handle.WhichOneof("source") == "cuda_vmm_fd_index"
+        assert (region.handle.cuda_vmm_fd_index, region.handle.allocation_bytes) == (0, 1 << 21)
+    else:
+        assert fds == [] and region.handle.cuda_ipc_handle == b"h" * 64
 
 
 def test_a_missing_daemon_is_a_clear_error_naming_the_socket(tmp_path):

@@ -10,8 +10,11 @@ over the fd socket; a region is that fd plus the layer's offset in it::
     ├─ layer 1  [offset stride,   num_bytes)         region: shm_fd_index=k, offset=stride
     └─ ...
 
-CUDA tensors: the IPC handle of the allocation plus the offset of the
-layer in it (:func:`kvxferd.service.gpu.export_ipc`).
+CUDA tensors: the IPC handle of the allocation plus the region's offset
+in it, or, for memory CUDA IPC cannot share (``cuMemCreate``: vLLM's sleep
+mode), the allocation's VMM fd, sent like host fds
+(:func:`kvxferd.service.gpu.export_region`). vLLM 0.32 allocates the whole
+cache at once, so every group shares one handle.
 
 Nothing here imports vLLM: the connector turns vLLM's cache config into
 :class:`GroupLayout` values first.
@@ -21,13 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheStrides
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import spec_to_pb
+
+if TYPE_CHECKING:
+    from kvxferd.service.gpu import GpuExport
 
 TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.uint8: "uint8",
@@ -190,17 +196,19 @@ def share_host_storages(tensors: Sequence[torch.Tensor]) -> tuple[list[int], lis
 
 def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence[GroupLayout],
                     tensors: Mapping[str, torch.Tensor], *,
-                    export_ipc: Callable[[int], tuple[bytes, int]] | None = None,
+                    export_gpu: Callable[[int, int], "GpuExport"] | None = None,
                     device_uuid: Callable[[int], str] | None = None) -> tuple[pb.EngineRank, list[int]]:
     """The ``Register`` message of one engine rank and the fds to send first (host memory).
 
     A ``strided`` group is one region that starts at its first layer's
     element 0 and spans every layer (the layers' views may interleave).
     Otherwise every layer tensor must be contiguous and is one region.
-    ``export_ipc`` (address -> handle, offset) describes CUDA tensors
-    (default: :func:`kvxferd.service.gpu.export_ipc`), and ``device_uuid``
-    (device index -> ``GPU-...``) names their GPU, so the daemon opens them
-    on the same GPU whatever index it sees it under (default: torch's).
+    ``export_gpu`` ((address, bytes) -> :class:`~kvxferd.service.gpu.GpuExport`)
+    shares CUDA regions: an IPC handle, or a VMM allocation's fd, which is
+    then sent with the others (default: :func:`kvxferd.service.gpu.export_region`);
+    ``device_uuid`` (device index -> ``GPU-...``) names their GPU, so the
+    daemon opens them on the same GPU whatever index it sees it under
+    (default: torch's).
     """
     bases = [(g, name) for g, group in enumerate(groups)
              for name in (group.layer_names[:1] if group.layout == "strided" else group.layer_names)]
@@ -211,8 +219,8 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
         raise ValueError("KV cache layers are partly on the GPU and partly in host memory")
     on_gpu = on_gpu.pop()
     fds, placement = ([], []) if on_gpu else share_host_storages([tensors[name] for _, name in bases])
-    if on_gpu and export_ipc is None:
-        from kvxferd.service.gpu import export_ipc
+    if on_gpu and export_gpu is None:
+        from kvxferd.service.gpu import export_region as export_gpu
     if on_gpu and device_uuid is None:
         device_uuid = torch_device_uuid
     engine = pb.EngineRank(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mem_type="VRAM" if on_gpu else "DRAM")
@@ -231,8 +239,13 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
             raise ValueError(f"groups[{g}] layer {name!r}: the KV cache tensor is not contiguous")
         region = messages[g].regions.add(num_bytes=num_bytes)
         if on_gpu:
-            handle, offset = export_ipc(tensor.data_ptr())
-            region.handle.cuda_ipc_handle, region.handle.offset = handle, offset
+            exported = export_gpu(tensor.data_ptr(), num_bytes)
+            region.handle.offset = exported.offset
+            if exported.vmm_fd >= 0:  # kept open: a daemon restart is sent the same fd again
+                region.handle.cuda_vmm_fd_index, region.handle.allocation_bytes = len(fds), exported.allocation_bytes
+                fds.append(exported.vmm_fd)
+            else:
+                region.handle.cuda_ipc_handle = exported.ipc_handle
             region.device_id = tensor.device.index or 0
             region.device_uuid = device_uuid(region.device_id)
         else:
