@@ -33,6 +33,8 @@ def model_facts(cache: EngineCache) -> str:
         spec = group.spec
         if isinstance(spec, AttentionSpec):
             facts = f"heads={spec.num_kv_heads},head_size={spec.head_size},dtype={spec.dtype}"
+            if spec.strides is not None:  # one region holds every layer; what a (head, token) holds must match
+                facts += f",layers={spec.num_layers},content={spec.strides.content}"
         else:
             facts = (f"heads={spec.num_heads},head_dim={spec.head_dim},groups={spec.num_groups},state={spec.state_size},"
                      f"window={spec.conv_window},dtypes={spec.conv_dtype}/{spec.ssm_dtype}")
