@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
 from kvxferd.integrations.vllm.describe import strided_group  # noqa: E402
-from tests.integrations.layer_tags import (attention_spec, pd_read, strided_layer_views, tag_through_views,  # noqa: E402
+from tests.integrations.layer_tags import (attention_spec, one_group_read, strided_layer_views, tag_through_views,  # noqa: E402
                                            wrong_decode_blocks)
 
 
@@ -34,7 +34,7 @@ def test_vllm_shaped_vram_reads_across_orders(tmp_path, prefill_order, decode_or
     if misdescribed:  # negative control: LBHNC memory described with LBNHC's head and token strides
         s = decode_group.strides
         decode_group = dataclasses.replace(decode_group, strides=dataclasses.replace(s, head=s.token, token=4 * s.token))
-    pd_read(tmp_path, prefill_groups, prefill_layers, decode_group, decode_layers, remote_ids=[5, 2],
+    one_group_read(tmp_path, prefill_groups, prefill_layers, decode_group, decode_layers, remote_ids=[5, 2],
             decode_ids=[9, 1, 4, 7], num_tokens=60)
     torch.cuda.synchronize()
     wrong = wrong_decode_blocks(decode_layers, 16, [9, 1, 4, 7], [5, 2], 32)

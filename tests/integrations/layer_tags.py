@@ -34,16 +34,21 @@ def byte_tags(layer, block, head, token, content_byte) -> np.ndarray:
     return (h * np.uint64(0x9E3779B97F4A7C15) >> np.uint64(56)).astype(np.uint8)
 
 
-def tag_through_views(layers, block_size: int, first_head: int) -> None:
-    """Write every byte of every layer through vLLM's view (``first_head``: this TP rank's first global head)."""
-    for l, view in enumerate(layers):
+def tag_through_views(layers, block_size: int, first_head: int, *, first_layer: int = 0, block_ids=None) -> None:
+    """Write every byte of every layer through vLLM's view (``first_head``: this TP rank's first global head;
+    ``block_ids``: only these blocks, as a group whose bytes other groups overlay owns only its blocks)."""
+    for l, view in enumerate(layers, first_layer):
         raw = view.view(torch.uint8)  # [Bk, H, Nk, content bytes]
         num_kernel_blocks, heads, kernel, width = raw.shape
         k = block_size // kernel
         bk = np.arange(num_kernel_blocks).reshape(-1, 1, 1, 1)
         tags = byte_tags(l, bk // k, np.arange(heads).reshape(1, -1, 1, 1) + first_head,
                          (bk % k) * kernel + np.arange(kernel).reshape(1, 1, -1, 1), np.arange(width).reshape(1, 1, 1, -1))
-        raw.copy_(torch.from_numpy(tags))
+        if block_ids is None:
+            raw.copy_(torch.from_numpy(tags))
+            continue
+        k_ids = [b * k + i for b in block_ids for i in range(k)]
+        raw[k_ids] = torch.from_numpy(tags[k_ids]).to(raw.device)
 
 
 def storage_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -105,34 +110,35 @@ def attention_spec(num_kv_heads: int, head_size: int, block_size: int, dtype: to
                            num_head_slots=None, tokens_per_state=1, state_content_size_bytes=2 * head_size * itemsize)
 
 
-def pd_read(tmp_path, prefill_groups: list[GroupLayout], prefill_layers, decode_group: GroupLayout, decode_layers,
-            remote_ids: list[int], decode_ids: list[int], num_tokens: int) -> None:
-    """Hold ``remote_ids`` on every prefill rank and read them into ``decode_ids`` (one decode rank), through real
-    daemons with the connector's worker and scheduler sides; returns when decode has the request."""
+def pd_read(tmp_path, prefill_groups, prefill_tensors, decode_groups, decode_tensors, remote_ids, decode_ids,
+            num_tokens: int) -> None:
+    """Hold ``remote_ids`` (one list per group) on every prefill rank and read them into ``decode_ids`` (one decode
+    rank), through real daemons with the connector's worker and scheduler sides; returns when decode has the request.
+
+    ``prefill_groups[r]`` / ``prefill_tensors[r]``: rank r's GroupLayouts and ``{layer name: view}``.
+    """
     from kvxferd.client import DaemonProcess
     from kvxferd.integrations.vllm.scheduler import SchedulerSide
     from kvxferd.integrations.vllm.settings import ConnectorSettings
     from kvxferd.integrations.vllm.worker import WorkerSide
 
-    tp = len(prefill_layers)
-    names = [f"l{i}" for i in range(len(decode_layers))]
+    tp = len(prefill_groups)
     daemons = DaemonProcess.start_many([f"sp{r}" for r in range(tp)] + ["sd0"], socket_dir=str(tmp_path))
     workers = []
     try:
         prefill = [WorkerSide("p", r, tp, ConnectorSettings(engine_socket=daemons[r].socket)) for r in range(tp)]
         decode = WorkerSide("d", 0, 1, ConnectorSettings(engine_socket=daemons[tp].socket))
         workers = [*prefill, decode]
-        ranks = [w.register([group], dict(zip(names, layers)))
-                 for w, group, layers in zip(prefill, prefill_groups, prefill_layers)]
-        decode.register([decode_group], dict(zip(names, decode_layers)))
+        ranks = [w.register(groups, tensors) for w, groups, tensors in zip(prefill, prefill_groups, prefill_tensors)]
+        decode.register(decode_groups, decode_tensors)
         prefill_scheduler, decode_scheduler = SchedulerSide("p", prefill[0].settings), SchedulerSide("d", decode.settings)
         prefill_scheduler.set_ranks(ranks)
-        _delay, params = prefill_scheduler.hold("req", (remote_ids,), num_tokens)
+        _delay, params = prefill_scheduler.hold("req", tuple(remote_ids), num_tokens)
         held = prefill_scheduler.take_held()
         for worker in prefill:
             worker.expect_held(held)
         assert decode_scheduler.matched_tokens("dreq", params, num_tokens, 0) == (num_tokens, True)
-        decode_scheduler.after_alloc("dreq", params, [decode_ids], num_tokens)
+        decode_scheduler.after_alloc("dreq", params, list(decode_ids), num_tokens)
         decode.submit(decode_scheduler.take_orders())
         deadline, received = time.monotonic() + 30, set()
         while not received and time.monotonic() < deadline:
@@ -148,11 +154,20 @@ def pd_read(tmp_path, prefill_groups: list[GroupLayout], prefill_layers, decode_
             daemon.terminate()
 
 
-def wrong_decode_blocks(decode_layers, decode_block_size: int, decode_ids, remote_ids, remote_block_size: int):
+def one_group_read(tmp_path, prefill_groups, prefill_layers, decode_group, decode_layers, remote_ids, decode_ids,
+                   num_tokens: int) -> None:
+    """:func:`pd_read` of one group whose layers are named ``l0``, ``l1``, ..."""
+    names = [f"l{i}" for i in range(len(decode_layers))]
+    pd_read(tmp_path, [[g] for g in prefill_groups], [dict(zip(names, layers)) for layers in prefill_layers],
+            [decode_group], dict(zip(names, decode_layers)), [remote_ids], [decode_ids], num_tokens)
+
+
+def wrong_decode_blocks(decode_layers, decode_block_size: int, decode_ids, remote_ids, remote_block_size: int, *,
+                        first_layer: int = 0, other_ids=()):
     """``(layer, block)`` of every decode block whose bytes are not prefill's tags for the same tokens;
-    every block the read did not name must still be zero."""
+    every block the read did not name (nor ``other_ids``: another group's) must still be zero."""
     wrong = []
-    for layer, view in enumerate(decode_layers):
+    for layer, view in enumerate(decode_layers, first_layer):
         raw = view.view(torch.uint8).cpu()
         kernel, width, heads = raw.shape[2], raw.shape[3], raw.shape[1]
         k = decode_block_size // kernel
@@ -164,6 +179,6 @@ def wrong_decode_blocks(decode_layers, decode_block_size: int, decode_ids, remot
                                  np.arange(width).reshape(1, 1, 1, -1))
             if not np.array_equal(raw[block].numpy(), np.broadcast_to(expected, raw[block].shape)):
                 wrong.append((layer, block))
-        untouched = [b for b in range(raw.shape[0]) if b not in decode_ids]
+        untouched = [b for b in range(raw.shape[0]) if b not in decode_ids and b not in other_ids]
         assert not raw[untouched].any()
     return wrong

@@ -27,8 +27,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxferd.integrations.vllm.connector import CONTENT_READERS  # noqa: E402
 from kvxferd.integrations.vllm.describe import strided_group  # noqa: E402
-from tests.integrations.layer_tags import (pd_read, read_our_way, strided_layer_views, tag_through_views,  # noqa: E402
-                                           wrong_decode_blocks)
+from tests.integrations.layer_tags import (one_group_read, pd_read, read_our_way, strided_layer_views,  # noqa: E402
+                                           tag_through_views, wrong_decode_blocks)
 from tests.integrations.vllm_alloc import allocate  # noqa: E402
 
 
@@ -190,7 +190,7 @@ def test_prefill_lbnhc_tp2_to_decode_lbhnc_tp1_through_real_daemons(tmp_path, mi
         strides = decode_group.strides
         decode_group = dataclasses.replace(decode_group, strides=dataclasses.replace(
             strides, head=strides.token, token=strides.token * 2))  # LBNHC's, for LBHNC memory
-    pd_read(tmp_path, [described(flash, prefill_spec, layers, 2) for layers in prefill_layers], prefill_layers,
+    one_group_read(tmp_path, [described(flash, prefill_spec, layers, 2) for layers in prefill_layers], prefill_layers,
             decode_group, decode_layers, remote_ids=[5, 2], decode_ids=[9, 1, 4, 7], num_tokens=60)
     wrong = wrong_decode_blocks(decode_layers, 16, [9, 1, 4, 7], [5, 2], 32)  # whole blocks move, past token 60 too
     assert bool(wrong) == misdescribed, wrong
@@ -220,3 +220,35 @@ def test_the_connector_asks_for_lbhnc_unless_told_otherwise_and_refuses_pipeline
     assert KvxferdConnector.get_required_kvcache_layout(config(use_mla=True)) is None  # one head: any order
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         KvxferdConnector(config(pp=2), None, None)
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC])
+def test_full_and_sliding_window_groups_overlaying_one_allocation_read_through_daemons(tmp_path, layout):
+    """A hybrid model's two groups alias the same bytes (vLLM hands a block id to one group at a time):
+    two overlapping regions per engine, each read into its own blocks, nothing else written."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from tests.integrations.vllm_alloc import allocate_groups
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    ids = {"prefill": ([1, 2, 3], [4, 5, 6]), "decode": ([7, 2, 9], [3, 8, 1])}  # [full ids], [swa ids]
+    (pf, ps), _ = allocate_groups([full, swa], 2, 12, layout)
+    (df, ds), _ = allocate_groups([full, swa], 2, 12, layout)
+    tag_through_views(pf, 16, 0, first_layer=0, block_ids=ids["prefill"][0])
+    tag_through_views(ps, 16, 0, first_layer=2, block_ids=ids["prefill"][1])
+    flash = BACKENDS["FLASH_ATTN"]
+
+    def groups(full_layers, swa_layers):
+        names = ["f0", "f1"], ["s0", "s1"]
+        described_ = [strided_group(kind, n, layers, spec, 2) for kind, n, layers, spec in
+                      (("full", names[0], full_layers, full), ("swa", names[1], swa_layers, swa))]
+        return described_, dict(zip(names[0] + names[1], full_layers + swa_layers))
+
+    (prefill_groups, prefill_tensors), (decode_groups, decode_tensors) = groups(pf, ps), groups(df, ds)
+    assert prefill_groups[0].strides == prefill_groups[1].strides  # the same bytes, two groups
+    pd_read(tmp_path, [prefill_groups], [prefill_tensors], decode_groups, decode_tensors,
+            remote_ids=ids["prefill"], decode_ids=ids["decode"], num_tokens=48)
+    assert wrong_decode_blocks(df, 16, ids["decode"][0], ids["prefill"][0], 16, other_ids=ids["decode"][1]) == []
+    assert wrong_decode_blocks(ds, 16, ids["decode"][1], ids["prefill"][1], 16, first_layer=2,
+                               other_ids=ids["decode"][0]) == []

@@ -26,3 +26,16 @@ def allocate(spec, num_layers: int, num_blocks: int, layout, kernel_block_size: 
     kernels = None if kernel_block_size is None else [kernel_block_size]
     views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, kernels)
     return [views[name] for name in names], kv_cache_config
+
+
+def allocate_groups(specs, num_layers: int, num_blocks: int, layout):
+    """Several groups of ``num_layers`` layers each (e.g. full attention and sliding window): vLLM overlays
+    them from byte 0 of one allocation, a block id belonging to one group at a time. Views per group."""
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, prefix_cache_retention_interval=None,
+                            num_gpu_blocks_override=None)
+    config = SimpleNamespace(cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None))
+    names = [[f"model.layers.{g}.{i}.attn" for i in range(num_layers)] for g in range(len(specs))]
+    groups = [KVCacheGroupSpec(group_names, spec) for group_names, spec in zip(names, specs)]
+    kv_cache_config = get_kv_cache_config_from_groups(config, groups, num_blocks * num_layers * specs[0].page_size_bytes)
+    views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+    return [[views[name] for name in group_names] for group_names in names], kv_cache_config
