@@ -17,6 +17,7 @@ import json
 import numpy as np
 
 from kvxferd.bench.common import bench_main, timed
+from kvxferd.layout.builders import ORDERS, order_strides
 from kvxferd.layout.match import match_layouts
 from kvxferd.layout.spans import SpanTable
 from kvxferd.layout.specs import AttentionSpec
@@ -47,6 +48,7 @@ def run(num_layers: int = 80, num_blocks: int = 100_000, prefill_tp: int = 2, de
         "decode_rank": decode_rank, "num_kv_heads": num_kv_heads,
         "reads": [f"rank {r.remote_rank}: heads [{r.slice.global_start}, {r.slice.global_stop})" for r in reads.reads],
         "plan_region_reads_ms": plan_s * 1e3, "match_hnd_nhd_ms": match_mixed_s * 1e3,
+        "orders": order_spans(),
     }
     cases = (("scattered", scattered, False, tables), ("scattered_merged", scattered, True, tables),
              ("contiguous_merged", contiguous_ids, True, tables),
@@ -59,6 +61,33 @@ def run(num_layers: int = 80, num_blocks: int = 100_000, prefill_tp: int = 2, de
         figures[label] = {"seconds": seconds, "spans_in": raw_spans, "spans_out": num_spans,
                           "mspans_per_s": raw_spans / seconds / 1e6}
     return figures
+
+
+ORDER_TP_PAIRS = ((1, 1), (2, 1), (1, 2), (4, 8))
+
+
+def order_spans(num_layers: int = 32, num_kv_heads: int = 8, head_size: int = 128, block_size: int = 16) -> dict:
+    """Descriptors per block read by decode rank 0 for each of vLLM 0.32's physical orders and a few TP pairs.
+
+    Blocks are scattered (no two neighbours), so nothing merges across blocks: the count is what one
+    block of the order costs. Both sides use the same order, one region holding every layer.
+    """
+    blocks = 16
+    decode_ids, prefill_ids = np.arange(0, blocks, 2), np.arange(1, blocks, 2)
+
+    def spec(order: str, tp: int) -> AttentionSpec:
+        strides = order_strides(order, "kv", num_layers=num_layers, num_blocks=blocks, num_heads=num_kv_heads // tp,
+                                block_size=block_size, head_size=head_size)
+        return AttentionSpec("strided", blocks, num_kv_heads, head_size, block_size, num_layers=num_layers, strides=strides)
+
+    out = {}
+    for order in ORDERS:
+        for p, d in ORDER_TP_PAIRS:
+            reads = plan_region_reads(spec(order, d).region(d, 0), [spec(order, p).region(p, q) for q in range(p)], d, 0)
+            spans = reads.spans(decode_ids, prefill_ids).values()
+            num_spans, num_bytes = sum(x.num_spans for x in spans), sum(x.num_bytes for x in spans)
+            out[f"{order} {p}->{d}"] = {"spans_per_block": num_spans / len(decode_ids), "bytes_per_span": num_bytes / num_spans}
+    return out
 
 
 def format_table(f: dict) -> str:
@@ -74,6 +103,13 @@ def format_table(f: dict) -> str:
     for label in ("scattered", "scattered_merged", "contiguous_merged", "same_tp_contiguous_merged"):
         row = f[label]
         lines.append(f"{label:<28}{row['spans_in']:>12,}{row['spans_out']:>12,}{row['seconds'] * 1e3:>12.1f}{row['mspans_per_s']:>12.1f}")
+    if "orders" in f:
+        lines += ["", "vLLM 0.32 orders (32 layers, 8 KV heads, head 128, blocks of 16, bf16): descriptors per block "
+                      "read by decode rank 0 (bytes per descriptor)",
+                  f"{'order':<8}" + "".join(f"{f'P{p}->D{d}':>20}" for p, d in ORDER_TP_PAIRS)]
+        for order in ORDERS:
+            cells = [f["orders"][f"{order} {p}->{d}"] for p, d in ORDER_TP_PAIRS]
+            lines.append(f"{order:<8}" + "".join(f"{c['spans_per_block']:>8.0f} ({c['bytes_per_span']:>8,.0f})" for c in cells))
     return "\n".join(lines)
 
 
