@@ -16,7 +16,7 @@ No tokenizer is written: prompts are token ids (``skip_tokenizer_init``).
 
 Run it to try the connector by hand::
 
-    python -m kvxferd.integrations.vllm.tinymodel /tmp/tiny [--sliding-window 64]
+    python -m kvxferd.integrations.vllm.tinymodel /tmp/tiny [--sliding-window 64 | --mla]
 """
 
 from __future__ import annotations
@@ -84,13 +84,38 @@ def write_tiny_model(directory: str | pathlib.Path, config: dict = TINY_LLAMA, *
     return str(directory)
 
 
+# DeepSeek-V2 with multi-head latent attention: the KV cache holds one latent per token
+# (kv_lora_rank + qk_rope_head_dim = 576 elements, no heads). Two dense layers (first_k_dense_replace:
+# the experts are declared but never built).
+TINY_MLA = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=4,
+                num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=512, q_lora_rank=None,
+                qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, max_position_embeddings=2048,
+                initializer_range=INIT_STD, torch_dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2)
+
+
+def write_tiny_mla_model(directory: str | pathlib.Path, *, seed: int = 0) -> str:
+    """A DeepSeek-V2 (MLA) checkpoint with Hugging Face's own initialisation (N(0, 0.02), norms 1) from ``seed``."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # a vLLM dependency
+
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**TINY_MLA)).to(torch.bfloat16)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return str(directory)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvxferd.integrations.vllm.tinymodel",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sliding-window", type=int, default=0, help="tokens; 0: full attention (Llama)")
+    parser.add_argument("--mla", action="store_true", help="a DeepSeek-V2 with multi-head latent attention instead")
     args = parser.parse_args(argv)
+    if args.mla:
+        print(write_tiny_mla_model(args.directory, seed=args.seed))
+        return
     config = sliding_window(TINY_LLAMA, args.sliding_window) if args.sliding_window else TINY_LLAMA
     print(write_tiny_model(args.directory, config, seed=args.seed))
 

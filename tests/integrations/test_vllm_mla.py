@@ -1,0 +1,79 @@
+"""MLA through kvxferd on a real vLLM (CPU): a DeepSeek-V2 whose cache holds one latent per token.
+
+vLLM's CPU build runs multi-head latent attention (its CPU_MLA backend); the
+connector describes the cache as ``strided`` with ``latent`` content (no
+heads, the same on every TP rank). Prefill and decode are TP 1 here; read one,
+notify all (TP > 1) is proven on the plan and through daemons in
+tests/verify and tests/integrations/test_vllm_layouts.py. The negative
+control decodes with another request's KV and must change the tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+from kvxferd.client import DaemonProcess
+
+from tests.integrations.vllm_cluster import (changed, engine, greedy, hold_events, metric, prefill_params, prompts_of,
+                                             random_prompts, record_events, shutdown, token_ids)
+
+pytestmark = pytest.mark.vllm
+LENGTHS = (7, 16, 33, 100)
+LATENT_BLOCK_BYTES = 2 * 16 * 576 * 4  # 2 layers, 16 tokens, 576 float32 elements
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory):
+    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
+    from kvxferd.integrations.vllm.tinymodel import write_tiny_mla_model
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    directory = tmp_path_factory.mktemp("mla")
+    model = write_tiny_mla_model(directory / "tiny-deepseek")
+    daemons = DaemonProcess.start_many(["mlp0", "mld0"], socket_dir=str(directory))
+    cluster = types.SimpleNamespace(prefill_daemon=daemons[0], decode_daemon=daemons[1])
+    try:
+        recorder = record_events(daemons[0], "mla-prefill")
+        cluster.prefill = engine(model, "mla-prefill", daemons[0].socket, dtype="float32")
+        cluster.decode = engine(model, "mla-decode", daemons[1].socket, policy="fail", dtype="float32")
+        yield cluster
+    finally:
+        shutdown(*(getattr(cluster, name) for name in ("prefill", "decode") if name in vars(cluster)))
+        for daemon in daemons:
+            daemon.terminate()
+        if "recorder" in locals():
+            recorder.close()
+
+
+def one_by_one(llm, prompts, params=None) -> list[list[int]]:
+    """Greedy tokens of each prompt run alone: vLLM's CPU MLA kernels round differently with the batch's
+    make-up, and this random model's near-tied tokens then flip, so every run here has batches of one."""
+    params = params or [None] * len(prompts)
+    return [token_ids(llm.generate(prompts_of([p]), greedy(8, q), use_tqdm=False))[0] for p, q in zip(prompts, params)]
+
+
+def test_mla_prefill_decode_gives_the_single_instance_tokens(mla):
+    prompts = random_prompts(31, LENGTHS)
+    single = one_by_one(mla.prefill, prompts)
+    assert one_by_one(mla.prefill, prompts) == single  # the reference repeats itself
+    params = [prefill_params(mla.prefill, [p])[0] for p in prompts]
+    assert all(p and p.get("remote_block_ids") for p in params), params
+    read_before = metric(mla.decode_daemon, "kvxferd_read_bytes_total")
+    assert one_by_one(mla.decode, prompts, params) == single
+    read = metric(mla.decode_daemon, "kvxferd_read_bytes_total") - read_before
+    assert read == sum(-(-len(p) // 16) for p in prompts) * LATENT_BLOCK_BYTES  # the latents, nothing more
+    events = hold_events(mla.prefill_daemon, "mla-prefill")
+    assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
+
+
+def test_mla_another_requests_latents_change_the_tokens(mla):
+    """Negative control: prompts of the same lengths decoded with each other's latents."""
+    first, second = random_prompts(41, LENGTHS), random_prompts(42, LENGTHS)
+    single = one_by_one(mla.prefill, first + second)
+    params = [prefill_params(mla.prefill, [p])[0] for p in first + second]
+    crossed = params[len(first):] + params[:len(first)]
+    tokens = one_by_one(mla.decode, first + second, crossed)
+    assert sum(changed(tokens, single)) >= len(tokens) - 1, (tokens, single)
