@@ -2,10 +2,10 @@
 
 vLLM's CPU build runs multi-head latent attention (its CPU_MLA backend); the
 connector describes the cache as ``strided`` with ``latent`` content (no
-heads, the same on every TP rank). Prefill and decode are TP 1 here; read one,
-notify all (TP > 1) is proven on the plan and through daemons in
-tests/verify and tests/integrations/test_vllm_layouts.py. The negative
-control decodes with another request's KV and must change the tokens.
+heads, the same on every TP rank). Prefill and decode are TP 1 in the default
+run; ``-m slow`` adds prefill TP 2 -> decode TP 1 (read one rank, notify both).
+The negative control decodes with another request's KV and must change the
+tokens.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import pytest
 
 from kvxferd.client import DaemonProcess
 
-from tests.integrations.vllm_cluster import (changed, engine, greedy, hold_events, metric, prefill_params, prompts_of,
-                                             random_prompts, record_events, shutdown, token_ids)
+from tests.integrations.vllm_cluster import (changed, engine, greedy, hold_events, metric, one_core_per_worker,
+                                             prefill_params, prompts_of, random_prompts, record_events, shutdown,
+                                             token_ids)
 
 pytestmark = pytest.mark.vllm
 LENGTHS = (7, 16, 33, 100)
@@ -77,3 +78,37 @@ def test_mla_another_requests_latents_change_the_tokens(mla):
     crossed = params[len(first):] + params[:len(first)]
     tokens = one_by_one(mla.decode, first + second, crossed)
     assert sum(changed(tokens, single)) >= len(tokens) - 1, (tokens, single)
+
+
+@pytest.mark.slow
+def test_mla_prefill_tp2_to_decode_tp1_reads_one_rank_and_ends_both_holds(tmp_path):
+    """Read one, notify all: both prefill ranks hold the same latents; decode reads them from one and
+    both holds end CONSUMED. Tokens: decode TP 1 alone is the reference (TP 2 rounds otherwise)."""
+    from kvxferd.integrations.vllm.tinymodel import write_tiny_mla_model
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = write_tiny_mla_model(tmp_path / "tiny-deepseek")
+    daemons = DaemonProcess.start_many(["mt0", "mt1", "mtd"], socket_dir=str(tmp_path))
+    recorders, llms = [record_events(d, "mla-tp2") for d in daemons[:2]], []
+    try:
+        with one_core_per_worker():
+            llms.append(engine(model, "mla-tp2", str(tmp_path / "mt{rank}.sock"), tp_size=2, dtype="float32"))
+        llms.append(engine(model, "mla-d1", daemons[2].socket, dtype="float32"))
+        prefill, decode = llms
+        prompts = random_prompts(51, LENGTHS)
+        single = one_by_one(decode, prompts)
+        params = [prefill_params(prefill, [p])[0] for p in prompts]
+        assert [len(p["remote_peer_addresses"]) for p in params] == [2] * len(prompts)
+        read_before = [metric(d, "kvxferd_read_bytes_total") for d in daemons]
+        assert one_by_one(decode, prompts, params) == single
+        read = metric(daemons[2], "kvxferd_read_bytes_total") - read_before[2]
+        assert read == sum(-(-len(p) // 16) for p in prompts) * LATENT_BLOCK_BYTES  # each latent once
+        for daemon in daemons[:2]:
+            events = hold_events(daemon, "mla-tp2")
+            assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
+    finally:
+        shutdown(*llms)
+        for daemon in daemons:
+            daemon.terminate()
+        for recorder in recorders:
+            recorder.close()

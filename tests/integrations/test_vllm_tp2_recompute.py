@@ -24,34 +24,20 @@ files, each a few engine start-ups long, run side by side.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import types
 
 import pytest
 
 from tests.integrations.vllm_cluster import (changed, damage_blocks, engine, greedy, hold_events, metric,
-                                             prefill_params, prompts_of, random_prompts, record_events, released_early,
-                                             shutdown, tiny_model_and_daemons, token_ids, wait_for_reset)
+                                             one_core_per_worker, prefill_params, prompts_of, random_prompts,
+                                             record_events, released_early, shutdown, tiny_model_and_daemons,
+                                             token_ids, wait_for_reset)
 
 pytestmark = pytest.mark.vllm
 # float32 here: TP 1 and TP 2 sum a layer's partial products in another order, and in bfloat16 that
 # rounding alone flips near-tied greedy tokens of this random model after a few steps.
 DTYPE = "float32"
 BLOCK_BYTES = 2 * 4 * 32 * 2 * 64 * 4  # a prefill block of 32 tokens: 2 layers x 4 KV heads x K and V, float32
-
-
-@contextlib.contextmanager
-def one_core_per_worker():
-    """vLLM's CPU build binds each TP worker to a NUMA node unless told which cores to use; this
-    machine has one node, so each of the two workers gets one core."""
-    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    try:
-        yield
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") if previous is None else os.environ.update(
-            VLLM_CPU_OMP_THREADS_BIND=previous)
 
 
 @pytest.fixture(scope="module")

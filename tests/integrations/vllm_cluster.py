@@ -10,6 +10,7 @@ single instance the P/D tokens are compared with.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import threading
@@ -204,3 +205,16 @@ def hold_events(daemon: DaemonProcess, engine_id: str, settle_s: float = 0.3) ->
     """Every bus event of ``engine_id`` on ``daemon`` since :func:`record_events`: request id -> kinds."""
     time.sleep(settle_s)  # the last events are on their way
     return dict(_RECORDERS[(daemon.addresses["notify"], engine_id)].events)
+
+
+@contextlib.contextmanager
+def one_core_per_worker():
+    """vLLM's CPU build binds each TP worker to a NUMA node unless told which cores to use; this
+    machine has one node, so each of the two workers gets one core."""
+    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") if previous is None else os.environ.update(
+            VLLM_CPU_OMP_THREADS_BIND=previous)
