@@ -181,6 +181,7 @@ def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_
 
 
 CONTENTS = ("kv", "k_transposed", "latent", "bytes")
+MAX_REGION_BYTES = 1 << 50  # 1 PiB: far above any cache, far below int64
 
 
 @dataclass(frozen=True)
@@ -276,8 +277,13 @@ def strided_attention(num_blocks, num_layers, num_kv_heads, block_size, head_siz
             if s.token != 2 * channels:
                 raise InvalidArgumentError("strides.token", f"k_transposed needs each head's tokens packed (token stride "
                                                             f"{2 * channels}), got {s.token}")
+            # K and V of one head share a packed chunk: chunks of two heads, blocks or layers must not meet.
+            Layout.create(outer[0] + ("X",), outer[1] + (2 * kernel * channels,), outer[2] + (1,), dtype)
             key = Layout.create(outer[0] + ("C", "N"), outer[1] + (channels, kernel), outer[2] + (kernel, 1), dtype)
             value = Layout.create(outer[0] + ("N", "C"), outer[1] + (kernel, channels), outer[2] + (channels, 1), dtype,
                                   kernel * channels)
             fields = (Field("k", key.group_blocks(k), shard), Field("v", value.group_blocks(k), shard))
-    return Region("strided", fields, max(f.layout.end_bytes for f in fields))
+    num_bytes = max(f.layout.end_bytes for f in fields)
+    if num_bytes > MAX_REGION_BYTES:  # block tables are int64 byte offsets: stay far from wrapping
+        raise InvalidArgumentError("strides", f"the region would span {num_bytes} bytes (at most {MAX_REGION_BYTES})")
+    return Region("strided", fields, num_bytes)

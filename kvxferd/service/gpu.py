@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 from dataclasses import dataclass
 
 from kvxferd.errors import InvalidArgumentError, UnavailableError
@@ -138,6 +139,9 @@ def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: 
     return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), lambda: lib.cudaIpcCloseMemHandle(base))
 
 
+_UUID_FORMAT = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
 def format_uuid(raw: bytes) -> str:
     """``GPU-`` and the 16 bytes of a ``CUuuid`` as 8-4-4-4-12 hex (nvidia-smi's form)."""
     h = raw.hex()
@@ -168,6 +172,8 @@ def resolve_device(device_id: int, device_uuid: str, field: str, *, visible=visi
     """
     if not device_uuid:
         return device_id
+    if not _UUID_FORMAT.fullmatch(device_uuid):
+        raise InvalidArgumentError(f"{field}.device_uuid", f"{device_uuid[:80]!r} is not a GPU UUID (GPU-xxxxxxxx-...)")
     uuids = visible(f"{field}.device_uuid")
     if device_uuid in uuids:
         return uuids.index(device_uuid)
@@ -226,6 +232,7 @@ def export_region(address: int, num_bytes: int, field: str = "address") -> GpuEx
         handle, offset = export_ipc(address, field)
         return GpuExport(offset, ipc_handle=handle)
     except InvalidArgumentError as ipc:
+        _cudart(field).cudaGetLastError()  # the refusal must not stay behind as the engine's last CUDA error
         try:
             return export_vmm(address, num_bytes, field)
         except InvalidArgumentError as vmm:

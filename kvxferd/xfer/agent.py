@@ -143,7 +143,9 @@ class NixlAgent:
     # ---- memory ---------------------------------------------------------
     def register(self, cache: EngineCache) -> None:
         """Register every region of an engine rank once."""
-        regions = [(m.address, m.num_bytes, m.device_id, "") for group in cache.memory for m in group]
+        # Once each: groups of one cache may overlay the same memory (vLLM's hybrid models), and NIXL must
+        # not hold one range twice (its deregistration then frees one entry twice and leaks the other).
+        regions = list(dict.fromkeys((m.address, m.num_bytes, m.device_id, "") for group in cache.memory for m in group))
         self._register(cache.engine_id, "engine_id", regions, cache.mem_type)
 
     def register_array(self, key: str, array: np.ndarray) -> None:

@@ -29,7 +29,8 @@ def test_vllm_shaped_vram_reads_across_orders(tmp_path, prefill_order, decode_or
     for rank, layers in enumerate(prefill_layers):
         tag_through_views(layers, 32, first_head=2 * rank)
     names = ["l0", "l1"]
-    prefill_groups = [strided_group("full", names, layers, prefill_spec, 4) for layers in prefill_layers]
+    prefill_groups = [strided_group("full", names, layers, prefill_spec, 4, tp_size=2, tp_rank=r)
+                      for r, layers in enumerate(prefill_layers)]
     decode_group = strided_group("full", names, decode_layers, decode_spec, 4)
     if misdescribed:  # negative control: LBHNC memory described with LBNHC's head and token strides
         s = decode_group.strides

@@ -122,7 +122,7 @@ def test_cuda_tensors_are_described_by_ipc_handle_or_vmm_fd(vmm):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(fake), "device", property(lambda self: fake_device))
         engine, fds = describe_engine("e", 0, 1, [group(["l0"])], tensors, export_gpu=export,
-                                      device_uuid=lambda index: f"GPU-{index}")
+                                      device_uuid=lambda index: f"GPU-{index}")  # any string: the daemon checks it
     region = engine.groups[0].regions[0]
     assert engine.mem_type == "VRAM" and calls == [(fake.data_ptr(), fake.numel() * 2)]
     assert (region.handle.offset, region.device_id) == (4096, 1)

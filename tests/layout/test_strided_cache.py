@@ -86,6 +86,8 @@ def test_a_wrong_order_is_seen():
     (CacheStrides("kv", 0, 96, 24, 12), "strides[L]"),  # layers on top of each other
     (CacheStrides("kv", 10**4, 96, 24, 6), "strides[KV]"),  # a token's K|V overlaps the next token
     (CacheStrides("k_transposed", 10**4, 96 * 4, 96, 24), "strides.token"),  # a head's tokens not packed
+    (CacheStrides("k_transposed", 10**4, 96 * 4, 48, 12), "strides[H]"),  # one head's K on the last one's V
+    (CacheStrides("kv", 1 << 49, 384, 96, 12), "strides"),  # past any cache: block tables would near int64's end
 ])
 def test_overlapping_or_impossible_strides_are_refused(strides, field):
     with pytest.raises(InvalidArgumentError) as err:

@@ -62,18 +62,22 @@ def test_ipc_handle_forms_without_a_gpu():
 
 def test_the_engines_gpu_is_found_by_uuid_not_by_index():
     """The daemon may see the engine's GPU under another index (its own CUDA_VISIBLE_DEVICES): the UUID decides."""
-    seen = lambda field: ["GPU-aaaa", "GPU-bbbb"]  # noqa: E731 - this daemon's devices, by index
-    assert gpu.resolve_device(0, "GPU-bbbb", "r", visible=seen) == 1
+    a, b, c = (gpu.format_uuid(bytes([n]) * 16) for n in (0xAA, 0xBB, 0xCC))
+    seen = lambda field: [a, b]  # noqa: E731 - this daemon's devices, by index
+    assert gpu.resolve_device(0, b, "r", visible=seen) == 1
     assert gpu.resolve_device(3, "", "r", visible=seen) == 3  # no UUID (an older client): the index is trusted
     with pytest.raises(UnavailableError) as err:  # -> FAILED_PRECONDITION: not this daemon's GPU
-        gpu.resolve_device(0, "GPU-cccc", "groups[0].regions[0]", visible=seen)
+        gpu.resolve_device(0, c, "groups[0].regions[0]", visible=seen)
     assert err.value.field == "groups[0].regions[0].device_uuid"
-    assert "GPU-cccc" in err.value.message and "GPU-aaaa" in err.value.message
+    assert c in err.value.message and a in err.value.message
+    for bad in ("GPU-aaaa", "x" * 300, "MIG-" + a[4:], a.upper()):  # refused before any CUDA call
+        with pytest.raises(InvalidArgumentError, match="not a GPU UUID"):
+            gpu.resolve_device(0, bad, "r", visible=seen)
     assert gpu.format_uuid(bytes(range(16))) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU: tests/gpu/ covers it")
 def test_without_a_gpu_a_uuid_cannot_be_resolved():
     with pytest.raises(UnavailableError) as err:
-        gpu.resolve_device(0, "GPU-aaaa", "r")
+        gpu.resolve_device(0, gpu.format_uuid(bytes(16)), "r")
     assert err.value.field.startswith("r.device_uuid")

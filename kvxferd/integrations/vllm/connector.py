@@ -37,14 +37,18 @@ log = logging.getLogger("kvxferd.vllm")
 CPU_ISA_CONTENTS = {"vec": "k_transposed", "vec16": "k_transposed"}
 
 
-def cpu_attention_content(vllm_config: "VllmConfig", dtype: torch.dtype, kernel_block_size: int, head_size: int) -> str:
+def cpu_attention_content(vllm_config: "VllmConfig", layer, spec) -> str:
     """CPU_ATTN views each head's kernel block as ``(2N, C)`` and lets its kernels ("ISA") order K and V:
     the vec and vec16 kernels keep K transposed, ``(C, N)``, then V as ``(N, C)`` (measured with vLLM's
     own cpu_attn_reshape_and_cache). A whole block copies right whatever the order, but a block split
-    into another block size's tokens does not, so an order kvxferd has not measured is refused."""
+    into another block size's tokens does not, so an order kvxferd has not measured is refused.
+
+    The kernels are the ones vLLM chose for the layer (``layer.isa``, set by its metadata builder),
+    else chosen as vLLM chooses them: from the *model's* dtype and the group's block size."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(dtype, kernel_block_size, head_size, vllm_config.cache_config.cache_dtype)
+    isa = getattr(layer, "isa", None) or _get_attn_isa(vllm_config.model_config.dtype, spec.block_size,
+                                                        spec.head_size, vllm_config.cache_config.cache_dtype)
     if isa not in CPU_ISA_CONTENTS:
         raise ValueError(f"kvxferd: vLLM's CPU attention uses its {isa!r} kernels here, whose K/V order kvxferd does "
                          f"not describe yet (only {sorted(CPU_ISA_CONTENTS)}); see docs/vllm.md, Limits")
@@ -80,6 +84,11 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         parallel = vllm_config.parallel_config
+        for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+            # Context parallelism splits a request's tokens (an MLA latent's too) over ranks that the
+            # daemons would take for replicas, and gives two GPUs one TP rank: refused, not misread.
+            if getattr(parallel, name, 1) > 1:
+                raise ValueError(f"kvxferd: context parallelism ({name}={getattr(parallel, name)}) is not supported yet")
         if parallel.pipeline_parallel_size > 1:
             # Each stage registers only its own layers, and a read would have to pair stages of two
             # engines whose layer splits may differ: not built yet, so refused before anything starts.
@@ -141,11 +150,13 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 raise ValueError(f"kvxferd: KV cache group {g} ({type(spec).__name__}) is not supported yet "
                                  "(full attention, sliding window and MLA are)")
-            backend = context[group.layer_names[0]].attn_backend
+            layer = context[group.layer_names[0]]
+            backend = layer.attn_backend
             reader = CONTENT_READERS.get(f"{backend.__module__}.{backend.__qualname__}")
             try:
                 layouts.append(strided_group(kind, group.layer_names, [kv_caches[n] for n in group.layer_names], spec,
-                                             total_heads, reader and functools.partial(reader, config)))
+                                             total_heads, reader and functools.partial(reader, config, layer, spec),
+                                             tp_size=self.worker.tp_size, tp_rank=self.worker.tp_rank))
             except ValueError as err:
                 raise ValueError(f"kvxferd: KV cache group {g} ({kind}, backend {backend.get_name()}, layout "
                                  f"{config.cache_config.kv_cache_layout}): {err}") from None

@@ -30,6 +30,7 @@ import torch
 
 from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheStrides
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.tp.shards import owned_range
 from kvxferd.wire.messages import spec_to_pb
 
 if TYPE_CHECKING:
@@ -141,17 +142,22 @@ def layer_strides(layers: Sequence[torch.Tensor], content: str, content_size: in
 
 
 def strided_group(kind: str, layer_names: Sequence[str], layers: Sequence[torch.Tensor], spec, total_heads: int,
-                  content_reader: Callable[[torch.dtype, int, int], str] | None = None) -> GroupLayout:
-    """A group of vLLM (>= 0.32) layer views as one ``strided`` region.
+                  content_reader: Callable[[], str] | None = None, *, tp_size: int = 1, tp_rank: int = 0) -> GroupLayout:
+    """A group of vLLM (>= 0.32) layer views as one ``strided`` region of TP rank ``tp_rank`` of ``tp_size``.
 
     ``spec`` is vLLM's cache spec of the group (read by field name);
-    ``content_reader(dtype, kernel_block_size, head_size)`` names the
-    content for a backend whose kernels reinterpret it (CPU attention).
+    ``content_reader()`` names the content for a backend whose kernels
+    reinterpret it (CPU attention). The views must hold exactly the heads
+    the daemon will take this rank to hold: a view of other heads is refused.
     """
-    num_kernel_blocks, _, kernel_block_size, _ = layers[0].shape
-    content = cache_content(kind, spec, layers[0].dtype)
+    num_kernel_blocks, num_heads, kernel_block_size, _ = layers[0].shape
+    content = cache_content(kind, spec, layers[0].dtype)  # first: head slots are refused as what they are
+    start, stop = owned_range(1 if kind == "mla" else total_heads, tp_size, tp_rank)
+    if num_heads != stop - start or (kind != "mla" and spec.num_kv_heads != num_heads):
+        raise ValueError(f"the layer views hold {num_heads} heads and the spec {spec.num_kv_heads}, but rank {tp_rank} of "
+                         f"{tp_size} holds {stop - start} of {total_heads if kind != 'mla' else 1}")
     if content_reader is not None and content.kind == "kv":
-        content = content._replace(kind=content_reader(layers[0].dtype, kernel_block_size, spec.head_size))
+        content = content._replace(kind=content_reader())
     return GroupLayout(kind=kind, layer_names=tuple(layer_names), layout="strided",
                        num_blocks=num_kernel_blocks * kernel_block_size // spec.block_size,
                        num_kv_heads=1 if kind == "mla" else total_heads, head_size=content.head_size,
@@ -167,9 +173,9 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_device_uuid(index: int) -> str:
-    """The UUID of CUDA device ``index`` as nvidia-smi prints it (``GPU-...``)."""
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    """The UUID of CUDA device ``index`` as nvidia-smi prints it (``GPU-`` and lower-case 8-4-4-4-12 hex)."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid).lower().removeprefix("gpu-")
+    return f"GPU-{uuid}"
 
 
 def share_host_storages(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[tuple[int, int]]]:
