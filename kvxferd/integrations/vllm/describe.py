@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from kvxferd.layout.region import Shard
 from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheStrides
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.tp.shards import owned_range
 from kvxferd.wire.messages import spec_to_pb
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def strided_group(kind: str, layer_names: Sequence[str], layers: Sequence[torch.
     """
     num_kernel_blocks, num_heads, kernel_block_size, _ = layers[0].shape
     content = cache_content(kind, spec, layers[0].dtype)  # first: head slots are refused as what they are
-    start, stop = owned_range(1 if kind == "mla" else total_heads, tp_size, tp_rank)
+    start, stop = Shard("H", 1 if kind == "mla" else total_heads, tp_size, tp_rank).local_range
     if num_heads != stop - start or (kind != "mla" and spec.num_kv_heads != num_heads):
         raise ValueError(f"the layer views hold {num_heads} heads and the spec {spec.num_kv_heads}, but rank {tp_rank} of "
                          f"{tp_size} holds {stop - start} of {total_heads if kind != 'mla' else 1}")
