@@ -59,9 +59,15 @@ def read_our_way(group: GroupLayout, layers, tp_size: int, tp_rank: int) -> dict
     """Per field: (the bytes kvxferd's region addresses, the tags vLLM's views wrote there).
 
     The expected tags follow each content's own reading of a (head, token):
-    ``kv`` K then V; ``latent`` and ``bytes`` whole; ``k_transposed`` as vLLM's CPU
-    attention reads a head's kernel block (``key_cache.view(B, H, 2 * N, C)`` style:
-    K as C x N, then V as N x C).
+    ``kv`` K then V (every GPU backend splits C so, e.g. ``split(self.head_size, dim=-1)`` in
+    vllm/v1/attention/backends/flash_attn.py); ``latent`` and ``bytes`` whole;
+    ``k_transposed`` as vLLM's CPU attention reads a head's kernel block, from
+    vllm/v1/attention/backends/cpu_attn.py (vLLM 0.32)::
+
+        kv_cache = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))
+        key_cache, value_cache = kv_cache.chunk(2, dim=2)
+
+    with its vec kernels storing K as C x N inside the first half (measured).
     """
     region = group.spec().region(tp_size, tp_rank)
     base = layers[0].data_ptr() - layers[0].untyped_storage().data_ptr()

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import os
 import time
-import types
 
 import pytest
 
 from kvxferd.client import DaemonProcess
 
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, changed, damage_blocks, engine, greedy,
-                                             hold_events, metric, prefill_params, prompt_tokens_by_source, prompts_of,
-                                             random_prompts, record_events, released_early, shutdown,
+                                             hold_events, metric, prefill_decode, prefill_params,
+                                             prompt_tokens_by_source, prompts_of, random_prompts, released_early,
                                              tiny_model_and_daemons, token_ids, wait_for_reset)
 from tests.integrations.vllm_stats_check import connector_metrics
 
@@ -36,21 +35,8 @@ BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm"), ["vp0", "vd0"])
-    cluster = types.SimpleNamespace()
-    try:
-        vars(cluster).update(prefill_daemon=daemons[0], decode_daemon=daemons[1], model=model, daemons=daemons)
-        recorder = record_events(daemons[0], "prefill")
-        cluster.prefill = engine(model, "prefill", daemons[0].socket)
-        # vLLM's Prometheus counters are process-global: the engine built last owns them,
-        # and the prompt-token counters checked below must be the decode instance's.
-        cluster.decode = engine(model, "decode", daemons[1].socket, policy="fail")
+    with prefill_decode(model, daemons, "prefill", "decode") as cluster:
         yield cluster
-    finally:
-        shutdown(*(getattr(cluster, name) for name in ("prefill", "decode") if name in vars(cluster)))
-        for daemon in daemons:
-            daemon.terminate()
-        if "recorder" in locals():
-            recorder.close()
 
 
 def blocks(num_tokens: int) -> int:

@@ -11,15 +11,14 @@ tokens.
 from __future__ import annotations
 
 import os
-import types
 
 import pytest
 
 from kvxferd.client import DaemonProcess
 
 from tests.integrations.vllm_cluster import (changed, engine, greedy, hold_events, metric, one_core_per_worker,
-                                             prefill_params, prompts_of, random_prompts, record_events, shutdown,
-                                             token_ids)
+                                             prefill_decode, prefill_params, prompts_of, random_prompts,
+                                             record_events, shutdown, token_ids)
 
 pytestmark = pytest.mark.vllm
 LENGTHS = (7, 16, 33, 100)
@@ -35,18 +34,8 @@ def mla(tmp_path_factory):
     directory = tmp_path_factory.mktemp("mla")
     model = write_tiny_mla_model(directory / "tiny-deepseek")
     daemons = DaemonProcess.start_many(["mlp0", "mld0"], socket_dir=str(directory))
-    cluster = types.SimpleNamespace(prefill_daemon=daemons[0], decode_daemon=daemons[1])
-    try:
-        recorder = record_events(daemons[0], "mla-prefill")
-        cluster.prefill = engine(model, "mla-prefill", daemons[0].socket, dtype="float32")
-        cluster.decode = engine(model, "mla-decode", daemons[1].socket, policy="fail", dtype="float32")
+    with prefill_decode(model, daemons, "mla-prefill", "mla-decode", dtype="float32") as cluster:
         yield cluster
-    finally:
-        shutdown(*(getattr(cluster, name) for name in ("prefill", "decode") if name in vars(cluster)))
-        for daemon in daemons:
-            daemon.terminate()
-        if "recorder" in locals():
-            recorder.close()
 
 
 def one_by_one(llm, prompts, params=None) -> list[list[int]]:

@@ -218,3 +218,25 @@ def one_core_per_worker():
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") if previous is None else os.environ.update(
             VLLM_CPU_OMP_THREADS_BIND=previous)
+
+
+@contextlib.contextmanager
+def prefill_decode(model: str, daemons, prefill_id: str, decode_id: str, **engine_kw):
+    """A prefill and a decode engine (``fail`` policy) on ``daemons[0]`` and ``daemons[1]``, prefill's bus
+    recorded; everything (engines, daemons, recorder) is shut down on the way out."""
+    import types
+
+    cluster = types.SimpleNamespace(prefill_daemon=daemons[0], decode_daemon=daemons[1], model=model, daemons=daemons)
+    recorder = None
+    try:
+        recorder = record_events(daemons[0], prefill_id)
+        cluster.prefill = engine(model, prefill_id, daemons[0].socket, **engine_kw)
+        # vLLM's Prometheus counters are process-global: the engine built last owns them (decode's).
+        cluster.decode = engine(model, decode_id, daemons[1].socket, policy="fail", **engine_kw)
+        yield cluster
+    finally:
+        shutdown(*(getattr(cluster, name) for name in ("prefill", "decode") if name in vars(cluster)))
+        for daemon in daemons:
+            daemon.terminate()
+        if recorder is not None:
+            recorder.close()
