@@ -135,12 +135,17 @@ def mla_attention(num_blocks, block_size, latent_size, dtype="bfloat16", *, tp_s
 
 def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_window,
                conv_dtype="bfloat16", ssm_dtype="float32", tp_size=1, tp_rank=0,
-               page_bytes=None, conv_order="WD") -> Region:
+               page_bytes=None, conv_order="WD", block_stride=None, num_layers=1, layer_stride=None) -> Region:
     """Mamba2 / GDN state page per block: conv state, then SSM state.
 
     conv channels = ``[x (heads*head_dim) | B (groups*state) | C (groups*state)]``,
     x sharded by heads, B and C by groups (replicated when groups < TP).
     ``conv_order`` "WD" stores window rows of channels, "DW" channel rows.
+
+    Pages follow each other unless ``block_stride`` (bytes) says otherwise;
+    with ``layer_stride`` (bytes) the region holds ``num_layers`` layers and
+    every field gains an outer ``L`` dim (vLLM 0.32: a Mamba layer's pages sit
+    a whole block row apart, the layers of a block next to each other).
     """
     heads = Shard("heads", positive_int(num_heads, "num_heads"), tp_size, tp_rank)
     groups = Shard("groups", positive_int(num_groups, "num_groups"), tp_size, tp_rank)
@@ -162,22 +167,38 @@ def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_
     if page < needed or page % conv_size or page % ssm_size:
         raise InvalidArgumentError("page_bytes", f"{page} must be >= {needed} and a multiple of both element sizes")
     window_stride, channel_stride = (conv_dim, 1) if conv_order == "WD" else (1, conv_window)
+    block = page if block_stride is None else positive_int(block_stride, "block_stride")
+    layers = positive_int(num_layers, "num_layers")
+    if layer_stride is None and layers != 1:
+        raise InvalidArgumentError("layer_stride", f"{layers} layers in one region need a layer stride")
+    for name, stride in (("block_stride", block), ("layer_stride", layer_stride or 0)):
+        if stride % align:
+            raise InvalidArgumentError(name, f"{stride} bytes is not a multiple of both element sizes ({align})")
+    outer = ((("L",), (layers,), (layer_stride,)) if layer_stride is not None else ((), (), ()))
+
+    def field(name, dims, shape, strides, dtype, offset, shard):
+        size = ITEMSIZES[dtype]
+        strides = tuple(x // size for x in outer[2]) + (block // size,) + strides
+        return Field(name, Layout.create(outer[0] + ("B",) + dims, outer[1] + (num_blocks,) + shape, strides, dtype,
+                                         offset), shard)
 
     def conv_field(name, inner_dims, shard, inner_sizes, first_channel):
-        dims = ("B", "W") + inner_dims
-        shape = (num_blocks, conv_window) + inner_sizes
-        strides = (page // conv_size, window_stride, inner_sizes[1] * channel_stride, channel_stride)
-        return Field(name, Layout.create(dims, shape, strides, conv_dtype, first_channel * channel_stride), shard)
+        return field(name, ("W",) + inner_dims, (conv_window,) + inner_sizes,
+                     (window_stride, inner_sizes[1] * channel_stride, channel_stride), conv_dtype,
+                     first_channel * channel_stride, shard)
 
     fields = (
         conv_field("conv_x", ("heads", "head_dim"), heads, (heads.local_extent, head_dim), 0),
         conv_field("conv_b", ("groups", "state"), groups, (groups.local_extent, state_size), x_dim),
         conv_field("conv_c", ("groups", "state"), groups, (groups.local_extent, state_size), x_dim + bc_dim),
-        Field("ssm", Layout.create(
-            ("B", "heads", "head_dim", "state"), (num_blocks, heads.local_extent, head_dim, state_size),
-            (page // ssm_size, head_dim * state_size, state_size, 1), ssm_dtype, ssm_start // ssm_size), heads),
+        field("ssm", ("heads", "head_dim", "state"), (heads.local_extent, head_dim, state_size),
+              (head_dim * state_size, state_size, 1), ssm_dtype, ssm_start // ssm_size, heads),
     )
-    return Region("mamba", fields, num_blocks * page)
+    if block_stride is None and layer_stride is None:
+        return Region("mamba", fields, num_blocks * page)
+    # Pages of one layer and block must not meet another's (a state may not run into the next page).
+    Layout.create(outer[0] + ("B", "P"), outer[1] + (num_blocks, page), tuple(outer[2]) + (block, 1), "uint8")
+    return Region("mamba", fields, (layers - 1) * (layer_stride or 0) + (num_blocks - 1) * block + page)
 
 
 CONTENTS = ("kv", "k_transposed", "latent", "bytes")

@@ -86,6 +86,9 @@ class MambaSpec:
     ssm_dtype: str = "float32"
     conv_order: str = "WD"
     page_bytes: int | None = None
+    block_stride: int | None = None  # bytes between one block's page and the next's (default: page_bytes)
+    num_layers: int = 1  # layers inside the region, layer_stride bytes apart (vLLM >= 0.32: one region per group)
+    layer_stride: int | None = None
 
     layout = "mamba"
 
@@ -94,7 +97,8 @@ class MambaSpec:
             self.num_blocks, num_heads=self.num_heads, head_dim=self.head_dim, num_groups=self.num_groups,
             state_size=self.state_size, conv_window=self.conv_window, conv_dtype=self.conv_dtype,
             ssm_dtype=self.ssm_dtype, tp_size=tp_size, tp_rank=tp_rank, page_bytes=self.page_bytes,
-            conv_order=self.conv_order,
+            conv_order=self.conv_order, block_stride=self.block_stride, num_layers=self.num_layers,
+            layer_stride=self.layer_stride,
         )
 
     @property

@@ -149,30 +149,43 @@ def mamba_page_facts(spec: MambaSpec, tp_size: int, tp_rank: int) -> dict[str, i
                 conv_bytes=conv_bytes, ssm_start=ssm_start, ssm_bytes=ssm_bytes, page=page)
 
 
+def _mamba_pages(spec: MambaSpec, page: int, buf: np.ndarray) -> np.ndarray:
+    """``[L, B, page]`` byte views of the pages (L = 1 unless the region holds several layers)."""
+    block = spec.block_stride or page
+    if spec.layer_stride is None:
+        return np.lib.stride_tricks.as_strided(buf, (1, spec.num_blocks, page), (0, block, 1), writeable=True)
+    return np.lib.stride_tricks.as_strided(buf, (spec.num_layers, spec.num_blocks, page), (spec.layer_stride, block, 1),
+                                           writeable=True)
+
+
 def _mamba_views(spec: MambaSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -> list[TaggedView]:
     f = mamba_page_facts(spec, tp_size, tp_rank)
-    pages = buf.reshape(spec.num_blocks, f["page"])
+    pages = _mamba_pages(spec, f["page"], buf)  # only the last axis is ever split below: views stay views
+    layers = pages.shape[0]
     conv_dim = f["x_dim"] + 2 * f["bc_dim"]
-    conv = pages[:, : f["conv_bytes"]].view(UINTS[ITEMSIZES[spec.conv_dtype]])
-    conv = conv.reshape(spec.num_blocks, spec.conv_window, conv_dim)  # [B, W, D]
+    conv = pages[..., : f["conv_bytes"]].view(UINTS[ITEMSIZES[spec.conv_dtype]])
     if spec.conv_order == "DW":
-        conv = conv.reshape(spec.num_blocks, conv_dim, spec.conv_window).transpose(0, 2, 1)  # still [B, W, D]
-    block = np.arange(spec.num_blocks, dtype=np.int64).reshape(-1, 1, 1, 1)
-    window = np.arange(spec.conv_window, dtype=np.int64).reshape(1, -1, 1, 1)
+        conv = conv.reshape(layers, spec.num_blocks, conv_dim, spec.conv_window).swapaxes(2, 3)  # still [L, B, W, D]
+    else:
+        conv = conv.reshape(layers, spec.num_blocks, spec.conv_window, conv_dim)
+    layer = np.arange(layers, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
+    block = np.arange(spec.num_blocks, dtype=np.int64).reshape(1, -1, 1, 1, 1)
+    window = np.arange(spec.conv_window, dtype=np.int64).reshape(1, 1, -1, 1, 1)
+    with_layer = {"L": layer} if spec.layer_stride is not None else {}
     views = []
     segments = (("conv_x", 0, f["heads"], spec.head_dim, f["h0"], "heads", "head_dim"),
                 ("conv_b", f["x_dim"], f["groups"], spec.state_size, f["g0"], "groups", "state"),
                 ("conv_c", f["x_dim"] + f["bc_dim"], f["groups"], spec.state_size, f["g0"], "groups", "state"))
     for name, first, outer, inner, start, outer_name, inner_name in segments:
-        seg = conv[:, :, first : first + outer * inner].reshape(spec.num_blocks, spec.conv_window, outer, inner)
-        coords = {"W": window, outer_name: np.arange(outer).reshape(1, 1, -1, 1) + start,
-                  inner_name: np.arange(inner).reshape(1, 1, 1, -1)}
+        seg = conv[..., first : first + outer * inner].reshape(layers, spec.num_blocks, spec.conv_window, outer, inner)
+        coords = {"W": window, outer_name: np.arange(outer).reshape(1, 1, 1, -1, 1) + start,
+                  inner_name: np.arange(inner).reshape(1, 1, 1, 1, -1), **with_layer}
         views.append(TaggedView(name, seg, block, coords))
-    ssm = pages[:, f["ssm_start"] : f["ssm_start"] + f["ssm_bytes"]].view(UINTS[ITEMSIZES[spec.ssm_dtype]])
-    ssm = ssm.reshape(spec.num_blocks, f["heads"], spec.head_dim, spec.state_size)
-    coords = {"heads": np.arange(f["heads"]).reshape(1, -1, 1, 1) + f["h0"],
-              "head_dim": np.arange(spec.head_dim).reshape(1, 1, -1, 1),
-              "state": np.arange(spec.state_size).reshape(1, 1, 1, -1)}
+    ssm = pages[..., f["ssm_start"] : f["ssm_start"] + f["ssm_bytes"]].view(UINTS[ITEMSIZES[spec.ssm_dtype]])
+    ssm = ssm.reshape(layers, spec.num_blocks, f["heads"], spec.head_dim, spec.state_size)
+    coords = {"heads": np.arange(f["heads"]).reshape(1, 1, -1, 1, 1) + f["h0"],
+              "head_dim": np.arange(spec.head_dim).reshape(1, 1, 1, -1, 1),
+              "state": np.arange(spec.state_size).reshape(1, 1, 1, 1, -1), **with_layer}
     views.append(TaggedView("ssm", ssm, block, coords))
     return views
 
@@ -180,7 +193,10 @@ def _mamba_views(spec: MambaSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -
 def region_num_bytes(spec: CacheSpec, tp_size: int, tp_rank: int) -> int:
     """Bytes of one rank's region, computed from the spec alone."""
     if isinstance(spec, MambaSpec):
-        return spec.num_blocks * mamba_page_facts(spec, tp_size, tp_rank)["page"]
+        page = mamba_page_facts(spec, tp_size, tp_rank)["page"]
+        if spec.block_stride is None and spec.layer_stride is None:
+            return spec.num_blocks * page
+        return (spec.num_layers - 1) * (spec.layer_stride or 0) + (spec.num_blocks - 1) * (spec.block_stride or page) + page
     if spec.layout == "strided":  # one past the farthest element the engine's view reaches
         shape, strides, _ = _strided_shape(spec, tp_size, tp_rank)
         return (sum((n - 1) * x for n, x in zip(shape, strides)) + 1) * ITEMSIZES[spec.dtype]

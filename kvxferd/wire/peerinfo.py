@@ -38,6 +38,8 @@ def model_facts(cache: EngineCache) -> str:
         else:
             facts = (f"heads={spec.num_heads},head_dim={spec.head_dim},groups={spec.num_groups},state={spec.state_size},"
                      f"window={spec.conv_window},dtypes={spec.conv_dtype}/{spec.ssm_dtype}")
+            if spec.layer_stride is not None:  # one region holds every layer
+                facts += f",layers={spec.num_layers}"
         parts.append(f"[{g}] {group.kind} x{group.num_regions}: {facts}")
     return "; ".join(parts)
 

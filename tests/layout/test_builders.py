@@ -64,3 +64,19 @@ def test_bad_input_names_the_field(call, error, field):
     with pytest.raises(error) as err:
         call()
     assert err.value.field == field
+
+
+def test_mamba_pages_a_block_row_apart_and_their_refusals():
+    """vLLM 0.32 puts a Mamba layer's pages a whole block row apart; pages that meet, or strides that split
+    an element, are refused."""
+    base = MambaSpec(num_blocks=3, num_heads=4, head_dim=2, num_groups=1, state_size=4, conv_window=3)
+    page = base.region().num_bytes // 3
+    spec = base.with_(block_stride=2 * page, num_layers=2, layer_stride=page)  # [blk 0: L0 L1 | blk 1: L0 L1 | ..]
+    region = spec.region()
+    assert region.num_bytes == region_num_bytes(spec, 1, 0) == 3 * 2 * page
+    assert [f.layout.dims[:2] for f in region.fields] == [("L", "B")] * 4
+    for change, field in ((dict(block_stride=page // 2), "strides[L]"), (dict(block_stride=page + 2), "block_stride"),
+                          (dict(layer_stride=None), "layer_stride")):
+        with pytest.raises(InvalidArgumentError) as err:
+            spec.with_(**change).region()
+        assert err.value.field == field, err.value

@@ -97,6 +97,23 @@ def test_mamba_every_tp_pair(groups, conv_order):
         check(spec, spec, p, d)
 
 
+def mamba_layers(spec: MambaSpec, tp: int, order: str, num_layers: int = 3) -> MambaSpec:
+    """``spec``'s pages for ``num_layers`` layers in one region as vLLM 0.32 lays them out: ``"BL"`` a block's
+    layers side by side (block-outer, what hybrid models get), ``"LB"`` each layer's pages together."""
+    page = max(spec.region(tp, r).num_bytes // spec.num_blocks for r in range(tp))  # the widest rank's page
+    page = -(-page // 8) * 8  # whole elements of both states' dtypes
+    block, layer = (num_layers * page, page) if order == "BL" else (page, spec.num_blocks * page)
+    return spec.with_(page_bytes=page, block_stride=block, num_layers=num_layers, layer_stride=layer)
+
+
+@pytest.mark.parametrize("prefill_order, decode_order", [("BL", "BL"), ("BL", "LB"), ("LB", "BL")])
+def test_mamba_pages_of_every_layer_in_one_region(prefill_order, decode_order):
+    """vLLM 0.32's Mamba pages (one region per group, pages a block row apart) across TP pairs and orders."""
+    for heads, groups, p, d in itertools.product([1, 4, 6], [1, 3], [1, 2, 3], [1, 2, 4]):
+        spec = MambaSpec(num_blocks=4, num_heads=heads, head_dim=2, num_groups=groups, state_size=3, conv_window=3)
+        check(mamba_layers(spec, p, prefill_order), mamba_layers(spec, d, decode_order), p, d)
+
+
 PAIRS = [
     ("packed_HND", "packed_NHD", None, None),
     ("packed_NHD", "packed_HND", None, None),
