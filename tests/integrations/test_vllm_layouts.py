@@ -278,3 +278,99 @@ def test_context_parallelism_is_refused():
     parallel = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2)
     with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
         KvxferdConnector(SimpleNamespace(parallel_config=parallel), None, None)
+
+
+@pytest.mark.parametrize("conv_dim_first, misdescribed", [(False, False), (True, False), (False, True)],
+                         ids=["SD", "DS", "negative-control"])
+def test_mamba2_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(conv_dim_first, misdescribed):
+    """A hybrid model (full attention + Mamba2, block-outer as vLLM requires for mixed pages): every conv and
+    SSM state element is tagged through vLLM's own ``MambaBase.bind_kv_cache`` views and must be where
+    kvxferd's description of the group (TP rank 1 of 2) puts it. Mamba2's conv channels are [x | B | C].
+    The negative control describes the conv state in the other orientation: the conv fields must miss."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
+
+    from kvxferd.integrations.vllm.states import mamba_group
+    from tests.integrations.layer_tags import storage_bytes
+    from tests.integrations.vllm_alloc import allocate_groups
+    from tests.layout.brute import addresses
+
+    heads, head_dim, state, groups, window = 4, 8, 16, 1, 3  # this rank's share (TP 2: 8 heads, 2 groups)
+    conv_dim = heads * head_dim + 2 * groups * state
+    shapes = (((conv_dim, window) if conv_dim_first else (window, conv_dim)), (heads, head_dim, state))
+    mamba = VllmMambaSpec(block_size=16, shapes=shapes, dtypes=(torch.bfloat16, torch.float32))
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    (_, layers), _ = allocate_groups([attention, mamba], 2, 4, KVCacheLayout.BLHNC)
+
+    def tag(layer, block, state_index, flat, bits):
+        return ((layer * 1009 + block) * 7919 + state_index * 104729 + flat * 2654435761) % (1 << bits)
+
+    for l, view in enumerate(layers):  # vLLM's own split of each page into its states
+        owner = SimpleNamespace(get_state_shape=lambda: shapes, get_state_dtype=lambda: mamba.dtypes)
+        MambaBase.bind_kv_cache(owner, view)
+        for i, (tensor, bits, np_type) in enumerate(zip(owner.kv_cache, (16, 32), (np.uint16, np.uint32))):
+            blocks, size = tensor.shape[0], tensor[0].numel()
+            values = tag(l, np.arange(blocks).reshape(-1, 1), i, np.arange(size).reshape(1, -1), bits).astype(np_type)
+            target = tensor.view(torch.int16 if bits == 16 else torch.int32).reshape(blocks, size)
+            target.copy_(torch.from_numpy(values.view(np.int16 if bits == 16 else np.int32)))
+
+    described_shapes = tuple(reversed(shapes[0])), shapes[1]
+    group = mamba_group([f"m{i}" for i in range(2)], layers,
+                        dataclasses.replace(mamba, shapes=described_shapes) if misdescribed else mamba,
+                        conv_dim_first=conv_dim_first != misdescribed, num_groups=2, tp_size=2, tp_rank=1)
+    region = group.spec().region(2, 1)
+    memory = storage_bytes(layers[0])
+    base = layers[0].data_ptr() - layers[0].untyped_storage().data_ptr()
+    x_dim, bc_dim = heads * head_dim, groups * state
+    wrong = []
+    for field in region.fields:
+        layout, dims = field.layout, field.layout.dims
+        c = {d: np.arange(layout.size(d)).reshape([-1 if i == j else 1 for j in range(len(dims))]) for i, d in enumerate(dims)}
+        if field.name == "ssm":
+            state_index, flat = 1, (c["heads"] * head_dim + c["head_dim"]) * state + c["state"]
+        else:
+            first = {"conv_x": 0, "conv_b": x_dim, "conv_c": x_dim + bc_dim}[field.name]
+            inner = c["head_dim"] + c["heads"] * head_dim if field.name == "conv_x" else c["state"] + c["groups"] * state
+            channel = first + inner
+            state_index, flat = 0, (channel * window + c["W"] if conv_dim_first else c["W"] * conv_dim + channel)
+        item = layout.itemsize
+        where = base + addresses(layout, dims) * item
+        got = sum(memory[where + k].astype(np.uint64) << np.uint64(8 * k) for k in range(item))
+        expected = tag(c["L"], c["B"], state_index, flat, 8 * item)
+        if not np.array_equal(got, np.broadcast_to(expected, got.shape).astype(np.uint64)):
+            wrong.append(field.name)
+    assert wrong == (["conv_x", "conv_b", "conv_c"] if misdescribed else []), wrong
+
+
+def test_a_hybrid_attention_and_mamba2_request_reads_through_real_daemons(tmp_path):
+    """Full attention and Mamba2 overlaying one block-outer allocation on each side: the request's attention
+    blocks and its state page move through real daemons; the page arrives whole and nothing else is written."""
+    from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
+
+    from kvxferd.integrations.vllm.states import mamba_group
+    from tests.integrations.vllm_alloc import allocate_groups
+
+    shapes = ((3, 64), (4, 8, 16))
+    mamba = VllmMambaSpec(block_size=16, shapes=shapes, dtypes=(torch.bfloat16, torch.float32))
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    (pa, pm), _ = allocate_groups([full, mamba], 2, 8, KVCacheLayout.BLHNC)
+    (da, dm), _ = allocate_groups([full, mamba], 2, 8, KVCacheLayout.BLHNC)
+    ids = {"prefill": ([1, 2, 3], [5]), "decode": ([6, 7, 4], [2])}  # [attention blocks], [state page]; 0 is null
+    tag_through_views(pa, 16, 0, block_ids=ids["prefill"][0])
+    for layer in pm:  # the state page: any bytes, compared whole
+        page = layer.view(torch.uint8)[ids["prefill"][1][0]]
+        page.copy_(torch.randint(0, 256, page.shape, dtype=torch.uint8))
+
+    def groups(attention_layers, mamba_layers):
+        names = ["a0", "a1"], ["m0", "m1"]
+        described_ = [strided_group("full", names[0], attention_layers, full, 2),
+                      mamba_group(names[1], mamba_layers, mamba, conv_dim_first=False, num_groups=1)]
+        return described_, dict(zip(names[0] + names[1], attention_layers + mamba_layers))
+
+    (prefill_groups, prefill_tensors), (decode_groups, decode_tensors) = groups(pa, pm), groups(da, dm)
+    pd_read(tmp_path, [prefill_groups], [prefill_tensors], decode_groups, decode_tensors,
+            remote_ids=ids["prefill"], decode_ids=ids["decode"], num_tokens=48)
+    assert wrong_decode_blocks(da, 16, ids["decode"][0], ids["prefill"][0], 16, other_ids=ids["decode"][1]) == []
+    for prefill_layer, decode_layer in zip(pm, dm):
+        assert torch.equal(decode_layer.view(torch.uint8)[ids["decode"][1][0]],
+                           prefill_layer.view(torch.uint8)[ids["prefill"][1][0]])

@@ -17,9 +17,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorHandshakeMetadata,
                                                                 KVConnectorMetadata, KVConnectorRole,
                                                                 KVConnectorTransferResults, SupportsHMA)
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from kvxferd.integrations.vllm.describe import GroupLayout, strided_group
+from kvxferd.integrations.vllm.states import StateGroup, mamba_group
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide
 from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
@@ -133,7 +134,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register(self._group_layouts(kv_caches), kv_caches)
 
-    def _group_layouts(self, kv_caches: dict[str, torch.Tensor]) -> list[GroupLayout]:
+    def _group_layouts(self, kv_caches: dict[str, torch.Tensor]) -> list[GroupLayout | StateGroup]:
         """The daemon's view of every KV cache group: vLLM's spec, and the strides of its layer views."""
         config = self._vllm_config
         context = config.compilation_config.static_forward_context
@@ -141,6 +142,19 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         layouts = []
         for g, group in enumerate(self._kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
+            names = group.layer_names
+            if isinstance(spec, MambaSpec):  # Mamba2 state pages: conv then SSM state per block
+                from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+                hf = config.model_config.hf_config
+                try:
+                    layouts.append(mamba_group(names, [kv_caches[n] for n in names], spec,
+                                               conv_dim_first=is_conv_state_dim_first(),
+                                               num_groups=getattr(hf, "n_groups", None) or getattr(hf, "mamba_n_groups", None),
+                                               tp_size=self.worker.tp_size, tp_rank=self.worker.tp_rank))
+                except ValueError as err:
+                    raise ValueError(f"kvxferd: KV cache group {g} (Mamba): {err}") from None
+                continue
             if isinstance(spec, SlidingWindowSpec):
                 kind = "swa"
             elif isinstance(spec, MLAAttentionSpec):
@@ -149,7 +163,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 kind = "full"
             else:
                 raise ValueError(f"kvxferd: KV cache group {g} ({type(spec).__name__}) is not supported yet "
-                                 "(full attention, sliding window and MLA are)")
+                                 "(full attention, sliding window, MLA and Mamba2 are)")
             layer = context[group.layer_names[0]]
             backend = layer.attn_backend
             reader = CONTENT_READERS.get(f"{backend.__module__}.{backend.__qualname__}")

@@ -61,8 +61,9 @@ class GroupLayout:
             raise ValueError(f"layout {self.layout!r} is not one of {ATTENTION_LAYOUTS}")
 
     @property
-    def num_regions(self) -> int:
-        return 1 if self.layout == "strided" else len(self.layer_names)
+    def one_region(self) -> bool:
+        """Whether one region holds every layer (else one region per layer)."""
+        return self.layout == "strided"
 
     def spec(self) -> AttentionSpec:
         """The kvxferd spec of one region of this group."""
@@ -217,7 +218,7 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
     (default: torch's).
     """
     bases = [(g, name) for g, group in enumerate(groups)
-             for name in (group.layer_names[:1] if group.layout == "strided" else group.layer_names)]
+             for name in (group.layer_names[:1] if group.one_region else group.layer_names)]
     if not bases:
         raise ValueError("no KV cache layers to register")
     on_gpu = {tensors[name].device.type == "cuda" for _, name in bases}
@@ -237,7 +238,7 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
         messages.append(message)
     for n, (g, name) in enumerate(bases):
         tensor, group = tensors[name], groups[g]
-        if group.layout == "strided":
+        if group.one_region:
             num_bytes = group.spec().region(tp_size, tp_rank).num_bytes
         elif tensor.is_contiguous():
             num_bytes = tensor.numel() * tensor.element_size()
