@@ -70,8 +70,9 @@ def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str],
 
 
 def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail", tp_size: int = 1,
-           block_size: int = BLOCK_SIZE, lease_s: float = 20.0, dtype: str = "bfloat16"):
-    """A vLLM engine on CPU; with ``engine_id`` it uses the kvxferd connector on ``socket`` (``{rank}``: TP rank)."""
+           block_size: int = BLOCK_SIZE, lease_s: float = 20.0, dtype: str = "bfloat16", extra: dict | None = None):
+    """A vLLM engine on CPU; with ``engine_id`` it uses the kvxferd connector on ``socket`` (``{rank}``: TP rank),
+    ``extra`` added to its ``kv_connector_extra_config``."""
     from vllm import LLM
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # damage_blocks sends a test function to the workers
@@ -80,7 +81,8 @@ def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str
         transfer = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.integrations.vllm",
                     "kv_role": "kv_both", "engine_id": engine_id, "kv_load_failure_policy": policy,
                     "kv_connector_extra_config": {"engine_socket": socket, "lease_s": lease_s, "deadline_s": 10.0,
-                                                  "heartbeat_s": 1.0}}  # a restarted daemon hears from it soon
+                                                  "heartbeat_s": 1.0,  # a restarted daemon hears from it soon
+                                                  **(extra or {})}}
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0,
                max_model_len=1024, block_size=block_size, dtype=dtype, max_num_seqs=16,
                max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False,
