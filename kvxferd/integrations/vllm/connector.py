@@ -146,8 +146,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(spec, MambaSpec):  # Mamba2 state pages: conv then SSM state per block
                 if not self.settings.state_groups:
                     # The pages are described right (tests/integrations/test_vllm_layouts.py), but P/D of a
-                    # Mamba2 engine gave other tokens than one instance from the first token on: a state page
-                    # holds the whole prompt, and how vLLM's decode resumes from it is not settled yet.
+                    # Mamba2 engine gave other tokens than one instance: decode recomputes the last prompt
+                    # token on a state that already holds it. The prefiller must stop one token short
+                    # (state h(N-1)), as vLLM's NixlConnector does (_prefill_backoff); not done yet.
                     raise ValueError(f"kvxferd: KV cache group {g} (Mamba state pages) is not supported yet: decode "
                                      "did not resume from prefill's state on a real engine (docs/vllm.md, Limits)")
                 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
