@@ -11,13 +11,10 @@ once it works), ``-m slow`` for its two engines.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from kvxferd.client import DaemonProcess
-
-from tests.integrations.vllm_cluster import greedy, prefill_decode, prefill_params, prompts_of, random_prompts, token_ids
+from tests.integrations.vllm_cluster import (one_by_one, prefill_decode, prefill_params, random_prompts,
+                                             tiny_model_and_daemons)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LENGTHS = (7, 16, 33, 100)
@@ -37,19 +34,10 @@ def write_tiny_mamba2(directory) -> str:
 
 @pytest.fixture(scope="module")
 def mamba(tmp_path_factory):
-    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    directory = tmp_path_factory.mktemp("mamba2")
-    model = write_tiny_mamba2(directory / "tiny-mamba2")
-    daemons = DaemonProcess.start_many(["m2p", "m2d"], socket_dir=str(directory))
+    model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("mamba2"), ["m2p", "m2d"], write=write_tiny_mamba2)
     with prefill_decode(model, daemons, "mamba-prefill", "mamba-decode", dtype="float32",
                         extra={"state_groups": True}) as cluster:
         yield cluster
-
-
-def one_by_one(llm, prompts, params=None) -> list[list[int]]:
-    params = params or [None] * len(prompts)
-    return [token_ids(llm.generate(prompts_of([p]), greedy(8, q), use_tqdm=False))[0] for p, q in zip(prompts, params)]
 
 
 @pytest.mark.xfail(strict=True, reason="decode does not resume from prefill's state yet: other tokens from the first")

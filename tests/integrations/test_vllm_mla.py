@@ -10,15 +10,11 @@ tokens.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from kvxferd.client import DaemonProcess
-
-from tests.integrations.vllm_cluster import (changed, engine, greedy, hold_events, metric, one_core_per_worker,
-                                             prefill_decode, prefill_params, prompts_of, random_prompts,
-                                             record_events, shutdown, token_ids)
+from tests.integrations.vllm_cluster import (changed, engine, hold_events, metric, one_by_one, one_core_per_worker,
+                                             prefill_decode, prefill_params, random_prompts, record_events, shutdown,
+                                             tiny_model_and_daemons)
 
 pytestmark = pytest.mark.vllm
 LENGTHS = (7, 16, 33, 100)
@@ -27,22 +23,11 @@ LATENT_BLOCK_BYTES = 2 * 16 * 576 * 4  # 2 layers, 16 tokens, 576 float32 elemen
 
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory):
-    pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
     from kvxferd.integrations.vllm.tinymodel import write_tiny_mla_model
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    directory = tmp_path_factory.mktemp("mla")
-    model = write_tiny_mla_model(directory / "tiny-deepseek")
-    daemons = DaemonProcess.start_many(["mlp0", "mld0"], socket_dir=str(directory))
+    model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("mla"), ["mlp0", "mld0"], write=write_tiny_mla_model)
     with prefill_decode(model, daemons, "mla-prefill", "mla-decode", dtype="float32") as cluster:
         yield cluster
-
-
-def one_by_one(llm, prompts, params=None) -> list[list[int]]:
-    """Greedy tokens of each prompt run alone: vLLM's CPU MLA kernels round differently with the batch's
-    make-up, and this random model's near-tied tokens then flip, so every run here has batches of one."""
-    params = params or [None] * len(prompts)
-    return [token_ids(llm.generate(prompts_of([p]), greedy(8, q), use_tqdm=False))[0] for p, q in zip(prompts, params)]
 
 
 def test_mla_prefill_decode_gives_the_single_instance_tokens(mla):
@@ -75,9 +60,7 @@ def test_mla_prefill_tp2_to_decode_tp1_reads_one_rank_and_ends_both_holds(tmp_pa
     both holds end CONSUMED. Tokens: decode TP 1 alone is the reference (TP 2 rounds otherwise)."""
     from kvxferd.integrations.vllm.tinymodel import write_tiny_mla_model
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = write_tiny_mla_model(tmp_path / "tiny-deepseek")
-    daemons = DaemonProcess.start_many(["mt0", "mt1", "mtd"], socket_dir=str(tmp_path))
+    model, daemons = tiny_model_and_daemons(tmp_path, ["mt0", "mt1", "mtd"], write=write_tiny_mla_model)
     recorders, llms = [record_events(d, "mla-tp2") for d in daemons[:2]], []
     try:
         with one_core_per_worker():

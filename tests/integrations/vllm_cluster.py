@@ -59,13 +59,17 @@ def released_early(params: dict) -> dict:
     return {**params, "remote_request_id": params["remote_request_id"] + "-freed"}
 
 
-def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str],
-                           config: dict = TINY_LLAMA) -> tuple[str, list[DaemonProcess]]:
+def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str], config: dict = TINY_LLAMA, *,
+                           write=None) -> tuple[str, list[DaemonProcess]]:
     """What every vLLM test starts with: vLLM importable (else the test is skipped), a small CPU KV
-    cache, the tiny model written in ``directory``, and one daemon per id with its socket there."""
+    cache, the tiny model written in ``directory`` (by ``write(path)`` when given: another
+    architecture), and one daemon per id with its socket there."""
     pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = write_tiny_model(directory / f"tiny-{config['model_type']}", config)
+    if write is None:
+        model = write_tiny_model(directory / f"tiny-{config['model_type']}", config)
+    else:
+        model = write(directory / "tiny-model")
     return model, DaemonProcess.start_many(daemon_ids, socket_dir=str(directory))
 
 
@@ -145,6 +149,15 @@ def prompts_of(token_lists):
     from vllm.inputs import TokensPrompt
 
     return [TokensPrompt(prompt_token_ids=list(tokens)) for tokens in token_lists]
+
+
+def one_by_one(llm, prompts, params=None, max_tokens: int = 8) -> list[list[int]]:
+    """Greedy tokens of each prompt run alone (optionally with its ``kv_transfer_params``): vLLM's CPU
+    MLA and Mamba kernels round differently with a batch's make-up, and a random model's near-tied
+    tokens then flip even on one instance, so those comparisons use batches of one."""
+    params = params or [None] * len(prompts)
+    return [token_ids(llm.generate(prompts_of([p]), greedy(max_tokens, q), use_tqdm=False))[0]
+            for p, q in zip(prompts, params)]
 
 
 def prefill_params(prefill, token_lists) -> list[dict]:

@@ -171,11 +171,11 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 raise ValueError(f"kvxferd: KV cache group {g} ({type(spec).__name__}) is not supported yet "
                                  "(full attention, sliding window, MLA and Mamba2 are)")
-            layer = context[group.layer_names[0]]
+            layer = context[names[0]]
             backend = layer.attn_backend
             reader = CONTENT_READERS.get(f"{backend.__module__}.{backend.__qualname__}")
             try:
-                layouts.append(strided_group(kind, group.layer_names, [kv_caches[n] for n in group.layer_names], spec,
+                layouts.append(strided_group(kind, names, [kv_caches[n] for n in names], spec,
                                              total_heads, reader and functools.partial(reader, config, layer, spec),
                                              tp_size=self.worker.tp_size, tp_rank=self.worker.tp_rank))
             except ValueError as err:

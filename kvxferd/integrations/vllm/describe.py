@@ -11,10 +11,11 @@ over the fd socket; a region is that fd plus the layer's offset in it::
     └─ ...
 
 CUDA tensors: the IPC handle of the allocation plus the region's offset
-in it, or, for memory CUDA IPC cannot share (``cuMemCreate``: vLLM's sleep
-mode), the allocation's VMM fd, sent like host fds
-(:func:`kvxferd.service.gpu.export_region`). vLLM 0.32 allocates the whole
-cache at once, so every group shares one handle.
+in it, or, for memory CUDA IPC cannot share but ``cuMemCreate`` made
+exportable as a POSIX fd, the allocation's VMM fd, sent like host fds
+(:func:`kvxferd.service.gpu.export_region`; vLLM's sleep-mode memory is
+neither and is refused). vLLM 0.32 allocates the whole cache at once, so
+every group shares one handle.
 
 Nothing here imports vLLM: the connector turns vLLM's cache config into
 :class:`GroupLayout` values first.
@@ -92,7 +93,7 @@ def cache_content(kind: str, spec, dtype: torch.dtype) -> CacheContent:
     unless the spec says it holds more (``state_content_bytes``: scales
     beside them), in which case each (head, token) moves whole as bytes.
     """
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     content_bytes = spec.state_content_size_bytes
     if getattr(spec, "tokens_per_state", 1) != 1:
         raise ValueError(f"each state holds {spec.tokens_per_state} tokens (a compressed cache), which kvxferd does not "
@@ -123,7 +124,20 @@ def layer_strides(layers: Sequence[torch.Tensor], content: str, content_size: in
     """
     layers = [layer.view(torch.uint8) if content == "bytes" else layer for layer in layers]  # C counted in bytes
     first = layers[0]
-    itemsize = first.element_size()
+    if first.dim() != 4 or first.stride(3) != 1 or first.shape[3] != content_size:
+        raise ValueError(f"a layer is viewed as {tuple(first.shape)} with strides {first.stride()}; expected "
+                         f"(blocks, heads, tokens, {content_size}) with each (head, token)'s content contiguous")
+    step = layer_step_bytes(layers)
+    if step % first.element_size():
+        raise ValueError(f"the layers follow each other at {step} bytes, not a whole element")
+    block, head, token, _ = first.stride()
+    return CacheStrides(content, step // first.element_size(), block, head, token)
+
+
+def layer_step_bytes(layers: Sequence[torch.Tensor]) -> int:
+    """Bytes from one layer's view to the next's (0 for one layer): every view alike, in one allocation,
+    each the same positive step after the last; anything else is refused."""
+    first = layers[0]
     storage = first.untyped_storage().data_ptr()
     for i, tensor in enumerate(layers):
         if (tensor.shape, tensor.stride(), tensor.dtype) != (first.shape, first.stride(), first.dtype):
@@ -131,15 +145,10 @@ def layer_strides(layers: Sequence[torch.Tensor], content: str, content_size: in
                              f"{tuple(first.shape)} {first.stride()} {first.dtype}: a group's layers must share one view")
         if tensor.untyped_storage().data_ptr() != storage:
             raise ValueError(f"layer {i} is not in the same allocation as layer 0")
-    if first.dim() != 4 or first.stride(3) != 1 or first.shape[3] != content_size:
-        raise ValueError(f"a layer is viewed as {tuple(first.shape)} with strides {first.stride()}; expected "
-                         f"(blocks, heads, tokens, {content_size}) with each (head, token)'s content contiguous")
     steps = {b.data_ptr() - a.data_ptr() for a, b in zip(layers, layers[1:])}
-    if len(steps) > 1 or any(step <= 0 or step % itemsize for step in steps):
+    if len(steps) > 1 or any(step <= 0 for step in steps):
         raise ValueError(f"the layers do not follow each other at one stride (steps {sorted(steps)} bytes)")
-    layer = steps.pop() // itemsize if steps else 0
-    block, head, token, _ = first.stride()
-    return CacheStrides(content, layer, block, head, token)
+    return steps.pop() if steps else 0
 
 
 def strided_group(kind: str, layer_names: Sequence[str], layers: Sequence[torch.Tensor], spec, total_heads: int,
@@ -231,15 +240,16 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
     if on_gpu and device_uuid is None:
         device_uuid = torch_device_uuid
     engine = pb.EngineRank(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mem_type="VRAM" if on_gpu else "DRAM")
+    specs = [group.spec() for group in groups]
     messages = []
-    for group in groups:
+    for group, spec in zip(groups, specs):
         message = engine.groups.add(kind=group.kind)
-        spec_to_pb(group.spec(), message)
+        spec_to_pb(spec, message)
         messages.append(message)
     for n, (g, name) in enumerate(bases):
         tensor, group = tensors[name], groups[g]
         if group.one_region:
-            num_bytes = group.spec().region(tp_size, tp_rank).num_bytes
+            num_bytes = specs[g].region(tp_size, tp_rank).num_bytes
         elif tensor.is_contiguous():
             num_bytes = tensor.numel() * tensor.element_size()
         else:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvxferd.integrations.vllm.describe import torch_dtype_name
+from kvxferd.integrations.vllm.describe import layer_step_bytes, torch_dtype_name
 from kvxferd.layout.specs import MambaSpec
 
 
@@ -55,20 +55,18 @@ def mamba_group(layer_names: Sequence[str], layers: Sequence[torch.Tensor], spec
     if rest or groups_local < 1:
         raise ValueError(f"a conv state of {conv_dim} channels is not {heads} x {head_dim} + 2 x groups x {state_size}")
     conv_dtype, ssm_dtype = (torch_dtype_name(d) for d in spec.dtypes)
-    conv_bytes = window * conv_dim * torch.empty(0, dtype=spec.dtypes[0]).element_size()
-    if conv_bytes % torch.empty(0, dtype=spec.dtypes[1]).element_size():
+    conv_bytes = window * conv_dim * spec.dtypes[0].itemsize
+    if conv_bytes % spec.dtypes[1].itemsize:
         raise ValueError(f"the SSM state starts at byte {conv_bytes}, not a whole {ssm_dtype} element in")
     raw = [layer.view(torch.uint8) for layer in layers]
     if raw[0].dim() != 4 or raw[0].shape[1:3] != (1, 1) or raw[0].stride(3) != 1:
         raise ValueError(f"a Mamba layer is viewed as {tuple(raw[0].shape)}, expected (blocks, 1, 1, page bytes)")
-    steps = {b.data_ptr() - a.data_ptr() for a, b in zip(raw, raw[1:])}
-    if len(steps) > 1 or any(step <= 0 for step in steps):
-        raise ValueError(f"the layers do not follow each other at one stride (steps {sorted(steps)} bytes)")
+    step = layer_step_bytes(raw)
     state = MambaSpec(raw[0].shape[0], num_heads=heads * tp_size, head_dim=head_dim,
                       num_groups=num_groups or groups_local * tp_size, state_size=state_size, conv_window=window,
                       conv_dtype=conv_dtype, ssm_dtype=ssm_dtype, conv_order="DW" if conv_dim_first else "WD",
                       page_bytes=spec.page_size_bytes, block_stride=raw[0].stride(0), num_layers=len(raw),
-                      layer_stride=steps.pop() if steps else raw[0].stride(0))
+                      layer_stride=step or raw[0].stride(0))
     region = state.region(tp_size, tp_rank)  # the rank's share must be what the views hold
     if region.field("ssm").layout.size("heads") != heads or region.field("conv_b").layout.size("groups") != groups_local:
         raise ValueError(f"rank {tp_rank} of {tp_size} would hold other heads or groups than its views "
