@@ -15,6 +15,7 @@ LONGEST_FIRST = (
     "tests/integrations/test_vllm_tp2_recompute.py",  # ~100 s: a TP=2 and a TP=1 vLLM engine
     "tests/soak/test_soak_run.py",  # ~100 s: the 90 s soak
     "tests/integrations/test_vllm_serve.py",  # ~60-85 s: two vLLM API servers
+    "tests/integrations/test_vllm_mamba.py",  # ~75 s: two Mamba2 vLLM engines
     "tests/test_cli.py",  # ~60 s: the demo and the benchmarks as subprocesses
     "tests/verify/test_sweep.py",  # ~60 s
 )

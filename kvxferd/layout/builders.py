@@ -133,13 +133,28 @@ def mla_attention(num_blocks, block_size, latent_size, dtype="bfloat16", *, tp_s
     return Region("mla", (Field("latent", layout, None),), math.prod(shape) * layout.itemsize)
 
 
+CONV_PARTS = ("xBC", "BCx")
+
+
+def conv_part_channels(conv_parts: str, x_dim: int, bc_dim: int) -> tuple[int, int, int]:
+    """First conv channel of x, B and C in a rank's page (``x_dim``, ``bc_dim``: the rank's widths)."""
+    if conv_parts == "BCx":
+        return 2 * bc_dim, 0, bc_dim
+    return 0, x_dim, x_dim + bc_dim
+
+
 def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_window,
                conv_dtype="bfloat16", ssm_dtype="float32", tp_size=1, tp_rank=0,
-               page_bytes=None, conv_order="WD", block_stride=None, num_layers=1, layer_stride=None) -> Region:
-    """Mamba2 / GDN state page per block: conv state, then SSM state.
+               page_bytes=None, conv_order="WD", block_stride=None, num_layers=1, layer_stride=None,
+               conv_parts="xBC") -> Region:
+    """Mamba2 / GDN state page per block: conv state, then SSM state ``(heads, head_dim, state)``.
 
-    conv channels = ``[x (heads*head_dim) | B (groups*state) | C (groups*state)]``,
-    x sharded by heads, B and C by groups (replicated when groups < TP).
+    conv channels, x sharded by heads, B and C by groups (replicated when groups < TP)::
+
+        xBC (Mamba2):  [ x (heads*head_dim) | B (groups*state) | C (groups*state) ]
+        BCx (GDN):     [ q = B (k heads*k dim) | k = C (k heads*k dim) | v = x (v heads*v dim) ]
+
+    (GDN's SSM state is (v heads, v dim, k dim): heads, head_dim and state.)
     ``conv_order`` "WD" stores window rows of channels, "DW" channel rows.
 
     Pages follow each other unless ``block_stride`` (bytes) says otherwise;
@@ -154,6 +169,8 @@ def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_
         positive_int(value, name)
     if conv_order not in ("WD", "DW"):
         raise InvalidArgumentError("conv_order", f"must be 'WD' or 'DW', got {conv_order!r}")
+    if conv_parts not in CONV_PARTS:
+        raise InvalidArgumentError("conv_parts", f"must be one of {CONV_PARTS}, got {conv_parts!r}")
     for name, dtype in (("conv_dtype", conv_dtype), ("ssm_dtype", ssm_dtype)):
         if dtype not in ITEMSIZES:
             raise InvalidArgumentError(name, f"unknown dtype {dtype!r}")
@@ -187,10 +204,11 @@ def mamba_page(num_blocks, *, num_heads, head_dim, num_groups, state_size, conv_
                      (window_stride, inner_sizes[1] * channel_stride, channel_stride), conv_dtype,
                      first_channel * channel_stride, shard)
 
+    x_at, b_at, c_at = conv_part_channels(conv_parts, x_dim, bc_dim)
     fields = (
-        conv_field("conv_x", ("heads", "head_dim"), heads, (heads.local_extent, head_dim), 0),
-        conv_field("conv_b", ("groups", "state"), groups, (groups.local_extent, state_size), x_dim),
-        conv_field("conv_c", ("groups", "state"), groups, (groups.local_extent, state_size), x_dim + bc_dim),
+        conv_field("conv_x", ("heads", "head_dim"), heads, (heads.local_extent, head_dim), x_at),
+        conv_field("conv_b", ("groups", "state"), groups, (groups.local_extent, state_size), b_at),
+        conv_field("conv_c", ("groups", "state"), groups, (groups.local_extent, state_size), c_at),
         field("ssm", ("heads", "head_dim", "state"), (heads.local_extent, head_dim, state_size),
               (head_dim * state_size, state_size, 1), ssm_dtype, ssm_start // ssm_size, heads),
     )

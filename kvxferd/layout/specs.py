@@ -89,6 +89,7 @@ class MambaSpec:
     block_stride: int | None = None  # bytes between one block's page and the next's (default: page_bytes)
     num_layers: int = 1  # layers inside the region, layer_stride bytes apart (vLLM >= 0.32: one region per group)
     layer_stride: int | None = None
+    conv_parts: str = "xBC"  # the conv channels' order: xBC (Mamba2) or BCx (GDN's q | k | v)
 
     layout = "mamba"
 
@@ -98,7 +99,7 @@ class MambaSpec:
             state_size=self.state_size, conv_window=self.conv_window, conv_dtype=self.conv_dtype,
             ssm_dtype=self.ssm_dtype, tp_size=tp_size, tp_rank=tp_rank, page_bytes=self.page_bytes,
             conv_order=self.conv_order, block_stride=self.block_stride, num_layers=self.num_layers,
-            layer_stride=self.layer_stride,
+            layer_stride=self.layer_stride, conv_parts=self.conv_parts,
         )
 
     @property

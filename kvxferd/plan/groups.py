@@ -157,6 +157,9 @@ class GroupPairing:
         check_unique_ids(local_ids, f"{field}.local_block_ids")
         n_local, n_remote = len(local_ids), len(remote_ids)
         if self.policy == "exact":
+            if n_local == 0:  # a read that restores nothing here (it still ends the remote hold)
+                empty = np.zeros(0, dtype=np.int64)
+                return empty, empty
             if n_local != n_remote:
                 raise InvalidArgumentError(field, f"state pages pair one to one: {n_local} local vs {n_remote} remote ids")
             return local_ids, remote_ids

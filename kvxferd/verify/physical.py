@@ -173,9 +173,12 @@ def _mamba_views(spec: MambaSpec, tp_size: int, tp_rank: int, buf: np.ndarray) -
     window = np.arange(spec.conv_window, dtype=np.int64).reshape(1, 1, -1, 1, 1)
     with_layer = {"L": layer} if spec.layer_stride is not None else {}
     views = []
-    segments = (("conv_x", 0, f["heads"], spec.head_dim, f["h0"], "heads", "head_dim"),
-                ("conv_b", f["x_dim"], f["groups"], spec.state_size, f["g0"], "groups", "state"),
-                ("conv_c", f["x_dim"] + f["bc_dim"], f["groups"], spec.state_size, f["g0"], "groups", "state"))
+    # the oracle's own channel order, written out (not the builder's conv_part_channels)
+    x_at, b_at, c_at = ((2 * f["bc_dim"], 0, f["bc_dim"]) if spec.conv_parts == "BCx"
+                        else (0, f["x_dim"], f["x_dim"] + f["bc_dim"]))
+    segments = (("conv_x", x_at, f["heads"], spec.head_dim, f["h0"], "heads", "head_dim"),
+                ("conv_b", b_at, f["groups"], spec.state_size, f["g0"], "groups", "state"),
+                ("conv_c", c_at, f["groups"], spec.state_size, f["g0"], "groups", "state"))
     for name, first, outer, inner, start, outer_name, inner_name in segments:
         seg = conv[..., first : first + outer * inner].reshape(layers, spec.num_blocks, spec.conv_window, outer, inner)
         coords = {"W": window, outer_name: np.arange(outer).reshape(1, 1, 1, -1, 1) + start,

@@ -101,7 +101,7 @@ def _spec_from_pb(group: pb.CacheGroup, field: str) -> CacheSpec:
                 raise InvalidArgumentError(f"{field}.state.{name}", f"unknown dtype {getattr(s, name)!r}")
         return MambaSpec(s.num_blocks, s.num_heads, s.head_dim, s.num_groups, s.state_size, s.conv_window,
                          s.conv_dtype, s.ssm_dtype, s.conv_order or "WD", s.page_bytes or None, s.block_stride or None,
-                         s.num_layers or 1, s.layer_stride or None)
+                         s.num_layers or 1, s.layer_stride or None, s.conv_parts or "xBC")
     raise InvalidArgumentError(f"{field}.spec", "a cache group needs an attention or a state spec")
 
 
@@ -121,7 +121,8 @@ def spec_to_pb(spec: CacheSpec, out: pb.CacheGroup) -> None:
             num_blocks=spec.num_blocks, num_heads=spec.num_heads, head_dim=spec.head_dim, num_groups=spec.num_groups,
             state_size=spec.state_size, conv_window=spec.conv_window, conv_dtype=spec.conv_dtype,
             ssm_dtype=spec.ssm_dtype, conv_order=spec.conv_order, page_bytes=spec.page_bytes or 0,
-            block_stride=spec.block_stride or 0, num_layers=spec.num_layers, layer_stride=spec.layer_stride or 0))
+            block_stride=spec.block_stride or 0, num_layers=spec.num_layers, layer_stride=spec.layer_stride or 0,
+            conv_parts=spec.conv_parts))
 
 
 def groups_from_pb(engine: pb.EngineRank) -> tuple[CacheGroup, ...]:

@@ -40,6 +40,8 @@ def model_facts(cache: EngineCache) -> str:
                      f"window={spec.conv_window},dtypes={spec.conv_dtype}/{spec.ssm_dtype}")
             if spec.layer_stride is not None:  # one region holds every layer
                 facts += f",layers={spec.num_layers}"
+            if spec.conv_parts != "xBC":  # GDN's conv channels (Mamba2's facts stay what they were)
+                facts += f",conv={spec.conv_parts}"
         parts.append(f"[{g}] {group.kind} x{group.num_regions}: {facts}")
     return "; ".join(parts)
 

@@ -280,14 +280,21 @@ def test_context_parallelism_is_refused():
         KvxferdConnector(SimpleNamespace(parallel_config=parallel), None, None)
 
 
-@pytest.mark.parametrize("conv_dim_first, misdescribed", [(False, False), (True, False), (False, True)],
-                         ids=["SD", "DS", "negative-control"])
-def test_mamba2_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(conv_dim_first, misdescribed):
-    """A hybrid model (full attention + Mamba2, block-outer as vLLM requires for mixed pages): every conv and
-    SSM state element is tagged through vLLM's own ``MambaBase.bind_kv_cache`` views and must be where
-    kvxferd's description of the group (TP rank 1 of 2) puts it. Mamba2's conv channels are [x | B | C].
-    The negative control describes the conv state in the other orientation: the conv fields must miss."""
+@pytest.mark.parametrize("kind, conv_dim_first, misdescribed", [
+    ("MAMBA2", False, ""), ("MAMBA2", True, ""), ("MAMBA2", False, "orientation"),
+    ("GDN_ATTN", False, ""), ("GDN_ATTN", True, ""), ("GDN_ATTN", False, "as MAMBA2"),
+], ids=["SD", "DS", "negative-control", "GDN-SD", "GDN-DS", "GDN-negative-control"])
+def test_state_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(kind, conv_dim_first, misdescribed):
+    """A hybrid model (full attention + Mamba2 or GDN, block-outer as vLLM requires for mixed pages): every
+    conv and SSM state element is tagged through vLLM's own ``MambaBase.bind_kv_cache`` views and must be
+    where kvxferd's description of the group (TP rank 1 of 2) puts it. Mamba2's conv channels are
+    [x | B | C]; GDN's are [q | k | v] (vLLM's ``rearrange_mixed_qkv``:
+    ``torch.split(mixed_qkv, [q_dim, k_dim, v_dim], dim=-1)``, q_dim = k_dim = key_dim // tp_size), its
+    SSM state (value heads, value dim, key dim). The negative controls describe the conv state in the other
+    orientation, or a GDN state as Mamba2's: the conv fields must miss."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
 
     from kvxferd.integrations.vllm.states import mamba_group
@@ -297,8 +304,12 @@ def test_mamba2_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(conv
 
     heads, head_dim, state, groups, window = 4, 8, 16, 1, 3  # this rank's share (TP 2: 8 heads, 2 groups)
     conv_dim = heads * head_dim + 2 * groups * state
+    if kind == "GDN_ATTN":  # vLLM's own shapes: 2 key heads of 16, 8 value heads of 8, over TP 2
+        gdn_conv, gdn_ssm = MambaStateShapeCalculator.gated_delta_net_state_shape(2, 2, 8, 16, 8, window + 1)
+        assert sorted(gdn_conv) == sorted((conv_dim, window)) and gdn_ssm == (heads, head_dim, state)
     shapes = (((conv_dim, window) if conv_dim_first else (window, conv_dim)), (heads, head_dim, state))
-    mamba = VllmMambaSpec(block_size=16, shapes=shapes, dtypes=(torch.bfloat16, torch.float32))
+    mamba = VllmMambaSpec(block_size=16, shapes=shapes, dtypes=(torch.bfloat16, torch.float32),
+                          mamba_type=MambaAttentionBackendEnum[kind])
     attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     (_, layers), _ = allocate_groups([attention, mamba], 2, 4, KVCacheLayout.BLHNC)
 
@@ -314,10 +325,14 @@ def test_mamba2_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(conv
             target = tensor.view(torch.int16 if bits == 16 else torch.int32).reshape(blocks, size)
             target.copy_(torch.from_numpy(values.view(np.int16 if bits == 16 else np.int32)))
 
-    described_shapes = tuple(reversed(shapes[0])), shapes[1]
-    group = mamba_group([f"m{i}" for i in range(2)], layers,
-                        dataclasses.replace(mamba, shapes=described_shapes) if misdescribed else mamba,
-                        conv_dim_first=conv_dim_first != misdescribed, num_groups=2, tp_size=2, tp_rank=1)
+    described = mamba
+    if misdescribed == "orientation":
+        described = dataclasses.replace(mamba, shapes=(tuple(reversed(shapes[0])), shapes[1]))
+    elif misdescribed:
+        described = dataclasses.replace(mamba, mamba_type=MambaAttentionBackendEnum.MAMBA2)
+    group = mamba_group([f"m{i}" for i in range(2)], layers, described,
+                        conv_dim_first=conv_dim_first != (misdescribed == "orientation"), num_groups=2, tp_size=2,
+                        tp_rank=1)
     region = group.spec().region(2, 1)
     memory = storage_bytes(layers[0])
     base = layers[0].data_ptr() - layers[0].untyped_storage().data_ptr()
@@ -329,7 +344,8 @@ def test_mamba2_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(conv
         if field.name == "ssm":
             state_index, flat = 1, (c["heads"] * head_dim + c["head_dim"]) * state + c["state"]
         else:
-            first = {"conv_x": 0, "conv_b": x_dim, "conv_c": x_dim + bc_dim}[field.name]
+            first = ({"conv_x": 0, "conv_b": x_dim, "conv_c": x_dim + bc_dim} if kind == "MAMBA2"  # [x | B | C]
+                     else {"conv_b": 0, "conv_c": bc_dim, "conv_x": 2 * bc_dim})[field.name]  # [q | k | v]
             inner = c["head_dim"] + c["heads"] * head_dim if field.name == "conv_x" else c["state"] + c["groups"] * state
             channel = first + inner
             state_index, flat = 0, (channel * window + c["W"] if conv_dim_first else c["W"] * conv_dim + channel)

@@ -81,6 +81,24 @@ def test_null_blocks_are_never_transferred():
     assert real_blocks(([0, 0, 7, 8], [3], [])) == ((7, 8), (3,), ())
 
 
+def test_state_groups_stop_the_prefiller_one_token_short_and_decode_loads_that_much():
+    """A running state (Mamba) holds the last prompt token once: prefill drops it, decode computes it."""
+    attention, states = SchedulerSide("a", ConnectorSettings()), SchedulerSide("s", ConnectorSettings(), 1)
+    prefill = {"do_remote_decode": True}
+    assert [states.prompt_tokens_to_drop(prefill, n) for n in (1, 2, 40)] == [0, 1, 1]
+    assert attention.prompt_tokens_to_drop(prefill, 40) == 0
+    assert states.prompt_tokens_to_drop({**prefill, "kvxferd_prompt_cut": True}, 40) == 0  # preempted: cut once
+    assert states.prompt_tokens_to_drop(None, 40) == states.prompt_tokens_to_drop(GOOD, 40) == 0  # not a prefill
+    # decode: the remote 39 of a 40-token prompt; a one-token prompt loads nothing (decode computes it)
+    assert states.matched_tokens("r", {**GOOD, "remote_num_tokens": 39}, 40, 0) == (39, True)
+    # a state after fewer tokens is a start (decode computes the rest); after more it cannot be rewound
+    assert states.matched_tokens("r", {**GOOD, "remote_num_tokens": 20}, 40, 0) == (20, True)
+    assert states.matched_tokens("r", {**GOOD, "remote_num_tokens": 40}, 40, 0) == (0, False)
+    assert states.matched_tokens("r", {**GOOD, "remote_num_tokens": 1}, 1, 0) == (0, False)
+    assert attention.matched_tokens("r", GOOD, 40, 0) == (40, True)
+    assert states.matched_tokens("r", {**GOOD, "error": "down"}, 40, 0) == (39, True)  # a failed load, same span
+
+
 def layer_cache(num_blocks=16, heads=2, block=32, head_size=64, layers=2):
     """Like vLLM's CPU cache: one storage, a (B, H, N, 2C) view per layer."""
     storage = torch.zeros(layers, num_blocks, heads, block, 2 * head_size, dtype=torch.bfloat16)

@@ -43,6 +43,17 @@ def test_mamba_page_fields():
     assert region.num_bytes == region_num_bytes(spec, 2, 1)
 
 
+def test_gdn_conv_channels_are_q_k_v():
+    """GDN's conv state holds [q | k | v]: B and C (key heads) first, then x (value heads); TP rank 1 of 2."""
+    spec = MambaSpec(num_blocks=3, num_heads=8, head_dim=4, num_groups=2, state_size=16, conv_window=4,
+                     conv_dtype="float32", conv_parts="BCx")
+    region = spec.region(2, 1)
+    # a rank holds 4 value heads x 4 = 16 x channels and 1 key head x 16 = 16 channels each of B and C
+    offsets = {f.name: f.layout.offset for f in region.fields if f.name.startswith("conv")}
+    assert offsets == {"conv_b": 0, "conv_c": 16, "conv_x": 32}
+    assert region.num_bytes == region_num_bytes(spec, 2, 1) == spec.with_(conv_parts="xBC").region(2, 1).num_bytes
+
+
 @pytest.mark.parametrize(
     "call, error, field",
     [
@@ -57,6 +68,8 @@ def test_mamba_page_fields():
                                      page_bytes=8), InvalidArgumentError, "page_bytes"),
         (lambda: builders.mamba_page(2, num_heads=4, head_dim=2, num_groups=1, state_size=4, conv_window=4,
                                      conv_order="XY"), InvalidArgumentError, "conv_order"),
+        (lambda: builders.mamba_page(2, num_heads=4, head_dim=2, num_groups=1, state_size=4, conv_window=4,
+                                     conv_parts="qkv"), InvalidArgumentError, "conv_parts"),
         (lambda: AttentionSpec("paged", 4, 8, 64, 16).region(), InvalidArgumentError, "layout"),
     ],
 )

@@ -96,6 +96,10 @@ def test_differing_block_sizes_need_num_tokens_and_state_pages_pair_exactly():
     assert [u.tolist() for u in exact.pair_units([3], [9], None, "g")] == [[3], [9]]
     with pytest.raises(InvalidArgumentError):
         exact.pair_units([3, 4], [9], None, "g")
+    with pytest.raises(InvalidArgumentError):
+        exact.pair_units([3], [], None, "g")
+    # no local page: decode restores nothing of this group (a release-only read, a one-token prompt)
+    assert [u.tolist() for u in exact.pair_units([], [9], None, "g")] == [[], []]
     with pytest.raises(BlockIdError):
         exact.pair_units([3], [NUM_BLOCKS], None, "g")
 

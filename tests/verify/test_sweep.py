@@ -89,11 +89,11 @@ def test_strided_orders_all_pairs_with_kernel_blocks():
 
 
 # Every head count and TP pair in each case; group counts and conv orders in turn by default (all with -m slow).
-@pytest.mark.parametrize("groups, conv_order", covering([1, 3, 8], ["WD", "DW"]))
-def test_mamba_every_tp_pair(groups, conv_order):
+@pytest.mark.parametrize("groups, conv_order, conv_parts", covering([1, 3, 8], ["WD", "DW"], ["xBC", "BCx"]))
+def test_mamba_every_tp_pair(groups, conv_order, conv_parts):
     for heads, p, d in itertools.product(HEADS, TP_SIZES, TP_SIZES):
         spec = MambaSpec(num_blocks=5, num_heads=heads, head_dim=2, num_groups=groups, state_size=3,
-                         conv_window=3, conv_order=conv_order)
+                         conv_window=3, conv_order=conv_order, conv_parts=conv_parts)
         check(spec, spec, p, d)
 
 
@@ -160,7 +160,8 @@ def scenarios(draw):
                          state_size=draw(st.integers(1, 3)), conv_window=draw(st.integers(1, 4)),
                          conv_dtype=draw(st.sampled_from(["bfloat16", "float32", "uint8"])),
                          ssm_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-                         conv_order=draw(st.sampled_from(["WD", "DW"])))
+                         conv_order=draw(st.sampled_from(["WD", "DW"])),
+                         conv_parts=draw(st.sampled_from(["xBC", "BCx"])))
         return spec, spec, p, d
     block = draw(st.sampled_from([1, 2, 4, 8]))
     kernels = [k for k in (1, 2, 4, 8) if block % k == 0]

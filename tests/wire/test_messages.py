@@ -26,6 +26,22 @@ def test_engine_round_trip_through_peer_info(model):
     assert (peer.cache.tp_rank, peer.cache.tp_size, peer.cache.engine_id) == (1, 2, "p")
 
 
+def test_gdn_state_pages_round_trip_and_do_not_pair_with_mamba2_pages():
+    from kvxferd.layout.specs import MambaSpec
+    from kvxferd.plan.groups import CacheGroup
+
+    def engine(conv_parts):
+        spec = MambaSpec(num_blocks=4, num_heads=8, head_dim=4, num_groups=2, state_size=8, conv_window=3,
+                         conv_order="DW", conv_parts=conv_parts)
+        return allocate_engine("g", (CacheGroup("linear", spec, 2),), 1, 0, tagged=False).cache
+
+    gdn = engine("BCx")
+    assert decode_info(encode_info("i", b"", gdn, BOARD), gdn).cache.groups == gdn.groups
+    with pytest.raises(LayoutMismatchError) as err:
+        decode_info(encode_info("i", b"", gdn, BOARD), engine("xBC"))
+    assert "conv=BCx" in err.value.message
+
+
 def test_peer_of_another_model_or_version_is_refused():
     prefill_groups, _ = model_groups("gqa", ModelShape())
     other_groups, _ = model_groups("gqa", ModelShape(num_kv_heads=4))

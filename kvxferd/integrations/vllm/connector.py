@@ -80,6 +80,14 @@ class KvxferdHandshake(KVConnectorHandshakeMetadata):
     session: str
 
 
+def state_num_groups(hf_config) -> int | None:
+    """The model's B/C groups (Mamba2 ``n_groups``) or key heads (GDN ``linear_num_key_heads``), if it names them."""
+    for name in ("n_groups", "mamba_n_groups", "linear_num_key_heads"):
+        if getattr(hf_config, name, None):
+            return int(getattr(hf_config, name))
+    return None
+
+
 class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill holds and decode reads through the kvxferd daemon of each rank."""
 
@@ -103,7 +111,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.engine_id, self.settings)
+            has_states = any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups)
+            self.scheduler = SchedulerSide(self.engine_id, self.settings, num_backoff_tokens=int(has_states))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -143,21 +152,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         for g, group in enumerate(self._kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             names = group.layer_names
-            if isinstance(spec, MambaSpec):  # Mamba2 state pages: conv then SSM state per block
-                if not self.settings.state_groups:
-                    # The pages are described right (tests/integrations/test_vllm_layouts.py), but P/D of a
-                    # Mamba2 engine gave other tokens than one instance: decode recomputes the last prompt
-                    # token on a state that already holds it. The prefiller must stop one token short
-                    # (state h(N-1)), as vLLM's NixlConnector does (_prefill_backoff); not done yet.
-                    raise ValueError(f"kvxferd: KV cache group {g} (Mamba state pages) is not supported yet: decode "
-                                     "did not resume from prefill's state on a real engine (docs/vllm.md, Limits)")
+            if isinstance(spec, MambaSpec):  # Mamba2 / GDN state pages: conv then SSM state per block
                 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
                 hf = config.model_config.hf_config
                 try:
                     layouts.append(mamba_group(names, [kv_caches[n] for n in names], spec,
                                                conv_dim_first=is_conv_state_dim_first(),
-                                               num_groups=getattr(hf, "n_groups", None) or getattr(hf, "mamba_n_groups", None),
+                                               num_groups=state_num_groups(hf),
                                                tp_size=self.worker.tp_size, tp_rank=self.worker.tp_rank))
                 except ValueError as err:
                     raise ValueError(f"kvxferd: KV cache group {g} (Mamba): {err}") from None
@@ -170,7 +172,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                 kind = "full"
             else:
                 raise ValueError(f"kvxferd: KV cache group {g} ({type(spec).__name__}) is not supported yet "
-                                 "(full attention, sliding window, MLA and Mamba2 are)")
+                                 "(full attention, sliding window, MLA, Mamba2 and GDN are)")
             layer = context[names[0]]
             backend = layer.attn_backend
             reader = CONTENT_READERS.get(f"{backend.__module__}.{backend.__qualname__}")
@@ -243,6 +245,22 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.scheduler.set_ranks([RankDaemon(m.tp_rank, m.engine_socket, m.peer_address, m.session)
                                   for m in metadata.values()])
+
+    def on_new_request(self, request: "Request") -> None:
+        """A prefill request on an engine with state groups stops one prompt token short (scheduler.py)."""
+        num_dropped = self.scheduler.prompt_tokens_to_drop(request.kv_transfer_params, request.num_prompt_tokens)
+        if not num_dropped or request.get_skip_reading_prefix_cache():
+            return  # (prompt logprobs: decode will not read the cache, and recomputes the whole prompt)
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-num_dropped:]
+        if request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-num_dropped]
+        if getattr(request, "prompt_is_token_ids", None) is not None:
+            request.prompt_is_token_ids = request.prompt_is_token_ids[:-num_dropped]
+        del request._all_token_ids[-num_dropped:]  # all_token_ids is a read-only view of this list
+        request.num_prompt_tokens -= num_dropped
+        request.max_tokens = 1
+        request.kv_transfer_params["kvxferd_prompt_cut"] = True
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.matched_tokens(request.request_id, request.kv_transfer_params,

@@ -13,7 +13,17 @@ Decode (a request that came with ``do_remote_prefill``)::
     build_connector_meta       ─► the orders go to the workers, which submit the reads
 
 A full local prefix hit still orders an (empty) read: it reads nothing but
-notifies the holders, so the prefill blocks are freed at once. Bad
+notifies the holders, so the prefill blocks are freed at once.
+
+State groups (Mamba) hold one running state per request, not one entry per
+token, so decode cannot recompute the last prompt token on top of a state
+that already holds it (attention can: it rewrites the same slot). The
+prefiller stops ``num_backoff_tokens`` short and decode loads only that many
+fewer, then computes the rest itself::
+
+    prompt       t1 t2 ... t(N-1) | tN
+    prefill      computes ──────►   (dropped)     holds state h(N-1)
+    decode       loads h(N-1)     | computes tN -> h(N), the first token Bad
 ``kv_transfer_params`` become a failed order: the worker reports the request
 as a failed load and vLLM applies its ``kv_load_failure_policy``.
 
@@ -83,9 +93,10 @@ def real_blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ..
 class SchedulerSide:
     """Scheduler-process state of one engine (prefill, decode, or both)."""
 
-    def __init__(self, engine_id: str, settings: ConnectorSettings) -> None:
+    def __init__(self, engine_id: str, settings: ConnectorSettings, num_backoff_tokens: int = 0) -> None:
         self.engine_id = engine_id
         self.settings = settings
+        self.num_backoff_tokens = num_backoff_tokens  # 1 when a group holds running states (Mamba)
         self.ranks: list[RankDaemon] = []
         self._clients: dict[int, EngineClient] = {}
         self._orders: list[ReadOrder] = []
@@ -110,6 +121,17 @@ class SchedulerSide:
         return client
 
     # ---- prefill ------------------------------------------------------------------------
+    def prompt_tokens_to_drop(self, params: dict | None, num_prompt_tokens: int) -> int:
+        """How many trailing prompt tokens a prefill request must not compute (decode computes them).
+
+        0 unless this engine has state groups; 0 for a prompt no longer than the
+        back-off (decode recomputes all of it) and for a request already cut (a
+        preempted request comes back through here).
+        """
+        if not params or not params.get("do_remote_decode") or params.get("kvxferd_prompt_cut"):
+            return 0
+        return self.num_backoff_tokens if num_prompt_tokens > self.num_backoff_tokens else 0
+
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int) -> tuple[bool, dict]:
         """Hold a finished prefill on every rank; ``(delay_free, kv_transfer_params)``."""
         if not self.ranks:
@@ -149,12 +171,26 @@ class SchedulerSide:
             return 0, False
         try:
             remote = self._pending[request_id] = parse_remote_prefill(params)
-            num_tokens = min(remote.remote_num_tokens, num_prompt_tokens)
+            num_tokens = min(remote.remote_num_tokens, self.loadable_tokens(num_prompt_tokens))
+            if self.num_backoff_tokens and num_tokens != remote.remote_num_tokens:
+                # A running state is after exactly remote_num_tokens tokens; it has no prefix to
+                # load. Decode computes the whole prompt, and the empty read releases the hold.
+                log.warning("kvxferd: the prefill state is after %d tokens, decode can load %d: computing the prompt",
+                            remote.remote_num_tokens, num_tokens, extra={"request_id": request_id})
+                num_tokens = 0
         except ParamsError as err:
             self._pending[request_id] = err
-            num_tokens = num_prompt_tokens  # a failed load of the whole prompt: the policy decides
+            num_tokens = self.loadable_tokens(num_prompt_tokens)  # a failed load: the policy decides
         count = num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def loadable_tokens(self, num_prompt_tokens: int) -> int:
+        """The prompt tokens a read may restore: all of them, less the back-off for state groups.
+
+        A prompt no longer than the back-off loads nothing (its state would already
+        hold the token decode must compute).
+        """
+        return max(num_prompt_tokens - self.num_backoff_tokens, 0) if self.num_backoff_tokens else num_prompt_tokens
 
     def after_alloc(self, request_id: str, params: dict | None, new_block_ids: Sequence[Sequence[int]],
                     num_external_tokens: int) -> None:

@@ -68,6 +68,7 @@ class WorkerSide:
         self._remotes: dict[str, tuple[str, ...]] = {}  # remote engine -> addresses handshaked
         self._reading: dict[str, float] = {}  # reads vLLM waits for -> when submitted (monotonic)
         self._failed_now: set[str] = set()  # orders that failed before reaching the daemon
+        self._releasing: set[str] = set()  # release-only reads (vLLM does not wait): a refusal is logged
         self._held: dict[str, str] = {}  # prefill requests the scheduler held -> incarnation holding it
         self._ended: set[str] = set()  # holds that ended before the worker heard they were held
         self._incarnation = ""  # of the current registration (the one handshakes were made on)
@@ -130,6 +131,8 @@ class WorkerSide:
                 continue
             if order.awaited:  # else only the holders hear of it (their blocks may go); vLLM does not wait
                 self._reading[order.request_id] = time.monotonic()
+            else:
+                self._releasing.add(order.request_id)
         if specs:
             self.client.submit_reads(specs)
 
@@ -169,6 +172,10 @@ class WorkerSide:
         for completion in self.client.take_completions():
             submitted = self._reading.pop(completion.request_id, None)
             if submitted is None:
+                if completion.request_id in self._releasing and not completion.ok:
+                    log.warning("kvxferd: a release-only read was refused; the prefill hold ends at its lease",
+                                extra={"request_id": completion.request_id, "error": completion.error})
+                self._releasing.discard(completion.request_id)
                 continue
             out.finished_recving.add(completion.request_id)
             if completion.ok:

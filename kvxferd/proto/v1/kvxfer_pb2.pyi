@@ -44,7 +44,7 @@ class AttentionCache(_message.Message):
     def __init__(self, layout: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., strides: _Optional[_Union[CacheStrides, _Mapping]] = ...) -> None: ...
 
 class StateCache(_message.Message):
-    __slots__ = ("num_blocks", "num_heads", "head_dim", "num_groups", "state_size", "conv_window", "conv_dtype", "ssm_dtype", "conv_order", "page_bytes", "block_stride", "num_layers", "layer_stride")
+    __slots__ = ("num_blocks", "num_heads", "head_dim", "num_groups", "state_size", "conv_window", "conv_dtype", "ssm_dtype", "conv_order", "page_bytes", "block_stride", "num_layers", "layer_stride", "conv_parts")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class StateCache(_message.Message):
     BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    CONV_PARTS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_heads: int
     head_dim: int
@@ -71,7 +72,8 @@ class StateCache(_message.Message):
     block_stride: int
     num_layers: int
     layer_stride: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_groups: _Optional[int] = ..., state_size: _Optional[int] = ..., conv_window: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., conv_order: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_stride: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_stride: _Optional[int] = ...) -> None: ...
+    conv_parts: str
+    def __init__(self, num_blocks: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_groups: _Optional[int] = ..., state_size: _Optional[int] = ..., conv_window: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., conv_order: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_stride: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_stride: _Optional[int] = ..., conv_parts: _Optional[str] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
     __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset", "allocation_bytes")
