@@ -173,7 +173,9 @@ class EngineTransferPlan:
         for name in ("local_block_ids", "remote_block_ids"):
             if len(getattr(request, name)) != num_groups:
                 raise InvalidArgumentError(name, f"{len(getattr(request, name))} groups given, engine has {num_groups}")
-        return [p.pair_units(request.local_block_ids[g], request.remote_block_ids[g], request.num_tokens, f"groups[{g}]")
+        restores_nothing = not any(len(ids) for ids in request.local_block_ids)
+        return [p.pair_units(request.local_block_ids[g], request.remote_block_ids[g], request.num_tokens, f"groups[{g}]",
+                             restores_nothing=restores_nothing)
                 for g, p in enumerate(self.pairings)]
 
     def max_read_bytes(self, request: ReadRequest) -> int:

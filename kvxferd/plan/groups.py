@@ -148,8 +148,13 @@ class GroupPairing:
     def remote_units_per_block(self) -> int:
         return 1 if self.remote_block_size is None else self.remote_block_size // self.unit_tokens
 
-    def pair_units(self, local_block_ids, remote_block_ids, num_tokens: int | None, field: str):
-        """``(local_units, remote_units)``: unit ids to read, pairwise."""
+    def pair_units(self, local_block_ids, remote_block_ids, num_tokens: int | None, field: str, *,
+                   restores_nothing: bool = False):
+        """``(local_units, remote_units)``: unit ids to read, pairwise.
+
+        ``restores_nothing``: the read lists no local block in any group (it only
+        ends the remote hold), so a state group may list none either.
+        """
         local_ids = check_block_ids(local_block_ids, self.num_local_blocks, f"{field}.local_block_ids")
         remote_ids = check_block_ids(remote_block_ids, self.num_remote_blocks, f"{field}.remote_block_ids")
         # Two remote blocks read into one local block would leave it holding
@@ -157,7 +162,7 @@ class GroupPairing:
         check_unique_ids(local_ids, f"{field}.local_block_ids")
         n_local, n_remote = len(local_ids), len(remote_ids)
         if self.policy == "exact":
-            if n_local == 0:  # a read that restores nothing here (it still ends the remote hold)
+            if n_local == 0 and restores_nothing:  # a release-only read (it still ends the remote hold)
                 empty = np.zeros(0, dtype=np.int64)
                 return empty, empty
             if n_local != n_remote:

@@ -337,6 +337,19 @@ def test_state_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(kind,
     memory = storage_bytes(layers[0])
     base = layers[0].data_ptr() - layers[0].untyped_storage().data_ptr()
     x_dim, bc_dim = heads * head_dim, groups * state
+    channel_of = {  # (part, outer, inner) -> conv channel of this rank's state
+        "conv_x": lambda outer, inner: outer * head_dim + inner,
+        "conv_b": lambda outer, inner: x_dim + outer * state + inner,
+        "conv_c": lambda outer, inner: x_dim + bc_dim + outer * state + inner}  # Mamba2: [x | B | C]
+    if kind == "GDN_ATTN":  # vLLM's own split of a conv row into q, k and v (q, k: key heads; v: value heads)
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+        split = SimpleNamespace(key_dim=2 * groups * state, value_dim=2 * x_dim, tp_size=2, head_k_dim=state,
+                                head_v_dim=head_dim)
+        q, k, v = (t[0, 0].numpy() for t in QwenGatedDeltaNetAttention.rearrange_mixed_qkv(
+            split, torch.arange(conv_dim, dtype=torch.float32).reshape(1, -1)))
+        channel_of = {"conv_b": lambda o, i: q[o, i].astype(np.int64), "conv_c": lambda o, i: k[o, i].astype(np.int64),
+                      "conv_x": lambda o, i: v[o, i].astype(np.int64)}
     wrong = []
     for field in region.fields:
         layout, dims = field.layout, field.layout.dims
@@ -344,10 +357,8 @@ def test_state_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(kind,
         if field.name == "ssm":
             state_index, flat = 1, (c["heads"] * head_dim + c["head_dim"]) * state + c["state"]
         else:
-            first = ({"conv_x": 0, "conv_b": x_dim, "conv_c": x_dim + bc_dim} if kind == "MAMBA2"  # [x | B | C]
-                     else {"conv_b": 0, "conv_c": bc_dim, "conv_x": 2 * bc_dim})[field.name]  # [q | k | v]
-            inner = c["head_dim"] + c["heads"] * head_dim if field.name == "conv_x" else c["state"] + c["groups"] * state
-            channel = first + inner
+            outer, inner = (c["heads"], c["head_dim"]) if field.name == "conv_x" else (c["groups"], c["state"])
+            channel = channel_of[field.name](outer, inner)
             state_index, flat = 0, (channel * window + c["W"] if conv_dim_first else c["W"] * conv_dim + channel)
         item = layout.itemsize
         where = base + addresses(layout, dims) * item
@@ -356,6 +367,27 @@ def test_state_pages_of_a_hybrid_model_are_addressed_where_vllm_binds_them(kind,
         if not np.array_equal(got, np.broadcast_to(expected, got.shape).astype(np.uint64)):
             wrong.append(field.name)
     assert wrong == (["conv_x", "conv_b", "conv_c"] if misdescribed else []), wrong
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(mamba_cache_mode="align"), "--no-enable-prefix-caching"),
+    (dict(num_speculative_blocks=2), "speculative decoding"),
+    (dict(mamba_type="MAMBA1", shapes=((3, 64), (64, 16))), "MAMBA1 state"),
+])
+def test_state_features_kvxferd_cannot_hold_are_refused_by_name(change, named):
+    """Prefix caching of states and speculative slots give a request several state slots; Mamba1 pages
+    are another layout: refused at start-up, naming them (never a read of the wrong slot)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
+
+    from kvxferd.integrations.vllm.states import mamba_group
+
+    if "mamba_type" in change:
+        change = {**change, "mamba_type": MambaAttentionBackendEnum[change["mamba_type"]]}
+    spec = VllmMambaSpec(**{"block_size": 16, "shapes": ((3, 64), (4, 8, 16)), "dtypes": (torch.bfloat16, torch.float32),
+                            **change})
+    with pytest.raises(ValueError, match=named):
+        mamba_group(["m0"], [], spec, conv_dim_first=False, num_groups=1)
 
 
 def test_a_hybrid_attention_and_mamba2_request_reads_through_real_daemons(tmp_path):

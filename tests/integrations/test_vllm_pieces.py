@@ -97,6 +97,7 @@ def test_state_groups_stop_the_prefiller_one_token_short_and_decode_loads_that_m
     assert states.matched_tokens("r", {**GOOD, "remote_num_tokens": 1}, 1, 0) == (0, False)
     assert attention.matched_tokens("r", GOOD, 40, 0) == (40, True)
     assert states.matched_tokens("r", {**GOOD, "error": "down"}, 40, 0) == (39, True)  # a failed load, same span
+    assert states.matched_tokens("r", {**GOOD, "error": "down"}, 1, 0) == (1, True)  # vLLM must hear of it
 
 
 def layer_cache(num_blocks=16, heads=2, block=32, head_size=64, layers=2):

@@ -158,3 +158,15 @@ def test_invalid_block_ids_name_the_groups_a_failed_rank_was_writing():
     assert attention.tolist() == [3, 7] and mamba.tolist() == [5]
     assert all(len(ids) == 0 for ids in planned.invalid_block_ids([]))
     assert sum(itertools.chain(r.num_bytes for r in planned.reads)) == planned.num_bytes > 0
+
+
+def test_a_state_group_without_a_local_page_reads_only_when_nothing_is_restored():
+    """A hybrid read that restores the attention blocks must restore the state too (else vLLM resumes from
+    a stale state); a read that restores nothing (it only ends the hold) may list no page anywhere."""
+    prefill_groups, decode_groups = model_groups("hybrid", ModelShape())
+    plan = EngineTransferPlan(allocate_engine("D", decode_groups, 1, 0, tagged=False).cache,
+                              [allocate_engine("P", prefill_groups, 1, 0, tagged=False).cache])
+    with pytest.raises(InvalidArgumentError) as err:
+        plan.plan_request(ReadRequest("r", "p", ([7, 3], []), ([1, 2], [6]), num_tokens=32))
+    assert err.value.field == "groups[1]"
+    assert plan.plan_request(ReadRequest("r", "p", ([], []), ([1, 2], [6]), num_tokens=32)).num_bytes == 0

@@ -98,8 +98,11 @@ def test_differing_block_sizes_need_num_tokens_and_state_pages_pair_exactly():
         exact.pair_units([3, 4], [9], None, "g")
     with pytest.raises(InvalidArgumentError):
         exact.pair_units([3], [], None, "g")
-    # no local page: decode restores nothing of this group (a release-only read, a one-token prompt)
-    assert [u.tolist() for u in exact.pair_units([], [9], None, "g")] == [[], []]
+    # no local page: refused inside a read that restores other groups (the state would stay stale) ...
+    with pytest.raises(InvalidArgumentError):
+        exact.pair_units([], [9], None, "g")
+    # ... and pairs nothing in a read that restores nothing at all (a release-only read, a one-token prompt)
+    assert [u.tolist() for u in exact.pair_units([], [9], None, "g", restores_nothing=True)] == [[], []]
     with pytest.raises(BlockIdError):
         exact.pair_units([3], [NUM_BLOCKS], None, "g")
 

@@ -251,16 +251,17 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         num_dropped = self.scheduler.prompt_tokens_to_drop(request.kv_transfer_params, request.num_prompt_tokens)
         if not num_dropped or request.get_skip_reading_prefix_cache():
             return  # (prompt logprobs: decode will not read the cache, and recomputes the whole prompt)
+        # New lists and dicts, never cut in place: n > 1 sibling requests share the originals.
         if request.prompt_token_ids is not None:
-            del request.prompt_token_ids[-num_dropped:]
+            request.prompt_token_ids = request.prompt_token_ids[:-num_dropped]
         if request.prompt_embeds is not None:
             request.prompt_embeds = request.prompt_embeds[:-num_dropped]
         if getattr(request, "prompt_is_token_ids", None) is not None:
             request.prompt_is_token_ids = request.prompt_is_token_ids[:-num_dropped]
-        del request._all_token_ids[-num_dropped:]  # all_token_ids is a read-only view of this list
+        del request._all_token_ids[-num_dropped:]  # the request's own copy; all_token_ids is a view of it
         request.num_prompt_tokens -= num_dropped
         request.max_tokens = 1
-        request.kv_transfer_params["kvxferd_prompt_cut"] = True
+        request.kv_transfer_params = {**request.kv_transfer_params, "kvxferd_prompt_cut": True}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.matched_tokens(request.request_id, request.kv_transfer_params,

@@ -13,7 +13,9 @@ Decode (a request that came with ``do_remote_prefill``)::
     build_connector_meta       ─► the orders go to the workers, which submit the reads
 
 A full local prefix hit still orders an (empty) read: it reads nothing but
-notifies the holders, so the prefill blocks are freed at once.
+notifies the holders, so the prefill blocks are freed at once. Bad
+``kv_transfer_params`` become a failed order: the worker reports the request
+as a failed load and vLLM applies its ``kv_load_failure_policy``.
 
 State groups (Mamba) hold one running state per request, not one entry per
 token, so decode cannot recompute the last prompt token on top of a state
@@ -23,9 +25,7 @@ fewer, then computes the rest itself::
 
     prompt       t1 t2 ... t(N-1) | tN
     prefill      computes ──────►   (dropped)     holds state h(N-1)
-    decode       loads h(N-1)     | computes tN -> h(N), the first token Bad
-``kv_transfer_params`` become a failed order: the worker reports the request
-as a failed load and vLLM applies its ``kv_load_failure_policy``.
+    decode       loads h(N-1)     | computes tN -> h(N), the first token
 
 vLLM-free: requests and blocks are passed as plain values.
 """
@@ -125,8 +125,7 @@ class SchedulerSide:
         """How many trailing prompt tokens a prefill request must not compute (decode computes them).
 
         0 unless this engine has state groups; 0 for a prompt no longer than the
-        back-off (decode recomputes all of it) and for a request already cut (a
-        preempted request comes back through here).
+        back-off (decode computes all of it) and for a request already cut.
         """
         if not params or not params.get("do_remote_decode") or params.get("kvxferd_prompt_cut"):
             return 0
@@ -174,13 +173,16 @@ class SchedulerSide:
             num_tokens = min(remote.remote_num_tokens, self.loadable_tokens(num_prompt_tokens))
             if self.num_backoff_tokens and num_tokens != remote.remote_num_tokens:
                 # A running state is after exactly remote_num_tokens tokens; it has no prefix to
-                # load. Decode computes the whole prompt, and the empty read releases the hold.
-                log.warning("kvxferd: the prefill state is after %d tokens, decode can load %d: computing the prompt",
-                            remote.remote_num_tokens, num_tokens, extra={"request_id": request_id})
+                # load. Decode computes the whole prompt, and the empty read releases the hold
+                # (the normal case for a prompt no longer than the back-off: not worth a warning).
+                if remote.remote_num_tokens > self.num_backoff_tokens:
+                        log.warning("kvxferd: the prefill state is after %d tokens, decode can load %d: computing the prompt",
+                                remote.remote_num_tokens, num_tokens, extra={"request_id": request_id})
                 num_tokens = 0
         except ParamsError as err:
             self._pending[request_id] = err
-            num_tokens = self.loadable_tokens(num_prompt_tokens)  # a failed load: the policy decides
+            # a failed load (at least one token, so vLLM hears of it): the policy decides
+            num_tokens = max(self.loadable_tokens(num_prompt_tokens), 1)
         count = num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 

@@ -58,6 +58,15 @@ def mamba_group(layer_names: Sequence[str], layers: Sequence[torch.Tensor], spec
     if mamba_type not in CONV_PARTS or len(spec.shapes) != 2:
         raise ValueError(f"{mamba_type} state ({len(spec.shapes)} states) is not described yet (the conv and SSM "
                          f"states of {' and '.join(CONV_PARTS)} are)")
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "none":
+        # vLLM keeps several state slots per request then (prefix caching of states); kvxferd holds
+        # and reads one page per request and does not pick the running one out yet.
+        raise ValueError(f"mamba_cache_mode {mode!r} (prefix caching of states) is not supported yet: run with "
+                         "--no-enable-prefix-caching")
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise ValueError(f"{spec.num_speculative_blocks} speculative state slots per request (speculative decoding) "
+                         "are not supported yet")
     (a, b), (heads, head_dim, state_size) = spec.shapes
     conv_dim, window = (a, b) if conv_dim_first else (b, a)
     groups_local, rest = divmod(conv_dim - heads * head_dim, 2 * state_size)

@@ -161,7 +161,9 @@ class WorkerSide:
             return out
         self._follow_registration()
         now = time.monotonic()
-        for request_id in self.client.take_lost() & self._reading.keys():  # in flight when the daemon went away
+        lost = self.client.take_lost()
+        self._releasing -= lost  # their holds end with the lost registration or their lease
+        for request_id in lost & self._reading.keys():  # in flight when the daemon went away
             self.stats.record_failed_read("lost", now - self._reading.pop(request_id))
             self._failed_now.add(request_id)
         for request_id in self._failed_now:
