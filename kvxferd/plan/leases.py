@@ -5,7 +5,8 @@ publishes what ends. Every hold ends exactly once::
 
     hold ──► (notices from readers) ──► all expected readers reported ──► CONSUMED
       │                                                                    (blocks freed)
-      ├──► lease runs out (renewals push it back) ──────────────────────► EXPIRED
+      ├──► lease runs out (renewals push it back, never past
+      │    max_hold_s after the hold began) ────────────────────────────► EXPIRED
       └──► engine releases it / goes away ───────────────────────────────► EXPIRED
 
 With a :class:`HoldBoard`, a hold's tag is on the board from ``hold`` until
@@ -60,6 +61,7 @@ class NoticeOutcome:
 class _Hold:
     block_ids: tuple
     expires_s: float
+    ends_by_s: float  # no renewal pushes expires_s past this: a hold cannot pin blocks forever
     token: int  # tells this hold's heap entry from a former hold of the same request id
     tag: int  # on the board while held
     expected: int | None = None
@@ -69,8 +71,9 @@ class _Hold:
 class HoldTable:
     """Holds of one engine rank, by the engine's request id (not thread-safe); ``board`` mirrors them."""
 
-    def __init__(self, board: HoldBoard | None = None) -> None:
+    def __init__(self, board: HoldBoard | None = None, max_hold_s: float = float("inf")) -> None:
         self.board = board
+        self.max_hold_s = max_hold_s  # a hold's whole life, renewals included
         self._holds: dict[str, _Hold] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (expires_s at push, token, request id)
         self._tokens = itertools.count()
@@ -84,21 +87,23 @@ class HoldTable:
             raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
         if request_id in self._holds:
             raise InvalidArgumentError("request_id", f"request {request_id!r} is already held")
-        entry = _Hold(block_ids, now + lease_s, next(self._tokens), hold_tag(request_id))
+        ends_by_s = now + self.max_hold_s
+        entry = _Hold(block_ids, min(now + lease_s, ends_by_s), ends_by_s, next(self._tokens), hold_tag(request_id))
         if self.board is not None:
             self.board.add(entry.tag)  # may refuse (both buckets full): then nothing is held
         self._holds[request_id] = entry
         heapq.heappush(self._deadlines, (entry.expires_s, entry.token, request_id))
 
     def renew(self, request_ids, lease_s: float, now: float) -> list[str]:
-        """Push leases to at least ``now + lease_s``; returns the ids not held."""
+        """Push leases to at least ``now + lease_s`` (at most ``max_hold_s`` after each hold began);
+        returns the ids not held."""
         unknown = []
         for request_id in request_ids:
             entry = self._holds.get(request_id)
             if entry is None or entry.expires_s <= now:
                 unknown.append(request_id)
             else:
-                entry.expires_s = max(entry.expires_s, now + lease_s)
+                entry.expires_s = max(entry.expires_s, min(now + lease_s, entry.ends_by_s))
         return unknown
 
     def release(self, request_id: str) -> HoldEnd:

@@ -50,7 +50,7 @@ class DaemonConfig(BaseSettings):
     tls_key: str | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: str | None = Field(None, description="PEM CA bundle that peers' certificates must chain to")
     peer_allowed_ids: list[str] = Field([], description="peer identities allowed on the peer port (certificate SANs "
-                                        "such as spiffe://... or DNS names, or CN=...; shell wildcards), comma-separated")
+                                        "such as spiffe://... or DNS names, or CN=...; * and ? never cross /), comma-separated")
     peer_server_name: str = Field("kvxferd-peer", description="DNS name every peer's certificate carries; checked "
                                   "when this daemon dials a peer")
     notify_curve_secret_key: str | None = Field(None, description="Z85 CURVE secret key of the notify bus: turns on "
@@ -72,6 +72,8 @@ class DaemonConfig(BaseSettings):
     lease_s: float = Field(30.0, gt=0, description="default lease of held blocks and of engine registrations (s)")
     deadline_s: float = Field(30.0, gt=0, description="default deadline of a read (s)")
     max_lease_s: float = Field(600.0, gt=0, description="longest lease an engine or peer may ask for (holds, registrations, renewals) (s)")
+    max_hold_s: float = Field(1800.0, gt=0, description="longest a request's blocks may stay held in all, renewals "
+                              "included (s); then the hold ends EXPIRED")
     max_deadline_s: float = Field(600.0, gt=0, description="longest read deadline an engine may ask for (s)")
     max_engines: int = Field(64, ge=1, description="engine ranks registered on this daemon at once")
     max_holds_per_engine: int = Field(100_000, ge=1, le=10_000_000, description="requests one engine rank may hold at "

@@ -60,6 +60,7 @@ EXIT_CONFIG, EXIT_STARTUP = 2, 3
 GIL_SWITCH_INTERVAL_S = 200e-6
 LOOP_STALL_S = 0.25  # the maintenance tick waking this late is logged and counted
 IDLE_TICK_S = 1.0  # maintenance tick with nothing held and nothing read (idle CPU)
+TLS_CHECK_S = 1.0  # how often the TLS files are looked at between handshakes (three stats)
 # Full names (kvxfer.v1.*); importing the *_pb2 modules also puts their descriptors where reflection looks.
 SERVICES = tuple(module.DESCRIPTOR.services_by_name[name].full_name
                  for module, name in ((engine_service_pb2, "EngineService"), (peer_service_pb2, "PeerService")))
@@ -71,9 +72,11 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca) if config.tls else None
+        self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca, server_name=config.peer_server_name,
+                            allowed_ids=tuple(config.peer_allowed_ids)) if config.tls else None
         if self.tls is not None:
             self.tls.on_reload = self.metrics.tls_reloads.inc
+            self.tls.on_refused = self.metrics.tls_refused.inc
         self.engine_token = read_token(config.engine_token_file) if config.engine_token_file else None
         self.socket_path = config.engine_socket_path
         self.reads = ReadPath(self)
@@ -122,7 +125,7 @@ class Daemon:
                                      default_lease_s=config.lease_s, max_lease_s=config.max_lease_s,
                                      fd_inbox=self._fd_inbox, max_engines=config.max_engines,
                                      max_registered_bytes=config.max_registered_bytes,
-                                     max_holds=config.max_holds_per_engine,
+                                     max_holds=config.max_holds_per_engine, max_hold_s=config.max_hold_s,
                                      populate_host_memory=config.populate_host_memory)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
@@ -220,7 +223,7 @@ class Daemon:
     async def _maintenance(self) -> None:
         tick_s = min(0.2, self.config.lease_s / 10)  # expiry is exact at notice time; the tick only publishes it
         renew_every_s = self.config.lease_s / 3
-        last_renew = last_probe = time.monotonic()
+        last_renew = last_probe = last_tls_check = time.monotonic()
         while not self._stopping.is_set():
             busy, slept_from = self._has_work(), time.monotonic()
             wait_s = tick_s if busy else max(tick_s, IDLE_TICK_S)
@@ -238,6 +241,9 @@ class Daemon:
                 if now - last_renew >= renew_every_s:
                     last_renew = now
                     self.spawn(self._renew_waiting_reads(now - renew_every_s))
+                if self.tls is not None and now - last_tls_check >= TLS_CHECK_S:
+                    last_tls_check = now  # a rotation is used, or refused loudly, without waiting for a handshake
+                    self.tls.current()
                 if now - last_probe >= self.config.peer_check_s:
                     last_probe = now
                     self.spawn(self._probe_peers())

@@ -50,6 +50,8 @@ class Metrics:
         self.insecure_listeners = Gauge("kvxferd_insecure_listeners", "listeners reachable from other hosts without "
                                         "authentication (only with --insecure)", registry=r)
         self.tls_reloads = Counter("kvxferd_tls_reloads", "times changed TLS files were loaded", registry=r)
+        self.tls_refused = Counter("kvxferd_tls_refused", "times a changed certificate was refused (expired, not "
+                                   "yet valid, or off its identity): the previous one stays in use", registry=r)
         self.fd_socket_refused = Counter("kvxferd_fd_socket_refused", "fd-socket connections refused", ["reason"],
                                          registry=r)
         self.rpc_errors = Counter("kvxferd_rpc_errors", "RPCs answered with an error status", ["method", "code"],

@@ -18,9 +18,11 @@ does not match its certificate yet) keeps the previous files in use.
 
 from __future__ import annotations
 
-import fnmatch
+import datetime
+import functools
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -46,37 +48,56 @@ class TlsMaterial:
 class TlsFiles:
     """``tls_cert``, ``tls_key`` and ``tls_ca``, re-read when any of them changes (thread-safe)."""
 
-    def __init__(self, cert_path: str, key_path: str, ca_path: str) -> None:
+    def __init__(self, cert_path: str, key_path: str, ca_path: str, *, server_name: str | None = None,
+                 allowed_ids: tuple[str, ...] = ()) -> None:
         self.paths = (cert_path, key_path, ca_path)
+        # What our own certificate must say: peers check it for server_name and, when we connect
+        # to them, against their allow-list (the same list, in one deployment).
+        self.server_name, self.allowed_ids = server_name, tuple(allowed_ids)
         self._lock = threading.Lock()
         self._stamp = None
         self._material: TlsMaterial | None = None
         self.num_reloads = 0
         self.on_reload = None  # called (no arguments) after changed files were loaded
+        self.on_refused = None  # called (no arguments) when changed files were refused
+        self.refused_error = ""  # why the files were last refused
         if self.current() is None:
-            raise InvalidArgumentError("tls_cert", "could not read tls_cert, tls_key and tls_ca")
+            raise InvalidArgumentError("tls_cert", f"could not use tls_cert, tls_key and tls_ca: {self.refused_error}")
 
     def _stat(self):
         return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in map(os.stat, self.paths))
 
     def current(self) -> TlsMaterial | None:
-        """The newest readable material (None only if it was never readable)."""
+        """The newest usable material (None only if there never was any)."""
         with self._lock:
             try:
                 stamp = self._stat()
                 if stamp != self._stamp:
                     cert, key, ca = (open(p, "rb").read() for p in self.paths)
                     _check_pair(cert, key, ca)
+                    try:
+                        check_own_certificate(cert, self.server_name, self.allowed_ids)
+                    except InvalidArgumentError as err:  # whole, but not a certificate to serve
+                        self._refuse(str(err), counted=True)
+                        return self._material
                     generation = self._material.generation + 1 if self._material else 0
-                    self._material, self._stamp = TlsMaterial(cert, key, ca, generation), stamp
+                    self._material, self._stamp, self.refused_error = TlsMaterial(cert, key, ca, generation), stamp, ""
                     if generation:
                         self.num_reloads += 1
                         log.info("TLS files reloaded", extra={"generation": generation})
                         if self.on_reload is not None:
                             self.on_reload()
-            except (OSError, InvalidArgumentError) as err:
-                log.warning("TLS files unreadable; keeping the previous ones", extra={"error": str(err)})
+            except (OSError, InvalidArgumentError) as err:  # unreadable, or a rotation still half-written
+                self._refuse(str(err), counted=False)
             return self._material
+
+    def _refuse(self, error: str, *, counted: bool) -> None:
+        """Keep the previous files; say why once per distinct reason (the files are looked at every second)."""
+        if error != self.refused_error:
+            log.warning("TLS files not used; keeping the previous ones", extra={"error": error})
+            if counted and self.on_refused is not None and self._material is not None:
+                self.on_refused()
+        self.refused_error = error
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Server credentials requiring a client certificate; each new handshake sees rotated files."""
@@ -112,6 +133,37 @@ def _check_pair(cert: bytes, key: bytes, ca: bytes) -> None:
         raise InvalidArgumentError("tls_key", "the key does not belong to tls_cert")
 
 
+def certificate_identities(cert: x509.Certificate) -> tuple[str, ...]:
+    """A certificate's identities as :func:`peer_identities` names them: SANs (DNS, URI, IP), then ``CN=``."""
+    names: list[str] = []
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names += [str(v) for kind in (x509.DNSName, x509.UniformResourceIdentifier, x509.IPAddress)
+                  for v in san.get_values_for_type(kind)]
+    except x509.ExtensionNotFound:
+        pass
+    names += [f"CN={a.value}" for a in cert.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)]
+    return tuple(names)
+
+
+def check_own_certificate(cert_pem: bytes, server_name: str | None, allowed_ids: tuple[str, ...],
+                          now: datetime.datetime | None = None) -> None:
+    """Refuse our own certificate if it is not valid now, lacks ``server_name`` as a DNS name, or has no
+    identity on ``allowed_ids`` (peers would refuse it: better keep the one that works)."""
+    leaf = x509.load_pem_x509_certificate(cert_pem)
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    if now < leaf.not_valid_before_utc:
+        raise InvalidArgumentError("tls_cert", f"not valid before {leaf.not_valid_before_utc.isoformat()}")
+    if now > leaf.not_valid_after_utc:
+        raise InvalidArgumentError("tls_cert", f"expired at {leaf.not_valid_after_utc.isoformat()}")
+    identities = certificate_identities(leaf)
+    if server_name and server_name not in identities:
+        raise InvalidArgumentError("tls_cert", f"does not name {server_name!r} (peer_server_name) as a DNS name")
+    if allowed_ids and not any(identity_matches(i, p) for i in identities for p in allowed_ids):
+        raise InvalidArgumentError("tls_cert", f"none of its identities {', '.join(identities)[:200]} is on "
+                                               "peer_allowed_ids")
+
+
 def _server_config(material: TlsMaterial):
     return grpc.ssl_server_certificate_configuration([(material.key, material.cert)], material.ca)
 
@@ -124,12 +176,26 @@ def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
     return tuple(names)
 
 
+@functools.lru_cache(maxsize=256)
+def _identity_pattern(pattern: str) -> re.Pattern:
+    # Every other character is literal: no [classes], and a wildcard never crosses "/", so
+    # spiffe://td/ns/*/sa/kvxferd names one namespace segment, never ns/a/b/sa/kvxferd.
+    parts = ("[^/]*" if c == "*" else "[^/]" if c == "?" else re.escape(c) for c in pattern)
+    return re.compile("".join(parts), re.DOTALL)
+
+
+def identity_matches(identity: str, pattern: str) -> bool:
+    """Whether a certificate identity matches an allow-list pattern: ``*`` any run and ``?`` one
+    character, neither crossing ``/``; everything else literal, case-sensitive."""
+    return _identity_pattern(pattern).fullmatch(identity) is not None
+
+
 def authorize_peer(context: grpc.aio.ServicerContext, allowed: tuple[str, ...]) -> str:
-    """The first identity of the caller on the allow-list (shell wildcards); raises otherwise."""
+    """The first identity of the caller on the allow-list (:func:`identity_matches`); raises otherwise."""
     identities = peer_identities(context)
     if not identities:
         raise UnauthenticatedError("peer", "no client certificate (mutual TLS is required on this port)")
     for identity in identities:
-        if any(fnmatch.fnmatchcase(identity, pattern) for pattern in allowed):
+        if any(identity_matches(identity, pattern) for pattern in allowed):
             return identity
     raise PermissionDeniedError("peer", f"identity {', '.join(identities)[:200]} is not on peer_allowed_ids")

@@ -89,6 +89,7 @@ class Holder:
 
     agent: NixlAgent
     max_holds: int = 100_000
+    max_hold_s: float = float("inf")  # a hold's whole life, renewals included
     lock: threading.Lock = field(default_factory=threading.Lock)
     # (reader engine id, rank) -> Reader. Written by whoever introduces readers, read here
     # (single dict lookups: atomic under the GIL).
@@ -101,7 +102,7 @@ class Holder:
     progress_wanted: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.holds = HoldTable(HoldBoard(buckets_for(self.max_holds)))
+        self.holds = HoldTable(HoldBoard(buckets_for(self.max_holds)), self.max_hold_s)
         self.agent.register_array(BOARD_KEY, self.holds.board.words)
 
     @property

@@ -91,20 +91,23 @@ def test_every_hold_ends_exactly_once(ops):
 @given(st.lists(st.tuples(st.sampled_from(["hold", "renew", "release", "consume", "expire"]), st.integers(0, 5),
                           st.floats(0.1, 3.0), st.integers(1, 3)), max_size=60))
 def test_expiry_matches_a_brute_force_model(ops):
-    """The heap ends exactly the holds a full scan would, in bounded sweeps, whatever was renewed or reused."""
-    table, model, now = HoldTable(), {}, 0.0  # model: request id -> expires_s
+    """The heap ends exactly the holds a full scan would, in bounded sweeps, whatever was renewed or reused;
+    no renewal keeps a hold past ``max_hold_s`` after it began."""
+    max_hold_s = 2.0
+    table, model, ends_by, now = HoldTable(max_hold_s=max_hold_s), {}, {}, 0.0  # model: request id -> expires_s
     for op, rid_n, seconds, max_ends in ops:
         rid = f"r{rid_n}"
         now += 0.25
         if op == "hold" and rid not in model:
             table.hold(rid, (rid_n,), seconds, now)
-            model[rid] = now + seconds
+            ends_by[rid] = now + max_hold_s
+            model[rid] = min(now + seconds, ends_by[rid])
         elif op == "renew":
             unknown = table.renew([rid], seconds, now)
             alive = rid in model and model[rid] > now
             assert unknown == ([] if alive else [rid])
             if alive:
-                model[rid] = max(model[rid], now + seconds)
+                model[rid] = max(model[rid], min(now + seconds, ends_by[rid]))
         elif op == "release" and rid in model:
             assert table.release(rid).block_ids == (rid_n,)
             del model[rid]

@@ -1,16 +1,20 @@
 """Issue 11: certificates rotate in place (as cert-manager does) without a restart.
 
-Both daemons read the same three files. Replacing them with a certificate
-off the allow-list makes the next handshake fail (the reader presents the
-new certificate on a new connection, the holder refuses it); replacing them
-with a certificate of a *new* CA makes handshakes and reads work again
-(both sides trust the new CA and serve the new certificate). The daemons'
-pids never change.
+Both daemons read the same three files. Replacing them with a certificate of
+a *new* CA makes handshakes and reads work with it (both sides trust the new
+CA and serve the new certificate). Issue 35: a rotation to a certificate the
+daemon must not use (off the allow-list, expired, not yet valid, without the
+peer server name) is refused, counted and logged, and the previous one stays
+in use; a daemon whose first certificate is such one does not start. The
+daemons' pids never change.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import time
 
 import grpc
 import numpy as np
@@ -25,9 +29,9 @@ from tests.security.conftest import SPIFFE
 GROUPS = model_groups("gqa", ModelShape())
 
 
-def install(ca: DevCA, name: str, spiffe_id: str, directory) -> None:
+def install(ca: DevCA, name: str, spiffe_id: str, directory, **issue) -> None:
     """Replace the daemons' files atomically, key first (a rotating Secret mount)."""
-    issued = ca.issue(name, dns_names=("kvxferd-peer",), spiffe_id=spiffe_id)
+    issued = ca.issue(name, **{"dns_names": ("kvxferd-peer",), "spiffe_id": spiffe_id, **issue})
     for source, target in ((issued.key, "tls.key"), (issued.cert, "tls.crt"), (ca.cert_path, "ca.crt")):
         shutil.copyfile(source, directory / f".{target}")
         (directory / f".{target}").replace(directory / target)
@@ -44,10 +48,19 @@ def test_rotation_takes_effect_on_new_connections_without_restart(tmp_path):
         pids = [d.process.pid for d in cluster.daemons]
         decode = cluster.decode_clients[0]
 
-        install(first_ca, "rogue", "spiffe://kvxferd.test/ns/serving/sa/rogue", tls)
-        with pytest.raises(grpc.RpcError) as refused:
-            decode.handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])
-        assert "PERMISSION_DENIED" in refused.value.details() and "rogue" in refused.value.details()
+        unusable = [dict(name="rogue", spiffe_id="spiffe://kvxferd.test/ns/serving/sa/rogue"),
+                    dict(name="expired", spiffe_id=SPIFFE, valid_s=-60, not_before_s=-3600),
+                    dict(name="early", spiffe_id=SPIFFE, not_before_s=3600),
+                    dict(name="no-server-name", spiffe_id=SPIFFE, dns_names=("other",))]
+        for n, issue in enumerate(unusable, start=1):
+            install(first_ca, directory=tls, **issue)
+            deadline = time.monotonic() + 10  # each daemon looks at its files every second
+            while any(d.metric("kvxferd_tls_refused_total") < n for d in cluster.daemons):
+                assert time.monotonic() < deadline, issue["name"]
+                time.sleep(0.2)
+            decode.handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])  # the old one serves
+            assert all(d.metric("kvxferd_tls_refused_total") == n for d in cluster.daemons), issue["name"]
+            assert all(d.metric("kvxferd_tls_reloads_total") == 0 for d in cluster.daemons), issue["name"]
 
         install(second_ca, "daemon-2", SPIFFE, tls)
         cluster.handshake()
@@ -57,4 +70,15 @@ def test_rotation_takes_effect_on_new_connections_without_restart(tmp_path):
         assert cluster.verify(request) == ([], 0)
         assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
         assert [d.process.pid for d in cluster.daemons] == pids and all(d.process.poll() is None for d in cluster.daemons)
-        assert all(d.metric("kvxferd_tls_reloads_total") >= 2 for d in cluster.daemons)
+        assert all(d.metric("kvxferd_tls_reloads_total") == 1 for d in cluster.daemons)
+
+
+def test_a_daemon_does_not_start_on_an_expired_certificate(tmp_path):
+    ca = DevCA(tmp_path / "ca")
+    issued = ca.issue("daemon", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE, valid_s=-60, not_before_s=-3600)
+    args = ["--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", str(ca.cert_path),
+            "--peer-allowed-ids", SPIFFE, "--peer-host", "127.0.0.1", "--peer-port", "0"]
+    done = subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--engine-socket", str(tmp_path / "e.sock"), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "start-up failed" in done.stdout and "expired at" in done.stdout, \
+        (done.returncode, done.stdout[-2000:], done.stderr[-2000:])

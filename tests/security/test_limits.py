@@ -112,7 +112,7 @@ def test_internal_errors_carry_an_id_and_no_detail(caplog):
 
 
 def test_engine_tcp_needs_tls_and_the_token(workdir, ca: DevCA, tmp_path):
-    issued = ca.issue("engine-tcp", dns_names=("kvxferd-engine",), spiffe_id=SPIFFE)
+    issued = ca.issue("engine-tcp", dns_names=("kvxferd-engine", "kvxferd-peer"), spiffe_id=SPIFFE)
     token = "t0ken-" + "x" * 26
     (tmp_path / "token").write_text(token)
     daemon = DaemonProcess("tcp", socket_dir=workdir, extra_args=(
@@ -135,6 +135,33 @@ def test_engine_tcp_needs_tls_and_the_token(workdir, ca: DevCA, tmp_path):
         good.hold("r", [[1]])
         good.deregister()
     finally:
+        daemon.terminate()
+        for arena in arenas:
+            arena.close()
+
+
+def test_renewals_cannot_hold_blocks_past_max_hold_s(workdir):
+    """Issue 35: an engine (or a peer) renewing without end pinned the blocks for ever; a hold's whole life,
+    renewals included, is now at most ``max_hold_s``."""
+    import time
+
+    daemon = DaemonProcess("cap", socket_dir=workdir, extra_args=("--max-hold-s", "2"))
+    arenas, client = [], EngineClient(daemon.engine_target)
+    try:
+        client.register(engine_pb(GROUPS[0], "cap-a", arenas))
+        started = time.monotonic()
+        client.hold("pinned", [[1]], lease_s=1)
+        renewed_until = None
+        while time.monotonic() - started < 4:
+            if client.renew(["pinned"], lease_s=1):  # the id came back unknown: the hold ended
+                renewed_until = time.monotonic() - started
+                break
+            time.sleep(0.2)
+        assert renewed_until is not None and 1.9 < renewed_until < 3.0, renewed_until
+        client.hold("pinned", [[1]], lease_s=1)  # ended, so the id may be held again
+    finally:
+        client.deregister()
+        client.close()
         daemon.terminate()
         for arena in arenas:
             arena.close()
