@@ -42,7 +42,8 @@ PANELS = [
         ("fd socket refused ({{reason}})", f"sum by (reason) (rate(kvxferd_fd_socket_refused_total{SEL}{RATE}))")]),
     ("Security: insecure listeners and TLS reloads", "short", [
         ("insecure listeners ({{pod}})", f"max by (pod) (kvxferd_insecure_listeners{SEL})"),
-        ("TLS reloads ({{pod}})", f"max by (pod) (kvxferd_tls_reloads_total{SEL})")]),
+        ("TLS reloads ({{pod}})", f"max by (pod) (kvxferd_tls_reloads_total{SEL})"),
+        ("TLS certificates refused ({{pod}})", f"max by (pod) (kvxferd_tls_refused_total{SEL})")]),
 ]
 
 

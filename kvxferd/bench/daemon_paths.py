@@ -147,12 +147,15 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             # An engine does not wait for the daemon before its next step: send without blocking.
             if reads_stream:
                 client.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
-                                                      r.local_block_ids, r.remote_block_ids) for r in step])
+                                                      r.local_block_ids, r.remote_block_ids,
+                                                      remote_capabilities=cluster.capabilities[r.remote_request_id])
+                                     for r in step])
             else:
                 (request,) = step
                 calls.append(client.submit_read_async(request.request_id, cluster.prefill_id,
                                                       request.remote_request_id, request.local_block_ids,
-                                                      request.remote_block_ids))
+                                                      request.remote_block_ids,
+                                                      remote_capabilities=cluster.capabilities[request.remote_request_id]))
         offered_s = time.perf_counter() - start
         not_submitted = set()
         for request, call in zip(requests, calls):

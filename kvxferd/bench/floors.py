@@ -331,11 +331,33 @@ def planning(repeat: int = 300) -> dict:
     return rows
 
 
+def sealing(repeat: int = 2000) -> dict:
+    """What a sealed read costs: minting a capability at Hold, and checking one rank's at submit, for a request
+    of 2 blocks and of 512 blocks (one group), in µs (medians)."""
+    from kvxferd.plan.capability import check_read_capabilities, hold_capability
+
+    key, rows = bytes(range(32)), {}
+    for num_blocks in (2, 512):
+        blocks = (np.arange(num_blocks),)
+        capability = hold_capability(key, "r@p", blocks)
+        mint, check = [], []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            hold_capability(key, "r@p", blocks)
+            middle = time.perf_counter()
+            check_read_capabilities([key], "r@p", blocks, [capability])
+            mint.append(middle - start)
+            check.append(time.perf_counter() - middle)
+        rows[f"{num_blocks} blocks"] = {"mint_us": statistics.median(mint) * 1e6,
+                                        "check_us": statistics.median(check) * 1e6}
+    return rows
+
+
 def run() -> dict:
     return {"wakeups_100us": wakeups(), "thread_hop": thread_hop(), "udp_wakeup": udp_wakeup(), "nixl": nixl_notifications(),
             "grpc_stream": grpc_stream(), "grpc_engine_client": grpc_stream_engine_client(),
             "socket_engine_client": socket_engine_client(),
-            "planning_us": planning(), "nixl_progress_thread": nixl_progress.run()}
+            "planning_us": planning(), "sealing_us": sealing(), "nixl_progress_thread": nixl_progress.run()}
 
 
 def format_table(f: dict) -> str:
@@ -359,6 +381,9 @@ def format_table(f: dict) -> str:
     p = f["planning_us"]
     lines.append(f"plan_request, 2 layers x 2 blocks: {p['back to back']:.0f} us back to back, "
                  f"{p['every 3 ms']:.0f} us every 3 ms")
+    for size, row in f.get("sealing_us", {}).items():
+        lines.append(f"sealed read, {size}: {row['mint_us']:.1f} us to mint at Hold, {row['check_us']:.1f} us to "
+                     "check one remote rank's capability")
     if "nixl_progress_thread" in f:
         lines += [""] + nixl_progress.format_lines(f["nixl_progress_thread"])
     return "\n".join(lines)

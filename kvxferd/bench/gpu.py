@@ -69,8 +69,9 @@ class GpuPrefill:
         self.client = EngineClient(engine_target)
         self.client.register(self.engine.register_pb(), lease_s=60.0)
 
-    def hold(self, request_id: str, block_ids: list[np.ndarray]) -> str:
-        return self.client.hold(request_id, block_ids)
+    def hold(self, request_id: str, block_ids: list[np.ndarray]) -> bytes:
+        """Hold; the capability the read must carry."""
+        return self.client.hold(request_id, block_ids).capability
 
     def close(self) -> None:
         self.client.close()
@@ -130,10 +131,11 @@ def _own_memory_s(decode: GpuEngine, groups: tuple[CacheGroup, ...], request: Re
 
 def _daemon_read(prefill: EngineProcess, client: EngineClient, request: ReadRequest) -> float:
     """Hold (untimed), then submit -> completion on the decode engine's Reads session: seconds."""
-    prefill.call("hold", request.remote_request_id, list(request.remote_block_ids))
+    capability = prefill.call("hold", request.remote_request_id, list(request.remote_block_ids))
     start = time.perf_counter()
     client.submit_reads([client.read_spec(request.request_id, PREFILL_ID, request.remote_request_id,
-                                          request.local_block_ids, request.remote_block_ids)])
+                                          request.local_block_ids, request.remote_block_ids,
+                                          remote_capabilities=[capability])])
     completion = client.wait_completion(request.request_id)
     elapsed = time.perf_counter() - start
     if not completion.ok:

@@ -17,6 +17,7 @@ import json
 import time
 
 from kvxferd.bench.common import bench_main, timed
+from kvxferd.plan.capability import HOLD_KEY_BYTES, hold_capability
 from kvxferd.plan.leases import HoldTable
 from kvxferd.plan.notifications import ReadNotice
 
@@ -26,19 +27,20 @@ LEASE_S = 30.0
 
 def measure(num_holds: int) -> dict:
     """Nanoseconds per operation with ``num_holds`` holds outstanding."""
-    table = HoldTable()
+    table = HoldTable(bytes(HOLD_KEY_BYTES))
     ids = [f"r{n}" for n in range(num_holds)]
     start = time.perf_counter()
     for n, request_id in enumerate(ids):  # deadlines spread over 1 s, as holds arrive over time
-        table.hold(request_id, (n,), LEASE_S + n / num_holds, 0.0)
+        table.hold(request_id, ((n,),), LEASE_S + n / num_holds, 0.0)
     hold_ns = (time.perf_counter() - start) / num_holds * 1e9
     start = time.perf_counter()
     table.renew(ids, LEASE_S, 1.0)
     renew_ns = (time.perf_counter() - start) / num_holds * 1e9
     tenth = max(1, num_holds // 10)
+    capabilities = [hold_capability(table.hold_key, request_id, ((n,),)) for n, request_id in enumerate(ids[:tenth])]
     start = time.perf_counter()
-    for request_id in ids[:tenth]:  # one reader each: CONSUMED
-        table.record(ReadNotice(request_id, "reader", 0, 1), 1.0, 1)
+    for request_id, capability in zip(ids[:tenth], capabilities):  # one reader each: CONSUMED
+        table.record(ReadNotice(request_id, "reader", 0, 1, capability=capability), 1.0, 1)
     record_ns = (time.perf_counter() - start) / tenth * 1e9
     start = time.perf_counter()
     for request_id in ids[tenth:2 * tenth]:

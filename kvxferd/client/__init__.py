@@ -9,9 +9,9 @@
 * :class:`DaemonProcess`: start a daemon as a child process (tests, demo).
 """
 
-from kvxferd.client.engine import EngineClient
+from kvxferd.client.engine import EngineClient, Held
 from kvxferd.client.launch import DaemonProcess
 from kvxferd.client.notify import NotifySubscriber
 from kvxferd.client.shm import SharedArena, engine_rank_pb
 
-__all__ = ["DaemonProcess", "EngineClient", "NotifySubscriber", "SharedArena", "engine_rank_pb"]
+__all__ = ["DaemonProcess", "EngineClient", "Held", "NotifySubscriber", "SharedArena", "engine_rank_pb"]

@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import grpc
 
@@ -39,6 +40,13 @@ from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
 from kvxferd.wire.names import SESSION_KEY
 
 ACK_EVERY = 64  # completions received before an ack-only batch (acks ride on read batches otherwise)
+
+
+class Held(NamedTuple):
+    """A placed hold: the registration holding it, and the capability its readers must present."""
+
+    incarnation: str
+    capability: bytes
 
 
 class LostRead(TimeoutError):
@@ -303,24 +311,28 @@ class EngineClient:
                                                        peer_addresses=list(peer_addresses)), timeout=self.timeout_s)
 
     def _read_message(self, request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
-                      num_tokens, deadline_s) -> pb.SubmitReadRequest:
+                      num_tokens, deadline_s, remote_capabilities) -> pb.SubmitReadRequest:
         return pb.SubmitReadRequest(
             engine_id=self.engine_id, request_id=request_id, remote_engine_id=remote_engine_id,
             remote_request_id=remote_request_id, local_block_ids=ids_to_pb(local_block_ids),
-            remote_block_ids=ids_to_pb(remote_block_ids), num_tokens=num_tokens, deadline_s=deadline_s)
+            remote_block_ids=ids_to_pb(remote_block_ids), num_tokens=num_tokens, deadline_s=deadline_s,
+            remote_capabilities=list(remote_capabilities))
 
     def submit_read(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
-                    remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> None:
-        """Submit a read; returns once the daemon accepted it (completion comes later)."""
+                    remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0,
+                    remote_capabilities: Sequence[bytes] = ()) -> None:
+        """Submit a read; returns once the daemon accepted it (completion comes later).
+        ``remote_capabilities``: each remote rank's :attr:`Held.capability` of the hold, in rank order."""
         self.stub.SubmitRead(self._read_message(request_id, remote_engine_id, remote_request_id, local_block_ids,
-                                                remote_block_ids, num_tokens, deadline_s), timeout=self.timeout_s)
+                                                remote_block_ids, num_tokens, deadline_s, remote_capabilities),
+                             timeout=self.timeout_s)
 
     @staticmethod
     def read_spec(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids, remote_block_ids,
-                  *, num_tokens: int = 0, deadline_s: float = 0.0) -> pb.ReadSpec:
-        """One read for :meth:`submit_reads` (block ids per cache group)."""
+                  *, num_tokens: int = 0, deadline_s: float = 0.0, remote_capabilities: Sequence[bytes] = ()) -> pb.ReadSpec:
+        """One read for :meth:`submit_reads` (block ids per cache group; capabilities per remote rank)."""
         return read_spec_to_pb(request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
-                               num_tokens, deadline_s)
+                               num_tokens, deadline_s, remote_capabilities)
 
     def submit_reads(self, reads: Sequence[pb.ReadSpec]) -> None:
         """Send a batch of reads on the Reads stream; never blocks. Refusals come back as completions."""
@@ -333,12 +345,14 @@ class EngineClient:
             self._outbox.put(pb.ReadBatch(reads=reads, ack_seq=ack))
 
     def submit_read_async(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
-                          remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> grpc.Future:
+                          remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0,
+                          remote_capabilities: Sequence[bytes] = ()) -> grpc.Future:
         """Submit without waiting; ``.result()`` raises the daemon's error; ``.call_s`` is the RPC time once done."""
         start = time.perf_counter()
         future = self.stub.SubmitRead.future(self._read_message(request_id, remote_engine_id, remote_request_id,
                                                                 local_block_ids, remote_block_ids, num_tokens,
-                                                                deadline_s), timeout=self.timeout_s)
+                                                                deadline_s, remote_capabilities),
+                                             timeout=self.timeout_s)
         future.add_done_callback(lambda f: setattr(f, "call_s", time.perf_counter() - start))
         return future
 
@@ -369,10 +383,11 @@ class EngineClient:
         return taken
 
     # ---- holds ------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> str:
-        """Hold blocks for readers; the incarnation of the registration that holds them. On the reads
-        socket when this client has a session there (no gRPC call), else the ``Hold`` call; either way a
-        refusal raises :class:`grpc.RpcError` with the daemon's status code."""
+    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> Held:
+        """Hold blocks for readers: the incarnation of the registration that holds them and the hold's
+        capability (readers present it). On the reads socket when this client has a session there (no
+        gRPC call), else the ``Hold`` call; either way a refusal raises :class:`grpc.RpcError` with the
+        daemon's status code."""
         request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
                                  lease_s=lease_s)
         with self._cond:
@@ -382,10 +397,11 @@ class EngineClient:
                 self._hold_answers[request_id] = None
                 stream.put(pb.ReadBatch(holds=[request]))
         if not on_socket:
-            return self.stub.Hold(request, timeout=self.timeout_s).incarnation
+            reply = self.stub.Hold(request, timeout=self.timeout_s)
+            return Held(reply.incarnation, reply.capability)
         return self._hold_answer(stream, request_id)
 
-    def _hold_answer(self, stream: ReadsSocketStream, request_id: str) -> str:
+    def _hold_answer(self, stream: ReadsSocketStream, request_id: str) -> Held:
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             try:
@@ -401,7 +417,7 @@ class EngineClient:
                 self._hold_answers.pop(request_id, None)
         if (error := hold_error(answer)) is not None:
             raise error
-        return answer.incarnation
+        return Held(answer.incarnation, answer.capability)
 
     def _hold_answers_arrived(self, answers) -> None:
         """The reads socket's reader thread: answers to holds sent on it."""

@@ -89,9 +89,10 @@ class PrefillEngine(EngineRanks):
         super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
         self.subscribers = [NotifySubscriber(client) for client in self.clients]
 
-    def hold(self, request: ReadRequest) -> None:
-        for client in self.clients:
-            client.hold(request.remote_request_id, request.remote_block_ids, lease_s=self.lease_s)
+    def hold(self, request: ReadRequest) -> tuple[bytes, ...]:
+        """Hold on every rank; the ranks' capabilities, which the read must carry."""
+        return tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=self.lease_s).capability
+                     for client in self.clients)
 
     def release(self, request: ReadRequest) -> None:
         """Give the blocks back without waiting for readers (the engine's answer to a failed read).
@@ -158,7 +159,8 @@ class DecodeEngine(EngineRanks):
         for client in self.clients:
             client.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
                                                   request.local_block_ids, request.remote_block_ids,
-                                                  num_tokens=request.num_tokens or 0, deadline_s=timeout_s)])
+                                                  num_tokens=request.num_tokens or 0, deadline_s=timeout_s,
+                                                  remote_capabilities=request.remote_capabilities)])
         delivered = [client.wait_completion_timed(request.request_id, timeout_s + 5) for client in self.clients]
         latency_s = time.perf_counter() - start
         completions = [completion for completion, _ in delivered]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -107,7 +108,7 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
             request = random_request(f"{model}-{name}", prefill_groups, decode_groups, args.num_tokens, rng,
                                      cached_tokens=cached_tokens, window_tokens=args.window_tokens,
                                      contiguous=contiguous)
-            prefill.call("hold", request)
+            request = dataclasses.replace(request, remote_capabilities=prefill.call("hold", request))
             result = decode.call("read", request, prefill_id, prefill_groups, args.timeout_s,
                                  timeout_s=args.timeout_s + 30)
             if not result["ok"]:  # what an engine does: give the blocks back at once

@@ -30,7 +30,7 @@ transfer layer's business.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +47,9 @@ class BoardInfo:
 
     address: int  # in the holder's process, registered with its NIXL agent
     num_buckets: int
+    # Seals the capabilities of the holds listed on this board (kvxferd.plan.capability): a reader
+    # checks a read's capability with it before posting. b"": not announced (refused by readers).
+    hold_key: bytes = field(default=b"", repr=False)
 
 
 def hold_tag(request_id: str) -> int:

@@ -39,6 +39,7 @@ class ReadRequest:
     local_block_ids: tuple  # one id sequence per group
     remote_block_ids: tuple
     num_tokens: int | None = None  # needed only when block sizes differ
+    remote_capabilities: tuple = ()  # per remote rank, its hold's (kvxferd.plan.capability)
 
 
 @dataclass(frozen=True, eq=False)

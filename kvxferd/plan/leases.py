@@ -27,11 +27,13 @@ burst of expiries never stalls the caller's event loop.
 from __future__ import annotations
 
 import heapq
+import hmac
 import itertools
 from dataclasses import dataclass, field
 
-from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from kvxferd.plan.board import HoldBoard, hold_tag
+from kvxferd.plan.capability import HOLD_KEY_BYTES, hold_capability
 from kvxferd.plan.notifications import ReadNotice
 
 CONSUMED, EXPIRED = "CONSUMED", "EXPIRED"
@@ -64,6 +66,7 @@ class _Hold:
     ends_by_s: float  # no renewal pushes expires_s past this: a hold cannot pin blocks forever
     token: int  # tells this hold's heap entry from a former hold of the same request id
     tag: int  # on the board while held
+    capability: bytes  # sealed with the table's hold key (kvxferd.plan.capability); notices must carry it
     expected: int | None = None
     readers: dict[tuple[str, int], bool] = field(default_factory=dict)
 
@@ -71,7 +74,10 @@ class _Hold:
 class HoldTable:
     """Holds of one engine rank, by the engine's request id (not thread-safe); ``board`` mirrors them."""
 
-    def __init__(self, board: HoldBoard | None = None, max_hold_s: float = float("inf")) -> None:
+    def __init__(self, hold_key: bytes, board: HoldBoard | None = None, max_hold_s: float = float("inf")) -> None:
+        if len(hold_key) != HOLD_KEY_BYTES:
+            raise InvalidArgumentError("hold_key", f"{len(hold_key)} bytes, a hold key is {HOLD_KEY_BYTES}")
+        self.hold_key = hold_key  # seals every hold's capability; readers learn it at the handshake
         self.board = board
         self.max_hold_s = max_hold_s  # a hold's whole life, renewals included
         self._holds: dict[str, _Hold] = {}
@@ -81,18 +87,20 @@ class HoldTable:
     def __len__(self) -> int:
         return len(self._holds)
 
-    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float) -> None:
-        """Start holding; a request is held at most once at a time."""
+    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float) -> bytes:
+        """Start holding; a request is held at most once at a time. Returns the hold's capability."""
         if lease_s <= 0:
             raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
         if request_id in self._holds:
             raise InvalidArgumentError("request_id", f"request {request_id!r} is already held")
         ends_by_s = now + self.max_hold_s
-        entry = _Hold(block_ids, min(now + lease_s, ends_by_s), ends_by_s, next(self._tokens), hold_tag(request_id))
+        entry = _Hold(block_ids, min(now + lease_s, ends_by_s), ends_by_s, next(self._tokens), hold_tag(request_id),
+                      hold_capability(self.hold_key, request_id, block_ids))
         if self.board is not None:
             self.board.add(entry.tag)  # may refuse (both buckets full): then nothing is held
         self._holds[request_id] = entry
         heapq.heappush(self._deadlines, (entry.expires_s, entry.token, request_id))
+        return entry.capability
 
     def renew(self, request_ids, lease_s: float, now: float) -> list[str]:
         """Push leases to at least ``now + lease_s`` (at most ``max_hold_s`` after each hold began);
@@ -125,6 +133,11 @@ class HoldTable:
         entry = self._holds.get(notice.request_id)
         if entry is None or entry.expires_s <= now:
             return NoticeOutcome(alive=False)
+        if not hmac.compare_digest(notice.capability, entry.capability):
+            # Only a reader given this hold's capability may count for it (another tenant's reader
+            # naming this request id must not end it).
+            raise PermissionDeniedError("notification.capability",
+                                        f"request {notice.request_id!r}: not the capability of this hold")
         expected = entry.expected if expected_readers is None else expected_readers
         if expected is not None and expected != notice.expected_readers:
             raise InvalidArgumentError("notification.expected_readers",

@@ -24,7 +24,9 @@ each way), validated field by field on decode: it comes from peers::
          6     2  expected        u16: readers to expect, >= 1
          8     2  len(request_id)         u16, 1..MAX_ID_BYTES
         10     2  len(reader_engine_id)   u16, 1..MAX_ID_BYTES
-        12     .  request_id, reader_engine_id (UTF-8), nothing after
+        12    16  capability      the hold's (:mod:`kvxferd.plan.capability`): a notice
+                                  ends only a hold its sender was given
+        28     .  request_id, reader_engine_id (UTF-8), nothing after
 
 A reader also sends each holder one ``HELLO`` (3 bytes) when it connects:
 UCX picks its protocol for a new connection's first notification, which
@@ -38,20 +40,22 @@ import struct
 from dataclasses import dataclass
 
 from kvxferd.errors import InvalidArgumentError
+from kvxferd.plan.capability import CAPABILITY_BYTES
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the hold's capability
 MAX_ID_BYTES = 512
-_HEADER = struct.Struct("<2sBBHHHH")
+_HEADER = struct.Struct(f"<2sBBHHHH{CAPABILITY_BYTES}s")
 _NOTICE = b"KN"
 _OK, _ALONE = 1, 2  # flag bits
 HELLO = b"KH\x01"  # sent once per connection; ignored by the holder
 
 
-def _decode(message: bytes, field: str = "notification") -> tuple[int, int, int, str, str]:
-    """(flags, reader_rank, expected, request_id, reader_engine_id) of a peer's record, every field checked."""
+def _decode(message: bytes, field: str = "notification") -> tuple[int, int, int, bytes, str, str]:
+    """(flags, reader_rank, expected, capability, request_id, reader_engine_id) of a peer's record, every
+    field checked."""
     if not isinstance(message, (bytes, bytearray)) or len(message) < _HEADER.size:
         raise InvalidArgumentError(field, f"not a kvxferd {field}: {len(message or b'')} bytes")
-    got_magic, version, flags, reader_rank, expected, rid_len, eid_len = _HEADER.unpack_from(message)
+    got_magic, version, flags, reader_rank, expected, rid_len, eid_len, capability = _HEADER.unpack_from(message)
     if got_magic != _NOTICE:
         raise InvalidArgumentError(field, f"not a kvxferd {field}: starts with {bytes(message[:2])!r}")
     if version != RECORD_VERSION:
@@ -67,7 +71,7 @@ def _decode(message: bytes, field: str = "notification") -> tuple[int, int, int,
         reader_engine_id = bytes(message[_HEADER.size + rid_len:]).decode()
     except UnicodeDecodeError as err:
         raise InvalidArgumentError(field, f"ids are not UTF-8: {err}") from None
-    return flags, reader_rank, expected, request_id, reader_engine_id
+    return flags, reader_rank, expected, capability, request_id, reader_engine_id
 
 
 @dataclass(frozen=True)
@@ -80,17 +84,19 @@ class ReadNotice:
     expected_readers: int
     ok: bool = True
     alone: bool = False  # the reader's READs of this holder ended within their posts (no progress needed)
+    capability: bytes = bytes(CAPABILITY_BYTES)  # of the hold on the receiving rank
 
     def encode(self) -> bytes:
         rid, eid = self.request_id.encode(), self.reader_engine_id.encode()
         flags = (_OK if self.ok else 0) | (_ALONE if self.alone else 0)
         return _HEADER.pack(_NOTICE, RECORD_VERSION, flags, self.reader_rank, self.expected_readers,
-                            len(rid), len(eid)) + rid + eid
+                            len(rid), len(eid), self.capability) + rid + eid
 
     @classmethod
     def decode(cls, message: bytes) -> "ReadNotice":
         """Parse a peer's message; raises :class:`InvalidArgumentError` naming the field."""
-        flags, reader_rank, expected, request_id, reader_engine_id = _decode(message)
+        flags, reader_rank, expected, capability, request_id, reader_engine_id = _decode(message)
         if expected < 1:
             raise InvalidArgumentError("notification.expected_readers", "a notice must expect at least one reader")
-        return cls(request_id, reader_engine_id, reader_rank, expected, bool(flags & _OK), bool(flags & _ALONE))
+        return cls(request_id, reader_engine_id, reader_rank, expected, bool(flags & _OK), bool(flags & _ALONE),
+                   capability)

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvxferd.errors import KvxferError
+from kvxferd.errors import KvxferError, PermissionDeniedError
 from kvxferd.plan.engine import PlannedRead, ReadRequest
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -267,6 +267,8 @@ class DataPlane:
             self._metrics.notices_dropped.labels("foreign").inc()
         elif kind == "bad":
             self._metrics.notices_dropped.labels("malformed").inc()
+        elif kind == "unsealed":
+            self._metrics.notices_dropped.labels("unsealed").inc()
         elif kind == "late":
             self._metrics.late_notices.inc()
         elif kind == "waited":
@@ -374,6 +376,10 @@ class DataPlane:
         try:
             read.remote, read.planned, read.inflight = read.slot.executor.post_current(
                 read.remote, read.planned, read.submitted_s, notify=False)
+        except PermissionDeniedError as err:  # not sealed by the holders it would read from: refused
+            read.refusal = err
+            read.transfer = error_result(read, str(err))
+            return ReadFailure.REFUSED
         except KvxferError as err:
             read.transfer = error_result(read, str(err))
             return ReadFailure.REMOTE_GONE

@@ -37,8 +37,9 @@ def lease_seconds(daemon: "DaemonParts", value: float) -> float:
     return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
 
 
-def place_hold(daemon: "DaemonParts", slot: "EngineSlot", request: pb.HoldRequest) -> None:
-    """Hold ``request``'s blocks on ``slot`` (event-loop thread); raises a typed error, holding nothing."""
+def place_hold(daemon: "DaemonParts", slot: "EngineSlot", request: pb.HoldRequest) -> bytes:
+    """Hold ``request``'s blocks on ``slot`` (event-loop thread); the hold's capability (readers must present
+    it). Raises a typed error, holding nothing."""
     daemon.registry.check_accepting()
     check_id(request.request_id, "request_id")
     block_ids = check_block_ids(request.block_ids, slot, "block_ids")
@@ -47,7 +48,8 @@ def place_hold(daemon: "DaemonParts", slot: "EngineSlot", request: pb.HoldReques
     if len(slot.holds) >= limit:
         raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
     with slot.lock:
-        slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
+        capability = slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
     if len(slot.holds) == 1:
         daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         daemon.wake_maintenance()  # and from the idle tick to the lease tick
+    return capability

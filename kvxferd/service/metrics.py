@@ -45,8 +45,8 @@ class Metrics:
                                       "every poll_interval_s for 10 s", registry=r)
         self.events = Counter("kvxferd_notify_events", "notify-bus events published", ["kind"], registry=r)
         self.notices_dropped = Counter("kvxferd_notices_dropped", "read notices dropped: from a NIXL agent not "
-                                       "introduced for that reader (foreign: forged or stale), or not a valid notice "
-                                       "(malformed)", ["reason"], registry=r)
+                                       "introduced for that reader (foreign: forged or stale), not a valid notice "
+                                       "(malformed), or without the hold's capability (unsealed)", ["reason"], registry=r)
         self.insecure_listeners = Gauge("kvxferd_insecure_listeners", "listeners reachable from other hosts without "
                                         "authentication (only with --insecure)", registry=r)
         self.tls_reloads = Counter("kvxferd_tls_reloads", "times changed TLS files were loaded", registry=r)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError,
                             UnavailableError)
+from kvxferd.plan.capability import check_read_capabilities, sealed_by_other_keys
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import INLINE_MAX_BYTES, DaemonRead, ReadDone, error_result
@@ -81,11 +82,21 @@ class ReadPath:
             raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet")
         deadline_at_s = received_s + check_seconds(deadline_s, "deadline_s", default_s=config.deadline_s,
                                                    max_s=config.max_deadline_s)
+        if link.ready and sealed_by_other_keys(link.remote.hold_keys, request.remote_capabilities):
+            # A holder registered again (restarted) since this link's handshake: learn its new key first
+            # (an engine sending made-up key ids only makes its own link re-handshake).
+            link.stale = True
         # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often land
         # on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
         plan_there = not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
         # bad ids fail here, before anything is posted (or there, as a refusal)
         planned = None if plan_there else link.remote.plan.plan_request(request)
+        # Only blocks the holders sealed for this request: refused here (after the ids, whose errors
+        # name them), with nothing posted. While the link is re-handshaking (a holder restarted, with a
+        # new key) the executor checks when it posts, against the new link.
+        if link.ready:
+            check_read_capabilities(link.remote.hold_keys, request.remote_request_id, request.remote_block_ids,
+                                    request.remote_capabilities)
         active = slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id,
                                                               time.monotonic())
         read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request, active=active)

@@ -178,8 +178,9 @@ class ReadSession(asyncio.Protocol):
             if request.engine_id and request.engine_id != self.slot.engine_id:
                 raise InvalidArgumentError("engine_id", f"this session belongs to {self.slot.engine_id!r}")
             try:
-                place_hold(self.daemon, self.slot, request)
-                answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=self.slot.incarnation))
+                capability = place_hold(self.daemon, self.slot, request)
+                answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=self.slot.incarnation,
+                                             capability=capability))
             except KvxferError as err:  # one hold refused: answered, the session goes on
                 code = status_code(err)
                 self.daemon.metrics.rpc_errors.labels("Hold", code.name).inc()

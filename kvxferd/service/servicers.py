@@ -176,8 +176,8 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
     @rpc
     async def Hold(self, request, context):
         slot = self._slot(request.engine_id, context)
-        place_hold(self.daemon, slot, request)
-        return pb.HoldReply(incarnation=slot.incarnation)
+        capability = place_hold(self.daemon, slot, request)
+        return pb.HoldReply(incarnation=slot.incarnation, capability=capability)
 
     @rpc
     async def RenewLease(self, request, context):

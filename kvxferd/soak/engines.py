@@ -72,9 +72,15 @@ class SoakPrefill(SoakRanks):
     def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
         super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
 
-    def hold(self, request_id: str, block_ids, lease_s: float) -> list[str]:
-        """Hold on every rank; per rank "ok", or the status code name of a failed call."""
-        return [_call(lambda c=client: c.hold(request_id, block_ids, lease_s=lease_s)) for client in self.clients]
+    def hold(self, request_id: str, block_ids, lease_s: float) -> list[tuple[str, bytes]]:
+        """Hold on every rank; per rank ("ok", its capability), or (the status code name of a failed call, b"")."""
+        held: dict[int, bytes] = {}
+
+        def hold_on(rank: int, client) -> None:
+            held[rank] = client.hold(request_id, block_ids, lease_s=lease_s).capability
+
+        answers = [_call(lambda r=rank, c=client: hold_on(r, c)) for rank, client in enumerate(self.clients)]
+        return [(answer, held.get(rank, b"")) for rank, answer in enumerate(answers)]
 
     def release(self, request_id: str) -> list[str]:
         """Give the blocks back on every rank (what an engine does when the read failed)."""
@@ -121,7 +127,8 @@ class SoakDecode(SoakRanks):
         for client in self.clients:
             client.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
                                                   request.local_block_ids, request.remote_block_ids,
-                                                  num_tokens=request.num_tokens or 0, deadline_s=deadline_s)])
+                                                  num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
+                                                  remote_capabilities=request.remote_capabilities)])
         ranks = []
         for rank, client in enumerate(self.clients):
             try:

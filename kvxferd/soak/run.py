@@ -14,12 +14,14 @@ One run::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from multiprocessing import shared_memory
 
 import numpy as np
 
+from kvxferd.plan.capability import CAPABILITY_BYTES
 from kvxferd.soak import badinput
 from kvxferd.soak.configs import SoakConfig, draw_config
 from kvxferd.soak.daemons import DaemonLife, DaemonSet, leaks, measure
@@ -252,8 +254,12 @@ class Soak:
         prefill_id = self._engine_id("prefill")
         if self.prefill.process.is_alive():
             answers = self.prefill.call("hold", request.remote_request_id, request.remote_block_ids, lease_s)
-            for rank, answer in enumerate(answers):
+            for rank, (answer, _) in enumerate(answers):
                 self.ledger.placed(rank, prefill_id, request.remote_request_id, answer)
+            # A rank that could not hold gives no capability: the read is then refused before it moves a
+            # byte (an engine would not send it at all).
+            capabilities = tuple(capability or bytes(CAPABILITY_BYTES) for _, capability in answers)
+            request = dataclasses.replace(request, remote_capabilities=capabilities)
         if kind in AFTER_THE_HOLD and not mid:
             effect = self.act(kind, request)
         if kind == "lease_expiry":

@@ -11,6 +11,7 @@ read is checked against the holder's board as in the daemon.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from kvxferd.plan.engine import ReadRequest, expected_readers
@@ -39,6 +40,7 @@ class LocalCluster(DecodeChecks):
         self.executors = [ReadExecutor(NixlAgent(f"{self.decode_id}-{r}"), engine.cache) for r, engine in enumerate(self.decode)]
         # Each prefill rank knows its readers as a daemon learns them at the introduction.
         self.holders = [Holder(agent) for agent in self.prefill_agents]
+        self.capabilities: dict[str, tuple[bytes, ...]] = {}  # remote request id -> its last hold's, per rank
         for holder, engine in zip(self.holders, self.prefill):
             expected = expected_readers(engine.cache, decode_tp)
             for r, executor in enumerate(self.executors):
@@ -60,11 +62,20 @@ class LocalCluster(DecodeChecks):
         for executor in self.executors:
             executor.connect(caches, metadata, boards)
 
+    def hold(self, request: ReadRequest, lease_s: float = HOLD_LEASE_S) -> ReadRequest:
+        """Hold ``request`` on every prefill rank; the request with the ranks' capabilities (also kept for
+        later reads of its remote request)."""
+        capabilities = tuple(holder.hold(request.remote_request_id, request.remote_block_ids, lease_s)
+                             for holder in self.holders)
+        self.capabilities[request.remote_request_id] = capabilities
+        return dataclasses.replace(request, remote_capabilities=capabilities)
+
     def read(self, request: ReadRequest, timeout_s: float = 30.0, *, hold: bool = True) -> list[ReadResult]:
         """Every decode rank reads ``request``; prefill ranks hold it first."""
         if hold:
-            for holder in self.holders:
-                holder.hold(request.remote_request_id, request.remote_block_ids, HOLD_LEASE_S)
+            self.hold(request)
+        if not request.remote_capabilities:  # those of the last hold of its remote request, if any
+            request = dataclasses.replace(request, remote_capabilities=self.capabilities.get(request.remote_request_id, ()))
         inflight = [executor.post(self.prefill_id, request) for executor in self.executors]
         return [executor.wait(f, timeout_s) for executor, f in zip(self.executors, inflight)]
 

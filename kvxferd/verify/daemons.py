@@ -32,6 +32,7 @@ class DaemonCluster(DecodeChecks):
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
         self.workdir, self.lease_s, self.daemon_args = workdir, lease_s, daemon_args
+        self.capabilities: dict[str, tuple[bytes, ...]] = {}  # remote request id -> its last hold's, per rank
         self.arenas: list[SharedArena] = []
         self.daemons: list[DaemonProcess] = []
         self.clients: list[EngineClient] = []
@@ -94,21 +95,28 @@ class DaemonCluster(DecodeChecks):
         for client in self.decode_clients:
             client.handshake(self.prefill_id, addresses)
 
-    def hold(self, request: ReadRequest, *, lease_s: float = 0.0) -> None:
-        for client in self.prefill_clients:
-            client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s)
+    def hold(self, request: ReadRequest, *, lease_s: float = 0.0) -> tuple[bytes, ...]:
+        """Hold on every prefill rank; the ranks' capabilities (also kept for :meth:`submit`)."""
+        capabilities = tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s).capability
+                             for client in self.prefill_clients)
+        self.capabilities[request.remote_request_id] = capabilities
+        return capabilities
 
     def submit(self, request: ReadRequest, *, deadline_s: float = 0.0) -> None:
-        """Every decode rank submits ``request`` (a batch of one on its Reads stream, or unary SubmitRead)."""
+        """Every decode rank submits ``request`` (a batch of one on its Reads stream, or unary SubmitRead),
+        with ``request.remote_capabilities``, else those of the cluster's last hold of its remote request."""
+        capabilities = request.remote_capabilities or self.capabilities.get(request.remote_request_id, ())
         for client in self.decode_clients:
             if client.reads_stream:
                 client.submit_reads([client.read_spec(
                     request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
-                    request.remote_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s)])
+                    request.remote_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
+                    remote_capabilities=capabilities)])
             else:
                 client.submit_read(request.request_id, self.prefill_id, request.remote_request_id,
                                    request.local_block_ids, request.remote_block_ids,
-                                   num_tokens=request.num_tokens or 0, deadline_s=deadline_s)
+                                   num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
+                                   remote_capabilities=capabilities)
 
     def completions(self, request: ReadRequest, timeout_s: float = 30.0) -> list[pb.Completion]:
         return [client.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]

@@ -216,6 +216,12 @@ class DecodeChecks:
         for engine in self.decode:
             engine.reset()
 
+    def decode_untouched(self) -> bool:
+        """Whether every decode rank's memory still holds the sentinel everywhere since :meth:`reset_decode`
+        (a refused read must write nothing)."""
+        return all(engine.gaps_intact() and all(np.all(buf == SENTINEL) for group in engine.buffers for buf in group)
+                   for engine in self.decode)
+
     def close(self) -> None:
         raise NotImplementedError
 

@@ -16,6 +16,7 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError, KvxferError
 from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheSpec, CacheStrides, MambaSpec
 from kvxferd.layout.strided import ITEMSIZES
+from kvxferd.plan.capability import check_capability_bytes
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -206,31 +207,39 @@ def unpack_ids(data: bytes, sizes: Sequence[int], field: str) -> tuple[np.ndarra
 
 
 def read_spec_to_pb(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
-                    remote_block_ids, num_tokens: int = 0, deadline_s: float = 0.0) -> pb.ReadSpec:
-    """One read of a ``Reads`` batch (ids packed)."""
+                    remote_block_ids, num_tokens: int = 0, deadline_s: float = 0.0,
+                    remote_capabilities=()) -> pb.ReadSpec:
+    """One read of a ``Reads`` batch (ids packed; ``remote_capabilities``: each remote rank's HoldReply's)."""
     local, local_sizes = pack_ids(local_block_ids)
     remote, remote_sizes = pack_ids(remote_block_ids)
     return pb.ReadSpec(request_id=request_id, remote_engine_id=remote_engine_id, remote_request_id=remote_request_id,
                        local_block_ids=local, local_group_sizes=local_sizes, remote_block_ids=remote,
-                       remote_group_sizes=remote_sizes, num_tokens=num_tokens, deadline_s=deadline_s)
+                       remote_group_sizes=remote_sizes, num_tokens=num_tokens, deadline_s=deadline_s,
+                       remote_capabilities=list(remote_capabilities))
 
 
 def read_request_from_spec(spec: pb.ReadSpec) -> ReadRequest:
     """A read request from a ``Reads`` batch; ids are range-checked later by the plan, before any I/O."""
     return _read_request(spec.request_id, spec.remote_request_id, spec.num_tokens,
                          unpack_ids(spec.local_block_ids, spec.local_group_sizes, "local_block_ids"),
-                         unpack_ids(spec.remote_block_ids, spec.remote_group_sizes, "remote_block_ids"))
+                         unpack_ids(spec.remote_block_ids, spec.remote_group_sizes, "remote_block_ids"),
+                         spec.remote_capabilities)
 
 
 def read_request_from_pb(message: pb.SubmitReadRequest) -> ReadRequest:
     """A read request; ids are range-checked later by the plan, before any I/O."""
     return _read_request(message.request_id, message.remote_request_id, message.num_tokens,
-                         ids_from_pb(message.local_block_ids), ids_from_pb(message.remote_block_ids))
+                         ids_from_pb(message.local_block_ids), ids_from_pb(message.remote_block_ids),
+                         message.remote_capabilities)
 
 
-def _read_request(request_id: str, remote_request_id: str, num_tokens: int, local, remote) -> ReadRequest:
+def _read_request(request_id: str, remote_request_id: str, num_tokens: int, local, remote,
+                  capabilities) -> ReadRequest:
     check_id(request_id, "request_id")
     check_id(remote_request_id, "remote_request_id")
     if num_tokens < 0:
         raise InvalidArgumentError("num_tokens", f"must not be negative, got {num_tokens}")
-    return ReadRequest(request_id, remote_request_id, local, remote, num_tokens or None)
+    if len(capabilities) > MAX_TP_SIZE:
+        raise InvalidArgumentError("remote_capabilities", f"{len(capabilities)} capabilities, at most {MAX_TP_SIZE}")
+    checked = tuple(check_capability_bytes(c, f"remote_capabilities[{q}]") for q, c in enumerate(capabilities))
+    return ReadRequest(request_id, remote_request_id, local, remote, num_tokens or None, checked)

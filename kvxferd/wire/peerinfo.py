@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.board import BoardInfo, check_num_buckets
+from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from_pb
@@ -23,7 +24,8 @@ from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from
 # 2: readers introduce their TP size (required); 3: notices and acks are binary records;
 # 4: hold boards replace acks (EngineInfo.hold_board required; notices from a second agent, unanswered)
 # 5: notices say whether the reader needed the holder's progress (flag bit 1: a holder of v4 refuses it)
-PROTOCOL_VERSION = 5
+# 6: reads are sealed: EngineInfo.hold_key, capabilities in reads and notices (record version 2)
+PROTOCOL_VERSION = 6
 
 
 def model_facts(cache: EngineCache) -> str:
@@ -63,7 +65,8 @@ class PeerInfo:
 def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, board: BoardInfo) -> pb.EngineInfoReply:
     info = pb.EngineInfo(incarnation=incarnation, agent_metadata=agent_metadata,
                          engine=engine_to_pb(cache, with_addresses=True),
-                         hold_board=pb.HoldBoard(address=board.address, num_buckets=board.num_buckets))
+                         hold_board=pb.HoldBoard(address=board.address, num_buckets=board.num_buckets),
+                         hold_key=board.hold_key)
     return pb.EngineInfoReply(protocol_version=PROTOCOL_VERSION, compatibility_hash=compatibility_hash(cache),
                               payload=info.SerializeToString())
 
@@ -90,4 +93,6 @@ def decode_board(info: pb.EngineInfo) -> BoardInfo:
     board = info.hold_board
     if not board.address or board.address % 8:
         raise InvalidArgumentError("hold_board.address", f"{board.address:#x} is not a u64-aligned address")
-    return BoardInfo(board.address, check_num_buckets(board.num_buckets, "hold_board.num_buckets"))
+    if len(info.hold_key) != HOLD_KEY_BYTES:
+        raise InvalidArgumentError("hold_key", f"{len(info.hold_key)} bytes, a hold key is {HOLD_KEY_BYTES}")
+    return BoardInfo(board.address, check_num_buckets(board.num_buckets, "hold_board.num_buckets"), info.hold_key)

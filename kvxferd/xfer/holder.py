@@ -34,13 +34,15 @@ never another's, and only from the agent it was introduced with.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvxferd.errors import InvalidArgumentError
+from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
+from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.leases import HoldEnd, HoldTable
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError
@@ -65,10 +67,11 @@ class NoticeCounts:
     foreign: int = 0  # from an agent not introduced for that reader: dropped
     late: int = 0  # a successful read's notice after its hold had ended (lease, release): counts for nothing
     waited: int = 0  # an introduced reader's notice whose READs waited for our progress (we poll fast)
+    unsealed: int = 0  # a notice without the hold's capability (a reader naming a hold it was not given)
     on_add: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def add(self, kind: str) -> None:
-        """Count one ``bad``, ``foreign``, ``late`` or ``waited`` notice."""
+        """Count one ``bad``, ``foreign``, ``late``, ``waited`` or ``unsealed`` notice."""
         setattr(self, kind, getattr(self, kind) + 1)
         if self.on_add is not None:
             self.on_add(kind)
@@ -102,13 +105,20 @@ class Holder:
     progress_wanted: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.holds = HoldTable(HoldBoard(buckets_for(self.max_holds)), self.max_hold_s)
+        # A fresh key per registration: capabilities of a former registration's holds mean nothing here.
+        self.holds = HoldTable(secrets.token_bytes(HOLD_KEY_BYTES), HoldBoard(buckets_for(self.max_holds)),
+                               self.max_hold_s)
         self.agent.register_array(BOARD_KEY, self.holds.board.words)
+
+    @property
+    def hold_key(self) -> bytes:
+        """What seals this rank's holds; given to authenticated, introduced readers only."""
+        return self.holds.hold_key
 
     @property
     def board(self) -> BoardInfo:
         words = self.holds.board.words
-        return BoardInfo(words.ctypes.data, len(words))
+        return BoardInfo(words.ctypes.data, len(words), self.holds.hold_key)
 
     def close(self) -> None:
         """Deregister the board (its holds are ended by whoever ends them: :meth:`HoldTable.drop_all`)."""
@@ -159,6 +169,9 @@ class Holder:
         except InvalidArgumentError:
             self.counts.add("bad")
             outcome = None
+        except PermissionDeniedError:  # a reader naming a hold it was not given: counts for nothing
+            self.counts.add("unsealed")
+            outcome = None
         if outcome is not None and not outcome.alive and notice.ok:
             self.counts.add("late")  # the reader judged its read by the board; this notice only came late
         events = []
@@ -169,10 +182,10 @@ class Holder:
             events.append((outcome.end.kind, outcome.end))
         return events
 
-    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float | None = None) -> None:
-        """Start holding a request's blocks for its readers (its tag goes onto the board first)."""
+    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float | None = None) -> bytes:
+        """Start holding a request's blocks for its readers (its tag goes onto the board first); the capability."""
         with self.lock:
-            self.holds.hold(request_id, block_ids, lease_s, time.monotonic() if now is None else now)
+            return self.holds.hold(request_id, block_ids, lease_s, time.monotonic() if now is None else now)
 
 
 class HolderThread:

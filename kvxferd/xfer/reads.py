@@ -36,6 +36,7 @@ import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, TransferError
 from kvxferd.plan.board import BoardInfo, hold_tag
+from kvxferd.plan.capability import HOLD_KEY_BYTES, check_read_capabilities
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import HELLO, ReadNotice
@@ -85,6 +86,7 @@ class RemoteEngine:
     remote_lists: dict[int, object]
     board_lists: dict[int, object] = field(default_factory=dict)  # per read rank: the holder's board, per bucket
     board_buckets: tuple[int, ...] = ()  # per remote rank; () when connected without boards (nothing checked)
+    hold_keys: tuple[bytes, ...] = ()  # per remote rank, with the boards: every read's capabilities are checked
     probe: BoardProbe | None = None  # the connection's probe while it runs (start_probe)
 
 
@@ -146,7 +148,9 @@ class ReadExecutor:
         """Plan and prepare reads from a remote engine (one cache, metadata and hold board per rank).
 
         Without ``boards`` nothing is checked: reads of memory nobody holds
-        (benchmarks of the data path alone). The daemon always passes them.
+        (benchmarks of the data path alone). The daemon always passes them, and
+        then every read must carry each rank's capability for exactly its
+        remote blocks (:mod:`kvxferd.plan.capability`), checked before it is posted.
         """
         with self.lock:
             return self._connect(remotes, metadata, boards)
@@ -159,7 +163,10 @@ class ReadExecutor:
             raise InvalidArgumentError("boards", f"{len(boards)} hold boards for {len(remotes)} remote ranks")
         if plan.remote_engine_id in self._remotes:
             self.disconnect(plan.remote_engine_id)
-        remote = RemoteEngine(plan, (), {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()))
+        if boards is not None and any(len(b.hold_key) != HOLD_KEY_BYTES for b in boards):
+            raise InvalidArgumentError("boards", "every remote rank's hold key is needed to check reads")
+        remote = RemoteEngine(plan, (), {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()),
+                              hold_keys=tuple(b.hold_key for b in boards or ()))
         names: list[str] = []
         num_notice_remotes = 0
         try:
@@ -284,6 +291,10 @@ class ReadExecutor:
 
     def _post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None, *,
                       notify: bool) -> InFlightRead:
+        if remote.hold_keys:  # a read names only blocks its holders sealed for it: else nothing moves
+            request = planned.request
+            check_read_capabilities(remote.hold_keys, request.remote_request_id, request.remote_block_ids,
+                                    request.remote_capabilities)
         inflight = InFlightRead(planned, remote, time.perf_counter() if start_s is None else start_s)
         if remote.board_lists:
             inflight.tag = hold_tag(planned.request.remote_request_id)
@@ -433,8 +444,10 @@ class ReadExecutor:
         for q in planned.notify_ranks:
             if q in inflight.stale_ranks:
                 continue
+            capabilities = planned.request.remote_capabilities
             notice = ReadNotice(planned.request.remote_request_id, self.cache.engine_id, self.cache.tp_rank,
-                                remote.plan.expected_notifiers[q], result.ok, alone=q not in inflight.waited_ranks)
+                                remote.plan.expected_notifiers[q], result.ok, alone=q not in inflight.waited_ranks,
+                                capability=capabilities[q] if q < len(capabilities) else ReadNotice.capability)
             try:
                 self.notices.notify(remote.agent_names[q], notice.encode())
             except KvxferError:  # the peer went away, or this executor was closed meanwhile

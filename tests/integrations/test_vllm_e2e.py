@@ -24,7 +24,7 @@ from kvxferd.client import DaemonProcess
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, changed, damage_blocks, engine, greedy,
                                              hold_events, metric, prefill_decode, prefill_params,
                                              prompt_tokens_by_source, prompts_of, random_prompts, released_early,
-                                             tiny_model_and_daemons, token_ids, wait_for_reset)
+                                             rotate_blocks, tiny_model_and_daemons, token_ids, wait_for_reset)
 from tests.integrations.vllm_stats_check import connector_metrics
 
 pytestmark = pytest.mark.vllm
@@ -84,14 +84,39 @@ def test_another_requests_kv_changes_the_tokens(pd):
 
 
 def test_blocks_read_out_of_order_change_the_tokens(pd):
-    """Negative control: each request's remote block ids rotated by one (still its own held blocks).
-    Prompts of one block read the same bytes and keep their tokens; every longer prompt must change."""
+    """Negative control: each request's held blocks rotated by one in place before decode reads them (what
+    reading its own blocks in the wrong order would deliver). Prompts of one block keep their tokens; every
+    longer prompt must change."""
     prompts = random_prompts(23)
     single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
     params = prefill_params(pd.prefill, prompts)
-    rotated = [{**p, "remote_block_ids": [ids[1:] + ids[:1] for ids in p["remote_block_ids"]]} for p in params]
-    outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in rotated], use_tqdm=False)
+    rotate_blocks(pd.prefill, [p["remote_block_ids"][0] for p in params])
+    outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(outputs)  # every read went through
     assert changed(token_ids(outputs), single) == [blocks(len(p)) > 1 for p in prompts], (token_ids(outputs), single)
+    wait_for_reset(pd.prefill)  # the rotated blocks stay in prefill's prefix cache
+
+
+def test_a_client_cannot_read_blocks_its_params_were_not_sealed_for(pd):
+    """Issue 35 through vLLM: ``kv_transfer_params`` come with the HTTP request. A client that names another
+    request's held blocks (with its own request's capabilities), or its own blocks in another order, gets a
+    failed load: the decode daemon refuses the read before a byte moves, and the other request's hold is
+    still there for its own reader, which then gets the single-instance tokens."""
+    mine, theirs = random_prompts(26, (48,)), random_prompts(27, (48,))
+    single = token_ids(pd.prefill.generate(prompts_of(mine + theirs), greedy(8), use_tqdm=False))
+    (my_params, their_params) = prefill_params(pd.prefill, mine + theirs)
+    refused_before = metric(pd.decode_daemon, 'kvxferd_read_failures_total{kind="refused"}')
+    attacks = [{**my_params, "remote_block_ids": their_params["remote_block_ids"]},
+               {**my_params, "remote_block_ids": [ids[::-1] for ids in my_params["remote_block_ids"]]}]
+    outputs = pd.decode.generate(prompts_of(mine * len(attacks)), [greedy(8, p) for p in attacks], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["error"] * len(attacks)
+    assert metric(pd.decode_daemon, 'kvxferd_read_failures_total{kind="refused"}') == refused_before + len(attacks)
+    # Both holds are still there: each request's own read gets its tokens and ends its hold.
+    outputs = pd.decode.generate(prompts_of(mine + theirs), [greedy(8, p) for p in (my_params, their_params)],
+                                 use_tqdm=False)
+    assert token_ids(outputs) == single
+    events = hold_events(pd.prefill_daemon, "prefill")
+    assert [events.get(p["remote_request_id"]) for p in (my_params, their_params)] == [["CONSUMED"]] * 2
 
 
 @pytest.mark.parametrize("how", ["reversed_heads", "swapped_k_v"])

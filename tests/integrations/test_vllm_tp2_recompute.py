@@ -128,8 +128,8 @@ def test_a_failed_read_is_recomputed_under_recompute_with_the_same_tokens(tp2):
     single = single_instance(tp2.decode, prompts, 6)
     params = prefill_params(tp2.prefill, prompts)
     params[0] = released_early(params[0])
-    failures_before = metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="stale"}')
+    failures_before = metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="refused"}')
     outputs = tp2.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
     assert token_ids(outputs) == single
     assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length"]
-    assert metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="stale"}') == failures_before + 1
+    assert metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="refused"}') == failures_before + 1

@@ -52,7 +52,8 @@ def changed(tokens, expected) -> list[bool]:
 
 
 def released_early(params: dict) -> dict:
-    """Params naming a hold that no longer exists on prefill, as if its blocks were freed before decode read them.
+    """Params naming a hold that does not exist on prefill (another request id): decode's daemon refuses the
+    read before anything moves (the capabilities seal the real id), a failed load as if the blocks were gone.
 
     (Only the prefill engine, which holds its session, may really release its hold.)
     """
@@ -91,6 +92,22 @@ def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str
                max_model_len=1024, block_size=block_size, dtype=dtype, max_num_seqs=16,
                max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False,
                tensor_parallel_size=tp_size)
+
+
+def rotate_blocks(llm, block_lists) -> None:
+    """Move each list's block contents one place on, in place (every layer, every worker): what a read of a
+    request's own blocks in the wrong order would deliver (a negative control)."""
+    llm.collective_rpc(_rotate_blocks_on_worker, args=([list(ids) for ids in block_lists],))
+
+
+def _rotate_blocks_on_worker(worker, block_lists: list[list[int]]) -> None:
+    import torch
+
+    for ids in block_lists:
+        if len(ids) > 1:
+            source, target = torch.tensor(ids), torch.tensor(ids[-1:] + ids[:-1])
+            for cache in worker.model_runner.kv_caches:
+                cache[target] = cache[source].clone()
 
 
 def damage_blocks(llm, block_ids, how: str) -> None:

@@ -4,25 +4,48 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxferd.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from kvxferd.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
 from kvxferd.plan.board import HoldBoard, hold_tag
+from kvxferd.plan.capability import hold_capability
 from kvxferd.plan.leases import CONSUMED, EXPIRED, HoldTable
 from kvxferd.plan.notifications import ReadNotice
 
+KEY = bytes(range(32))
 
-def notice(rid="r", reader=0, expected=2, ok=True):
-    return ReadNotice(rid, "dec", reader, expected, ok)
+
+def HoldTable(board=None, max_hold_s=float("inf")):  # noqa: N802 - the table under test, with this module's key
+    from kvxferd.plan.leases import HoldTable as Table
+
+    return Table(KEY, board, max_hold_s)
+
+
+def notice(rid="r", reader=0, expected=2, ok=True, blocks=()):
+    """A reader's notice carrying the capability of holding ``blocks`` for ``rid`` (as a reader was given)."""
+    return ReadNotice(rid, "dec", reader, expected, ok, capability=hold_capability(KEY, rid, blocks))
 
 
 def test_consumed_after_every_reader_and_only_then():
     table = HoldTable()
-    table.hold("r", ((1, 2),), 10, now=0)
-    first = table.record(notice(reader=0), now=1)
+    assert table.hold("r", ((1, 2),), 10, now=0) == hold_capability(KEY, "r", ((1, 2),))
+    first = table.record(notice(reader=0, blocks=((1, 2),)), now=1)
     assert first.alive and first.end is None
-    assert table.record(notice(reader=0), now=1).end is None  # a repeated reader does not count twice
-    last = table.record(notice(reader=1), now=2)
+    assert table.record(notice(reader=0, blocks=((1, 2),)), now=1).end is None  # a repeated reader counts once
+    last = table.record(notice(reader=1, blocks=((1, 2),)), now=2)
     assert last.alive and last.end.kind == CONSUMED and last.end.block_ids == ((1, 2),)
-    assert len(table) == 0 and not table.record(notice(reader=1), now=2).alive
+    assert len(table) == 0 and not table.record(notice(reader=1, blocks=((1, 2),)), now=2).alive
+
+
+def test_a_notice_counts_only_with_the_holds_capability():
+    """Issue 35: any introduced reader's notice naming a request id ended that hold; now only a reader given
+    the hold's capability counts (another tenant's reader, or a capability of other blocks, does not)."""
+    table = HoldTable()
+    table.hold("r", ((1, 2),), 10, now=0)
+    for forged in (notice(expected=1), notice(expected=1, blocks=((1, 3),)),
+                   ReadNotice("r", "dec", 0, 1, capability=hold_capability(bytes(32), "r", ((1, 2),)))):
+        with pytest.raises(PermissionDeniedError):
+            table.record(forged, now=1)
+    assert len(table) == 1  # still held
+    assert table.record(notice(expected=1, blocks=((1, 2),)), now=1).end.kind == CONSUMED
 
 
 def test_expiry_is_exact_even_before_the_timer_runs():
@@ -99,7 +122,7 @@ def test_expiry_matches_a_brute_force_model(ops):
         rid = f"r{rid_n}"
         now += 0.25
         if op == "hold" and rid not in model:
-            table.hold(rid, (rid_n,), seconds, now)
+            table.hold(rid, ((rid_n,),), seconds, now)
             ends_by[rid] = now + max_hold_s
             model[rid] = min(now + seconds, ends_by[rid])
         elif op == "renew":
@@ -109,10 +132,10 @@ def test_expiry_matches_a_brute_force_model(ops):
             if alive:
                 model[rid] = max(model[rid], min(now + seconds, ends_by[rid]))
         elif op == "release" and rid in model:
-            assert table.release(rid).block_ids == (rid_n,)
+            assert table.release(rid).block_ids == ((rid_n,),)
             del model[rid]
         elif op == "consume" and rid in model:
-            out = table.record(notice(rid, 0, expected=1), now)
+            out = table.record(notice(rid, 0, expected=1, blocks=((rid_n,),)), now)
             assert out.alive == (model[rid] > now)
             if out.alive:
                 assert out.end.kind == "CONSUMED"

@@ -9,18 +9,18 @@ from kvxferd.plan.notifications import ReadNotice
 
 
 def test_notice_round_trip_and_rejects_garbage():
-    notice = ReadNotice("req|1:ü", "decode", 3, 4, ok=False)
+    notice = ReadNotice("req|1:ü", "decode", 3, 4, ok=False, capability=bytes(range(16)))
     assert ReadNotice.decode(notice.encode()) == notice
     alone = ReadNotice("r", "d", 0, 1, alone=True)
     assert ReadNotice.decode(alone.encode()) == alone and alone.encode()[3] == 3
     good = ReadNotice("r", "d", 0, 1).encode()
     for message, field in [(b"\xff", "notification"), (b"[1]" * 5, "notification"),
-                           (good[:2] + b"\x02" + good[3:], "notification.version"),
+                           (good[:2] + b"\x01" + good[3:], "notification.version"),  # before capabilities
                            (good[:3] + b"\x04" + good[4:], "notification.flags"),
                            (good[:6] + b"\x00\x00" + good[8:], "notification.expected_readers"),
                            (good + b"x", "notification"), (good[:-1], "notification"),
                            (good[:8] + b"\x00\x00" + good[10:], "notification"),
-                           (good[:12] + b"\xff" + good[13:], "notification"),
+                           (good[:28] + b"\xff" + good[29:], "notification"),  # the request id's UTF-8
                            (b"KA" + good[2:], "notification")]:  # a version 3 ack
         with pytest.raises(InvalidArgumentError) as err:
             ReadNotice.decode(message)

@@ -54,9 +54,8 @@ def plane():
 
 
 def _read(cluster, slot, request_id: str, seed: int) -> DaemonRead:
-    request = random_request(request_id, cluster.prefill_groups, cluster.decode_groups, 48, np.random.default_rng(seed))
-    for holder in cluster.holders:
-        holder.hold(request.remote_request_id, request.remote_block_ids, 60)
+    request = cluster.hold(random_request(request_id, cluster.prefill_groups, cluster.decode_groups, 48,
+                                          np.random.default_rng(seed)), 60)
     remote = slot.executor.remote(cluster.prefill_id)
     now = time.perf_counter()
     return DaemonRead(slot, remote, remote.plan.plan_request(request), now, now + 10)

@@ -173,7 +173,9 @@ def test_sigterm_drains_in_flight_reads(workdir, reads_stream):
         client = cluster.decode_clients[0]
         if reads_stream:  # one batch: the daemon takes all of it or none; its first completion says it took it
             client.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
-                                                  r.local_block_ids, r.remote_block_ids) for r in requests])
+                                                  r.local_block_ids, r.remote_block_ids,
+                                                  remote_capabilities=cluster.capabilities[r.remote_request_id])
+                                 for r in requests])
             first = client.wait_completion(requests[0].request_id, 10)
         else:  # each SubmitRead returns once the daemon accepted the read
             for request in requests:
@@ -238,9 +240,10 @@ def test_a_deregistered_engines_nixl_agent_goes_at_once(workdir):
             prefill, decode = clients
             decode.handshake(f"p{n}", [daemons[0].peer_address])
             request = _request(f"agents{n}", n)
-            prefill.hold(request.remote_request_id, request.remote_block_ids)
+            held = prefill.hold(request.remote_request_id, request.remote_block_ids)
             decode.submit_reads([decode.read_spec(request.request_id, f"p{n}", request.remote_request_id,
-                                                  request.local_block_ids, request.remote_block_ids)])
+                                                  request.local_block_ids, request.remote_block_ids,
+                                                  remote_capabilities=[held.capability])])
             assert decode.wait_completion(request.request_id).ok
             for client in clients:
                 client.deregister()

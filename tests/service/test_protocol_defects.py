@@ -241,17 +241,19 @@ def test_defect9_duplicate_decode_block_ids_are_refused(cluster):
     request = random_request("dups", *GROUPS, 48, np.random.default_rng(4))
     local = [np.concatenate([ids, ids[:1]]) for ids in request.local_block_ids]
     remote = [np.concatenate([ids, ids[:1]]) for ids in request.remote_block_ids]
+    capability = cluster.prefill_clients[0].hold("dups", remote, lease_s=1).capability  # held: the ids are wrong
     code, details = status(lambda: decode.submit_read("dups", cluster.prefill_id, "dups", local, remote,
-                                                      num_tokens=0))
+                                                      num_tokens=0, remote_capabilities=[capability]))
     assert code == C.INVALID_ARGUMENT and "listed more than once" in details, details
 
 
-def test_a_read_notice_before_the_hold_fails_the_read_as_stale(cluster):
-    """The docs said such a notice waits for the Hold; the daemon fails the read (the blocks were not
-    protected while they were read). Code and docs now agree: it fails, naming the stale hold."""
+def test_a_read_before_the_hold_is_refused_and_ends_nothing(cluster):
+    """The docs once said such a read's notice waits for the Hold; then the daemon failed the read as stale,
+    after its bytes had moved. Issue 35: without the hold's capabilities it is refused before anything is
+    posted, and it sends no notice."""
     request = random_request("early", *GROUPS, 32, np.random.default_rng(6))
     (completion,) = cluster.read(request, hold=False)
-    assert not completion.ok and "stale read" in completion.error
-    assert [len(ids.ids) for ids in completion.invalid_block_ids] == [len(np.unique(ids)) for ids in request.local_block_ids]
-    cluster.hold(request, lease_s=0.5)  # a Hold that comes later is not consumed by that early notice
+    assert not completion.ok and completion.refused_code == C.PERMISSION_DENIED.value[0]
+    assert "remote_capabilities" in completion.error
+    cluster.hold(request, lease_s=0.5)  # a Hold that comes later is not consumed by that early read
     assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.EXPIRED]

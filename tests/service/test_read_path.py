@@ -42,7 +42,7 @@ def _path():
     spec = AttentionSpec("packed_HND", num_blocks=64, num_kv_heads=8, head_size=128, block_size=16)
     groups = (CacheGroup("full", spec, 2),)
     plan = EngineTransferPlan(paper_cache("d", groups, 1, 0), [paper_cache("p", groups, 1, 0)])
-    link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan), ready=True)
+    link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan, hold_keys=()), ready=True)
     slot = types.SimpleNamespace(active={}, completions=CompletionFeed(), links={"p": link})
     config = types.SimpleNamespace(max_reads_per_engine=1000, deadline_s=30.0, max_deadline_s=600.0)
     counter = types.SimpleNamespace(inc=lambda *args: None, observe=lambda *args: None)

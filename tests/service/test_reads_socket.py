@@ -38,7 +38,8 @@ def _path(cluster, side: str = "decode") -> str:
 
 def _spec(cluster, request: ReadRequest) -> pb.ReadSpec:
     return cluster.decode_clients[0].read_spec(request.request_id, cluster.prefill_id, request.remote_request_id,
-                                               request.local_block_ids, request.remote_block_ids, num_tokens=32)
+                                               request.local_block_ids, request.remote_block_ids, num_tokens=32,
+                                               remote_capabilities=cluster.capabilities.get(request.remote_request_id, ()))
 
 
 def _session(cluster, raw_frames: list[bytes], timeout_s: float = 10.0,
@@ -178,7 +179,9 @@ def test_holds_go_over_the_socket_and_a_refused_one_is_answered_with_its_code(cl
 
     monkeypatch.setattr(prefill.stub, "Hold", no_grpc)
     request = two_block_request("sock-hold", 13)
-    assert prefill.hold(request.remote_request_id, request.remote_block_ids) == prefill.incarnation
+    held = prefill.hold(request.remote_request_id, request.remote_block_ids)
+    assert held.incarnation == prefill.incarnation and len(held.capability) == 16  # as the Hold call answers
+    cluster.capabilities[request.remote_request_id] = (held.capability,)
     with pytest.raises(grpc.RpcError) as refused:
         prefill.hold("sock-bad", [np.array([10_000])] * len(GROUPS[0]))
     assert refused.value.code() == C.INVALID_ARGUMENT and "block_ids" in refused.value.details()

@@ -71,7 +71,8 @@ def _check_bytes(cluster, requests) -> None:
 def _spec(cluster, request: ReadRequest, **changes) -> pb.ReadSpec:
     spec = cluster.decode_clients[0].read_spec(request.request_id, cluster.prefill_id, request.remote_request_id,
                                                request.local_block_ids, request.remote_block_ids,
-                                               num_tokens=request.num_tokens or 0)
+                                               num_tokens=request.num_tokens or 0,
+                                               remote_capabilities=cluster.capabilities.get(request.remote_request_id, ()))
     for name, value in changes.items():
         setattr(spec, name, value) if not isinstance(value, list) else (spec.ClearField(name), getattr(spec, name).extend(value))
     return spec
@@ -107,21 +108,25 @@ def test_a_batch_reads_byte_exact_and_each_refusal_names_its_read(cluster, decod
     bad_ids = _spec(cluster, two_block_request("odd", 9), local_block_ids=b"\1\0\0")  # not whole int32s
     sizes = _spec(cluster, two_block_request("sizes", 10), local_group_sizes=[1] * len(GROUPS[1]))
     nobody = _spec(cluster, two_block_request("nobody", 11), remote_engine_id="nobody")
-    in_range = two_block_request("range", 12)
-    out_of_range = _spec(cluster, ReadRequest("range", "range", tuple(ids + 10_000 for ids in in_range.local_block_ids),
+    in_range = two_block_request(f"range{len(cluster.capabilities)}", 12)  # a new name for each parameter
+    cluster.hold(in_range)  # held: what is wrong is the local ids
+    out_of_range = _spec(cluster, ReadRequest("range", in_range.remote_request_id,
+                                              tuple(ids + 10_000 for ids in in_range.local_block_ids),
                                               in_range.remote_block_ids, 32))
+    unsealed = _spec(cluster, two_block_request("unsealed", 13))  # never held: no capability to show
     batch = pb.ReadBatch(engine_id=cluster.decode_id,
                          reads=[_spec(cluster, good[0]), bad_ids, sizes, _spec(cluster, good[1]), nobody,
-                                out_of_range, _spec(cluster, good[2])])
-    got, code, _ = _exchange(decode.stub, [batch], 7)
+                                out_of_range, unsealed, _spec(cluster, good[2])])
+    got, code, _ = _exchange(decode.stub, [batch], 8)
     assert code is None
     by_id = {c.request_id: c for c in got}
-    assert sorted(c.seq for c in got) == list(range(got[0].seq, got[0].seq + 7))  # numbered without gaps
+    assert sorted(c.seq for c in got) == list(range(got[0].seq, got[0].seq + 8))  # numbered without gaps
     for request in good:
         assert by_id[request.request_id].ok and by_id[request.request_id].refused_code == 0
     _check_bytes(cluster, good)
     expected = {"odd": (C.INVALID_ARGUMENT, "local_block_ids"), "sizes": (C.INVALID_ARGUMENT, "local_block_ids"),
-                "nobody": (C.NOT_FOUND, "remote_engine_id"), "range": (C.INVALID_ARGUMENT, "block")}
+                "nobody": (C.NOT_FOUND, "remote_engine_id"), "range": (C.INVALID_ARGUMENT, "block"),
+                "unsealed": (C.PERMISSION_DENIED, "remote_capabilities")}
     for request_id, (status, text) in expected.items():
         completion = by_id[request_id]
         assert not completion.ok and completion.refused_code == status.value[0] and text in completion.error, completion

@@ -12,7 +12,7 @@ from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from
 from kvxferd.plan.board import BoardInfo
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, compatibility_hash, decode_info, encode_info
 
-BOARD = BoardInfo(0x7F00_0000_1000, 1024)
+BOARD = BoardInfo(0x7F00_0000_1000, 1024, bytes(range(32)))
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -66,15 +66,20 @@ def test_peer_of_another_model_or_version_is_refused():
 @pytest.mark.parametrize("board, field", [(None, "hold_board"), (pb.HoldBoard(address=0, num_buckets=8), "hold_board.address"),
                                           (pb.HoldBoard(address=12, num_buckets=8), "hold_board.address"),
                                           (pb.HoldBoard(address=4096, num_buckets=6), "hold_board.num_buckets"),
-                                          (pb.HoldBoard(address=4096, num_buckets=0), "hold_board.num_buckets")])
+                                          (pb.HoldBoard(address=4096, num_buckets=0), "hold_board.num_buckets"),
+                                          ("short key", "hold_key")])
 def test_a_peer_without_a_good_hold_board_is_refused(board, field):
-    """Every read is checked against the holder's board: a peer must announce one that could exist."""
+    """Every read is checked against the holder's board and its hold key: a peer must announce a board that
+    could exist, and a whole key."""
     prefill_groups, _ = model_groups("gqa", ModelShape())
     prefill = allocate_engine("p", prefill_groups, 1, 0, tagged=False).cache
     reply = encode_info("i", b"", prefill, BOARD)
     info = pb.EngineInfo.FromString(reply.payload)
-    info.ClearField("hold_board")
-    if board is not None:
+    if board == "short key":
+        info.hold_key = info.hold_key[:16]
+    else:
+        info.ClearField("hold_board")
+    if board is not None and board != "short key":
         info.hold_board.CopyFrom(board)
     reply.payload = info.SerializeToString()
     with pytest.raises(InvalidArgumentError) as err:

@@ -9,12 +9,13 @@ holder's board once, waits for a free slot like a check, and fails once its
 connection is released under it.
 """
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 
-from kvxferd.errors import InvalidArgumentError, TransferError
+from kvxferd.errors import InvalidArgumentError, PermissionDeniedError, TransferError
 from kvxferd.plan.notifications import HELLO
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
@@ -40,21 +41,31 @@ def _every_rank_stale(cluster, result, request) -> None:
     assert sum(len(ids) for ids in result.invalid_block_ids) == sum(len(ids) for ids in request.local_block_ids)
 
 
-def test_a_held_read_passes_and_an_unheld_one_is_stale(cluster):
+def test_a_held_read_passes_and_an_unheld_one_moves_nothing(cluster):
+    """Issue 35: a never-held request id used to be read and only then found stale (its bytes already in the
+    reader's cache); without its holders' capabilities it is refused before anything is posted."""
     held = _request(cluster, "held", 1)
     cluster.reset_decode()
     (result,) = cluster.read(held)
-    assert result.ok and cluster.check(held) == []
+    assert result.ok and cluster.check(held) == [] and not cluster.decode_untouched()  # (the check can fail)
     for q in range(2):
         assert cluster.holder_thread.wait_end(q, held.remote_request_id).kind == "CONSUMED"
-    (result,) = cluster.read(_request(cluster, "never-held", 2), hold=False)
-    _every_rank_stale(cluster, result, _request(cluster, "never-held", 2))
+    cluster.reset_decode()
+    never = _request(cluster, "never-held", 2)
+    with pytest.raises(PermissionDeniedError) as err:
+        cluster.read(never, hold=False)
+    assert err.value.field == "remote_capabilities"
+    forged = dataclasses.replace(never, remote_capabilities=cluster.capabilities[held.remote_request_id])
+    with pytest.raises(PermissionDeniedError) as err:  # another hold's capabilities
+        cluster.read(forged, hold=False)
+    assert err.value.field == "remote_capabilities[0]"
+    assert cluster.decode_untouched()
 
 
 def test_a_released_or_consumed_hold_makes_the_next_read_stale(cluster):
-    request = _request(cluster, "released", 3)
-    for holder in cluster.holders:
-        holder.hold(request.remote_request_id, request.remote_block_ids, 60)
+    """A read that carries its hold's capabilities but comes after the hold ended (released, consumed) is
+    posted, and the holder's board says stale."""
+    request = cluster.hold(_request(cluster, "released", 3), 60)
     with cluster.holders[1].lock:
         cluster.holders[1].holds.release(request.remote_request_id)
     (result,) = cluster.read(request, hold=False)
@@ -63,7 +74,7 @@ def test_a_released_or_consumed_hold_makes_the_next_read_stale(cluster):
     end = cluster.holder_thread.wait_end(0, request.remote_request_id)
     assert end.kind == "CONSUMED" and end.failed_readers == ((cluster.decode_id, 0),)
     # Rank 1 gets no notice: its hold had ended, and a notice could only count for a later hold of the id.
-    cluster.holders[1].hold(request.remote_request_id, request.remote_block_ids, 60)
+    cluster.holders[1].hold(request.remote_request_id, request.remote_block_ids, 60)  # (a new key would not do)
     assert cluster.holder_thread.wait_end(1, request.remote_request_id, timeout_s=0.3) is None
     assert cluster.holders[1].counts.late == 0
     with cluster.holders[1].lock:
@@ -81,10 +92,7 @@ def test_checks_wait_for_a_free_slot_and_all_end(cluster):
     checks = executor.checks
     taken = [checks._free.pop() for _ in range(checks.num_free - 1)]
     try:
-        requests = [_request(cluster, f"queued-{n}", 10 + n) for n in range(8)]
-        for request in requests:
-            for holder in cluster.holders:
-                holder.hold(request.remote_request_id, request.remote_block_ids, 60)
+        requests = [cluster.hold(_request(cluster, f"queued-{n}", 10 + n), 60) for n in range(8)]
         inflight = [executor.post(cluster.prefill_id, request) for request in requests]
         results = [executor.wait(f, 10) for f in inflight]
         assert [r.error for r in results] == [None] * 8 and checks.num_free == 1

@@ -9,14 +9,19 @@ checked here, every problem naming the field::
      "remote_engine_id": "prefill-0", "remote_request_id": "cmpl-1-0",
      "remote_peer_addresses": ["10.0.0.7:47100"],      # one per prefill TP rank
      "remote_block_ids": [[3, 4, 9]],                  # per KV cache group
+     "remote_capabilities": ["9f2c...e1"],             # per prefill TP rank: 16 bytes, hex
      "remote_num_tokens": 80, "remote_lease_expiry_unix_s": 1795400000.0}
+
+A capability seals one rank's hold of exactly these blocks for this request
+(``kvxferd.plan.capability``): the decode daemon refuses a read whose blocks
+or request id do not match it, before a byte moves.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from kvxferd.service.config import first_error
 
@@ -25,6 +30,7 @@ MAX_GROUPS = 64
 MAX_TP_SIZE = 1024
 
 Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+Capability = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # 16 bytes, lower-case hex
 
 
 class ParamsError(ValueError):
@@ -41,6 +47,7 @@ class RemotePrefill(BaseModel):
     remote_request_id: Id
     remote_peer_addresses: Annotated[list[Id], Field(min_length=1, max_length=MAX_TP_SIZE)]
     remote_block_ids: Annotated[list[list[Annotated[int, Field(ge=0, lt=2**31)]]], Field(min_length=1, max_length=MAX_GROUPS)]
+    remote_capabilities: Annotated[list[Capability], Field(min_length=1, max_length=MAX_TP_SIZE)]
     remote_num_tokens: Annotated[int, Field(ge=1, lt=2**31)]
     remote_lease_expiry_unix_s: float
 
@@ -50,6 +57,18 @@ class RemotePrefill(BaseModel):
         if value != PARAMS_VERSION:
             raise ValueError(f"kvxferd params version {value}, this connector speaks {PARAMS_VERSION}")
         return value
+
+    @field_validator("remote_capabilities")
+    @classmethod
+    def _one_capability_per_rank(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        addresses = info.data.get("remote_peer_addresses")
+        if addresses is not None and len(value) != len(addresses):
+            raise ValueError(f"{len(value)} capabilities for {len(addresses)} prefill ranks")
+        return value
+
+    def capabilities(self) -> list[bytes]:
+        """Each prefill rank's capability, as the daemon takes them."""
+        return [bytes.fromhex(c) for c in self.remote_capabilities]
 
     def to_params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
@@ -65,7 +84,7 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill:
         return RemotePrefill.model_validate(params)
     except ValidationError as err:
         where, message = first_error(err)
-        raise ParamsError(f"kv_transfer_params.{where}: {message}") from None
+        raise ParamsError(f"kv_transfer_params{'.' + where if where else ''}: {message}") from None
 
 
 def failed_prefill_params(error: str) -> dict[str, Any]:

@@ -138,9 +138,12 @@ class SchedulerSide:
         blocks = real_blocks(block_ids)
         held: list[RankDaemon] = []
         incarnations: list[str] = []
+        capabilities: list[str] = []
         try:
             for rank in self.ranks:
-                incarnations.append(self._client(rank).hold(request_id, blocks, lease_s=self.settings.lease_s))
+                hold = self._client(rank).hold(request_id, blocks, lease_s=self.settings.lease_s)
+                incarnations.append(hold.incarnation)
+                capabilities.append(hold.capability.hex())
                 held.append(rank)
         except grpc.RpcError as err:
             for rank in held:  # all ranks or none
@@ -154,7 +157,8 @@ class SchedulerSide:
         self._held.append(HeldRequest(request_id, tuple(incarnations)))
         params = RemotePrefill(kvxferd=1, remote_engine_id=self.engine_id, remote_request_id=request_id,
                                remote_peer_addresses=[r.peer_address for r in self.ranks],
-                               remote_block_ids=[list(g) for g in blocks], remote_num_tokens=num_tokens,
+                               remote_block_ids=[list(g) for g in blocks], remote_capabilities=capabilities,
+                               remote_num_tokens=num_tokens,
                                remote_lease_expiry_unix_s=time.time() + self.settings.lease_s)
         return True, params.to_params()
 

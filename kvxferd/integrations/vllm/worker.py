@@ -146,7 +146,8 @@ class WorkerSide:
             self._remotes[remote.remote_engine_id] = addresses
         return self.client.read_spec(order.request_id, remote.remote_engine_id, remote.remote_request_id,
                                      order.local_block_ids, remote.remote_block_ids,
-                                     num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s)
+                                     num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s,
+                                     remote_capabilities=remote.capabilities())
 
     # ---- prefill: holds ---------------------------------------------------------------
     def expect_held(self, held: Sequence[HeldRequest]) -> None:

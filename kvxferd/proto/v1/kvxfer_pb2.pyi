@@ -204,7 +204,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, remote_tp_size: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class SubmitReadRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "remote_block_ids", "num_tokens", "deadline_s")
+    __slots__ = ("engine_id", "request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "remote_block_ids", "num_tokens", "deadline_s", "remote_capabilities")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class SubmitReadRequest(_message.Message):
     REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     remote_engine_id: str
@@ -221,7 +222,8 @@ class SubmitReadRequest(_message.Message):
     remote_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_tokens: int
     deadline_s: float
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    remote_capabilities: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SubmitReadReply(_message.Message):
     __slots__ = ()
@@ -268,7 +270,7 @@ class Completion(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., check_s: _Optional[float] = ...) -> None: ...
 
 class ReadSpec(_message.Message):
-    __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend")
+    __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend", "remote_capabilities")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +281,7 @@ class ReadSpec(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     RESEND_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     remote_engine_id: str
     remote_request_id: str
@@ -289,7 +292,8 @@ class ReadSpec(_message.Message):
     num_tokens: int
     deadline_s: float
     resend: bool
-    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ...) -> None: ...
+    remote_capabilities: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReadBatch(_message.Message):
     __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds")
@@ -318,16 +322,18 @@ class CompletionBatch(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., end_code: _Optional[int] = ..., end_message: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldAnswer, _Mapping]]] = ...) -> None: ...
 
 class HoldAnswer(_message.Message):
-    __slots__ = ("request_id", "incarnation", "code", "error")
+    __slots__ = ("request_id", "incarnation", "code", "error", "capability")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     incarnation: str
     code: int
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, request_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "lease_s")
@@ -342,10 +348,12 @@ class HoldRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class HoldReply(_message.Message):
-    __slots__ = ("incarnation",)
+    __slots__ = ("incarnation", "capability")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
-    def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, incarnation: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("engine_id", "request_ids", "lease_s")
@@ -448,16 +456,18 @@ class EngineInfoReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("incarnation", "agent_metadata", "engine", "hold_board")
+    __slots__ = ("incarnation", "agent_metadata", "engine", "hold_board", "hold_key")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     HOLD_BOARD_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KEY_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_metadata: bytes
     engine: EngineRank
     hold_board: HoldBoard
-    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ...) -> None: ...
+    hold_key: bytes
+    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ..., hold_key: _Optional[bytes] = ...) -> None: ...
 
 class HoldBoard(_message.Message):
     __slots__ = ("address", "num_buckets")

@@ -1,0 +1,74 @@
+"""Issue 35, attack 1: reads are scoped to holds, checked before a byte moves, on real daemons.
+
+A decode engine used to name any blocks under a request id that was held
+(51-54 held, 60-63 read: completion ok, byte-exact), and a never-held id
+failed as stale only after its bytes were in the reader's cache. Now every
+read carries each holder rank's capability (from its ``HoldReply``), which
+seals one exact block list of one request: the decode daemon refuses a read
+whose blocks, request id or capability do not match, with PERMISSION_DENIED
+and nothing written. Both in the default (loopback) configuration and with
+mutual TLS as the chart runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.verify.daemons import DaemonCluster
+from kvxferd.verify.models import ModelShape, model_groups, random_request
+from tests.security.conftest import SPIFFE, tls_args
+
+GROUPS = model_groups("gqa", ModelShape())
+DENIED = 7  # PERMISSION_DENIED
+
+
+@pytest.fixture(scope="module", params=["default", "chart"])
+def cluster(request, workdir, ca):
+    args = ()
+    if request.param == "chart":
+        args = tls_args(ca, ca.issue("scoped", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE))
+    with DaemonCluster(*GROUPS, 2, 1, workdir=workdir, name=f"scoped-{request.param}", daemon_args=args) as c:
+        yield c
+
+
+def _plus_one(lists, num_blocks: int) -> tuple:
+    """Each group's ids and one id more that is not among them."""
+    return tuple(np.append(ids, min(set(range(num_blocks)) - set(ids.tolist()))) for ids in lists)
+
+
+def test_a_read_of_other_blocks_than_its_hold_moves_nothing(cluster):
+    held = random_request("tenant-a", *GROUPS, 64, np.random.default_rng(1))
+    cluster.hold(held)
+    other = tuple((ids + 7) % GROUPS[0][0].spec.num_blocks for ids in held.remote_block_ids)  # not held
+    attacks = {
+        "other blocks, the hold's request id and capabilities": dataclasses.replace(held, request_id="a1",
+                                                                                   remote_block_ids=other),
+        "one block more": dataclasses.replace(
+            held, request_id="a2", remote_block_ids=_plus_one(held.remote_block_ids, GROUPS[0][0].spec.num_blocks),
+            local_block_ids=_plus_one(held.local_block_ids, GROUPS[1][0].spec.num_blocks), num_tokens=None),
+        "a never-held request id, no capabilities": dataclasses.replace(held, request_id="a3",
+                                                                        remote_request_id="never-held"),
+        "a never-held request id, the hold's capabilities": dataclasses.replace(
+            held, request_id="a4", remote_request_id="never-held",
+            remote_capabilities=cluster.capabilities[held.remote_request_id]),
+        "the ranks' capabilities swapped": dataclasses.replace(
+            held, request_id="a5", remote_capabilities=cluster.capabilities[held.remote_request_id][::-1]),
+    }
+    for name, attack in attacks.items():
+        cluster.reset_decode()
+        cluster.submit(attack)
+        (completion,) = cluster.completions(attack)
+        assert not completion.ok and completion.refused_code == DENIED, (name, completion)
+        assert "remote_capabilities" in completion.error, (name, completion.error)
+        assert cluster.decode_untouched(), f"{name}: a refused read wrote bytes"
+    # The hold is untouched by all of that and its own read is byte-exact (the control: reads do work).
+    assert cluster.subscribers[0].wait_for(held.remote_request_id, timeout_s=0.3) is None
+    cluster.reset_decode()
+    cluster.submit(held)
+    assert all(c.ok for c in cluster.completions(held))
+    assert cluster.verify(held) == ([], 0) and not cluster.decode_untouched()
+    assert [e.kind for e in cluster.hold_events(held)] == [pb.NotifyEvent.CONSUMED] * 2
