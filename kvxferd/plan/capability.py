@@ -31,6 +31,7 @@ Pure arithmetic; where the key comes from is the caller's business.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import struct
@@ -47,19 +48,25 @@ _PERSON = b"kvxferd-hold-v1"  # BLAKE2b personalisation: these MACs mean nothing
 _KEY_ID_PERSON = b"kvxferd-keyid-v1"
 
 
+@functools.lru_cache(maxsize=1024)  # one per registration a daemon knows: keyed once, copied per use
 def key_id(hold_key: bytes) -> bytes:
     """The first :data:`KEY_ID_BYTES` of every capability a key seals (names the key, reveals nothing of it)."""
     return hashlib.blake2b(hold_key, digest_size=KEY_ID_BYTES, person=_KEY_ID_PERSON).digest()
 
 
+@functools.lru_cache(maxsize=1024)
+def _keyed(hold_key: bytes):
+    return hashlib.blake2b(key=hold_key, digest_size=MAC_BYTES, person=_PERSON)
+
+
 def hold_capability(hold_key: bytes, request_id: str, block_ids: Sequence) -> bytes:
     """The capability of holding ``block_ids`` (one id sequence per group) for ``request_id``."""
-    mac = hashlib.blake2b(key=hold_key, digest_size=MAC_BYTES, person=_PERSON)
+    mac = _keyed(hold_key).copy()
     encoded = request_id.encode()
     mac.update(struct.pack("<II", len(encoded), len(block_ids)))
     mac.update(encoded)
     for ids in block_ids:
-        ids = np.asarray(ids, dtype="<i4")
+        ids = np.asarray(ids, dtype="<i8")  # never wraps: 2**32 + 5 is not 5
         mac.update(struct.pack("<I", len(ids)))
         mac.update(ids.tobytes())
     return key_id(hold_key) + mac.digest()

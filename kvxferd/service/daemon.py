@@ -61,6 +61,7 @@ GIL_SWITCH_INTERVAL_S = 200e-6
 LOOP_STALL_S = 0.25  # the maintenance tick waking this late is logged and counted
 IDLE_TICK_S = 1.0  # maintenance tick with nothing held and nothing read (idle CPU)
 TLS_CHECK_S = 1.0  # how often the TLS files are looked at between handshakes (three stats)
+PROBE_ON_READ_S = 1.0  # reads naming an unknown holder registration probe the link at most this often
 # Full names (kvxfer.v1.*); importing the *_pb2 modules also puts their descriptors where reflection looks.
 SERVICES = tuple(module.DESCRIPTOR.services_by_name[name].full_name
                  for module, name in ((engine_service_pb2, "EngineService"), (peer_service_pb2, "PeerService")))
@@ -262,7 +263,7 @@ class Daemon:
         for slot in list(self.registry.slots.values()):
             by_remote: dict[str, list[str]] = {}
             for active in slot.active.values():
-                if active.submitted_s <= older_than_s:
+                if active.submitted_s <= older_than_s and active.verified:
                     by_remote.setdefault(active.remote_engine_id, []).append(active.remote_request_id)
             for remote_engine_id, request_ids in by_remote.items():
                 link = slot.links.get(remote_engine_id)
@@ -272,11 +273,24 @@ class Daemon:
     async def _probe_peers(self) -> None:
         for slot in list(self.registry.slots.values()):
             for link in list(slot.links.values()):
-                if link.ready and not await self.peers.probe(slot, link):
-                    link.stale = True
-                    log.info("remote engine changed incarnation or is unreachable",
-                             extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id})
-                    self.spawn(self._rehandshake(slot, link))
+                await self._probe_link(slot, link)
+
+    async def _probe_link(self, slot: EngineSlot, link: RemoteLink) -> None:
+        """One GetIncarnation per remote rank; a changed or unreachable one makes the link re-handshake."""
+        if link.ready and not await self.peers.probe(slot, link):
+            link.stale = True
+            log.info("remote engine changed incarnation or is unreachable",
+                     extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id})
+            self.spawn(self._rehandshake(slot, link))
+
+    def probe_soon(self, slot: EngineSlot, link: RemoteLink) -> None:
+        """A read named a holder registration the link does not know: probe now, at most once a second per
+        link (a key id comes from the engine's input, so it may be made up; only a real change of
+        incarnation makes the link re-handshake, never the key id itself)."""
+        now = time.monotonic()
+        if now - link.checked_s >= PROBE_ON_READ_S:
+            link.checked_s = now
+            self.spawn(self._probe_link(slot, link))
 
     async def _rehandshake(self, slot: EngineSlot, link: RemoteLink) -> None:
         try:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvxferd.service.dataplane import DataPlane
     from kvxferd.service.engines import Registry
     from kvxferd.service.metrics import Metrics
-    from kvxferd.service.peers import Peers
+    from kvxferd.service.peers import Peers, RemoteLink
     from kvxferd.service.reads import ReadPath
     from kvxferd.service.slots import EngineSlot
 
@@ -46,3 +46,6 @@ class DaemonParts(Protocol):
 
     def wake_maintenance(self) -> None:
         """A first hold arrived: leave the idle maintenance tick now."""
+
+    def probe_soon(self, slot: EngineSlot, link: RemoteLink) -> None:
+        """Ask the remote engine's ranks for their incarnations soon (rate-limited per link)."""

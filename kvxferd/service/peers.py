@@ -44,6 +44,7 @@ class RemoteLink:
     stale: bool = True
     pending: asyncio.Future | None = field(default=None, repr=False)
     pending_addresses: tuple[str, ...] = ()
+    checked_s: float = 0.0  # monotonic: the last probe a read's capability asked for (at most one a second)
 
     @property
     def ready(self) -> bool:

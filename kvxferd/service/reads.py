@@ -30,8 +30,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError,
-                            UnavailableError)
+from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, PermissionDeniedError,
+                            ResourceExhaustedError, UnavailableError)
 from kvxferd.plan.capability import check_read_capabilities, sealed_by_other_keys
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -82,23 +82,28 @@ class ReadPath:
             raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet")
         deadline_at_s = received_s + check_seconds(deadline_s, "deadline_s", default_s=config.deadline_s,
                                                    max_s=config.max_deadline_s)
-        if link.ready and sealed_by_other_keys(link.remote.hold_keys, request.remote_capabilities):
-            # A holder registered again (restarted) since this link's handshake: learn its new key first
-            # (an engine sending made-up key ids only makes its own link re-handshake).
-            link.stale = True
         # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often land
         # on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
         plan_there = not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
         # bad ids fail here, before anything is posted (or there, as a refusal)
         planned = None if plan_there else link.remote.plan.plan_request(request)
         # Only blocks the holders sealed for this request: refused here (after the ids, whose errors
-        # name them), with nothing posted. While the link is re-handshaking (a holder restarted, with a
-        # new key) the executor checks when it posts, against the new link.
-        if link.ready:
+        # name them), with nothing posted; the executor checks again against the link it posts on.
+        # Capabilities of a holder registration this link does not know (a restarted holder, or made
+        # up) are refused too, and the link is probed soon: a real restart is picked up by that probe.
+        # A link being re-handshaken may be about to learn a new key: such a read is checked when it is
+        # posted, on the new link, and renews no hold while it waits (it is not verified yet).
+        verified = not sealed_by_other_keys(link.remote.hold_keys, request.remote_capabilities)
+        if verified:
             check_read_capabilities(link.remote.hold_keys, request.remote_request_id, request.remote_block_ids,
                                     request.remote_capabilities)
+        elif link.ready:
+            daemon.probe_soon(slot, link)
+            raise PermissionDeniedError("remote_capabilities", "sealed by a registration of the remote engine "
+                                        "that this daemon's handshake does not know (a restarted holder is "
+                                        "picked up within a second)")
         active = slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id,
-                                                              time.monotonic())
+                                                              time.monotonic(), verified=verified)
         read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request, active=active)
         if plan_there:
             daemon.dataplane.submit(read)

@@ -32,6 +32,9 @@ class ActiveRead:
     # Its completion was written by the data-plane thread (ReadDone.deliver_now): the read is over for the
     # engine, though the loop has not dropped this record yet. Set by that thread, read by the loop.
     delivered: bool = False
+    # Its capabilities were checked at submit (else they wait for a re-handshake's new key): only a
+    # verified read keeps its holders' leases alive while it waits.
+    verified: bool = True
 
 
 @dataclass(eq=False)

@@ -329,18 +329,25 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         assert merged[prefill]["sent"] == {"lost"} and prefill.client.num_reregistrations == 1, \
             (merged, prefill.client.num_reregistrations)
         # The new registration kept the session the scheduler holds with: holds and reads go on. No probe
-        # has seen the restart yet, but the read's capability names the new daemon's hold key: the decode
-        # daemon re-handshakes before it reads (once, it used to read on the old link and fail).
+        # has seen the restart yet, and the read's capability names the new daemon's hold key: the decode
+        # daemon refuses it (nothing written: vLLM fails that load) and probes the link at once, which
+        # finds the new incarnation and re-handshakes; the next read is byte-exact. ("later" stays held
+        # until its lease runs out.)
         decode.submit(order("later", [6, 7], [12, 13]))
-        merged = _gather([decode, prefill], lambda m: "d-later" in m[decode]["recv"] and "later" in m[prefill]["sent"],
-                         daemons=daemons)
-        assert merged[decode]["recv"] == {"d-later"}, merged
+        merged = _gather([decode], lambda m: "d-later" in m[decode]["recv"], daemons=daemons)
+        assert merged[decode]["failed"] == {"d-later"}, merged
+        assert all(not torch.equal(decode_cache[name][12:14], prefill_cache[name][6:8]) for name in prefill_cache)
+        time.sleep(1.0)  # the probe and its re-handshake
+        decode.submit(order("later-again", [6, 7], [12, 13]))
+        merged = _gather([decode, prefill], lambda m: "d-later-again" in m[decode]["recv"]
+                         and "later-again" in m[prefill]["sent"], daemons=daemons)
+        assert merged[decode]["recv"] == {"d-later-again"}, merged
         assert not merged[decode]["failed"] and not merged[decode]["invalid"], merged
         for name in prefill_cache:
             assert torch.equal(decode_cache[name][12:14], prefill_cache[name][6:8])
-        # Four reads vLLM waited for; "lost" failed, and only the three ok ones count bytes.
+        # Five reads vLLM waited for; "lost" and "later" failed, and only the three ok ones count bytes.
         stats = decode.take_stats()
-        assert stats.data["num_transfers"] == 4 and stats.num_failed_transfers == 1, stats.data
+        assert stats.data["num_transfers"] == 5 and stats.num_failed_transfers == 2, stats.data
         assert stats.data["transferred_bytes"] == 3 * 2 * 2 * decode_cache["layer.0"][0].nbytes, stats.data
     finally:
         for worker in workers:

@@ -27,6 +27,11 @@ def test_a_capability_seals_one_exact_hold(request_id, blocks, other, other_id):
         check_capability(OTHER_KEY, request_id, blocks, capability, "c")
 
 
+def test_ids_are_not_wrapped_to_32_bits():
+    assert hold_capability(KEY, "r", [[2**32 + 5]]) != hold_capability(KEY, "r", [[5]])
+    assert hold_capability(KEY, "r", [[-1]]) != hold_capability(KEY, "r", [[2**32 - 1]])
+
+
 def test_group_boundaries_are_part_of_the_hold():
     """[1, 2] | [3] and [1] | [2, 3] are different holds (the ids alone would be the same bytes)."""
     assert hold_capability(KEY, "r", [[1, 2], [3]]) != hold_capability(KEY, "r", [[1], [2, 3]])

@@ -49,15 +49,20 @@ def test_forged_notices_end_no_hold(cluster):
     prefill = cluster.prefill_daemons[0]
     dropped = prefill.metric("kvxferd_notices_dropped_total", 'reason="foreign"')
     unsealed = prefill.metric("kvxferd_notices_dropped_total", 'reason="unsealed"')
+    malformed = prefill.metric("kvxferd_notices_dropped_total", 'reason="malformed"')
     # 1. An agent introduced under its own name claims to be the real reader: not that reader's agent.
     agents = [forge(cluster, "mallory-1", "mallory", 1, ReadNotice(request.remote_request_id, cluster.decode_id, 0, 1))]
     assert prefill.metric("kvxferd_notices_dropped_total", 'reason="foreign"') == dropped + 1
     # 2. Issue 35: a reader introduced under its own id, speaking for itself with the count the holder
     #    expects of it (TP 1: one), ended any hold it named. Without the hold's capability it counts for nothing.
     agents.append(forge(cluster, "mallory-2", "mallory-own", 1, ReadNotice(request.remote_request_id, "mallory-own", 0, 1)))
-    # 3. A reader of TP 2 announces one reader (the holder expects two): refused too, before its count is heard.
-    agents.append(forge(cluster, "mallory-3", "mallory-tp2", 2, ReadNotice(request.remote_request_id, "mallory-tp2", 0, 1)))
-    assert prefill.metric("kvxferd_notices_dropped_total", 'reason="unsealed"') == unsealed + 2
+    assert prefill.metric("kvxferd_notices_dropped_total", 'reason="unsealed"') == unsealed + 1
+    # 3. A reader of TP 2 that has the capability announces one reader: the holder itself expects two, so the
+    #    notice is refused (the holder's own count, checked apart from the capability).
+    capability = cluster.capabilities[request.remote_request_id][0]
+    agents.append(forge(cluster, "mallory-3", "mallory-tp2", 2,
+                        ReadNotice(request.remote_request_id, "mallory-tp2", 0, 1, capability=capability)))
+    assert prefill.metric("kvxferd_notices_dropped_total", 'reason="malformed"') == malformed + 1
     assert cluster.subscribers[0].wait_for(request.remote_request_id, timeout_s=0.5) is None  # still held
     # The real readers still read and end the hold, exactly once.
     cluster.submit(request)

@@ -72,3 +72,22 @@ def test_a_read_of_other_blocks_than_its_hold_moves_nothing(cluster):
     assert all(c.ok for c in cluster.completions(held))
     assert cluster.verify(held) == ([], 0) and not cluster.decode_untouched()
     assert [e.kind for e in cluster.hold_events(held)] == [pb.NotifyEvent.CONSUMED] * 2
+
+
+def test_made_up_key_ids_do_not_make_the_link_re_handshake(cluster):
+    """A capability's key id comes from the engine's input: a made-up one is refused and at most probes the
+    link (one GetIncarnation a second); it never re-handshakes it, which would fail every read in flight."""
+    decode_log = cluster.decode_daemons[0]
+    handshakes = decode_log.tail(200_000).count('"handshake done"')
+    held = random_request("tenant-b", *GROUPS, 64, np.random.default_rng(2))
+    cluster.hold(held)
+    made_up = [bytes([n]) * 16 for n in range(1, 21)]
+    for n, capability in enumerate(made_up):
+        attack = dataclasses.replace(held, request_id=f"k{n}", remote_capabilities=(capability, capability))
+        cluster.submit(attack)
+        (completion,) = cluster.completions(attack)
+        assert not completion.ok and completion.refused_code == DENIED, completion
+    cluster.reset_decode()
+    cluster.submit(held)
+    assert all(c.ok for c in cluster.completions(held)) and cluster.verify(held) == ([], 0)
+    assert decode_log.tail(200_000).count('"handshake done"') == handshakes

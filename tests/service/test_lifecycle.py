@@ -84,6 +84,14 @@ def test_restarted_prefill_daemon_is_picked_up(workdir):
         # Down across several probes: the decode daemon's channel to it goes into
         # reconnect backoff, which must not fail the re-handshake.
         cluster.restart_prefill(1, down_s=5.0)  # new process, new incarnation, same address
+        # A read sealed by the new daemon's key may come before any probe saw the restart: it is refused,
+        # nothing written, and the link is probed at once (not re-handshaken on the read's word).
+        early = _request("early", 5)
+        cluster.reset_decode()
+        (completion,) = cluster.read(early)
+        assert completion.ok or (completion.refused_code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+                                 and cluster.decode_untouched()), completion
+        time.sleep(1.5)  # that probe, and its re-handshake
         for n in range(3):
             request = _request(f"after{n}", 2 + n)
             cluster.reset_decode()
