@@ -93,6 +93,8 @@ class DaemonConfig(BaseSettings):
     fd_recv_timeout_s: float = Field(2.0, gt=0, le=60, description="how long the fd socket waits for a client's message (s)")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish (s)")
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, description="largest gRPC message accepted (bytes)")
+    max_peer_request_bytes: int = Field(1 << 20, ge=1 << 16, description="largest request accepted on the peer port "
+                                        "(bytes): peers send introductions, renewals and probes, all small")
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
     handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
     peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")

@@ -132,7 +132,8 @@ class Daemon:
                                      lambda: len(self.registry.slots))
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
-            engine_server, peer_server = self._new_server(), self._new_server()
+            engine_server = self._new_server(config.max_message_bytes)
+            peer_server = self._new_server(min(config.max_peer_request_bytes, config.max_message_bytes))
             engine_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
             peer_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
             with socket_umask(gid):
@@ -174,9 +175,9 @@ class Daemon:
         log.info("daemon started", extra={**self.addresses, "daemon_id": config.daemon_id})
         return self.addresses
 
-    def _new_server(self) -> grpc.aio.Server:
+    def _new_server(self, max_request_bytes: int) -> grpc.aio.Server:
         config = self.config
-        options = [("grpc.max_receive_message_length", config.max_message_bytes),
+        options = [("grpc.max_receive_message_length", max_request_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0),
                    ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
         server = grpc.aio.server(options=options)

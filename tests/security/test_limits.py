@@ -165,3 +165,18 @@ def test_renewals_cannot_hold_blocks_past_max_hold_s(workdir):
         daemon.terminate()
         for arena in arenas:
             arena.close()
+
+
+def test_peer_requests_are_bounded_apart_from_engine_messages(limited):
+    """Issue 35: PeerService took 16 MiB requests (16 at once held 1 GiB). A peer sends only small requests:
+    over ``max_peer_request_bytes`` (1 MiB) is RESOURCE_EXHAUSTED before any handler runs, while the engine
+    port still takes messages up to ``max_message_bytes``."""
+    big = "x" * (2 << 20)
+    peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(limited.peer_address))
+    code, _ = status(lambda: peer.GetIncarnation(pb.IncarnationRequest(engine_id=big), timeout=10))
+    assert code == C.RESOURCE_EXHAUSTED, code
+    code, _ = status(lambda: peer.GetIncarnation(pb.IncarnationRequest(engine_id=big[:1000]), timeout=10))
+    assert code != C.RESOURCE_EXHAUSTED, code  # a small one is read (and refused for what it says)
+    code, details = status(lambda: EngineClient(limited.engine_target).register(
+        pb.EngineRank(engine_id=big[: (3 << 20) // 2], tp_size=1), lease_s=1))
+    assert code == C.INVALID_ARGUMENT and "engine_id" in details, (code, details[:200])  # read, then refused
