@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.completions import COMPLETIONS_PER_BATCH, StreamReplaced
 from kvxferd.service.holding import lease_seconds, place_hold
 from kvxferd.service.status import error_status, status_code
-from kvxferd.service.tls import authorize_peer
+from kvxferd.service.tls import authorize_peer, peer_identities
 from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
 from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
@@ -43,6 +44,8 @@ from kvxferd.xfer.holder import Reader
 if TYPE_CHECKING:
     from kvxferd.service.parts import DaemonParts
 
+audit_log = logging.getLogger("kvxferd.audit")
+
 
 def rpc(fn):
     """Typed errors -> their status; anything else -> INTERNAL with an error id (details only in the log)."""
@@ -51,12 +54,16 @@ def rpc(fn):
     @functools.wraps(fn)
     async def handler(self, request, context):
         try:
-            return await fn(self, request, context)
+            reply = await fn(self, request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as err:
             code, message = error_status(name, err)
+        else:
+            self.audit(name, request, context, grpc.StatusCode.OK)
+            return reply
         self.daemon.metrics.rpc_errors.labels(name, code.name).inc()
+        self.audit(name, request, context, code, message)
         await context.abort(code, message)
 
     return handler
@@ -73,6 +80,9 @@ def metadata_value(context, key: str) -> str:
 class EngineServicer(engine_grpc.EngineServiceServicer):
     def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
+
+    def audit(self, *outcome) -> None:
+        """Engine calls are the engine's own business: no audit line (see :class:`PeerServicer`)."""
 
     def _check_transport(self, context) -> None:
         """Over engine_tcp (not the UNIX socket) the caller must present the bearer token."""
@@ -208,6 +218,23 @@ def _renew(daemon: "DaemonParts", slot, request: pb.RenewLeaseRequest) -> pb.Ren
 class PeerServicer(peer_grpc.PeerServiceServicer):
     def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
+
+    def audit(self, method: str, request, context, code: grpc.StatusCode, error: str = "") -> None:
+        """One ``kvxferd.audit`` line per decision about a peer: every introduction (GetEngineInfo) and
+        renewal, and every refusal; who asked (certificate identity, address), of which engine, the outcome.
+        A probe that is answered (GetIncarnation, every ``peer_check_s`` per link) is not worth a line."""
+        if code == grpc.StatusCode.OK and method == "GetIncarnation":
+            return
+        identities = peer_identities(context)
+        fields = {"method": method, "outcome": code.name, "peer": context.peer(),
+                  "identity": ",".join(identities)[:300], "engine_id": request.engine_id[:256]}
+        if method == "GetEngineInfo":
+            fields["reader"] = f"{request.reader_engine_id[:256]}/{request.reader_tp_rank}"
+        elif method == "RenewLeases":
+            fields["num_request_ids"] = len(request.request_ids)
+        if error:
+            fields["error"] = error[:300]
+        audit_log.info("peer %s: %s", method, code.name, extra=fields)
 
     def _authorize(self, context) -> None:
         """With TLS: the caller's certificate identity must be on the allow-list (before anything is looked up)."""

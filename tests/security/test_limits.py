@@ -95,6 +95,9 @@ class _Broken:
                 def labels(*_):
                     return type("C", (), {"inc": staticmethod(lambda: None)})
 
+    def audit(self, *outcome):
+        pass
+
     @rpc
     async def Explode(self, request, context):
         raise RuntimeError("could not open /var/secret/tenant-a.key")
@@ -180,3 +183,40 @@ def test_peer_requests_are_bounded_apart_from_engine_messages(limited):
     code, details = status(lambda: EngineClient(limited.engine_target).register(
         pb.EngineRank(engine_id=big[: (3 << 20) // 2], tp_size=1), lease_s=1))
     assert code == C.INVALID_ARGUMENT and "engine_id" in details, (code, details[:200])  # read, then refused
+
+
+def test_every_peer_decision_is_an_audit_line(workdir):
+    """Issue 35: one structured line per introduction, renewal and refusal on the peer port: who asked (TLS
+    identity when on, address), what, of which engine, and the outcome."""
+    import json
+
+    daemon = DaemonProcess("audit", socket_dir=workdir, extra_args=("--max-readers-per-engine", "1"))
+    arenas, client = [], EngineClient(daemon.engine_target)
+    try:
+        client.register(engine_pb(GROUPS[0], "aud-a", arenas))
+        peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
+
+        def introduce(reader: str, agent: NixlAgent):
+            return peer.GetEngineInfo(pb.EngineInfoRequest(
+                engine_id="aud-a", protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader,
+                reader_tp_rank=0, reader_tp_size=1, reader_agent_metadata=agent.metadata()), timeout=10)
+
+        introduce("reader-1", NixlAgent("aud-reader-1"))
+        status(lambda: introduce("reader-2", NixlAgent("aud-reader-2")))  # over max_readers_per_engine
+        peer.RenewLeases(pb.RenewLeaseRequest(engine_id="aud-a", request_ids=["x", "y"], lease_s=1), timeout=10)
+        peer.GetIncarnation(pb.IncarnationRequest(engine_id="aud-a"), timeout=10)  # an answered probe: no line
+        status(lambda: peer.GetIncarnation(pb.IncarnationRequest(engine_id="nobody"), timeout=10))
+        lines = [json.loads(line) for line in daemon.tail(200_000).splitlines()
+                 if line.startswith("{") and '"kvxferd.audit"' in line]
+        got = [(r["method"], r["outcome"], r.get("reader", ""), r.get("num_request_ids", 0)) for r in lines]
+        assert got == [("GetEngineInfo", "OK", "reader-1/0", 0),
+                       ("GetEngineInfo", "RESOURCE_EXHAUSTED", "reader-2/0", 0),
+                       ("RenewLeases", "OK", "", 2), ("GetIncarnation", "NOT_FOUND", "", 0)], got
+        assert all(r["peer"].startswith("ipv4:127.0.0.1:") and r["identity"] == "" for r in lines)  # no TLS here
+        assert "max_readers_per_engine" in lines[1]["error"]
+    finally:
+        client.deregister()
+        client.close()
+        daemon.terminate()
+        for arena in arenas:
+            arena.close()

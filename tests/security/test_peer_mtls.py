@@ -7,6 +7,8 @@ no agent metadata, so no NIXL read or write of a tenant's cache.
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import numpy as np
 import pytest
@@ -104,6 +106,12 @@ def test_an_allowed_identity_is_served(cluster, ca):
     assert codes == {"incarnation (real id)": C.OK, "incarnation (invented id)": C.NOT_FOUND,
                      # no reader agent metadata: no metadata or addresses in return
                      "engine info": C.INVALID_ARGUMENT, "renew inf": C.INVALID_ARGUMENT}
+    # Each decision is an audit line naming the certificate's identities (issue 35), refusals of strangers too.
+    lines = [json.loads(line) for line in cluster.prefill_daemons[0].tail(500_000).splitlines()
+             if line.startswith("{") and '"kvxferd.audit"' in line]
+    assert any(r["method"] == "GetEngineInfo" and r["outcome"] == "INVALID_ARGUMENT" and SPIFFE in r["identity"]
+               for r in lines), lines[-5:]
+    assert any(r["outcome"] == "PERMISSION_DENIED" and SPIFFE not in r["identity"] and r["identity"] for r in lines)
 
 
 def test_a_plain_nixl_agent_reads_a_tenants_cache_only_with_an_allowed_certificate(cluster, ca):
