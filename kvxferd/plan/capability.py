@@ -21,8 +21,10 @@ A capability is 16 bytes: the key's id (4 bytes, a hash of the key) and a
 MAC (12 bytes, keyed BLAKE2b over the request id and every group's block ids,
 in order), so it covers one exact block list: a read of other blocks, of the
 same blocks under another request, or with a capability of another rank
-fails. The key id tells a reader that a holder registered again (a restart,
-a new key) since its handshake: it re-handshakes instead of refusing. Notices
+fails. The key id tells a reader that a capability comes from another
+registration of the holder than the one it knows (a restart, or made up):
+the reader refuses the read and asks the holder for its incarnation, never
+re-handshaking on the key id's word. Notices
 carry the capability too, so a notice ends only a hold its sender could read
 (the holder compares it with what it minted).
 

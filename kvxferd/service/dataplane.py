@@ -94,6 +94,7 @@ class DaemonRead:
     request: ReadRequest | None = None  # planned.request when planned is given
     refusal: KvxferError | None = None  # planning on this thread refused it: nothing was posted
     active: ActiveRead | None = None  # the loop's record of it (slot.active)
+    sealed_for: RemoteEngine | None = None  # the link whose hold keys its capabilities were checked against
 
     def __post_init__(self) -> None:
         if self.request is None:
@@ -375,7 +376,7 @@ class DataPlane:
             return ReadFailure.DEADLINE
         try:
             read.remote, read.planned, read.inflight = read.slot.executor.post_current(
-                read.remote, read.planned, read.submitted_s, notify=False)
+                read.remote, read.planned, read.submitted_s, notify=False, sealed_for=read.sealed_for)
         except PermissionDeniedError as err:  # not sealed by the holders it would read from: refused
             read.refusal = err
             read.transfer = error_result(read, str(err))

@@ -104,7 +104,8 @@ class ReadPath:
                                         "picked up within a second)")
         active = slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id,
                                                               time.monotonic(), verified=verified)
-        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request, active=active)
+        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request, active=active,
+                          sealed_for=link.remote if verified else None)
         if plan_there:
             daemon.dataplane.submit(read)
         elif link.ready and planned.num_bytes <= self._inline_left:

@@ -279,19 +279,22 @@ class ReadExecutor:
             return self._post_planned(remote, planned, start_s, notify=True)
 
     def post_current(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None, *,
-                     notify: bool = True) -> tuple[RemoteEngine, PlannedRead, InFlightRead]:
+                     notify: bool = True, sealed_for: RemoteEngine | None = None
+                     ) -> tuple[RemoteEngine, PlannedRead, InFlightRead]:
         """Post on the remote engine's current connection: a request planned before a re-handshake is
         planned again on the new one (same layouts, new lists). Raises a typed error when it is gone.
-        ``notify``: as in :meth:`poll` (the post polls once)."""
+        ``notify``: as in :meth:`poll` (the post polls once). ``sealed_for``: the connection whose hold
+        keys the caller checked the read's capabilities against already (not checked again on it)."""
         with self.lock:
             if not self.is_current(remote):
                 remote = self.remote(remote.plan.remote_engine_id)
                 planned = remote.plan.plan_request(planned.request)
-            return remote, planned, self._post_planned(remote, planned, start_s, notify=notify)
+            return remote, planned, self._post_planned(remote, planned, start_s, notify=notify,
+                                                       checked=remote is sealed_for)
 
     def _post_planned(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None, *,
-                      notify: bool) -> InFlightRead:
-        if remote.hold_keys:  # a read names only blocks its holders sealed for it: else nothing moves
+                      notify: bool, checked: bool = False) -> InFlightRead:
+        if remote.hold_keys and not checked:  # a read names only blocks its holders sealed for it: else nothing moves
             request = planned.request
             check_read_capabilities(remote.hold_keys, request.remote_request_id, request.remote_block_ids,
                                     request.remote_capabilities)

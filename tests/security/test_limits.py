@@ -24,6 +24,13 @@ C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
 
 
+def introduce(peer, engine_id: str, reader: str, agent: NixlAgent):
+    """``GetEngineInfo`` of rank 0 of ``engine_id`` by reader engine ``reader`` (TP 1), introducing ``agent``."""
+    return peer.GetEngineInfo(pb.EngineInfoRequest(
+        engine_id=engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader,
+        reader_tp_rank=0, reader_tp_size=1, reader_agent_metadata=agent.metadata()), timeout=10)
+
+
 @pytest.fixture(scope="module")
 def limited(workdir):
     daemon = DaemonProcess("limits", socket_dir=workdir, extra_args=(
@@ -48,14 +55,8 @@ def test_limits_name_themselves(limited):
         first.release("h1")
         first.hold("h3", [[3]])  # room again
         peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(limited.peer_address))
-
-        def introduce(reader: str, agent: NixlAgent):
-            return peer.GetEngineInfo(pb.EngineInfoRequest(
-                engine_id="lim-a", protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader,
-                reader_tp_rank=0, reader_tp_size=1, reader_agent_metadata=agent.metadata()), timeout=10)
-
-        introduce("reader-1", NixlAgent("lim-reader-1"))
-        code, details = status(lambda: introduce("reader-2", NixlAgent("lim-reader-2")))
+        introduce(peer, "lim-a", "reader-1", NixlAgent("lim-reader-1"))
+        code, details = status(lambda: introduce(peer, "lim-a", "reader-2", NixlAgent("lim-reader-2")))
         assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_readers_per_engine"), details
     finally:
         for client in clients:
@@ -195,14 +196,8 @@ def test_every_peer_decision_is_an_audit_line(workdir):
     try:
         client.register(engine_pb(GROUPS[0], "aud-a", arenas))
         peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
-
-        def introduce(reader: str, agent: NixlAgent):
-            return peer.GetEngineInfo(pb.EngineInfoRequest(
-                engine_id="aud-a", protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id=reader,
-                reader_tp_rank=0, reader_tp_size=1, reader_agent_metadata=agent.metadata()), timeout=10)
-
-        introduce("reader-1", NixlAgent("aud-reader-1"))
-        status(lambda: introduce("reader-2", NixlAgent("aud-reader-2")))  # over max_readers_per_engine
+        introduce(peer, "aud-a", "reader-1", NixlAgent("aud-reader-1"))
+        status(lambda: introduce(peer, "aud-a", "reader-2", NixlAgent("aud-reader-2")))  # over max_readers_per_engine
         peer.RenewLeases(pb.RenewLeaseRequest(engine_id="aud-a", request_ids=["x", "y"], lease_s=1), timeout=10)
         peer.GetIncarnation(pb.IncarnationRequest(engine_id="aud-a"), timeout=10)  # an answered probe: no line
         status(lambda: peer.GetIncarnation(pb.IncarnationRequest(engine_id="nobody"), timeout=10))

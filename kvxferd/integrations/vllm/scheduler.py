@@ -180,8 +180,8 @@ class SchedulerSide:
                 # load. Decode computes the whole prompt, and the empty read releases the hold
                 # (the normal case for a prompt no longer than the back-off: not worth a warning).
                 if remote.remote_num_tokens > self.num_backoff_tokens:
-                        log.warning("kvxferd: the prefill state is after %d tokens, decode can load %d: computing the prompt",
-                                remote.remote_num_tokens, num_tokens, extra={"request_id": request_id})
+                    log.warning("kvxferd: the prefill state is after %d tokens, decode can load %d: computing "
+                                "the prompt", remote.remote_num_tokens, num_tokens, extra={"request_id": request_id})
                 num_tokens = 0
         except ParamsError as err:
             self._pending[request_id] = err
@@ -196,7 +196,7 @@ class SchedulerSide:
         A prompt no longer than the back-off loads nothing (its state would already
         hold the token decode must compute).
         """
-        return max(num_prompt_tokens - self.num_backoff_tokens, 0) if self.num_backoff_tokens else num_prompt_tokens
+        return max(num_prompt_tokens - self.num_backoff_tokens, 0)
 
     def after_alloc(self, request_id: str, params: dict | None, new_block_ids: Sequence[Sequence[int]],
                     num_external_tokens: int) -> None:

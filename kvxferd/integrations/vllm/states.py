@@ -27,7 +27,7 @@ from kvxferd.layout.specs import MambaSpec
 # (GatedDeltaNetAttention.rearrange_mixed_qkv, vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py),
 # and its SSM state is (value heads, value dim, key dim) (MambaStateShapeCalculator.gated_delta_net_state_shape):
 # value heads play Mamba2's heads, key heads its groups.
-CONV_PARTS = {"MAMBA2": "xBC", "GDN_ATTN": "BCx"}
+CONV_PARTS_BY_TYPE = {"MAMBA2": "xBC", "GDN_ATTN": "BCx"}
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,12 @@ def mamba_group(layer_names: Sequence[str], layers: Sequence[torch.Tensor], spec
     (heads x head_dim, then two groups x state) and the SSM state is
     ``(heads, head_dim, state)``, each this rank's share. ``num_groups`` is
     the model's (``n_groups``; GDN: key heads); without it the rank's share times TP.
-    GDN is the same page with the conv channels ``[q | k | v]`` (see :data:`CONV_PARTS`).
+    GDN is the same page with the conv channels ``[q | k | v]`` (see :data:`CONV_PARTS_BY_TYPE`).
     """
     mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    if mamba_type not in CONV_PARTS or len(spec.shapes) != 2:
+    if mamba_type not in CONV_PARTS_BY_TYPE or len(spec.shapes) != 2:
         raise ValueError(f"{mamba_type} state ({len(spec.shapes)} states) is not described yet (the conv and SSM "
-                         f"states of {' and '.join(CONV_PARTS)} are)")
+                         f"states of {' and '.join(CONV_PARTS_BY_TYPE)} are)")
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode != "none":
         # vLLM keeps several state slots per request then (prefix caching of states); kvxferd holds
@@ -84,7 +84,7 @@ def mamba_group(layer_names: Sequence[str], layers: Sequence[torch.Tensor], spec
                       num_groups=num_groups or groups_local * tp_size, state_size=state_size, conv_window=window,
                       conv_dtype=conv_dtype, ssm_dtype=ssm_dtype, conv_order="DW" if conv_dim_first else "WD",
                       page_bytes=spec.page_size_bytes, block_stride=raw[0].stride(0), num_layers=len(raw),
-                      layer_stride=step or raw[0].stride(0), conv_parts=CONV_PARTS[mamba_type])
+                      layer_stride=step or raw[0].stride(0), conv_parts=CONV_PARTS_BY_TYPE[mamba_type])
     region = state.region(tp_size, tp_rank)  # the rank's share must be what the views hold
     if region.field("ssm").layout.size("heads") != heads or region.field("conv_b").layout.size("groups") != groups_local:
         raise ValueError(f"rank {tp_rank} of {tp_size} would hold other heads or groups than its views "
