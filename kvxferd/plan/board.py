@@ -1,18 +1,23 @@
 """The hold board: which requests a holder rank holds now, readable by its readers without the holder.
 
-A reader must not count a read as good if the holder freed the blocks
-under it. Instead of asking the holder (a notification and an ack, both
-waiting for the holder's next poll), the reader reads the holder's board
-with one more one-sided READ once its data READ has ended: if the hold's
-tag is still on the board, the holder had not yet ended the hold, and it
-ends a hold (CONSUMED, EXPIRED, released) only after clearing the tag.
+A reader must not read blocks the holder no longer holds, nor count a read
+as good if the holder freed the blocks under it. Instead of asking the
+holder (a notification and an ack, both waiting for the holder's next
+poll), the reader reads the holder's board with a one-sided READ before
+its data READ (the hold is alive: post it; gone: nothing is copied) and
+once more after it: if the hold's tag is still on the board, the holder
+had not yet ended the hold, and it ends a hold (CONSUMED, EXPIRED,
+released) only after clearing the tag.
 
 The board is an array of buckets, each one cache line of eight 64-bit
-slots. A tag is a 64-bit hash of the request id, never 0 (0 is an empty
-slot). It lives in the emptier of two buckets chosen by the tag, so a
-reader reads both (two descriptors of 64 bytes) and looks for it::
+slots. A tag is a 64-bit hash of the hold's capability (which seals the
+request id and its exact block ids, :mod:`kvxferd.plan.capability`),
+never 0 (0 is an empty slot): a later hold of the same request id on
+other blocks has another tag, so a capability replayed after its hold
+ended finds nothing. It lives in the emptier of two buckets chosen by the
+tag, so a reader reads both (two descriptors of 64 bytes) and looks for it::
 
-    tag = blake2b(request_id)[:8]            b0 = tag & mask
+    tag = blake2b(capability)[:8]            b0 = tag & mask
                                              b1 = (tag >> 32) & mask, never b0
     bucket:  [ s0 | s1 | s2 | s3 | s4 | s5 | s6 | s7 ]   64 bytes, one READ descriptor
     board:   bucket 0, bucket 1, ..., bucket mask     (num_buckets a power of two)
@@ -20,8 +25,8 @@ reader reads both (two descriptors of 64 bytes) and looks for it::
 Sized at most half full at the holder's hold limit; with two choices of
 eight slots a full pair of buckets is then practically impossible, and if
 it happens anyway the hold is refused (RESOURCE_EXHAUSTED), never lost.
-Two request ids with one tag are both kept (one slot each); a stale read
-can pass only if another live hold of the same rank has its 64-bit tag.
+Two holds with one tag are both kept (one slot each); a stale read can
+pass only if another live hold of the same rank has its 64-bit tag.
 
 Pure arithmetic on a numpy array; registering it with NIXL is the
 transfer layer's business.
@@ -39,6 +44,7 @@ from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError
 SLOTS_PER_BUCKET = 8
 BUCKET_BYTES = SLOTS_PER_BUCKET * 8  # one cache line: a READ of one bucket never tears a slot
 MAX_BOARD_BUCKETS = 1 << 24  # 1 GiB of board: far above any hold limit
+_TAG_PERSON = b"kvxferd-tag-v1"
 
 
 @dataclass(frozen=True)
@@ -52,9 +58,9 @@ class BoardInfo:
     hold_key: bytes = field(default=b"", repr=False)
 
 
-def hold_tag(request_id: str) -> int:
-    """The board tag of a request id: 64 bits of its hash, never 0."""
-    tag = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+def hold_tag(capability: bytes) -> int:
+    """The board tag of a hold: 64 bits of its capability's hash, never 0."""
+    tag = int.from_bytes(hashlib.blake2b(capability, digest_size=8, person=_TAG_PERSON).digest(), "little")
     return tag or 1
 
 

@@ -94,8 +94,9 @@ class HoldTable:
         if request_id in self._holds:
             raise InvalidArgumentError("request_id", f"request {request_id!r} is already held")
         ends_by_s = now + self.max_hold_s
-        entry = _Hold(block_ids, min(now + lease_s, ends_by_s), ends_by_s, next(self._tokens), hold_tag(request_id),
-                      hold_capability(self.hold_key, request_id, block_ids))
+        capability = hold_capability(self.hold_key, request_id, block_ids)
+        entry = _Hold(block_ids, min(now + lease_s, ends_by_s), ends_by_s, next(self._tokens), hold_tag(capability),
+                      capability)
         if self.board is not None:
             self.board.add(entry.tag)  # may refuse (both buckets full): then nothing is held
         self._holds[request_id] = entry

@@ -8,9 +8,12 @@
       rank (strided rows: local, remote, the holder's board)
     post(request)                                              per request
       plan.plan_request -> ids per rank                       typed errors before any I/O
-      make_prepped_xfer(ids) + transfer per rank               no notification attached
+      capabilities checked; READ each rank's two board        the hold is alive before a byte
+        buckets (checks.py)                                     of its blocks moves
     poll / wait                                                no busy spin
-      check_xfer_state; a rank's data ended -> READ its two board buckets (checks.py);
+      a rank's board has its hold's tag -> make_prepped_xfer   no notification attached
+        (ids) + transfer; no tag -> stale, nothing copied
+      a rank's data ended -> READ its board buckets again      still held after the copy?
       all ended -> release handles, ReadResult (status, bytes, invalid block ids per
       group; stale ranks failed)
     send_notices                                               once, after the result
@@ -37,7 +40,7 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, TransferError
 from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.capability import HOLD_KEY_BYTES, check_read_capabilities
-from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, ReadRequest
+from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, RankRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
@@ -54,7 +57,7 @@ class ReadFailure(str, enum.Enum):
     TRANSFER = "transfer"  # NIXL reported an error for a rank
     REMOTE_GONE = "remote_gone"  # the remote agent disconnected or is unknown
     DEADLINE = "deadline"  # the transfer or the board check did not end in time
-    STALE = "stale"  # the hold's tag had left the holder's board when the read was checked
+    STALE = "stale"  # the hold's tag was not (or no longer) on the holder's board when the read was checked
     ABORTED = "aborted"  # the engine or the link went away under the read
     HANDSHAKE = "handshake"  # a re-handshake before posting failed
     REFUSED = "refused"  # refused before anything was posted (Reads stream)
@@ -101,16 +104,19 @@ class InFlightRead:
     errors: dict[int, str] = field(default_factory=dict)  # rank -> why it failed
     failure: ReadFailure = ReadFailure.NONE  # the first failure's kind
     result: ReadResult | None = None
-    tag: int = 0  # the hold's board tag (0: not checked)
-    unchecked: list[int] = field(default_factory=list)  # ranks read, waiting for a free check slot
+    # Board checks, two per rank: before its data READ is posted (the rank's read waits in ``admitting``
+    # meanwhile) and after it ended. Both look for the rank's hold tag.
+    tags: dict[int, int] = field(default_factory=dict)  # rank -> its hold's board tag (empty: not checked)
+    admitting: dict[int, RankRead] = field(default_factory=dict)  # rank -> its read, posted once the hold is seen
+    unchecked: list[int] = field(default_factory=list)  # ranks waiting for a free check slot
     checks: dict[int, tuple[object, int]] = field(default_factory=dict)  # rank -> (check handle, slot)
-    stale_ranks: set[int] = field(default_factory=set)  # checked: the hold had ended
+    stale_ranks: set[int] = field(default_factory=set)  # checked: the hold had ended (before: nothing copied)
     # Ranks whose data READ or board check did not end within its post. Over shared memory UCX copies
     # inside the post and the holder does nothing; over TCP the READ waits for the holder's progress
     # (RDMA also ends later, without it: counted here too, the holder's safe side). The notice says so.
     waited_ranks: set[int] = field(default_factory=set)
     step: int = 0  # counts ranks whose data READ or check ended: a poller sees progress short of the end
-    posted_s: float = 0.0  # perf_counter when every rank was posted
+    posted_s: float = 0.0  # perf_counter when every rank's first transfer (board check or data) was posted
     transferred_s: float = 0.0  # perf_counter when the last data READ ended
     notified: bool = False  # its notices went out (send_notices)
 
@@ -299,30 +305,39 @@ class ReadExecutor:
             check_read_capabilities(remote.hold_keys, request.remote_request_id, request.remote_block_ids,
                                     request.remote_capabilities)
         inflight = InFlightRead(planned, remote, time.perf_counter() if start_s is None else start_s)
-        if remote.board_lists:
-            inflight.tag = hold_tag(planned.request.remote_request_id)
-        for read in planned.reads:
-            q = read.remote_rank
-            handle = None
-            try:
-                handle = self.agent.make_read(remote.local_lists[q], read.local_ids, remote.remote_lists[q],
-                                              read.remote_ids, b"")
-                state = self.agent.post(handle)
-            except NixlError as err:
-                inflight.fail(q, str(err), _nixl_failure(err))
-                if handle is not None:
-                    self._release(handle)
-                continue
-            if state is TransferState.ERR:
-                inflight.fail(q, "transfer: posting reported an error", ReadFailure.TRANSFER)
-                self._release(handle)
-            else:
-                inflight.handles[q] = handle
-                if state is TransferState.PROC:
-                    inflight.waited_ranks.add(q)
+        if remote.board_lists:  # each rank's data waits for its board to show the hold (nothing copied before)
+            capabilities = planned.request.remote_capabilities
+            inflight.admitting = {read.remote_rank: read for read in planned.reads}
+            inflight.tags = {q: hold_tag(capabilities[q]) for q in inflight.admitting}
+            inflight.unchecked = list(inflight.admitting)
+            self._post_checks(inflight)
+        else:
+            for read in planned.reads:
+                self._post_read(inflight, read)
         inflight.posted_s = time.perf_counter()
         self.poll(inflight, notify=notify)
         return inflight
+
+    def _post_read(self, inflight: InFlightRead, read: RankRead) -> None:
+        """Post one rank's data READ (a failure is recorded on the read, never raised)."""
+        remote, q = inflight.remote, read.remote_rank
+        handle = None
+        try:
+            handle = self.agent.make_read(remote.local_lists[q], read.local_ids, remote.remote_lists[q],
+                                          read.remote_ids, b"")
+            state = self.agent.post(handle)
+        except NixlError as err:
+            inflight.fail(q, str(err), _nixl_failure(err))
+            if handle is not None:
+                self._release(handle)
+            return
+        if state is TransferState.ERR:
+            inflight.fail(q, "transfer: posting reported an error", ReadFailure.TRANSFER)
+            self._release(handle)
+        else:
+            inflight.handles[q] = handle
+            if state is TransferState.PROC:
+                inflight.waited_ranks.add(q)
 
     def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
         """Advance a posted request; returns its result once every rank's read and board check ended.
@@ -335,6 +350,10 @@ class ReadExecutor:
             if notify:
                 self.send_notices(inflight)
             return inflight.result
+        # Checks first (a rank seen held posts its data), then data (a rank whose data is in posts its
+        # second check), then checks again: over shared memory each ends inside its post, so a small
+        # read ends in one poll.
+        self._poll_checks(inflight)
         for q, handle in list(inflight.handles.items()):
             state = self._state(inflight, q, handle)
             if state is TransferState.PROC:
@@ -342,24 +361,13 @@ class ReadExecutor:
             inflight.step += 1
             if state is TransferState.ERR:
                 inflight.fail(q, "transfer: completed with an error", ReadFailure.TRANSFER)
-            elif inflight.tag:
+            elif inflight.tags:
                 inflight.unchecked.append(q)  # the data is in: now ask the board whether it was still held
             self._release(inflight.handles.pop(q))
-        if not inflight.handles and not inflight.transferred_s:
+        if not inflight.handles and not inflight.admitting and not inflight.transferred_s:
             inflight.transferred_s = time.perf_counter()
-        self._post_checks(inflight)
-        for q, (handle, slot) in list(inflight.checks.items()):
-            state = self._state(inflight, q, handle)
-            if state is TransferState.PROC:
-                continue
-            inflight.step += 1
-            if state is TransferState.ERR:
-                inflight.fail(q, "board check: reading the holder's hold board failed", ReadFailure.TRANSFER)
-            elif not self.checks.found(slot, inflight.tag):
-                inflight.fail(q, STALE_ERROR, ReadFailure.STALE)
-                inflight.stale_ranks.add(q)
-            self._end_check(inflight, q)
-        if inflight.handles or inflight.checks or inflight.unchecked:
+        self._poll_checks(inflight)
+        if inflight.handles or inflight.checks or inflight.unchecked or inflight.admitting:
             return None
         inflight.result = self._finish(inflight)
         if notify:
@@ -387,6 +395,7 @@ class ReadExecutor:
             if q in inflight.checks:
                 self._end_check(inflight, q)
         inflight.unchecked.clear()
+        inflight.admitting.clear()  # never posted: nothing of theirs was copied
         return self.poll(inflight)
 
     def read(self, remote_engine_id: str, request: ReadRequest, timeout_s: float = 30.0) -> ReadResult:
@@ -401,15 +410,35 @@ class ReadExecutor:
             inflight.fail(q, str(err), _nixl_failure(err))
             return TransferState.ERR
 
+    def _poll_checks(self, inflight: InFlightRead) -> None:
+        """Post waiting board checks, then settle the ended ones: a rank seen held before its data READ
+        posts it; a rank whose hold is gone is stale (before its READ: nothing of it was copied)."""
+        self._post_checks(inflight)
+        for q, (handle, slot) in list(inflight.checks.items()):
+            state = self._state(inflight, q, handle)
+            if state is TransferState.PROC:
+                continue
+            inflight.step += 1
+            read = inflight.admitting.pop(q, None)  # None: the check after the data READ
+            if state is TransferState.ERR:
+                inflight.fail(q, "board check: reading the holder's hold board failed", ReadFailure.TRANSFER)
+            elif not self.checks.found(slot, inflight.tags[q]):
+                inflight.fail(q, STALE_ERROR if read is None else UNHELD_ERROR, ReadFailure.STALE)
+                inflight.stale_ranks.add(q)
+            elif read is not None:
+                self._post_read(inflight, read)
+            self._end_check(inflight, q)
+
     def _post_checks(self, inflight: InFlightRead) -> None:
-        """Post the board checks of ranks whose data is in, while check slots are free."""
+        """Post the board checks of ranks waiting for one, while check slots are free."""
         remote = inflight.remote
         while inflight.unchecked:
             q = inflight.unchecked[0]
             try:
-                posted = self.checks.post(remote.board_lists[q], remote.board_buckets[q], inflight.tag)
+                posted = self.checks.post(remote.board_lists[q], remote.board_buckets[q], inflight.tags[q])
             except NixlError as err:
                 inflight.unchecked.pop(0)
+                inflight.admitting.pop(q, None)
                 inflight.fail(q, f"board check: {err}", _nixl_failure(err))
                 continue
             if posted is None:
@@ -420,6 +449,7 @@ class ReadExecutor:
             if state is TransferState.PROC:
                 inflight.waited_ranks.add(q)
             if state is TransferState.ERR:
+                inflight.admitting.pop(q, None)
                 inflight.fail(q, "board check: posting reported an error", ReadFailure.TRANSFER)
                 self._end_check(inflight, q)
 
@@ -476,6 +506,8 @@ class ReadExecutor:
 
 STALE_ERROR = ("stale read: the hold had ended (lease expired or released) before the read was checked "
                "against the holder's board")
+UNHELD_ERROR = ("stale read, nothing copied: the holder's board shows no live hold sealed by this capability "
+                "(it ended, or never was) before the read was posted")
 
 
 def _nixl_failure(err: NixlError) -> ReadFailure:

@@ -19,7 +19,7 @@ def test_board_matches_a_multiset_of_tags(num_buckets, ops):
     and refuses an add only when both of its buckets are full."""
     board, model = HoldBoard(num_buckets), collections.Counter()
     for add, n in ops:
-        tag = hold_tag(f"req-{n}")
+        tag = hold_tag(f"req-{n}".encode())
         first, second = bucket_pair(tag, num_buckets)
         if add:
             full = all(np.count_nonzero(board.words[b]) == SLOTS_PER_BUCKET for b in (first, second))
@@ -42,9 +42,9 @@ def test_board_matches_a_multiset_of_tags(num_buckets, ops):
 
 
 def test_tags_and_buckets():
-    assert all(hold_tag(f"r{n}") != 0 for n in range(1000)) and hold_tag("a") == hold_tag("a") != hold_tag("b")
+    assert all(hold_tag(f"r{n}".encode()) != 0 for n in range(1000)) and hold_tag(b"a") == hold_tag(b"a") != hold_tag(b"b")
     for n in range(1000):
-        first, second = bucket_pair(hold_tag(f"r{n}"), 8)
+        first, second = bucket_pair(hold_tag(f"r{n}".encode()), 8)
         assert first != second and 0 <= first < 8 and 0 <= second < 8
     assert BUCKET_BYTES == 64 and HoldBoard(4).words.nbytes == 4 * BUCKET_BYTES
     words = np.zeros((2, SLOTS_PER_BUCKET), np.uint64)
@@ -58,7 +58,7 @@ def test_sized_for_the_hold_limit_at_most_half_full():
         assert num_buckets & (num_buckets - 1) == 0 and num_buckets * SLOTS_PER_BUCKET >= 2 * max_holds
     board = HoldBoard(buckets_for(100_000))
     for n in range(100_000):  # the daemon's default limit: every hold fits
-        board.add(hold_tag(f"request-{n}"))
+        board.add(hold_tag(f"request-{n}".encode()))
     assert board.num_tags == 100_000
 
 

@@ -19,6 +19,21 @@ def HoldTable(board=None, max_hold_s=float("inf")):  # noqa: N802 - the table un
     return Table(KEY, board, max_hold_s)
 
 
+def tag(rid: str, blocks=()) -> int:
+    """The board tag of holding ``blocks`` for ``rid`` with this module's key."""
+    return hold_tag(hold_capability(KEY, rid, blocks))
+
+
+def test_a_later_hold_of_the_same_request_on_other_blocks_has_another_tag():
+    """Issue 35: a capability replayed after its hold ended must find no tag, even when the request id is
+    held again (on other blocks): the tag seals the blocks, not just the request id."""
+    table = HoldTable(HoldBoard(4))
+    table.hold("r", ((1, 2),), 10, now=0)
+    table.release("r")
+    table.hold("r", ((7, 8),), 10, now=0)
+    assert table.board.contains(tag("r", ((7, 8),))) and not table.board.contains(tag("r", ((1, 2),)))
+
+
 def notice(rid="r", reader=0, expected=2, ok=True, blocks=()):
     """A reader's notice carrying the capability of holding ``blocks`` for ``rid`` (as a reader was given)."""
     return ReadNotice(rid, "dec", reader, expected, ok, capability=hold_capability(KEY, rid, blocks))
@@ -104,7 +119,7 @@ def test_every_hold_ends_exactly_once(ops):
             ended.append(end)
             live.discard(end.request_id)
         held = set(table.request_ids())
-        assert {f"r{n}" for n in range(4) if table.board.contains(hold_tag(f"r{n}"))} == held
+        assert {f"r{n}" for n in range(4) if table.board.contains(tag(f"r{n}"))} == held
         assert table.board.num_tags == len(held)
     ended += table.drop_all("end")
     assert len(ended) == started and table.board.num_tags == 0 and not table.board.words.any()
@@ -192,4 +207,4 @@ def test_a_hold_the_board_cannot_take_is_not_held():
     assert len(table) == 16 and "r16" not in table.request_ids() and table.board.num_tags == 16
     table.release("r3")
     table.hold("r16", (), 10, now=0)
-    assert table.board.contains(hold_tag("r16")) and not table.board.contains(hold_tag("r3"))
+    assert table.board.contains(tag("r16")) and not table.board.contains(tag("r3"))

@@ -91,3 +91,36 @@ def test_made_up_key_ids_do_not_make_the_link_re_handshake(cluster):
     cluster.submit(held)
     assert all(c.ok for c in cluster.completions(held)) and cluster.verify(held) == ([], 0)
     assert decode_log.tail(200_000).count('"handshake done"') == handshakes
+
+
+def test_a_capability_replayed_after_its_hold_ended_copies_nothing(cluster):
+    """A decode engine kept the params of a read it already made and sends them again once the hold was
+    consumed, and again after the same request id was held anew on other blocks (another tenant's data may
+    sit in the old blocks by then). Before, the read was posted and its bytes copied, and only the board check
+    after the copy called it stale; now the board is read first and nothing moves."""
+    rng = np.random.default_rng(3)
+    first = random_request("tenant-c", *GROUPS, 64, rng)
+    cluster.hold(first)
+    cluster.submit(first)
+    assert all(c.ok for c in cluster.completions(first))
+    assert [e.kind for e in cluster.hold_events(first)] == [pb.NotifyEvent.CONSUMED] * 2
+    kept = cluster.capabilities[first.remote_request_id]
+    replay = dataclasses.replace(first, request_id="replay-1", remote_capabilities=kept)
+    cluster.reset_decode()
+    cluster.submit(replay)
+    (completion,) = cluster.completions(replay)
+    assert not completion.ok and "stale read, nothing copied" in completion.error, completion
+    assert cluster.decode_untouched(), "a replayed capability copied bytes"
+    # The request id is held again, on other blocks: the old capability still names the old blocks.
+    num_blocks = GROUPS[0][0].spec.num_blocks
+    again = dataclasses.replace(first, remote_block_ids=tuple((ids + 9) % num_blocks for ids in first.remote_block_ids))
+    cluster.hold(again)
+    replay = dataclasses.replace(first, request_id="replay-2", remote_capabilities=kept)
+    cluster.submit(replay)
+    (completion,) = cluster.completions(replay)
+    assert not completion.ok and "stale read, nothing copied" in completion.error, completion
+    assert cluster.decode_untouched(), "an old capability read a later hold's request id"
+    # Control: the new hold's own read moves its bytes (decode_untouched can fail).
+    cluster.submit(dataclasses.replace(again, request_id="again"))
+    (completion,) = cluster.completions(dataclasses.replace(again, request_id="again"))
+    assert completion.ok and not cluster.decode_untouched()

@@ -109,9 +109,11 @@ def test_expired_hold_publishes_expired_and_a_late_read_fails(workdir):
         cluster.hold(request, lease_s=0.3)
         (event,) = cluster.hold_events(request)
         assert event.kind == pb.NotifyEvent.EXPIRED and event.reason == "lease"
-        cluster.submit(request)  # the bytes move, but the hold's tag has left the holder's board
+        cluster.reset_decode()
+        cluster.submit(request)  # the hold's tag has left the holder's board: checked first, nothing moves
         (completion,) = cluster.completions(request)
-        assert not completion.ok and "stale" in completion.error
+        assert not completion.ok and "stale read, nothing copied" in completion.error
+        assert cluster.decode_untouched()
         assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
         assert _metric(cluster.decode_daemons[0], "kvxferd_stale_reads_total") == 1
         # No notice for a hold that had ended: it could only count for a later hold of the same id.

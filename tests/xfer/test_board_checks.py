@@ -1,10 +1,12 @@
 """Reads are checked against the holder's board over real NIXL: a read of blocks no longer held fails as stale.
 
 The holder's tag leaves the board before any end of the hold is returned
-(tests/plan/test_leases.py); here the reader's one-sided check must see
-that: a read of a held request passes, a read after the hold ended (never
-held, released, consumed) fails with every read rank's blocks invalid, and
-checks that wait for a free slot still end. A handshake's probe reads each
+(tests/plan/test_leases.py); here the reader's one-sided checks must see
+that: a read of a held request passes; a read after the hold ended
+(released, consumed) is checked before its data READ and copies nothing; a
+hold that ends between that check and the copy fails the read as stale
+after it, with every such rank's blocks invalid; checks that wait for a
+free slot still end. A handshake's probe reads each
 holder's board once, waits for a free slot like a check, and fails once its
 connection is released under it.
 """
@@ -34,8 +36,8 @@ def _request(cluster, request_id: str, seed: int):
     return random_request(request_id, cluster.prefill_groups, cluster.decode_groups, 48, np.random.default_rng(seed))
 
 
-def _every_rank_stale(cluster, result, request) -> None:
-    assert not result.ok and result.failure is ReadFailure.STALE and "stale read" in result.error
+def _every_rank_stale(cluster, result, request, error: str = "stale read") -> None:
+    assert not result.ok and result.failure is ReadFailure.STALE and error in result.error
     read_ranks = tuple(r.remote_rank for r in cluster.executors[0].remote(cluster.prefill_id).plan.plan_request(request).reads)
     assert result.failed_ranks == read_ranks and result.num_bytes == 0
     assert sum(len(ids) for ids in result.invalid_block_ids) == sum(len(ids) for ids in request.local_block_ids)
@@ -62,14 +64,16 @@ def test_a_held_read_passes_and_an_unheld_one_moves_nothing(cluster):
     assert cluster.decode_untouched()
 
 
-def test_a_released_or_consumed_hold_makes_the_next_read_stale(cluster):
-    """A read that carries its hold's capabilities but comes after the hold ended (released, consumed) is
-    posted, and the holder's board says stale."""
+def test_a_released_or_consumed_hold_is_not_read(cluster):
+    """Issue 35: a read that carries its hold's capabilities but comes after the hold ended (released,
+    consumed: a replay) was posted and its bytes copied before the board said stale. Now the board is read
+    first, and a rank whose hold is gone copies nothing."""
     request = cluster.hold(_request(cluster, "released", 3), 60)
     with cluster.holders[1].lock:
         cluster.holders[1].holds.release(request.remote_request_id)
     (result,) = cluster.read(request, hold=False)
     assert not result.ok and result.failure is ReadFailure.STALE and result.failed_ranks == (1,)
+    assert "nothing copied" in result.error
     # Rank 0 still held it: it hears that the read failed and ends the hold (its only reader reported).
     end = cluster.holder_thread.wait_end(0, request.remote_request_id)
     assert end.kind == "CONSUMED" and end.failed_readers == ((cluster.decode_id, 0),)
@@ -82,8 +86,31 @@ def test_a_released_or_consumed_hold_makes_the_next_read_stale(cluster):
     consumed = _request(cluster, "consumed", 4)
     assert cluster.read(consumed)[0].ok
     assert all(cluster.holder_thread.wait_end(q, consumed.remote_request_id).kind == "CONSUMED" for q in range(2))
+    cluster.reset_decode()
     (again,) = cluster.read(consumed, hold=False)  # the same request read again after it was consumed
-    _every_rank_stale(cluster, again, consumed)
+    _every_rank_stale(cluster, again, consumed, "nothing copied")
+    assert cluster.decode_untouched()
+    # Negative control: the same read while held writes the decode cache (decode_untouched can fail).
+    cluster.hold(consumed, 60)
+    assert cluster.read(consumed, hold=False)[0].ok and not cluster.decode_untouched()
+
+
+def test_a_hold_that_ends_during_the_copy_fails_the_read_as_stale(cluster, monkeypatch):
+    """The board is read again after the data: a hold released between the first check and the copy (the
+    holder may reuse the blocks meanwhile) leaves the read failed, every rank's blocks invalid."""
+    executor = cluster.executors[0]
+    request = cluster.hold(_request(cluster, "ends-during", 5), 60)
+    post_read = executor._post_read
+
+    def release_then_read(inflight, read):
+        holder = cluster.holders[read.remote_rank]
+        with holder.lock:
+            holder.holds.release(request.remote_request_id)
+        post_read(inflight, read)
+
+    monkeypatch.setattr(executor, "_post_read", release_then_read)
+    (result,) = cluster.read(request, hold=False)
+    _every_rank_stale(cluster, result, request)
 
 
 def test_checks_wait_for_a_free_slot_and_all_end(cluster):
