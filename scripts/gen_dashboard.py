@@ -39,7 +39,9 @@ PANELS = [
         ("{{pod}}", f"sum by (pod) (rate(kvxferd_loop_stalls_total{SEL}{RATE}))")]),
     ("Security: refused and dropped / s", "ops", [
         ("notices dropped ({{reason}})", f"sum by (reason) (rate(kvxferd_notices_dropped_total{SEL}{RATE}))"),
-        ("fd socket refused ({{reason}})", f"sum by (reason) (rate(kvxferd_fd_socket_refused_total{SEL}{RATE}))")]),
+        ("fd socket refused ({{reason}})", f"sum by (reason) (rate(kvxferd_fd_socket_refused_total{SEL}{RATE}))"),
+        ("bus subscriptions refused ({{reason}})",
+         f"sum by (reason) (rate(kvxferd_bus_subscriptions_refused_total{SEL}{RATE}))")]),
     ("Security: insecure listeners and TLS reloads", "short", [
         ("insecure listeners ({{pod}})", f"max by (pod) (kvxferd_insecure_listeners{SEL})"),
         ("TLS reloads ({{pod}})", f"max by (pod) (kvxferd_tls_reloads_total{SEL})"),

@@ -12,6 +12,7 @@ from kvxferd.plan.engine import EngineTransferPlan, RankPlan, RankRead, ReadRequ
 from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.agent import NixlAgent
 
@@ -63,7 +64,7 @@ def fetch_peer_info(address: str, remote_engine_id: str, tp_rank: int, local: En
     ``credentials``: a client certificate when the daemons run mutual TLS.
     """
     channel = (grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", "kvxferd-peer")])
-               if credentials is not None else grpc.insecure_channel(address))
+               if credentials is not None else peer_channel(address))
     with channel:
         reply = peer_grpc.PeerServiceStub(channel).GetEngineInfo(
             pb.EngineInfoRequest(engine_id=remote_engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=tp_rank,

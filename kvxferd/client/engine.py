@@ -19,6 +19,13 @@ refuses comes back as a completion with ``refused_code`` set. The unary
 (metadata ``kvxferd-session``), so no other local process can act as this
 engine. Registering again from the same client replaces the registration;
 another client gets ALREADY_EXISTS while this one is alive.
+
+Over a ``unix:`` target the client first checks who listens: the socket
+file (before every call: gRPC does not show its peer) and the reads
+socket's process (``SO_PEERCRED``) must be the daemon's uid, its own
+unless ``daemon_uid`` names another. Else the call raises
+:class:`~kvxferd.errors.PermissionDeniedError` naming the uid found, and
+nothing (no session, no memory handle) was sent.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from typing import NamedTuple
 
 import grpc
 
+from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.client.readsock import ReadsSocketError, ReadsSocketStream, hold_error
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.wire.owner import check_daemon_socket, daemon_uid_or_own
 from kvxferd.wire.frames import reads_socket_path
 from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
 from kvxferd.wire.names import SESSION_KEY
@@ -61,6 +70,8 @@ class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
         self.client = client
 
     def _details(self, details):
+        if self.client.socket_path is not None:  # before anything is sent: who listens there
+            check_daemon_socket(self.client.socket_path, self.client.daemon_uid)
         extra = [(SESSION_KEY, self.client.session)] if self.client.session else []
         if self.client.token:
             extra.append(("authorization", f"Bearer {self.client.token}"))
@@ -91,13 +102,17 @@ class EngineClient:
     def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
                  channel_options: Sequence[tuple[str, object]] = (), reads_stream: bool = True,
-                 reads_socket: bool = True) -> None:
+                 reads_socket: bool = True, daemon_uid: int | None = None) -> None:
         """``target``: ``unix:PATH`` (the default daemon socket) or, with ``credentials`` (TLS) and
         ``token``, the daemon's ``engine_tcp`` address (``channel_options`` e.g. a TLS target name override).
         ``reads_stream=False``: completions over ``WatchCompletions`` instead of the ``Reads`` stream.
         ``reads_socket``: a ``unix:`` target's reads go over the daemon's reads socket (the same
-        batches without gRPC) when it offers one, else over the gRPC ``Reads`` stream."""
+        batches without gRPC) when it offers one, else over the gRPC ``Reads`` stream.
+        ``daemon_uid``: the uid the daemon of a ``unix:`` target runs as (default: this process's); a
+        socket of anyone else is refused before anything is sent (:class:`PermissionDeniedError`)."""
         self.target = target
+        self.daemon_uid = daemon_uid_or_own(daemon_uid)
+        self.socket_path = target.removeprefix("unix:") if target.startswith("unix:") else None
         self.reads_stream = reads_stream
         self.max_message_bytes = max_message_bytes
         self.reads_socket_path = (reads_socket_path(target.removeprefix("unix:"))
@@ -199,6 +214,8 @@ class EngineClient:
                 # daemon is down, draining, or another client took the engine id) is left alone.
                 if err.code() == grpc.StatusCode.NOT_FOUND and self._register_request is not None:
                     self._register_again(num_registrations)
+            except PermissionDeniedError:
+                pass  # someone else's socket is in the daemon's place: nothing was sent; try again later
 
     def _register_again(self, num_registrations: int) -> None:
         """Register the same cache again, unless someone registered it since the heartbeat went out:
@@ -209,8 +226,8 @@ class EngineClient:
             if self._fd_source is not None:
                 self._register_request.fd_token = self._fd_source()
             self._send_register(self._register_request, again=True, num_registrations=num_registrations)
-        except (grpc.RpcError, OSError):
-            pass  # the next heartbeat tries again (OSError: the fds could not be passed)
+        except (grpc.RpcError, OSError, PermissionDeniedError):
+            pass  # the next heartbeat tries again (OSError: the fds could not be passed; a foreign socket)
 
     def take_lost(self) -> set[str]:
         """Reads sent on a registration that was replaced since (they will never complete), once each."""
@@ -243,9 +260,16 @@ class EngineClient:
                 self._acked_seq = self._last_seq
                 if self.reads_socket_path and os.path.exists(self.reads_socket_path):
                     first.session = self.session  # what gRPC sends as metadata
-                    socket_stream = ReadsSocketStream(self.reads_socket_path, first, timeout_s=self.timeout_s,
-                                                      max_frame_bytes=self.max_message_bytes,
-                                                      on_holds=self._hold_answers_arrived)
+                    try:
+                        socket_stream = ReadsSocketStream(self.reads_socket_path, first, timeout_s=self.timeout_s,
+                                                          max_frame_bytes=self.max_message_bytes,
+                                                          on_holds=self._hold_answers_arrived,
+                                                          daemon_uid=self.daemon_uid)
+                    except PermissionDeniedError as err:  # another user listens there: nothing was sent
+                        self._outbox = None  # reads are refused (submit_reads), waits end at once
+                        self.stream_error = ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
+                        self._cond.notify_all()
+                        return
                     if socket_stream.connected:  # else (a stale path, say) the gRPC stream
                         self._outbox = self._stream = socket_stream  # in the lock: later batches go after `first`
                     else:
@@ -289,6 +313,10 @@ class EngineClient:
             with self._cond:
                 if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
                     self.stream_error = err
+        except PermissionDeniedError as err:  # the stream was never opened: a foreign socket (nothing sent)
+            with self._cond:
+                if stream is self._stream:
+                    self.stream_error = ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
         with self._cond:
             self._cond.notify_all()
 
@@ -336,6 +364,8 @@ class EngineClient:
 
     def submit_reads(self, reads: Sequence[pb.ReadSpec]) -> None:
         """Send a batch of reads on the Reads stream; never blocks. Refusals come back as completions."""
+        if self.stream_error is not None and self._outbox is None:
+            raise PermissionDeniedError("daemon_uid", self.stream_error.details())
         if not self.reads_stream or self._outbox is None:
             raise RuntimeError("submit_reads needs a registered client with reads_stream=True")
         with self._cond:

@@ -16,8 +16,9 @@ import threading
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvxferd.errors import KvxferError
+from kvxferd.errors import KvxferError, PermissionDeniedError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.wire.owner import check_daemon_peer, daemon_uid_or_own
 from kvxferd.wire.frames import FrameReader, encode_frame
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
@@ -46,8 +47,11 @@ class ReadsSocketStream:
     """
 
     def __init__(self, path: str, first: pb.ReadBatch, *, timeout_s: float, max_frame_bytes: int,
-                 on_holds=lambda answers: None) -> None:
-        """``on_holds``: called on the reader thread with each frame's answers to ``ReadBatch.holds``."""
+                 on_holds=lambda answers: None, daemon_uid: int | None = None) -> None:
+        """``on_holds``: called on the reader thread with each frame's answers to ``ReadBatch.holds``.
+        ``daemon_uid``: who must listen (default: this process's uid); anyone else gets nothing, not
+        even the first batch and its session: :class:`PermissionDeniedError`."""
+        expected_uid = daemon_uid_or_own(daemon_uid)
         self.path, self.max_frame_bytes, self.on_holds = path, max_frame_bytes, on_holds
         self._send_lock = threading.Lock()
         self._cancelled = False
@@ -56,10 +60,14 @@ class ReadsSocketStream:
         try:
             self._socket.settimeout(timeout_s)  # bounds sends; the reader loops over its own timeouts
             self._socket.connect(path)
+            check_daemon_peer(self._socket, expected_uid, path)
             self._socket.sendall(encode_frame(first.SerializeToString()))
         except OSError as err:
             self._error = ReadsSocketError(grpc.StatusCode.UNAVAILABLE, f"reads socket {path}: {err}")
             self._socket.close()
+        except PermissionDeniedError:
+            self._socket.close()
+            raise
 
     @property
     def connected(self) -> bool:

@@ -13,7 +13,22 @@ empty or partial prefix, which would receive every engine's events, is
 ignored. With ``notify_curve_secret_key`` the bus is CURVE-encrypted and
 only the configured client keys may connect (a ZAP handler thread).
 
-Only the event loop's thread touches the socket.
+Bounds: libzmq keeps every subscription a subscriber sends (about 12 KiB
+for a 257-byte topic, applied or not, until that subscriber leaves), so a
+subscriber sending 40,000 distinct topics grew a daemon by 1.1 GiB and
+held its loop 4 s. Now a subscription message is at most
+``MAX_SUBSCRIPTION_BYTES`` (a larger one drops its connection), libzmq
+takes in one at a time per connection (``SUBSCRIPTION_HWM``), at most
+``MAX_SUBSCRIPTIONS_PER_WAKE`` are read per turn of the loop, and after
+``max_subscriptions`` of them (all subscribers together: ZMQ tells us
+neither which connection sent one nor when one it did not apply is
+forgotten) the bus starts over: a new ZMQ socket takes over the same
+listening socket (so nobody else can bind the port meanwhile) and the old
+one is closed with every subscriber and all libzmq kept of them.
+Subscribers reconnect by themselves, subscribe again and fetch what they
+missed with ``MissedEvents``.
+
+Only the event loop's thread touches the ZMQ socket.
 """
 
 from __future__ import annotations
@@ -22,6 +37,10 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
+import socket
+import time
+from collections.abc import Callable
 
 import zmq
 import zmq.auth.thread
@@ -33,6 +52,15 @@ from kvxferd.wire.names import is_engine_topic, topic
 
 
 log = logging.getLogger("kvxferd.bus")
+MAX_SUBSCRIPTIONS_PER_WAKE = 256  # subscription messages taken per call: a flood never holds the loop long
+# A larger message from a subscriber drops its connection (ZMQ_MAXMSGSIZE): an engine topic is at most
+# 257 bytes (267 as a ZMTP 3.1 SUBSCRIBE command), and the CURVE handshake's commands fit too.
+MAX_SUBSCRIPTION_BYTES = 512
+# Subscriptions libzmq takes in from each connection per turn (ZMQ_RCVHWM; 1 stalls a CURVE connection):
+# it files them in its own table as it takes them in, ahead of our reading them, so this keeps that
+# table close to what was read.
+SUBSCRIPTION_HWM = 4
+RESTART_LOG_S = 10.0  # at most one warning line per this long about the bus starting over
 
 
 class _AllowedKeys:
@@ -49,51 +77,116 @@ class NotifyBus:
     """A bound PUB socket plus the per-engine history."""
 
     def __init__(self, host: str, port: int, *, history: int, curve_secret_key: str | None = None,
-                 client_keys=(), loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 client_keys=(), loop: asyncio.AbstractEventLoop | None = None, max_subscriptions: int = 1024,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        """``max_subscriptions``: subscription messages taken (valid or not) before the bus starts over;
+        ``on_refused(reason)``: a subscription not applied, ``"prefix"`` (not one whole engine topic) or
+        ``"limit"`` (the one past ``max_subscriptions``: the bus started over)."""
         self._context = zmq.Context.instance()
         self._auth = None
         self.curve_public_key = ""
-        self.num_refused_subscriptions = 0
-        self._socket = self._context.socket(zmq.XPUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 1_000_000)  # a slow subscriber catches up via MissedEvents
-        self._socket.setsockopt(zmq.XPUB_MANUAL, 1)
+        self._curve_secret = b""
+        self.max_subscriptions = max_subscriptions
+        self.num_subscriptions = 0  # subscription messages taken since the ZMQ socket was opened
+        self.num_refused_subscriptions = self.num_restarts = 0
+        self._on_refused = on_refused or (lambda reason: None)
         if curve_secret_key:
-            secret = curve_secret_key.encode()
-            self.curve_public_key = zmq.curve_public(secret).decode()
+            self._curve_secret = curve_secret_key.encode()
+            self.curve_public_key = zmq.curve_public(self._curve_secret).decode()
             self._auth = zmq.auth.thread.ThreadAuthenticator(self._context)
             self._auth.start()
             self._auth.configure_curve_callback("*", _AllowedKeys(client_keys))
-            self._socket.setsockopt(zmq.CURVE_SERVER, 1)
-            self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self._listener = _listen(host, port)
         bind_host = f"[{host}]" if ":" in host else host
-        if port:
-            self._socket.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
-        self.address = f"tcp://{bind_host}:{port}"
+        self.address = f"tcp://{bind_host}:{self._listener.getsockname()[1]}"
+        try:
+            self._socket = self._open_socket()
+        except BaseException:
+            self._listener.close()
+            raise
         self._history_size = history
         self._history: dict[str, collections.deque] = {}
         self._last_seq: dict[str, int] = {}
         self._loop = loop
+        self._more_scheduled = False
+        self._warned_s = -RESTART_LOG_S
         if loop is not None:  # subscriptions arrive as messages on the XPUB socket
             loop.add_reader(self._socket.getsockopt(zmq.FD), self.apply_subscriptions)
 
+    def _open_socket(self) -> zmq.Socket:
+        """An XPUB socket serving the bus's listening socket (a duplicate of its fd, which ZMQ closes)."""
+        sock = self._context.socket(zmq.XPUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1_000_000)  # a slow subscriber catches up via MissedEvents
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+            sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
+            if self._listener.family == socket.AF_INET6:
+                sock.setsockopt(zmq.IPV6, 1)
+            if self._curve_secret:
+                sock.setsockopt(zmq.CURVE_SERVER, 1)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve_secret)
+            sock.setsockopt(zmq.USE_FD, os.dup(self._listener.fileno()))
+            sock.bind(self.address)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
     def apply_subscriptions(self) -> None:
-        """Apply whole-engine subscriptions that arrived; ignore any other prefix (event-loop thread)."""
-        while self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        """Apply whole-engine subscriptions that arrived; ignore any other prefix (event-loop thread).
+
+        Takes at most ``MAX_SUBSCRIPTIONS_PER_WAKE`` messages, then leaves the
+        rest to a later turn of the loop; the subscription past
+        ``max_subscriptions`` makes the bus start over (:meth:`_restart`).
+        """
+        self._more_scheduled = False
+        for _ in range(MAX_SUBSCRIPTIONS_PER_WAKE):
             try:
                 message = self._socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if not message or message[0] not in (0, 1):
                 continue
-            prefix = message[1:]
+            subscribe, prefix = message[0] == 1, message[1:]
+            if subscribe:
+                self.num_subscriptions += 1
+                if self.num_subscriptions > self.max_subscriptions:
+                    self._refuse("limit")
+                    self._restart()
+                    return
             if not is_engine_topic(prefix):
-                self.num_refused_subscriptions += 1
+                if subscribe:
+                    self._refuse("prefix")
                 continue
             # Applies to the subscriber whose message was received last (XPUB_MANUAL).
-            self._socket.setsockopt(zmq.SUBSCRIBE if message[0] == 1 else zmq.UNSUBSCRIBE, prefix)
+            self._socket.setsockopt(zmq.SUBSCRIBE if subscribe else zmq.UNSUBSCRIBE, prefix)
+        if self._loop is not None and not self._more_scheduled:  # more may wait: the fd will not say so again
+            self._more_scheduled = True
+            self._loop.call_soon(self.apply_subscriptions)
+
+    def _refuse(self, reason: str) -> None:
+        self.num_refused_subscriptions += 1
+        self._on_refused(reason)
+
+    def _restart(self) -> None:
+        """Drop every subscriber and what libzmq keeps of their subscriptions; go on on the same listener."""
+        old, self._socket = self._socket, self._open_socket()
+        if self._loop is not None:
+            self._loop.remove_reader(old.getsockopt(zmq.FD))
+            self._loop.add_reader(self._socket.getsockopt(zmq.FD), self.apply_subscriptions)
+        old.close(linger=0)
+        self.num_subscriptions = 0
+        self.num_restarts += 1
+        if time.monotonic() - self._warned_s >= RESTART_LOG_S:  # a flood restarts it again and again
+            self._warned_s = time.monotonic()
+            log.warning("notify bus: max_bus_subscriptions subscriptions arrived; every subscriber was dropped "
+                        "(they subscribe again)", extra={"max_bus_subscriptions": self.max_subscriptions,
+                                                        "restarts": self.num_restarts})
+        if self._loop is not None and not self._more_scheduled:  # the new socket may have news already
+            self._more_scheduled = True
+            self._loop.call_soon(self.apply_subscriptions)
 
     def publish(self, engine_id: str, kind: str, request_id: str, block_ids=(), reason: str = "") -> pb.NotifyEvent:
         """Number, remember and send one event."""
@@ -129,5 +222,21 @@ class NotifyBus:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._socket.getsockopt(zmq.FD))
         self._socket.close(linger=0)
+        self._listener.close()
         if self._auth is not None:
             self._auth.stop()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The bus's listening TCP socket (non-blocking: every ZMQ socket serving it accepts in its I/O thread)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq's own listeners
+        listener.bind((host, port))
+        listener.listen(100)
+        listener.setblocking(False)
+    except BaseException:
+        listener.close()
+        raise
+    return listener

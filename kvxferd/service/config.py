@@ -24,6 +24,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.wire.names import ENV_PREFIX, default_engine_socket, env_name
+from kvxferd.wire.peerauth import default_peer_secret_file
 
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
@@ -57,11 +58,17 @@ class DaemonConfig(BaseSettings):
                                                 "CURVE encryption and client authentication")
     notify_client_keys: list[str] = Field([], description="Z85 CURVE public keys of subscribers allowed on the "
                                           "notify bus, comma-separated")
+    peer_secret_file: str | None = Field(None, description="without TLS: the host-local secret this host's daemons "
+                                         "share to authenticate each other on the loopback peer port (created 0600 if "
+                                         "missing; default: <runtime_dir>/peer.secret)")
     insecure: bool = Field(False, description="allow peer port, notify bus or engine TCP on non-loopback addresses "
                            "without TLS/CURVE (development only; warns and sets kvxferd_insecure_listeners)")
     reflection: bool | None = Field(None, description="gRPC server reflection (default: on without TLS, off with TLS)")
     ucx_net_devices: str | None = Field(None, description="UCX network devices NIXL may use (UCX_NET_DEVICES); "
                                         "default: the interface of the advertised peer address ('lo' for loopback)")
+    ucx_tcp_port_range: str | None = Field(None, description="LOW-HIGH (1024-65535): the TCP ports UCX's tcp transport "
+                                           "listens on for the data plane (UCX_TCP_PORT_RANGE), so a firewall or "
+                                           "NetworkPolicy can admit exactly them; default: ports the OS picks")
     peer_host: str = Field("127.0.0.1", description="listen host of the peer service (daemon to daemon)")
     peer_port: int = Field(47100, ge=0, le=65535, description="listen port of the peer service; 0 picks a free port")
     advertise_host: str | None = Field(None, description="address peers use to reach this daemon (required with a wildcard peer_host)")
@@ -88,6 +95,8 @@ class DaemonConfig(BaseSettings):
     max_concurrent_streams: int = Field(256, ge=1, description="concurrent gRPC calls per connection")
     max_fds_per_token: int = Field(1024, ge=1, le=4096, description="file descriptors one fd-socket message may carry")
     max_fd_tokens: int = Field(256, ge=1, description="fd-socket deliveries waiting for their Register at once")
+    max_fds_waiting: int = Field(4096, ge=1, description="file descriptors waiting for their Register at once, "
+                                 "all fd-socket deliveries together (at least max_fds_per_token)")
     reads_socket: bool = Field(True, description="also take engines' read batches on <engine_socket>.reads (the "
                                "engine's fast path; the gRPC Reads stream stays)")
     fd_recv_timeout_s: float = Field(2.0, gt=0, le=60, description="how long the fd socket waits for a client's message (s)")
@@ -96,6 +105,11 @@ class DaemonConfig(BaseSettings):
     max_peer_request_bytes: int = Field(1 << 20, ge=1 << 16, description="largest request accepted on the peer port "
                                         "(bytes): peers send introductions, renewals and probes, all small")
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
+    max_bus_subscriptions: int = Field(1024, ge=1, description="subscriptions the notify bus takes from all its "
+                                       "subscribers together before it starts over, dropping every subscriber (they "
+                                       "reconnect, subscribe again and fetch what they missed): what libzmq keeps of "
+                                       "them stays below about 25 KiB each; keep it well above the number of "
+                                       "subscribers (one per engine rank)")
     handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
     peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")
     poll_interval_s: float = Field(1e-3, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
@@ -131,11 +145,34 @@ class DaemonConfig(BaseSettings):
             raise ValueError(f"must be json or text, got {value!r}")
         return value
 
+    @field_validator("ucx_tcp_port_range")
+    @classmethod
+    def _port_range(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        low, sep, high = (part.strip() for part in value.partition("-"))
+        if not (sep and all(part.isascii() and part.isdigit() for part in (low, high))):
+            raise ValueError(f"must be LOW-HIGH (two port numbers), got {value!r}")
+        low_port, high_port = int(low), int(high)
+        if not 1024 <= low_port <= high_port <= 65535:
+            raise ValueError(f"must satisfy 1024 <= LOW <= HIGH <= 65535, got {value!r}")
+        return f"{low_port}-{high_port}"
+
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> "DaemonConfig":
         if self.lease_s > self.max_lease_s or self.deadline_s > self.max_deadline_s:
             raise ValueError(f"lease_s ({self.lease_s:g}) and deadline_s ({self.deadline_s:g}) must not exceed "
                              f"max_lease_s ({self.max_lease_s:g}) and max_deadline_s ({self.max_deadline_s:g})")
+        return self
+
+    @model_validator(mode="after")
+    def _bounds_fit_their_parts(self) -> "DaemonConfig":
+        if self.max_fds_waiting < self.max_fds_per_token:
+            raise ValueError(f"max_fds_waiting ({self.max_fds_waiting}) must be at least max_fds_per_token "
+                             f"({self.max_fds_per_token}): one delivery of that many must fit")
+        if self.max_bus_subscriptions < 2 * self.max_engines:  # else resubscribing engines restart the bus again
+            raise ValueError(f"max_bus_subscriptions ({self.max_bus_subscriptions}) must be at least twice "
+                             f"max_engines ({self.max_engines})")
         return self
 
     @model_validator(mode="after")
@@ -171,6 +208,10 @@ class DaemonConfig(BaseSettings):
     @property
     def engine_socket_path(self) -> str:
         return self.engine_socket or default_engine_socket(self.daemon_id, self.runtime_dir)
+
+    @property
+    def peer_secret_path(self) -> str:
+        return self.peer_secret_file or default_peer_secret_file(self.runtime_dir)
 
     @property
     def peer_address(self) -> str:

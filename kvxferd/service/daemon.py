@@ -4,6 +4,7 @@
 
     check:  listeners reachable from other hosts must authenticate (else exit 2,
             unless --insecure); UCX_NET_DEVICES from the advertised address
+            (and UCX_TCP_PORT_RANGE from ucx_tcp_port_range)
     start:  data-plane thread ─► notify bus (ZMQ XPUB[, CURVE]) ─► metrics (HTTP)
             ─► engine service (UNIX socket 0600 [+ TCP with TLS and a token])
                + peer service (TCP, mutual TLS when configured),
@@ -42,7 +43,7 @@ from kvxferd.service.bus import NotifyBus
 from kvxferd.service.config import DaemonConfig
 from kvxferd.service.dataplane import DataPlane, ReadDone
 from kvxferd.service.engines import Registry
-from kvxferd.service.exposure import insecure_listeners, refusal, ucx_net_devices
+from kvxferd.service.exposure import insecure_listeners, refusal, ucx_environment
 from kvxferd.service.fdpass import FdInbox, fd_socket_path
 from kvxferd.service.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
 from kvxferd.service.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
@@ -53,6 +54,7 @@ from kvxferd.service.readsock import ReadSocketServer
 from kvxferd.service.servicers import EngineServicer, PeerServicer
 from kvxferd.service.slots import EngineSlot
 from kvxferd.service.tls import TlsFiles
+from kvxferd.wire.peerauth import load_or_create_peer_secret
 from kvxferd.wire.frames import reads_socket_path
 
 log = logging.getLogger("kvxferd.daemon")
@@ -97,6 +99,8 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._maintenance_due = asyncio.Event()  # an idle daemon's slow tick, cut short by a new hold
         self._metrics_server = None
+        self.peer_secret: bytes | None = None  # without TLS: this host's peer secret (kvxferd.wire.peerauth)
+        self.peer_token_address = ""  # the address peer tokens must name
         self._fd_inbox: FdInbox | None = None
         self._reads_socket: ReadSocketServer | None = None
         self._owns_socket = False
@@ -115,11 +119,13 @@ class Daemon:
             self.dataplane.start()
             self.bus = NotifyBus(config.notify_host, config.notify_port, history=config.event_history,
                                  curve_secret_key=config.notify_curve_secret_key, client_keys=config.notify_client_keys,
-                                 loop=self._loop)
+                                 loop=self._loop, max_subscriptions=config.max_bus_subscriptions,
+                                 on_refused=lambda reason: self.metrics.bus_subscriptions_refused.labels(reason).inc())
             with socket_umask(gid):
                 self._fd_inbox = FdInbox(fd_socket_path(self.socket_path), allowed_uids=frozenset(config.allowed_uids),
                                          group=gid, max_fds=config.max_fds_per_token, max_tokens=config.max_fd_tokens,
                                          recv_timeout_s=config.fd_recv_timeout_s,
+                                         max_fds_waiting=config.max_fds_waiting,
                                          on_refused=lambda reason: self.metrics.fd_socket_refused.labels(reason).inc())
             restrict_socket(self._fd_inbox.path, gid)
             self.registry = Registry(self.dataplane, self.publish, daemon_id=config.daemon_id,
@@ -127,7 +133,7 @@ class Daemon:
                                      fd_inbox=self._fd_inbox, max_engines=config.max_engines,
                                      max_registered_bytes=config.max_registered_bytes,
                                      max_holds=config.max_holds_per_engine, max_hold_s=config.max_hold_s,
-                                     populate_host_memory=config.populate_host_memory)
+                                     populate_host_memory=config.populate_host_memory, shm_group=gid)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
@@ -152,6 +158,10 @@ class Daemon:
                 tcp_port = bind(engine_server, config.engine_tcp, engine_tls(self.tls))
             peer_credentials = self.tls.server_credentials() if self.tls is not None else None
             peer_port = bind(peer_server, f"{bracket_host(config.peer_host)}:{config.peer_port}", peer_credentials)
+            if self.tls is None:  # same-host peers prove themselves with the host's secret instead
+                self.peer_secret = self.peers.secret = load_or_create_peer_secret(config.peer_secret_path)
+                # Tokens name the address as dialed: only the advertised one (what engines are told), no alias.
+                self.peer_token_address = f"{bracket_host(config.advertise_host or config.peer_host)}:{peer_port}"
             for server in (engine_server, peer_server):
                 await server.start()
                 self._servers.append(server)
@@ -337,8 +347,7 @@ class Daemon:
         if self._reads_socket is not None:
             self._reads_socket.close()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+            self._metrics_server.close()
         if self._owns_socket and os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
 
@@ -365,7 +374,7 @@ async def serve(config: DaemonConfig) -> int:
                     extra={"listeners": ",".join(exposed)})
     try:
         # Before the first NIXL agent: UCX reads its configuration when an agent is created.
-        os.environ["UCX_NET_DEVICES"] = ucx_net_devices(config)
+        os.environ.update(ucx_environment(config))  # UCX_NET_DEVICES[, UCX_TCP_PORT_RANGE]
         daemon = Daemon(config)
         addresses = await daemon.start()
     except (InvalidArgumentError, StartupError) as err:

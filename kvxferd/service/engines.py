@@ -32,7 +32,7 @@ from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.fdpass import FdInbox
-from kvxferd.service.memory import open_region, populate
+from kvxferd.service.memory import ShmOpeners, open_region, populate
 from kvxferd.service.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.agent import NixlAgent, collect_agents
@@ -56,8 +56,10 @@ class Registry:
                  daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
                  max_hold_s: float = float("inf"),
-                 populate_host_memory: bool = True) -> None:
+                 populate_host_memory: bool = True, shm_group: int | None = None) -> None:
+        """``shm_group``: engine_socket_group, whose members may register too (see memory.ShmOpeners)."""
         self.dataplane = dataplane
+        self.shm_group = shm_group
         self.populate_host_memory = populate_host_memory  # fault a host cache's pages in at registration
         self.max_holds = max_holds  # per engine rank: sizes its hold board
         self.max_hold_s = max_hold_s  # a hold's whole life, renewals included
@@ -122,14 +124,16 @@ class Registry:
         if not self.accepting:
             raise UnavailableError("engine_id", "the daemon is draining for shutdown")
 
-    async def register(self, message: pb.RegisterRequest, session: str = "") -> EngineSlot:
+    async def register(self, message: pb.RegisterRequest, session: str = "", *,
+                       over_tcp: bool = False) -> EngineSlot:
         """Map, register and publish one engine rank, with a new session.
 
         A previous registration of the same id is replaced only when
         ``session`` is its session, or its lease ran out; otherwise
         ALREADY_EXISTS. Concurrent calls for one engine id run one after
         another, so each replaced registration is taken down (nothing stays
-        mapped).
+        mapped). ``over_tcp``: the call came over engine_tcp (anyone with the
+        token may have sent it: a shm object named in it must be everyone's).
         """
         if not self.accepting:
             raise UnavailableError("engine", "the daemon is shutting down")
@@ -140,15 +144,17 @@ class Registry:
         # and registered with nobody owning it (the registration then expires).
         for i, reader in enumerate(message.allowed_reader_engine_ids):
             check_id(reader, f"allowed_reader_engine_ids[{i}]")
-        attempt = asyncio.ensure_future(self._register_exclusive(message, lease_s, session))
+        openers = ShmOpeners(group=self.shm_group, anyone=over_tcp)
+        attempt = asyncio.ensure_future(self._register_exclusive(message, lease_s, session, openers))
         attempt.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen even if the caller left
         return await asyncio.shield(attempt)
 
-    async def _register_exclusive(self, message: pb.RegisterRequest, lease_s: float, session: str) -> EngineSlot:
+    async def _register_exclusive(self, message: pb.RegisterRequest, lease_s: float, session: str,
+                                  openers: ShmOpeners) -> EngineSlot:
         groups = groups_from_pb(message.engine)  # a malformed message is refused as such, whoever is registered
         async with self._exclusive(message.engine.engine_id):
             self._check_replace(message.engine.engine_id, session)
-            return await self._register(message, groups, lease_s, session)
+            return await self._register(message, groups, lease_s, session, openers)
 
     def _check_bytes(self, engine: pb.EngineRank, groups) -> int:
         """Bytes this registration adds; refused past ``max_registered_bytes`` (a replaced one's bytes count as freed)."""
@@ -163,13 +169,14 @@ class Registry:
                                                                  f"{self.max_registered_bytes} ({in_use} in use)")
         return num_bytes
 
-    async def _register(self, message: pb.RegisterRequest, groups, lease_s: float, session: str) -> EngineSlot:
+    async def _register(self, message: pb.RegisterRequest, groups, lease_s: float, session: str,
+                        openers: ShmOpeners) -> EngineSlot:
         engine = message.engine
         num_bytes = self._check_bytes(engine, groups)
         fds = self.fd_inbox.take(message.fd_token) if message.fd_token and self.fd_inbox else []
         mapped = []
         try:
-            memory = await asyncio.to_thread(self._open_memory, engine, groups, fds, mapped)
+            memory = await asyncio.to_thread(self._open_memory, engine, groups, fds, mapped, openers)
             cache = engine_from_pb(engine, memory)
             old = self.slots.get(cache.engine_id)
             # A session presented while this daemon has no registration of the id (it restarted, or
@@ -196,7 +203,7 @@ class Registry:
                                              "incarnation": incarnation, "agent": slot.agent.name})
         return slot
 
-    def _open_memory(self, engine: pb.EngineRank, groups, fds, mapped: list) -> list[list]:
+    def _open_memory(self, engine: pb.EngineRank, groups, fds, mapped: list, openers: ShmOpeners) -> list[list]:
         """Map every region (in a worker thread: populating a large host cache takes a while)."""
         memory = []
         for g, (group_pb, group) in enumerate(zip(engine.groups, groups)):
@@ -207,7 +214,7 @@ class Registry:
                 num_bytes = region.num_bytes or need
                 if num_bytes < need:
                     raise InvalidArgumentError(f"{field}.num_bytes", f"{num_bytes} bytes, the layout needs {need}")
-                mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds)
+                mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers)
                 mapped.append(mapping)
                 regions.append(mapping.memory)
             memory.append(regions)

@@ -6,7 +6,8 @@
   (development), and then says so at start and in a metric.
 * NIXL's UCX data plane listens on every interface by default; it is bound
   to the interface of the advertised peer address instead, so configuring
-  loopback means loopback.
+  loopback means loopback. Its TCP transport listens on ports the OS picks,
+  unless ``ucx_tcp_port_range`` pins them (so a NetworkPolicy can admit them).
 """
 
 from __future__ import annotations
@@ -72,3 +73,12 @@ def ucx_net_devices(config: DaemonConfig) -> str:
                 except ValueError:
                     continue
     raise InvalidArgumentError("ucx_net_devices", f"no interface of this host has {address}; set ucx_net_devices")
+
+
+def ucx_environment(config: DaemonConfig) -> dict[str, str]:
+    """The UCX variables to set before the first NIXL agent: ``UCX_NET_DEVICES`` always, and
+    ``UCX_TCP_PORT_RANGE`` (the tcp transport's listening ports) when ``ucx_tcp_port_range`` is set."""
+    environment = {"UCX_NET_DEVICES": ucx_net_devices(config)}
+    if config.ucx_tcp_port_range is not None:
+        environment["UCX_TCP_PORT_RANGE"] = config.ucx_tcp_port_range
+    return environment

@@ -10,7 +10,9 @@ The socket is a listener like any other: each connection must come from
 an allowed uid (``SO_PEERCRED``), send its one message within
 ``recv_timeout_s`` (a silent client delays others by at most that), carry
 at most ``max_fds`` fds and a printable token; at most ``max_tokens``
-deliveries wait at once. A client that vanishes mid-way costs nothing.
+deliveries and ``max_fds_waiting`` fds (all clients together) wait at
+once. A delivery over a bound is answered ``refused: <limit>`` and its fds
+are closed. A client that vanishes mid-way costs nothing.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import time
 from collections.abc import Callable
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.localsock import credentials_allowed, peer_credentials
+from kvxferd.service.localsock import credentials_allowed
+from kvxferd.wire.owner import check_daemon_peer, daemon_uid_or_own, peer_credentials
 from kvxferd.xfer.osthreads import name_this_thread
 
 log = logging.getLogger("kvxferd.fdpass")
 MAX_FDS = 4096
 MAX_TOKEN_BYTES = 256
+MAX_ANSWER_BYTES = 256
 
 
 def fd_socket_path(engine_socket: str) -> str:
@@ -40,14 +44,16 @@ class FdInbox:
 
     def __init__(self, path: str, *, ttl_s: float = 60.0, allowed_uids: frozenset[int] = frozenset(),
                  group: int | None = None, max_fds: int = MAX_FDS, max_tokens: int = 256, recv_timeout_s: float = 2.0,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 max_fds_waiting: int = 4096, on_refused: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.ttl_s = ttl_s
         self.allowed_uids, self.group = allowed_uids, group
         self.max_fds, self.max_tokens, self.recv_timeout_s = max_fds, max_tokens, recv_timeout_s
+        self.max_fds_waiting = max_fds_waiting
         self.on_refused = on_refused or (lambda reason: None)
         self._lock = threading.Lock()
         self._fds: dict[str, tuple[float, list[int]]] = {}
+        self.num_fds_waiting = 0  # in self._fds, all tokens together
         if os.path.exists(path):
             os.unlink(path)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -89,13 +95,21 @@ class FdInbox:
             token = ""
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not token or not token.isprintable():
             _close(fds)
-            return "malformed"
+            return _refuse(conn, "malformed", "not one printable token with at most max_fds_per_token fds")
         self._expire()
         with self._lock:
             if token in self._fds or len(self._fds) >= self.max_tokens:
-                _close(fds)
-                return "tokens"
-            self._fds[token] = (time.monotonic(), list(fds))
+                refusal = ("tokens", f"max_fd_tokens ({self.max_tokens} deliveries wait) or a token in use")
+            elif self.num_fds_waiting + len(fds) > self.max_fds_waiting:
+                refusal = ("fds", f"max_fds_waiting ({self.num_fds_waiting} of {self.max_fds_waiting} fds wait "
+                                  f"for their Register; this delivery has {len(fds)})")
+            else:
+                refusal = None
+                self._fds[token] = (time.monotonic(), list(fds))
+                self.num_fds_waiting += len(fds)
+        if refusal is not None:
+            _close(fds)
+            return _refuse(conn, *refusal)
         conn.sendall(b"ok")
         return ""
 
@@ -103,12 +117,16 @@ class FdInbox:
         now = time.monotonic()
         with self._lock:
             for token in [t for t, (at, _) in self._fds.items() if now - at > self.ttl_s]:
-                _close(self._fds.pop(token)[1])
+                fds = self._fds.pop(token)[1]
+                self.num_fds_waiting -= len(fds)
+                _close(fds)
 
     def take(self, token: str) -> list[int]:
         """Claim the fds sent under ``token`` (the caller owns and closes them)."""
         with self._lock:
             entry = self._fds.pop(token, None)
+            if entry is not None:
+                self.num_fds_waiting -= len(entry[1])
         if entry is None:
             raise InvalidArgumentError("fd_token", f"no fds were sent under token {token[:80]!r} "
                                                    "(send them to the fd socket first)")
@@ -123,6 +141,7 @@ class FdInbox:
             for _, fds in self._fds.values():
                 _close(fds)
             self._fds.clear()
+            self.num_fds_waiting = 0
 
 
 def _close(fds) -> None:
@@ -130,11 +149,25 @@ def _close(fds) -> None:
         os.close(fd)
 
 
-def send_fds(path: str, token: str, fds: list[int], timeout_s: float = 5.0) -> None:
-    """Engine side: hand ``fds`` to the daemon under ``token``."""
+def _refuse(conn: socket.socket, reason: str, limit: str) -> str:
+    """Tell the client why its fds were refused (it may be gone already); returns ``reason``."""
+    try:
+        conn.sendall(f"refused: {limit}".encode()[:MAX_ANSWER_BYTES])
+    except OSError:
+        pass
+    return reason
+
+
+def send_fds(path: str, token: str, fds: list[int], timeout_s: float = 5.0, *, daemon_uid: int | None = None) -> None:
+    """Engine side: hand ``fds`` to the daemon under ``token``; only to a daemon running as ``daemon_uid``
+    (default: this process's uid), else :class:`PermissionDeniedError` and nothing is sent."""
+    expected_uid = daemon_uid_or_own(daemon_uid)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout_s)
         conn.connect(path)
+        check_daemon_peer(conn, expected_uid, path)
         socket.send_fds(conn, [token.encode()], fds)
-        if conn.recv(2) != b"ok":
-            raise ConnectionError(f"daemon at {path} did not accept the fds (see its log)")
+        answer = conn.recv(MAX_ANSWER_BYTES)
+        if answer != b"ok":
+            reason = answer.decode(errors="replace") if answer else "no answer (see its log)"
+            raise ConnectionError(f"daemon at {path} did not accept the fds: {reason}")

@@ -10,6 +10,9 @@ Two layers, so no window exists in which another user could connect::
 gRPC does not hand a Python server the peer's credentials, so the engine
 socket relies on these modes; the fd socket, which is ours, also checks
 ``SO_PEERCRED`` against the allowed uids on every connection.
+
+The other way round (an engine checking who listens) is
+:mod:`kvxferd.wire.owner`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import grp
 import os
 import socket
 import stat
-import struct
 
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 
@@ -73,14 +75,6 @@ def restrict_socket(path: str, gid: int | None) -> None:
     if gid is not None:
         os.chown(path, -1, gid)
     os.chmod(path, 0o660 if gid is not None else 0o600)
-
-
-_UCRED = struct.Struct("3i")
-
-
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a UNIX socket (``SO_PEERCRED``)."""
-    return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
 
 def credentials_allowed(uid: int, gid: int, allowed_uids: frozenset[int], group: int | None) -> bool:

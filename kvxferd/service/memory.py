@@ -1,8 +1,22 @@
 """Open the memory an engine hands over, so NIXL can register it.
 
-Host memory arrives as the name of a POSIX shared-memory object. The daemon
-maps it read-write (``/dev/shm/<name>``) and keeps the mapping until the
-engine deregisters. It deliberately avoids
+Host memory arrives as the name of a POSIX shared-memory object, or as its
+fd passed over the fd socket. The daemon maps it read-write
+(``/dev/shm/<name>``) and keeps the mapping until the engine deregisters.
+
+A name is opened with the daemon's credentials, so it is opened only for an
+object every user who could have sent the ``Register`` could open
+read-write itself (:class:`ShmOpeners`): with the engine socket 0600 only
+the daemon's user and root connect, and whatever the daemon can open, they
+could; with ``engine_socket_group`` the object must be readable and
+writable by that group (its group, ``g+rw``) or by everyone (``o+rw``);
+over ``engine_tcp`` by everyone. Else ``PERMISSION_DENIED``: an engine
+passes such an object as an fd (``shm_fd_index``), which proves it opened
+it. (Before, a group member named a root-only object of a root daemon and
+read it over NIXL.) An object with a POSIX ACL is refused in the last two
+cases: its mode bits do not say who may open it.
+
+It deliberately avoids
 ``multiprocessing.shared_memory``: in Python < 3.13 that registers even an
 attached segment with the resource tracker, which would unlink the engine's
 cache when the daemon exits.
@@ -29,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, NotFoundError
+from kvxferd.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from kvxferd.plan.groups import RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service import gpu
@@ -56,6 +70,40 @@ class MappedRegion:
 
 
 SHM_NAME_MAX_BYTES = 255  # NAME_MAX: one path component under /dev/shm
+_ACL_XATTR = "system.posix_acl_access"
+
+
+@dataclass(frozen=True)
+class ShmOpeners:
+    """Who may have sent a ``Register``: who must be able to open a shm object it names."""
+
+    group: int | None = None  # engine_socket_group: its members connect too (else the daemon's user and root)
+    anyone: bool = False  # the call came over engine_tcp: anyone holding the token
+
+    def check(self, fd: int, status: os.stat_result, name: str, field: str) -> None:
+        """Refuse (``PERMISSION_DENIED``) an object some possible sender could not open read-write itself."""
+        if self.group is None and not self.anyone:
+            return  # the daemon's user and root: the daemon just opened it as that user
+        mode = stat.S_IMODE(status.st_mode)
+        # Linux takes the first class that matches (owner, then group, then other), so a user of an earlier
+        # class is not granted what a later one says: every class a possible sender falls in must allow rw.
+        everyone = mode & 0o666 == 0o666
+        group = not self.anyone and status.st_gid == self.group and mode & 0o660 == 0o660
+        if (everyone or group) and not _has_acl(fd):
+            return
+        who = "everyone (it came over engine_tcp)" if self.anyone else f"group {self.group} (engine_socket_group)"
+        raise PermissionDeniedError(f"{field}.shm_name", f"shared-memory object {name!r} (uid {status.st_uid}, gid "
+                                    f"{status.st_gid}, mode {mode:04o}{', an ACL' if group or everyone else ''}) "
+                                    f"is not readable and writable by {who}: the daemon opens a name only for an "
+                                    "object every user it admits could open itself; pass it as an fd "
+                                    "(handle.shm_fd_index) instead")
+
+
+def _has_acl(fd: int) -> bool:
+    try:
+        return _ACL_XATTR in os.listxattr(fd)
+    except OSError:  # no extended attributes here: no ACL either
+        return False
 
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap module does not name it before 3.13
@@ -102,8 +150,9 @@ def shm_path(name: str, field: str) -> pathlib.Path:
     return SHM_DIR / bare
 
 
-def map_shm(name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
-    """Map ``num_bytes`` at ``offset`` of shared-memory object ``name``."""
+def map_shm(name: str, offset: int, num_bytes: int, field: str,
+            openers: ShmOpeners = ShmOpeners()) -> MappedRegion:
+    """Map ``num_bytes`` at ``offset`` of shared-memory object ``name``, if ``openers`` could open it themselves."""
     path = shm_path(name, field)
     if offset < 0 or num_bytes <= 0:
         raise InvalidArgumentError(field, f"bad range: offset {offset}, {num_bytes} bytes")
@@ -118,6 +167,7 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
         raise InvalidArgumentError(f"{field}.shm_name", f"cannot open shared-memory object {name!r}: "
                                                          f"{err.strerror or type(err).__name__}") from None
     try:
+        openers.check(fd, os.fstat(fd), name, field)  # the object opened, not whatever the name means by now
         return _map_open_fd(fd, name, offset, num_bytes, field)
     finally:
         os.close(fd)
@@ -148,8 +198,10 @@ def _map_open_fd(fd: int, name: str, offset: int, num_bytes: int, field: str) ->
     return MappedRegion(name, array, mapping)
 
 
-def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fds: Sequence[int] = ()):
-    """Open one region of a Register request; returns an object with ``memory`` and ``close()``."""
+def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fds: Sequence[int] = (),
+                openers: ShmOpeners = ShmOpeners()):
+    """Open one region of a Register request; returns an object with ``memory`` and ``close()``.
+    ``openers``: who may have sent it (a ``shm_name`` is opened only for an object they could open)."""
     source = region.handle.WhichOneof("source")
     want = {"shm_name": "DRAM", "shm_fd_index": "DRAM", "cuda_ipc_handle": "VRAM", "cuda_vmm_fd_index": "VRAM"}.get(source)
     if source is None:
@@ -158,7 +210,7 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
         raise InvalidArgumentError(f"{field}.handle.{source}", f"a {source} handle is {want} memory, the engine says {mem_type}")
     offset = region.handle.offset
     if source == "shm_name":
-        return map_shm(region.handle.shm_name, offset, num_bytes, field)
+        return map_shm(region.handle.shm_name, offset, num_bytes, field, openers)
     if source == "shm_fd_index":
         index = region.handle.shm_fd_index
         if not 0 <= index < len(fds):

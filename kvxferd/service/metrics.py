@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvxferd.service.metricsserver import MetricsServer
 from kvxferd.xfer.reads import ReadFailure
 
 FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)
@@ -54,6 +55,12 @@ class Metrics:
                                    "yet valid, or off its identity): the previous one stays in use", registry=r)
         self.fd_socket_refused = Counter("kvxferd_fd_socket_refused", "fd-socket connections refused", ["reason"],
                                          registry=r)
+        self.bus_subscriptions_refused = Counter("kvxferd_bus_subscriptions_refused", "notify-bus subscriptions "
+                                                 "not applied: not one whole engine topic (prefix), or past "
+                                                 "max_bus_subscriptions (limit: the bus dropped every subscriber "
+                                                 "and started over)", ["reason"], registry=r)
+        for reason in ("prefix", "limit"):
+            self.bus_subscriptions_refused.labels(reason)
         self.rpc_errors = Counter("kvxferd_rpc_errors", "RPCs answered with an error status", ["method", "code"],
                                   registry=r)
         self.loop_stalls = Counter("kvxferd_loop_stalls", "times the event loop woke over LOOP_STALL_S late "
@@ -68,7 +75,7 @@ class Metrics:
         self.reads_in_flight.set_function(reads)
         self.engines.set_function(engines)
 
-    def serve(self, host: str, port: int) -> tuple[object, int]:
-        """Start the HTTP endpoint; returns (server, bound port)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server, server.server_port
+    def serve(self, host: str, port: int) -> tuple[MetricsServer, int]:
+        """Start the HTTP endpoint (one thread, bounded connections); returns (server, bound port)."""
+        server = MetricsServer(self.registry, host, port)
+        return server, server.port

@@ -29,6 +29,7 @@ from kvxferd.service.dataplane import DataPlane
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.slots import EngineSlot
 from kvxferd.service.tls import TlsFiles
+from kvxferd.wire.peerauth import peer_metadata
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.reads import RemoteEngine
 
@@ -81,6 +82,7 @@ class Peers:
         if tls is not None:  # every peer's certificate must name server_name (we dial addresses, not names)
             self._options.append(("grpc.ssl_target_name_override", server_name))
         self._channels: dict[str, _PeerChannel] = {}
+        self.secret: bytes | None = None  # without TLS: this host's peer secret (set at start; kvxferd.wire.peerauth)
 
     def _channel(self, address: str) -> "_PeerChannel":
         """The channel to ``address``; a new one after the TLS files changed (new connections, new certificate)."""
@@ -105,10 +107,13 @@ class Peers:
         if not entry.num_calls:
             asyncio.ensure_future(entry.channel.close())
 
-    async def _unary(self, entry: "_PeerChannel", method: str, request, **kwargs):
+    async def _unary(self, address: str, entry: "_PeerChannel", method: str, request, **kwargs):
+        # Without TLS: a fresh token per call, checked to go to a listener of this user (kvxferd.wire.peerauth).
+        metadata = peer_metadata(self.secret, address) if self.tls is None and self.secret is not None else ()
         entry.num_calls += 1
         try:
-            return await getattr(peer_grpc.PeerServiceStub(entry.channel), method)(request, **kwargs)
+            return await getattr(peer_grpc.PeerServiceStub(entry.channel), method)(request, metadata=metadata,
+                                                                                   **kwargs)
         finally:
             entry.num_calls -= 1
             if entry.retired and not entry.num_calls:
@@ -127,7 +132,7 @@ class Peers:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         entry = self._channel(address)
         try:
-            return await self._unary(entry, method, request, timeout=timeout_s)
+            return await self._unary(address, entry, method, request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
@@ -135,7 +140,7 @@ class Peers:
             self._retire(address, entry)
         # wait_for_ready: connect (once the peer listens) instead of failing on a
         # cached transient failure; bounded, so a dead peer still fails quickly.
-        return await self._unary(self._channel(address), method, request, timeout=min(timeout_s, PEER_RETRY_S),
+        return await self._unary(address, self._channel(address), method, request, timeout=min(timeout_s, PEER_RETRY_S),
                                  wait_for_ready=True)
 
     async def close(self) -> None:
@@ -249,7 +254,7 @@ class Peers:
         async def one(address: str, incarnation: str) -> bool:
             try:
                 reply = await self.call(address, "GetIncarnation", pb.IncarnationRequest(engine_id=link.remote_engine_id))
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, KvxferError):  # unreachable, or (no TLS) served by another user now
                 return False
             return reply.incarnation == incarnation
         results = await asyncio.gather(*(one(a, i) for a, i in zip(link.addresses, link.incarnations)))

@@ -43,7 +43,8 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.completions import COMPLETIONS_PER_BATCH
 from kvxferd.service.framewriter import FrameWriter
 from kvxferd.service.holding import place_hold
-from kvxferd.service.localsock import credentials_allowed, peer_credentials, restrict_socket, socket_umask
+from kvxferd.service.localsock import credentials_allowed, restrict_socket, socket_umask
+from kvxferd.wire.owner import peer_credentials
 from kvxferd.service.status import error_status, status_code
 from kvxferd.wire.frames import FrameReader, encode_frame
 from kvxferd.wire.messages import check_id

@@ -37,6 +37,7 @@ from kvxferd.service.status import error_status, status_code
 from kvxferd.service.tls import authorize_peer, peer_identities
 from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
 from kvxferd.wire.names import SESSION_KEY
+from kvxferd.wire.peerauth import PEER_TOKEN_KEY, check_peer_token
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
 from kvxferd.xfer.agent import agent_name_of
 from kvxferd.xfer.holder import Reader
@@ -101,7 +102,8 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
     @rpc
     async def Register(self, request, context):
         self._check_transport(context)
-        slot = await self.daemon.registry.register(request, metadata_value(context, SESSION_KEY))
+        slot = await self.daemon.registry.register(request, metadata_value(context, SESSION_KEY),
+                                                   over_tcp=not context.peer().startswith("unix:"))
         return pb.RegisterReply(incarnation=slot.incarnation, notify_address=self.daemon.bus.address,
                                 notify_last_seq=self.daemon.bus.last_seq(slot.engine_id),
                                 peer_address=self.daemon.addresses.get("peer", ""), session=slot.session,
@@ -236,30 +238,39 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
             fields["error"] = error[:300]
         audit_log.info("peer %s: %s", method, code.name, extra=fields)
 
-    def _authorize(self, context) -> None:
-        """With TLS: the caller's certificate identity must be on the allow-list (before anything is looked up)."""
+    def _authorize(self, context) -> str:
+        """Before anything is looked up: with TLS, the caller's certificate identity must be on the allow-list
+        (returns the identity it matched); without, the caller must present this host's peer token for this
+        port (kvxferd.wire.peerauth; returns "": every daemon of the host is one identity)."""
         if self.daemon.config.tls:
-            authorize_peer(context, tuple(self.daemon.config.peer_allowed_ids))
+            return authorize_peer(context, tuple(self.daemon.config.peer_allowed_ids))
+        if self.daemon.peer_secret is None:
+            raise UnauthenticatedError("peer", "this daemon is still starting")
+        check_peer_token(self.daemon.peer_secret, self.daemon.peer_token_address,
+                         metadata_value(context, PEER_TOKEN_KEY))
+        return ""
 
     @rpc
     async def GetEngineInfo(self, request, context):
-        self._authorize(context)
+        identity = self._authorize(context)
         if request.protocol_version != PROTOCOL_VERSION:
             raise UnavailableError("protocol_version", f"caller speaks v{request.protocol_version}, this daemon v{PROTOCOL_VERSION}")
         slot = self.daemon.registry.slot(request.engine_id)
         if request.tp_rank != slot.cache.tp_rank:
             raise InvalidArgumentError("tp_rank", f"this daemon serves rank {slot.cache.tp_rank} of "
                                                   f"{request.engine_id!r}, not {request.tp_rank}")
-        await self._introduce(slot, request)  # no agent metadata or addresses for anyone who does not
+        await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
         return encode_info(slot.incarnation, slot.metadata, slot.cache, slot.holder.board)
 
-    async def _introduce(self, slot, request: pb.EngineInfoRequest) -> None:
+    async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str) -> None:
         """Record which NIXL agent this reader's notices come from, by the name its metadata carries.
 
         Nothing is loaded: the holder sends readers nothing (they check their
         holds on its board), so it needs only the name to count the reader's
         notices and drop everyone else's. The same reader introduced again
-        (restarted under a new agent) replaces its old name.
+        (restarted under a new agent) replaces its old name, but only by the
+        peer identity that introduced it: another allowed peer taking over a
+        reader would have its notices dropped and its holds pinned.
         """
         check_id(request.reader_engine_id, "reader_engine_id")
         if not request.reader_agent_metadata:
@@ -278,10 +289,14 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         if name == slot.agent.name:
             raise InvalidArgumentError("reader_agent_metadata", f"agent {name!r} is this engine's own agent")
         reader = (request.reader_engine_id, request.reader_tp_rank)
+        known = slot.readers.get(reader)
+        if known is not None and known.identity != identity:
+            raise PermissionDeniedError("reader_engine_id", f"reader {reader[0]!r} rank {reader[1]} was introduced by "
+                                                            "another peer identity; only that one may introduce it again")
         limit = self.daemon.config.max_readers_per_engine
         if reader not in slot.readers and len(slot.readers) >= limit:
             raise ResourceExhaustedError("max_readers_per_engine", f"{limit} readers are introduced already")
-        slot.holder.introduce(reader, Reader(name, request.reader_tp_size, expected),
+        slot.holder.introduce(reader, Reader(name, request.reader_tp_size, expected, identity),
                               reads_here=bool(notifying[request.reader_tp_rank]))
         self.daemon.dataplane.wake()  # to poll fast: its handshake's probe READs our board next
 

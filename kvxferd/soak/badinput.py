@@ -21,6 +21,7 @@ from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.frames import reads_socket_path
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 ANSWER_S = 3.0
@@ -84,7 +85,7 @@ def _host_port(address: str) -> tuple[str, int]:
 def burst(daemon: DaemonProcess, engine_id: str, rng: np.random.Generator) -> tuple[int, list[str]]:
     """Bad input on every listener of ``daemon``; ``(messages sent, wrong answers)``."""
     wrong, sent = [], 0
-    with grpc.insecure_channel(daemon.engine_target) as engine, grpc.insecure_channel(daemon.peer_address) as peer:
+    with grpc.insecure_channel(daemon.engine_target) as engine, peer_channel(daemon.peer_address) as peer:
         calls = _engine_calls(engine_grpc.EngineServiceStub(engine), rng, engine_id)
         calls += _peer_calls(peer_grpc.PeerServiceStub(peer), rng, engine_id)
         for call in calls:

@@ -22,6 +22,7 @@ import numpy as np
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
 
@@ -31,8 +32,9 @@ SEND_S = 0.05  # the rogue polls its agent this long after sending: no progress 
 
 def holder_info(peer_address: str, engine_id: str, tp_rank: int, agent: NixlAgent, reader_engine_id: str,
                 reader_tp_size: int = 1, timeout_s: float = 10.0) -> pb.EngineInfo:
-    """Introduce ``agent`` as a reader (possible without TLS) and get the holder rank's engine info."""
-    with grpc.insecure_channel(peer_address) as channel:
+    """Introduce ``agent`` as a reader (a same-host daemon's user can, with the host's peer secret) and get the
+    holder rank's engine info."""
+    with peer_channel(peer_address) as channel:
         reply = peer_grpc.PeerServiceStub(channel).GetEngineInfo(pb.EngineInfoRequest(
             engine_id=engine_id, protocol_version=PROTOCOL_VERSION, tp_rank=tp_rank, reader_engine_id=reader_engine_id,
             reader_tp_rank=0, reader_tp_size=reader_tp_size, reader_agent_metadata=agent.metadata()), timeout=timeout_s)

@@ -10,7 +10,9 @@
 The area is host memory registered with the reader's agent, one prepared
 list of 64-byte descriptors, so a check is ``make_prepped_xfer`` with four
 ids. Slots are reused; when all are taken a check waits for one (bounded
-memory, nothing lost).
+memory, nothing lost). One remote engine holds at most a quarter of them:
+a holder that stopped answering (its checks wait for their deadlines) must
+not make the reads of every other holder wait for a slot.
 
 A handshake probes each new connection the same way (:class:`BoardProbe`):
 UCX sets up a connection's transports on its first transfer, which took
@@ -18,6 +20,8 @@ UCX sets up a connection's transports on its first transfer, which took
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -39,8 +43,12 @@ class CheckArea:
     """Where the checks of one reader agent land. Slots are taken (``list.pop``) and given back
     (``append``) atomically, so the event loop and the data-plane thread may both post checks."""
 
-    def __init__(self, agent: NixlAgent, num_slots: int = NUM_CHECK_SLOTS) -> None:
+    def __init__(self, agent: NixlAgent, num_slots: int = NUM_CHECK_SLOTS, max_per_owner: int | None = None) -> None:
         self.agent = agent
+        self.max_per_owner = max(1, num_slots // 4) if max_per_owner is None else max_per_owner
+        self._owner_of: dict[int, object] = {}  # slot -> the remote engine whose check holds it
+        self._num_owned: dict[object, int] = {}
+        self._owners_lock = threading.Lock()  # both threads post and end checks
         self.words = np.zeros((2 * num_slots, SLOTS_PER_BUCKET), np.uint64)
         agent.register_array(CHECK_AREA_KEY, self.words)
         try:
@@ -54,14 +62,22 @@ class CheckArea:
     def num_free(self) -> int:
         return len(self._free)
 
-    def post(self, remote_list, num_buckets: int, tag: int):
-        """Post the check of ``tag`` on a board prepared as ``remote_list``: None when
-        every slot is taken (try again once a check ended); ``(handle, slot, state)`` when posted. Raises
-        :class:`NixlError` (the slot given back)."""
+    def post(self, remote_list, num_buckets: int, tag: int, owner: object = None):
+        """Post the check of ``tag`` on a board prepared as ``remote_list``: None when every slot is taken,
+        or ``owner`` (a remote engine) holds its share already (try again once a check ended);
+        ``(handle, slot, state)`` when posted. Raises :class:`NixlError` (the slot given back)."""
+        if owner is not None:
+            with self._owners_lock:
+                if self._num_owned.get(owner, 0) >= self.max_per_owner:
+                    return None
+                self._num_owned[owner] = self._num_owned.get(owner, 0) + 1
         try:
             slot = self._free.pop()
         except IndexError:
+            self._disown(owner)
             return None
+        if owner is not None:
+            self._owner_of[slot] = owner
         handle = None
         try:
             handle = self.agent.make_read(self.local_list, np.array([2 * slot, 2 * slot + 1], np.int32), remote_list,
@@ -70,9 +86,19 @@ class CheckArea:
         except BaseException:
             if handle is not None:
                 self.agent.release(handle)
+            self._disown(self._owner_of.pop(slot, None))
             self._free.append(slot)
             raise
         return handle, slot, state
+
+    def _disown(self, owner: object) -> None:
+        if owner is not None:
+            with self._owners_lock:
+                left = self._num_owned[owner] - 1
+                if left:
+                    self._num_owned[owner] = left
+                else:
+                    del self._num_owned[owner]
 
     def found(self, slot: int, tag: int) -> bool:
         """Whether the check that landed in ``slot`` saw ``tag``."""
@@ -84,6 +110,7 @@ class CheckArea:
             self.agent.release(handle)
         except NixlError:
             pass  # the handle of a failed transfer may already be gone
+        self._disown(self._owner_of.pop(slot, None))
         self._free.append(slot)
 
     def close(self) -> None:

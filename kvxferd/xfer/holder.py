@@ -57,6 +57,7 @@ class Reader:
     agent_name: str  # only this NIXL agent's notices count for the reader (its notice agent)
     tp_size: int
     expected_readers: int  # reader ranks of that engine that notify this rank per request
+    identity: str = ""  # the peer identity that introduced it ("" : the host's peer secret); only it may replace it
 
 
 @dataclass

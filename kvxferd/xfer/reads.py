@@ -435,7 +435,7 @@ class ReadExecutor:
         while inflight.unchecked:
             q = inflight.unchecked[0]
             try:
-                posted = self.checks.post(remote.board_lists[q], remote.board_buckets[q], inflight.tags[q])
+                posted = self.checks.post(remote.board_lists[q], remote.board_buckets[q], inflight.tags[q], remote)
             except NixlError as err:
                 inflight.unchecked.pop(0)
                 inflight.admitting.pop(q, None)

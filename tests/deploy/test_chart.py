@@ -45,7 +45,8 @@ def _validate(obj):
 def test_default_values_render_valid_objects():
     objects, by_kind = _render()
     assert {kind: len(objs) for kind, objs in by_kind.items()} == {
-        "ConfigMap": 1, "Deployment": 2, "ResourceClaimTemplate": 2, "Service": 2, "PodMonitor": 2, "NetworkPolicy": 2}
+        "ConfigMap": 1, "Deployment": 2, "ResourceClaimTemplate": 2, "Service": 2, "PodMonitor": 2, "NetworkPolicy": 2,
+        "ServiceAccount": 1}
     for obj in objects:
         _validate(obj)
 
@@ -82,7 +83,7 @@ def test_one_daemon_per_gpu_that_kvxferd_itself_accepts(values, tmp_path, monkey
     for deployment, role in zip(by_kind["Deployment"], roles):
         pod = deployment["spec"]["template"]["spec"]
         assert deployment["spec"]["replicas"] == role["replicas"]
-        assert pod["shareProcessNamespace"] is True  # CUDA IPC: the daemons see the engine's process
+        assert pod["shareProcessNamespace"] is True  # legacy CUDA IPC handles (values.yaml); uids kept apart
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert all({"name": "gpus"} in c["resources"]["claims"] for c in pod["containers"])  # same GPUs for all
         sidecars = _sidecars(deployment)
@@ -173,7 +174,8 @@ def test_network_policy_admits_only_peers_and_monitoring():
         deployment = deployments[policy["metadata"]["name"]]
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
-        peer, metrics, engine = policy["spec"]["ingress"]
+        peer, ucx, metrics, engine = policy["spec"]["ingress"]
+        assert ucx["from"] == peer["from"]  # the data plane: the same daemons as the peer ports
         named = {p["name"]: p["containerPort"] for c in _sidecars(deployment) for p in c["ports"]}
         assert sorted(p["port"] for p in peer["ports"]) == sorted(v for k, v in named.items() if k.startswith("peer-"))
         (source,) = peer["from"]
@@ -181,14 +183,14 @@ def test_network_policy_admits_only_peers_and_monitoring():
                                                         if k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
         assert sorted(p["port"] for p in metrics["ports"]) == sorted(v for k, v in named.items() if k.startswith("metrics-"))
         assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-        assert engine["ports"] == [{"port": 8000, "protocol": "TCP"}]
+        assert engine["ports"] == [{"port": 8000, "protocol": "TCP"}] and engine["from"]  # never every source
         ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
         assert not ports & {47200 + g for g in range(8)}  # the notify bus is not reachable from outside
 
 
 def test_cert_manager_certificate():
     _, by_kind = _render(values={"tls": {"certManager": {"enabled": True}}})
-    (certificate,) = by_kind["Certificate"]
+    (certificate,) = [c for c in by_kind["Certificate"] if c["metadata"]["name"].endswith("-peer")]
     spec = certificate["spec"]
     assert spec["secretName"].endswith("-peer-tls") and spec["dnsNames"] == ["kvxferd-peer"]
     assert spec["uris"][0].startswith("spiffe://cluster.local/ns/") and "client auth" in spec["usages"]

@@ -10,8 +10,10 @@ import grpc
 import pytest
 
 from kvxferd.client import DaemonProcess, EngineClient
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.service.memory import SHM_DIR
 from kvxferd.service.servicers import rpc
 from kvxferd.verify.certs import DevCA
 from kvxferd.verify.models import ModelShape, model_groups
@@ -54,7 +56,7 @@ def test_limits_name_themselves(limited):
         assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_holds_per_engine"), details
         first.release("h1")
         first.hold("h3", [[3]])  # room again
-        peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(limited.peer_address))
+        peer = peer_grpc.PeerServiceStub(peer_channel(limited.peer_address))
         introduce(peer, "lim-a", "reader-1", NixlAgent("lim-reader-1"))
         code, details = status(lambda: introduce(peer, "lim-a", "reader-2", NixlAgent("lim-reader-2")))
         assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_readers_per_engine"), details
@@ -135,7 +137,10 @@ def test_engine_tcp_needs_tls_and_the_token(workdir, ca: DevCA, tmp_path):
         code, details = status(lambda: no_token.register(engine_pb(GROUPS[0], "tcp-a", arenas)))
         assert code == C.UNAUTHENTICATED and details.startswith("authorization"), details
         good = EngineClient(target, credentials=credentials, token=token, channel_options=options)
-        good.register(engine_pb(GROUPS[0], "tcp-a", arenas))
+        message = engine_pb(GROUPS[0], "tcp-a", arenas)
+        # Over engine_tcp a shm object is opened by name only if anyone may open it (test_local_uids).
+        SHM_DIR.joinpath(arenas[-1].name).chmod(0o666)
+        good.register(message)
         good.hold("r", [[1]])
         good.deregister()
     finally:
@@ -176,7 +181,7 @@ def test_peer_requests_are_bounded_apart_from_engine_messages(limited):
     over ``max_peer_request_bytes`` (1 MiB) is RESOURCE_EXHAUSTED before any handler runs, while the engine
     port still takes messages up to ``max_message_bytes``."""
     big = "x" * (2 << 20)
-    peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(limited.peer_address))
+    peer = peer_grpc.PeerServiceStub(peer_channel(limited.peer_address))
     code, _ = status(lambda: peer.GetIncarnation(pb.IncarnationRequest(engine_id=big), timeout=10))
     assert code == C.RESOURCE_EXHAUSTED, code
     code, _ = status(lambda: peer.GetIncarnation(pb.IncarnationRequest(engine_id=big[:1000]), timeout=10))
@@ -195,7 +200,7 @@ def test_every_peer_decision_is_an_audit_line(workdir):
     arenas, client = [], EngineClient(daemon.engine_target)
     try:
         client.register(engine_pb(GROUPS[0], "aud-a", arenas))
-        peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
+        peer = peer_grpc.PeerServiceStub(peer_channel(daemon.peer_address))
         introduce(peer, "aud-a", "reader-1", NixlAgent("aud-reader-1"))
         status(lambda: introduce(peer, "aud-a", "reader-2", NixlAgent("aud-reader-2")))  # over max_readers_per_engine
         peer.RenewLeases(pb.RenewLeaseRequest(engine_id="aud-a", request_ids=["x", "y"], lease_s=1), timeout=10)

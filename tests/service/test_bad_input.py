@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvxferd.client import EngineClient
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
@@ -143,7 +144,7 @@ def test_holds_and_events(cluster):
 
 
 def test_peer_service(cluster):
-    peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(cluster.prefill_daemons[0].peer_address))
+    peer = peer_grpc.PeerServiceStub(peer_channel(cluster.prefill_daemons[0].peer_address))
     ask = pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=99)
     code, details = status(lambda: peer.GetEngineInfo(ask))
     assert code == C.FAILED_PRECONDITION and details.startswith("protocol_version")

@@ -65,12 +65,13 @@ def test_late_subscriber_gets_everything_in_order_once(bus):
 
 
 def _rebind(port: int) -> NotifyBus:
-    """A bus on the port a closed one used: ZMQ closes sockets in its I/O thread, so the port frees a moment later."""
+    """A bus on the port a closed one used: ZMQ closes sockets in its I/O thread, so the port frees a moment later
+    (the bus binds its listening socket itself: OSError)."""
     deadline = time.monotonic() + 5
     while True:
         try:
             return NotifyBus("127.0.0.1", port, history=100)
-        except zmq.ZMQError as err:
+        except (zmq.ZMQError, OSError) as err:
             if err.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)

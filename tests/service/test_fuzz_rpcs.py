@@ -22,6 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
@@ -176,7 +177,7 @@ def test_malformed_input_gets_a_precise_status_in_time(cluster, method):
     arenas: list = []
     channels = {"engine": grpc.insecure_channel(cluster.decode_daemons[0].engine_target),
                 "prefill": grpc.insecure_channel(cluster.prefill_daemons[0].engine_target),
-                "peer": grpc.insecure_channel(cluster.prefill_daemons[0].peer_address)}
+                "peer": peer_channel(cluster.prefill_daemons[0].peer_address)}
     stubs = {"engine": engine_grpc.EngineServiceStub(channels["engine"]),
              "prefill": engine_grpc.EngineServiceStub(channels["prefill"]), "peer": peer_grpc.PeerServiceStub(channels["peer"])}
     sessions = {"engine": cluster.decode_clients[0].session, "prefill": cluster.prefill_clients[0].session, "peer": ""}

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
@@ -31,7 +32,7 @@ class FreezingPeer(peer_grpc.PeerServiceServicer):
     its gRPC has answered, its NIXL agent will not."""
 
     def __init__(self, address: str, pid: int) -> None:
-        self.stub = peer_grpc.PeerServiceStub(grpc.insecure_channel(address))
+        self.stub = peer_grpc.PeerServiceStub(peer_channel(address))
         self.pid = pid
 
     def GetEngineInfo(self, request, context):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvxferd.client import EngineClient
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
@@ -51,7 +52,7 @@ def test_engine_disconnect_deregisters_and_expires_its_holds(workdir):
         observer = EngineClient(daemon.engine_target)
         observer.engine_id = cluster.prefill_id
         assert _code(lambda: observer.stub.Heartbeat(pb.HeartbeatRequest(engine_id=cluster.prefill_id))) == grpc.StatusCode.NOT_FOUND
-        peer = peer_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
+        peer = peer_grpc.PeerServiceStub(peer_channel(daemon.peer_address))
         assert _code(lambda: peer.GetEngineInfo(pb.EngineInfoRequest(engine_id=cluster.prefill_id,
                                                                      protocol_version=PROTOCOL_VERSION))) \
             == grpc.StatusCode.NOT_FOUND

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvxferd.client import EngineClient
+from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
@@ -46,7 +47,7 @@ def read_still_works(cluster: DaemonCluster, name: str, seed: int = 0) -> None:
 
 
 def peer_stub(address: str) -> peer_grpc.PeerServiceStub:
-    return peer_grpc.PeerServiceStub(grpc.insecure_channel(address))
+    return peer_grpc.PeerServiceStub(peer_channel(address))
 
 
 @functools.cache

@@ -207,3 +207,32 @@ def test_the_probes_hello_reaches_every_holder_and_counts_for_nothing(cluster, m
     # Ignored from anyone: not a malformed notice, not a foreign one, and it ends nothing.
     assert cluster.holders[0].on_notice("some-other-agent", HELLO) == []
     assert [(holder.counts.bad, holder.counts.foreign) for holder in cluster.holders] == before
+
+
+def test_one_remote_engine_takes_at_most_its_share_of_check_slots(cluster):
+    """Issue 35 review: every read now takes a check slot before its data moves, so reads to a holder that stopped
+    answering (checks waiting for their deadlines) could take every slot and stall reads to other holders. One
+    remote engine holds at most ``max_per_owner`` slots; other owners still get theirs."""
+    executor = cluster.executors[0]
+    checks, remote = executor.checks, executor.remote(cluster.prefill_id)
+    assert checks.max_per_owner == NUM_CHECK_SLOTS // 4
+    board, buckets = remote.board_lists[0], remote.board_buckets[0]
+    checks.max_per_owner = 2
+    posted = []
+    try:
+        posted += [checks.post(board, buckets, 1, "stalled") for _ in range(2)]
+        assert all(posted) and checks.post(board, buckets, 1, "stalled") is None  # its share is taken
+        posted.append(checks.post(board, buckets, 1, "healthy"))  # another remote engine is not held up
+        assert posted[-1] is not None
+        checks.end(*posted.pop(0)[:2])
+        posted.append(checks.post(board, buckets, 1, "stalled"))  # a slot of its own came back
+        assert posted[-1] is not None
+        # Reads of one remote engine beyond its share wait for their own slots and all end.
+        requests = [cluster.hold(_request(cluster, f"share-{n}", 40 + n), 60) for n in range(6)]
+        results = [executor.wait(executor.post(cluster.prefill_id, r), 10) for r in requests]
+        assert [r.error for r in results] == [None] * 6
+    finally:
+        for handle, slot, _state in posted:
+            checks.end(handle, slot)
+        checks.max_per_owner = NUM_CHECK_SLOTS // 4
+    assert checks.num_free == NUM_CHECK_SLOTS and not checks._num_owned

@@ -115,7 +115,8 @@ class SchedulerSide:
         client = self._clients.get(rank.tp_rank)
         if client is None:
             client = self._clients[rank.tp_rank] = EngineClient(f"unix:{rank.engine_socket}",
-                                                                timeout_s=self.settings.timeout_s)
+                                                                timeout_s=self.settings.timeout_s,
+                                                                daemon_uid=self.settings.daemon_uid)
             client.engine_id = self.engine_id  # the workers registered it; this process only holds
             client.session = rank.session
         return client

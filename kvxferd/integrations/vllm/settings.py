@@ -30,6 +30,9 @@ class ConnectorSettings(BaseModel):
     deadline_s: float = Field(30.0, gt=0, le=600, description="how long a decode read may take (s)")
     timeout_s: float = Field(10.0, gt=0, le=120, description="timeout of each call to the local daemon (s)")
     heartbeat_s: float = Field(5.0, gt=0, le=60, description="heartbeat interval of each rank's registration (s)")
+    daemon_uid: int | None = Field(None, ge=0, description="uid the daemons run as (default: $KVXFERD_DAEMON_UID, "
+                                                          "else this engine's own); a socket of any other user gets "
+                                                          "nothing from the connector")
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
         "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "
                              "VLLM_KV_CACHE_LAYOUT still wins, and kvxferd reads any order")

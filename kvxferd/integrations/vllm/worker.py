@@ -85,11 +85,13 @@ class WorkerSide:
 
         def pass_fds() -> str:
             token = uuid.uuid4().hex
-            send_fds(fd_socket_path(self.socket), token, fds, timeout_s=self.settings.timeout_s)
+            send_fds(fd_socket_path(self.socket), token, fds, timeout_s=self.settings.timeout_s,
+                     daemon_uid=self.settings.daemon_uid)
             return token
 
         token = pass_fds() if fds else ""
-        self.client = EngineClient(f"unix:{self.socket}", timeout_s=self.settings.timeout_s)
+        self.client = EngineClient(f"unix:{self.socket}", timeout_s=self.settings.timeout_s,
+                                   daemon_uid=self.settings.daemon_uid)
         lease_s = max(3 * self.settings.heartbeat_s, 10.0)
         # A restarted engine finds its previous registration alive until that lease runs out.
         give_up_s = time.monotonic() + lease_s + 5.0

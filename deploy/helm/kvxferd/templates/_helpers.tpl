@@ -22,3 +22,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "kvxferd.tlsSecret" -}}
 {{- .Values.tls.secretName | default (printf "%s-peer-tls" (include "kvxferd.fullname" .)) -}}
 {{- end -}}
+
+{{- define "kvxferd.serviceAccountName" -}}
+{{- .Values.serviceAccount.name | default (include "kvxferd.fullname" .) -}}
+{{- end -}}
+
+{{/* This release's peer identity: its namespace and ServiceAccount (tls.spiffeId overrides it). */}}
+{{- define "kvxferd.spiffeId" -}}
+{{- .Values.tls.spiffeId | default (printf "spiffe://%s/ns/%s/sa/%s" .Values.tls.trustDomain .Release.Namespace (include "kvxferd.serviceAccountName" .)) -}}
+{{- end -}}
+
+{{/* The pods of this release (both roles): who may use the peer ports and the UCX range. */}}
+{{- define "kvxferd.peerFrom" -}}
+{{- if .Values.networkPolicy.peerFrom -}}
+{{- toYaml .Values.networkPolicy.peerFrom -}}
+{{- else -}}
+- podSelector:
+    matchLabels:
+      {{- include "kvxferd.selector" . | nindent 6 }}
+{{- end -}}
+{{- end -}}
