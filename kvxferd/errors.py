@@ -63,3 +63,9 @@ class AlreadyExistsError(KvxferError):
 
 class ResourceExhaustedError(KvxferError):
     """A configured limit would be exceeded; ``field`` names the limit."""
+
+
+def first_error(err) -> tuple[str, str]:
+    """``(dotted location, message)`` of a pydantic ``ValidationError``'s first problem, for one-line errors."""
+    first = err.errors()[0]
+    return ".".join(str(part) for part in first["loc"]), first["msg"]

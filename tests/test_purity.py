@@ -31,18 +31,21 @@ def test_pure_modules_load_no_io_library_at_runtime():
 ALLOWED = {
     "layout": {"errors", "layout", "tp"},
     "tp": {"errors", "tp"},
+    # CUDA through ctypes, for both sides of a GPU cache: nothing of kvxferd's own.
+    "cuda": {"errors", "cuda"},
     "plan": {"errors", "layout", "tp", "plan"},
     "xfer": {"errors", "layout", "tp", "plan", "xfer"},
     "wire": {"errors", "layout", "tp", "plan", "proto", "wire"},
-    "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service"},
+    "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "cuda", "service"},
     # The engine SDK shares only the wire package with the daemon, never the daemon's own modules.
-    "client": {"errors", "layout", "tp", "plan", "proto", "wire", "client"},
+    "client": {"errors", "layout", "tp", "plan", "proto", "wire", "cuda", "client"},
     "verify": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "client", "verify"},
     "bench": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service", "client", "verify", "bench"},
     "demo": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service", "client", "verify", "bench", "demo"},
     # The soak's rogue agent (forged notices) is a NIXL agent of its own.
     "soak": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "client", "verify", "demo", "soak"},
-    "integrations": {"errors", "layout", "proto", "wire", "service", "client", "integrations"},
+    # A connector is an engine: the engine SDK and the wire format, never the daemon (issue 36).
+    "integrations": {"errors", "layout", "proto", "wire", "client", "integrations"},
 }
 
 

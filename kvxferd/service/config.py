@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource,
                                YamlConfigSettingsSource)
 
-from kvxferd.errors import InvalidArgumentError
+from kvxferd.errors import InvalidArgumentError, first_error
 from kvxferd.wire.names import ENV_PREFIX, default_engine_socket, env_name
 from kvxferd.wire.peerauth import default_peer_secret_file
 
@@ -262,12 +262,6 @@ def load_config(flags: dict[str, Any] | None = None, config_file: str | None = N
         raise InvalidArgumentError(option or "config", message) from None
     finally:
         _FileSource.path = None
-
-
-def first_error(err: ValidationError) -> tuple[str, str]:
-    """``(dotted location, message)`` of a pydantic error's first problem, for one-line errors."""
-    first = err.errors()[0]
-    return ".".join(str(part) for part in first["loc"]), first["msg"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -44,7 +44,8 @@ from kvxferd.service.config import DaemonConfig
 from kvxferd.service.dataplane import DataPlane, ReadDone
 from kvxferd.service.engines import Registry
 from kvxferd.service.exposure import insecure_listeners, refusal, ucx_environment
-from kvxferd.service.fdpass import FdInbox, fd_socket_path
+from kvxferd.service.fdpass import FdInbox
+from kvxferd.wire.names import fd_socket_path
 from kvxferd.service.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
 from kvxferd.service.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
 from kvxferd.service.metrics import Metrics

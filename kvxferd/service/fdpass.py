@@ -1,4 +1,7 @@
-"""Pass file descriptors (shared-memory and CUDA VMM handles) from an engine to its daemon.
+"""Take file descriptors (shared-memory and CUDA VMM handles) an engine passes to its daemon.
+
+The engine's side is :func:`kvxferd.client.fdsend.send_fds`; the socket's path
+:func:`kvxferd.wire.names.fd_socket_path`.
 
 gRPC cannot carry fds, so an engine sends them first over a plain UNIX
 socket next to the engine socket (``<engine_socket>.fds``) with
@@ -26,17 +29,14 @@ from collections.abc import Callable
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.service.localsock import credentials_allowed
-from kvxferd.wire.owner import check_daemon_peer, daemon_uid_or_own, peer_credentials
+from kvxferd.wire.names import FD_ANSWER_MAX_BYTES
+from kvxferd.wire.owner import peer_credentials
 from kvxferd.xfer.osthreads import name_this_thread
 
 log = logging.getLogger("kvxferd.fdpass")
 MAX_FDS = 4096
 MAX_TOKEN_BYTES = 256
-MAX_ANSWER_BYTES = 256
-
-
-def fd_socket_path(engine_socket: str) -> str:
-    return engine_socket + ".fds"
+MAX_ANSWER_BYTES = FD_ANSWER_MAX_BYTES
 
 
 class FdInbox:
@@ -156,18 +156,3 @@ def _refuse(conn: socket.socket, reason: str, limit: str) -> str:
     except OSError:
         pass
     return reason
-
-
-def send_fds(path: str, token: str, fds: list[int], timeout_s: float = 5.0, *, daemon_uid: int | None = None) -> None:
-    """Engine side: hand ``fds`` to the daemon under ``token``; only to a daemon running as ``daemon_uid``
-    (default: this process's uid), else :class:`PermissionDeniedError` and nothing is sent."""
-    expected_uid = daemon_uid_or_own(daemon_uid)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(timeout_s)
-        conn.connect(path)
-        check_daemon_peer(conn, expected_uid, path)
-        socket.send_fds(conn, [token.encode()], fds)
-        answer = conn.recv(MAX_ANSWER_BYTES)
-        if answer != b"ok":
-            reason = answer.decode(errors="replace") if answer else "no answer (see its log)"
-            raise ConnectionError(f"daemon at {path} did not accept the fds: {reason}")

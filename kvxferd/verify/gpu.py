@@ -62,7 +62,7 @@ class GpuEngine:
 
         ``ipc_handle``: ``(handle, offset of the tensor in its allocation)``,
         e.g. the bare 64-byte ``cudaIpcMemHandle_t`` from
-        :func:`kvxferd.service.gpu.export_ipc`; by default torch's own
+        :func:`kvxferd.client.gpu.export_ipc`; by default torch's own
         ``_share_cuda_()`` encoding, as an engine sharing a storage has it.
         """
         if ipc_handle is None:

@@ -35,6 +35,14 @@ def default_engine_socket(daemon_id: str = "kvxferd", runtime_dir: str | None = 
     return os.path.join(runtime_dir or default_runtime_dir(), f"{daemon_id}.sock")
 
 
+def fd_socket_path(engine_socket: str) -> str:
+    """The fd socket next to an engine socket: where an engine passes fds before ``Register``."""
+    return engine_socket + ".fds"
+
+
+FD_ANSWER_MAX_BYTES = 256  # the fd socket's answer: "ok" or "refused: <limit>"
+
+
 def topic(engine_id: str) -> bytes:
     """The subscription prefix of one engine's events."""
     return engine_id.encode() + b"\0"

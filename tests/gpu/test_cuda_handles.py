@@ -24,8 +24,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
 from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
-from kvxferd.service.fdpass import fd_socket_path, send_fds  # noqa: E402
-from kvxferd.service.gpu import export_ipc  # noqa: E402
+from kvxferd.client.fdsend import send_fds
+from kvxferd.wire.names import fd_socket_path  # noqa: E402
+from kvxferd.client.gpu import export_ipc  # noqa: E402
 from kvxferd.verify.engines import allocate_engine, verify_decode  # noqa: E402
 from kvxferd.verify.gpu import GpuEngine  # noqa: E402
 from kvxferd.verify.models import ModelShape, model_groups, random_request  # noqa: E402
@@ -205,7 +206,8 @@ def test_bench_gpu_quick_reads_byte_exact_and_reports_both_paths():
 
 def test_memory_cuda_ipc_cannot_share_is_exported_as_a_vmm_fd():
     """vLLM's sleep mode allocates with cuMemCreate: export_region falls back to the allocation's fd."""
-    from kvxferd.service.gpu import export_region, import_vmm
+    from kvxferd.client.gpu import export_region
+    from kvxferd.service.gpu import import_vmm
 
     vmm = _VmmAllocation(4 << 20)
     data = np.arange(vmm.size, dtype=np.uint8)

@@ -131,7 +131,7 @@ def test_host_tensors_are_shared_in_place_and_described_per_layer():
 def test_cuda_tensors_are_described_by_ipc_handle_or_vmm_fd(vmm):
     """The CUDA path without a GPU: a meta tensor that reports a CUDA device stands in for vLLM's cache;
     memory CUDA IPC cannot share (vLLM's sleep mode: cuMemCreate) goes as a VMM fd beside host fds."""
-    from kvxferd.service.gpu import GpuExport
+    from kvxferd.client.gpu import GpuExport
 
     tensors = {"l0": torch.empty(16, 2, 32, 128, dtype=torch.bfloat16, device="meta")}
     calls = []

@@ -21,7 +21,8 @@ import pytest
 
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.fdpass import fd_socket_path, send_fds
+from kvxferd.client.fdsend import send_fds
+from kvxferd.wire.names import fd_socket_path
 from kvxferd.wire.frames import encode_frame, reads_socket_path
 from kvxferd.verify.models import ModelShape, model_groups
 from tests.service.helpers import engine_pb, status

@@ -29,7 +29,7 @@ from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.fdpass import send_fds
+from kvxferd.client.fdsend import send_fds
 from kvxferd.service.memory import SHM_DIR
 from kvxferd.verify.models import ModelShape, model_groups
 from tests.security.conftest import SPIFFE, tls_args

@@ -7,7 +7,8 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError, UnavailableError
 from kvxferd.service import gpu
-from kvxferd.service.fdpass import FdInbox, send_fds
+from kvxferd.client.fdsend import send_fds
+from kvxferd.service.fdpass import FdInbox
 
 NO_GPU = not os.path.exists("/dev/nvidia0")
 
@@ -52,7 +53,7 @@ def test_fds_travel_with_a_token(tmp_path):
 def test_ipc_handle_forms_without_a_gpu():
     bare = bytes(range(1, 9)) + b"\0" * 8 + bytes(range(200, 248))  # NULs inside: must survive
     assert gpu._bare_ipc_handle(bare, "r") == bare
-    assert ctypes.string_at(ctypes.addressof(gpu._IpcHandle.from_buffer_copy(bare)), 64) == bare
+    assert ctypes.string_at(ctypes.addressof(gpu.IpcHandle.from_buffer_copy(bare)), 64) == bare
     assert gpu._bare_ipc_handle(b"\x02c" + bare, "r") == bare  # torch's _share_cuda_() form
     with pytest.raises(InvalidArgumentError, match="expandable"):
         gpu._bare_ipc_handle(b"\x02e" + bare, "r")

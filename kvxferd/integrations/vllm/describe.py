@@ -13,7 +13,7 @@ over the fd socket; a region is that fd plus the layer's offset in it::
 CUDA tensors: the IPC handle of the allocation plus the region's offset
 in it, or, for memory CUDA IPC cannot share but ``cuMemCreate`` made
 exportable as a POSIX fd, the allocation's VMM fd, sent like host fds
-(:func:`kvxferd.service.gpu.export_region`; vLLM's sleep-mode memory is
+(:func:`kvxferd.client.gpu.export_region`; vLLM's sleep-mode memory is
 neither and is refused). vLLM 0.32 allocates the whole cache at once, so
 every group shares one handle.
 
@@ -35,7 +35,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import spec_to_pb
 
 if TYPE_CHECKING:
-    from kvxferd.service.gpu import GpuExport
+    from kvxferd.client.gpu import GpuExport
 
 TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.uint8: "uint8",
@@ -219,9 +219,9 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
     A ``strided`` group is one region that starts at its first layer's
     element 0 and spans every layer (the layers' views may interleave).
     Otherwise every layer tensor must be contiguous and is one region.
-    ``export_gpu`` ((address, bytes) -> :class:`~kvxferd.service.gpu.GpuExport`)
+    ``export_gpu`` ((address, bytes) -> :class:`~kvxferd.client.gpu.GpuExport`)
     shares CUDA regions: an IPC handle, or a VMM allocation's fd, which is
-    then sent with the others (default: :func:`kvxferd.service.gpu.export_region`);
+    then sent with the others (default: :func:`kvxferd.client.gpu.export_region`);
     ``device_uuid`` (device index -> ``GPU-...``) names their GPU, so the
     daemon opens them on the same GPU whatever index it sees it under
     (default: torch's).
@@ -236,7 +236,7 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
     on_gpu = on_gpu.pop()
     fds, placement = ([], []) if on_gpu else share_host_storages([tensors[name] for _, name in bases])
     if on_gpu and export_gpu is None:
-        from kvxferd.service.gpu import export_region as export_gpu
+        from kvxferd.client.gpu import export_region as export_gpu
     if on_gpu and device_uuid is None:
         device_uuid = torch_device_uuid
     engine = pb.EngineRank(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mem_type="VRAM" if on_gpu else "DRAM")

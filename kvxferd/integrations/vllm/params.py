@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from kvxferd.service.config import first_error
+from kvxferd.errors import first_error
 
 PARAMS_VERSION = 1
 MAX_GROUPS = 64

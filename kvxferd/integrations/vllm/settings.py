@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvxferd.service.config import first_error
+from kvxferd.errors import first_error
 from kvxferd.wire.names import default_engine_socket
 
 

@@ -38,7 +38,8 @@ from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrd
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 from kvxferd.integrations.vllm.stats import TransferStats
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.fdpass import fd_socket_path, send_fds
+from kvxferd.client.fdsend import send_fds
+from kvxferd.wire.names import fd_socket_path
 
 log = logging.getLogger("kvxferd.vllm")
 

@@ -1,0 +1,1 @@
+"""CUDA through ctypes, shared by the engine side (client/) and the daemon (service/)."""
