@@ -26,6 +26,7 @@ burst of expiries never stalls the caller's event loop.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import hmac
 import itertools
@@ -36,7 +37,18 @@ from kvxferd.plan.board import HoldBoard, hold_tag
 from kvxferd.plan.capability import HOLD_KEY_BYTES, hold_capability
 from kvxferd.plan.notifications import ReadNotice
 
-CONSUMED, EXPIRED = "CONSUMED", "EXPIRED"
+class HoldEndKind(str, enum.Enum):
+    """What a holder publishes about a hold; the value is the notify bus's event name and the metric label."""
+
+    CONSUMED = "CONSUMED"  # every expected reader reported: the blocks may go
+    EXPIRED = "EXPIRED"  # lease ran out, released, or the engine went away
+    FAILED = "FAILED"  # one reader reported a failed read; the hold lives on
+
+    def __str__(self) -> str:  # the value in text and f-strings, as the plain string was
+        return self.value
+
+
+CONSUMED, EXPIRED, FAILED = HoldEndKind.CONSUMED, HoldEndKind.EXPIRED, HoldEndKind.FAILED
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,7 @@ class HoldEnd:
     """How a hold ended; the daemon publishes it on the notify bus."""
 
     request_id: str
-    kind: str  # CONSUMED | EXPIRED
+    kind: HoldEndKind
     block_ids: tuple
     reason: str  # "" for CONSUMED; lease | released | engine gone
     failed_readers: tuple[tuple[str, int], ...] = ()

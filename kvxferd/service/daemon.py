@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, PermissionDeniedError
-from kvxferd.plan.leases import HoldEnd
+from kvxferd.plan.leases import EXPIRED, HoldEnd
 from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
@@ -208,18 +208,18 @@ class Daemon:
         """A short blocking call (NIXL metadata loading) off the event loop."""
         return await asyncio.to_thread(fn, *args)
 
-    def publish(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
+    def publish(self, slot: EngineSlot, end: HoldEnd) -> None:
         """Publish a hold event on the bus (event-loop thread)."""
-        self.bus.publish(slot.engine_id, kind, end.request_id, end.block_ids, end.reason)
-        self.metrics.events.labels(kind).inc()
-        if kind == "EXPIRED" and end.reason == "lease":
+        self.bus.publish(slot.engine_id, end.kind.value, end.request_id, end.block_ids, end.reason)
+        self.metrics.events.labels(end.kind.value).inc()
+        if end.kind is EXPIRED and end.reason == "lease":
             self.metrics.leases_expired.inc()
 
-    def _publish_all(self, events: list[tuple[EngineSlot, str, HoldEnd]]) -> None:
-        for slot, kind, end in events:
-            self.publish(slot, kind, end)
+    def _publish_all(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
+        for slot, end in events:
+            self.publish(slot, end)
 
-    def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, str, HoldEnd]]) -> None:
+    def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
         self._loop.call_soon_threadsafe(self._publish_all, events)
 
     def _reads_done_threadsafe(self, finished: list[ReadDone]) -> None:

@@ -63,6 +63,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.slots import ActiveRead, EngineSlot
 from kvxferd.wire.messages import ids_to_pb
 from kvxferd.xfer.agent import NixlError
+from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.osthreads import name_this_thread
 from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
 from kvxferd.xfer.waker import Waker
@@ -76,6 +77,8 @@ NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
 INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
+# Notices dropped, by the kvxferd_notices_dropped label each one counts under.
+_DROPPED = {NoticeEvent.FOREIGN: "foreign", NoticeEvent.BAD: "malformed", NoticeEvent.UNSEALED: "unsealed"}
 
 
 @dataclass(eq=False)
@@ -150,14 +153,14 @@ class DataPlane:
     """The thread; start with :meth:`start`, stop with :meth:`stop`."""
 
     def __init__(self, on_reads_done: Callable[[list[ReadDone]], None],
-                 on_hold_events: Callable[[list[tuple[EngineSlot, str, HoldEnd]]], None], *,
+                 on_hold_events: Callable[[list[tuple[EngineSlot, HoldEnd]]], None], *,
                  interval_s: float = HOLD_POLL_S, notice_interval_s: float = NOTICE_HOLD_POLL_S,
                  metrics=None) -> None:
         self._on_reads_done = on_reads_done
         self._finished: list[ReadDone] = []  # this round's, handed over together
         self._unnotified: list[DaemonRead] = []  # this round's finished reads: notices after the hand-over
         self._on_hold_events = on_hold_events
-        self._hold_events: list[tuple[EngineSlot, str, HoldEnd]] = []  # this round's
+        self._hold_events: list[tuple[EngineSlot, HoldEnd]] = []  # this round's
         self._metrics = metrics
         self.interval_s, self.notice_interval_s = interval_s, notice_interval_s
         self._slots: list[EngineSlot] = []
@@ -261,18 +264,14 @@ class DataPlane:
         self._slots.append(slot)
         slot.holder.counts.on_add = self._count_refused
 
-    def _count_refused(self, kind: str) -> None:
+    def _count_refused(self, event: NoticeEvent) -> None:
         if self._metrics is None:
             return
-        if kind == "foreign":
-            self._metrics.notices_dropped.labels("foreign").inc()
-        elif kind == "bad":
-            self._metrics.notices_dropped.labels("malformed").inc()
-        elif kind == "unsealed":
-            self._metrics.notices_dropped.labels("unsealed").inc()
-        elif kind == "late":
+        if event in _DROPPED:
+            self._metrics.notices_dropped.labels(_DROPPED[event]).inc()
+        elif event is NoticeEvent.LATE:
             self._metrics.late_notices.inc()
-        elif kind == "waited":
+        elif event is NoticeEvent.WAITED:
             self._metrics.waited_notices.inc()
 
     def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None) -> None:
@@ -445,8 +444,8 @@ class DataPlane:
                 continue
             for sender, message in messages:
                 busy = True
-                for kind, end in slot.holder.on_notice(sender, message):
-                    self._hold_events.append((slot, kind, end))
+                for end in slot.holder.on_notice(sender, message):
+                    self._hold_events.append((slot, end))
         return busy
 
     def _notices_unseen(self) -> bool:

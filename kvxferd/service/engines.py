@@ -252,7 +252,7 @@ class Registry:
         with slot.lock:
             ended = slot.holds.drop_all(reason)
         for end in ended:
-            self.publish(slot, end.kind, end)
+            self.publish(slot, end)
         try:
             await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.remove_slot(slot, reason)))
         except KvxferError as err:
@@ -297,7 +297,7 @@ class Registry:
             with slot.lock:  # bounded: a burst of expiries spreads over ticks instead of stalling the loop
                 ended = slot.holds.expire(now, max_ends=MAX_EXPIRIES_PER_TICK)
             for end in ended:
-                self.publish(slot, end.kind, end)
+                self.publish(slot, end)
 
     def num_holds(self) -> int:
         return sum(len(s.holds) for s in self.slots.values())

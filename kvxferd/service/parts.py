@@ -41,7 +41,7 @@ class DaemonParts(Protocol):
     async def run_blocking(self, fn, *args):
         """A short blocking call off the event loop."""
 
-    def publish(self, slot: EngineSlot, kind: str, end: HoldEnd) -> None:
+    def publish(self, slot: EngineSlot, end: HoldEnd) -> None:
         """Publish a hold event on the notify bus (event-loop thread)."""
 
     def wake_maintenance(self) -> None:

@@ -200,7 +200,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         slot = self._slot(request.engine_id, context)
         with slot.lock:
             end = slot.holds.release(request.request_id)
-        self.daemon.publish(slot, end.kind, end)
+        self.daemon.publish(slot, end)
         return pb.ReleaseReply()
 
     @rpc

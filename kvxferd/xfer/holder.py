@@ -34,6 +34,7 @@ never another's, and only from the agent it was introduced with.
 
 from __future__ import annotations
 
+import enum
 import secrets
 import threading
 import time
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.capability import HOLD_KEY_BYTES
-from kvxferd.plan.leases import HoldEnd, HoldTable
+from kvxferd.plan.leases import FAILED, HoldEnd, HoldTable
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError
 from kvxferd.xfer.osthreads import name_this_thread
@@ -60,22 +61,35 @@ class Reader:
     identity: str = ""  # the peer identity that introduced it ("" : the host's peer secret); only it may replace it
 
 
+class NoticeEvent(str, enum.Enum):
+    """What became of a notice the holder did not simply count (the value names its field in :class:`NoticeCounts`)."""
+
+    BAD = "bad"  # undecodable or inconsistent
+    FOREIGN = "foreign"  # from an agent not introduced for that reader: dropped
+    LATE = "late"  # a successful read's notice after its hold had ended: counts for nothing
+    WAITED = "waited"  # the reader's READs waited for our progress (we poll fast)
+    UNSEALED = "unsealed"  # without the hold's capability: dropped
+
+    def __str__(self) -> str:  # the value in text and f-strings, as the plain string was
+        return self.value
+
+
 @dataclass
 class NoticeCounts:
-    """What the holder refused or could not answer; ``on_add(kind)`` (the daemon's metrics) sees each one."""
+    """What the holder refused or could not answer; ``on_add(event)`` (the daemon's metrics) sees each one."""
 
     bad: int = 0  # undecodable or inconsistent notices
     foreign: int = 0  # from an agent not introduced for that reader: dropped
     late: int = 0  # a successful read's notice after its hold had ended (lease, release): counts for nothing
     waited: int = 0  # an introduced reader's notice whose READs waited for our progress (we poll fast)
     unsealed: int = 0  # a notice without the hold's capability (a reader naming a hold it was not given)
-    on_add: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+    on_add: Callable[[NoticeEvent], None] | None = field(default=None, repr=False, compare=False)
 
-    def add(self, kind: str) -> None:
-        """Count one ``bad``, ``foreign``, ``late``, ``waited`` or ``unsealed`` notice."""
-        setattr(self, kind, getattr(self, kind) + 1)
+    def add(self, event: NoticeEvent) -> None:
+        """Count one notice of ``event``."""
+        setattr(self, event.value, getattr(self, event.value) + 1)
         if self.on_add is not None:
-            self.on_add(kind)
+            self.on_add(event)
 
 
 BOARD_KEY = "hold-board"
@@ -143,44 +157,44 @@ class Holder:
         now = time.monotonic() if now is None else now
         return any(until > now for until in list(self.progress_wanted.values()))  # list(): one atomic copy
 
-    def on_notice(self, sender: str, message: bytes, now: float | None = None) -> list[tuple[str, HoldEnd]]:
-        """Count one reader's notice; the events to publish, as ``(kind, end)``: FAILED and/or CONSUMED."""
+    def on_notice(self, sender: str, message: bytes, now: float | None = None) -> list[HoldEnd]:
+        """Count one reader's notice; the events to publish: a FAILED reader and/or the hold's CONSUMED end."""
         if message == HELLO:
             return []  # a reader's new connection warming up: nothing to count
         try:
             notice = ReadNotice.decode(message)
         except InvalidArgumentError:
-            self.counts.add("bad")
+            self.counts.add(NoticeEvent.BAD)
             return []
         reader = self.readers.get((notice.reader_engine_id, notice.reader_rank))
         if reader is None or reader.agent_name != sender:
             # Not from the agent that reader introduced: dropped, so a forged notice cannot end a hold.
-            self.counts.add("foreign")
+            self.counts.add(NoticeEvent.FOREIGN)
             return []
         now = time.monotonic() if now is None else now
         key = (notice.reader_engine_id, notice.reader_rank)
         if not notice.alone:
             self.progress_wanted[key] = now + PROGRESS_WANTED_S
-            self.counts.add("waited")
+            self.counts.add(NoticeEvent.WAITED)
         elif notice.ok:
             self.progress_wanted.pop(key, None)
         try:
             with self.lock:
                 outcome = self.holds.record(notice, now, reader.expected_readers)
         except InvalidArgumentError:
-            self.counts.add("bad")
+            self.counts.add(NoticeEvent.BAD)
             outcome = None
         except PermissionDeniedError:  # a reader naming a hold it was not given: counts for nothing
-            self.counts.add("unsealed")
+            self.counts.add(NoticeEvent.UNSEALED)
             outcome = None
         if outcome is not None and not outcome.alive and notice.ok:
-            self.counts.add("late")  # the reader judged its read by the board; this notice only came late
+            self.counts.add(NoticeEvent.LATE)  # the reader judged its read by the board; this notice only came late
         events = []
         if outcome is not None and outcome.failed:
-            events.append(("FAILED", HoldEnd(notice.request_id, "FAILED", (),
-                                             f"reader {notice.reader_engine_id}/{notice.reader_rank} failed")))
+            events.append(HoldEnd(notice.request_id, FAILED, (),
+                                  f"reader {notice.reader_engine_id}/{notice.reader_rank} failed"))
         if outcome is not None and outcome.end is not None:
-            events.append((outcome.end.kind, outcome.end))
+            events.append(outcome.end)
         return events
 
     def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float | None = None) -> bytes:
@@ -242,9 +256,9 @@ class HolderThread:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                for n, (kind, end) in enumerate(self.ended[i]):
-                    if end.request_id == request_id and kind != "FAILED":
-                        return self.ended[i].pop(n)[1]
+                for n, end in enumerate(self.ended[i]):
+                    if end.request_id == request_id and end.kind is not FAILED:
+                        return self.ended[i].pop(n)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
