@@ -115,8 +115,8 @@ class EngineClient:
         self.socket_path = target.removeprefix("unix:") if target.startswith("unix:") else None
         self.reads_stream = reads_stream
         self.max_message_bytes = max_message_bytes
-        self.reads_socket_path = (reads_socket_path(target.removeprefix("unix:"))
-                                  if reads_socket and reads_stream and target.startswith("unix:") else None)
+        self.reads_socket_path = (reads_socket_path(self.socket_path)
+                                  if reads_socket and reads_stream and self.socket_path is not None else None)
         self.timeout_s = timeout_s
         self.session, self.token = "", token
         options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),

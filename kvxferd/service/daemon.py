@@ -100,7 +100,6 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._maintenance_due = asyncio.Event()  # an idle daemon's slow tick, cut short by a new hold
         self._metrics_server = None
-        self.peer_secret: bytes | None = None  # without TLS: this host's peer secret (kvxferd.wire.peerauth)
         self.peer_token_address = ""  # the address peer tokens must name
         self._fd_inbox: FdInbox | None = None
         self._reads_socket: ReadSocketServer | None = None
@@ -160,7 +159,7 @@ class Daemon:
             peer_credentials = self.tls.server_credentials() if self.tls is not None else None
             peer_port = bind(peer_server, f"{bracket_host(config.peer_host)}:{config.peer_port}", peer_credentials)
             if self.tls is None:  # same-host peers prove themselves with the host's secret instead
-                self.peer_secret = self.peers.secret = load_or_create_peer_secret(config.peer_secret_path)
+                self.peers.secret = load_or_create_peer_secret(config.peer_secret_path)
                 # Tokens name the address as dialed: only the advertised one (what engines are told), no alias.
                 self.peer_token_address = f"{bracket_host(config.advertise_host or config.peer_host)}:{peer_port}"
             for server in (engine_server, peer_server):

@@ -36,7 +36,6 @@ from kvxferd.xfer.osthreads import name_this_thread
 log = logging.getLogger("kvxferd.fdpass")
 MAX_FDS = 4096
 MAX_TOKEN_BYTES = 256
-MAX_ANSWER_BYTES = FD_ANSWER_MAX_BYTES
 
 
 class FdInbox:
@@ -152,7 +151,7 @@ def _close(fds) -> None:
 def _refuse(conn: socket.socket, reason: str, limit: str) -> str:
     """Tell the client why its fds were refused (it may be gone already); returns ``reason``."""
     try:
-        conn.sendall(f"refused: {limit}".encode()[:MAX_ANSWER_BYTES])
+        conn.sendall(f"refused: {limit}".encode()[:FD_ANSWER_MAX_BYTES])
     except OSError:
         pass
     return reason

@@ -82,7 +82,9 @@ class Peers:
         if tls is not None:  # every peer's certificate must name server_name (we dial addresses, not names)
             self._options.append(("grpc.ssl_target_name_override", server_name))
         self._channels: dict[str, _PeerChannel] = {}
-        self.secret: bytes | None = None  # without TLS: this host's peer secret (set at start; kvxferd.wire.peerauth)
+        # Without TLS: this host's peer secret (set at start; kvxferd.wire.peerauth). Calls carry its token, and
+        # the peer servicer checks tokens with it.
+        self.secret: bytes | None = None
 
     def _channel(self, address: str) -> "_PeerChannel":
         """The channel to ``address``; a new one after the TLS files changed (new connections, new certificate)."""
@@ -109,7 +111,7 @@ class Peers:
 
     async def _unary(self, address: str, entry: "_PeerChannel", method: str, request, **kwargs):
         # Without TLS: a fresh token per call, checked to go to a listener of this user (kvxferd.wire.peerauth).
-        metadata = peer_metadata(self.secret, address) if self.tls is None and self.secret is not None else ()
+        metadata = peer_metadata(self.secret, address) if self.secret is not None else ()
         entry.num_calls += 1
         try:
             return await getattr(peer_grpc.PeerServiceStub(entry.channel), method)(request, metadata=metadata,

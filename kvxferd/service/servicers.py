@@ -244,9 +244,10 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         port (kvxferd.wire.peerauth; returns "": every daemon of the host is one identity)."""
         if self.daemon.config.tls:
             return authorize_peer(context, tuple(self.daemon.config.peer_allowed_ids))
-        if self.daemon.peer_secret is None:
+        secret = self.daemon.peers.secret  # this host's peer secret, loaded at start (kvxferd.wire.peerauth)
+        if secret is None:
             raise UnauthenticatedError("peer", "this daemon is still starting")
-        check_peer_token(self.daemon.peer_secret, self.daemon.peer_token_address,
+        check_peer_token(secret, self.daemon.peer_token_address,
                          metadata_value(context, PEER_TOKEN_KEY))
         return ""
 
