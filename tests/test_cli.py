@@ -6,8 +6,8 @@ import sys
 
 from kvxferd.cli import build_parser, main
 from kvxferd.service.config import config_from_args
-from kvxferd.service.exposure import refusal
-from kvxferd.service.tls import TlsFiles
+from kvxferd.service.net.exposure import refusal
+from kvxferd.service.peers.tls import TlsFiles
 
 
 def kvxferd(*args):

@@ -146,7 +146,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             submitted_unix.update((request.request_id, now_unix) for request in step)
             # An engine does not wait for the daemon before its next step: send without blocking.
             if reads_stream:
-                client.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
+                client.reads.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
                                                       r.local_block_ids, r.remote_block_ids,
                                                       remote_capabilities=cluster.capabilities[r.remote_request_id])
                                      for r in step])
@@ -174,7 +174,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         for request in requests:
             if request.request_id in not_submitted:
                 continue
-            completion, received_unix = client.wait_completion_timed(request.request_id, 60)
+            completion, received_unix = client.reads.wait_completion_timed(request.request_id, 60)
             failed += not completion.ok
             post_s.append(completion.post_s)
             for stage, values in stages_s.items():

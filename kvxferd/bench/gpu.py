@@ -133,10 +133,10 @@ def _daemon_read(prefill: EngineProcess, client: EngineClient, request: ReadRequ
     """Hold (untimed), then submit -> completion on the decode engine's Reads session: seconds."""
     capability = prefill.call("hold", request.remote_request_id, list(request.remote_block_ids))
     start = time.perf_counter()
-    client.submit_reads([client.read_spec(request.request_id, PREFILL_ID, request.remote_request_id,
+    client.reads.submit_reads([client.read_spec(request.request_id, PREFILL_ID, request.remote_request_id,
                                           request.local_block_ids, request.remote_block_ids,
                                           remote_capabilities=[capability])])
-    completion = client.wait_completion(request.request_id)
+    completion = client.reads.wait_completion(request.request_id)
     elapsed = time.perf_counter() - start
     if not completion.ok:
         raise RuntimeError(f"daemon read {request.request_id} failed: {completion.error}")

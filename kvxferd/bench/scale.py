@@ -34,7 +34,7 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.verify.engines import allocate_engine
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.holder import HolderThread
+from kvxferd.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
 
 RANKS = (1, 2, 4, 8, 16)

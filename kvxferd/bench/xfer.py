@@ -29,7 +29,7 @@ from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.engines import allocate_engine
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.holder import HolderThread
+from kvxferd.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
 
 

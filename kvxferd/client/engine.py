@@ -2,18 +2,16 @@
 
 Errors come back as :class:`grpc.RpcError` with the daemon's status code and
 a message naming the bad field. Completions arrive on a background stream
-and wait in :meth:`EngineClient.wait_completion`; heartbeats keep the
+and wait in its session (:meth:`ReadSession.wait_completion_timed`); heartbeats keep the
 registration alive while the client lives.
 
-Reads go in batches over the ``Reads`` stream (:meth:`EngineClient.submit_reads`:
-one message per engine step, no reply to wait for); its completions come
-back on the same stream, numbered. The client acks what it has in its next
-batch (or every ``ACK_EVERY`` completions), and after a broken stream
-:meth:`EngineClient.reconnect_reads` gets every unacked completion again,
-dropping the ones it already has: none lost, none twice. A read the daemon
-refuses comes back as a completion with ``refused_code`` set. The unary
-``SubmitRead`` (:meth:`EngineClient.submit_read`, raises on refusal) and
-``WatchCompletions`` (``reads_stream=False``) stay for simple clients.
+Reads and their completions go through the registration's session
+(:attr:`EngineClient.reads`, :mod:`kvxferd.client.session`: the reads socket
+or the gRPC ``Reads`` stream, numbered and acked; ``WatchCompletions`` for
+simple clients, ``reads_stream=False``, with the unary ``SubmitRead``:
+:meth:`EngineClient.submit_read`, which raises on refusal). This module is
+the control side: registration, heartbeats, handshakes, holds, and the
+unary calls.
 
 ``Register`` returns a session; the client sends it with every later call
 (metadata ``kvxferd-session``), so no other local process can act as this
@@ -30,36 +28,22 @@ nothing (no session, no memory handle) was sent.
 
 from __future__ import annotations
 
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import grpc
 
+from kvxferd.client.session import Held, LostRead, ReadSession
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
-from kvxferd.client.readsock import ReadsSocketError, ReadsSocketStream, hold_error
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.owner import check_daemon_socket, daemon_uid_or_own
 from kvxferd.wire.frames import reads_socket_path
 from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
 from kvxferd.wire.names import SESSION_KEY
 
-ACK_EVERY = 64  # completions received before an ack-only batch (acks ride on read batches otherwise)
-
-
-class Held(NamedTuple):
-    """A placed hold: the registration holding it, and the capability its readers must present."""
-
-    incarnation: str
-    capability: bytes
-
-
-class LostRead(TimeoutError):
-    """A read's registration went away with it (its daemon restarted): no completion will come."""
+__all__ = ["EngineClient", "Held", "LostRead"]
 
 
 class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -87,13 +71,6 @@ class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return continuation(self._details(client_call_details), request_iterator)
-
-
-def _batches(first: pb.ReadBatch, outbox: queue.SimpleQueue):
-    """What the Reads stream sends: the opening batch, then whatever is put in the outbox until None."""
-    yield first
-    while (batch := outbox.get()) is not None:
-        yield batch
 
 
 class EngineClient:
@@ -130,18 +107,9 @@ class EngineClient:
         self.incarnation = self.notify_address = self.notify_curve_server_key = ""
         self.notify_last_seq = 0
         self.incarnations: list[str] = []  # of every registration this client made, the current one last
-        self._completions: dict[str, tuple[pb.Completion, float]] = {}
-        self._cond = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._stream = None
-        self.stream_error: grpc.RpcError | None = None
-        self._outbox: queue.SimpleQueue | None = None  # batches for the Reads stream
-        self._last_seq = self._acked_seq = 0  # completions had / acked on this registration
-        self._pending: dict[str, pb.ReadSpec] = {}  # sent on the Reads stream, no completion yet
-        self._lost: set[str] = set()  # pending when the registration was replaced: no completion will come
-        self._hold_answers: dict[str, pb.HoldAnswer | None] = {}  # holds sent on the reads socket -> answer
-        self.num_duplicates_dropped = 0  # completions sent again after a reconnect that this client had
+        self.reads = ReadSession(self)  # reads, completions and socket holds of the current registration
         self._register_request: pb.RegisterRequest | None = None  # what re-registering sends again
         self._fd_source: Callable[[], str] | None = None  # passes the fds again; returns their token
         self._register_lock = threading.Lock()
@@ -169,7 +137,7 @@ class EngineClient:
         self._fd_source = fd_source
         interval_s = heartbeat_s if heartbeat_s is not None else (lease_s or 30.0) / 3
         if first and interval_s > 0:
-            self._start(lambda: self._heartbeat(interval_s))
+            self.start_thread(lambda: self._heartbeat(interval_s))
         return reply
 
     def _send_register(self, request: pb.RegisterRequest, again: bool = False,
@@ -190,15 +158,10 @@ class EngineClient:
         self.engine_id, self.notify_address = engine.engine_id, reply.notify_address
         self.notify_last_seq, self.incarnation = reply.notify_last_seq, reply.incarnation
         self.incarnations.append(reply.incarnation)
-        with self._cond:
-            self._retire_stream()  # in the lock: its thread must not number the new registration's seqs
-            self._last_seq = self._acked_seq = 0  # a new registration numbers from 1
-            self._lost.update(self._pending)  # reads of the old registration failed with it
-            self._pending.clear()
-            self._cond.notify_all()
-        self._open_stream()
+        self.reads.restart()  # a new registration numbers from 1; reads of the old one failed with it
 
-    def _start(self, target) -> None:
+    def start_thread(self, target) -> None:
+        """A daemon thread of this client (heartbeats, the session's receiver), stopped by :meth:`close`."""
         thread = threading.Thread(target=target, daemon=True, name="kvxferd-client")
         thread.start()
         self._threads.append(thread)
@@ -229,96 +192,9 @@ class EngineClient:
         except (grpc.RpcError, OSError, PermissionDeniedError):
             pass  # the next heartbeat tries again (OSError: the fds could not be passed; a foreign socket)
 
-    def take_lost(self) -> set[str]:
-        """Reads sent on a registration that was replaced since (they will never complete), once each."""
-        with self._cond:
-            lost, self._lost = self._lost, set()
-        return lost
-
-    def _retire_stream(self) -> None:
-        """Cancel the current stream; call with ``_cond`` held. From here its thread neither takes
-        completions nor acks (what it had not handed over comes again on the next stream) nor
-        reports its end: ``_watch`` checks under this lock that its stream is still the current one."""
-        if self._stream is not None:
-            self._stream.cancel()
-        self._stream, self.stream_error = None, None
-
-    def _open_stream(self) -> None:
-        socket_stream = None
-        with self._cond:
-            self._retire_stream()
-            if self.reads_stream:
-                if self._outbox is not None:
-                    self._outbox.put(None)  # ends the old request iterator
-                # submit_reads puts under this lock too: a batch goes on the old stream or into `first`.
-                self._outbox = outbox = queue.SimpleQueue()
-                # Reads whose batch may have been lost with the old stream go again, marked: the daemon
-                # skips those it has (in flight or completed but not acked), so none runs twice.
-                first = pb.ReadBatch(engine_id=self.engine_id, ack_seq=self._last_seq, reads=self._pending.values())
-                for spec in first.reads:
-                    spec.resend = True
-                self._acked_seq = self._last_seq
-                if self.reads_socket_path and os.path.exists(self.reads_socket_path):
-                    first.session = self.session  # what gRPC sends as metadata
-                    try:
-                        socket_stream = ReadsSocketStream(self.reads_socket_path, first, timeout_s=self.timeout_s,
-                                                          max_frame_bytes=self.max_message_bytes,
-                                                          on_holds=self._hold_answers_arrived,
-                                                          daemon_uid=self.daemon_uid)
-                    except PermissionDeniedError as err:  # another user listens there: nothing was sent
-                        self._outbox = None  # reads are refused (submit_reads), waits end at once
-                        self.stream_error = ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
-                        self._cond.notify_all()
-                        return
-                    if socket_stream.connected:  # else (a stale path, say) the gRPC stream
-                        self._outbox = self._stream = socket_stream  # in the lock: later batches go after `first`
-                    else:
-                        socket_stream = None
-                        first.session = ""
-        if socket_stream is not None:
-            self._start(lambda: self._watch(socket_stream, lambda item: item.completions))
-            return
-        if self.reads_stream:
-            stream = self.stub.Reads(_batches(first, outbox))
-            completions_of = lambda item: item.completions  # noqa: E731
-        else:
-            stream = self.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=self.engine_id))
-            completions_of = lambda item: (item,)  # noqa: E731
-        with self._cond:
-            self._stream = stream
-        self._start(lambda: self._watch(stream, completions_of))
-
     def reconnect_reads(self) -> None:
-        """Open a new completion stream (after a broken one); unacked completions come again, deduplicated."""
-        self._open_stream()
-
-    def _watch(self, stream, completions_of) -> None:
-        try:
-            for item in stream:
-                with self._cond:
-                    if stream is not self._stream:
-                        break  # retired: see _retire_stream
-                    for completion in completions_of(item):
-                        if completion.seq and completion.seq <= self._last_seq:
-                            self.num_duplicates_dropped += 1  # sent again after a reconnect; this client has it
-                            continue
-                        self._last_seq = max(self._last_seq, completion.seq)
-                        self._pending.pop(completion.request_id, None)
-                        self._completions[completion.request_id] = (completion, time.time())
-                    self._cond.notify_all()
-                    if self.reads_stream and self._last_seq - self._acked_seq >= ACK_EVERY:
-                        self._acked_seq = self._last_seq
-                        self._outbox.put(pb.ReadBatch(ack_seq=self._acked_seq))
-        except grpc.RpcError as err:
-            with self._cond:
-                if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
-                    self.stream_error = err
-        except PermissionDeniedError as err:  # the stream was never opened: a foreign socket (nothing sent)
-            with self._cond:
-                if stream is self._stream:
-                    self.stream_error = ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
-        with self._cond:
-            self._cond.notify_all()
+        """Open a new session transport (after a broken one); unacked completions come again, deduplicated."""
+        self.reads.open()
 
     def deregister(self) -> None:
         self._stop.set()
@@ -327,10 +203,7 @@ class EngineClient:
     def close(self) -> None:
         """Stop heartbeats and the stream, close the channel (does not deregister)."""
         self._stop.set()
-        if self._stream is not None:
-            self._stream.cancel()
-        if self._outbox is not None:
-            self._outbox.put(None)
+        self.reads.close()
         self._raw_channel.close()
 
     # ---- reads ----------------------------------------------------------------------
@@ -362,18 +235,6 @@ class EngineClient:
         return read_spec_to_pb(request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
                                num_tokens, deadline_s, remote_capabilities)
 
-    def submit_reads(self, reads: Sequence[pb.ReadSpec]) -> None:
-        """Send a batch of reads on the Reads stream; never blocks. Refusals come back as completions."""
-        if self.stream_error is not None and self._outbox is None:
-            raise PermissionDeniedError("daemon_uid", self.stream_error.details())
-        if not self.reads_stream or self._outbox is None:
-            raise RuntimeError("submit_reads needs a registered client with reads_stream=True")
-        with self._cond:
-            ack = self._acked_seq = self._last_seq
-            for spec in reads:
-                self._pending[spec.request_id] = spec
-            self._outbox.put(pb.ReadBatch(reads=reads, ack_seq=ack))
-
     def submit_read_async(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                           remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0,
                           remote_capabilities: Sequence[bytes] = ()) -> grpc.Future:
@@ -386,32 +247,6 @@ class EngineClient:
         future.add_done_callback(lambda f: setattr(f, "call_s", time.perf_counter() - start))
         return future
 
-    def wait_completion(self, request_id: str, timeout_s: float = 30.0) -> pb.Completion:
-        """The completion of ``request_id`` (raises ``TimeoutError``)."""
-        return self.wait_completion_timed(request_id, timeout_s)[0]
-
-    def wait_completion_timed(self, request_id: str, timeout_s: float = 30.0) -> tuple[pb.Completion, float]:
-        """The completion and the wall-clock time it reached this client."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while request_id not in self._completions:
-                if request_id in self._lost:
-                    self._lost.discard(request_id)
-                    raise LostRead(f"{request_id!r} was in flight when this rank registered again")
-                left = deadline - time.monotonic()
-                if left <= 0 or self.stream_error is not None:
-                    raise TimeoutError(f"no completion for {request_id!r} after {timeout_s:g} s"
-                                       + (f" (stream: {self.stream_error.code().name})" if self.stream_error else ""))
-                self._cond.wait(left)
-            return self._completions.pop(request_id)
-
-    def take_completions(self) -> list[pb.Completion]:
-        """Every completion that arrived and was not taken yet (never blocks)."""
-        with self._cond:
-            taken = [completion for completion, _ in self._completions.values()]
-            self._completions.clear()
-        return taken
-
     # ---- holds ------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> Held:
         """Hold blocks for readers: the incarnation of the registration that holds them and the hold's
@@ -420,42 +255,11 @@ class EngineClient:
         daemon's status code."""
         request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
                                  lease_s=lease_s)
-        with self._cond:
-            stream = self._stream
-            on_socket = isinstance(stream, ReadsSocketStream) and request_id not in self._hold_answers
-            if on_socket:
-                self._hold_answers[request_id] = None
-                stream.put(pb.ReadBatch(holds=[request]))
-        if not on_socket:
+        held = self.reads.hold(request)
+        if held is None:
             reply = self.stub.Hold(request, timeout=self.timeout_s)
-            return Held(reply.incarnation, reply.capability)
-        return self._hold_answer(stream, request_id)
-
-    def _hold_answer(self, stream: ReadsSocketStream, request_id: str) -> Held:
-        deadline = time.monotonic() + self.timeout_s
-        with self._cond:
-            try:
-                while (answer := self._hold_answers[request_id]) is None:
-                    left = deadline - time.monotonic()
-                    if stream is not self._stream or self.stream_error is not None or left <= 0:
-                        raise ReadsSocketError(grpc.StatusCode.UNAVAILABLE if left > 0 else
-                                               grpc.StatusCode.DEADLINE_EXCEEDED,
-                                               f"request_id: the reads session ended before the hold of "
-                                               f"{request_id!r} was answered (it may or may not be held)")
-                    self._cond.wait(left)
-            finally:
-                self._hold_answers.pop(request_id, None)
-        if (error := hold_error(answer)) is not None:
-            raise error
-        return Held(answer.incarnation, answer.capability)
-
-    def _hold_answers_arrived(self, answers) -> None:
-        """The reads socket's reader thread: answers to holds sent on it."""
-        with self._cond:
-            for answer in answers:
-                if answer.request_id in self._hold_answers:
-                    self._hold_answers[answer.request_id] = answer
-            self._cond.notify_all()
+            held = Held(reply.incarnation, reply.capability)
+        return held
 
     def renew(self, request_ids: Sequence[str], *, lease_s: float = 0.0) -> list[str]:
         reply = self.stub.RenewLease(pb.RenewLeaseRequest(engine_id=self.engine_id, request_ids=list(request_ids),

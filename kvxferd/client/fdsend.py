@@ -3,7 +3,7 @@
 gRPC cannot carry fds, so an engine sends them first over ``<engine_socket>.fds``
 (:func:`kvxferd.wire.names.fd_socket_path`) with ``SCM_RIGHTS``, tagged with a
 token it chose; its ``Register`` then names the token and each region's
-``*_fd_index`` (the daemon's side: :mod:`kvxferd.service.fdpass`).
+``*_fd_index`` (the daemon's side: :mod:`kvxferd.service.engines.fdpass`).
 """
 
 from __future__ import annotations

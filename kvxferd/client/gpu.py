@@ -1,6 +1,6 @@
 """Engine side: share GPU cache regions with a daemon, as CUDA IPC handles or CUDA VMM fds.
 
-The daemon opens what this exports (:mod:`kvxferd.service.gpu`); a VMM fd
+The daemon opens what this exports (:mod:`kvxferd.service.engines.gpu`); a VMM fd
 travels over the fd socket first (:func:`kvxferd.client.fdsend.send_fds`).
 """
 

@@ -1,7 +1,7 @@
 """The CUDA runtime and driver calls both sides of a GPU cache need, through ``ctypes``.
 
 An engine exports its cache (:mod:`kvxferd.client.gpu`) and the daemon opens
-it (:mod:`kvxferd.service.gpu`) with these; neither needs a CUDA build of
+it (:mod:`kvxferd.service.engines.gpu`) with these; neither needs a CUDA build of
 torch. Without a CUDA library the loaders raise :class:`UnavailableError`
 naming the field.
 """

@@ -157,11 +157,11 @@ class DecodeEngine(EngineRanks):
             engine.reset()
         start, submitted_unix_s = time.perf_counter(), time.time()
         for client in self.clients:
-            client.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
+            client.reads.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
                                                   request.local_block_ids, request.remote_block_ids,
                                                   num_tokens=request.num_tokens or 0, deadline_s=timeout_s,
                                                   remote_capabilities=request.remote_capabilities)])
-        delivered = [client.wait_completion_timed(request.request_id, timeout_s + 5) for client in self.clients]
+        delivered = [client.reads.wait_completion_timed(request.request_id, timeout_s + 5) for client in self.clients]
         latency_s = time.perf_counter() - start
         completions = [completion for completion, _ in delivered]
         ok = all(c.ok for c in completions)

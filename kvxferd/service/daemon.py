@@ -39,22 +39,23 @@ from kvxferd.plan.leases import EXPIRED, HoldEnd
 from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.service.bus import NotifyBus
+from kvxferd.service.net.bus import NotifyBus
 from kvxferd.service.config import DaemonConfig
-from kvxferd.service.dataplane import DataPlane, ReadDone
-from kvxferd.service.engines import Registry
-from kvxferd.service.exposure import insecure_listeners, refusal, ucx_environment
-from kvxferd.service.fdpass import FdInbox
+from kvxferd.service.reads.dataplane import DataPlane
+from kvxferd.service.engines.registry import Registry
+from kvxferd.service.net.exposure import insecure_listeners, refusal, ucx_environment
+from kvxferd.service.engines.fdpass import FdInbox
 from kvxferd.wire.names import fd_socket_path
-from kvxferd.service.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
-from kvxferd.service.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
+from kvxferd.service.net.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
+from kvxferd.service.net.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
 from kvxferd.service.metrics import Metrics
-from kvxferd.service.peers import Peers, RemoteLink
-from kvxferd.service.reads import ReadPath
-from kvxferd.service.readsock import ReadSocketServer
-from kvxferd.service.servicers import EngineServicer, PeerServicer
-from kvxferd.service.slots import EngineSlot
-from kvxferd.service.tls import TlsFiles
+from kvxferd.service.peers.links import Peers, RemoteLink
+from kvxferd.service.reads.read import Read
+from kvxferd.service.reads.path import ReadPath
+from kvxferd.service.reads.readsock import ReadSocketServer
+from kvxferd.service.net.servicers import EngineServicer, PeerServicer
+from kvxferd.service.engines.slots import EngineSlot
+from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import load_or_create_peer_secret
 from kvxferd.wire.frames import reads_socket_path
 
@@ -221,7 +222,7 @@ class Daemon:
     def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
         self._loop.call_soon_threadsafe(self._publish_all, events)
 
-    def _reads_done_threadsafe(self, finished: list[ReadDone]) -> None:
+    def _reads_done_threadsafe(self, finished: list[Read]) -> None:
         self._loop.call_soon_threadsafe(self.reads.done, finished)
 
     # ---- maintenance ----------------------------------------------------------------
@@ -230,7 +231,7 @@ class Daemon:
         self._maintenance_due.set()
 
     def _has_work(self) -> bool:
-        return any(len(slot.holds) or slot.active for slot in self.registry.slots.values())
+        return any(len(slot.holds) or slot.reads for slot in self.registry.slots.values())
 
     async def _maintenance(self) -> None:
         tick_s = min(0.2, self.config.lease_s / 10)  # expiry is exact at notice time; the tick only publishes it
@@ -252,7 +253,7 @@ class Daemon:
                 now = time.monotonic()
                 if now - last_renew >= renew_every_s:
                     last_renew = now
-                    self.spawn(self._renew_waiting_reads(now - renew_every_s))
+                    self.spawn(self._renew_waiting_reads(time.perf_counter() - renew_every_s))
                 if self.tls is not None and now - last_tls_check >= TLS_CHECK_S:
                     last_tls_check = now  # a rotation is used, or refused loudly, without waiting for a handshake
                     self.tls.current()
@@ -269,13 +270,13 @@ class Daemon:
             log.warning("the event loop woke late (stopped, starved, or a blocking call on it)",
                         extra={"late_s": round(late_s, 3)})
 
-    async def _renew_waiting_reads(self, older_than_s: float) -> None:
-        """Reads still waiting keep the holders' leases alive."""
+    async def _renew_waiting_reads(self, received_before_s: float) -> None:
+        """Reads still waiting keep the holders' leases alive (``received_before_s``: perf_counter)."""
         for slot in list(self.registry.slots.values()):
             by_remote: dict[str, list[str]] = {}
-            for active in slot.active.values():
-                if active.submitted_s <= older_than_s and active.verified:
-                    by_remote.setdefault(active.remote_engine_id, []).append(active.remote_request_id)
+            for read in list(slot.reads.values()):
+                if read.received_s <= received_before_s and read.verified:
+                    by_remote.setdefault(read.remote_engine_id, []).append(read.request.remote_request_id)
             for remote_engine_id, request_ids in by_remote.items():
                 link = slot.links.get(remote_engine_id)
                 if link is not None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvxferd.service.metricsserver import MetricsServer
+from kvxferd.service.net.metricsserver import MetricsServer
 from kvxferd.xfer.reads import ReadFailure
 
 FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvxferd.plan.leases import HoldEnd
-    from kvxferd.service.bus import NotifyBus
+    from kvxferd.service.net.bus import NotifyBus
     from kvxferd.service.config import DaemonConfig
-    from kvxferd.service.dataplane import DataPlane
-    from kvxferd.service.engines import Registry
+    from kvxferd.service.reads.dataplane import DataPlane
+    from kvxferd.service.engines.registry import Registry
     from kvxferd.service.metrics import Metrics
-    from kvxferd.service.peers import Peers, RemoteLink
-    from kvxferd.service.reads import ReadPath
-    from kvxferd.service.slots import EngineSlot
+    from kvxferd.service.peers.links import Peers, RemoteLink
+    from kvxferd.service.reads.path import ReadPath
+    from kvxferd.service.engines.slots import EngineSlot
 
 
 class DaemonParts(Protocol):

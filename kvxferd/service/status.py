@@ -25,7 +25,7 @@ import grpc
 from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError,
                             PermissionDeniedError, ResourceExhaustedError, TransferError, UnauthenticatedError,
                             UnavailableError)
-from kvxferd.service.completions import StreamReplaced
+from kvxferd.service.reads.completions import StreamReplaced
 
 log = logging.getLogger("kvxferd.rpc")
 

@@ -125,22 +125,22 @@ class SoakDecode(SoakRanks):
             engine.reset()
         start, start_wall = time.monotonic(), time.time()
         for client in self.clients:
-            client.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
+            client.reads.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
                                                   request.local_block_ids, request.remote_block_ids,
                                                   num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
                                                   remote_capabilities=request.remote_capabilities)])
         ranks = []
         for rank, client in enumerate(self.clients):
             try:
-                completion, arrived = client.wait_completion_timed(request.request_id,
+                completion, arrived = client.reads.wait_completion_timed(request.request_id,
                                                                    max(0.0, start + wait_s - time.monotonic()))
             except TimeoutError as err:
-                lost = isinstance(err, LostRead) or client.stream_error is not None
+                lost = isinstance(err, LostRead) or client.reads.stream_error is not None
                 outcome = "lost" if lost else "missing"
                 # Why, for a post-mortem: the stream's status, or a registration replaced under the read.
                 why = f"{type(err).__name__}: {err}"
-                if client.stream_error is not None:
-                    why += f" [stream {client.stream_error.code().name}: {client.stream_error.details()}]"
+                if client.reads.stream_error is not None:
+                    why += f" [stream {client.reads.stream_error.code().name}: {client.reads.stream_error.details()}]"
                 why += f" [re-registrations so far: {client.num_reregistrations}]"
                 ranks.append({"outcome": outcome, "latency_s": time.monotonic() - start, "problems": [],
                               "verified_bytes": 0, "error": why})

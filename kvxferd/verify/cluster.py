@@ -18,7 +18,8 @@ from kvxferd.plan.engine import ReadRequest, expected_readers
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.verify.engines import DecodeChecks, allocate_engine
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.holder import Holder, HolderThread, Reader
+from kvxferd.xfer.holder import Holder, Reader
+from kvxferd.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor, ReadResult
 
 

@@ -108,7 +108,7 @@ class DaemonCluster(DecodeChecks):
         capabilities = request.remote_capabilities or self.capabilities.get(request.remote_request_id, ())
         for client in self.decode_clients:
             if client.reads_stream:
-                client.submit_reads([client.read_spec(
+                client.reads.submit_reads([client.read_spec(
                     request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
                     request.remote_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
                     remote_capabilities=capabilities)])
@@ -119,7 +119,7 @@ class DaemonCluster(DecodeChecks):
                                    remote_capabilities=capabilities)
 
     def completions(self, request: ReadRequest, timeout_s: float = 30.0) -> list[pb.Completion]:
-        return [client.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]
+        return [client.reads.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]
 
     def read(self, request: ReadRequest, timeout_s: float = 30.0, *, hold: bool = True) -> list[pb.Completion]:
         """Hold on every prefill rank, read on every decode rank, return the completions."""

@@ -4,7 +4,7 @@ One :class:`Holder` per engine rank whose memory others read. It keeps the
 rank's hold board (:mod:`kvxferd.plan.board`) in host memory registered with
 the rank's agent, so readers check their holds with a one-sided READ and no
 reader waits for this side. The daemon's data-plane thread and the
-in-process test cluster drive the same class, so the NIXL test matrix
+in-process test cluster (verify.holderthread) drive the same class, so the NIXL test matrix
 exercises the daemon's board and notice path::
 
     Hold        ──► HoldTable.hold: tag onto the board, then held
@@ -46,9 +46,7 @@ from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.leases import FAILED, HoldEnd, HoldTable
 from kvxferd.plan.notifications import HELLO, ReadNotice
-from kvxferd.xfer.agent import NixlAgent, NixlError
-from kvxferd.xfer.osthreads import name_this_thread
-from kvxferd.xfer.waker import Waker
+from kvxferd.xfer.agent import NixlAgent
 
 
 @dataclass(frozen=True)
@@ -201,71 +199,3 @@ class Holder:
         """Start holding a request's blocks for its readers (its tag goes onto the board first); the capability."""
         with self.lock:
             return self.holds.hold(request_id, block_ids, lease_s, time.monotonic() if now is None else now)
-
-
-class HolderThread:
-    """Drives agents outside a daemon (the in-process test cluster, benchmarks): polls each one
-    every ``interval_s``; notices to an agent with a :class:`Holder` are counted by it, and the
-    holds it ends wait in ``ended`` until :meth:`wait_end` takes them. Agents without a holder
-    are polled only so that their transfers and notices make progress."""
-
-    def __init__(self, agents: list[NixlAgent], holders: dict[int, Holder] | None = None, *,
-                 interval_s: float = 200e-6) -> None:
-        self.agents, self.holders = list(agents), dict(holders or {})
-        self.ended: dict[int, list[tuple[str, HoldEnd]]] = {i: [] for i in self.holders}
-        self.interval_s = interval_s
-        self.num_poll_errors, self.last_poll_error = 0, ""
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._wake = Waker()
-        self._thread = threading.Thread(target=self._run, name="kvxferd-holder", daemon=True)
-
-    def __enter__(self) -> "HolderThread":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        """Stop and join the thread (before the agents are destroyed)."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def poll_once(self) -> None:
-        for i, agent in enumerate(self.agents):
-            try:
-                messages = agent.new_messages()
-            except NixlError as err:
-                self.num_poll_errors, self.last_poll_error = self.num_poll_errors + 1, str(err)
-                continue
-            holder = self.holders.get(i)
-            if holder is None:
-                continue
-            for sender, message in messages:
-                events = holder.on_notice(sender, message)
-                if events:
-                    with self._cond:
-                        self.ended[i] += events
-                        self._cond.notify_all()
-
-    def wait_end(self, i: int, request_id: str, timeout_s: float = 10.0) -> HoldEnd | None:
-        """Block until agent ``i``'s hold of ``request_id`` ended (CONSUMED or EXPIRED) and take it."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                for n, end in enumerate(self.ended[i]):
-                    if end.request_id == request_id and end.kind is not FAILED:
-                        return self.ended[i].pop(n)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-
-    def _run(self) -> None:
-        name_this_thread()
-        while not self._stop.is_set():
-            self.poll_once()
-            self._wake.wait(self.interval_s)

@@ -264,6 +264,14 @@ class ReadExecutor:
             self.agent.close()
             self.notices.close()
 
+    def progress_notices(self) -> None:
+        """Make progress for the notice agent: UCX sends a notice on only while its agent is polled."""
+        self.notices.poll_notifications()
+
+    def notices_metadata(self) -> bytes:
+        """The notice agent's metadata: how this rank introduces itself to holders as a reader."""
+        return self.notices.metadata()
+
     def remote(self, engine_id: str) -> RemoteEngine:
         try:
             return self._remotes[engine_id]

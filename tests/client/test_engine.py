@@ -1,12 +1,14 @@
-"""The engine client's stream switch, in-process: a stream that was replaced (reconnect, or a new
-registration) must not hand the client anything more, whatever its thread was doing at the time."""
+"""The engine client's session switch, in-process: a stream that was replaced (reconnect, or a new
+registration) must not hand the session anything more, whatever its thread was doing at the time; and
+the control side's heartbeat registers again only when nobody did meanwhile."""
 
 import queue
 import threading
 
 import grpc
 
-from kvxferd.client.engine import ACK_EVERY, EngineClient
+from kvxferd.client.engine import EngineClient
+from kvxferd.client.session import ACK_EVERY, ReadSession
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 
 
@@ -39,49 +41,53 @@ def _batch(*seqs: int) -> pb.CompletionBatch:
 
 def _client() -> EngineClient:
     client = EngineClient("unix:/nonexistent/kvxferd.sock")  # the channel connects lazily: never here
-    client._outbox = queue.SimpleQueue()
+    client.reads._outbox = queue.SimpleQueue()
     return client
 
 
-def _retire(client: EngineClient) -> None:
+def _session() -> ReadSession:
+    return _client().reads
+
+
+def _retire(session: ReadSession) -> None:
     """What a new registration does first, from another thread (as the heartbeat would)."""
     def body():
-        with client._cond:
-            client._retire_stream()
-            client._last_seq = client._acked_seq = 0
+        with session._cond:
+            session._retire_stream()
+            session._last_seq = session._acked_seq = 0
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
 
 
 def test_a_retired_stream_hands_over_nothing_more():
-    client = _client()
-    stream = ScriptedStream([_batch(1, 2), _batch(3)], before={1: lambda: _retire(client)})
-    client._stream = stream
-    client._watch(stream, lambda item: item.completions)
+    session = _session()
+    stream = ScriptedStream([_batch(1, 2), _batch(3)], before={1: lambda: _retire(session)})
+    session._stream = stream
+    session._watch(stream, lambda item: item.completions)
     assert stream.cancelled
-    assert set(client._completions) == {"r1", "r2"}  # r3 comes again on the next stream (unacked)
-    assert client._last_seq == 0  # the new registration's numbering was left alone
+    assert set(session._completions) == {"r1", "r2"}  # r3 comes again on the next stream (unacked)
+    assert session._last_seq == 0  # the new registration's numbering was left alone
 
 
 def test_a_retired_stream_sends_no_ack_and_reports_no_error():
-    client = _client()
+    session = _session()
     seqs = list(range(1, ACK_EVERY + 1))
-    stream = ScriptedStream([_batch(*seqs)], before={0: lambda: _retire(client)}, error=Aborted())
-    client._stream = stream
-    client._watch(stream, lambda item: item.completions)
-    assert client._outbox.empty() and client.stream_error is None and client._completions == {}
+    stream = ScriptedStream([_batch(*seqs)], before={0: lambda: _retire(session)}, error=Aborted())
+    session._stream = stream
+    session._watch(stream, lambda item: item.completions)
+    assert session._outbox.empty() and session.stream_error is None and session._completions == {}
 
 
 def test_the_current_stream_acks_and_reports_its_end():
-    client = _client()
+    session = _session()
     seqs = list(range(1, ACK_EVERY + 1))
     stream = ScriptedStream([_batch(*seqs)], error=Aborted())
-    client._stream = stream
-    client._watch(stream, lambda item: item.completions)
-    assert client._outbox.get_nowait().ack_seq == ACK_EVERY
-    assert client.stream_error is not None and client.stream_error.code() == grpc.StatusCode.ABORTED
-    assert len(client._completions) == ACK_EVERY
+    session._stream = stream
+    session._watch(stream, lambda item: item.completions)
+    assert session._outbox.get_nowait().ack_seq == ACK_EVERY
+    assert session.stream_error is not None and session.stream_error.code() == grpc.StatusCode.ABORTED
+    assert len(session._completions) == ACK_EVERY
 
 
 class NotFound(grpc.RpcError):
@@ -110,7 +116,7 @@ def test_a_heartbeat_does_not_replace_a_registration_made_while_it_was_out():
     that had found the old registration gone registered once more, replacing the fresh registration and
     ending the stream its next read was on. It must register again only if nobody did meanwhile."""
     client = _client()
-    client._open_stream = lambda: None  # no stream in this test
+    client.reads.open = lambda: None  # no stream in this test
     engine = pb.EngineRank(engine_id="e")
     client._register_request = pb.RegisterRequest(engine=engine)
     client.stub = RestartedDaemon(lambda: client._send_register(client._register_request))  # the engine's own

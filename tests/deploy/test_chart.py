@@ -16,7 +16,7 @@ import yaml
 
 from kvxferd.cli import build_parser
 from kvxferd.service.config import config_from_args
-from kvxferd.service.exposure import refusal
+from kvxferd.service.net.exposure import refusal
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/kvxferd"

@@ -12,8 +12,8 @@ import yaml
 from kvxferd.cli import build_parser
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.service.config import config_from_args
-from kvxferd.service.localsock import credentials_allowed, group_id
-from kvxferd.service.tls import check_own_certificate, identity_matches
+from kvxferd.service.net.localsock import credentials_allowed, group_id
+from kvxferd.service.peers.tls import check_own_certificate, identity_matches
 from kvxferd.verify.certs import DevCA
 from tests.deploy.test_chart import CHART, _render, _sidecars, _validate
 

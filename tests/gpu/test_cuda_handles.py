@@ -58,7 +58,7 @@ def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp):
             client.submit_read(request.request_id, "gp", request.remote_request_id, request.local_block_ids,
                                request.remote_block_ids, num_tokens=70)
         for client in clients[prefill_tp:]:
-            completion = client.wait_completion(request.request_id)
+            completion = client.reads.wait_completion(request.request_id)
             assert completion.ok, completion.error
         for engine, _ in decode:
             engine.download()
@@ -177,7 +177,7 @@ def test_vmm_fd_regions_read_through_daemons_and_are_bounds_checked(tmp_path):
         clients[1].handshake("vp", [daemons[0].peer_address])
         clients[1].submit_read(request.request_id, "vp", request.remote_request_id, request.local_block_ids,
                                request.remote_block_ids, num_tokens=70)
-        completion = clients[1].wait_completion(request.request_id)
+        completion = clients[1].reads.wait_completion(request.request_id)
         assert completion.ok, completion.error
         _daemon, decode_host, decode_vmm, _ = engines[1]
         torch.cuda.synchronize()
@@ -207,7 +207,7 @@ def test_bench_gpu_quick_reads_byte_exact_and_reports_both_paths():
 def test_memory_cuda_ipc_cannot_share_is_exported_as_a_vmm_fd():
     """vLLM's sleep mode allocates with cuMemCreate: export_region falls back to the allocation's fd."""
     from kvxferd.client.gpu import export_region
-    from kvxferd.service.gpu import import_vmm
+    from kvxferd.service.engines.gpu import import_vmm
 
     vmm = _VmmAllocation(4 << 20)
     data = np.arange(vmm.size, dtype=np.uint8)

@@ -306,7 +306,7 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         decode.submit(order("first", [1, 2], [1, 2]))  # handshakes with the prefill engine
         merged = _gather([decode], lambda m: "d-first" in m[decode]["recv"], daemons=daemons)
         assert merged[decode]["recv"] == {"d-first"} and not merged[decode]["failed"]
-        assert isinstance(decode.client._stream, ReadsSocketStream)  # the worker's reads skip gRPC
+        assert isinstance(decode.client.reads._stream, ReadsSocketStream)  # the worker's reads skip gRPC
         lost = order("lost", [3], [3])
         _restart(daemons, 1, tmp_path, lambda: decode.submit(lost))  # the decode daemon: the read goes nowhere
         # The heartbeat registers again on its own; the lost read fails meanwhile or after.
@@ -319,7 +319,7 @@ def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
         merged = _gather([decode, prefill], lambda m: "d-after" in m[decode]["recv"] and "after" in m[prefill]["sent"],
                          daemons=daemons)
         assert merged[decode]["recv"] == {"d-after"} and not merged[decode]["failed"], merged
-        assert isinstance(decode.client._stream, ReadsSocketStream)  # a new session on the new daemon's socket
+        assert isinstance(decode.client.reads._stream, ReadsSocketStream)  # a new session on the new daemon's socket
         for name in prefill_cache:
             assert torch.equal(decode_cache[name][9:11], prefill_cache[name][4:6])
         assert "lost" not in merged[prefill]["sent"]  # still held: that daemon did not restart
@@ -361,6 +361,7 @@ class _QuietClient:
 
     def __init__(self, incarnation: str) -> None:
         self.incarnation, self.incarnations = incarnation, [incarnation]
+        self.reads = self  # the session's calls (take_lost, take_completions, submit_reads) on the same fake
 
     def registered_again(self, incarnation: str) -> None:
         self.incarnation = incarnation

@@ -252,7 +252,7 @@ def test_the_reads_socket_refuses_other_uids_even_when_reachable(daemon, arenas)
         while daemon.metric(*metric) < before + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert daemon.metric(*metric) == before + 1
-        assert owner.take_lost() == set() and owner.stream_error is None  # the owner's session is untouched
+        assert owner.reads.take_lost() == set() and owner.reads.stream_error is None  # the owner's session is untouched
     finally:
         os.chmod(path, 0o600)
         for directory in directories:

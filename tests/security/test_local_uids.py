@@ -30,7 +30,7 @@ from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.client.fdsend import send_fds
-from kvxferd.service.memory import SHM_DIR
+from kvxferd.service.engines.memory import SHM_DIR
 from kvxferd.verify.models import ModelShape, model_groups
 from tests.security.conftest import SPIFFE, tls_args
 from tests.service.helpers import engine_pb, status
@@ -320,7 +320,7 @@ def test_a_foreign_reads_socket_fails_reads_at_once_and_keeps_the_registration(s
         client.register(engine_pb(GROUPS[0], "reads-squatted", arenas), lease_s=2)
         spec = client.read_spec("r", "nobody", "r", [[1]], [[1]])
         with pytest.raises(PermissionDeniedError, match=f"uid {OTHER}"):
-            client.submit_reads([spec])
+            client.reads.submit_reads([spec])
         time.sleep(3)  # longer than the lease: heartbeats keep the registration
         client.stub.Heartbeat(pb.HeartbeatRequest(engine_id=client.engine_id), timeout=5)
         client.deregister()

@@ -8,7 +8,7 @@ import zmq
 from kvxferd.client.notify import NotifySubscriber
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.bus import NotifyBus
+from kvxferd.service.net.bus import NotifyBus
 
 
 class BusOnlyClient:

@@ -8,7 +8,7 @@ import asyncio
 import threading
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.completions import CompletionFeed
+from kvxferd.service.reads.completions import CompletionFeed
 
 
 class _Sink:

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service import dataplane as dataplane_module
-from kvxferd.service.dataplane import DaemonRead, DataPlane, ReadDone
-from kvxferd.service.slots import EngineSlot
+from kvxferd.service.reads import dataplane as dataplane_module
+from kvxferd.service.reads.dataplane import DataPlane
+from kvxferd.service.reads.read import Read, ReadState
+from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer import holder as holder_module
@@ -37,7 +38,7 @@ def plane():
         executor = cluster.executors[0]
         slot = EngineSlot(cluster.decode[0].cache, "inc", executor.agent, executor, [], 60.0, 0.0,
                           Holder(executor.agent, max_holds=16))
-        done: queue.SimpleQueue[ReadDone] = queue.SimpleQueue()
+        done: queue.SimpleQueue[Read] = queue.SimpleQueue()
         dataplane = DataPlane(lambda finished: [done.put(d) for d in finished], lambda events: None)
         dataplane.start()
         dataplane.call(lambda: dataplane.add_slot(slot)).result(10)
@@ -53,15 +54,15 @@ def plane():
             slot.holder.close()
 
 
-def _read(cluster, slot, request_id: str, seed: int) -> DaemonRead:
+def _read(cluster, slot, request_id: str, seed: int) -> Read:
     request = cluster.hold(random_request(request_id, cluster.prefill_groups, cluster.decode_groups, 48,
                                           np.random.default_rng(seed)), 60)
     remote = slot.executor.remote(cluster.prefill_id)
     now = time.perf_counter()
-    return DaemonRead(slot, remote, remote.plan.plan_request(request), now, now + 10)
+    return Read(slot, cluster.prefill_id, request, remote, now, now + 10, remote.plan.plan_request(request))
 
 
-def _consumed(cluster, read: DaemonRead) -> bool:
+def _consumed(cluster, read: Read) -> bool:
     end = cluster.holder_thread.wait_end(0, read.planned.request.remote_request_id)
     return end is not None and end.kind == "CONSUMED"
 
@@ -73,9 +74,9 @@ def test_posted_here_or_on_the_thread_a_read_ends_the_same(plane, monkeypatch):
     # Host memory: the copy ends within the post, the board check a few µs later; a loaded machine may
     # take longer than the 50 µs post_now waits, so wait for it here (the hand-over has its own test).
     monkeypatch.setattr(dataplane_module, "INLINE_CHECK_WAIT_S", 5.0)
-    ended = dataplane.post_now(here)
-    assert ended is not None and ended.result.ok and ended.failure is ReadFailure.NONE
-    assert ended.post_s > 0 and ended.check_s > 0 and cluster.check(here.planned.request) == []
+    assert dataplane.post_now(here)
+    assert here.state is ReadState.ENDED and here.result.ok and here.failure is ReadFailure.NONE
+    assert here.post_s > 0 and here.stages_s[2] > 0 and cluster.check(here.planned.request) == []
     # The holders hear of it only once the loop handed the completion on and sent the notices.
     assert cluster.holder_thread.wait_end(0, here.planned.request.remote_request_id, timeout_s=0.2) is None
     dataplane.send_notices(here)
@@ -87,7 +88,7 @@ def test_posted_here_or_on_the_thread_a_read_ends_the_same(plane, monkeypatch):
     there = _read(cluster, slot, "there", 2)
     dataplane.submit(there)
     ended = done.get(timeout=10)
-    assert ended.result.request_id == "there" and ended.result.ok and cluster.check(there.planned.request) == []
+    assert ended is there and there.result.ok and cluster.check(there.planned.request) == []
     assert _consumed(cluster, there) and dataplane.num_reads == 0
 
 
@@ -102,7 +103,7 @@ def test_a_read_handed_over_unplanned_is_planned_on_the_thread_and_bad_ids_are_r
         read.planned = None
         dataplane.submit(read)
     ended = {d.result.request_id: d for d in (done.get(timeout=10), done.get(timeout=10))}
-    assert ended["unplanned"].result.ok and ended["unplanned"].refusal is None and ended["unplanned"].plan_s > 0
+    assert ended["unplanned"].result.ok and ended["unplanned"].refusal is None and ended["unplanned"].stages_s[0] > 0
     assert cluster.check(good.request) == [] and _consumed(cluster, good)
     refused = ended["unplanned-bad"]
     assert isinstance(refused.refusal, InvalidArgumentError) and refused.failure is ReadFailure.REFUSED
@@ -133,9 +134,9 @@ def test_the_thread_writes_an_ok_reads_completion_itself_before_the_hop_and_a_fa
         return good, late, ended
 
     good, late, ended = asyncio.run(main())
-    assert ended["direct"].result.ok and ended["direct"].delivered  # written when the hop began
+    assert ended["direct"].result.ok and ended["direct"].state is ReadState.DELIVERED  # written when the hop began
     assert written == [("direct", dataplane._thread.ident)] and slot.completions.has("direct")
-    assert not ended["direct-late"].result.ok and not ended["direct-late"].delivered
+    assert not ended["direct-late"].result.ok and ended["direct-late"].state is ReadState.ENDED  # the loop's
     assert cluster.check(good.planned.request) == [] and _consumed(cluster, good)
     for holder in cluster.holders:
         with holder.lock:
@@ -152,13 +153,14 @@ def test_a_read_that_does_not_end_within_its_post_is_handed_over(plane):
     checks = slot.executor.checks
     taken = [checks._free.pop() for _ in range(len(checks._free))]
     try:
-        assert dataplane.post_now(read) is None and dataplane.num_reads == 1
+        assert not dataplane.post_now(read) and dataplane.num_reads == 1
+        assert read.state is ReadState.POSTED
         time.sleep(0.05)
         assert done.empty()  # still waiting for a check slot
     finally:
         checks._free.extend(taken)
     ended = done.get(timeout=10)
-    assert ended.result.request_id == "handed-over" and ended.result.ok, ended.result.error
+    assert ended is read and read.result.ok, read.result.error
     assert cluster.check(read.planned.request) == [] and _consumed(cluster, read)
     assert done.empty() and dataplane.num_reads == 0
 
@@ -170,11 +172,11 @@ def test_a_read_of_a_gone_remote_fails_at_once_on_either_path(plane):
     real_remotes = slot.executor._remotes
     slot.executor._remotes = {}
     try:
-        ended = dataplane.post_now(read)
+        assert dataplane.post_now(read)
     finally:
         slot.executor._remotes = real_remotes
-    assert ended is not None and not ended.result.ok and ended.failure is ReadFailure.REMOTE_GONE
-    assert sum(len(ids) for ids in ended.result.invalid_block_ids) > 0 and dataplane.num_reads == 0
+    assert not read.result.ok and read.failure is ReadFailure.REMOTE_GONE and read.inflight is None
+    assert sum(len(ids) for ids in read.result.invalid_block_ids) > 0 and dataplane.num_reads == 0
     with cluster.holders[0].lock:
         cluster.holders[0].holds.release(read.planned.request.remote_request_id)
 
@@ -261,8 +263,7 @@ def test_notices_sent_on_the_loop_get_the_idle_threads_progress_at_once(plane, m
                         lambda: polls.append(threading.current_thread().name) or real())
     cluster.reset_decode()
     read = _read(cluster, slot, "woken", 41)
-    ended = dataplane.post_now(read)
-    assert ended is not None and ended.result.ok
+    assert dataplane.post_now(read) and read.result.ok
     dataplane.send_notices(read)
     deadline = time.monotonic() + 3
     while "kvxferd-dataplane" not in polls and time.monotonic() < deadline:
@@ -294,13 +295,14 @@ def test_a_read_past_its_deadline_before_its_post_fails_with_nothing_posted(plan
     for path, request_id in (("here", "late-here"), ("there", "late-there")):
         cluster.reset_decode()
         read = _read(cluster, slot, request_id, 40)
-        read.deadline_s = read.submitted_s  # already passed
+        read.deadline_s = read.received_s  # already passed
         if path == "here":
-            ended = dataplane.post_now(read)
+            assert dataplane.post_now(read)
+            ended = read
         else:
             dataplane.submit(read)
             ended = done.get(timeout=10)
-        assert ended.result.request_id == request_id and not ended.result.ok
+        assert ended is read and not ended.result.ok
         assert ended.failure is ReadFailure.DEADLINE and "before the read could be posted" in ended.result.error
         assert read.inflight is None and ended.post_s == 0  # nothing was posted
         assert sum(len(ids) for ids in ended.result.invalid_block_ids) == sum(

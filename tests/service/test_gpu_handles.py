@@ -6,9 +6,9 @@ import os
 import pytest
 
 from kvxferd.errors import InvalidArgumentError, UnavailableError
-from kvxferd.service import gpu
+from kvxferd.service.engines import gpu
 from kvxferd.client.fdsend import send_fds
-from kvxferd.service.fdpass import FdInbox
+from kvxferd.service.engines.fdpass import FdInbox
 
 NO_GPU = not os.path.exists("/dev/nvidia0")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxferd.service.tls import identity_matches
+from kvxferd.service.peers.tls import identity_matches
 
 ALPHABET = "ab/*?.[]"
 

@@ -183,17 +183,17 @@ def test_sigterm_drains_in_flight_reads(workdir, reads_stream):
             cluster.hold(request)
         client = cluster.decode_clients[0]
         if reads_stream:  # one batch: the daemon takes all of it or none; its first completion says it took it
-            client.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
+            client.reads.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
                                                   r.local_block_ids, r.remote_block_ids,
                                                   remote_capabilities=cluster.capabilities[r.remote_request_id])
                                  for r in requests])
-            first = client.wait_completion(requests[0].request_id, 10)
+            first = client.reads.wait_completion(requests[0].request_id, 10)
         else:  # each SubmitRead returns once the daemon accepted the read
             for request in requests:
                 cluster.submit(request)
         decode = cluster.decode_daemons[0]
         decode.process.send_signal(15)
-        completions = [client.wait_completion(r.request_id, 10) for r in requests[1 if reads_stream else 0:]]
+        completions = [client.reads.wait_completion(r.request_id, 10) for r in requests[1 if reads_stream else 0:]]
         completions += [first] if reads_stream else []
         assert len(completions) == 20 and all(c.ok for c in completions)
         assert decode.process.wait(30) == 0
@@ -252,10 +252,10 @@ def test_a_deregistered_engines_nixl_agent_goes_at_once(workdir):
             decode.handshake(f"p{n}", [daemons[0].peer_address])
             request = _request(f"agents{n}", n)
             held = prefill.hold(request.remote_request_id, request.remote_block_ids)
-            decode.submit_reads([decode.read_spec(request.request_id, f"p{n}", request.remote_request_id,
+            decode.reads.submit_reads([decode.read_spec(request.request_id, f"p{n}", request.remote_request_id,
                                                   request.local_block_ids, request.remote_block_ids,
                                                   remote_capabilities=[held.capability])])
-            assert decode.wait_completion(request.request_id).ok
+            assert decode.reads.wait_completion(request.request_id).ok
             for client in clients:
                 client.deregister()
                 client.close()
@@ -281,7 +281,7 @@ def test_an_engine_registers_again_by_itself_when_its_daemon_restarted(workdir):
         decode = cluster.decode_clients[0]
         old = cluster.decode_daemons[0]
         request = _request("in-flight", 4)
-        decode._pending[request.request_id] = decode.read_spec(request.request_id, cluster.prefill_id,
+        decode.reads._pending[request.request_id] = decode.read_spec(request.request_id, cluster.prefill_id,
                                                                request.remote_request_id, request.local_block_ids,
                                                                request.remote_block_ids)
         old.kill()
@@ -293,7 +293,7 @@ def test_an_engine_registers_again_by_itself_when_its_daemon_restarted(workdir):
         assert decode.num_reregistrations == 1
         assert _metric(cluster.decode_daemons[0], "kvxferd_engines_registered") == 1
         with pytest.raises(LostRead):
-            decode.wait_completion(request.request_id, timeout_s=5)
+            decode.reads.wait_completion(request.request_id, timeout_s=5)
         cluster.handshake()
         cluster.reset_decode()
         completions = cluster.read(_request("after", 5))

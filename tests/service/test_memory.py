@@ -10,7 +10,7 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.memory import SHM_DIR, map_shm, open_region, populate
+from kvxferd.service.engines.memory import SHM_DIR, map_shm, open_region, populate
 
 
 @pytest.fixture

@@ -14,13 +14,14 @@ import pytest
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup
-from kvxferd.service.completions import CompletionFeed
+from kvxferd.service.reads.completions import CompletionFeed
 import grpc
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.dataplane import INLINE_MAX_BYTES, ReadDone
+from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
+from kvxferd.service.reads.read import ReadState
 from kvxferd.xfer.reads import ReadFailure, ReadResult
-from kvxferd.service.reads import ReadPath
+from kvxferd.service.reads.path import ReadPath
 from kvxferd.verify.engines import paper_cache
 
 
@@ -30,7 +31,7 @@ class _DataPlane:
 
     def post_now(self, read):
         self.here.append(read.request_id)
-        return None  # as if handed over: no completion yet
+        return False  # as if handed over: not ended yet
 
     def submit(self, read):
         self.there.append(read.request_id)
@@ -42,8 +43,8 @@ def _path():
     spec = AttentionSpec("packed_HND", num_blocks=64, num_kv_heads=8, head_size=128, block_size=16)
     groups = (CacheGroup("full", spec, 2),)
     plan = EngineTransferPlan(paper_cache("d", groups, 1, 0), [paper_cache("p", groups, 1, 0)])
-    link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan, hold_keys=()), ready=True)
-    slot = types.SimpleNamespace(active={}, completions=CompletionFeed(), links={"p": link})
+    link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan, hold_keys=(), agent_names=("p.0",)), ready=True)
+    slot = types.SimpleNamespace(reads={}, completions=CompletionFeed(), links={"p": link})
     config = types.SimpleNamespace(max_reads_per_engine=1000, deadline_s=30.0, max_deadline_s=600.0)
     counter = types.SimpleNamespace(inc=lambda *args: None, observe=lambda *args: None)
     counter.labels = lambda *args: counter
@@ -80,7 +81,8 @@ def test_a_batch_hands_its_large_reads_over_unplanned():
     for n in range(3):
         path.submit(slot, "p", _request(n, 8), 0.0, 0.0, plan_here=False)
     assert dataplane.here == ["r0"] and dataplane.there == ["r1", "r2"] and dataplane.unplanned == ["r1", "r2"]
-    assert set(slot.active) == {"r0", "r1", "r2"}  # all in flight (the fake post_now ended nothing)
+    assert set(slot.reads) == {"r0", "r1", "r2"}  # all in flight (the fake post_now ended nothing)
+    assert all(read.state is ReadState.ACCEPTED for read in slot.reads.values())
     path.begin_batch()
     path.submit(slot, "p", _request(3, 16), 0.0, 0.0)  # SubmitRead: planned here, whatever its size
     assert dataplane.there[-1] == "r3" and dataplane.unplanned == ["r1", "r2"]
@@ -91,17 +93,21 @@ def test_a_refusal_from_the_data_plane_thread_is_the_reads_completion():
     path.submit(slot, "p", _request(1, 16), 0.0, 0.0, plan_here=False)
     assert dataplane.unplanned == ["r1"]
     err = InvalidArgumentError("local_block_ids", "block id 99 out of range")
-    result = ReadResult("r1", "p", False, 0, 0, 0.001, (), (), str(err))
-    path.done([ReadDone(slot, result, 0.0, 0.0, ReadFailure.REFUSED, refusal=err)])
+    read = slot.reads["r1"]
+    read.end_unposted(str(err), ReadFailure.REFUSED, refusal=err)  # as the thread does
+    path.done([read])
     [completion] = list(slot.completions._queued)
     assert completion.request_id == "r1" and not completion.ok and "out of range" in completion.error
-    assert completion.refused_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "r1" not in slot.active
+    assert completion.refused_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "r1" not in slot.reads
+    assert read.state is ReadState.DELIVERED
 
 
-def _ended(slot, request_id: str, ok: bool = True) -> ReadDone:
+def _ended(slot, request_id: str, ok: bool = True):
+    """The engine's read of ``request_id``, ended as the data-plane thread ends it."""
+    read = slot.reads[request_id]
     result = ReadResult(request_id, "p", ok, 1024, 2, 0.001, (), () if ok else (0,), None if ok else "rank 0: gone")
-    return ReadDone(slot, result, 0.0, 0.0, ReadFailure.NONE if ok else ReadFailure.TRANSFER,
-                    active=slot.active.get(request_id))
+    read.end(result, ReadFailure.NONE if ok else ReadFailure.TRANSFER)
+    return read
 
 
 def test_an_id_whose_completion_the_thread_wrote_may_come_again_before_the_loop_caught_up():
@@ -110,14 +116,16 @@ def test_an_id_whose_completion_the_thread_wrote_may_come_again_before_the_loop_
     with pytest.raises(InvalidArgumentError, match="already in flight"):
         path.submit(slot, "p", _request(1, 2), 0.0, 0.0)
     first = _ended(slot, "r1")
-    first.active.delivered = True  # as deliver_now on the data-plane thread, before the loop's done()
+    with pytest.raises(InvalidArgumentError, match="already in flight"):  # ended, its completion not written
+        path.submit(slot, "p", _request(1, 2), 0.0, 0.0)
+    first.state = ReadState.DELIVERED  # as Read.complete on the data-plane thread, before the loop's done()
     path.submit(slot, "p", _request(1, 2), 0.0, 0.0)  # the engine has its completion: a new read, same id
-    second = slot.active["r1"]
-    assert second is not first.active
+    second = slot.reads["r1"]
+    assert second is not first
     path.done([first])
-    assert slot.active["r1"] is second  # the first read's done() leaves the second's record alone
+    assert slot.reads["r1"] is second  # the first read's done() leaves the second's record alone
     path.done([_ended(slot, "r1")])
-    assert "r1" not in slot.active
+    assert "r1" not in slot.reads
 
 
 def test_the_loop_writes_an_ok_completion_at_once_and_a_failed_one_after_marking_the_link_stale():
@@ -137,7 +145,7 @@ def test_the_loop_writes_an_ok_completion_at_once_and_a_failed_one_after_marking
         path.done([_ended(slot, "r2", ok=False)])
         assert sent == [("r1", False)] and link.stale  # queued, not written at once
         await asyncio.sleep(0)
-        assert sent == [("r1", False), ("r2", True)] and not slot.active
+        assert sent == [("r1", False), ("r2", True)] and not slot.reads
         pump.cancel()
 
     asyncio.run(main())

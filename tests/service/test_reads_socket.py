@@ -67,7 +67,7 @@ def _frame(message) -> bytes:
 
 def test_a_local_engine_reads_over_the_socket_byte_exact(cluster):
     client = cluster.decode_clients[0]
-    assert isinstance(client._stream, ReadsSocketStream)
+    assert isinstance(client.reads._stream, ReadsSocketStream)
     mode = stat.S_IMODE(os.stat(_path(cluster)).st_mode)
     assert mode == 0o600, oct(mode)  # as the engine socket: the daemon's user (and allowed uids) only
     requests = [two_block_request(f"sock{n}", n) for n in range(4)]
@@ -106,7 +106,7 @@ def test_a_session_breaking_a_rule_ends_and_the_engine_reconnects_losing_nothing
     got, end_code, message = _session(cluster, [_frame(hello), _frame(too_many)])
     assert end_code == C.INVALID_ARGUMENT.value[0] and "max_reads_per_batch" in message, message
     time.sleep(0.05)
-    assert client.stream_error is not None and client.stream_error.code() == C.ABORTED  # it was taken over
+    assert client.reads.stream_error is not None and client.reads.stream_error.code() == C.ABORTED  # it was taken over
     client.reconnect_reads()
     assert cluster.read(two_block_request("after-rule", 6))[0].ok
     cluster.reset_decode()
@@ -114,7 +114,7 @@ def test_a_session_breaking_a_rule_ends_and_the_engine_reconnects_losing_nothing
 
 def test_a_session_that_never_acks_is_bounded_and_a_new_one_gets_everything_once(cluster):
     client = cluster.decode_clients[0]
-    client.submit_reads([])  # acks what the tests before read: none of it counts against MAX_READS
+    client.reads.submit_reads([])  # acks what the tests before read: none of it counts against MAX_READS
     time.sleep(0.1)
     requests = [two_block_request(f"quiet{n}", n) for n in range(3 * MAX_READS)]
     for request in requests:
@@ -128,7 +128,7 @@ def test_a_session_that_never_acks_is_bounded_and_a_new_one_gets_everything_once
     client.reconnect_reads()  # the client never saw these: every unacked one comes again, once
     arrived, quiet_since = [], time.monotonic()
     while time.monotonic() - quiet_since < 1.0:
-        news = client.take_completions()
+        news = client.reads.take_completions()
         if news:
             arrived += news
             quiet_since = time.monotonic()
@@ -140,7 +140,7 @@ def test_a_session_that_never_acks_is_bounded_and_a_new_one_gets_everything_once
     for request in requests:
         if request.request_id not in ok:
             cluster.prefill_clients[0].release(request.remote_request_id)
-    client.submit_reads([])  # acks them
+    client.reads.submit_reads([])  # acks them
     cluster.reset_decode()
     assert cluster.read(two_block_request("after-quiet", 7))[0].ok
     cluster.reset_decode()
@@ -159,9 +159,9 @@ def test_a_daemon_without_the_socket_serves_reads_on_the_grpc_stream(workdir):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left_behind:
             left_behind.bind(stale)  # and again after the start: the client must still get on
         client.register(engine_pb(GROUPS[1], "nosock-decode", arenas), lease_s=30)
-        assert client._stream is not None and not isinstance(client._stream, ReadsSocketStream)
-        client.submit_reads([client.read_spec("r", "nobody", "r@p", [[1]], [[1]])])
-        completion = client.wait_completion("r", 10)
+        assert client.reads._stream is not None and not isinstance(client.reads._stream, ReadsSocketStream)
+        client.reads.submit_reads([client.read_spec("r", "nobody", "r@p", [[1]], [[1]])])
+        completion = client.reads.wait_completion("r", 10)
         assert completion.refused_code == C.NOT_FOUND.value[0]  # answered on the gRPC stream
     finally:
         client.close()
@@ -172,7 +172,7 @@ def test_a_daemon_without_the_socket_serves_reads_on_the_grpc_stream(workdir):
 
 def test_holds_go_over_the_socket_and_a_refused_one_is_answered_with_its_code(cluster, monkeypatch):
     prefill = cluster.prefill_clients[0]
-    assert isinstance(prefill._stream, ReadsSocketStream)
+    assert isinstance(prefill.reads._stream, ReadsSocketStream)
 
     def no_grpc(*args, **kwargs):
         raise AssertionError("Hold went over gRPC")
@@ -187,7 +187,7 @@ def test_holds_go_over_the_socket_and_a_refused_one_is_answered_with_its_code(cl
     assert refused.value.code() == C.INVALID_ARGUMENT and "block_ids" in refused.value.details()
     with pytest.raises(grpc.RpcError) as twice:  # the same id again: as the Hold call answers it
         prefill.hold(request.remote_request_id, request.remote_block_ids)
-    assert twice.value.code() != C.OK and prefill.stream_error is None  # answered; the session goes on
+    assert twice.value.code() != C.OK and prefill.reads.stream_error is None  # answered; the session goes on
     cluster.submit(request)
     (completion,) = cluster.completions(request)  # the hold made on the socket is read and consumed
     assert completion.ok, completion.error

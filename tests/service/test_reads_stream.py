@@ -34,7 +34,7 @@ def _settled_completions(client, quiet_s: float = 1.0, timeout_s: float = 15.0) 
     flight when a stream ends, and on a loaded machine they finish late."""
     seen, last_news, deadline = {}, time.monotonic(), time.monotonic() + timeout_s
     while time.monotonic() - last_news < quiet_s and time.monotonic() < deadline:
-        news = client.take_completions()
+        news = client.reads.take_completions()
         if news:
             seen.update((c.request_id, c) for c in news)
             last_news = time.monotonic()
@@ -52,9 +52,9 @@ def decode(cluster, request):
         client.reads_socket_path = None
     try:
         client.reconnect_reads()
-        assert isinstance(client._stream, ReadsSocketStream) == (request.param == "socket")
+        assert isinstance(client.reads._stream, ReadsSocketStream) == (request.param == "socket")
         _settled_completions(client)  # completions of raw streams before, sent again
-        client.submit_reads([])  # acks them
+        client.reads.submit_reads([])  # acks them
         yield client
     finally:
         client.reads_socket_path = socket_path
@@ -162,7 +162,7 @@ def test_a_client_that_stops_reading_is_bounded_and_loses_nothing(cluster, decod
     assert code == C.RESOURCE_EXHAUSTED and "max_reads_per_engine" in details, (code, details)
     assert len(got) <= 2 * MAX_READS  # what the daemon kept for this engine is bounded too
     decode.reconnect_reads()  # the client never saw these: all come again, once
-    last = decode.wait_completion(got[-1].request_id, 5.0)  # the last one the quiet stream saw comes again
+    last = decode.reads.wait_completion(got[-1].request_id, 5.0)  # the last one the quiet stream saw comes again
     # wait_completion took it from the client: count it with the rest. Reads sent after the stream ended never ran.
     seen = {last.request_id: last, **_settled_completions(decode)}
     assert set(seen) <= {r.request_id for r in requests} and len(seen) >= len(got)
@@ -186,18 +186,18 @@ def test_a_broken_stream_loses_and_duplicates_no_completion(cluster, decode):
     for i in range(0, len(requests), 4):
         # At most two batches of 4 outstanding (MAX_READS is 8): on a loaded machine reads finish
         # late, and a third batch would be refused rather than test the broken stream.
-        got.update((r.request_id, decode.wait_completion(r.request_id, 10.0)) for r in (requests[i - 8:i - 4] if i >= 8 else ()))
-        decode.submit_reads([_spec(cluster, r) for r in requests[i:i + 4]])  # acks what came
+        got.update((r.request_id, decode.reads.wait_completion(r.request_id, 10.0)) for r in (requests[i - 8:i - 4] if i >= 8 else ()))
+        decode.reads.submit_reads([_spec(cluster, r) for r in requests[i:i + 4]])  # acks what came
         if i == 12:
-            decode._stream.cancel()  # the transport breaks under the engine
+            decode.reads._stream.cancel()  # the transport breaks under the engine
             time.sleep(0.05)
             decode.reconnect_reads()  # unacked completions come again; pending reads are resent, marked
         time.sleep(0.01)
-    got.update((r.request_id, decode.wait_completion(r.request_id, 10.0)) for r in requests if r.request_id not in got)
+    got.update((r.request_id, decode.reads.wait_completion(r.request_id, 10.0)) for r in requests if r.request_id not in got)
     completions = [got[r.request_id] for r in requests]
     assert all(c.ok for c in completions), [c.error for c in completions if not c.ok]
     assert len({c.seq for c in completions}) == len(requests)
-    assert decode.take_completions() == []  # nothing extra arrived: no read ran twice
+    assert decode.reads.take_completions() == []  # nothing extra arrived: no read ran twice
     _check_bytes(cluster, requests)
     for event in (e for r in requests for e in cluster.hold_events(r)):
         assert event is not None and event.kind == pb.NotifyEvent.CONSUMED
@@ -213,7 +213,7 @@ def test_the_end_of_a_replaced_stream_never_lands_on_the_next(cluster, decode):
         assert next(iter(call)).completions  # it took over: the client's stream is ending now
         call.cancel()
         decode.reconnect_reads()
-        assert not decode.wait_completion(f"swap{n}", 5.0).ok  # unacked, so sent again on the new stream
+        assert not decode.reads.wait_completion(f"swap{n}", 5.0).ok  # unacked, so sent again on the new stream
         time.sleep(0.02)
-        assert decode.stream_error is None, n
-        decode.submit_reads([])  # acks it
+        assert decode.reads.stream_error is None, n
+        decode.reads.submit_reads([])  # acks it

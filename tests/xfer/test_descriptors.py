@@ -7,7 +7,7 @@ from kvxferd.plan.engine import EngineTransferPlan
 from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.holder import HolderThread
+from kvxferd.verify.holderthread import HolderThread
 
 
 # hybrid from TP 2: each prefill rank fills half of every decode block, so nothing merges.

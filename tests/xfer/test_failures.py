@@ -12,7 +12,7 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.holder import HolderThread
+from kvxferd.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
 
 PREFILL_GROUPS, DECODE_GROUPS = model_groups("hybrid", ModelShape(num_layers=2))

@@ -137,7 +137,7 @@ class WorkerSide:
             else:
                 self._releasing.add(order.request_id)
         if specs:
-            self.client.submit_reads(specs)
+            self.client.reads.submit_reads(specs)
 
     def _spec(self, order: ReadOrder):
         if order.remote is None:
@@ -165,7 +165,7 @@ class WorkerSide:
             return out
         self._follow_registration()
         now = time.monotonic()
-        lost = self.client.take_lost()
+        lost = self.client.reads.take_lost()
         self._releasing -= lost  # their holds end with the lost registration or their lease
         for request_id in lost & self._reading.keys():  # in flight when the daemon went away
             self.stats.record_failed_read("lost", now - self._reading.pop(request_id))
@@ -175,7 +175,7 @@ class WorkerSide:
             out.finished_recving.add(request_id)
             out.failed_recving.add(request_id)
         self._failed_now.clear()
-        for completion in self.client.take_completions():
+        for completion in self.client.reads.take_completions():
             submitted = self._reading.pop(completion.request_id, None)
             if submitted is None:
                 if completion.request_id in self._releasing and not completion.ok:

@@ -30,10 +30,10 @@ from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferErro
                             ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.dataplane import DataPlane
-from kvxferd.service.fdpass import FdInbox
-from kvxferd.service.memory import ShmOpeners, open_region, populate
-from kvxferd.service.slots import EngineSlot
+from kvxferd.service.reads.dataplane import DataPlane
+from kvxferd.service.engines.fdpass import FdInbox
+from kvxferd.service.engines.memory import ShmOpeners, open_region, populate
+from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.agent import NixlAgent, collect_agents
 from kvxferd.xfer.holder import Holder
@@ -236,7 +236,7 @@ class Registry:
         holder = Holder(agent, self.max_holds, self.max_hold_s)
         slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
         slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need
-        slot.notices_metadata = executor.notices.metadata()
+        slot.notices_metadata = executor.notices_metadata()
         slot.heartbeat()
         return slot
 

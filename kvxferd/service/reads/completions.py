@@ -17,8 +17,9 @@ Two kinds of stream:
   the engine acks them (``ReadBatch.ack_seq``); a new stream after a broken
   one sends every unacked completion again, so none is lost, and the engine
   drops the seqs it already has, so none is seen twice.
-* ``WatchCompletions`` (:meth:`CompletionFeed.stream`): a completion counts
-  as acked once handed to gRPC (the simple, at-most-once path).
+* ``WatchCompletions`` (:meth:`CompletionFeed.stream`): the same batches,
+  one completion each, acked as it is handed to gRPC (the simple,
+  at-most-once path).
 
 * The reads socket (:meth:`CompletionFeed.pump` with a sink): as ``Reads``,
   and the data-plane thread may number and write an ok read's completion
@@ -54,7 +55,7 @@ class StreamReplaced(Exception):
 
 
 class CompletionSink(Protocol):
-    """Where :meth:`CompletionFeed.pump` writes: a session's socket (``service/readsock.py``)."""
+    """Where :meth:`CompletionFeed.pump` writes: a session's socket (``service/reads/readsock.py``)."""
 
     @property
     def writable(self) -> bool:
@@ -172,18 +173,11 @@ class CompletionFeed:
         return True
 
     async def stream(self) -> AsyncIterator[pb.Completion]:
-        """Take completions in order until :meth:`close` (each acked as it is handed over)."""
-        me = self._take_over()
-        try:
-            while True:
-                while self._queued and self._current is me:
-                    with self._lock:
-                        completion = self._forget(self._queued.popleft())
-                    yield completion
-                if not await self._wait(me):
-                    return
-        finally:
-            self._leave(me)
+        """``WatchCompletions``: :meth:`batches` one completion at a time, each acked as it is handed over
+        (at most once), until :meth:`close`."""
+        async for batch in self.batches(1):
+            self.ack(batch[0].seq)
+            yield batch[0]
 
     def poke(self) -> None:
         """Wake the current stream (its ``should_stop`` may have turned true)."""

@@ -25,10 +25,10 @@ import grpc
 from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.service.dataplane import DataPlane
+from kvxferd.service.reads.dataplane import DataPlane
 from kvxferd.service.metrics import Metrics
-from kvxferd.service.slots import EngineSlot
-from kvxferd.service.tls import TlsFiles
+from kvxferd.service.engines.slots import EngineSlot
+from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import peer_metadata
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.reads import RemoteEngine

@@ -54,18 +54,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvxferd.errors import KvxferError, PermissionDeniedError
-from kvxferd.plan.engine import PlannedRead, ReadRequest
 from kvxferd.plan.leases import HoldEnd
-from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.slots import ActiveRead, EngineSlot
-from kvxferd.wire.messages import ids_to_pb
+from kvxferd.service.reads.read import Read, ReadState
+from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.osthreads import name_this_thread
-from kvxferd.xfer.reads import POLL_MIN_S, InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.reads import POLL_MIN_S, ReadFailure
 from kvxferd.xfer.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")
@@ -81,84 +79,23 @@ INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before h
 _DROPPED = {NoticeEvent.FOREIGN: "foreign", NoticeEvent.BAD: "malformed", NoticeEvent.UNSEALED: "unsealed"}
 
 
-@dataclass(eq=False)
-class DaemonRead:
-    """A submitted read from its post to its end."""
+@dataclass(frozen=True, eq=False)
+class _Call:
+    """A command for the thread: run ``fn`` there, its outcome on ``future`` (:meth:`DataPlane.call`)."""
 
-    slot: EngineSlot
-    remote: RemoteEngine
-    planned: PlannedRead | None  # None: planned on this thread when it starts (a large read of a batch)
-    submitted_s: float  # perf_counter when the RPC arrived
-    deadline_s: float  # perf_counter
-    inflight: InFlightRead | None = None
-    queued_s: float = 0.0  # planned and handed to NIXL's post (post_now), or to this thread (submit)
-    posted_s: float = 0.0
-    transfer: ReadResult | None = None
-    request: ReadRequest | None = None  # planned.request when planned is given
-    refusal: KvxferError | None = None  # planning on this thread refused it: nothing was posted
-    active: ActiveRead | None = None  # the loop's record of it (slot.active)
-    sealed_for: RemoteEngine | None = None  # the link whose hold keys its capabilities were checked against
-
-    def __post_init__(self) -> None:
-        if self.request is None:
-            self.request = self.planned.request
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass(eq=False)
-class ReadDone:
-    """A finished read as the engine will see it."""
-
-    slot: EngineSlot
-    result: ReadResult
-    post_s: float  # submit -> every rank posted
-    done_unix_s: float
-    failure: ReadFailure  # NONE when ok
-    plan_s: float = 0.0  # submit -> posting began (on the loop, or handed to the data-plane thread)
-    transfer_s: float = 0.0  # posted -> every transfer ended
-    check_s: float = 0.0  # transfers ended -> board checks in
-    refusal: KvxferError | None = None  # refused when planned on the data-plane thread (nothing posted)
-    active: ActiveRead | None = None
-    delivered: bool = False  # its completion was written straight to the engine's session (deliver_now)
-
-    def completion(self) -> pb.Completion:
-        """The engine's completion of it (not of a refusal: ReadPath.refuse)."""
-        result = self.result
-        return pb.Completion(
-            request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
-            num_descriptors=result.num_descriptors, duration_s=result.duration_s,
-            invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
-            post_s=self.post_s, done_unix_s=self.done_unix_s, failed_ranks=result.failed_ranks,
-            plan_s=self.plan_s, transfer_s=self.transfer_s, check_s=self.check_s)
-
-    def deliver_now(self) -> bool:
-        """An ok read's completion written to the engine's session now, from whichever thread ended it,
-        when that session can take it in order (a reads socket that sent everything before); the loop
-        does the bookkeeping later. Failed reads go through the loop, which marks their link stale
-        before the engine can retry."""
-        if self.delivered or not self.result.ok or self.refusal is not None:
-            return self.delivered
-        if self.active is not None:
-            self.active.delivered = True  # the engine may reuse the id at once: the loop must not refuse it
-        self.delivered = self.slot.completions.put_direct(self.completion())
-        if self.active is not None:
-            self.active.delivered = self.delivered
-        return self.delivered
+    fn: Callable[[], object]
+    future: concurrent.futures.Future
 
 
 class DataPlane:
     """The thread; start with :meth:`start`, stop with :meth:`stop`."""
 
-    def __init__(self, on_reads_done: Callable[[list[ReadDone]], None],
+    def __init__(self, on_reads_done: Callable[[list[Read]], None],
                  on_hold_events: Callable[[list[tuple[EngineSlot, HoldEnd]]], None], *,
                  interval_s: float = HOLD_POLL_S, notice_interval_s: float = NOTICE_HOLD_POLL_S,
                  metrics=None) -> None:
         self._on_reads_done = on_reads_done
-        self._finished: list[ReadDone] = []  # this round's, handed over together
-        self._unnotified: list[DaemonRead] = []  # this round's finished reads: notices after the hand-over
+        self._finished: list[Read] = []  # this round's ended reads, handed over together
         self._on_hold_events = on_hold_events
         self._hold_events: list[tuple[EngineSlot, HoldEnd]] = []  # this round's
         self._metrics = metrics
@@ -172,8 +109,8 @@ class DataPlane:
         self._notices_active = False  # some notice agent was polled in the last polling round
         self._idle = False  # this thread sleeps IDLE_POLL_S (or until woken): notices_sent() wakes it
         self._notices_polled_s = 0.0  # perf_counter of the last polling round
-        self._reads: list[DaemonRead] = []
-        self._commands: collections.deque = collections.deque()
+        self._reads: list[Read] = []  # posted, owned by this thread until handed back ended
+        self._commands: collections.deque[Read | _Call] = collections.deque()
         self._wake = Waker()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
@@ -195,17 +132,18 @@ class DataPlane:
         """Reads queued or in flight (read from any thread: single-writer counters, no iteration)."""
         return self._num_submitted - self._num_done - self._num_done_now
 
-    def submit(self, read: DaemonRead) -> None:
-        """Queue a planned read for posting (event-loop thread)."""
+    def submit(self, read: Read) -> None:
+        """Hand a read to this thread, which plans it if needed and posts it (event-loop thread)."""
         self._num_submitted += 1
         read.queued_s = time.perf_counter()
-        self._commands.append(("post", read))
+        self._commands.append(read)
         self._wake.set()
 
-    def post_now(self, read: DaemonRead) -> ReadDone | None:
-        """Post a small read on the calling thread (the event loop): its end when it ended within the post
+    def post_now(self, read: Read) -> bool:
+        """Post a small read on the calling thread (the event loop): True when it ended within the post
         (host memory: NIXL copies inside ``transfer()``) and INLINE_CHECK_WAIT_S of polling for its board
-        checks, else None and this thread polls it. Saves the hop here and back (docs/benchmarks.md).
+        checks; else False, and it is this thread's from now on. Saves the hop here and back
+        (docs/benchmarks.md).
 
         The caller keeps it to reads of at most INLINE_MAX_BYTES: the copy blocks the loop meanwhile.
         Everything happens under the executor's lock, which a re-handshake or a deregistration takes
@@ -215,22 +153,20 @@ class DataPlane:
         read.queued_s = time.perf_counter()
         executor = read.slot.executor
         with executor.lock:
-            if (failure := self._start(read)) is not ReadFailure.NONE:
-                self._num_done_now += 1
-                return self._ended(read, read.transfer, failure)
-            inflight = read.inflight
-            wait_until_s = time.perf_counter() + INLINE_CHECK_WAIT_S
-            while inflight.result is None and not inflight.handles and time.perf_counter() < wait_until_s:
-                executor.poll(inflight, notify=False)  # the data is in, its checks not yet: a few µs (bench floors)
-            if inflight.result is None:
-                self._reads.append(read)  # list.append is atomic; this thread polls it from now on
-                self._wake.set()
-                return None
+            if self._start(read):
+                inflight = read.inflight
+                wait_until_s = time.perf_counter() + INLINE_CHECK_WAIT_S
+                while inflight.result is None and not inflight.handles and time.perf_counter() < wait_until_s:
+                    executor.poll(inflight, notify=False)  # the data is in, its checks not yet: a few µs (bench floors)
+                if inflight.result is None:
+                    self._reads.append(read)  # list.append is atomic; this thread polls it from now on
+                    self._wake.set()
+                    return False
+                read.end(inflight.result, inflight.result.failure)
         self._num_done_now += 1
-        read.transfer = inflight.result
-        return self._ended(read, read.transfer, read.transfer.failure)
+        return True
 
-    def send_notices(self, read: DaemonRead) -> None:
+    def send_notices(self, read: Read) -> None:
         """The holders' notices of a read that ended in :meth:`post_now` (event-loop thread), once its
         completion was handed on: the engine does not wait for the holders' bookkeeping."""
         if read.inflight is None:
@@ -255,7 +191,7 @@ class DataPlane:
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn`` on the data-plane thread (connect, close); returns its future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.append(("call", (fn, future)))
+        self._commands.append(_Call(fn, future))
         self._wake.set()
         return future
 
@@ -278,9 +214,8 @@ class DataPlane:
         """Abort a slot's reads (of one remote engine, or all) before their memory or lists go; call with
         the slot's ``executor.lock`` held up to that release, so no read is posted on the loop meanwhile."""
         for read in list(self._reads):
-            if read.slot is slot and remote_engine_id in (None, read.remote.plan.remote_engine_id):
-                read.transfer = slot.executor.abort(read.inflight, reason)
-                self._finish(read, ReadFailure.ABORTED)
+            if read.slot is slot and remote_engine_id in (None, read.remote_engine_id):
+                self._finish(read, slot.executor.abort(read.inflight, reason), ReadFailure.ABORTED)
 
     def remove_slot(self, slot: EngineSlot, reason: str) -> None:
         """Fail the slot's reads, disconnect its remotes and deregister its memory."""
@@ -322,109 +257,91 @@ class DataPlane:
     def _run_commands(self) -> bool:
         busy = False
         while self._commands:
-            kind, item = self._commands.popleft()
+            command = self._commands.popleft()
             busy = True
-            if kind == "post":
-                if (failure := self._start(item)) is ReadFailure.NONE:
-                    self._reads.append(item)
+            if isinstance(command, Read):
+                if self._start(command):
+                    self._reads.append(command)
                 else:
-                    self._deliver(item, item.transfer, failure)
+                    self._deliver(command)
                 continue
-            fn, future = item
             try:
-                value = fn()
+                value = command.fn()
             except BaseException as err:  # handed to the caller
                 self._flush_finished()
-                future.set_exception(err)
+                command.future.set_exception(err)
             else:
                 self._flush_finished()  # reads that call failed reach the loop before the caller goes on
-                future.set_result(value)
+                command.future.set_result(value)
         return busy
 
     def _flush_finished(self) -> None:
         if self._finished:
             finished, self._finished = self._finished, []
-            for done in finished:  # before the hop to the loop, which they no longer wait for
-                done.deliver_now()
+            for read in finished:  # before the hop to the loop, which they no longer wait for
+                read.complete(queue=False)
             self._on_reads_done(finished)
-        if self._unnotified:  # after the hand-over: the completions do not wait for the notices
-            unnotified, self._unnotified = self._unnotified, []
-            for read in unnotified:
-                read.slot.executor.send_notices(read.inflight)
+            for read in finished:  # after the hand-over: the completions do not wait for the notices
+                if read.inflight is not None:
+                    read.slot.executor.send_notices(read.inflight)
         if self._hold_events:
             events, self._hold_events = self._hold_events, []
             self._on_hold_events(events)
 
     @staticmethod
-    def _start(read: DaemonRead) -> ReadFailure:
-        """Plan a read handed over unplanned, then post on the engine's current link (either thread). Bad
-        ids are REFUSED (``read.refusal``) before any I/O. A read whose deadline passed before it could
-        be posted fails as DEADLINE with nothing posted (the engine was promised an answer by then;
-        under a backlog this sheds what nobody waits for any more); a remote that is gone, REMOTE_GONE.
-        Either way ``read.transfer`` holds the failed result."""
+    def _start(read: Read) -> bool:
+        """Plan a read handed over unplanned, then post it on the engine's current link (either thread);
+        False when it ended instead, with nothing posted. Bad ids are refused (``read.refusal``) before
+        any I/O. A read whose deadline passed before it could be posted fails as DEADLINE (the engine was
+        promised an answer by then; under a backlog this sheds what nobody waits for any more); a remote
+        that is gone, REMOTE_GONE."""
         if read.planned is None:
             try:
                 read.planned = read.remote.plan.plan_request(read.request)
             except KvxferError as err:
-                read.refusal = err
-                read.transfer = error_result(read, str(err))
-                return ReadFailure.REFUSED
+                read.end_unposted(str(err), ReadFailure.REFUSED, refusal=err)
+                return False
             read.queued_s = time.perf_counter()  # the plan stage ends here, as on the loop
         if time.perf_counter() >= read.deadline_s:
-            read.transfer = error_result(read, "deadline: it passed before the read could be posted")
-            return ReadFailure.DEADLINE
+            read.end_unposted("deadline: it passed before the read could be posted", ReadFailure.DEADLINE)
+            return False
         try:
             read.remote, read.planned, read.inflight = read.slot.executor.post_current(
-                read.remote, read.planned, read.submitted_s, notify=False, sealed_for=read.sealed_for)
+                read.remote, read.planned, read.received_s, notify=False, sealed_for=read.sealed_for)
         except PermissionDeniedError as err:  # not sealed by the holders it would read from: refused
-            read.refusal = err
-            read.transfer = error_result(read, str(err))
-            return ReadFailure.REFUSED
+            read.end_unposted(str(err), ReadFailure.REFUSED, refusal=err)
+            return False
         except KvxferError as err:
-            read.transfer = error_result(read, str(err))
-            return ReadFailure.REMOTE_GONE
+            read.end_unposted(str(err), ReadFailure.REMOTE_GONE)
+            return False
         read.posted_s = read.inflight.posted_s  # before the first poll, which may see the transfer end
-        return ReadFailure.NONE
+        read.state = ReadState.POSTED
+        return True
 
     def _advance_reads(self) -> bool:
         busy = False
         now = time.perf_counter()
         for read in list(self._reads):
             step = read.inflight.step
-            read.transfer = read.slot.executor.poll(read.inflight, notify=False)
+            result = read.slot.executor.poll(read.inflight, notify=False)
             busy |= read.inflight.step != step  # a rank's data came in: its check is posted, poll again soon
-            if read.transfer is None and now >= read.deadline_s:
-                read.transfer = read.slot.executor.abort(read.inflight, "deadline: the transfer or its board check "
-                                                         "did not end in time", ReadFailure.DEADLINE)
-            if read.transfer is not None:
-                self._finish(read, read.transfer.failure)
+            if result is None and now >= read.deadline_s:
+                result = read.slot.executor.abort(read.inflight, "deadline: the transfer or its board check did "
+                                                  "not end in time", ReadFailure.DEADLINE)
+            if result is not None:
+                self._finish(read, result, result.failure)
                 busy = True
         return busy
 
-    def _finish(self, read: DaemonRead, failure: ReadFailure) -> None:
+    def _finish(self, read: Read, result, failure: ReadFailure) -> None:
         self._reads.remove(read)
-        self._deliver(read, read.transfer, failure)
+        read.end(result, failure)
+        self._deliver(read)
 
-    def _deliver(self, read: DaemonRead, result: ReadResult, failure: ReadFailure) -> None:
+    def _deliver(self, read: Read) -> None:
         """A read ended on this thread: handed to the loop with the round's others."""
         self._num_done += 1
-        self._finished.append(self._ended(read, result, failure))
-        if read.inflight is not None:
-            self._unnotified.append(read)
-
-    @staticmethod
-    def _ended(read: DaemonRead, result: ReadResult, failure: ReadFailure) -> ReadDone:
-        now = time.perf_counter()
-        post_s = read.posted_s - read.submitted_s if read.posted_s else 0.0
-        result = replace(result, duration_s=now - read.submitted_s)  # includes the board checks
-        stages = {}
-        if read.posted_s:
-            stages["plan_s"] = read.queued_s - read.submitted_s
-            transferred_s = read.inflight.transferred_s if read.inflight is not None else 0.0
-            if transferred_s:
-                stages.update(transfer_s=transferred_s - read.posted_s, check_s=now - transferred_s)
-        return ReadDone(read.slot, result, post_s, time.time(), failure, **stages, refusal=read.refusal,
-                        active=read.active)
+        self._finished.append(read)
 
     # ---- notices ----------------------------------------------------------------------
     def _poll_notifications(self) -> bool:
@@ -465,20 +382,10 @@ class DataPlane:
             self._notices_active = True
             if now - seen[2] >= NOTICE_POLL_S:
                 self._notices_seen[id(slot)] = (sent, seen[1], now)
-                slot.executor.notices.poll_notifications()
+                slot.executor.progress_notices()
         elif now - seen[2] >= IDLE_POLL_S / 2:
             # Long after the last notice, still on every idle round: a notice whose connection took longer
             # than the window to set up (its holder busy or stopped) would otherwise wait for the next
             # notice of this agent, maybe forever, and its hold would end EXPIRED instead of CONSUMED.
             self._notices_seen[id(slot)] = (sent, seen[1], now)
-            slot.executor.notices.poll_notifications()
-
-
-def error_result(read: DaemonRead, error: str) -> ReadResult:
-    """A read that failed with nothing posted: every block it was planned to write is invalid (none
-    when it was refused before being planned)."""
-    everything = tuple(range(len(read.remote.agent_names)))
-    invalid = read.planned.invalid_block_ids(everything) if read.planned is not None else ()
-    return ReadResult(read.request_id, read.remote.plan.remote_engine_id, False, 0, 0,
-                      time.perf_counter() - read.submitted_s, invalid, everything, error)
-
+            slot.executor.progress_notices()

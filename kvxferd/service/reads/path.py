@@ -1,4 +1,4 @@
-"""A read inside the daemon, from the engine's submit to its completion (event-loop side).
+"""The read path on the event loop: a read from the engine's submit to its completion.
 
 ::
 
@@ -14,14 +14,15 @@
       ─► larger (SubmitRead): the data-plane thread posts it
       ─► link stale: re-handshake, plan again, post
     an ok read that ended on the data-plane thread, its engine on the reads socket:
-      ─► Completion numbered, queued and written by that thread (ReadDone.deliver_now)
+      ─► Completion numbered, queued and written by that thread (Read.complete)
     done (a list per data-plane round, one hop back to the loop)
       a failed transfer marks the link stale (the next read re-handshakes)
       ─► Completion numbered and queued on the engine's feed (on the reads socket also
          written at once), unless the thread wrote it; then the metrics
 
 A read refused in a ``Reads`` batch becomes a completion too (``refused_code``),
-so the engine learns about every read it sent on the same stream.
+so the engine learns about every read it sent on the same stream. The read
+itself, its states and who may advance it: service/reads/read.py.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, Pe
 from kvxferd.plan.capability import check_read_capabilities, sealed_by_other_keys
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.dataplane import INLINE_MAX_BYTES, DaemonRead, ReadDone, error_result
-from kvxferd.service.slots import ActiveRead, EngineSlot
+from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
+from kvxferd.service.reads.read import Read, ReadState
+from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.status import status_code
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
 from kvxferd.xfer.reads import ReadFailure
@@ -71,11 +73,11 @@ class ReadPath:
         daemon = self.daemon
         config = daemon.config
         daemon.registry.check_accepting()
-        active = slot.active.get(request.request_id)
-        if active is not None and not active.delivered:
+        earlier = slot.reads.get(request.request_id)
+        if earlier is not None and earlier.state is not ReadState.DELIVERED:
             raise InvalidArgumentError("request_id", f"request {request.request_id!r} is already in flight")
         limit = config.max_reads_per_engine
-        if len(slot.active) + len(slot.completions) >= limit:
+        if len(slot.reads) + len(slot.completions) >= limit:
             raise ResourceExhaustedError("max_reads_per_engine", f"{limit} reads are in flight or not acked yet")
         link = slot.links.get(remote_engine_id)
         if link is None or link.remote is None:
@@ -102,17 +104,15 @@ class ReadPath:
             raise PermissionDeniedError("remote_capabilities", "sealed by a registration of the remote engine "
                                         "that this daemon's handshake does not know (a restarted holder is "
                                         "picked up within a second)")
-        active = slot.active[request.request_id] = ActiveRead(remote_engine_id, request.remote_request_id,
-                                                              time.monotonic(), verified=verified)
-        read = DaemonRead(slot, link.remote, planned, received_s, deadline_at_s, request=request, active=active,
-                          sealed_for=link.remote if verified else None)
+        read = slot.reads[request.request_id] = Read(
+            slot, remote_engine_id, request, link.remote, received_s, deadline_at_s, planned,
+            sealed_for=link.remote if verified else None)
         if plan_there:
             daemon.dataplane.submit(read)
         elif link.ready and planned.num_bytes <= self._inline_left:
             self._inline_left -= planned.num_bytes
-            done = daemon.dataplane.post_now(read)  # small: posted here, most often ended here too
-            if done is not None:
-                self.done([done])
+            if daemon.dataplane.post_now(read):  # small: posted here, most often ended here too
+                self.done([read])
                 # After the loop's next step, which writes the completion (the engine does not wait for them).
                 asyncio.get_running_loop().call_soon(daemon.dataplane.send_notices, read)
         elif link.ready:
@@ -139,13 +139,13 @@ class ReadPath:
         slot.completions.ack(batch.ack_seq)
         self.begin_batch()
         for spec in batch.reads:
-            if spec.resend and (spec.request_id in slot.active or slot.completions.has(spec.request_id)):
+            if spec.resend and (spec.request_id in slot.reads or slot.completions.has(spec.request_id)):
                 continue  # the first send arrived; its completion is on its way
             try:
                 self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s,
                             plan_here=False)
             except KvxferError as err:
-                if len(slot.active) + len(slot.completions) >= 2 * config.max_reads_per_engine:
+                if len(slot.reads) + len(slot.completions) >= 2 * config.max_reads_per_engine:
                     # Even refusals are not read: end the session instead of queueing more.
                     raise ResourceExhaustedError("max_reads_per_engine", "the engine does not read its "
                                                  "completions (reconnect and ack them)") from None
@@ -157,7 +157,7 @@ class ReadPath:
         slot.completions.put(pb.Completion(request_id=request_id, ok=False, error=str(err),
                                            refused_code=status_code(err).value[0], done_unix_s=time.time()))
 
-    async def _submit_after_handshake(self, read: DaemonRead, link) -> None:
+    async def _submit_after_handshake(self, read: Read, link) -> None:
         """Re-handshake a stale link, then post; a failed handshake fails the read.
 
         The read's deadline bounds the wait: a handshake with a dead peer can
@@ -179,38 +179,36 @@ class ReadPath:
             return
         self.daemon.dataplane.submit(read)
 
-    def _fail(self, read: DaemonRead, error: str, failure: ReadFailure) -> None:
+    def _fail(self, read: Read, error: str, failure: ReadFailure) -> None:
         """A read that ends before anything was posted: every block invalid."""
-        self.done([ReadDone(read.slot, error_result(read, error), 0.0, time.time(), failure, active=read.active)])
+        read.end_unposted(error, failure)
+        self.done([read])
 
-    def done(self, finished: list[ReadDone]) -> None:
-        """Completions of a round of finished reads (event-loop thread)."""
+    def done(self, finished: list[Read]) -> None:
+        """The books of a round of ended reads, and the completions nobody wrote yet (event-loop thread)."""
         m = self.daemon.metrics
-        for done in finished:
-            result, slot = done.result, done.slot
-            if done.active is None or slot.active.get(result.request_id) is done.active:
-                slot.active.pop(result.request_id, None)  # not a later read the engine sent under its id
-            if done.refusal is not None:  # planned on the data-plane thread, refused there: nothing was posted
-                self.refuse(slot, result.request_id, done.refusal)
-                continue
-            if not result.ok:
-                link = slot.links.get(result.remote_engine_id)
-                if link is not None and done.failure in STALE_LINK_FAILURES:
+        for read in finished:
+            slot = read.slot
+            if slot.reads.get(read.request_id) is read:
+                del slot.reads[read.request_id]  # (not a later read the engine sent under its id)
+            if not read.result.ok and read.failure in STALE_LINK_FAILURES:
+                link = slot.links.get(read.remote_engine_id)
+                if link is not None:
                     link.stale = True  # the next read re-handshakes (and picks up a restarted peer)
             # Written by the data-plane thread already, or now when the engine's reads socket can take it
             # (no wait for the sender task's turn); else queued for the engine's stream.
-            if not done.deliver_now():
-                slot.completions.put(done.completion())
-        for done in finished:  # after the writes: the engine does not wait for the metrics
-            result = done.result
-            if done.refusal is not None:
+            read.complete(queue=True)
+        for read in finished:  # after the writes: the engine does not wait for the metrics
+            result = read.result
+            if read.refusal is not None:  # refused with nothing posted (planned on the data-plane thread)
+                m.read_failures.labels(ReadFailure.REFUSED.value).inc()
                 continue
             m.read_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
-            if done.post_s:
-                m.read_post.observe(done.post_s)
+            if read.post_s:
+                m.read_post.observe(read.post_s)
             m.read_descriptors.observe(result.num_descriptors)
             m.read_bytes.inc(result.num_bytes)
             if not result.ok:
-                m.read_failures.labels((done.failure or ReadFailure.TRANSFER).value).inc()
-                if done.failure is ReadFailure.STALE:
+                m.read_failures.labels((read.failure or ReadFailure.TRANSFER).value).inc()
+                if read.failure is ReadFailure.STALE:
                     m.stale_reads.inc()

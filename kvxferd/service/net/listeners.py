@@ -11,7 +11,7 @@ import socket
 
 import grpc
 
-from kvxferd.service.tls import TlsFiles
+from kvxferd.service.peers.tls import TlsFiles
 
 
 class StartupError(Exception):

@@ -31,10 +31,10 @@ from kvxferd.plan.engine import notifying_readers
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.service.completions import COMPLETIONS_PER_BATCH, StreamReplaced
-from kvxferd.service.holding import lease_seconds, place_hold
+from kvxferd.service.reads.completions import COMPLETIONS_PER_BATCH, StreamReplaced
+from kvxferd.service.engines.holding import lease_seconds, place_hold
 from kvxferd.service.status import error_status, status_code
-from kvxferd.service.tls import authorize_peer, peer_identities
+from kvxferd.service.peers.tls import authorize_peer, peer_identities
 from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
 from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerauth import PEER_TOKEN_KEY, check_peer_token

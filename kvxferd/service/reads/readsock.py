@@ -40,10 +40,10 @@ from google.protobuf.message import DecodeError
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedError, UnavailableError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.completions import COMPLETIONS_PER_BATCH
-from kvxferd.service.framewriter import FrameWriter
-from kvxferd.service.holding import place_hold
-from kvxferd.service.localsock import credentials_allowed, restrict_socket, socket_umask
+from kvxferd.service.reads.completions import COMPLETIONS_PER_BATCH
+from kvxferd.service.reads.framewriter import FrameWriter
+from kvxferd.service.engines.holding import place_hold
+from kvxferd.service.net.localsock import credentials_allowed, restrict_socket, socket_umask
 from kvxferd.wire.owner import peer_credentials
 from kvxferd.service.status import error_status, status_code
 from kvxferd.wire.frames import FrameReader, encode_frame

@@ -17,7 +17,7 @@ from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
 
 if TYPE_CHECKING:
     from kvxferd.service.parts import DaemonParts
-    from kvxferd.service.slots import EngineSlot
+    from kvxferd.service.engines.slots import EngineSlot
 
 
 def check_block_ids(lists, slot: "EngineSlot", field: str) -> tuple[np.ndarray, ...]:

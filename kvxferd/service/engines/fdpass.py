@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.localsock import credentials_allowed
+from kvxferd.service.net.localsock import credentials_allowed
 from kvxferd.wire.names import FD_ANSWER_MAX_BYTES
 from kvxferd.wire.owner import peer_credentials
 from kvxferd.xfer.osthreads import name_this_thread
@@ -71,21 +71,20 @@ class FdInbox:
                 return
             with conn:
                 try:
-                    reason = self._receive(conn)
+                    self._receive(conn)
                 except OSError:  # timed out, reset, or gone before our answer: its fds were closed
-                    reason = "io"
+                    self.on_refused("io")
                 except Exception:  # never let one client end the inbox
                     log.exception("fd socket: unexpected error")
-                    reason = "error"
-                if reason:
-                    self.on_refused(reason)
+                    self.on_refused("error")
 
-    def _receive(self, conn: socket.socket) -> str:
-        """Take one delivery; returns a refusal reason ("" when accepted)."""
+    def _receive(self, conn: socket.socket) -> None:
+        """Take one delivery, or count and answer its refusal."""
         _pid, uid, gid = peer_credentials(conn)
         if not credentials_allowed(uid, gid, self.allowed_uids, self.group):
             log.warning("fd socket: refused a client", extra={"uid": uid})
-            return "uid"
+            self.on_refused("uid")
+            return
         conn.settimeout(self.recv_timeout_s)
         token_bytes, fds, flags, _addr = socket.recv_fds(conn, MAX_TOKEN_BYTES, self.max_fds)
         try:
@@ -94,7 +93,8 @@ class FdInbox:
             token = ""
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not token or not token.isprintable():
             _close(fds)
-            return _refuse(conn, "malformed", "not one printable token with at most max_fds_per_token fds")
+            self._refuse(conn, "malformed", "not one printable token with at most max_fds_per_token fds")
+            return
         self._expire()
         with self._lock:
             if token in self._fds or len(self._fds) >= self.max_tokens:
@@ -108,9 +108,19 @@ class FdInbox:
                 self.num_fds_waiting += len(fds)
         if refusal is not None:
             _close(fds)
-            return _refuse(conn, *refusal)
+            self._refuse(conn, *refusal)
+            return
         conn.sendall(b"ok")
-        return ""
+
+    def _refuse(self, conn: socket.socket, reason: str, limit: str) -> None:
+        """Count the refusal, then tell the client why (it may be gone already).
+
+        Counted first: a client that has read the answer finds the counter already moved."""
+        self.on_refused(reason)
+        try:
+            conn.sendall(f"refused: {limit}".encode()[:FD_ANSWER_MAX_BYTES])
+        except OSError:
+            pass
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -146,12 +156,3 @@ class FdInbox:
 def _close(fds) -> None:
     for fd in fds:
         os.close(fd)
-
-
-def _refuse(conn: socket.socket, reason: str, limit: str) -> str:
-    """Tell the client why its fds were refused (it may be gone already); returns ``reason``."""
-    try:
-        conn.sendall(f"refused: {limit}".encode()[:FD_ANSWER_MAX_BYTES])
-    except OSError:
-        pass
-    return reason

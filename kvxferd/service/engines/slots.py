@@ -1,7 +1,8 @@
 """One registered engine rank inside the daemon.
 
 A slot owns what the engine handed over (its mapped memory), the NIXL agent
-and executor that register that memory, the holder (holds of its requests,
+that registers that memory and the backend its reads take (``executor``:
+NIXL's ReadExecutor, behind the seam of ``xfer/backend.py``), the holder (holds of its requests,
 their board and the readers introduced to it) and the engine's completion
 queue. The event loop and the data-plane thread share it; ``holds`` is
 guarded by ``lock``, the executor's lists by ``executor.lock``, everything
@@ -13,28 +14,17 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.leases import HoldTable
-from kvxferd.service.completions import CompletionFeed
+from kvxferd.service.reads.completions import CompletionFeed
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.holder import Holder, Reader
-from kvxferd.xfer.reads import ReadExecutor
+from kvxferd.xfer.backend import ReadBackend
 
-
-@dataclass(eq=False)
-class ActiveRead:
-    """A read the engine submitted and has not been told about yet (loop side)."""
-
-    remote_engine_id: str
-    remote_request_id: str
-    submitted_s: float  # monotonic
-    # Its completion was written by the data-plane thread (ReadDone.deliver_now): the read is over for the
-    # engine, though the loop has not dropped this record yet. Set by that thread, read by the loop.
-    delivered: bool = False
-    # Its capabilities were checked at submit (else they wait for a re-handshake's new key): only a
-    # verified read keeps its holders' leases alive while it waits.
-    verified: bool = True
+if TYPE_CHECKING:
+    from kvxferd.service.reads.read import Read
 
 
 @dataclass(eq=False)
@@ -44,13 +34,15 @@ class EngineSlot:
     cache: EngineCache
     incarnation: str
     agent: NixlAgent
-    executor: ReadExecutor
+    executor: ReadBackend  # the data path its reads take (NIXL: xfer.reads.ReadExecutor)
     mapped: list  # MappedRegion / GPU mappings: closed after NIXL deregistration
     lease_s: float
     lease_expires_s: float  # monotonic; pushed back by heartbeats (loop side)
     holder: Holder  # its holds, their board (registered with ``agent``) and introduced readers
     completions: CompletionFeed = field(default_factory=CompletionFeed)  # loop side
-    active: dict[str, ActiveRead] = field(default_factory=dict)  # loop side, by request id
+    # Reads the engine submitted, by request id, until the loop kept their books (loop side; a read's
+    # state may be advanced meanwhile by the data-plane thread: service/reads/read.py).
+    reads: dict[str, Read] = field(default_factory=dict)
     links: dict = field(default_factory=dict)  # remote engine id -> RemoteLink (loop side)
     allowed_readers: frozenset[str] = frozenset()  # empty: any reader engine
     session: str = ""  # the engine's proof of identity on later calls

@@ -7,7 +7,7 @@ needed in the daemon):
   ``torch`` produces when it shares a CUDA storage) is opened with
   ``cudaIpcOpenMemHandle``; the region starts ``offset`` bytes in.
 * VMM: a POSIX fd exported with ``cuMemExportToShareableHandle`` arrives
-  over the fd socket (see :mod:`kvxferd.service.fdpass`), is imported with
+  over the fd socket (see :mod:`kvxferd.service.engines.fdpass`), is imported with
   ``cuMemImportFromShareableHandle`` and mapped into a reserved range.
 
 Without a CUDA driver both raise :class:`UnavailableError` naming the field;

@@ -27,7 +27,7 @@ the reader's copy, or in the holder's pages the reader's kernel pins): about
 :func:`populate` faults them all in at registration instead.
 
 GPU memory (CUDA IPC handles, CUDA VMM fds) is opened by
-:mod:`kvxferd.service.gpu`.
+:mod:`kvxferd.service.engines.gpu`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from kvxferd.plan.groups import RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service import gpu
+from kvxferd.service.engines import gpu
 
 SHM_DIR = pathlib.Path("/dev/shm")
 

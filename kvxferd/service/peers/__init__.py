@@ -1,0 +1,1 @@
+"""The daemon's other daemons: handshakes and links, mutual TLS."""

@@ -1,0 +1,84 @@
+"""The data-plane backend seam: what the daemon needs of whatever moves a read's bytes.
+
+::
+
+    service (ReadPath, DataPlane, Peers)          backend (one per local engine rank)
+    ────────────────────────────────────          ──────────────────────────────────────
+    handshake ─────────────── connect ──────────► prepare for a remote engine: its plan,
+                                                  lists, boards (RemoteEngine)
+              ◄──── start_probe / poll_probe ───  first transfer of a new connection
+    post a read ──────────── post_current ──────► capabilities, board check, data READs
+    poll it ─────────────────── poll / abort ───► ReadResult once every rank ended
+    after the completion ────── send_notices ───► tell each holder how it went
+    data-plane thread ───── progress_notices ───► keep notices moving (num_notices_sent)
+
+NIXL (:class:`kvxferd.xfer.reads.ReadExecutor`) is the backend today; a
+same-host copy path implements the same members. The service layer calls
+a slot's backend through these members only (``tests/xfer/test_backend.py``
+reads the service's source to check it), so a second backend changes
+neither the read's record, the session nor the books.
+
+``lock`` keeps a post apart from whatever releases prepared state
+(connect, disconnect, close): the event loop posts small reads while the
+data-plane thread polls the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvxferd.plan.board import BoardInfo
+from kvxferd.plan.engine import PlannedRead
+from kvxferd.plan.groups import EngineCache
+from kvxferd.xfer.reads import InFlightRead, ReadFailure, ReadResult, RemoteEngine
+
+
+class ReadBackend(Protocol):
+    """Reads into one local engine rank's registered cache, from remote engines' caches."""
+
+    lock: threading.RLock
+    num_notices_sent: int  # grows with every batch of notices sent: the data plane then makes progress
+
+    def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
+                boards: Sequence[BoardInfo] | None = None) -> RemoteEngine:
+        """Prepare reads from a remote engine (a cache, agent metadata and hold board per rank)."""
+
+    def disconnect(self, engine_id: str) -> None:
+        """Forget a remote engine and release what :meth:`connect` prepared."""
+
+    def is_current(self, remote: RemoteEngine) -> bool:
+        """False once ``remote`` was disconnected or replaced by a new connect."""
+
+    def start_probe(self, remote: RemoteEngine) -> object:
+        """Begin the first transfer of a new connection (its set-up cost paid here, not by a read)."""
+
+    def poll_probe(self, remote: RemoteEngine) -> dict[int, str] | None:
+        """None while the probe runs, then the error of each remote rank that did not answer."""
+
+    def abort_probe(self, remote: RemoteEngine, reason: str) -> None:
+        """Stop a probe still running."""
+
+    def post_current(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None, *,
+                     notify: bool = True, sealed_for: RemoteEngine | None = None
+                     ) -> tuple[RemoteEngine, PlannedRead, InFlightRead]:
+        """Post a planned read on the remote engine's current connection; typed errors, nothing posted."""
+
+    def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
+        """Advance a posted read; its result once every rank's transfer and board check ended."""
+
+    def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED) -> ReadResult:
+        """Stop a read still running and finish it as failed."""
+
+    def send_notices(self, inflight: InFlightRead) -> None:
+        """Tell every holder how a finished read went, once."""
+
+    def progress_notices(self) -> None:
+        """Let notices already sent go on (nothing arrives here)."""
+
+    def notices_metadata(self) -> bytes:
+        """How this rank introduces itself to holders as a reader (its notices' sender)."""
+
+    def close(self) -> None:
+        """Disconnect every remote engine and release the local registration."""
