@@ -27,17 +27,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import grpc
 
 from kvxferd.client.readsock import ReadsSocketError, ReadsSocketStream, hold_error
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvxferd.client.engine import EngineClient
 
 ACK_EVERY = 64  # completions received before an ack-only batch (acks ride on read batches otherwise)
 
@@ -53,6 +50,22 @@ class LostRead(TimeoutError):
     """A read's registration went away with it (its daemon restarted): no completion will come."""
 
 
+class Registration(Protocol):
+    """What a session needs of its engine client (:class:`kvxferd.client.engine.EngineClient`): the
+    current registration, the stub, the transport settings, and a thread that stops with the client."""
+
+    engine_id: str | None
+    session: str  # the registration's session (the reads socket's first frame carries it)
+    stub: object
+    reads_stream: bool
+    reads_socket_path: str | None
+    timeout_s: float
+    max_message_bytes: int
+    daemon_uid: int
+
+    def start_thread(self, target: Callable[[], None]) -> None: ...
+
+
 def _batches(first: pb.ReadBatch, outbox: queue.SimpleQueue):
     """What the Reads stream sends: the opening batch, then whatever is put in the outbox until None."""
     yield first
@@ -63,7 +76,7 @@ def _batches(first: pb.ReadBatch, outbox: queue.SimpleQueue):
 class ReadSession:
     """The reads and completions of one engine client's registrations (one transport at a time)."""
 
-    def __init__(self, client: "EngineClient") -> None:
+    def __init__(self, client: Registration) -> None:
         self.client = client  # its registration (engine id, session), stub and settings
         self._cond = threading.Condition()  # everything below; waits for completions and hold answers
         self._stream = None  # the current transport's stream (a ReadsSocketStream, or a gRPC call)

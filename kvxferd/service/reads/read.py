@@ -28,17 +28,24 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvxferd.errors import KvxferError
 from kvxferd.plan.engine import PlannedRead, ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.reads.completions import CompletionFeed
 from kvxferd.service.status import status_code
 from kvxferd.wire.messages import ids_to_pb
+from kvxferd.xfer.backend import ReadBackend
 from kvxferd.xfer.reads import InFlightRead, ReadFailure, ReadResult, RemoteEngine
 
-if TYPE_CHECKING:
-    from kvxferd.service.engines.slots import EngineSlot
+
+class ReadOwner(Protocol):
+    """The engine registration a read belongs to (service/engines/slots.py's EngineSlot): where its
+    completion goes, and the backend that moves its bytes."""
+
+    completions: CompletionFeed
+    executor: ReadBackend
 
 
 class ReadState(enum.Enum):
@@ -54,7 +61,7 @@ class ReadState(enum.Enum):
 class Read:
     """One read an engine submitted: its request, plan, transfer, result and timings."""
 
-    slot: "EngineSlot"
+    slot: ReadOwner
     remote_engine_id: str
     request: ReadRequest
     remote: RemoteEngine | None  # the link's connection it was accepted on (replaced by a re-handshake)
