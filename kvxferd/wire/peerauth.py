@@ -9,7 +9,7 @@ five-minute window::
     caller dials 127.0.0.1:P      token = HMAC-SHA256(secret, "kvxferd-peer-v2\0" + "127.0.0.1:P" + "\0" + window)
       (only if every listener        window = unix time // 300
        on P runs as its own uid     ──► daemon on 127.0.0.1:P: the token of its own address, this window or the
-       or root: /proc/net/tcp)            last? else UNAUTHENTICATED, before anything is looked up
+       or root: wire/listening.py)        last? else UNAUTHENTICATED, before anything is looked up
 
 Engines name the addresses a daemon dials (``Handshake.peer_addresses``),
 so a local user could get a daemon to dial its own listener. Three things
@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import ipaddress
 import os
 import secrets
 import stat
@@ -38,6 +37,7 @@ import time
 import grpc
 
 from kvxferd.errors import PermissionDeniedError, UnauthenticatedError
+from kvxferd.wire.listening import listener_uids
 from kvxferd.wire.names import default_runtime_dir
 
 PEER_TOKEN_KEY = "kvxferd-peer-token"  # gRPC metadata of every peer call when TLS is off
@@ -45,7 +45,6 @@ PEER_SECRET_NAME = "peer.secret"
 SECRET_BYTES = 32
 TOKEN_WINDOW_S = 300  # a token is taken in its window and the next: captured, it is worth ten minutes at most
 _CONTEXT = b"kvxferd-peer-v2\0"
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 
 
 def default_peer_secret_file(runtime_dir: str | None = None) -> str:
@@ -130,42 +129,6 @@ def check_peer_token(secret: bytes, address: str, presented: str, now: float | N
     if not any(hmac.compare_digest(presented, peer_token(secret, address, w)) for w in (window, window - 1)):
         raise UnauthenticatedError("peer", "the peer token is not this daemon's (another host secret, a token for "
                                            "another address, or an old one)")
-
-
-def _proc_address(text: str) -> ipaddress._BaseAddress:
-    """An address as /proc/net/tcp{,6} writes it: 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(text)
-    return ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-
-
-def listener_uids(host: str, port: int) -> set[int] | None:
-    """The uids of the TCP listeners a connection to loopback ``host``:``port`` could reach (exact address
-    or wildcard, both families); None when ``host`` is not loopback (no way to tell) or /proc is missing."""
-    host = host.strip("[]")
-    try:
-        wanted = ({ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")} if host == "localhost"
-                  else {ipaddress.ip_address(host)})
-    except ValueError:
-        return None
-    if not all(a.is_loopback for a in wanted):
-        return None
-    wanted |= {ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::")}
-    wanted |= {ipaddress.ip_address(f"::ffff:{a}") for a in wanted if a.version == 4}
-    uids = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            if table.endswith("6"):
-                continue
-            return None
-        for row in rows:
-            fields = row.split()
-            address, _, port_hex = fields[1].partition(":")
-            if fields[3] == _LISTEN and int(port_hex, 16) == port and _proc_address(address) in wanted:
-                uids.add(int(fields[7]))
-    return uids
 
 
 def peer_metadata(secret: bytes, address: str, now: float | None = None) -> tuple[tuple[str, str], ...]:

@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from kvxferd.errors import PermissionDeniedError, UnauthenticatedError
-from kvxferd.wire.peerauth import (TOKEN_WINDOW_S, check_peer_token, listener_uids, load_or_create_peer_secret,
+from kvxferd.wire.listening import listener_uids
+from kvxferd.wire.peerauth import (TOKEN_WINDOW_S, check_peer_token, load_or_create_peer_secret,
                                    peer_metadata, peer_token, read_peer_secret, token_window)
 
 
@@ -69,7 +70,7 @@ def test_a_token_binds_the_secret_the_exact_address_and_its_window():
 
 
 def test_no_token_goes_to_a_listener_of_another_user():
-    """The caller looks the loopback listener up in /proc/net/tcp first: its own uid (or root) only."""
+    """The caller asks the kernel who listens on the loopback port first: its own uid (or root) only."""
     import socket
     import subprocess
     import sys
