@@ -52,7 +52,7 @@ PAUSE_S = 2.0
 class Registry:
     """The engine slots of one daemon (event-loop side)."""
 
-    def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, str, HoldEnd], None], *,
+    def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, HoldEnd], None], *,
                  daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
                  max_hold_s: float = float("inf"),

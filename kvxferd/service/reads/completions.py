@@ -138,11 +138,10 @@ class CompletionFeed:
         with self._lock:
             return request_id in self._queued_ids
 
-    def _forget(self, completion: pb.Completion) -> pb.Completion:
+    def _forget(self, completion: pb.Completion) -> None:
         left = self._queued_ids.pop(completion.request_id) - 1
         if left:
             self._queued_ids[completion.request_id] = left
-        return completion
 
     def close(self) -> None:
         """No more completions: the current stream ends once it has sent what is queued."""

@@ -37,9 +37,8 @@ from kvxferd.plan.capability import check_read_capabilities, sealed_by_other_key
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
-from kvxferd.service.reads.read import Read, ReadState
+from kvxferd.service.reads.read import Read, ReadState, refused_completion
 from kvxferd.service.engines.slots import EngineSlot
-from kvxferd.service.status import status_code
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
 from kvxferd.xfer.reads import ReadFailure
 
@@ -154,8 +153,7 @@ class ReadPath:
     def refuse(self, slot: EngineSlot, request_id: str, err: KvxferError) -> None:
         """A refused read of a Reads batch: a completion naming why (nothing was posted or written)."""
         self.daemon.metrics.read_failures.labels(ReadFailure.REFUSED.value).inc()
-        slot.completions.put(pb.Completion(request_id=request_id, ok=False, error=str(err),
-                                           refused_code=status_code(err).value[0], done_unix_s=time.time()))
+        slot.completions.put(refused_completion(request_id, err, time.time()))
 
     async def _submit_after_handshake(self, read: Read, link) -> None:
         """Re-handshake a stale link, then post; a failed handshake fails the read.

@@ -152,8 +152,7 @@ class Read:
         """The engine's completion of it: a refusal's names its status code."""
         result = self.result
         if self.refusal is not None:
-            return pb.Completion(request_id=result.request_id, ok=False, error=str(self.refusal),
-                                 refused_code=status_code(self.refusal).value[0], done_unix_s=self.done_unix_s)
+            return refused_completion(result.request_id, self.refusal, self.done_unix_s)
         plan_s, transfer_s, check_s = self.stages_s
         return pb.Completion(
             request_id=result.request_id, ok=result.ok, num_bytes=result.num_bytes,
@@ -161,3 +160,10 @@ class Read:
             invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
             post_s=self.post_s, done_unix_s=self.done_unix_s, failed_ranks=result.failed_ranks,
             plan_s=plan_s, transfer_s=transfer_s, check_s=check_s)
+
+
+def refused_completion(request_id: str, err: KvxferError, done_unix_s: float) -> pb.Completion:
+    """The completion of a read refused with nothing posted or written: why, and the status code a unary
+    call would have raised (``refused_code``)."""
+    return pb.Completion(request_id=request_id, ok=False, error=str(err), refused_code=status_code(err).value[0],
+                         done_unix_s=done_unix_s)
