@@ -18,9 +18,9 @@ a slot's backend through these members only (``tests/xfer/test_backend.py``
 reads the service's source to check it), so a second backend changes
 neither the read's record, the session nor the books.
 
-``lock`` keeps a post apart from whatever releases prepared state
-(connect, disconnect, close): the event loop posts small reads while the
-data-plane thread polls the rest.
+``lock`` lets one thread at a time into the backend (every member takes
+it): the event loop posts small reads while the data-plane thread polls
+the rest, and a caller may hold it across several calls.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ UCX sets up a connection's transports on its first transfer, which took
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
@@ -40,15 +39,14 @@ def board_rows(address: int, num_buckets: int) -> np.ndarray:
 
 
 class CheckArea:
-    """Where the checks of one reader agent land. Slots are taken (``list.pop``) and given back
-    (``append``) atomically, so the event loop and the data-plane thread may both post checks."""
+    """Where the checks of one reader agent land. Not thread-safe: its executor's lock (ReadExecutor.lock)
+    lets one thread at a time post and end checks."""
 
     def __init__(self, agent: NixlAgent, num_slots: int = NUM_CHECK_SLOTS, max_per_owner: int | None = None) -> None:
         self.agent = agent
         self.max_per_owner = max(1, num_slots // 4) if max_per_owner is None else max_per_owner
         self._owner_of: dict[int, object] = {}  # slot -> the remote engine whose check holds it
         self._num_owned: dict[object, int] = {}
-        self._owners_lock = threading.Lock()  # both threads post and end checks
         self.words = np.zeros((2 * num_slots, SLOTS_PER_BUCKET), np.uint64)
         agent.register_array(CHECK_AREA_KEY, self.words)
         try:
@@ -67,10 +65,9 @@ class CheckArea:
         or ``owner`` (a remote engine) holds its share already (try again once a check ended);
         ``(handle, slot, state)`` when posted. Raises :class:`NixlError` (the slot given back)."""
         if owner is not None:
-            with self._owners_lock:
-                if self._num_owned.get(owner, 0) >= self.max_per_owner:
-                    return None
-                self._num_owned[owner] = self._num_owned.get(owner, 0) + 1
+            if self._num_owned.get(owner, 0) >= self.max_per_owner:
+                return None
+            self._num_owned[owner] = self._num_owned.get(owner, 0) + 1
         try:
             slot = self._free.pop()
         except IndexError:
@@ -93,12 +90,11 @@ class CheckArea:
 
     def _disown(self, owner: object) -> None:
         if owner is not None:
-            with self._owners_lock:
-                left = self._num_owned[owner] - 1
-                if left:
-                    self._num_owned[owner] = left
-                else:
-                    del self._num_owned[owner]
+            left = self._num_owned[owner] - 1
+            if left:
+                self._num_owned[owner] = left
+            else:
+                del self._num_owned[owner]
 
     def found(self, slot: int, tag: int) -> bool:
         """Whether the check that landed in ``slot`` saw ``tag``."""

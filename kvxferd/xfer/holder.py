@@ -34,6 +34,7 @@ never another's, and only from the agent it was introduced with.
 
 from __future__ import annotations
 
+import collections
 import enum
 import secrets
 import threading
@@ -60,32 +61,38 @@ class Reader:
 
 
 class NoticeEvent(str, enum.Enum):
-    """What became of a notice the holder did not simply count (the value names its field in :class:`NoticeCounts`)."""
+    """What became of a notice the holder did not simply count. The value is the metric's label: the
+    ``reason`` of ``kvxferd_notices_dropped`` for the :attr:`dropped` ones."""
 
-    BAD = "bad"  # undecodable or inconsistent
+    BAD = "malformed"  # undecodable or inconsistent: dropped
     FOREIGN = "foreign"  # from an agent not introduced for that reader: dropped
+    UNSEALED = "unsealed"  # without the hold's capability: dropped
     LATE = "late"  # a successful read's notice after its hold had ended: counts for nothing
     WAITED = "waited"  # the reader's READs waited for our progress (we poll fast)
-    UNSEALED = "unsealed"  # without the hold's capability: dropped
 
     def __str__(self) -> str:  # the value in text and f-strings, as the plain string was
         return self.value
 
+    @property
+    def dropped(self) -> bool:
+        """The notice was thrown away unread (``kvxferd_notices_dropped``)."""
+        return self in (NoticeEvent.BAD, NoticeEvent.FOREIGN, NoticeEvent.UNSEALED)
+
 
 @dataclass
 class NoticeCounts:
-    """What the holder refused or could not answer; ``on_add(event)`` (the daemon's metrics) sees each one."""
+    """How many notices of each :class:`NoticeEvent` the holder saw (``counts[event]``);
+    ``on_add(event)`` (the daemon's metrics) sees each one."""
 
-    bad: int = 0  # undecodable or inconsistent notices
-    foreign: int = 0  # from an agent not introduced for that reader: dropped
-    late: int = 0  # a successful read's notice after its hold had ended (lease, release): counts for nothing
-    waited: int = 0  # an introduced reader's notice whose READs waited for our progress (we poll fast)
-    unsealed: int = 0  # a notice without the hold's capability (a reader naming a hold it was not given)
+    by_event: collections.Counter = field(default_factory=collections.Counter)
     on_add: Callable[[NoticeEvent], None] | None = field(default=None, repr=False, compare=False)
+
+    def __getitem__(self, event: NoticeEvent) -> int:
+        return self.by_event[event]
 
     def add(self, event: NoticeEvent) -> None:
         """Count one notice of ``event``."""
-        setattr(self, event.value, getattr(self, event.value) + 1)
+        self.by_event[event] += 1
         if self.on_add is not None:
             self.on_add(event)
 

@@ -133,10 +133,11 @@ class ReadExecutor:
     the module doc), and the area its board checks land in.
 
     Two threads may use one executor: a daemon posts small reads on its event
-    loop and polls the rest on its data-plane thread. ``lock`` keeps a post
-    apart from whatever replaces or releases prepared lists (connect,
-    disconnect, close); polls touch only their own read's handles and the
-    check area, whose slots are taken and given back atomically.
+    loop and polls the rest on its data-plane thread. ``lock`` lets one
+    thread at a time in: every public call takes it (posts, polls, aborts,
+    notices, probes, connect, disconnect, close), so the check area and the
+    prepared lists need no lock of their own. Re-entrant: a caller that holds
+    it across several calls (the loop's post-and-poll) keeps it.
     """
 
     def __init__(self, agent: NixlAgent, cache: EngineCache) -> None:
@@ -266,11 +267,13 @@ class ReadExecutor:
 
     def progress_notices(self) -> None:
         """Make progress for the notice agent: UCX sends a notice on only while its agent is polled."""
-        self.notices.poll_notifications()
+        with self.lock:
+            self.notices.poll_notifications()
 
     def notices_metadata(self) -> bytes:
         """The notice agent's metadata: how this rank introduces itself to holders as a reader."""
-        return self.notices.metadata()
+        with self.lock:
+            return self.notices.metadata()
 
     def remote(self, engine_id: str) -> RemoteEngine:
         try:
@@ -354,9 +357,13 @@ class ReadExecutor:
         caller sends them with :meth:`send_notices` once it has passed the result on
         (the holders' bookkeeping need not delay the engine: the checks already ran).
         """
+        with self.lock:
+            return self._poll(inflight, notify)
+
+    def _poll(self, inflight: InFlightRead, notify: bool) -> ReadResult | None:
         if inflight.result is not None:
             if notify:
-                self.send_notices(inflight)
+                self._send_notices(inflight)
             return inflight.result
         # Checks first (a rank seen held posts its data), then data (a rank whose data is in posts its
         # second check), then checks again: over shared memory each ends inside its post, so a small
@@ -379,7 +386,7 @@ class ReadExecutor:
             return None
         inflight.result = self._finish(inflight)
         if notify:
-            self.send_notices(inflight)
+            self._send_notices(inflight)
         return inflight.result
 
     def wait(self, inflight: InFlightRead, timeout_s: float = 30.0) -> ReadResult:
@@ -395,6 +402,10 @@ class ReadExecutor:
 
     def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED) -> ReadResult:
         """Stop every rank still reading or checking (releasing a handle aborts its transfer) and finish."""
+        with self.lock:
+            return self._abort(inflight, reason, failure)
+
+    def _abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure) -> ReadResult:
         for q in list(inflight.handles):
             inflight.fail(q, reason, failure)
             self._release(inflight.handles.pop(q))
@@ -404,7 +415,7 @@ class ReadExecutor:
                 self._end_check(inflight, q)
         inflight.unchecked.clear()
         inflight.admitting.clear()  # never posted: nothing of theirs was copied
-        return self.poll(inflight)
+        return self._poll(inflight, notify=True)
 
     def read(self, remote_engine_id: str, request: ReadRequest, timeout_s: float = 30.0) -> ReadResult:
         """Post and wait for one request."""
@@ -477,6 +488,10 @@ class ReadExecutor:
         later hold of the same request id. A holder that is gone is skipped:
         its hold expires on its side.
         """
+        with self.lock:
+            self._send_notices(inflight)
+
+    def _send_notices(self, inflight: InFlightRead) -> None:
         result = inflight.result
         if result is None or inflight.notified:
             return

@@ -22,6 +22,7 @@ from kvxferd.plan.notifications import HELLO
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.checks import NUM_CHECK_SLOTS
+from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.reads import ReadFailure
 
 
@@ -80,7 +81,7 @@ def test_a_released_or_consumed_hold_is_not_read(cluster):
     # Rank 1 gets no notice: its hold had ended, and a notice could only count for a later hold of the id.
     cluster.holders[1].hold(request.remote_request_id, request.remote_block_ids, 60)  # (a new key would not do)
     assert cluster.holder_thread.wait_end(1, request.remote_request_id, timeout_s=0.3) is None
-    assert cluster.holders[1].counts.late == 0
+    assert cluster.holders[1].counts[NoticeEvent.LATE] == 0
     with cluster.holders[1].lock:
         cluster.holders[1].holds.release(request.remote_request_id)
     consumed = _request(cluster, "consumed", 4)
@@ -196,7 +197,7 @@ def test_the_probes_hello_reaches_every_holder_and_counts_for_nothing(cluster, m
         real = holder.on_notice
         monkeypatch.setattr(holder, "on_notice", lambda sender, message, real=real, q=q:
                             heard.append((q, sender, bytes(message))) or real(sender, message))
-    before = [(holder.counts.bad, holder.counts.foreign) for holder in cluster.holders]
+    before = [(holder.counts[NoticeEvent.BAD], holder.counts[NoticeEvent.FOREIGN]) for holder in cluster.holders]
     executor.start_probe(executor.remote(cluster.prefill_id))
     assert _probe_until_done(executor, executor.remote(cluster.prefill_id)) == {}
     deadline = time.perf_counter() + 5
@@ -206,7 +207,7 @@ def test_the_probes_hello_reaches_every_holder_and_counts_for_nothing(cluster, m
     assert sorted(h for h in heard if h[2] == HELLO) == [(0, executor.notices.name, HELLO), (1, executor.notices.name, HELLO)]
     # Ignored from anyone: not a malformed notice, not a foreign one, and it ends nothing.
     assert cluster.holders[0].on_notice("some-other-agent", HELLO) == []
-    assert [(holder.counts.bad, holder.counts.foreign) for holder in cluster.holders] == before
+    assert [(holder.counts[NoticeEvent.BAD], holder.counts[NoticeEvent.FOREIGN]) for holder in cluster.holders] == before
 
 
 def test_one_remote_engine_takes_at_most_its_share_of_check_slots(cluster):

@@ -13,7 +13,7 @@ import pytest
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.holder import PROGRESS_WANTED_S, READER_SETUP_S, Reader
+from kvxferd.xfer.holder import NoticeEvent, PROGRESS_WANTED_S, READER_SETUP_S, Reader
 
 GROUPS = model_groups("gqa", ModelShape())
 
@@ -64,7 +64,7 @@ def holder_and_reader():
 def test_a_reader_speaks_only_for_itself(holder_and_reader):
     holder, agent_name, decode_id = holder_and_reader
     holder.progress_wanted.clear()
-    waited_before = holder.counts.waited
+    waited_before = holder.counts[NoticeEvent.WAITED]
 
     def notice(engine_id, *, ok=True, alone):
         return ReadNotice("never-held", engine_id, 0, 1, ok, alone).encode()
@@ -82,7 +82,7 @@ def test_a_reader_speaks_only_for_itself(holder_and_reader):
     assert not holder.wants_progress(now + 1)
     holder.on_notice("other-notices", notice("other", alone=False), now)
     assert holder.wants_progress(now + 1) and not holder.wants_progress(now + PROGRESS_WANTED_S + 1)
-    assert holder.counts.waited == waited_before + 2  # the two from introduced agents (kvxferd_waited_notices)
+    assert holder.counts[NoticeEvent.WAITED] == waited_before + 2  # the two from introduced agents (kvxferd_waited_notices)
 
 
 def test_a_new_reader_gets_fast_polls_until_it_reads_alone_and_one_that_never_reads_here_none(holder_and_reader):

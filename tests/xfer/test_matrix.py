@@ -11,6 +11,7 @@ import pytest
 
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
+from kvxferd.xfer.holder import NoticeEvent
 
 from tests.sampling import covering
 
@@ -65,4 +66,4 @@ def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int) -> N
                 assert end is not None and end.kind == "CONSUMED" and not end.failed_readers, f"prefill rank {q}: {end}"
                 assert holder.readers[(cluster.decode_id, 0)].expected_readers == notifiers[q]
         # Nothing refused or late (a new connection's first READs may wait: `waited` is not a fault).
-        assert [(h.counts.bad, h.counts.foreign, h.counts.late) for h in cluster.holders] == [(0, 0, 0)] * p
+        assert [(h.counts[NoticeEvent.BAD], h.counts[NoticeEvent.FOREIGN], h.counts[NoticeEvent.LATE]) for h in cluster.holders] == [(0, 0, 0)] * p

@@ -11,20 +11,23 @@ engine's completions, each getting some)::
              │                    └─ new stream: takes over, starts again at the oldest unacked
     ack(seq) drops c <= seq
 
-Two kinds of stream:
+Every stream is :meth:`CompletionFeed.pump` writing to a sink; two kinds of sink:
 
-* ``Reads`` (:meth:`CompletionFeed.batches`): completions stay queued until
-  the engine acks them (``ReadBatch.ack_seq``); a new stream after a broken
-  one sends every unacked completion again, so none is lost, and the engine
-  drops the seqs it already has, so none is seen twice.
-* ``WatchCompletions`` (:meth:`CompletionFeed.stream`): the same batches,
-  one completion each, acked as it is handed to gRPC (the simple,
-  at-most-once path).
+* The reads socket (``service/reads/readsock.py``): written on the loop by
+  the pump, and by the data-plane thread, which may number and write an ok
+  read's completion itself (:meth:`CompletionFeed.put_direct`) when the sink
+  is caught up and writable; it skips the hop back to the loop
+  (docs/benchmarks.md).
+* A gRPC stream (:class:`StreamSink`, behind :meth:`CompletionFeed.batches`):
+  the pump hands it one batch at a time, which the stream's generator
+  yields; loop only. ``Reads`` keeps completions queued until the engine
+  acks them (``ReadBatch.ack_seq``); ``WatchCompletions``
+  (:meth:`CompletionFeed.stream`, the unary adapter) acks each as it is
+  handed to gRPC (at most once).
 
-* The reads socket (:meth:`CompletionFeed.pump` with a sink): as ``Reads``,
-  and the data-plane thread may number and write an ok read's completion
-  itself (:meth:`CompletionFeed.put_direct`) when the sink is caught up and
-  writable; it skips the hop back to the loop (docs/benchmarks.md).
+On either, a new stream after a broken one sends every unacked completion
+again, so none is lost, and the engine drops the seqs it already has, so
+none is seen twice.
 
 Unacked completions count against the engine's limit of reads in flight,
 so an engine that stops reading is refused new reads instead of growing
@@ -55,7 +58,9 @@ class StreamReplaced(Exception):
 
 
 class CompletionSink(Protocol):
-    """Where :meth:`CompletionFeed.pump` writes: a session's socket (``service/reads/readsock.py``)."""
+    """Where :meth:`CompletionFeed.pump` writes: a reads socket's session, or a :class:`StreamSink`."""
+
+    direct: bool  # the data-plane thread may write to it (put_direct); else the loop only
 
     @property
     def writable(self) -> bool:
@@ -66,10 +71,57 @@ class CompletionSink(Protocol):
         """Gone for good: nothing it is given is written any more."""
 
     def send(self, completions: list[pb.Completion]) -> bool:
-        """Write one batch, whole, after everything sent before (any thread); False once the sink is gone."""
+        """Write one batch, whole, after everything sent before; False once the sink is gone."""
 
     async def wait_writable(self) -> None:
         """Until :attr:`writable` (or the sink is gone)."""
+
+
+class StreamSink:
+    """A gRPC stream's end of the pump (event loop only): a batch waits here until the stream's generator
+    takes it, and the pump waits meanwhile, so an engine that stops reading (gRPC's flow control holds
+    the generator's yield) stops taking completions, as on the reads socket."""
+
+    direct = False
+
+    def __init__(self) -> None:
+        self._batch: list[pb.Completion] | None = None
+        self._news = asyncio.Event()  # a batch came, or the sink closed: for take()
+        self._room = asyncio.Event()  # the batch was taken, or the sink closed: for the pump
+        self.closed = False
+
+    @property
+    def writable(self) -> bool:
+        return self._batch is None and not self.closed
+
+    def send(self, completions: list[pb.Completion]) -> bool:
+        if self.closed:
+            return False
+        self._batch = completions
+        self._news.set()
+        return True
+
+    async def wait_writable(self) -> None:
+        while self._batch is not None and not self.closed:
+            self._room.clear()
+            await self._room.wait()
+
+    def close(self) -> None:
+        """The pump ended: :meth:`take` hands out what it holds, then None."""
+        self.closed = True
+        self._news.set()
+        self._room.set()
+
+    async def take(self) -> list[pb.Completion] | None:
+        """The next batch; None once the sink is closed and empty."""
+        while self._batch is None:
+            if self.closed:
+                return None
+            self._news.clear()
+            await self._news.wait()
+        batch, self._batch = self._batch, None
+        self._room.set()
+        return batch
 
 
 class CompletionFeed:
@@ -82,7 +134,7 @@ class CompletionFeed:
         self._current: asyncio.Event | None = None  # the current stream's wake-up
         self.closed = False
         self._lock = threading.Lock()  # put_direct comes from the data-plane thread
-        self._sink: CompletionSink | None = None  # the current stream's, when it is a pump
+        self._sink: CompletionSink | None = None  # the current stream's
         self._sink_sent_seq = 0  # the last seq written to the sink
 
     def __len__(self) -> int:
@@ -106,7 +158,8 @@ class CompletionFeed:
         :meth:`put` it on the loop. Deregistering closes the feed to this path."""
         with self._lock:
             sink = self._sink
-            if sink is None or self.closed or self._has_unsent(self._sink_sent_seq) or not sink.writable:
+            if (sink is None or not sink.direct or self.closed or self._has_unsent(self._sink_sent_seq)
+                    or not sink.writable):
                 return False
             self._append(completion)
             self._sink_sent_seq = completion.seq
@@ -150,7 +203,7 @@ class CompletionFeed:
         if self._current is not None:
             self._current.set()
 
-    def _take_over(self, sink: CompletionSink | None = None) -> asyncio.Event:
+    def _take_over(self, sink: CompletionSink) -> asyncio.Event:
         me = asyncio.Event()
         with self._lock:
             previous, self._current = self._current, me
@@ -184,30 +237,27 @@ class CompletionFeed:
             self._current.set()
 
     async def batches(self, max_batch: int, should_stop=lambda: False) -> AsyncIterator[list[pb.Completion]]:
-        """Lists of completions not sent on this stream yet, oldest unacked first; acks come via :meth:`ack`.
-
-        Ends when ``should_stop()`` is true at a wake-up (see :meth:`poke`).
-        """
-        me = self._take_over()
-        sent_seq = 0  # a new stream sends every unacked completion again
+        """A gRPC stream's completions: :meth:`pump` into a :class:`StreamSink`, its batches yielded as they
+        come, oldest unacked first; acks come via :meth:`ack`. Ends when ``should_stop()`` is true at a
+        wake-up (see :meth:`poke`), or once the feed is closed and drained; raises :class:`StreamReplaced`
+        when a newer stream took over."""
+        sink = StreamSink()
+        pumping = asyncio.ensure_future(self.pump(sink, max_batch, should_stop))
+        pumping.add_done_callback(lambda _: sink.close())
         try:
-            while not should_stop():
-                while self._current is me and self._has_unsent(sent_seq):
-                    with self._lock:
-                        batch = self._unsent(sent_seq, max_batch)
-                    sent_seq = batch[-1].seq
-                    yield batch
-                    if should_stop():
-                        return
-                if not await self._wait(me):
-                    return
+            while (batch := await sink.take()) is not None:
+                yield batch
+            pumping.result()  # raises StreamReplaced
         finally:
-            self._leave(me)
+            pumping.cancel()
 
     async def pump(self, sink: CompletionSink, max_batch: int, should_stop: Callable[[], bool]) -> None:
-        """:meth:`batches`, written to ``sink`` inside the feed's lock, so that :meth:`put_direct` may
-        write to it too: seqs go out in order, each once per stream. Waits while the sink has no room;
-        returns once the sink is closed (what it did not take stays queued for the next stream)."""
+        """The one way out: every completion not sent on this stream yet, oldest unacked first, written to
+        ``sink`` in batches inside the feed's lock, so that :meth:`put_direct` may write to a direct sink
+        too: seqs go out in order, each once per stream. Waits while the sink has no room; returns once
+        the sink is closed (what it did not take stays queued for the next stream), ``should_stop()``
+        is true at a wake-up, or the feed is closed and drained; raises :class:`StreamReplaced` when a
+        newer stream took over."""
         me = self._take_over(sink)
         try:
             while not should_stop():

@@ -75,8 +75,6 @@ NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
 INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
-# Notices dropped, by the kvxferd_notices_dropped label each one counts under.
-_DROPPED = {NoticeEvent.FOREIGN: "foreign", NoticeEvent.BAD: "malformed", NoticeEvent.UNSEALED: "unsealed"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,8 +169,7 @@ class DataPlane:
         completion was handed on: the engine does not wait for the holders' bookkeeping."""
         if read.inflight is None:
             return
-        with read.slot.executor.lock:  # not interleaved with a deregistration closing the agents
-            read.slot.executor.send_notices(read.inflight)
+        read.slot.executor.send_notices(read.inflight)
         self.notices_sent()
 
     def notices_sent(self) -> None:
@@ -203,8 +200,8 @@ class DataPlane:
     def _count_refused(self, event: NoticeEvent) -> None:
         if self._metrics is None:
             return
-        if event in _DROPPED:
-            self._metrics.notices_dropped.labels(_DROPPED[event]).inc()
+        if event.dropped:
+            self._metrics.notices_dropped.labels(event.value).inc()
         elif event is NoticeEvent.LATE:
             self._metrics.late_notices.inc()
         elif event is NoticeEvent.WAITED:

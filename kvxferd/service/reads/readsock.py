@@ -189,6 +189,8 @@ class ReadSession(asyncio.Protocol):
         self.writer.write(encode_frame(pb.CompletionBatch(holds=answers).SerializeToString()))
 
     # CompletionSink (the feed writes completions through these, on the loop or the data-plane thread)
+    direct = True
+
     @property
     def writable(self) -> bool:
         return self.writer.writable

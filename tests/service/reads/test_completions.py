@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.reads.completions import CompletionFeed
+from kvxferd.service.reads.completions import CompletionFeed, StreamReplaced
 
 
 class _Sink:
     """Records what it is sent, from which thread."""
+
+    direct = True
 
     def __init__(self) -> None:
         self.seqs: list[int] = []
@@ -133,5 +137,38 @@ def test_a_new_stream_gets_every_unacked_completion_once_and_the_old_sink_nothin
         assert not feed.put_direct(_completion(8)) and second.seqs[-1] == 7
         await stream.aclose()
         pump.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_grpc_stream_is_the_same_pump_one_batch_at_a_time_and_a_newer_stream_replaces_it():
+    """A gRPC stream's sink holds one batch until the generator takes it (the pump waits: an engine that
+    stops reading stops taking completions); the thread never writes to it; a closed feed drains first."""
+    async def main():
+        feed = CompletionFeed()
+        for n in range(5):
+            feed.put(_completion(n))
+        stream = feed.batches(2)
+        assert [c.seq for c in await stream.__anext__()] == [1, 2]
+        await asyncio.sleep(0.01)
+        assert feed._sink_sent_seq == 4  # the next batch waits in the sink; nothing after it was taken
+        feed.put(_completion(5))
+        assert [c.seq for c in await stream.__anext__()] == [3, 4]
+        feed.close()
+        assert [c.seq for c in await stream.__anext__()] == [5, 6]
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+        feed = CompletionFeed()
+        feed.put(_completion(0))
+        first = feed.batches(8)
+        assert [c.seq for c in await first.__anext__()] == [1]
+        second = feed.batches(8)
+        assert [c.seq for c in await second.__anext__()] == [1]  # unacked: sent again on the newer stream
+        await asyncio.sleep(0.01)
+        assert not feed.put_direct(_completion(1))  # caught up and room, but not the thread's to write
+        with pytest.raises(StreamReplaced):
+            await first.__anext__()
+        await second.aclose()
 
     asyncio.run(main())

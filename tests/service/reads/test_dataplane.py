@@ -27,7 +27,7 @@ from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer import holder as holder_module
-from kvxferd.xfer.holder import Holder, Reader
+from kvxferd.xfer.holder import Holder, NoticeEvent, Reader
 from kvxferd.xfer.reads import ReadFailure
 
 
@@ -83,7 +83,7 @@ def test_posted_here_or_on_the_thread_a_read_ends_the_same(plane, monkeypatch):
     dataplane.send_notices(here)  # once only: a second call sends nothing (no second notice, no late one)
     assert _consumed(cluster, here)
     time.sleep(0.05)  # a second notice would reach the holder now: late, for a hold that ended
-    assert cluster.holders[0].counts.late == 0
+    assert cluster.holders[0].counts[NoticeEvent.LATE] == 0
     cluster.reset_decode()
     there = _read(cluster, slot, "there", 2)
     dataplane.submit(there)
@@ -117,7 +117,7 @@ def test_the_thread_writes_an_ok_reads_completion_itself_before_the_hop_and_a_fa
     cluster, slot, dataplane, done = plane
     cluster.reset_decode()
     written: list[tuple[str, int]] = []
-    sink = types.SimpleNamespace(writable=True, closed=False, send=lambda completions: written.extend(
+    sink = types.SimpleNamespace(direct=True, writable=True, closed=False, send=lambda completions: written.extend(
         (c.request_id, threading.get_ident()) for c in completions) or True)
 
     async def main():

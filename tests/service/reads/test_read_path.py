@@ -134,7 +134,7 @@ def test_the_loop_writes_an_ok_completion_at_once_and_a_failed_one_after_marking
         link = slot.links["p"]
         link.stale = False
         sent: list[tuple[str, bool]] = []
-        sink = types.SimpleNamespace(writable=True, closed=False,
+        sink = types.SimpleNamespace(direct=True, writable=True, closed=False,
                                      send=lambda cs: sent.extend((c.request_id, link.stale) for c in cs) or True)
         pump = asyncio.ensure_future(slot.completions.pump(sink, 8, lambda: False))
         await asyncio.sleep(0)
