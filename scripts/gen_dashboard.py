@@ -20,6 +20,8 @@ PANELS = [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))"),
         ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))")]),
     ("Failed reads / s by kind", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_read_failures_total{SEL}{RATE}))")]),
+    ("Rank reads copied same-host (not over NIXL) / s", "ops", [
+        ("{{pod}}", f"sum by (pod) (rate(kvxferd_same_host_copies_total{SEL}{RATE}))")]),
     ("Descriptors per read (p50)", "short", [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_descriptors_bucket{SEL}{RATE})))")]),
     ("Reads in flight / holds pending", "short", [

@@ -1,6 +1,6 @@
 """Through the daemons vs raw NIXL, in one run, on the same bytes; the older engine paths beside the new.
 
-    kvxferd bench daemon [--quick] [--json] [--mtls] [--no-unary] [--no-grpc-stream]
+    kvxferd bench daemon [--quick] [--json] [--mtls] [--no-unary] [--no-grpc-stream] [--no-same-host]
 
 Two ``kvxferd serve`` processes (prefill rank, decode rank) over loopback;
 the engines' caches are shared memory owned by this process. The raw
@@ -18,6 +18,11 @@ stream) and ``unary`` (SubmitRead + WatchCompletions, one call per read):
   first; submit -> delivered end to end at the engine, raw NIXL for the
   same request alone as the floor, CPU per request of each daemon.
 * idle: each daemon's CPU with an engine registered and nothing to do.
+
+The socket path runs twice: over NIXL (the top-level figures), and with
+the decode daemon copying from the prefill engine's shared memory itself
+(``same_host``, issue #37; both daemons on this host), each against the
+same raw NIXL baseline.
 
 ``--mtls`` adds the socket path with the peer ports on mutual TLS (a
 throw-away CA), plain and TLS alternating (plain, TLS, TLS, plain; means
@@ -41,15 +46,16 @@ TARGETS = (("p50_overhead_us_300", "<=", 500.0, "end to end p50 over raw NIXL at
            ("achieved_rate_1000", ">=", 990.0, "achieved rate at 1000 req/s offered"),
            ("idle_cpu_percent", "<=", 0.5, "idle CPU per daemon (% of a core, the busier one)"),
            ("bulk_ratio", ">=", 0.97, "bulk ratio vs raw NIXL"))
+SAME_HOST_KEYS = ("bulk_ratio", "p50_overhead_us_300")  # issue 37's targets for the same-host path: as over NIXL
 FULL = dict(rounds=6, bulk_layers=32, bulk_blocks=256, num_requests_300=1500, num_requests_1000=3000, idle_s=5.0)
 QUICK = dict(rounds=3, bulk_layers=16, bulk_blocks=128, num_requests_300=450, num_requests_1000=1500, idle_s=2.0)
 
 
 def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int, bulk_blocks: int,
              num_requests_300: int, num_requests_1000: int, idle_s: float, rate_layers: int = 2,
-             rate_blocks: int = 2, reads_socket: bool = True) -> dict:
+             rate_blocks: int = 2, reads_socket: bool = True, same_host: bool = False) -> dict:
     """Every figure of one engine path, with the flat keys the targets name."""
-    path = dict(reads_stream=reads_stream, reads_socket=reads_socket)
+    path = dict(reads_stream=reads_stream, reads_socket=reads_socket, same_host=same_host)
     b = bulk(workdir, bulk_layers, bulk_blocks, rounds, **path)
     o300 = overhead(workdir, rate_layers, rate_blocks, 300.0, num_requests_300, idle_s=idle_s, **path)
     o1000 = overhead(workdir, rate_layers, rate_blocks, 1000.0, num_requests_1000, **path)
@@ -63,12 +69,17 @@ def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int,
 
 
 def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None, unary: bool = True,
-        grpc_stream: bool = True) -> dict:
-    """The socket path's figures at the top level, the gRPC stream's under ``"stream"``, the unary path's
-    under ``"unary"``, TLS under ``"mtls"``."""
+        grpc_stream: bool = True, same_host: bool = True) -> dict:
+    """The socket path's figures over NIXL at the top level; the same path with same-host copies under
+    ``"same_host"`` (its two targets also flat: ``same_host_bulk_ratio``, ``same_host_p50_overhead_us_300``);
+    the gRPC stream's under ``"stream"``, the unary path's under ``"unary"``, TLS under ``"mtls"``."""
     sizes = sizes or (QUICK if quick else FULL)
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
         figures = one_path(workdir, True, **sizes)
+        if same_host:
+            figures["same_host"] = one_path(workdir, True, same_host=True, **sizes)
+            for key in SAME_HOST_KEYS:
+                figures["same_host_" + key] = figures["same_host"][key]
         if grpc_stream:
             figures["stream"] = one_path(workdir, True, reads_socket=False, **sizes)
         if unary:
@@ -109,7 +120,14 @@ def format_table(f: dict) -> str:
         lines.append(f"{label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}"
                      + "".join(f"{format(p[key], '.3g') if key in p else '-':>10}" for p in (stream, old))
                      + f"  {'met' if met else 'NOT met'}")
+    for key, op, goal, label in (t for t in TARGETS if t[0] in SAME_HOST_KEYS and "same_host" in f):
+        value = f["same_host_" + key]
+        met = value <= goal if op == "<=" else value >= goal
+        lines.append(f"{'same-host: ' + label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}{'':>20}"
+                     f"  {'met' if met else 'NOT met'}")
     text = "\n".join(lines) + "\n\nsocket path (Reads batches on the reads socket):\n" + _format_one(f)
+    if "same_host" in f:
+        text += "\n\nsocket path, same-host copies instead of NIXL (issue 37):\n" + _format_one(f["same_host"])
     if stream:
         text += "\n\nstream path (Reads batches on the gRPC stream):\n" + _format_one(stream)
     if old:
@@ -156,11 +174,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtls", action="store_true", help="also plain vs mutual TLS on the peer ports")
     parser.add_argument("--no-unary", action="store_true", help="skip the old unary path")
     parser.add_argument("--no-grpc-stream", action="store_true", help="skip the gRPC Reads stream path")
+    parser.add_argument("--no-same-host", action="store_true", help="skip the same-host copy path")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
 def run_args(args: argparse.Namespace) -> int:
-    figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary, grpc_stream=not args.no_grpc_stream)
+    figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary, grpc_stream=not args.no_grpc_stream,
+                  same_host=not args.no_same_host)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 

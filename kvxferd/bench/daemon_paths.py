@@ -57,11 +57,12 @@ class Tls:
 
 
 def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls | None,
-             reads_stream: bool, reads_socket: bool = True) -> DaemonCluster:
+             reads_stream: bool, reads_socket: bool = True, same_host: bool = False) -> DaemonCluster:
     groups = full_attention_groups(num_layers, num_blocks)
     # The unary path keeps one gRPC call open per read in flight: when the daemons fall behind at
     # 1 000/s, more than the default 256 per connection (max_concurrent_streams) would be refused.
-    args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")))
+    args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")),
+            *(() if same_host else ("--no-same-host-reads",)))  # NIXL's figures unless same-host is asked for
     return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args, reads_stream=reads_stream,
                          reads_socket=reads_socket)
 
@@ -82,9 +83,10 @@ def _daemon_read(cluster: DaemonCluster, request: ReadRequest) -> float:
 
 
 def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
-         reads_stream: bool = True, reads_socket: bool = True) -> dict:
-    """Alternate raw NIXL and the daemon path on one big request; also time repeated handshakes."""
-    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_stream, reads_socket) as cluster:
+         reads_stream: bool = True, reads_socket: bool = True, same_host: bool = False) -> dict:
+    """Alternate raw NIXL and the daemon path on one big request; also time repeated handshakes.
+    ``same_host``: the decode daemon copies from the prefill engine's shared memory (issue #37)."""
+    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_stream, reads_socket, same_host) as cluster:
         handshake_s = [cluster.decode_clients[0].handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])
                        .duration_s for _ in range(max(rounds, 3))]
         ids = np.arange(num_blocks)
@@ -110,7 +112,7 @@ def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls |
 
 def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
              tls: Tls | None = None, *, reads_stream: bool = True, reads_socket: bool = True, idle_s: float = 0.0,
-             reads_per_step: int = 1) -> dict:
+             reads_per_step: int = 1, same_host: bool = False) -> dict:
     """Small requests at a steady rate: where the daemon adds time.
 
     With ``idle_s``, first the daemons' CPU while engines are registered and nothing happens.
@@ -118,7 +120,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
     step that scheduled them would; end to end counts from the batch's submission.
     """
     num_blocks = 4 * blocks_per_request
-    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream, reads_socket) as cluster:
+    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream, reads_socket, same_host) as cluster:
         rng = np.random.default_rng(0)
         requests = []
         for n in range(num_requests):

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--window-tokens", type=int, default=64, help="sliding window of the swa preset (tokens)")
     run.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each read (default 30)")
     run.add_argument("--seed", type=int, default=0, help="seed of the request generator")
+    run.add_argument("--no-same-host", action="store_true", help="daemons read each other over NIXL only (by "
+                     "default a decode daemon copies from a prefill engine's shared memory itself: issue 37)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -103,6 +105,7 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
         decode.wait_started()
         decode.call("handshake", prefill_id, peer_addresses)
         requests, released = [], []
+        copies_before = _same_host_copies(daemons["decode"])
 
         def read(name: str, cached_tokens: int, contiguous: bool) -> dict:
             request = random_request(f"{model}-{name}", prefill_groups, decode_groups, args.num_tokens, rng,
@@ -131,6 +134,7 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
         events = prefill.call("events", [r.remote_request_id for r in requests], released, 10.0,
                               timeout_s=60 + 20 * len(requests))
         figures.add_events(row, events, len(requests) * args.prefill_tp)
+        row["same_host_copies"] = _same_host_copies(daemons["decode"]) - copies_before
         raw = decode.call("raw", requests[1:], prefill_id, peer_addresses)  # the timed ones
         row["raw_s"], row["raw_bytes"] = raw["seconds"], raw["bytes"]
         row["raw_warm_up_ms"] = [round(s * 1e3, 2) for s in raw["warm_up_s"]]  # untimed: connections opening
@@ -139,6 +143,11 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
             if engine is not None:
                 engine.close()
     return figures.finish_row(row)
+
+
+def _same_host_copies(decode_daemons: list[DaemonProcess]) -> int:
+    """Remote ranks' parts of reads the decode daemons copied same-host so far (the rest came over NIXL)."""
+    return int(sum(d.metric("kvxferd_same_host_copies_total") for d in decode_daemons))
 
 
 def _fail(message: str, code: int) -> int:
@@ -157,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvxferd-demo-") as workdir:
         try:
             ids = [f"prefill{q}" for q in range(args.prefill_tp)] + [f"decode{r}" for r in range(args.decode_tp)]
-            started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=("--log-level", "WARNING"))
+            started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=(
+                "--log-level", "WARNING", *(("--no-same-host-reads",) if args.no_same_host else ())))
             daemons = {"prefill": started[: args.prefill_tp], "decode": started[args.prefill_tp:]}
             if not args.json:
                 print(f"{len(started)} kvxferd daemons: prefill TP={args.prefill_tp}, decode TP={args.decode_tp} "

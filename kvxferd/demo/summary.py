@@ -9,7 +9,8 @@ def new_row(model: str, prefill_tp: int, decode_tp: int, groups: str) -> dict:
     return {"model": model, "pairing": f"{prefill_tp}->{decode_tp}", "groups": groups, "requests": 0,
             "failed_requests": 0, "bytes": 0, "descriptors": 0, "verified_bytes": 0, "mismatched_bytes": 0,
             "holds": 0, "consumed": 0, "lost_events": 0, "stray_events": 0, "latency_s": [], "raw_s": [],
-            "raw_bytes": 0, "raw_warm_up_ms": [], "warm_up_ms": 0.0, "problems": [], "stages_s": {}}
+            "raw_bytes": 0, "raw_warm_up_ms": [], "warm_up_ms": 0.0, "problems": [], "stages_s": {},
+            "same_host_copies": 0}
 
 
 def add_read(row: dict, result: dict) -> None:
@@ -55,7 +56,7 @@ def finish_row(row: dict) -> dict:
 
 
 TOTALS = ("requests", "failed_requests", "bytes", "verified_bytes", "mismatched_bytes", "holds", "consumed",
-          "lost_events", "stray_events")
+          "lost_events", "stray_events", "same_host_copies")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -87,7 +88,8 @@ def format_table(summary: dict) -> str:
                   f"(raw NIXL on the same transfers {s['raw_gbps']:.2f} GB/s, ratio {s['ratio']:.2f}); "
                   f"{s['verified_bytes'] / 2**20:.1f} MiB of decode memory checked, {s['mismatched_bytes']} bytes wrong; "
                   f"{s['failed_requests']} failed requests; {s['consumed']}/{s['holds']} holds CONSUMED, "
-                  f"{s['lost_events']} lost and {s['stray_events']} stray events.",
+                  f"{s['lost_events']} lost and {s['stray_events']} stray events; "
+                  f"{s['same_host_copies']} remote ranks' parts of reads copied same-host, the rest over NIXL.",
               "p50/p99: a read on every decode rank's Reads session (the reads socket) -> every completion delivered; "
               "each preset's first read is an untimed warm-up, as raw NIXL's first rounds are (checked like the rest). "
               "GB/s: bytes over that time; "

@@ -128,3 +128,28 @@ def expand_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     row_of = np.repeat(np.arange(len(rows)), counts)
     within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     return rows[row_of, 0] + within * rows[row_of, 3], rows[row_of, 1]
+
+
+@dataclass(frozen=True, eq=False)
+class RowIndex:
+    """Descriptor ids -> ``(addresses, lengths)`` of strided ``rows``, for a few ids at a time (a read's),
+    without expanding every descriptor: one ``searchsorted`` over the rows (a few per region and span)."""
+
+    rows: np.ndarray  # [*, 5] int64: (address, length, device, stride, count)
+    first_ids: np.ndarray  # id of each row's first descriptor
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> "RowIndex":
+        rows = np.asarray(rows, np.int64)
+        counts = rows[:, 4]
+        return cls(rows, np.cumsum(counts) - counts)
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.rows[:, 4].sum()) if len(self.rows) else 0
+
+    def spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(addresses, lengths)`` of descriptors ``ids`` (each in ``[0, num_descriptors)``)."""
+        ids = np.asarray(ids, np.int64)
+        row = np.searchsorted(self.first_ids, ids, side="right") - 1
+        return self.rows[row, 0] + (ids - self.first_ids[row]) * self.rows[row, 3], self.rows[row, 1]

@@ -67,12 +67,25 @@ class CacheGroup:
 
 
 @dataclass(frozen=True)
+class HostShare:
+    """The shared-memory object a host-memory region lies in, for a reader on the same host to map it
+    itself (issue #37): its name, the region's offset in it, and the object's identity (``st_dev``,
+    ``st_ino``) as the holder opened it, so a name reused for another object is not mistaken for it."""
+
+    name: str
+    offset: int
+    device: int
+    inode: int
+
+
+@dataclass(frozen=True)
 class RegionMemory:
     """Where one registered region lives."""
 
     address: int
     num_bytes: int
     device_id: int = 0
+    share: HostShare | None = None  # host memory opened by name: what a same-host reader may map
 
 
 @dataclass(frozen=True, eq=False)

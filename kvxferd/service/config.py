@@ -121,6 +121,13 @@ class DaemonConfig(BaseSettings):
                                           "NIXL polls while requests are held and no reader needs this daemon's "
                                           "progress (shared memory on one host): how soon the last reader's "
                                           "notice is counted and the hold ends CONSUMED (s)")
+    same_host_reads: bool = Field(True, description="read a holder on this host by mapping its engine's shared "
+                                  "memory read-only and copying the planned spans in the kernel "
+                                  "(process_vm_readv) instead of over NIXL; board checks, notices and deadlines "
+                                  "stay. Used when the reader proves it shares the holder's host (the host's peer "
+                                  "secret and boot id), the holder's engine registered host memory by shm name, "
+                                  "and the reader can open that name (the same /dev/shm: IPC namespace); else "
+                                  "NIXL. Not with TLS yet (no host secret there)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
 

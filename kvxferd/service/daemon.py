@@ -57,7 +57,9 @@ from kvxferd.service.net.servicers import EngineServicer, PeerServicer
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import load_or_create_peer_secret
+from kvxferd.wire.samehost import boot_id
 from kvxferd.wire.frames import reads_socket_path
+from kvxferd.xfer import hostcopy
 
 log = logging.getLogger("kvxferd.daemon")
 EXIT_CONFIG, EXIT_STARTUP = 2, 3
@@ -107,6 +109,17 @@ class Daemon:
         self._owns_socket = False
 
     # ---- start --------------------------------------------------------------------
+    @staticmethod
+    def _can_copy_same_host() -> bool:
+        """Same-host reads need this kernel's boot id and process_vm_readv (a seccomp filter may refuse it)."""
+        if not boot_id():
+            log.warning("same-host reads off: this kernel has no boot id")
+            return False
+        if not hostcopy.available():
+            log.warning("same-host reads off: process_vm_readv is refused here (seccomp?); reads go over NIXL")
+            return False
+        return True
+
     async def start(self) -> dict[str, str]:
         """Bind everything; raises :class:`StartupError` with the reason."""
         config = self.config
@@ -163,6 +176,7 @@ class Daemon:
                 self.peers.secret = load_or_create_peer_secret(config.peer_secret_path)
                 # Tokens name the address as dialed: only the advertised one (what engines are told), no alias.
                 self.peer_token_address = f"{bracket_host(config.advertise_host or config.peer_host)}:{peer_port}"
+                self.peers.same_host = config.same_host_reads and self._can_copy_same_host()
             for server in (engine_server, peer_server):
                 await server.start()
                 self._servers.append(server)

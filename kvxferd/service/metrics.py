@@ -32,6 +32,8 @@ class Metrics:
         self.read_descriptors = Histogram("kvxferd_read_descriptors", "NIXL descriptors posted per read",
                                           buckets=_DESCRIPTOR_BUCKETS, registry=r)
         self.read_failures = Counter("kvxferd_read_failures", "failed reads by kind", ["kind"], registry=r)
+        self.same_host_copies = Counter("kvxferd_same_host_copies", "remote ranks' parts of reads copied from a "
+                                        "same-host holder's shared memory instead of read over NIXL", registry=r)
         for kind in FAILURE_KINDS:
             self.read_failures.labels(kind)
         self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",

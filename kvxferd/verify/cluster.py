@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from kvxferd.plan.engine import ReadRequest, expected_readers
 from kvxferd.plan.groups import CacheGroup
-from kvxferd.verify.engines import DecodeChecks, allocate_engine
+from kvxferd.client.shm import SharedArena
+from kvxferd.verify.engines import DecodeChecks, allocate_engine, shared_engine
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.verify.holderthread import HolderThread
@@ -30,10 +31,16 @@ class LocalCluster(DecodeChecks):
     """A prefill engine (TP ``prefill_tp``) and a decode engine (TP ``decode_tp``)."""
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
-                 prefill_tp: int, decode_tp: int, *, name: str = "c") -> None:
+                 prefill_tp: int, decode_tp: int, *, name: str = "c", same_host: bool = False) -> None:
+        """``same_host``: prefill caches in named shared memory, which the decode ranks map and copy from
+        themselves (:mod:`kvxferd.xfer.hostmaps`) instead of reading over NIXL."""
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
-        self.prefill = [allocate_engine(self.prefill_id, prefill_groups, prefill_tp, q, tagged=True) for q in range(prefill_tp)]
+        self.same_host, self.arenas = same_host, []
+        self.prefill = [allocate_engine(self.prefill_id, prefill_groups, prefill_tp, q, tagged=True,
+                                        allocate=self._shared if same_host else None) for q in range(prefill_tp)]
+        if same_host:
+            self.prefill = [shared_engine(engine, arena) for engine, arena in zip(self.prefill, self.arenas)]
         self.decode = [allocate_engine(self.decode_id, decode_groups, decode_tp, r, tagged=False) for r in range(decode_tp)]
         self.prefill_agents = [NixlAgent(f"{self.prefill_id}-{q}") for q in range(prefill_tp)]
         for agent, engine in zip(self.prefill_agents, self.prefill):
@@ -61,7 +68,12 @@ class LocalCluster(DecodeChecks):
         metadata = [agent.metadata() for agent in self.prefill_agents]
         boards = [holder.board for holder in self.holders]
         for executor in self.executors:
-            executor.connect(caches, metadata, boards)
+            executor.connect(caches, metadata, boards, same_host=self.same_host)
+
+    def _shared(self, num_bytes: int):
+        arena = SharedArena(num_bytes)
+        self.arenas.append(arena)
+        return arena.allocate(num_bytes)
 
     def hold(self, request: ReadRequest, lease_s: float = HOLD_LEASE_S) -> ReadRequest:
         """Hold ``request`` on every prefill rank; the request with the ranks' capabilities (also kept for
@@ -88,3 +100,5 @@ class LocalCluster(DecodeChecks):
         for holder, engine in zip(self.holders, self.prefill):
             holder.close()
             holder.agent.deregister(engine.cache.engine_id)
+        for arena in self.arenas:
+            arena.close()

@@ -10,6 +10,8 @@ positions alone (no plan, no units, no layouts).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,9 +19,10 @@ import numpy as np
 
 from kvxferd.layout.specs import MambaSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
-from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
+from kvxferd.plan.groups import CacheGroup, EngineCache, HostShare, RegionMemory
 from kvxferd.verify.oracle import BlockSource, TokenSource, expected_region, first_mismatch, tagged_region
 from kvxferd.verify.physical import SENTINEL, region_num_bytes, region_views
+from kvxferd.wire.names import SHM_DIR
 
 
 def region_key(group: int, region: int) -> int:
@@ -90,6 +93,17 @@ def allocate_engine(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, 
         memory.append(tuple(RegionMemory(b.ctypes.data, b.nbytes) for b in regions))
     cache = EngineCache(engine_id, tp_size, tp_rank, tuple(groups), tuple(memory))
     return EngineBuffers(cache, arena, buffers)
+
+
+def shared_engine(engine: EngineBuffers, arena) -> EngineBuffers:
+    """``engine`` (allocated in ``arena``, a :class:`~kvxferd.client.shm.SharedArena`) with each region's
+    shared-memory object named, as a holder daemon announces it to a same-host reader."""
+    status = os.stat(SHM_DIR / arena.name)
+    base = arena.array.ctypes.data
+    memory = tuple(tuple(dataclasses.replace(r, share=HostShare(arena.name, r.address - base, status.st_dev,
+                                                                status.st_ino)) for r in regions)
+                   for regions in engine.cache.memory)
+    return dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, memory=memory))
 
 
 def paper_cache(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_rank: int) -> EngineCache:

@@ -18,8 +18,9 @@ from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheSpec, Ca
 from kvxferd.layout.strided import ITEMSIZES
 from kvxferd.plan.capability import check_capability_bytes
 from kvxferd.plan.engine import ReadRequest
-from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
+from kvxferd.plan.groups import CacheGroup, EngineCache, HostShare, RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.wire.names import shm_path
 
 MAX_ID_LENGTH = 256
 
@@ -154,19 +155,38 @@ def engine_from_pb(engine: pb.EngineRank, memory: Sequence[Sequence[RegionMemory
 
 
 def peer_memory_from_pb(engine: pb.EngineRank) -> list[list[RegionMemory]]:
-    """Region addresses of a peer's engine (peer info carries addresses, not handles)."""
-    return [[RegionMemory(r.address, r.num_bytes, r.device_id) for r in group.regions] for group in engine.groups]
+    """Region addresses of a peer's engine (peer info carries addresses, and for a same-host reader the
+    shared-memory object of each host-memory region opened by name: :func:`share_from_pb`)."""
+    return [[RegionMemory(r.address, r.num_bytes, r.device_id, share_from_pb(r, f"engine.groups[{g}].regions[{i}]"))
+             for i, r in enumerate(group.regions)] for g, group in enumerate(engine.groups)]
 
 
-def engine_to_pb(cache: EngineCache, *, with_addresses: bool) -> pb.EngineRank:
-    """The message describing ``cache`` (for peers: with region addresses)."""
+def share_from_pb(region: pb.Region, field: str) -> HostShare | None:
+    """A peer's region's shared-memory object (validated: one name under /dev/shm, a range inside it), or
+    None when it sent none."""
+    handle = region.handle
+    if handle.WhichOneof("source") != "shm_name":
+        return None
+    shm_path(handle.shm_name, f"{field}.handle")  # one component under /dev/shm, or InvalidArgumentError
+    if handle.offset < 0:
+        raise InvalidArgumentError(f"{field}.handle.offset", f"must not be negative, got {handle.offset}")
+    return HostShare(handle.shm_name, handle.offset, handle.shm_device, handle.shm_inode)
+
+
+def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool = False) -> pb.EngineRank:
+    """The message describing ``cache`` (for peers: with region addresses; for a proven same-host reader
+    also the shared-memory object of each region opened by name)."""
     out = pb.EngineRank(engine_id=cache.engine_id, tp_rank=cache.tp_rank, tp_size=cache.tp_size, mem_type=cache.mem_type)
     for group, memory in zip(cache.groups, cache.memory):
         message = out.groups.add(kind=group.kind)
         spec_to_pb(group.spec, message)
         for region in memory:
-            message.regions.add(address=region.address if with_addresses else 0, num_bytes=region.num_bytes,
-                                device_id=region.device_id)
+            added = message.regions.add(address=region.address if with_addresses else 0, num_bytes=region.num_bytes,
+                                        device_id=region.device_id)
+            if with_shares and region.share is not None:
+                share = region.share
+                added.handle.shm_name, added.handle.offset = share.name, share.offset
+                added.handle.shm_device, added.handle.shm_inode = share.device, share.inode
     return out
 
 

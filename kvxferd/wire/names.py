@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import pathlib
+
+from kvxferd.errors import InvalidArgumentError
 
 SESSION_KEY = "kvxferd-session"  # gRPC metadata carrying an engine's session on every call after Register
 MAX_TOPIC_BYTES = 257  # an engine id (at most 256 bytes) and the NUL
 ENV_PREFIX = "KVXFERD_"  # the daemon's configuration from the environment: KVXFERD_<FIELD>
+SHM_DIR = pathlib.Path("/dev/shm")
+SHM_NAME_MAX_BYTES = 255  # NAME_MAX: one path component under /dev/shm
 
 
 def env_name(field: str) -> str:
@@ -56,3 +61,19 @@ def is_engine_topic(prefix: bytes) -> bool:
         return prefix[:-1].decode().isprintable()
     except UnicodeDecodeError:
         return False
+
+
+def shm_path(name: str, field: str) -> pathlib.Path:
+    """``/dev/shm/<name>`` for a POSIX shared-memory name (``name`` or ``/name``), validated.
+
+    One component, printable, at most ``NAME_MAX`` bytes, not ``.``/``..``:
+    anything else could point outside ``/dev/shm`` or fail deep inside the
+    kernel with a message that names the server's paths.
+    """
+    bare = name[1:] if name.startswith("/") else name
+    if (not bare or "/" in bare or bare in (".", "..") or not bare.isprintable()
+            or len(bare.encode("utf-8", "surrogatepass")) > SHM_NAME_MAX_BYTES):
+        raise InvalidArgumentError(f"{field}.shm_name", f"not a shared-memory object name (one printable component of "
+                                                         f"1..{SHM_NAME_MAX_BYTES} bytes, optionally after one '/'): "
+                                                         f"{name[:64]!r}")
+    return SHM_DIR / bare

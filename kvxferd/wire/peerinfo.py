@@ -62,9 +62,12 @@ class PeerInfo:
     board: BoardInfo
 
 
-def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, board: BoardInfo) -> pb.EngineInfoReply:
+def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, board: BoardInfo, *,
+                same_host: bool = False) -> pb.EngineInfoReply:
+    """The holder's answer to ``GetEngineInfo``; ``same_host``: the reader proved it shares this host
+    (kvxferd.wire.samehost), and gets the names of the shared-memory objects to map itself."""
     info = pb.EngineInfo(incarnation=incarnation, agent_metadata=agent_metadata,
-                         engine=engine_to_pb(cache, with_addresses=True),
+                         engine=engine_to_pb(cache, with_addresses=True, with_shares=same_host),
                          hold_board=pb.HoldBoard(address=board.address, num_buckets=board.num_buckets),
                          hold_key=board.hold_key)
     return pb.EngineInfoReply(protocol_version=PROTOCOL_VERSION, compatibility_hash=compatibility_hash(cache),

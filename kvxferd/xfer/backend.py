@@ -12,11 +12,14 @@
     after the completion ────── send_notices ───► tell each holder how it went
     data-plane thread ───── progress_notices ───► keep notices moving (num_notices_sent)
 
-NIXL (:class:`kvxferd.xfer.reads.ReadExecutor`) is the backend today; a
-same-host copy path implements the same members. The service layer calls
-a slot's backend through these members only (``tests/xfer/test_backend.py``
-reads the service's source to check it), so a second backend changes
-neither the read's record, the session nor the books.
+NIXL (:class:`kvxferd.xfer.reads.ReadExecutor`) is the backend today. The
+same-host path of issue #37 lives inside it, as a per-rank choice of how a
+rank's data moves (:mod:`kvxferd.xfer.hostmaps`): its board checks and
+notices stay NIXL's, and one remote engine may have ranks of both kinds.
+The service layer calls a slot's backend through these members only
+(``tests/xfer/test_backend.py`` reads the service's source to check it), so
+a second backend (a GPU copy path) changes neither the read's record, the
+session nor the books.
 
 ``lock`` lets one thread at a time into the backend (every member takes
 it): the event loop posts small reads while the data-plane thread polls
@@ -42,8 +45,9 @@ class ReadBackend(Protocol):
     num_notices_sent: int  # grows with every batch of notices sent: the data plane then makes progress
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
-                boards: Sequence[BoardInfo] | None = None) -> RemoteEngine:
-        """Prepare reads from a remote engine (a cache, agent metadata and hold board per rank)."""
+                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
+        """Prepare reads from a remote engine (a cache, agent metadata and hold board per rank); ``same_host``:
+        the ranks proved they share this host, and those that named their shared memory are copied from."""
 
     def disconnect(self, engine_id: str) -> None:
         """Forget a remote engine and release what :meth:`connect` prepared."""

@@ -45,6 +45,7 @@ from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
 from kvxferd.xfer.checks import BoardProbe, CheckArea, board_rows
+from kvxferd.xfer.hostmaps import HostRank, map_host_source
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
 POLL_MAX_S = 1e-3
@@ -91,6 +92,10 @@ class RemoteEngine:
     board_buckets: tuple[int, ...] = ()  # per remote rank; () when connected without boards (nothing checked)
     hold_keys: tuple[bytes, ...] = ()  # per remote rank, with the boards: every read's capabilities are checked
     probe: BoardProbe | None = None  # the connection's probe while it runs (start_probe)
+    # Same-host reads (issue #37): remote rank -> its memory mapped here, copied in the kernel instead of a
+    # NIXL READ; a rank whose memory could not be mapped reads over NIXL (why: host_errors).
+    host_ranks: dict[int, HostRank] = field(default_factory=dict)
+    host_errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -119,6 +124,7 @@ class InFlightRead:
     posted_s: float = 0.0  # perf_counter when every rank's first transfer (board check or data) was posted
     transferred_s: float = 0.0  # perf_counter when the last data READ ended
     notified: bool = False  # its notices went out (send_notices)
+    num_host_copies: int = 0  # ranks whose data was copied same-host, not read over NIXL
 
     def fail(self, q: int, error: str, failure: ReadFailure) -> None:
         self.errors.setdefault(q, error)
@@ -149,20 +155,25 @@ class ReadExecutor:
         self.checks = CheckArea(agent)
         self.notices = NixlAgent(f"{agent.name}.notices")
         self.num_notices_sent = 0  # the data plane polls the notice agent (its progress) only after new ones
+        self.num_host_copies = 0  # rank reads copied same-host instead of read over NIXL
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
-                boards: Sequence[BoardInfo] | None = None) -> RemoteEngine:
+                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
         """Plan and prepare reads from a remote engine (one cache, metadata and hold board per rank).
 
         Without ``boards`` nothing is checked: reads of memory nobody holds
         (benchmarks of the data path alone). The daemon always passes them, and
         then every read must carry each rank's capability for exactly its
         remote blocks (:mod:`kvxferd.plan.capability`), checked before it is posted.
+
+        ``same_host``: the remote ranks proved they share this host; each whose
+        caches name their shared-memory objects is mapped here and read by
+        copying (:mod:`kvxferd.xfer.hostmaps`), the others over NIXL.
         """
         with self.lock:
-            return self._connect(remotes, metadata, boards)
+            return self._connect(remotes, metadata, boards, same_host)
 
-    def _connect(self, remotes, metadata, boards) -> RemoteEngine:
+    def _connect(self, remotes, metadata, boards, same_host: bool) -> RemoteEngine:
         plan = EngineTransferPlan(self.cache, remotes)
         if len(metadata) != len(remotes):
             raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata for {len(remotes)} remote ranks")
@@ -190,6 +201,11 @@ class ReadExecutor:
                 if boards is not None:
                     remote.board_lists[q] = self.agent.prep_remote(
                         names[q], board_rows(boards[q].address, boards[q].num_buckets), "DRAM")
+                if same_host and self.cache.mem_type == "DRAM":
+                    try:
+                        remote.host_ranks[q] = HostRank.of(map_host_source(remotes[q]), rank_plan)
+                    except TransferError as err:
+                        remote.host_errors[q] = err.message
         except BaseException:  # a bad peer leaves nothing behind
             self._unload(remote, num_notice_remotes)
             raise
@@ -246,6 +262,9 @@ class ReadExecutor:
             handle.release()
         for handles in lists:  # a released handle still points at the agent: let go of it
             handles.clear()
+        for host_rank in remote.host_ranks.values():
+            host_rank.source.close()
+        remote.host_ranks.clear()
         names = remote.agent_names
         # One reference per rank and agent, as connect took them (a failed connect: only those it took).
         for agent, loaded in ((self.agent, names), (self.notices, names[:num_notice_remotes])):
@@ -330,8 +349,22 @@ class ReadExecutor:
         return inflight
 
     def _post_read(self, inflight: InFlightRead, read: RankRead) -> None:
-        """Post one rank's data READ (a failure is recorded on the read, never raised)."""
+        """Post one rank's data READ (a failure is recorded on the read, never raised); from a same-host
+        rank, copy it instead: it ends here."""
         remote, q = inflight.remote, read.remote_rank
+        host_rank = remote.host_ranks.get(q)
+        if host_rank is not None:
+            try:
+                host_rank.copy(read)
+            except TransferError as err:
+                inflight.fail(q, f"same-host copy: {err.message}", ReadFailure.TRANSFER)
+                return
+            inflight.step += 1
+            inflight.num_host_copies += 1
+            self.num_host_copies += 1
+            if inflight.tags:
+                inflight.unchecked.append(q)  # the data is in: now ask the board whether it was still held
+            return
         handle = None
         try:
             handle = self.agent.make_read(remote.local_lists[q], read.local_ids, remote.remote_lists[q],

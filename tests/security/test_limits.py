@@ -13,7 +13,7 @@ from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.service.engines.memory import SHM_DIR
+from kvxferd.wire.names import SHM_DIR
 from kvxferd.service.net.servicers import rpc
 from kvxferd.verify.certs import DevCA
 from kvxferd.verify.models import ModelShape, model_groups

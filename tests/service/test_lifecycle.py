@@ -93,6 +93,7 @@ def test_restarted_prefill_daemon_is_picked_up(workdir):
         assert completion.ok or (completion.refused_code == grpc.StatusCode.PERMISSION_DENIED.value[0]
                                  and cluster.decode_untouched()), completion
         time.sleep(1.5)  # that probe, and its re-handshake
+        copies = _metric(cluster.decode_daemons[0], "kvxferd_same_host_copies_total")
         for n in range(3):
             request = _request(f"after{n}", 2 + n)
             cluster.reset_decode()
@@ -102,6 +103,8 @@ def test_restarted_prefill_daemon_is_picked_up(workdir):
             assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
         log = cluster.decode_daemons[0].tail(20000)
         assert log.count('"handshake done"') >= 2
+        # Same-host (issue #37): the restarted holder's memory was mapped again at the re-handshake.
+        assert _metric(cluster.decode_daemons[0], "kvxferd_same_host_copies_total") == copies + 3 * 2
 
 
 def test_expired_hold_publishes_expired_and_a_late_read_fails(workdir):

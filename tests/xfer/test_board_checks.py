@@ -26,11 +26,14 @@ from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.reads import ReadFailure
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@pytest.fixture(scope="module", params=["nixl", "same-host"])
+def cluster(request):
+    """Every rule below holds whether a rank's data comes over NIXL or is copied same-host (issue #37)."""
     prefill_groups, decode_groups = model_groups("gqa", ModelShape())
-    with LocalCluster(prefill_groups, decode_groups, 2, 1, name="board") as cluster:
+    same_host = request.param == "same-host"
+    with LocalCluster(prefill_groups, decode_groups, 2, 1, name=f"board-{request.param}", same_host=same_host) as cluster:
         yield cluster
+        assert (cluster.executors[0].num_host_copies > 0) == same_host  # the path named was the path taken
 
 
 def _request(cluster, request_id: str, seed: int):

@@ -34,6 +34,15 @@ def test_nixl_reads_are_byte_exact(pair, model, shape):
     check_pairing(model, SHAPES[shape], shape, p, d)
 
 
+# Same-host copies (issue #37): the same sample of pairings, the decode ranks copying from the prefill
+# ranks' shared memory themselves; board checks and notices as over NIXL.
+@pytest.mark.parametrize("pair, model, shape", covering(TP_PAIRS, MODELS, list(SHAPES),
+                                                        ids=lambda pair, model, shape: f"P{pair[0]}D{pair[1]}-{model}-{shape}"))
+def test_same_host_copies_are_byte_exact(pair, model, shape):
+    p, d = pair
+    check_pairing(model, SHAPES[shape], shape, p, d, same_host=True)
+
+
 @pytest.mark.parametrize("model", ["gqa", "swa"])
 @pytest.mark.parametrize("p, d", [(1, 1), (2, 1), (1, 2), (3, 2)], ids=lambda x: str(x))
 def test_kv_per_head_pairs_with_packed_hnd(model, p, d):
@@ -48,13 +57,13 @@ def test_vllm_cpu_cache_between_block_sizes(blocks, p, d):
     check_pairing("gqa", ModelShape(layout="cpu", **blocks), "cpu", p, d)
 
 
-def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int) -> None:
+def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int, *, same_host: bool = False) -> None:
     prefill_groups, decode_groups = model_groups(model, shape)
     rng = np.random.default_rng(p * 10 + d)
     requests = [random_request("full", prefill_groups, decode_groups, 70, rng),
                 random_request("hit", prefill_groups, decode_groups, 90, rng, cached_tokens=32, window_tokens=24,
                                contiguous=False)]
-    with LocalCluster(prefill_groups, decode_groups, p, d, name=f"{model}-{name}-{p}-{d}") as cluster:
+    with LocalCluster(prefill_groups, decode_groups, p, d, name=f"{model}-{name}-{p}-{d}", same_host=same_host) as cluster:
         for request in requests:
             cluster.reset_decode()
             results = cluster.read(request)
@@ -65,5 +74,7 @@ def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int) -> N
                 end = cluster.holder_thread.wait_end(q, request.remote_request_id, timeout_s=10)
                 assert end is not None and end.kind == "CONSUMED" and not end.failed_readers, f"prefill rank {q}: {end}"
                 assert holder.readers[(cluster.decode_id, 0)].expected_readers == notifiers[q]
+        # Every decode rank copied itself exactly when same-host (else every byte came over NIXL).
+        assert [e.num_host_copies > 0 for e in cluster.executors] == [same_host] * d
         # Nothing refused or late (a new connection's first READs may wait: `waited` is not a fault).
         assert [(h.counts[NoticeEvent.BAD], h.counts[NoticeEvent.FOREIGN], h.counts[NoticeEvent.LATE]) for h in cluster.holders] == [(0, 0, 0)] * p

@@ -76,20 +76,24 @@ class StateCache(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_groups: _Optional[int] = ..., state_size: _Optional[int] = ..., conv_window: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., conv_order: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_stride: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_stride: _Optional[int] = ..., conv_parts: _Optional[str] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
-    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset", "allocation_bytes")
+    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset", "allocation_bytes", "shm_device", "shm_inode")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     CUDA_VMM_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHM_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SHM_INODE_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     cuda_ipc_handle: bytes
     cuda_vmm_fd_index: int
     shm_fd_index: int
     offset: int
     allocation_bytes: int
-    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ...) -> None: ...
+    shm_device: int
+    shm_inode: int
+    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ..., shm_device: _Optional[int] = ..., shm_inode: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("handle", "address", "num_bytes", "device_id", "device_uuid")
@@ -428,7 +432,7 @@ class MissedEventsReply(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[NotifyEvent, _Mapping]]] = ..., last_seq: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class EngineInfoRequest(_message.Message):
-    __slots__ = ("engine_id", "protocol_version", "tp_rank", "reader_engine_id", "reader_tp_rank", "reader_agent_metadata", "reader_tp_size")
+    __slots__ = ("engine_id", "protocol_version", "tp_rank", "reader_engine_id", "reader_tp_rank", "reader_agent_metadata", "reader_tp_size", "same_host_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +440,7 @@ class EngineInfoRequest(_message.Message):
     READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
     READER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     READER_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     protocol_version: int
     tp_rank: int
@@ -443,7 +448,8 @@ class EngineInfoRequest(_message.Message):
     reader_tp_rank: int
     reader_agent_metadata: bytes
     reader_tp_size: int
-    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_rank: _Optional[int] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_agent_metadata: _Optional[bytes] = ..., reader_tp_size: _Optional[int] = ...) -> None: ...
+    same_host_token: str
+    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_rank: _Optional[int] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_agent_metadata: _Optional[bytes] = ..., reader_tp_size: _Optional[int] = ..., same_host_token: _Optional[str] = ...) -> None: ...
 
 class EngineInfoReply(_message.Message):
     __slots__ = ("protocol_version", "compatibility_hash", "payload")

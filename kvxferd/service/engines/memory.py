@@ -36,7 +36,6 @@ import ctypes
 import errno
 import mmap
 import os
-import pathlib
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,11 +43,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
-from kvxferd.plan.groups import RegionMemory
+from kvxferd.plan.groups import HostShare, RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines import gpu
-
-SHM_DIR = pathlib.Path("/dev/shm")
+from kvxferd.wire.names import shm_path
 
 
 @dataclass(eq=False)
@@ -58,10 +56,11 @@ class MappedRegion:
     name: str
     array: np.ndarray  # uint8 view of the region
     _mapping: mmap.mmap = field(repr=False)
+    share: HostShare | None = None  # opened by name: a same-host reader may map the object itself
 
     @property
     def memory(self) -> RegionMemory:
-        return RegionMemory(self.array.ctypes.data, self.array.nbytes)
+        return RegionMemory(self.array.ctypes.data, self.array.nbytes, share=self.share)
 
     def close(self) -> None:
         """Unmap (after NIXL deregistered it; no view may outlive this)."""
@@ -69,7 +68,6 @@ class MappedRegion:
         self._mapping.close()
 
 
-SHM_NAME_MAX_BYTES = 255  # NAME_MAX: one path component under /dev/shm
 _ACL_XATTR = "system.posix_acl_access"
 
 
@@ -134,22 +132,6 @@ def populate(regions: Sequence[object]) -> int:
     return num_bytes
 
 
-def shm_path(name: str, field: str) -> pathlib.Path:
-    """``/dev/shm/<name>`` for a POSIX shared-memory name (``name`` or ``/name``), validated.
-
-    One component, printable, at most ``NAME_MAX`` bytes, not ``.``/``..``:
-    anything else could point outside ``/dev/shm`` or fail deep inside the
-    kernel with a message that names the server's paths.
-    """
-    bare = name[1:] if name.startswith("/") else name
-    if (not bare or "/" in bare or bare in (".", "..") or not bare.isprintable()
-            or len(bare.encode("utf-8", "surrogatepass")) > SHM_NAME_MAX_BYTES):
-        raise InvalidArgumentError(f"{field}.shm_name", f"not a shared-memory object name (one printable component of "
-                                                         f"1..{SHM_NAME_MAX_BYTES} bytes, optionally after one '/'): "
-                                                         f"{name[:64]!r}")
-    return SHM_DIR / bare
-
-
 def map_shm(name: str, offset: int, num_bytes: int, field: str,
             openers: ShmOpeners = ShmOpeners()) -> MappedRegion:
     """Map ``num_bytes`` at ``offset`` of shared-memory object ``name``, if ``openers`` could open it themselves."""
@@ -167,8 +149,11 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str,
         raise InvalidArgumentError(f"{field}.shm_name", f"cannot open shared-memory object {name!r}: "
                                                          f"{err.strerror or type(err).__name__}") from None
     try:
-        openers.check(fd, os.fstat(fd), name, field)  # the object opened, not whatever the name means by now
-        return _map_open_fd(fd, name, offset, num_bytes, field)
+        status = os.fstat(fd)
+        openers.check(fd, status, name, field)  # the object opened, not whatever the name means by now
+        region = _map_open_fd(fd, name, offset, num_bytes, field)
+        region.share = HostShare(name, offset, status.st_dev, status.st_ino)
+        return region
     finally:
         os.close(fd)
 

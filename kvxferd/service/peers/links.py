@@ -30,6 +30,7 @@ from kvxferd.service.metrics import Metrics
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import peer_metadata
+from kvxferd.wire.samehost import same_host_token
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.reads import RemoteEngine
 
@@ -85,6 +86,9 @@ class Peers:
         # Without TLS: this host's peer secret (set at start; kvxferd.wire.peerauth). Calls carry its token, and
         # the peer servicer checks tokens with it.
         self.secret: bytes | None = None
+        # Same-host reads (set at start, with the secret: config.same_host_reads): ask every holder to name its
+        # shared memory, proving this host; a holder that does is read by copying (kvxferd.xfer.hostmaps).
+        self.same_host = False
 
     def _channel(self, address: str) -> "_PeerChannel":
         """The channel to ``address``; a new one after the TLS files changed (new connections, new certificate)."""
@@ -186,12 +190,14 @@ class Peers:
                 return  # idempotent: nothing changed
             caches, metadata = [i.cache for i in infos], [i.agent_metadata for i in infos]
             boards = [i.board for i in infos]
+            # Only holders that named their shared memory (they checked our same-host token) are mapped.
+            same_host = self.same_host and any(r.share for c in caches for regions in c.memory for r in regions)
 
             def connect() -> RemoteEngine:
                 with slot.executor.lock:  # no read posted on the loop between failing the old ones and the swap
                     self.dataplane.fail_reads(slot, "the remote engine was re-handshaked (restarted or "
                                                     "unreachable)", link.remote_engine_id)
-                    return slot.executor.connect(caches, metadata, boards)
+                    return slot.executor.connect(caches, metadata, boards, same_host=same_host)
 
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
             link.addresses = addresses  # the remote connected to: a failed probe leaves the link stale
@@ -200,7 +206,10 @@ class Peers:
             self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)
             log.info("handshake done", extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id,
                                               "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4),
-                                              "probe_s": round(probe_s, 4)})
+                                              "probe_s": round(probe_s, 4),
+                                              "same_host_ranks": sorted(link.remote.host_ranks),
+                                              "same_host_errors": {str(q): e for q, e in link.remote.host_errors.items()
+                                                                   if same_host}})
         except BaseException:
             self.metrics.handshake_duration.labels("failed").observe(time.perf_counter() - start)
             if addresses == link.addresses:
@@ -239,6 +248,8 @@ class Peers:
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
                                        reader_tp_size=slot.cache.tp_size,
                                        reader_agent_metadata=slot.notices_metadata)
+        if self.same_host and self.secret is not None:
+            request.same_host_token = same_host_token(self.secret, address)
         try:
             reply = await self.call(address, "GetEngineInfo", request)
         except grpc.aio.AioRpcError as err:

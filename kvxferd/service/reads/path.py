@@ -206,6 +206,8 @@ class ReadPath:
                 m.read_post.observe(read.post_s)
             m.read_descriptors.observe(result.num_descriptors)
             m.read_bytes.inc(result.num_bytes)
+            if read.inflight is not None and read.inflight.num_host_copies:
+                m.same_host_copies.inc(read.inflight.num_host_copies)
             if not result.ok:
                 m.read_failures.labels((read.failure or ReadFailure.TRANSFER).value).inc()
                 if read.failure is ReadFailure.STALE:

@@ -10,7 +10,8 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.engines.memory import SHM_DIR, map_shm, open_region, populate
+from kvxferd.service.engines.memory import map_shm, open_region, populate
+from kvxferd.wire.names import SHM_DIR
 
 
 @pytest.fixture

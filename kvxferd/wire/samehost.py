@@ -1,0 +1,62 @@
+"""Proving that a reader runs on the holder's host: its boot id and the host's peer secret.
+
+A same-host reader maps the holder engine's shared memory itself (issue
+#37), so the holder must know, not assume, that the reader shares its
+kernel. The reader's ``GetEngineInfo`` carries a token (an HMAC of the
+host's peer secret, :mod:`kvxferd.wire.peerauth`) over the holder's boot id
+and its address::
+
+    reader                                          holder
+    token = peer_token(secret, "same-host:" + boot_id + "/" + address, window)
+                                      ──────────►  the same over ITS boot id and address:
+                                                   equal -> the names of its shm objects
+
+Only a process that reads this host's secret file makes the token, and
+only for the boot id this kernel has: a copied secret on another host
+names another boot id, and a token replayed after a reboot names the old
+one. The reader reads its own boot id, so a token proves the reader's
+kernel is the holder's (containers share the host's boot id).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvxferd.errors import UnauthenticatedError
+from kvxferd.wire.peerauth import check_peer_token, peer_token, token_window
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+@functools.cache
+def boot_id() -> str:
+    """This kernel's boot id ("" where the kernel has none: no same-host proof is possible then)."""
+    try:
+        with open(BOOT_ID_PATH) as file:
+            return file.read().strip()
+    except OSError:
+        return ""
+
+
+def _subject(address: str, boot: str) -> str:
+    return f"same-host:{boot}/{address}"
+
+
+def same_host_token(secret: bytes, address: str, now: float | None = None) -> str:
+    """The token a reader presents to the holder it dials at ``address``; "" without a boot id."""
+    boot = boot_id()
+    return peer_token(secret, _subject(address, boot), token_window(now)) if boot else ""
+
+
+def is_same_host(secret: bytes, address: str, presented: str, now: float | None = None) -> bool:
+    """Whether ``presented`` proves a caller on this host (this boot) that holds ``secret``; ``address``: this
+    daemon's own peer address, as its readers dial it."""
+    boot = boot_id()
+    # A protobuf string may hold any text; a token is 64 hex digits (and compare_digest takes ASCII only).
+    if not (boot and len(presented) == 64 and presented.isascii()):
+        return False
+    try:
+        check_peer_token(secret, _subject(address, boot), presented, now)
+    except UnauthenticatedError:
+        return False
+    return True

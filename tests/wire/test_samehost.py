@@ -1,0 +1,59 @@
+"""The same-host proof (issue #37): only this host's secret and this kernel's boot id make it, for one address."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.errors import InvalidArgumentError
+from kvxferd.plan.groups import HostShare
+from kvxferd.wire import samehost
+from kvxferd.wire.messages import engine_to_pb, peer_memory_from_pb
+from kvxferd.verify.engines import paper_cache
+from kvxferd.verify.models import ModelShape, model_groups
+
+SECRET, OTHER_SECRET = b"s" * 32, b"t" * 32
+ADDRESS = "127.0.0.1:7001"
+
+
+def test_a_token_proves_this_host_for_the_address_it_names():
+    token = samehost.same_host_token(SECRET, ADDRESS)
+    assert samehost.boot_id() and samehost.is_same_host(SECRET, ADDRESS, token)
+    assert not samehost.is_same_host(SECRET, "127.0.0.1:7002", token)  # another holder's
+    assert not samehost.is_same_host(OTHER_SECRET, ADDRESS, token)  # another host's secret
+    assert not samehost.is_same_host(SECRET, ADDRESS, "")
+    assert not samehost.is_same_host(SECRET, ADDRESS, "0" * 64)
+    assert not samehost.is_same_host(SECRET, ADDRESS, "é" * 64)  # any text fits a protobuf string: no crash
+
+
+def test_a_token_made_under_another_boot_id_proves_nothing(monkeypatch):
+    """A secret copied to another host (or a token from before a reboot) names another kernel."""
+    token = samehost.same_host_token(SECRET, ADDRESS)
+    monkeypatch.setattr(samehost, "boot_id", lambda: "another-boot")
+    assert not samehost.is_same_host(SECRET, ADDRESS, token)
+    assert samehost.is_same_host(SECRET, ADDRESS, samehost.same_host_token(SECRET, ADDRESS))
+    monkeypatch.setattr(samehost, "boot_id", lambda: "")  # no boot id: no proof either way
+    assert samehost.same_host_token(SECRET, ADDRESS) == "" and not samehost.is_same_host(SECRET, ADDRESS, token)
+
+
+def _shared_cache():
+    groups, _ = model_groups("gqa", ModelShape())
+    cache = paper_cache("e", groups, 1, 0)
+    memory = tuple(tuple(r.__class__(r.address, r.num_bytes, r.device_id, HostShare("kv-arena", 4096 * i, 5, 77))
+                         for i, r in enumerate(regions)) for regions in cache.memory)
+    return cache.__class__(cache.engine_id, cache.tp_size, cache.tp_rank, cache.groups, memory)
+
+
+def test_shares_go_to_a_proven_reader_only_and_come_back_as_sent():
+    cache = _shared_cache()
+    plain = peer_memory_from_pb(engine_to_pb(cache, with_addresses=True))
+    assert all(r.share is None for regions in plain for r in regions)  # nobody else learns the names
+    shared = peer_memory_from_pb(engine_to_pb(cache, with_addresses=True, with_shares=True))
+    assert [list(regions) for regions in shared] == [list(regions) for regions in cache.memory]
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "a/b", "", ".", "\x01bad"])
+def test_a_name_that_is_not_one_shm_object_is_refused_when_decoded(name):
+    message = engine_to_pb(_shared_cache(), with_addresses=True, with_shares=True)
+    message.groups[0].regions[0].handle.shm_name = name  # (set even when empty: the oneof names shm_name)
+    with pytest.raises(InvalidArgumentError, match="shm_name"):
+        peer_memory_from_pb(message)

@@ -1,0 +1,118 @@
+"""Same-host reads (issue #37): what a reader maps, what it refuses, and that a refusal means NIXL, not a fault."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvxferd.errors import TransferError
+from kvxferd.verify.cluster import LocalCluster
+from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.xfer.hostmaps import map_host_source
+from kvxferd.xfer.reads import ReadFailure
+
+GROUPS = model_groups("gqa", ModelShape())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(*GROUPS, 2, 1, name="hostmaps", same_host=True) as cluster:
+        yield cluster
+
+
+def _request(request_id: str, seed: int):
+    return random_request(request_id, *GROUPS, 48, np.random.default_rng(seed))
+
+
+def _with_share(cache, **changes):
+    """``cache`` with every region's share changed as given."""
+    memory = tuple(tuple(dataclasses.replace(r, share=dataclasses.replace(r.share, **changes)) for r in regions)
+                   for regions in cache.memory)
+    return dataclasses.replace(cache, memory=memory)
+
+
+def test_a_remote_span_is_found_in_the_mapping_and_one_outside_every_region_is_refused(cluster):
+    cache = cluster.prefill[0].cache
+    source = map_host_source(cache)
+    try:
+        region = cache.memory[0][0]
+        local = source.translate(np.array([region.address, region.address + region.num_bytes - 8]), np.array([8, 8]))
+        arena = cluster.prefill[0].arena
+        offset = region.address - arena.ctypes.data
+        mapped = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 8).from_address(int(local[0])))
+        assert np.array_equal(mapped, arena[offset:offset + 8])  # the same bytes, through the reader's own mapping
+        for address, length in ((region.address - 1, 8), (region.address + region.num_bytes - 4, 8), (8, 8)):
+            with pytest.raises(TransferError, match="outside the holder's regions"):
+                source.translate(np.array([address]), np.array([length]))
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"inode": 1}, "not the one the holder mapped"),  # the name now means another object
+    ({"name": "kvxferd-no-such-object"}, "cannot open"),  # another IPC namespace, or gone
+    ({"offset": 1 << 40}, "exceeds shared-memory object"),  # a region announced beyond the object
+])
+def test_an_object_that_is_not_the_holders_region_is_not_mapped(cluster, change, error):
+    with pytest.raises(TransferError, match=error):
+        map_host_source(_with_share(cluster.prefill[0].cache, **change))
+
+
+def test_a_region_without_a_named_object_is_read_over_nixl_byte_exact(cluster):
+    """A holder that names no object (its engine passed an fd), or one the reader cannot map: NIXL reads it,
+    and says why in host_errors; the read is as exact as ever."""
+    executor = cluster.executors[0]
+    good = cluster.prefill[0].cache
+    unnamed = dataclasses.replace(good, memory=tuple(tuple(dataclasses.replace(r, share=None) for r in regions)
+                                                     for regions in good.memory))
+    caches = [unnamed] + [engine.cache for engine in cluster.prefill[1:]]
+    metadata = [agent.metadata() for agent in cluster.prefill_agents]
+    executor.connect(caches, metadata, [holder.board for holder in cluster.holders], same_host=True)
+    try:
+        remote = executor.remote(cluster.prefill_id)
+        assert set(remote.host_ranks) == {1} and "named shared-memory object" in remote.host_errors[0]
+        request = _request("mixed", 3)
+        cluster.reset_decode()
+        before = executor.num_host_copies
+        (result,) = cluster.read(request)
+        assert result.ok and cluster.check(request) == []
+        assert executor.num_host_copies == before + 1  # rank 1 copied, rank 0 over NIXL
+    finally:
+        cluster.connect()
+
+
+def test_a_mapping_gone_under_a_read_fails_that_rank_with_its_blocks_invalid(cluster):
+    """The kernel refuses the copy (EFAULT): the read fails as a transfer, the daemon lives on."""
+    cluster.connect()
+    remote = cluster.executors[0].remote(cluster.prefill_id)
+    for host_rank in remote.host_ranks.values():
+        host_rank.source.close()
+    request = _request("unmapped", 4)
+    cluster.reset_decode()
+    (result,) = cluster.read(request)
+    assert not result.ok and result.failure is ReadFailure.TRANSFER and "same-host copy" in result.error
+    assert sum(len(ids) for ids in result.invalid_block_ids) == sum(len(ids) for ids in request.local_block_ids)
+    cluster.connect()  # a fresh connection maps again
+    cluster.reset_decode()
+    (result,) = cluster.read(_request("again", 5))
+    assert result.ok
+
+
+def test_a_plan_too_large_to_expand_is_looked_up_per_read_as_exactly(cluster, monkeypatch):
+    """Above EXPAND_MAX_DESCRIPTORS the tables are not expanded at connect: spans found per read (RowIndex)."""
+    from kvxferd.xfer import hostmaps
+    monkeypatch.setattr(hostmaps, "EXPAND_MAX_DESCRIPTORS", 0)
+    cluster.connect()
+    try:
+        remote = cluster.executors[0].remote(cluster.prefill_id)
+        assert remote.host_ranks and all(rank.tables is None for rank in remote.host_ranks.values())
+        request = _request("looked-up", 6)
+        cluster.reset_decode()
+        (result,) = cluster.read(request)
+        assert result.ok and cluster.check(request) == []
+    finally:
+        monkeypatch.undo()
+        cluster.connect()
+    assert all(rank.tables is not None for rank in cluster.executors[0].remote(cluster.prefill_id).host_ranks.values())
