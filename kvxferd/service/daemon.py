@@ -305,6 +305,8 @@ class Daemon:
         """One GetIncarnation per remote rank; a changed or unreachable one makes the link re-handshake."""
         if link.ready and not await self.peers.probe(slot, link):
             link.stale = True
+            # A holder gone or restarted: do not keep its engine's shared memory mapped (and alive) here.
+            slot.executor.release_host_memory(link.remote, "the holder changed incarnation or is unreachable")
             log.info("remote engine changed incarnation or is unreachable",
                      extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id})
             self.spawn(self._rehandshake(slot, link))

@@ -60,16 +60,19 @@ class PeerInfo:
     agent_metadata: bytes
     cache: EngineCache
     board: BoardInfo
+    same_host_proof: str = ""  # with shared-memory names: the holder's proof (kvxferd.wire.samehost)
 
 
 def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, board: BoardInfo, *,
-                same_host: bool = False) -> pb.EngineInfoReply:
-    """The holder's answer to ``GetEngineInfo``; ``same_host``: the reader proved it shares this host
-    (kvxferd.wire.samehost), and gets the names of the shared-memory objects to map itself."""
+                same_host_proof: str = "") -> pb.EngineInfoReply:
+    """The holder's answer to ``GetEngineInfo``; ``same_host_proof``: the reader proved it shares this host
+    (kvxferd.wire.samehost), and gets the names of the shared-memory objects to map itself, with the
+    holder's own proof."""
+    same_host = bool(same_host_proof)
     info = pb.EngineInfo(incarnation=incarnation, agent_metadata=agent_metadata,
                          engine=engine_to_pb(cache, with_addresses=True, with_shares=same_host),
                          hold_board=pb.HoldBoard(address=board.address, num_buckets=board.num_buckets),
-                         hold_key=board.hold_key)
+                         hold_key=board.hold_key, same_host_proof=same_host_proof)
     return pb.EngineInfoReply(protocol_version=PROTOCOL_VERSION, compatibility_hash=compatibility_hash(cache),
                               payload=info.SerializeToString())
 
@@ -86,7 +89,7 @@ def decode_info(reply: pb.EngineInfoReply, local: EngineCache) -> PeerInfo:
     remote = engine_from_pb(info.engine, peer_memory_from_pb(info.engine))
     if reply.compatibility_hash != compatibility_hash(local) or compatibility_hash(remote) != reply.compatibility_hash:
         raise LayoutMismatchError("compatibility_hash", f"peer model [{model_facts(remote)}] vs local [{model_facts(local)}]")
-    return PeerInfo(info.incarnation, info.agent_metadata, remote, decode_board(info))
+    return PeerInfo(info.incarnation, info.agent_metadata, remote, decode_board(info), info.same_host_proof)
 
 
 def decode_board(info: pb.EngineInfo) -> BoardInfo:

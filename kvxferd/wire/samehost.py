@@ -16,13 +16,22 @@ only for the boot id this kernel has: a copied secret on another host
 names another boot id, and a token replayed after a reboot names the old
 one. The reader reads its own boot id, so a token proves the reader's
 kernel is the holder's (containers share the host's boot id).
+
+The other way round, the reader maps nothing a holder names unless the
+holder proves the same (:func:`holder_proof`, over the reader's token): an
+engine names the addresses its daemon dials, so a listener of another user
+could otherwise answer with the name of an object the daemon may open and
+the engine may not, and have it copied into the engine's cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hmac
 
 from kvxferd.errors import UnauthenticatedError
+from kvxferd.plan.groups import EngineCache
 from kvxferd.wire.peerauth import check_peer_token, peer_token, token_window
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -60,3 +69,26 @@ def is_same_host(secret: bytes, address: str, presented: str, now: float | None 
     except UnauthenticatedError:
         return False
     return True
+
+
+def holder_proof(secret: bytes, address: str, request_token: str) -> str:
+    """What a holder at ``address`` answers a proven reader's ``request_token`` with; "" without a boot id."""
+    boot = boot_id()
+    return peer_token(secret, f"same-host-holder:{boot}/{address}/{request_token}", 0) if boot and request_token else ""
+
+
+def shares_from(cache: EngineCache, secret: bytes, address: str, request_token: str, proof: str) -> EngineCache:
+    """``cache`` as a reader may map it: with its shared-memory names only when the holder it dialed at
+    ``address`` proved this host (``proof``); else without any."""
+    expected = holder_proof(secret, address, request_token)
+    if expected and len(proof) == 64 and proof.isascii() and hmac.compare_digest(expected, proof):
+        return cache
+    return without_shares(cache)
+
+
+def without_shares(cache: EngineCache) -> EngineCache:
+    """``cache`` with no region naming a shared-memory object."""
+    if all(r.share is None for regions in cache.memory for r in regions):
+        return cache
+    memory = tuple(tuple(dataclasses.replace(r, share=None) for r in regions) for regions in cache.memory)
+    return dataclasses.replace(cache, memory=memory)

@@ -52,6 +52,9 @@ class ReadBackend(Protocol):
     def disconnect(self, engine_id: str) -> None:
         """Forget a remote engine and release what :meth:`connect` prepared."""
 
+    def release_host_memory(self, remote: RemoteEngine, reason: str) -> None:
+        """Unmap a remote engine's same-host memory; its ranks read over NIXL until it is connected again."""
+
     def is_current(self, remote: RemoteEngine) -> bool:
         """False once ``remote`` was disconnected or replaced by a new connect."""
 

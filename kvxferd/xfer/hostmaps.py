@@ -33,6 +33,7 @@ from kvxferd.plan.groups import EngineCache
 from kvxferd.xfer.hostcopy import copy_spans
 
 SHM_DIR = "/dev/shm"
+MAX_ADDRESS = 1 << 57  # above any user-space address (5-level paging): int64 arithmetic cannot wrap
 
 
 @dataclass(eq=False)
@@ -43,17 +44,26 @@ class HostSource:
     ends: np.ndarray
     shifts: np.ndarray  # local address - remote address, per region
     _mappings: list[mmap.mmap] = field(default_factory=list, repr=False)
+    closed: bool = False
 
     def translate(self, addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Local addresses of remote spans; raises :class:`TransferError` for a span outside every region."""
+        self.check_open()
         region = np.searchsorted(self.starts, addresses, side="right") - 1
         outside = (region < 0) | (addresses + lengths > self.ends[np.maximum(region, 0)])
         if outside.any():
             raise TransferError("remote_block_ids", f"{int(outside.sum())} spans lie outside the holder's regions")
         return addresses + self.shifts[region]
 
+    def check_open(self) -> None:
+        """Raises :class:`TransferError` once closed: its addresses may be another mapping's by now."""
+        if self.closed:
+            raise TransferError("same_host", "the holder's memory was unmapped (its connection was released)")
+
     def close(self) -> None:
-        """Unmap. A copy still running on another thread then fails (EFAULT), it does not crash."""
+        """Unmap; every later copy from it is refused (:meth:`check_open`). Callers hold the executor's lock,
+        so no copy runs meanwhile (one that did would fail with EFAULT, not crash)."""
+        self.closed = True
         for mapping in self._mappings:
             mapping.close()
         self._mappings.clear()
@@ -79,18 +89,20 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR) -> HostSource:
             if share.offset + region.num_bytes > size:
                 raise TransferError("same_host", f"region of {region.num_bytes} bytes at offset {share.offset} "
                                                  f"exceeds shared-memory object {share.name!r} ({size} bytes)")
+            if not 0 < region.address < region.address + region.num_bytes <= MAX_ADDRESS:
+                raise TransferError("same_host", f"region at {region.address:#x} of {region.num_bytes} bytes is not "
+                                                 "an address range")
             starts.append(region.address)
             ends.append(region.address + region.num_bytes)
             shifts.append(base + share.offset - region.address)
+        order = np.argsort(starts)
+        source.starts, source.ends = np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
+        source.shifts = np.asarray(shifts, np.int64)[order]
+        if len(order) > 1 and (source.starts[1:] < source.ends[:-1]).any():
+            raise TransferError("same_host", "the holder's regions overlap")
     except BaseException:
         source.close()
         raise
-    order = np.argsort(starts)
-    source.starts, source.ends = np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
-    source.shifts = np.asarray(shifts, np.int64)[order]
-    if len(order) > 1 and (source.starts[1:] < source.ends[:-1]).any():
-        source.close()
-        raise TransferError("same_host", "the holder's regions overlap")
     return source
 
 
@@ -153,6 +165,7 @@ class HostRank:
     def copy(self, read: RankRead) -> int:
         """Copy one rank's part of a read; its bytes. Raises :class:`TransferError` (nothing or a prefix
         copied: the caller fails the rank, whose blocks are then invalid)."""
+        self.source.check_open()
         if self.tables is not None:
             local_addresses, local_lengths, sources, remote_lengths = self.tables
             lengths, source_addresses = local_lengths[read.local_ids], sources[read.remote_ids]

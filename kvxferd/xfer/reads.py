@@ -284,6 +284,15 @@ class ReadExecutor:
             self.agent.close()
             self.notices.close()
 
+    def release_host_memory(self, remote: RemoteEngine, reason: str) -> None:
+        """Unmap a remote engine's same-host memory (its holder changed or went away): its ranks read over
+        NIXL until a new connection maps them again, and a dead holder's cache is not kept alive here."""
+        with self.lock:
+            for q, host_rank in remote.host_ranks.items():
+                host_rank.source.close()
+                remote.host_errors[q] = reason
+            remote.host_ranks.clear()
+
     def progress_notices(self) -> None:
         """Make progress for the notice agent: UCX sends a notice on only while its agent is polled."""
         with self.lock:

@@ -11,6 +11,7 @@ import pytest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 CASES = [("gqa", 2, 1), ("gqa", 1, 2), ("mla", 2, 1), ("hybrid", 2, 1)]
 
@@ -64,3 +65,34 @@ def test_a_same_host_holder_is_copied_from_byte_exact_and_only_when_both_allow_i
         assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
         copies = sum(d.metric("kvxferd_same_host_copies_total") for d in cluster.decode_daemons)
         assert copies == (2 if same_host else 0)  # one per prefill rank read
+
+
+def test_a_holder_names_its_shared_memory_only_to_a_reader_that_proves_this_host(workdir):
+    """GetEngineInfo without a token, or with one of another secret, gets addresses only; with this host's,
+    the names and the holder's own proof (which the reader checks before it maps anything)."""
+    from kvxferd.wire.peerauth import default_peer_secret_file, read_peer_secret
+    from kvxferd.wire.samehost import holder_proof, same_host_token
+    from tests.service.test_protocol_defects import observer, peer_stub
+    prefill_groups, decode_groups = model_groups("gqa", ModelShape())
+    with DaemonCluster(prefill_groups, decode_groups, 1, 1, workdir=workdir, name="names") as cluster:
+        address = cluster.prefill_daemons[0].peer_address
+        secret = read_peer_secret(default_peer_secret_file())  # the daemons' (and peer_channel's) default
+
+        def info(token: str) -> pb.EngineInfo:
+            reply = peer_stub(address).GetEngineInfo(pb.EngineInfoRequest(
+                engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id="names",
+                reader_tp_size=1, reader_agent_metadata=observer().metadata(), same_host_token=token), timeout=10)
+            message = pb.EngineInfo()
+            message.ParseFromString(reply.payload)
+            return message
+
+        def names(message: pb.EngineInfo) -> set[str]:
+            return {r.handle.shm_name for g in message.engine.groups for r in g.regions}
+
+        token = same_host_token(secret, address)
+        for refused in ("", same_host_token(b"x" * 32, address), same_host_token(secret, "127.0.0.1:1")):
+            message = info(refused)
+            assert names(message) == {""} and message.same_host_proof == ""
+        message = info(token)
+        assert names(message) == {cluster.arenas[0].name}
+        assert message.same_host_proof == holder_proof(secret, address, token)

@@ -57,3 +57,23 @@ def test_a_name_that_is_not_one_shm_object_is_refused_when_decoded(name):
     message.groups[0].regions[0].handle.shm_name = name  # (set even when empty: the oneof names shm_name)
     with pytest.raises(InvalidArgumentError, match="shm_name"):
         peer_memory_from_pb(message)
+
+
+def test_a_reader_keeps_names_only_from_a_holder_that_proved_this_host_too():
+    """An engine names the addresses its daemon dials: a listener without the host's secret (another user's)
+    must not get the daemon to map an object it names. Only the holder's proof over the reader's own token
+    keeps the names."""
+    cache = _shared_cache()
+    token = samehost.same_host_token(SECRET, ADDRESS)
+    proof = samehost.holder_proof(SECRET, ADDRESS, token)
+    kept = samehost.shares_from(cache, SECRET, ADDRESS, token, proof)
+    assert kept is cache
+    for bad_proof, address, request_token in (("", ADDRESS, token), ("0" * 64, ADDRESS, token),
+                                               (samehost.holder_proof(OTHER_SECRET, ADDRESS, token), ADDRESS, token),
+                                               (proof, "127.0.0.1:7002", token),  # another listener's answer
+                                               (proof, ADDRESS, samehost.same_host_token(SECRET, "x:1")),
+                                               ("é" * 64, ADDRESS, token), (proof, ADDRESS, "")):
+        stripped = samehost.shares_from(cache, SECRET, address, request_token, bad_proof)
+        assert all(r.share is None for regions in stripped.memory for r in regions)
+        assert [[r.address for r in regions] for regions in stripped.memory] == [[r.address for r in regions]
+                                                                                 for regions in cache.memory]

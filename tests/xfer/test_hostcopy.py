@@ -67,6 +67,21 @@ def test_a_source_page_that_is_not_mapped_is_an_error_not_a_crash():
         hostcopy.copy_spans(np.array([dst.ctypes.data]), np.array([base]), np.array([64]))
 
 
+def test_a_copy_whose_later_span_is_not_mapped_is_an_error_after_its_prefix():
+    """The kernel copies the first span and stops at the unmapped one: a short count, an error (the caller
+    fails the rank), never a read reported whole."""
+    area = mmap.mmap(-1, mmap.PAGESIZE)
+    view = np.frombuffer(area, np.uint8)
+    gone = view.ctypes.data
+    del view
+    area.close()
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(128, np.uint8)
+    with pytest.raises(TransferError, match="copied 64 of 128 bytes"):
+        hostcopy.copy_spans(np.array([dst.ctypes.data, dst.ctypes.data + 64]), np.array([src.ctypes.data, gone]),
+                            np.array([64, 64]))
+    assert np.array_equal(dst[:64], src)
+
+
 def test_lists_of_different_lengths_are_refused():
     with pytest.raises(TransferError):
         hostcopy.copy_spans(np.array([1, 2]), np.array([1]), np.array([1, 1]))

@@ -54,6 +54,7 @@ def test_a_remote_span_is_found_in_the_mapping_and_one_outside_every_region_is_r
     ({"inode": 1}, "not the one the holder mapped"),  # the name now means another object
     ({"name": "kvxferd-no-such-object"}, "cannot open"),  # another IPC namespace, or gone
     ({"offset": 1 << 40}, "exceeds shared-memory object"),  # a region announced beyond the object
+    ({"device": 1}, "not the one the holder mapped"),
 ])
 def test_an_object_that_is_not_the_holders_region_is_not_mapped(cluster, change, error):
     with pytest.raises(TransferError, match=error):
@@ -116,3 +117,29 @@ def test_a_plan_too_large_to_expand_is_looked_up_per_read_as_exactly(cluster, mo
         monkeypatch.undo()
         cluster.connect()
     assert all(rank.tables is not None for rank in cluster.executors[0].remote(cluster.prefill_id).host_ranks.values())
+
+
+def test_a_region_whose_addresses_would_wrap_is_refused(cluster):
+    cache = cluster.prefill[0].cache
+    memory = ((dataclasses.replace(cache.memory[0][0], address=2**63 - 4096),) + cache.memory[0][1:],) + cache.memory[1:]
+    with pytest.raises(TransferError, match="not an address range"):
+        map_host_source(dataclasses.replace(cache, memory=memory))
+
+
+def test_released_host_memory_is_read_over_nixl_until_connected_again(cluster):
+    """A holder that changed or went away: the reader unmaps its memory (not keeping a dead engine's cache
+    alive); reads still in the plan go over NIXL, as exact; a new connection maps again."""
+    cluster.connect()
+    executor = cluster.executors[0]
+    remote = executor.remote(cluster.prefill_id)
+    sources = [rank.source for rank in remote.host_ranks.values()]
+    executor.release_host_memory(remote, "the holder changed")
+    assert not remote.host_ranks and set(remote.host_errors.values()) == {"the holder changed"}
+    assert all(source.closed for source in sources)
+    before = executor.num_host_copies
+    request = _request("released", 7)
+    cluster.reset_decode()
+    (result,) = cluster.read(request)
+    assert result.ok and cluster.check(request) == [] and executor.num_host_copies == before
+    cluster.connect()
+    assert len(executor.remote(cluster.prefill_id).host_ranks) == 2

@@ -462,18 +462,20 @@ class EngineInfoReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("incarnation", "agent_metadata", "engine", "hold_board", "hold_key")
+    __slots__ = ("incarnation", "agent_metadata", "engine", "hold_board", "hold_key", "same_host_proof")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     HOLD_BOARD_FIELD_NUMBER: _ClassVar[int]
     HOLD_KEY_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_PROOF_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_metadata: bytes
     engine: EngineRank
     hold_board: HoldBoard
     hold_key: bytes
-    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ..., hold_key: _Optional[bytes] = ...) -> None: ...
+    same_host_proof: str
+    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ..., hold_key: _Optional[bytes] = ..., same_host_proof: _Optional[str] = ...) -> None: ...
 
 class HoldBoard(_message.Message):
     __slots__ = ("address", "num_buckets")

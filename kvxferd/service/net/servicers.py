@@ -38,7 +38,7 @@ from kvxferd.service.peers.tls import authorize_peer, peer_identities
 from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
 from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerauth import PEER_TOKEN_KEY, check_peer_token
-from kvxferd.wire.samehost import is_same_host
+from kvxferd.wire.samehost import holder_proof, is_same_host
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
 from kvxferd.xfer.agent import agent_name_of
 from kvxferd.xfer.holder import Reader
@@ -263,10 +263,10 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
                                                   f"{request.engine_id!r}, not {request.tp_rank}")
         await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
-        secret = self.daemon.peers.secret
-        same_host = (self.daemon.peers.same_host and secret is not None
-                     and is_same_host(secret, self.daemon.peer_token_address, request.same_host_token))
-        return encode_info(slot.incarnation, slot.metadata, slot.cache, slot.holder.board, same_host=same_host)
+        secret, address = self.daemon.peers.secret, self.daemon.peer_token_address
+        proof = (holder_proof(secret, address, request.same_host_token) if self.daemon.peers.same_host
+                 and secret is not None and is_same_host(secret, address, request.same_host_token) else "")
+        return encode_info(slot.incarnation, slot.metadata, slot.cache, slot.holder.board, same_host_proof=proof)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str) -> None:
         """Record which NIXL agent this reader's notices come from, by the name its metadata carries.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from kvxferd.service.metrics import Metrics
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import peer_metadata
-from kvxferd.wire.samehost import same_host_token
+from kvxferd.wire.samehost import same_host_token, shares_from, without_shares
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.reads import RemoteEngine
 
@@ -261,7 +262,11 @@ class Peers:
         if (info.cache.tp_rank, info.cache.tp_size) != (q, tp_size):
             raise InvalidArgumentError(field, f"{address} serves rank {info.cache.tp_rank}/{info.cache.tp_size}, "
                                               f"expected {q}/{tp_size}")
-        return info
+        # Names of shared memory count only from a holder that proved this host too: the engine chose the
+        # address, and a listener of another user must not get the daemon to map what it names.
+        cache = (shares_from(info.cache, self.secret, address, request.same_host_token, info.same_host_proof)
+                 if self.secret is not None else without_shares(info.cache))
+        return dataclasses.replace(info, cache=cache)
 
     async def probe(self, slot: EngineSlot, link: RemoteLink) -> bool:
         """True when every remote rank still runs the incarnation we planned for."""
