@@ -143,3 +143,18 @@ def test_released_host_memory_is_read_over_nixl_until_connected_again(cluster):
     assert result.ok and cluster.check(request) == [] and executor.num_host_copies == before
     cluster.connect()
     assert len(executor.remote(cluster.prefill_id).host_ranks) == 2
+
+
+def test_a_name_that_is_a_symlink_or_regions_that_overlap_are_not_mapped(cluster, tmp_path):
+    """O_NOFOLLOW: a link in the directory does not lead the reader to another file; regions announced on
+    top of each other are refused (the holder registered them apart)."""
+    cache = cluster.prefill[0].cache
+    share = cache.memory[0][0].share
+    (tmp_path / share.name.lstrip("/")).symlink_to(f"/dev/shm/{share.name.lstrip('/')}")
+    with pytest.raises(TransferError, match="cannot open"):
+        map_host_source(cache, shm_dir=str(tmp_path))
+    first, second = cache.memory[0][0], cache.memory[0][1]
+    overlapping = dataclasses.replace(second, address=first.address + 8)
+    memory = ((first, overlapping) + cache.memory[0][2:],) + cache.memory[1:]
+    with pytest.raises(TransferError, match="overlap"):
+        map_host_source(dataclasses.replace(cache, memory=memory))
