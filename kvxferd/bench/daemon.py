@@ -116,15 +116,13 @@ def format_table(f: dict) -> str:
     lines = [f"{'target (issue 12)':<52}{'goal':>10}{'socket':>10}{'stream':>10}{'unary':>10}"]
     for key, op, goal, label in TARGETS:
         value = f[key]
-        met = value <= goal if op == "<=" else value >= goal
         lines.append(f"{label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}"
                      + "".join(f"{format(p[key], '.3g') if key in p else '-':>10}" for p in (stream, old))
-                     + f"  {'met' if met else 'NOT met'}")
+                     + f"  {_verdict(value, op, goal)}")
     for key, op, goal, label in (t for t in TARGETS if t[0] in SAME_HOST_KEYS and "same_host" in f):
         value = f["same_host_" + key]
-        met = value <= goal if op == "<=" else value >= goal
         lines.append(f"{'same-host: ' + label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}{'':>20}"
-                     f"  {'met' if met else 'NOT met'}")
+                     f"  {_verdict(value, op, goal)}")
     text = "\n".join(lines) + "\n\nsocket path (Reads batches on the reads socket):\n" + _format_one(f)
     if "same_host" in f:
         text += "\n\nsocket path, same-host copies instead of NIXL (issue 37):\n" + _format_one(f["same_host"])
@@ -139,6 +137,10 @@ def format_table(f: dict) -> str:
                  f"{t['overhead']['end_to_end']['p50_us']:.0f} us; handshake {p['bulk']['handshake_ms']:.2f} vs "
                  f"{t['bulk']['handshake_ms']:.2f} ms")
     return text
+
+
+def _verdict(value: float, op: str, goal: float) -> str:
+    return "met" if (value <= goal if op == "<=" else value >= goal) else "NOT met"
 
 
 def _format_one(f: dict) -> str:

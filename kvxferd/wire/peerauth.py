@@ -119,6 +119,12 @@ def load_or_create_peer_secret(path: str) -> bytes:
     return read_peer_secret(path)
 
 
+def tokens_match(expected: str, presented: str) -> bool:
+    """``presented`` is ``expected`` (a token: 64 hex digits), compared in constant time. Anything else is
+    False, not an error: a protobuf string may hold any text, and ``compare_digest`` takes ASCII only."""
+    return len(presented) == len(expected) and presented.isascii() and hmac.compare_digest(expected, presented)
+
+
 def check_peer_token(secret: bytes, address: str, presented: str, now: float | None = None) -> None:
     """Raises :class:`UnauthenticatedError` unless ``presented`` is the token of ``address`` (this daemon's
     advertised address) in this window or the one before."""
@@ -126,7 +132,7 @@ def check_peer_token(secret: bytes, address: str, presented: str, now: float | N
         raise UnauthenticatedError("peer", "no peer token: this port takes same-host daemons that share its "
                                            "peer secret (peer_secret_file), or mutual TLS")
     window = token_window(now)
-    if not any(hmac.compare_digest(presented, peer_token(secret, address, w)) for w in (window, window - 1)):
+    if not any(tokens_match(peer_token(secret, address, w), presented) for w in (window, window - 1)):
         raise UnauthenticatedError("peer", "the peer token is not this daemon's (another host secret, a token for "
                                            "another address, or an old one)")
 

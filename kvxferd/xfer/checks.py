@@ -21,7 +21,6 @@ UCX sets up a connection's transports on its first transfer, which took
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from kvxferd.plan.board import BUCKET_BYTES, SLOTS_PER_BUCKET, bucket_pair, check_num_buckets, tag_in

@@ -23,7 +23,6 @@ per ``IOV_MAX`` (1 024) spans. A large copy drops the GIL during each call; a sm
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 import sys
@@ -40,10 +39,12 @@ KEEP_GIL_MAX_BYTES = 256 << 10
 
 
 def _process_vm_readv(dll_type):
-    """libc's process_vm_readv through ``dll_type``: CDLL drops the GIL for the call, PyDLL keeps it."""
+    """libc's process_vm_readv through ``dll_type``: CDLL drops the GIL for the call, PyDLL keeps it. Looked up
+    among the symbols this process has loaded (libc among them): ``ctypes.util.find_library`` would run
+    ldconfig, about 3.5 ms, at every import."""
     if not sys.platform.startswith("linux"):
         return None
-    function = dll_type(ctypes.util.find_library("c"), use_errno=True).process_vm_readv
+    function = dll_type(None, use_errno=True).process_vm_readv
     function.restype = ctypes.c_ssize_t
     function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     return function

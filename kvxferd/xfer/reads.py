@@ -262,9 +262,7 @@ class ReadExecutor:
             handle.release()
         for handles in lists:  # a released handle still points at the agent: let go of it
             handles.clear()
-        for host_rank in remote.host_ranks.values():
-            host_rank.source.close()
-        remote.host_ranks.clear()
+        self.release_host_memory(remote, "the connection was released")
         names = remote.agent_names
         # One reference per rank and agent, as connect took them (a failed connect: only those it took).
         for agent, loaded in ((self.agent, names), (self.notices, names[:num_notice_remotes])):

@@ -191,8 +191,8 @@ class Peers:
                 return  # idempotent: nothing changed
             caches, metadata = [i.cache for i in infos], [i.agent_metadata for i in infos]
             boards = [i.board for i in infos]
-            # Only holders that named their shared memory (they checked our same-host token) are mapped.
-            same_host = self.same_host and any(r.share for c in caches for regions in c.memory for r in regions)
+            # Only holders that named their shared memory and proved this host (_engine_info) are mapped.
+            same_host = any(r.share for c in caches for regions in c.memory for r in regions)
 
             def connect() -> RemoteEngine:
                 with slot.executor.lock:  # no read posted on the loop between failing the old ones and the swap
