@@ -34,7 +34,8 @@ ALLOWED = {
     # CUDA through ctypes, for both sides of a GPU cache: nothing of kvxferd's own.
     "cuda": {"errors", "cuda"},
     "plan": {"errors", "layout", "tp", "plan"},
-    "xfer": {"errors", "layout", "tp", "plan", "xfer"},
+    # NIXL execution; also the reader's same-host device copies (CUDA through ctypes).
+    "xfer": {"errors", "layout", "tp", "plan", "cuda", "xfer"},
     "wire": {"errors", "layout", "tp", "plan", "proto", "wire"},
     "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "cuda", "service"},
     # The engine SDK shares only the wire package with the daemon, never the daemon's own modules.

@@ -3,25 +3,32 @@
     kvxferd bench gpu [--quick] [--json]
 
 Needs a CUDA GPU and a CUDA build of torch; without them it says so and
-exits 2. One prefill and one decode daemon run on this host. Each engine's
-cache is one CUDA allocation, shared with its daemon by a CUDA IPC handle
-(``VRAM``). The prefill engine is a process of its own, as in production:
-CUDA opens an IPC handle only in a process other than the one that made it.
-This process is the decode engine, and the raw-NIXL reader beside it::
+exits 2. One prefill daemon and two decode daemons run on this host: one
+reads over NIXL (``--no-same-host-reads``), the other copies from the
+prefill engine's allocation itself (issue #37: the holder hands it the
+CUDA IPC handle, it batches device copies). Each engine's cache is one CUDA
+allocation, shared with its daemons by a CUDA IPC handle (``VRAM``). The
+prefill engine is a process of its own, as in production: CUDA opens an IPC
+handle only in a process other than the one that made it. This process is
+the decode engine (registered with both decode daemons), and the raw-NIXL
+reader beside it::
 
-    prefill engine process ── IPC ──► prefill daemon ◄── NIXL READ ── decode daemon ◄── IPC ── this process
-                                             ▲                                                 (decode engine)
-                                             └───────────── NIXL READ, raw baseline ───────────┘
+    prefill engine process ── IPC ──► prefill daemon ◄── NIXL READ ── decode daemon (NIXL) ◄──── IPC ── this
+                                 │           ▲                                                   process
+                                 └ IPC ──────┼───── device copies ─ decode daemon (same-host) ◄─ IPC ─ (decode
+                                             └───────────── NIXL READ, raw baseline ──────────────── engine)
 
 Measured in one run:
 
 * device copy: the GPU copying the bulk request's bytes within its own
   memory (torch, one contiguous copy): the floor of any transfer here;
-* bulk: one large request, raw NIXL and the daemon path alternating, the
+* bulk: one large request, raw NIXL and both daemon paths alternating, the
   median of each; then the decode cache is reset, read once more through
-  the daemons, copied back and checked byte for byte against the oracle;
-* per request: small requests one after another, alternating the two paths:
-  p50 and p99 of each and what the daemons add;
+  each daemon path, copied back and checked byte for byte against the oracle;
+  the same-host path against the device copy is issue #37's target (>= 0.5);
+* per request: small requests one after another, alternating the three
+  paths: p50 and p99 of each and what the daemons add (the same-host path
+  also over a device copy of the same bytes: target <= 500 us);
 * own memory: raw NIXL again, but from a process that allocated the memory
   and registered it itself (no daemon, no CUDA IPC import): what UCX does
   when its cuda_ipc transport can serve the owner's memory.
@@ -34,6 +41,7 @@ variable is set already, and prints the value it ran with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -161,44 +169,68 @@ def _device_copy_s(num_bytes: int, rounds: int) -> float:
 
 
 class _Pair:
-    """Both daemons, the prefill engine process, the decode engine and the raw reader."""
+    """The daemons, the prefill engine process, the decode engine (with both decode daemons) and the raw reader."""
 
     def __init__(self, workdir: str, groups: tuple[CacheGroup, ...]) -> None:
-        self.daemons = DaemonProcess.start_many(["gpu-p0", "gpu-d0"], socket_dir=workdir,
-                                                extra_args=("--log-level", "WARNING"))
-        self.prefill = self.client = self.raw = None
+        quiet = ("--log-level", "WARNING")
+        self.daemons = DaemonProcess.start_many(["gpu-p0", "gpu-d1"], socket_dir=workdir, extra_args=quiet)
+        self.prefill = self.raw = None
+        self.clients: list[EngineClient] = []
         try:
+            self.daemons.append(DaemonProcess("gpu-d0", socket_dir=workdir,
+                                              extra_args=(*quiet, "--no-same-host-reads")))
             self.prefill = EngineProcess("prefill", groups, self.daemons[0].engine_target, factory=GpuPrefill)
             self.decode = GpuEngine.allocate(DECODE_ID, groups, 1, 0, tagged=False)
-            self.client = EngineClient(self.daemons[1].engine_target)
-            self.client.register(self.decode.register_pb(), lease_s=60.0)
-            self.client.handshake(PREFILL_ID, [self.daemons[0].peer_address])
+            for daemon in (self.daemons[2], self.daemons[1]):  # clients[0]: over NIXL; clients[1]: same-host
+                self.clients.append(EngineClient(daemon.engine_target))
+                self.clients[-1].register(self.decode.register_pb(), lease_s=60.0)
+                self.clients[-1].handshake(PREFILL_ID, [self.daemons[0].peer_address])
             self.raw = RawReader(self.decode.cache, PREFILL_ID, [self.daemons[0].peer_address], "raw-gpu-decode")
         except BaseException:
             self.close()
             raise
 
+    def same_host_copies(self) -> tuple[float, float]:
+        """Rank reads each decode daemon copied same-host: (over-NIXL daemon, same-host daemon)."""
+        return tuple(d.metric("kvxferd_same_host_copies_total") for d in (self.daemons[2], self.daemons[1]))
+
     def close(self) -> None:
-        for closer in (self.raw, self.client, self.prefill):
+        for closer in (self.raw, *self.clients, self.prefill):
             if closer is not None:
                 closer.close()
         for daemon in self.daemons:
             daemon.terminate()
 
 
-def _alternate(pair: _Pair, requests: list[ReadRequest]) -> tuple[list[float], list[float], int, int]:
-    """Raw NIXL then the daemons for each request: ``(raw seconds, daemon seconds, bytes, descriptors)``."""
+def _alternate(pair: _Pair, requests: list[ReadRequest]) -> tuple[list[float], list[float], list[float], int, int]:
+    """Raw NIXL, the daemons over NIXL, the same-host daemon, for each request: ``(raw seconds, daemon
+    seconds, same-host seconds, bytes, descriptors)``."""
     prepared = pair.raw.prepare(requests[0])
     num_bytes = sum(p[3] for p in prepared)
     num_descriptors = sum(len(p[2]) for p in prepared)
-    raw_s, daemon_s = [], []
+    raw_s, daemon_s, same_host_s = [], [], []
     try:
         for request in requests:
             raw_s.append(pair.raw.read(prepared))
-            daemon_s.append(_daemon_read(pair.prefill, pair.client, request))
+            daemon_s.append(_daemon_read(pair.prefill, pair.clients[0], request))
+            same_host_s.append(_daemon_read(pair.prefill, pair.clients[1], _renamed(request, "-s")))
     finally:
         pair.raw.release(prepared)
-    return raw_s, daemon_s, num_bytes, num_descriptors
+    return raw_s, daemon_s, same_host_s, num_bytes, num_descriptors
+
+
+def _renamed(request: ReadRequest, suffix: str) -> ReadRequest:
+    """The same blocks under new ids: a hold of its own on the prefill side."""
+    return dataclasses.replace(request, request_id=request.request_id + suffix,
+                               remote_request_id=request.remote_request_id + suffix)
+
+
+def _checked(pair: _Pair, groups: tuple[CacheGroup, ...], client: EngineClient, request: ReadRequest) -> tuple:
+    """Reset the decode cache, read ``request`` through ``client``'s daemon, check every byte."""
+    pair.decode.reset()
+    _daemon_read(pair.prefill, client, request)
+    pair.decode.download()
+    return verify_decode([pair.decode.host], groups, request)
 
 
 def _requests(name: str, block_ids: np.ndarray, count: int) -> list[ReadRequest]:
@@ -225,32 +257,42 @@ def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, n
         pair = _Pair(workdir, groups)
         try:
             # Round 0 of each path warms its connections up and is left out.
-            raw_s, daemon_s, num_bytes, num_descriptors = _alternate(pair, _requests("bulk", np.arange(num_blocks),
-                                                                                     rounds + 1))
-            pair.decode.reset()  # the raw reads wrote the same bytes: check a daemon read on its own
+            raw_s, daemon_s, same_s, num_bytes, num_descriptors = _alternate(
+                pair, _requests("bulk", np.arange(num_blocks), rounds + 1))
+            # The reads above wrote the same bytes: check each daemon path's read on its own.
             checked = ReadRequest("checked", "checked@p", (np.arange(num_blocks),), (np.arange(num_blocks),))
-            _daemon_read(pair.prefill, pair.client, checked)
-            pair.decode.download()
-            problems, wrong_bytes = verify_decode([pair.decode.host], groups, checked)
+            problems, wrong_bytes = _checked(pair, groups, pair.clients[0], checked)
+            same_problems, same_wrong = _checked(pair, groups, pair.clients[1], _renamed(checked, "-s"))
             small = np.arange(small_blocks) * (num_blocks // small_blocks)  # scattered blocks
-            small_raw_s, small_daemon_s, small_bytes, small_descriptors = _alternate(
+            small_raw_s, small_daemon_s, small_same_s, small_bytes, small_descriptors = _alternate(
                 pair, _requests("small", small, num_small + 1))
+            nixl_copies, same_copies = pair.same_host_copies()
             own_s = _own_memory_s(pair.decode, groups, checked, rounds)
             device_s = _device_copy_s(num_bytes, rounds)
+            small_device_s = _device_copy_s(small_bytes, rounds)
         finally:
             pair.close()
-    raw_bulk_s, daemon_bulk_s = statistics.median(raw_s[1:]), statistics.median(daemon_s[1:])
-    raw_small, daemon_small = percentiles_us(small_raw_s[1:]), percentiles_us(small_daemon_s[1:])
+    raw_bulk_s, daemon_bulk_s, same_bulk_s = (statistics.median(times[1:]) for times in (raw_s, daemon_s, same_s))
+    raw_small, daemon_small, same_small = (percentiles_us(times[1:]) for times in (small_raw_s, small_daemon_s,
+                                                                                    small_same_s))
     return {"bulk": {"bytes": num_bytes, "descriptors": num_descriptors, "rounds": rounds,
                      "device_copy_gbps": num_bytes / device_s / 1e9, "own_memory_gbps": num_bytes / own_s / 1e9,
                      "raw_gbps": num_bytes / raw_bulk_s / 1e9,
                      "daemon_gbps": num_bytes / daemon_bulk_s / 1e9, "ratio": raw_bulk_s / daemon_bulk_s,
                      "raw_ms": raw_bulk_s * 1e3, "daemon_ms": daemon_bulk_s * 1e3,
+                     "same_host_gbps": num_bytes / same_bulk_s / 1e9, "same_host_ms": same_bulk_s * 1e3,
+                     "same_host_vs_device_copy": device_s / same_bulk_s,
                      "byte_exact": not problems and wrong_bytes == 0, "wrong_bytes": wrong_bytes,
-                     "problems": problems[:3]},
+                     "problems": problems[:3],
+                     "same_host_byte_exact": not same_problems and same_wrong == 0, "same_host_wrong_bytes": same_wrong,
+                     "same_host_problems": same_problems[:3]},
             "per_request": {"bytes": small_bytes, "descriptors": small_descriptors, "requests": num_small,
-                            "raw": raw_small, "daemon": daemon_small,
-                            "overhead_p50_us": daemon_small["p50_us"] - raw_small["p50_us"]}}
+                            "raw": raw_small, "daemon": daemon_small, "same_host": same_small,
+                            "overhead_p50_us": daemon_small["p50_us"] - raw_small["p50_us"],
+                            "device_copy_us": small_device_s * 1e6,
+                            "same_host_added_p50_us": same_small["p50_us"] - small_device_s * 1e6},
+            # rank reads each decode daemon copied itself: 0 over NIXL; every read on the same-host daemon
+            "same_host_copies": {"nixl_daemon": nixl_copies, "same_host_daemon": same_copies}}
 
 
 # Through the daemons at under a tenth of what UCX gives an owner of its memory: not the per-request
@@ -267,11 +309,15 @@ def transport_hint(bulk: dict) -> str:
             "(UCX_PROTO_INFO=y shows the path; docs/benchmarks.md, \"GPU caches on an H100\")")
 
 
+def _exact(ok: bool, wrong_bytes: int, problems: list) -> str:
+    return "byte-exact" if ok else f"WRONG: {wrong_bytes} bytes; {problems}"
+
+
 def format_table(f: dict) -> str:
     """The figures as a few readable lines."""
     b, s = f["bulk"], f["per_request"]
     hint = transport_hint(b)
-    return "\n".join([
+    lines = [
         f"GPU: {f['device']}; P1->D1 daemons, both caches on this GPU (CUDA IPC handles, NIXL VRAM); "
         f"{GET_ZCOPY}={f[GET_ZCOPY]}",
         f"bulk: {b['bytes'] / 2**20:.0f} MiB per request ({b['descriptors']} descriptors), median of {b['rounds']} "
@@ -280,12 +326,26 @@ def format_table(f: dict) -> str:
         f"through daemons {b['daemon_gbps']:.1f} GB/s ({b['daemon_ms']:.2f} ms)   ratio {b['ratio']:.3f}",
         f"  raw NIXL from an owner's own memory (no daemon, no IPC import) {b['own_memory_gbps']:.1f} GB/s",
         *([hint] if hint else []),
-        f"  checked read: {'byte-exact' if b['byte_exact'] else 'WRONG: %d bytes; %s' % (b['wrong_bytes'], b['problems'])}",
+        f"  checked read: {_exact(b['byte_exact'], b['wrong_bytes'], b['problems'])}"]
+    if "same_host_gbps" in b:
+        lines += [f"  same-host daemon (device copies) {b['same_host_gbps']:.1f} GB/s ({b['same_host_ms']:.2f} ms)   "
+                  f"{b['same_host_vs_device_copy']:.2f}x the device copy (target >= 0.5)",
+                  f"  same-host checked read: {_exact(b['same_host_byte_exact'], b['same_host_wrong_bytes'], b['same_host_problems'])}"]
+    lines += [
         f"per request: {s['requests']} requests of {s['bytes'] / 2**10:.0f} KiB ({s['descriptors']} descriptors), "
         f"one at a time, alternating",
         f"  raw NIXL p50 {s['raw']['p50_us']:.0f} us, p99 {s['raw']['p99_us']:.0f} us;   "
         f"through daemons p50 {s['daemon']['p50_us']:.0f} us, p99 {s['daemon']['p99_us']:.0f} us;   "
-        f"added at p50 {s['overhead_p50_us']:.0f} us"])
+        f"added at p50 {s['overhead_p50_us']:.0f} us"]
+    if "same_host" in s:
+        lines.append(f"  same-host daemon p50 {s['same_host']['p50_us']:.0f} us, p99 {s['same_host']['p99_us']:.0f} us;"
+                     f"   a device copy of the bytes {s['device_copy_us']:.0f} us;   added at p50 "
+                     f"{s['same_host_added_p50_us']:.0f} us (target <= 500)")
+    if "same_host_copies" in f:
+        c = f["same_host_copies"]
+        lines.append(f"rank reads copied same-host: {c['same_host_daemon']:.0f} by the same-host daemon, "
+                     f"{c['nixl_daemon']:.0f} by the NIXL one")
+    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -294,14 +354,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    """Exit 2 (one line) without a GPU; 1 when the checked read was not byte-exact; else 0."""
+    """Exit 2 (one line) without a GPU; 1 when a checked read was not byte-exact; else 0."""
     missing = cuda_missing()
     if missing:
         print(f"kvxferd bench gpu: needs a CUDA GPU: {missing}", file=sys.stderr)
         return 2
     figures = run(**(QUICK if args.quick else FULL))
     print(json.dumps(figures) if args.json else format_table(figures))
-    return 0 if figures["bulk"]["byte_exact"] else 1
+    return 0 if figures["bulk"]["byte_exact"] and figures["bulk"]["same_host_byte_exact"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,9 +89,12 @@ class DaemonProcess:
                                         env={**os.environ, **(self._env or {})})
 
     @classmethod
-    def start_many(cls, daemon_ids, **kwargs) -> list["DaemonProcess"]:
-        """Start several daemons at once, then wait for each (start-up runs in parallel)."""
-        daemons = [cls(daemon_id, wait=False, **kwargs) for daemon_id in daemon_ids]
+    def start_many(cls, daemon_ids, *, args_of=None, **kwargs) -> list["DaemonProcess"]:
+        """Start several daemons at once, then wait for each (start-up runs in parallel). ``args_of``: more
+        flags for one daemon, by its id (after ``extra_args``)."""
+        extra = tuple(kwargs.pop("extra_args", ()))
+        daemons = [cls(daemon_id, wait=False, extra_args=extra + (tuple(args_of(daemon_id)) if args_of else ()),
+                       **kwargs) for daemon_id in daemon_ids]
         try:
             for daemon in daemons:
                 daemon.wait_ready()

@@ -69,13 +69,37 @@ class CacheGroup:
 @dataclass(frozen=True)
 class HostShare:
     """The shared-memory object a host-memory region lies in, for a reader on the same host to map it
-    itself (issue #37): its name, the region's offset in it, and the object's identity (``st_dev``,
-    ``st_ino``) as the holder opened it, so a name reused for another object is not mistaken for it."""
+    itself (issue #37): the region's offset in it and the object's identity (``st_dev``, ``st_ino``) as
+    the holder opened it, so a name reused for another object is not mistaken for it. Named by its name
+    under /dev/shm, or, when the engine passed it as an fd, by the holder's open copy of that fd
+    (``/proc/<holder_pid>/fd/<holder_fd>``; ``name`` is then "")."""
 
     name: str
     offset: int
     device: int
     inode: int
+    holder_pid: int = 0
+    holder_fd: int = -1
+
+    @property
+    def path(self) -> str:
+        """Where a reader on this host opens it: ``/proc/<pid>/fd/<fd>`` or the name (relative to /dev/shm)."""
+        return self.name or f"/proc/{self.holder_pid}/fd/{self.holder_fd}"
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """The CUDA IPC handle of the GPU allocation a region lies in, for a reader on the same host to open it
+    itself (issue #37): the bare 64-byte handle, the region's offset in the allocation, and the GPU's
+    UUID (the reader may see it under another index). Whoever opens the handle can reach the whole
+    allocation, not only the region: it is given only to authenticated same-host readers."""
+
+    ipc_handle: bytes
+    offset: int
+    device_uuid: str
+
+    def __repr__(self) -> str:  # never the handle in a log line
+        return f"DeviceShare(offset={self.offset}, device_uuid={self.device_uuid!r})"
 
 
 @dataclass(frozen=True)
@@ -85,7 +109,7 @@ class RegionMemory:
     address: int
     num_bytes: int
     device_id: int = 0
-    share: HostShare | None = None  # host memory opened by name: what a same-host reader may map
+    share: HostShare | DeviceShare | None = None  # what a same-host reader may open itself
 
 
 @dataclass(frozen=True, eq=False)

@@ -58,9 +58,10 @@ class DaemonConfig(BaseSettings):
                                                 "CURVE encryption and client authentication")
     notify_client_keys: list[str] = Field([], description="Z85 CURVE public keys of subscribers allowed on the "
                                           "notify bus, comma-separated")
-    peer_secret_file: str | None = Field(None, description="without TLS: the host-local secret this host's daemons "
-                                         "share to authenticate each other on the loopback peer port (created 0600 if "
-                                         "missing; default: <runtime_dir>/peer.secret)")
+    peer_secret_file: str | None = Field(None, description="the host-local secret this host's daemons share (created "
+                                         "0600 if missing; default: <runtime_dir>/peer.secret): without TLS it "
+                                         "authenticates them on the loopback peer port; with TLS it only proves a "
+                                         "peer runs on this host, for same_host_reads")
     insecure: bool = Field(False, description="allow peer port, notify bus or engine TCP on non-loopback addresses "
                            "without TLS/CURVE (development only; warns and sets kvxferd_insecure_listeners)")
     reflection: bool | None = Field(None, description="gRPC server reflection (default: on without TLS, off with TLS)")
@@ -121,13 +122,15 @@ class DaemonConfig(BaseSettings):
                                           "NIXL polls while requests are held and no reader needs this daemon's "
                                           "progress (shared memory on one host): how soon the last reader's "
                                           "notice is counted and the hold ends CONSUMED (s)")
-    same_host_reads: bool = Field(True, description="read a holder on this host by mapping its engine's shared "
-                                  "memory read-only and copying the planned spans in the kernel "
-                                  "(process_vm_readv) instead of over NIXL; board checks, notices and deadlines "
-                                  "stay. Used when the reader proves it shares the holder's host (the host's peer "
-                                  "secret and boot id), the holder's engine registered host memory by shm name, "
-                                  "and the reader can open that name (the same /dev/shm: IPC namespace); else "
-                                  "NIXL. Not with TLS yet (no host secret there)")
+    same_host_reads: bool = Field(True, description="read a holder on this host by opening its engine's memory "
+                                  "and copying the planned spans here instead of over NIXL: host memory (by shm name, "
+                                  "or an fd the engine passed, through the holder's copy /proc/<pid>/fd/<n>) mapped "
+                                  "read-only and copied in the kernel (process_vm_readv), GPU "
+                                  "memory shared by CUDA IPC handle opened and copied in batches on the device; "
+                                  "board checks, notices and deadlines stay. Used when the reader proves it "
+                                  "shares the holder's host (the host secret, peer_secret_file, and boot id; with "
+                                  "TLS only daemons that share that file) and can open the memory (the same "
+                                  "/dev/shm or IPC namespace; the holder's GPU visible); else NIXL")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
 

@@ -111,14 +111,26 @@ class Daemon:
     # ---- start --------------------------------------------------------------------
     @staticmethod
     def _can_copy_same_host() -> bool:
-        """Same-host reads need this kernel's boot id and process_vm_readv (a seccomp filter may refuse it)."""
+        """Same-host reads need this kernel's boot id. Host-memory copies also need process_vm_readv (a seccomp
+        filter may refuse it): without, GPU caches are still copied, host memory goes over NIXL."""
         if not boot_id():
             log.warning("same-host reads off: this kernel has no boot id")
             return False
         if not hostcopy.available():
-            log.warning("same-host reads off: process_vm_readv is refused here (seccomp?); reads go over NIXL")
-            return False
+            log.warning("same-host reads of host memory off: process_vm_readv is refused here (seccomp?); "
+                        "they go over NIXL")
         return True
+
+    def _same_host_secret_with_tls(self) -> bytes | None:
+        """With TLS the host secret file is for same-host reads alone: one that cannot be used (a bad mode,
+        another owner, no writable directory) turns them off with a warning, not the daemon."""
+        path = self.config.peer_secret_path
+        try:
+            return load_or_create_peer_secret(path)
+        except (KvxferError, OSError) as err:
+            log.warning("same-host reads off: the host secret file %s cannot be used: %s", path,
+                        getattr(err, "message", None) or err)
+            return None
 
     async def start(self) -> dict[str, str]:
         """Bind everything; raises :class:`StartupError` with the reason."""
@@ -172,11 +184,14 @@ class Daemon:
                 tcp_port = bind(engine_server, config.engine_tcp, engine_tls(self.tls))
             peer_credentials = self.tls.server_credentials() if self.tls is not None else None
             peer_port = bind(peer_server, f"{bracket_host(config.peer_host)}:{config.peer_port}", peer_credentials)
+            # Tokens name the address as dialed: only the advertised one (what engines are told), no alias.
+            self.peer_token_address = f"{bracket_host(config.advertise_host or config.peer_host)}:{peer_port}"
             if self.tls is None:  # same-host peers prove themselves with the host's secret instead
                 self.peers.secret = load_or_create_peer_secret(config.peer_secret_path)
-                # Tokens name the address as dialed: only the advertised one (what engines are told), no alias.
-                self.peer_token_address = f"{bracket_host(config.advertise_host or config.peer_host)}:{peer_port}"
-                self.peers.same_host = config.same_host_reads and self._can_copy_same_host()
+            if config.same_host_reads and self._can_copy_same_host():
+                # The host's secret proves a peer shares this host. With TLS it proves nothing else (certificates
+                # authenticate), and only daemons that share the file (one pod, or a hostPath) prove it.
+                self.peers.same_host_secret = self.peers.secret or self._same_host_secret_with_tls()
             for server in (engine_server, peer_server):
                 await server.start()
                 self._servers.append(server)

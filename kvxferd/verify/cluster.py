@@ -21,7 +21,8 @@ from kvxferd.verify.engines import DecodeChecks, allocate_engine, shared_engine
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.verify.holderthread import HolderThread
-from kvxferd.xfer.reads import ReadExecutor, ReadResult
+from kvxferd.xfer.reads import ReadExecutor
+from kvxferd.xfer.records import ReadResult
 
 
 HOLD_LEASE_S = 60.0

@@ -9,15 +9,19 @@ must see exactly one CONSUMED event per rank.
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvxferd.client import DaemonProcess, EngineClient, NotifySubscriber, SharedArena, engine_rank_pb
+from kvxferd.client.fdsend import send_fds
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.engines import DecodeChecks, EngineBuffers, allocate_engine
+from kvxferd.wire.names import fd_socket_path
 
 
 class DaemonCluster(DecodeChecks):
@@ -25,13 +29,17 @@ class DaemonCluster(DecodeChecks):
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
                  prefill_tp: int, decode_tp: int, *, workdir: str, name: str = "c", lease_s: float = 30.0,
-                 daemon_args: tuple[str, ...] = (), reads_stream: bool = True, reads_socket: bool = True) -> None:
+                 daemon_args: tuple[str, ...] = (), reads_stream: bool = True, reads_socket: bool = True,
+                 args_of=None, by_fd: bool = False) -> None:
         """``reads_stream=False``: the decode clients use unary SubmitRead and WatchCompletions (the old path);
-        ``reads_socket=False``: their Reads sessions go over gRPC, not the daemon's reads socket."""
+        ``reads_socket=False``: their Reads sessions go over gRPC, not the daemon's reads socket; ``args_of``:
+        more flags for one daemon, by its id (``<name>-p<q>``, ``<name>-d<r>``); ``by_fd``: engines pass their
+        shared memory as an fd over the fd socket (``shm_fd_index``, as the vLLM connector does), not by name."""
         self.reads_stream, self.reads_socket = reads_stream, reads_socket
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
-        self.workdir, self.lease_s, self.daemon_args = workdir, lease_s, daemon_args
+        self.workdir, self.lease_s, self.daemon_args, self.args_of = workdir, lease_s, daemon_args, args_of
+        self.by_fd = by_fd
         self.capabilities: dict[str, tuple[bytes, ...]] = {}  # remote request id -> its last hold's, per rank
         self.arenas: list[SharedArena] = []
         self.daemons: list[DaemonProcess] = []
@@ -39,7 +47,7 @@ class DaemonCluster(DecodeChecks):
         self.subscribers: list[NotifySubscriber] = []
         try:
             ids = [f"{name}-p{q}" for q in range(prefill_tp)] + [f"{name}-d{r}" for r in range(decode_tp)]
-            self.daemons = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args)
+            self.daemons = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args, args_of=args_of)
             self.prefill = [self._engine(self.prefill_id, prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
             self.decode = [self._engine(self.decode_id, decode_groups, decode_tp, r, False) for r in range(decode_tp)]
             # Registration creates a NIXL agent (about a second): all ranks at once.
@@ -70,7 +78,17 @@ class DaemonCluster(DecodeChecks):
         client = EngineClient(daemon.engine_target, reads_stream=self.reads_stream, reads_socket=self.reads_socket)
         self.clients.append(client)
         arena = next(a for a in self.arenas if a.array.ctypes.data == engine.arena.ctypes.data)
-        client.register(engine_rank_pb(engine.cache, arena), lease_s=self.lease_s)
+        message, token = engine_rank_pb(engine.cache, arena), ""
+        if self.by_fd:
+            for region in (r for group in message.groups for r in group.regions):
+                region.handle.shm_fd_index = 0  # the one fd sent below, instead of the name
+            token = secrets.token_hex(16)
+            fd = os.open(os.path.join("/dev/shm", arena.name), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                send_fds(fd_socket_path(daemon.socket), token, [fd])
+            finally:
+                os.close(fd)
+        client.register(message, lease_s=self.lease_s, fd_token=token)
         return client
 
     def restart_prefill(self, q: int, *, down_s: float = 0.0) -> None:
@@ -84,7 +102,8 @@ class DaemonCluster(DecodeChecks):
         old.terminate()
         time.sleep(down_s)
         self.daemons[q] = DaemonProcess(old.daemon_id, socket_dir=self.workdir,
-                                        extra_args=(*self.daemon_args, *old.port_args(("peer",))))
+                                        extra_args=(*self.daemon_args, *(self.args_of(old.daemon_id) if self.args_of
+                                                                          else ()), *old.port_args(("peer",))))
         self.subscribers[q].close()
         self.prefill_clients[q].close()
         self.prefill_clients[q] = self._register(self.daemons[q], self.prefill[q])

@@ -9,6 +9,7 @@ typed error naming the message field (``groups[1].attention.head_size``).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,11 +19,15 @@ from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheSpec, Ca
 from kvxferd.layout.strided import ITEMSIZES
 from kvxferd.plan.capability import check_capability_bytes
 from kvxferd.plan.engine import ReadRequest
-from kvxferd.plan.groups import CacheGroup, EngineCache, HostShare, RegionMemory
+from kvxferd.plan.groups import CacheGroup, DeviceShare, EngineCache, HostShare, RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.names import shm_path
 
 MAX_ID_LENGTH = 256
+IPC_HANDLE_BYTES = 64  # a bare cudaIpcMemHandle_t
+MAX_PID = 1 << 22  # Linux's pid_max limit
+MAX_FD = 1 << 30
+GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # nvidia-smi's form
 
 
 def check_id(value: str, field: str) -> str:
@@ -161,15 +166,29 @@ def peer_memory_from_pb(engine: pb.EngineRank) -> list[list[RegionMemory]]:
              for i, r in enumerate(group.regions)] for g, group in enumerate(engine.groups)]
 
 
-def share_from_pb(region: pb.Region, field: str) -> HostShare | None:
-    """A peer's region's shared-memory object (validated: one name under /dev/shm, a range inside it), or
-    None when it sent none."""
+def share_from_pb(region: pb.Region, field: str) -> HostShare | DeviceShare | None:
+    """What a same-host peer named for opening its region itself, validated, or None when it sent nothing:
+    host memory's shared-memory object (one name under /dev/shm, or the holder's open fd of it), or a GPU
+    allocation's CUDA IPC handle (64 bytes) and the GPU's UUID."""
     handle = region.handle
-    if handle.WhichOneof("source") != "shm_name":
+    source = handle.WhichOneof("source")
+    if source not in ("shm_name", "cuda_ipc_handle", "shm_fd_index"):
         return None
-    shm_path(handle.shm_name, f"{field}.handle")  # one component under /dev/shm, or InvalidArgumentError
     if handle.offset < 0:
         raise InvalidArgumentError(f"{field}.handle.offset", f"must not be negative, got {handle.offset}")
+    if source == "shm_fd_index":  # passed as an fd: the holder's open copy of it, in its process
+        if not 0 < handle.holder_pid <= MAX_PID or not 0 <= handle.holder_fd < MAX_FD:
+            raise InvalidArgumentError(f"{field}.handle.holder_fd", f"not a process and fd: pid {handle.holder_pid}, "
+                                                                    f"fd {handle.holder_fd}")
+        return HostShare("", handle.offset, handle.shm_device, handle.shm_inode, handle.holder_pid, handle.holder_fd)
+    if source == "cuda_ipc_handle":
+        if len(handle.cuda_ipc_handle) != IPC_HANDLE_BYTES:
+            raise InvalidArgumentError(f"{field}.handle.cuda_ipc_handle", f"{len(handle.cuda_ipc_handle)} bytes, "
+                                                                          f"a CUDA IPC handle has {IPC_HANDLE_BYTES}")
+        if not GPU_UUID.fullmatch(region.device_uuid):
+            raise InvalidArgumentError(f"{field}.device_uuid", f"{region.device_uuid[:80]!r} is not a GPU UUID")
+        return DeviceShare(handle.cuda_ipc_handle, handle.offset, region.device_uuid)
+    shm_path(handle.shm_name, f"{field}.handle")  # one component under /dev/shm, or InvalidArgumentError
     return HostShare(handle.shm_name, handle.offset, handle.shm_device, handle.shm_inode)
 
 
@@ -183,10 +202,18 @@ def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool 
         for region in memory:
             added = message.regions.add(address=region.address if with_addresses else 0, num_bytes=region.num_bytes,
                                         device_id=region.device_id)
-            if with_shares and region.share is not None:
-                share = region.share
-                added.handle.shm_name, added.handle.offset = share.name, share.offset
+            share = region.share if with_shares else None
+            if isinstance(share, HostShare):
+                if share.name:
+                    added.handle.shm_name = share.name
+                else:
+                    added.handle.shm_fd_index = 0  # names the kind: the fd is the holder's, below
+                    added.handle.holder_pid, added.handle.holder_fd = share.holder_pid, share.holder_fd
+                added.handle.offset = share.offset
                 added.handle.shm_device, added.handle.shm_inode = share.device, share.inode
+            elif isinstance(share, DeviceShare):
+                added.handle.cuda_ipc_handle, added.handle.offset = share.ipc_handle, share.offset
+                added.device_uuid = share.device_uuid
     return out
 
 

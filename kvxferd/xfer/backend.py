@@ -35,7 +35,7 @@ from typing import Protocol
 from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.engine import PlannedRead
 from kvxferd.plan.groups import EngineCache
-from kvxferd.xfer.reads import InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine
 
 
 class ReadBackend(Protocol):

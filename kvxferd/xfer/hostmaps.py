@@ -1,13 +1,15 @@
 """A same-host holder's host memory, mapped read-only by the reader, and its reads copied in the kernel.
 
-Issue #37. When the holder proved nothing and the reader proved it shares
-the holder's host (kvxferd.wire.samehost), the holder names the POSIX
-shared-memory object each region lies in. The reader maps each object once,
-read-only, and a rank's data READ becomes one :func:`~kvxferd.xfer.hostcopy.copy_spans`
-from its mapping into the reader's own registered cache::
+Issue #37. When the reader proved it shares the holder's host and the
+holder proved it back (kvxferd.wire.samehost), the holder names the POSIX
+shared-memory object each region lies in: by its name under /dev/shm, or,
+when the engine passed it as an fd, as ``/proc/<holder pid>/fd/<its copy>``.
+The reader maps each object once, read-only, and a rank's data READ becomes
+one :func:`~kvxferd.xfer.hostcopy.copy_spans` from its mapping into the
+reader's own registered cache::
 
     holder's address space      reader's address space
-    region r at A_r  ─ name, offset o_r ─►  object mapped at M (read-only)
+    region r at A_r  ─ object, offset o_r ─►  object mapped at M (read-only)
     remote descriptor at a      ──────────► a - A_r + M + o_r   (checked: inside region r)
 
 Everything else of a read stays as over NIXL: the board checks before and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,21 +32,22 @@ import numpy as np
 from kvxferd.errors import TransferError
 from kvxferd.plan.descriptors import RowIndex, expand_rows
 from kvxferd.plan.engine import RankPlan, RankRead
-from kvxferd.plan.groups import EngineCache
-from kvxferd.xfer.hostcopy import copy_spans
+from kvxferd.plan.groups import EngineCache, HostShare, RegionMemory
+from kvxferd.xfer.hostcopy import available as hostcopy_available, copy_spans
 
 SHM_DIR = "/dev/shm"
 MAX_ADDRESS = 1 << 57  # above any user-space address (5-level paging): int64 arithmetic cannot wrap
 
 
 @dataclass(eq=False)
-class HostSource:
-    """One remote rank's regions as mapped here: where each region's bytes are (sorted by remote address)."""
+class MappedSource:
+    """One remote rank's regions as opened here: where each region's bytes are (sorted by remote address).
+    Host memory (:func:`map_host_source`) or GPU memory (:mod:`kvxferd.xfer.devicemaps`)."""
 
     starts: np.ndarray  # remote region start addresses, ascending (the holder's address space)
     ends: np.ndarray
     shifts: np.ndarray  # local address - remote address, per region
-    _mappings: list[mmap.mmap] = field(default_factory=list, repr=False)
+    _closers: list[Callable[[], object]] = field(default_factory=list, repr=False)  # run in order by close()
     closed: bool = False
 
     def translate(self, addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -62,58 +66,89 @@ class HostSource:
 
     def close(self) -> None:
         """Unmap; every later copy from it is refused (:meth:`check_open`). Callers hold the executor's lock,
-        so no copy runs meanwhile (one that did would fail with EFAULT, not crash)."""
+        so no host copy runs meanwhile (one that did would fail with EFAULT, not crash); a device source's
+        first closer waits for the copies already on the stream."""
         self.closed = True
-        for mapping in self._mappings:
-            mapping.close()
-        self._mappings.clear()
+        for closer in self._closers:
+            closer()
+        self._closers.clear()
 
-
-def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR) -> HostSource:
-    """Map every region's shared-memory object of a remote rank read-only. Raises :class:`TransferError` when
-    a region has no object, an object is gone or is another one now, or a region does not lie inside it."""
-    regions = [region for memory in cache.memory for region in memory]
-    if cache.mem_type != "DRAM" or not regions or any(r.share is None for r in regions):
-        raise TransferError("same_host", "not every region is host memory in a named shared-memory object")
-    mapped: dict[tuple[int, int], tuple[int, int]] = {}  # object identity -> (base here, size)
-    source = HostSource(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    try:
-        for share in {r.share for r in regions}:
-            identity = (share.device, share.inode)
-            if identity not in mapped:
-                mapped[identity] = _map(share.name, identity, shm_dir, source._mappings)
+    def place(self, placed: list[tuple[RegionMemory, int, int]]) -> None:
+        """Take each region's local start address and the bytes its object has from there on: checked that
+        the region fits, is an address range, and overlaps no other; raises :class:`TransferError`."""
         starts, ends, shifts = [], [], []
-        for region in regions:
-            share = region.share
-            base, size = mapped[(share.device, share.inode)]
-            if share.offset + region.num_bytes > size:
-                raise TransferError("same_host", f"region of {region.num_bytes} bytes at offset {share.offset} "
-                                                 f"exceeds shared-memory object {share.name!r} ({size} bytes)")
+        for region, local_start, room in placed:
+            if region.num_bytes > room:
+                raise TransferError("same_host", f"region of {region.num_bytes} bytes exceeds the memory the holder "
+                                                 f"named for it ({room} bytes from its offset)")
             if not 0 < region.address < region.address + region.num_bytes <= MAX_ADDRESS:
                 raise TransferError("same_host", f"region at {region.address:#x} of {region.num_bytes} bytes is not "
                                                  "an address range")
             starts.append(region.address)
             ends.append(region.address + region.num_bytes)
-            shifts.append(base + share.offset - region.address)
+            shifts.append(local_start - region.address)
         order = np.argsort(starts)
-        source.starts, source.ends = np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
-        source.shifts = np.asarray(shifts, np.int64)[order]
-        if len(order) > 1 and (source.starts[1:] < source.ends[:-1]).any():
+        self.starts, self.ends = np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
+        self.shifts = np.asarray(shifts, np.int64)[order]
+        if len(order) > 1 and (self.starts[1:] < self.ends[:-1]).any():
             raise TransferError("same_host", "the holder's regions overlap")
+
+
+def empty_source() -> MappedSource:
+    return MappedSource(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR) -> MappedSource:
+    """Map every region's shared-memory object of a remote rank read-only. Raises :class:`TransferError` when
+    a region has no object, an object is gone or is another one now, or a region does not lie inside it."""
+    regions = [region for memory in cache.memory for region in memory]
+    if cache.mem_type != "DRAM" or not regions or any(not isinstance(r.share, HostShare) for r in regions):
+        raise TransferError("same_host", "not every region is host memory in a shared-memory object it names")
+    if not hostcopy_available():
+        raise TransferError("same_host", "process_vm_readv is refused in this daemon (seccomp?)")
+    mapped: dict[tuple[int, int], tuple[int, int]] = {}  # object identity -> (base here, size)
+    source = empty_source()
+    try:
+        for share in {r.share for r in regions}:
+            identity = (share.device, share.inode)
+            if identity not in mapped:
+                mapped[identity] = _map(share, shm_dir, source._closers)
+        placed = []
+        for region in regions:
+            base, size = mapped[(region.share.device, region.share.inode)]
+            placed.append((region, base + region.share.offset, size - region.share.offset))
+        source.place(placed)
     except BaseException:
         source.close()
         raise
     return source
 
 
-def _map(name: str, identity: tuple[int, int], shm_dir: str, mappings: list[mmap.mmap]) -> tuple[int, int]:
-    """Map one object read-only (appended to ``mappings``); its base address here and its size."""
-    bare = name[1:] if name.startswith("/") else name
-    if not bare or "/" in bare:  # validated when decoded: never a path out of the directory
-        raise TransferError("same_host", f"not a shared-memory object name: {name[:64]!r}")
+def _map(share: HostShare, shm_dir: str, closers: list) -> tuple[int, int]:
+    """Map one object read-only (its unmapping appended to ``closers``); its base address here and its size.
+
+    A name is opened under ``shm_dir`` and never through a symlink. An object the engine passed as an fd
+    is opened through the holder's copy of it, ``/proc/<pid>/fd/<fd>``: a link the kernel follows to the
+    open file itself (the same user and PID namespace only), checked below like a name."""
+    identity, name = (share.device, share.inode), share.name or share.path
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+    if share.name:
+        bare = name[1:] if name.startswith("/") else name
+        if not bare or "/" in bare:  # validated when decoded: never a path out of the directory
+            raise TransferError("same_host", f"not a shared-memory object name: {name[:64]!r}")
+        path, flags = os.path.join(shm_dir, bare), flags | os.O_NOFOLLOW
+    else:
+        path = f"/proc/{int(share.holder_pid)}/fd/{int(share.holder_fd)}"
+        try:  # only a process of this user: a root reader must not open another user's files for a holder
+            owner = os.stat(f"/proc/{int(share.holder_pid)}").st_uid
+        except OSError:
+            owner = -1
+        if owner != os.geteuid():
+            raise TransferError("same_host", f"process {share.holder_pid} is not one of this user's (another PID "
+                                             "namespace, or gone)")
     try:
-        fd = os.open(os.path.join(shm_dir, bare), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as err:  # another IPC namespace, no permission, gone
+        fd = os.open(path, flags)
+    except OSError as err:  # another IPC or PID namespace, no permission, gone
         raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
     try:
         status = os.fstat(fd)
@@ -126,7 +161,7 @@ def _map(name: str, identity: tuple[int, int], shm_dir: str, mappings: list[mmap
         raise TransferError("same_host", f"cannot map shared-memory object {name!r}: {err.strerror}") from None
     finally:
         os.close(fd)
-    mappings.append(mapping)
+    closers.append(mapping.close)
     view = np.frombuffer(mapping, np.uint8)
     base = view.ctypes.data
     del view  # no export may outlive the mapping (close would refuse)
@@ -146,15 +181,20 @@ class HostRank:
     process (and checked: every descriptor the holder's plan names lies inside its regions), so a read
     costs two lookups and the copy; a large plan's are looked up per read (``searchsorted`` over rows)."""
 
-    source: HostSource
+    source: MappedSource
     local: RowIndex
     remote: RowIndex
     # Expanded tables, or None: local addresses and lengths, remote addresses translated here, and lengths.
     tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    # (destinations, sources, lengths) -> bytes copied (host memory: copied when it returns) or a pending
+    # device copy the executor polls (GPU memory: kvxferd.xfer.devicemaps).
+    copier: Callable[[np.ndarray, np.ndarray, np.ndarray], object] = copy_spans
+    on_device: bool = False  # GPU memory, copied by batches on the device
 
     @classmethod
-    def of(cls, source: HostSource, rank_plan: RankPlan) -> "HostRank":
-        rank = cls(source, RowIndex.of(rank_plan.local_rows), RowIndex.of(rank_plan.remote_rows))
+    def of(cls, source: MappedSource, rank_plan: RankPlan, copier=copy_spans, *, on_device: bool = False) -> "HostRank":
+        rank = cls(source, RowIndex.of(rank_plan.local_rows), RowIndex.of(rank_plan.remote_rows), copier=copier,
+                   on_device=on_device)
         if max(rank.local.num_descriptors, rank.remote.num_descriptors) <= EXPAND_MAX_DESCRIPTORS:
             local_addresses, local_lengths = expand_rows(rank_plan.local_rows)
             remote_addresses, remote_lengths = expand_rows(rank_plan.remote_rows)
@@ -162,9 +202,9 @@ class HostRank:
                            remote_lengths)
         return rank
 
-    def copy(self, read: RankRead) -> int:
-        """Copy one rank's part of a read; its bytes. Raises :class:`TransferError` (nothing or a prefix
-        copied: the caller fails the rank, whose blocks are then invalid)."""
+    def copy(self, read: RankRead) -> object:
+        """Copy one rank's part of a read: what the copier returns. Raises :class:`TransferError` (nothing or
+        a prefix copied: the caller fails the rank, whose blocks are then invalid)."""
         self.source.check_open()
         if self.tables is not None:
             local_addresses, local_lengths, sources, remote_lengths = self.tables
@@ -177,4 +217,4 @@ class HostRank:
             source_addresses = self.source.translate(remote_addresses, lengths)
         if not np.array_equal(lengths, remote_lengths):
             raise TransferError("same_host", "local and remote spans differ in length")
-        return copy_spans(destinations, source_addresses, lengths)
+        return self.copier(destinations, source_addresses, lengths)

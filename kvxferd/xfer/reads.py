@@ -29,14 +29,13 @@ were writing, and other requests carry on.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvxferd.cuda.copies import BatchRefused
 from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, TransferError
 from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.capability import HOLD_KEY_BYTES, check_read_capabilities
@@ -45,91 +44,13 @@ from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
 from kvxferd.xfer.checks import BoardProbe, CheckArea, board_rows
-from kvxferd.xfer.hostmaps import HostRank, map_host_source
+from kvxferd.xfer.devicemaps import PendingDeviceCopy
+from kvxferd.xfer.hostmaps import HostRank
+from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.samehostranks import SameHostOpener, drop_all, drop_rank
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
 POLL_MAX_S = 1e-3
-
-
-class ReadFailure(str, enum.Enum):
-    """Why a read failed, set where it happens (a bounded metrics label, never parsed from a message)."""
-
-    NONE = ""
-    TRANSFER = "transfer"  # NIXL reported an error for a rank
-    REMOTE_GONE = "remote_gone"  # the remote agent disconnected or is unknown
-    DEADLINE = "deadline"  # the transfer or the board check did not end in time
-    STALE = "stale"  # the hold's tag was not (or no longer) on the holder's board when the read was checked
-    ABORTED = "aborted"  # the engine or the link went away under the read
-    HANDSHAKE = "handshake"  # a re-handshake before posting failed
-    REFUSED = "refused"  # refused before anything was posted (Reads stream)
-
-
-@dataclass(frozen=True, eq=False)
-class ReadResult:
-    """How one request ended. A failure is data, not an exception."""
-
-    request_id: str
-    remote_engine_id: str
-    ok: bool
-    num_bytes: int
-    num_descriptors: int  # posted, before NIXL merges contiguous neighbours
-    duration_s: float
-    invalid_block_ids: tuple[np.ndarray, ...]  # per group; empty when ok
-    failed_ranks: tuple[int, ...] = ()
-    error: str | None = None
-    failure: ReadFailure = ReadFailure.NONE
-
-
-@dataclass(eq=False)
-class RemoteEngine:
-    """A connected remote engine: its plan, agent names and prepared lists."""
-
-    plan: EngineTransferPlan
-    agent_names: tuple[str, ...]  # per remote rank
-    local_lists: dict[int, object]  # per read rank: prepared local descriptors
-    remote_lists: dict[int, object]
-    board_lists: dict[int, object] = field(default_factory=dict)  # per read rank: the holder's board, per bucket
-    board_buckets: tuple[int, ...] = ()  # per remote rank; () when connected without boards (nothing checked)
-    hold_keys: tuple[bytes, ...] = ()  # per remote rank, with the boards: every read's capabilities are checked
-    probe: BoardProbe | None = None  # the connection's probe while it runs (start_probe)
-    # Same-host reads (issue #37): remote rank -> its memory mapped here, copied in the kernel instead of a
-    # NIXL READ; a rank whose memory could not be mapped reads over NIXL (why: host_errors).
-    host_ranks: dict[int, HostRank] = field(default_factory=dict)
-    host_errors: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class InFlightRead:
-    """A posted request; advance it with :meth:`ReadExecutor.poll`."""
-
-    planned: PlannedRead
-    remote: RemoteEngine
-    start_s: float
-    handles: dict[int, object] = field(default_factory=dict)  # rank -> transfer handle still running
-    errors: dict[int, str] = field(default_factory=dict)  # rank -> why it failed
-    failure: ReadFailure = ReadFailure.NONE  # the first failure's kind
-    result: ReadResult | None = None
-    # Board checks, two per rank: before its data READ is posted (the rank's read waits in ``admitting``
-    # meanwhile) and after it ended. Both look for the rank's hold tag.
-    tags: dict[int, int] = field(default_factory=dict)  # rank -> its hold's board tag (empty: not checked)
-    admitting: dict[int, RankRead] = field(default_factory=dict)  # rank -> its read, posted once the hold is seen
-    unchecked: list[int] = field(default_factory=list)  # ranks waiting for a free check slot
-    checks: dict[int, tuple[object, int]] = field(default_factory=dict)  # rank -> (check handle, slot)
-    stale_ranks: set[int] = field(default_factory=set)  # checked: the hold had ended (before: nothing copied)
-    # Ranks whose data READ or board check did not end within its post. Over shared memory UCX copies
-    # inside the post and the holder does nothing; over TCP the READ waits for the holder's progress
-    # (RDMA also ends later, without it: counted here too, the holder's safe side). The notice says so.
-    waited_ranks: set[int] = field(default_factory=set)
-    step: int = 0  # counts ranks whose data READ or check ended: a poller sees progress short of the end
-    posted_s: float = 0.0  # perf_counter when every rank's first transfer (board check or data) was posted
-    transferred_s: float = 0.0  # perf_counter when the last data READ ended
-    notified: bool = False  # its notices went out (send_notices)
-    num_host_copies: int = 0  # ranks whose data was copied same-host, not read over NIXL
-
-    def fail(self, q: int, error: str, failure: ReadFailure) -> None:
-        self.errors.setdefault(q, error)
-        if self.failure is ReadFailure.NONE:
-            self.failure = failure
 
 
 class ReadExecutor:
@@ -156,6 +77,7 @@ class ReadExecutor:
         self.notices = NixlAgent(f"{agent.name}.notices")
         self.num_notices_sent = 0  # the data plane polls the notice agent (its progress) only after new ones
         self.num_host_copies = 0  # rank reads copied same-host instead of read over NIXL
+        self.same_host = SameHostOpener(cache)
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
                 boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
@@ -167,8 +89,9 @@ class ReadExecutor:
         remote blocks (:mod:`kvxferd.plan.capability`), checked before it is posted.
 
         ``same_host``: the remote ranks proved they share this host; each whose
-        caches name their shared-memory objects is mapped here and read by
-        copying (:mod:`kvxferd.xfer.hostmaps`), the others over NIXL.
+        cache names its memory (shared-memory objects, CUDA IPC handles) is
+        opened here and read by copying (:mod:`kvxferd.xfer.hostmaps`,
+        :mod:`kvxferd.xfer.devicemaps`), the others over NIXL.
         """
         with self.lock:
             return self._connect(remotes, metadata, boards, same_host)
@@ -201,9 +124,9 @@ class ReadExecutor:
                 if boards is not None:
                     remote.board_lists[q] = self.agent.prep_remote(
                         names[q], board_rows(boards[q].address, boards[q].num_buckets), "DRAM")
-                if same_host and self.cache.mem_type == "DRAM":
+                if same_host:
                     try:
-                        remote.host_ranks[q] = HostRank.of(map_host_source(remotes[q]), rank_plan)
+                        remote.host_ranks[q] = self.same_host.open(remotes[q], rank_plan)
                     except TransferError as err:
                         remote.host_errors[q] = err.message
         except BaseException:  # a bad peer leaves nothing behind
@@ -278,6 +201,7 @@ class ReadExecutor:
             for engine_id in list(self._remotes):
                 self.disconnect(engine_id)
             self.checks.close()
+            self.same_host.close()
             self.agent.deregister(self.cache.engine_id)
             self.agent.close()
             self.notices.close()
@@ -286,10 +210,7 @@ class ReadExecutor:
         """Unmap a remote engine's same-host memory (its holder changed or went away): its ranks read over
         NIXL until a new connection maps them again, and a dead holder's cache is not kept alive here."""
         with self.lock:
-            for q, host_rank in remote.host_ranks.items():
-                host_rank.source.close()
-                remote.host_errors[q] = reason
-            remote.host_ranks.clear()
+            drop_all(remote, reason)
 
     def progress_notices(self) -> None:
         """Make progress for the notice agent: UCX sends a notice on only while its agent is polled."""
@@ -360,17 +281,7 @@ class ReadExecutor:
         rank, copy it instead: it ends here."""
         remote, q = inflight.remote, read.remote_rank
         host_rank = remote.host_ranks.get(q)
-        if host_rank is not None:
-            try:
-                host_rank.copy(read)
-            except TransferError as err:
-                inflight.fail(q, f"same-host copy: {err.message}", ReadFailure.TRANSFER)
-                return
-            inflight.step += 1
-            inflight.num_host_copies += 1
-            self.num_host_copies += 1
-            if inflight.tags:
-                inflight.unchecked.append(q)  # the data is in: now ask the board whether it was still held
+        if host_rank is not None and self._copy_same_host(inflight, read, host_rank):
             return
         handle = None
         try:
@@ -389,6 +300,29 @@ class ReadExecutor:
             inflight.handles[q] = handle
             if state is TransferState.PROC:
                 inflight.waited_ranks.add(q)
+
+    def _copy_same_host(self, inflight: InFlightRead, read: RankRead, host_rank: HostRank) -> bool:
+        """Copy one rank's read from same-host memory (host memory: done here; GPU memory: its batch joins the
+        handles). False when it goes over NIXL instead: the driver refused the batch, so nothing of it runs,
+        and the rank reads over NIXL from now on."""
+        q = read.remote_rank
+        try:
+            copied = host_rank.copy(read)
+        except BatchRefused as err:
+            drop_rank(inflight.remote, q, f"the driver refused a batch: {err.message}")
+            return False
+        except TransferError as err:
+            inflight.fail(q, f"same-host copy: {err.message}", ReadFailure.TRANSFER)
+            return True
+        inflight.num_host_copies += 1
+        self.num_host_copies += 1
+        if isinstance(copied, PendingDeviceCopy):  # on the device: ends when its event does (poll)
+            inflight.handles[q] = copied
+        else:
+            inflight.step += 1
+            if inflight.tags:
+                inflight.unchecked.append(q)  # the data is in: now ask the board whether it was still held
+        return True
 
     def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
         """Advance a posted request; returns its result once every rank's read and board check ended.
@@ -463,6 +397,13 @@ class ReadExecutor:
 
     # ---- internals ---------------------------------------------------------
     def _state(self, inflight: InFlightRead, q: int, handle) -> TransferState:
+        if isinstance(handle, PendingDeviceCopy):
+            state = handle.state()
+            if state is TransferState.ERR:
+                inflight.fail(q, "same-host copy: the device reported an error", ReadFailure.TRANSFER)
+                for remote in self._remotes.values():  # the context is poisoned: no GPU rank copies any more
+                    drop_all(remote, f"a device copy failed: {handle.event.copier_broken()}", on_device_only=True)
+            return state
         try:
             return self.agent.state(handle)
         except NixlError as err:
@@ -516,6 +457,9 @@ class ReadExecutor:
         self.checks.end(*inflight.checks.pop(q))
 
     def _release(self, handle) -> None:
+        if isinstance(handle, PendingDeviceCopy):
+            handle.release()
+            return
         try:
             self.agent.release(handle)
         except NixlError:

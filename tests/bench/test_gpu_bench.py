@@ -35,3 +35,18 @@ def test_the_table_says_why_when_the_daemons_read_far_slower_than_an_owner(daemo
     table = format_table(_figures(daemon_gbps, own_gbps))
     assert ("software path" in table) == hinted, table
     assert "byte-exact" in table
+
+
+def test_the_table_shows_the_same_host_path_against_its_targets():
+    from kvxferd.bench.gpu import format_table
+
+    figures = _figures(0.4, 1074.0)
+    figures["bulk"].update(same_host_gbps=900.0, same_host_ms=0.6, same_host_vs_device_copy=0.69,
+                           same_host_byte_exact=False, same_host_wrong_bytes=12, same_host_problems=["rank 0"])
+    figures["per_request"].update(same_host={"p50_us": 180.0, "p99_us": 400.0}, device_copy_us=5.0,
+                                  same_host_added_p50_us=175.0)
+    figures["same_host_copies"] = {"nixl_daemon": 0.0, "same_host_daemon": 210.0}
+    table = format_table(figures)
+    assert "0.69x the device copy (target >= 0.5)" in table and "added at p50 175 us (target <= 500)" in table
+    assert "same-host checked read: WRONG: 12 bytes" in table  # a wrong same-host read is never hidden
+    assert "210 by the same-host daemon, 0 by the NIXL one" in table

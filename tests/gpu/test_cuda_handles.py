@@ -40,10 +40,14 @@ def _gpu_engine(engine_id, groups, tp, rank, tagged):
     return engine, engine.register_pb(export_ipc(engine.tensor.data_ptr()) if tagged else None)
 
 
+@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "nixl"])
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gqa", 2, 1), ("mla", 1, 2)])
-def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp):
+def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp, same_host):
+    """Byte-exact both ways: the decode daemons copying from the prefill engine's allocation themselves
+    (CUDA IPC handles from the holder, batched device copies: issue #37), or over NIXL."""
     prefill_groups, decode_groups = model_groups(model, ModelShape())
-    daemons = DaemonProcess.start_many([f"g{i}" for i in range(prefill_tp + decode_tp)], socket_dir=str(tmp_path))
+    daemons = DaemonProcess.start_many([f"g{i}" for i in range(prefill_tp + decode_tp)], socket_dir=str(tmp_path),
+                                       extra_args=() if same_host else ("--no-same-host-reads",))
     try:
         prefill = [_gpu_engine("gp", prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
         decode = [_gpu_engine("gd", decode_groups, decode_tp, r, False) for r in range(decode_tp)]
@@ -63,6 +67,8 @@ def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp):
         for engine, _ in decode:
             engine.download()
         assert verify_decode([engine.host for engine, _ in decode], prefill_groups, request) == ([], 0)
+        copies = sum(d.metric("kvxferd_same_host_copies_total") for d in daemons[prefill_tp:])
+        assert copies == (max(prefill_tp, decode_tp) if same_host else 0)  # every rank read, one way or the other
         for client in clients:
             client.deregister()
             client.close()
@@ -197,6 +203,8 @@ def test_bench_gpu_quick_reads_byte_exact_and_reports_both_paths():
     figures = gpu_bench.run(**gpu_bench.QUICK)
     bulk, small = figures["bulk"], figures["per_request"]
     assert bulk["byte_exact"], bulk["problems"]
+    assert bulk["same_host_byte_exact"], bulk["same_host_problems"]
+    assert figures["same_host_copies"]["nixl_daemon"] == 0 and figures["same_host_copies"]["same_host_daemon"] > 0
     assert bulk["bytes"] == 8 * 64 * 64 * 1024  # QUICK: 8 layers x 64 blocks of 64 KiB
     for key in ("device_copy_gbps", "own_memory_gbps", "raw_gbps", "daemon_gbps", "ratio"):
         assert bulk[key] > 0, key

@@ -34,7 +34,9 @@ BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm"), ["vp0", "vd0"])
+    # Same-host copies here (the other vLLM tests read over NIXL): every negative control below is one
+    # for the copy path too.
+    model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm"), ["vp0", "vd0"], same_host=True)
     with prefill_decode(model, daemons, "prefill", "decode") as cluster:
         yield cluster
 
@@ -49,6 +51,7 @@ def test_prefill_decode_gives_the_single_instance_tokens(pd):
     params = prefill_params(pd.prefill, prompts)
     assert all(p and p.get("remote_block_ids") for p in params), params
     read_before = metric(pd.decode_daemon, "kvxferd_read_bytes_total")
+    copies_before = metric(pd.decode_daemon, "kvxferd_same_host_copies_total")
     sources_before, stats_before = prompt_tokens_by_source(pd.decode), connector_metrics(pd.decode)
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
     assert token_ids(outputs) == single
@@ -60,6 +63,9 @@ def test_prefill_decode_gives_the_single_instance_tokens(pd):
                        "external_kv_transfer": sum(len(p) for p in prompts)}, sources
     read = metric(pd.decode_daemon, "kvxferd_read_bytes_total") - read_before
     assert read == sum(blocks(len(p)) for p in prompts) * BLOCK_BYTES
+    # The decode daemon copied them itself from the prefill engine's memory (the connector passed it as
+    # an fd: opened through the prefill daemon's copy), not over NIXL.
+    assert metric(pd.decode_daemon, "kvxferd_same_host_copies_total") - copies_before == len(prompts)
     # vLLM's own metrics (the connector's stats hooks) count the same reads and bytes.
     stats = {k: v - stats_before.get(k, 0) for k, v in connector_metrics(pd.decode).items()}
     assert (stats["vllm:kvxferd_num_transfers"], stats["vllm:kvxferd_num_failed_transfers"],

@@ -61,17 +61,20 @@ def released_early(params: dict) -> dict:
 
 
 def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str], config: dict = TINY_LLAMA, *,
-                           write=None) -> tuple[str, list[DaemonProcess]]:
+                           write=None, same_host: bool = False) -> tuple[str, list[DaemonProcess]]:
     """What every vLLM test starts with: vLLM importable (else the test is skipped), a small CPU KV
     cache, the tiny model written in ``directory`` (by ``write(path)`` when given: another
-    architecture), and one daemon per id with its socket there."""
+    architecture), and one daemon per id with its socket there. The daemons read over NIXL, the path
+    between hosts, unless ``same_host``: then a decode daemon copies from the prefill engine's memory
+    itself (issue #37; the connector passes it as an fd, opened through the holder's copy)."""
     pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if write is None:
         model = write_tiny_model(directory / f"tiny-{config['model_type']}", config)
     else:
         model = write(directory / "tiny-model")
-    return model, DaemonProcess.start_many(daemon_ids, socket_dir=str(directory))
+    return model, DaemonProcess.start_many(daemon_ids, socket_dir=str(directory),
+                                           extra_args=() if same_host else ("--no-same-host-reads",))
 
 
 def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail", tp_size: int = 1,

@@ -137,3 +137,32 @@ def test_a_plain_nixl_agent_reads_a_tenants_cache_only_with_an_allowed_certifica
         reader.release(prepared)
         reader.close()
     assert cluster.verify(request) == ([], 0)
+
+
+@pytest.mark.parametrize("secret_files", ["one", "each", "unusable"])
+def test_with_tls_same_host_reads_need_the_hosts_secret_file_too(workdir, ca, tmp_path, secret_files):
+    """Issue #37: with mutual TLS a reader still proves it shares the holder's host with the host secret
+    (``peer_secret_file``), which then authenticates nothing else. Daemons that share the file (one pod, a
+    hostPath) copy from each other's engines; daemons with a file each (pods of their own) cannot prove it
+    and read over NIXL, as exact (the control); a file that cannot be used (mode 0644) turns same-host
+    reads off with a warning, not the daemon."""
+    issued = ca.issue("kvxferd", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)
+    if secret_files == "unusable":
+        (tmp_path / "host.secret").write_text("00" * 32 + "\n")
+        (tmp_path / "host.secret").chmod(0o644)
+
+    def secret_of(daemon_id: str) -> tuple[str, ...]:
+        return ("--peer-secret-file", str(tmp_path / ("host.secret" if secret_files != "each" else f"{daemon_id}.secret")))
+
+    with DaemonCluster(*GROUPS, 2, 1, workdir=workdir, name=f"tls-sh-{secret_files}",
+                       daemon_args=tls_args(ca, issued), args_of=secret_of) as cluster:
+        request = random_request("tls-same-host", *GROUPS, 64, np.random.default_rng(3))
+        cluster.reset_decode()
+        completions = cluster.read(request, timeout_s=20)
+        assert all(c.ok for c in completions), [c.error for c in completions]
+        assert cluster.verify(request) == ([], 0)
+        assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
+        copies = cluster.decode_daemons[0].metric("kvxferd_same_host_copies_total")
+        assert copies == (2 if secret_files == "one" else 0)
+        warned = ["cannot be used" in daemon.tail(20000) for daemon in cluster.daemons]
+        assert warned == [secret_files == "unusable"] * 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.plan.groups import HostShare
+from kvxferd.plan.groups import DeviceShare, HostShare
 from kvxferd.wire import samehost
 from kvxferd.wire.messages import engine_to_pb, peer_memory_from_pb
 from kvxferd.verify.engines import paper_cache
@@ -35,16 +35,24 @@ def test_a_token_made_under_another_boot_id_proves_nothing(monkeypatch):
     assert samehost.same_host_token(SECRET, ADDRESS) == "" and not samehost.is_same_host(SECRET, ADDRESS, token)
 
 
-def _shared_cache():
+UUID = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
+
+
+def _shared_cache(gpu: bool = False, by_fd: bool = False):
     groups, _ = model_groups("gqa", ModelShape())
     cache = paper_cache("e", groups, 1, 0)
-    memory = tuple(tuple(r.__class__(r.address, r.num_bytes, r.device_id, HostShare("kv-arena", 4096 * i, 5, 77))
-                         for i, r in enumerate(regions)) for regions in cache.memory)
-    return cache.__class__(cache.engine_id, cache.tp_size, cache.tp_rank, cache.groups, memory)
+    share = ((lambda i: DeviceShare(bytes([i + 1]) * 64, 4096 * i, UUID)) if gpu
+             else (lambda i: HostShare("", 4096 * i, 5, 77, 4242, 17)) if by_fd
+             else (lambda i: HostShare("kv-arena", 4096 * i, 5, 77)))
+    memory = tuple(tuple(r.__class__(r.address, r.num_bytes, r.device_id, share(i)) for i, r in enumerate(regions))
+                   for regions in cache.memory)
+    return cache.__class__(cache.engine_id, cache.tp_size, cache.tp_rank, cache.groups, memory,
+                           "VRAM" if gpu else "DRAM")
 
 
-def test_shares_go_to_a_proven_reader_only_and_come_back_as_sent():
-    cache = _shared_cache()
+@pytest.mark.parametrize("gpu,by_fd", [(False, False), (False, True), (True, False)], ids=["shm", "shm-fd", "cuda_ipc"])
+def test_shares_go_to_a_proven_reader_only_and_come_back_as_sent(gpu, by_fd):
+    cache = _shared_cache(gpu, by_fd)
     plain = peer_memory_from_pb(engine_to_pb(cache, with_addresses=True))
     assert all(r.share is None for regions in plain for r in regions)  # nobody else learns the names
     shared = peer_memory_from_pb(engine_to_pb(cache, with_addresses=True, with_shares=True))
@@ -57,6 +65,37 @@ def test_a_name_that_is_not_one_shm_object_is_refused_when_decoded(name):
     message.groups[0].regions[0].handle.shm_name = name  # (set even when empty: the oneof names shm_name)
     with pytest.raises(InvalidArgumentError, match="shm_name"):
         peer_memory_from_pb(message)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("handle", b"\1" * 63, "64"), ("handle", b"\1" * 66, "64"),  # torch's prefixed form is the engine's, not a peer's
+    ("uuid", "", "not a GPU UUID"), ("uuid", "GPU-1234", "not a GPU UUID"), ("uuid", UUID.upper(), "not a GPU UUID"),
+    ("offset", -1, "must not be negative")])
+def test_a_gpu_share_that_cannot_be_one_is_refused_when_decoded(field, value, error):
+    message = engine_to_pb(_shared_cache(gpu=True), with_addresses=True, with_shares=True)
+    region = message.groups[0].regions[0]
+    if field == "handle":
+        region.handle.cuda_ipc_handle = value
+    elif field == "uuid":
+        region.device_uuid = value
+    else:
+        region.handle.offset = value
+    with pytest.raises(InvalidArgumentError, match=error):
+        peer_memory_from_pb(message)
+
+
+@pytest.mark.parametrize("pid, fd", [(0, 3), (1 << 23, 3), (100, -1), (100, 1 << 31 - 1)])
+def test_an_fd_share_that_cannot_name_a_process_and_fd_is_refused_when_decoded(pid, fd):
+    message = engine_to_pb(_shared_cache(by_fd=True), with_addresses=True, with_shares=True)
+    message.groups[0].regions[0].handle.holder_pid = pid
+    message.groups[0].regions[0].handle.holder_fd = fd
+    with pytest.raises(InvalidArgumentError, match="holder_fd"):
+        peer_memory_from_pb(message)
+
+
+def test_a_gpu_share_never_shows_its_handle_in_a_log_line():
+    share = _shared_cache(gpu=True).memory[0][0].share
+    assert share.ipc_handle.hex() not in repr(share) and "\\x01" not in repr(share) and UUID in repr(share)
 
 
 def test_a_reader_keeps_names_only_from_a_holder_that_proved_this_host_too():

@@ -23,7 +23,7 @@ from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.checks import NUM_CHECK_SLOTS
 from kvxferd.xfer.holder import NoticeEvent
-from kvxferd.xfer.reads import ReadFailure
+from kvxferd.xfer.records import ReadFailure
 
 
 @pytest.fixture(scope="module", params=["nixl", "same-host"])

@@ -11,7 +11,7 @@ from kvxferd.errors import TransferError
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.hostmaps import map_host_source
-from kvxferd.xfer.reads import ReadFailure
+from kvxferd.xfer.records import ReadFailure
 
 GROUPS = model_groups("gqa", ModelShape())
 
@@ -53,7 +53,7 @@ def test_a_remote_span_is_found_in_the_mapping_and_one_outside_every_region_is_r
 @pytest.mark.parametrize("change, error", [
     ({"inode": 1}, "not the one the holder mapped"),  # the name now means another object
     ({"name": "kvxferd-no-such-object"}, "cannot open"),  # another IPC namespace, or gone
-    ({"offset": 1 << 40}, "exceeds shared-memory object"),  # a region announced beyond the object
+    ({"offset": 1 << 40}, "exceeds the memory the holder named"),  # a region announced beyond the object
     ({"device": 1}, "not the one the holder mapped"),
 ])
 def test_an_object_that_is_not_the_holders_region_is_not_mapped(cluster, change, error):
@@ -73,7 +73,7 @@ def test_a_region_without_a_named_object_is_read_over_nixl_byte_exact(cluster):
     executor.connect(caches, metadata, [holder.board for holder in cluster.holders], same_host=True)
     try:
         remote = executor.remote(cluster.prefill_id)
-        assert set(remote.host_ranks) == {1} and "named shared-memory object" in remote.host_errors[0]
+        assert set(remote.host_ranks) == {1} and "shared-memory object it names" in remote.host_errors[0]
         request = _request("mixed", 3)
         cluster.reset_decode()
         before = executor.num_host_copies
@@ -158,3 +158,37 @@ def test_a_name_that_is_a_symlink_or_regions_that_overlap_are_not_mapped(cluster
     memory = ((first, overlapping) + cache.memory[0][2:],) + cache.memory[1:]
     with pytest.raises(TransferError, match="overlap"):
         map_host_source(dataclasses.replace(cache, memory=memory))
+
+
+def test_an_object_the_engine_passed_as_an_fd_is_mapped_through_the_holders_copy_and_checked(cluster, tmp_path):
+    """An engine that passed its memory as an fd names no object: the holder keeps a copy of the fd and the
+    reader opens /proc/<holder pid>/fd/<copy> (same user, same PID namespace), checked to be the same
+    object like a name. Another object behind the fd, or no fd, is refused."""
+    import os
+
+    cache = cluster.prefill[0].cache
+    name = cache.memory[0][0].share.name.lstrip("/")
+    fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(other, 1 << 20)
+    try:
+        by_fd = _with_share(cache, name="", holder_pid=os.getpid(), holder_fd=fd)
+        source = map_host_source(by_fd)
+        try:
+            region = cache.memory[0][0]
+            (local,) = source.translate(np.array([region.address]), np.array([64]))
+            arena = cluster.prefill[0].arena
+            offset = region.address - arena.ctypes.data
+            mapped = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 64).from_address(int(local)))
+            assert np.array_equal(mapped, arena[offset:offset + 64])
+        finally:
+            source.close()
+        with pytest.raises(TransferError, match="not the one the holder mapped"):
+            map_host_source(_with_share(cache, name="", holder_pid=os.getpid(), holder_fd=other))
+        with pytest.raises(TransferError, match="cannot open"):
+            map_host_source(_with_share(cache, name="", holder_pid=os.getpid(), holder_fd=(1 << 20) - 1))
+        with pytest.raises(TransferError, match="not one of this user's"):  # no such process
+            map_host_source(_with_share(cache, name="", holder_pid=(1 << 22) - 1, holder_fd=fd))
+    finally:
+        os.close(fd)
+        os.close(other)

@@ -76,7 +76,7 @@ class StateCache(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_groups: _Optional[int] = ..., state_size: _Optional[int] = ..., conv_window: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., conv_order: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_stride: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_stride: _Optional[int] = ..., conv_parts: _Optional[str] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
-    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset", "allocation_bytes", "shm_device", "shm_inode")
+    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset", "allocation_bytes", "shm_device", "shm_inode", "holder_pid", "holder_fd")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     CUDA_VMM_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class MemoryHandle(_message.Message):
     ALLOCATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHM_INODE_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_PID_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FD_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     cuda_ipc_handle: bytes
     cuda_vmm_fd_index: int
@@ -93,7 +95,9 @@ class MemoryHandle(_message.Message):
     allocation_bytes: int
     shm_device: int
     shm_inode: int
-    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ..., shm_device: _Optional[int] = ..., shm_inode: _Optional[int] = ...) -> None: ...
+    holder_pid: int
+    holder_fd: int
+    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ..., shm_device: _Optional[int] = ..., shm_inode: _Optional[int] = ..., holder_pid: _Optional[int] = ..., holder_fd: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("handle", "address", "num_bytes", "device_id", "device_uuid")

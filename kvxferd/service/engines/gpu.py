@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 from dataclasses import dataclass
 
-from kvxferd.cuda.driver import (CU_ACCESS_READWRITE, CU_HANDLE_TYPE_POSIX_FD, CU_LOCATION_DEVICE,
-                                 IPC_HANDLE_BYTES, IPC_LAZY_ENABLE_PEER_ACCESS, VMM_GRANULARITY, AccessDesc, IpcHandle,
-                                 Location, allocation_size, check_drv, check_rt, cuda, cudart)
+from kvxferd.cuda.driver import (CU_ACCESS_READWRITE, CU_HANDLE_TYPE_POSIX_FD, CU_LOCATION_DEVICE, VMM_GRANULARITY,
+                                 AccessDesc, Location, check_drv, cuda)
+from kvxferd.cuda.ipc import bare_ipc_handle, open_ipc_allocation, visible_device_uuids
 from kvxferd.errors import InvalidArgumentError, UnavailableError
-from kvxferd.plan.groups import RegionMemory
+from kvxferd.plan.groups import DeviceShare, RegionMemory
 
 
 @dataclass(eq=False)
@@ -41,85 +40,37 @@ class GpuMapping:
             self._close = None
 
 
-def _bare_ipc_handle(handle: bytes, field: str) -> bytes:
-    """The 64-byte ``cudaIpcMemHandle_t``; also accepts torch's ``_share_cuda_()`` encoding of one.
+def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: str, device_uuid: str = "",
+             *, uuids=visible_device_uuids) -> GpuMapping:
+    """Open a CUDA IPC handle; the region is ``[offset, offset + num_bytes)`` of the allocation.
 
-    torch prefixes the handle with two bytes (a format version and ``c`` for
-    a cudaMalloc block); ``e`` (an expandable segment) is not a CUDA IPC
-    handle at all and is refused.
+    The region remembers the handle and its GPU's UUID (:class:`DeviceShare`):
+    what a proven same-host reader opens itself (issue #37). Without a UUID
+    from the engine, the one this daemon sees at ``device_id``.
     """
-    if len(handle) == IPC_HANDLE_BYTES:
-        return handle
-    if len(handle) == IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
-        return handle[2:]
-    hint = " (torch expandable segments: share with cudaMalloc'd memory or a VMM fd)" if handle[1:2] == b"e" else ""
-    raise InvalidArgumentError(f"{field}.handle.cuda_ipc_handle", f"{len(handle)} bytes, a CUDA IPC handle has "
-                                                                  f"{IPC_HANDLE_BYTES}{hint}")
-
-
-def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: str) -> GpuMapping:
-    """Open a CUDA IPC handle; the region is ``[offset, offset + num_bytes)`` of the allocation."""
-    handle = _bare_ipc_handle(handle, field)
+    handle = bare_ipc_handle(handle, field)
     if offset < 0 or num_bytes <= 0 or device_id < 0:
         raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
-    lib = cudart(f"{field}.handle.cuda_ipc_handle")
-    check_rt(lib, lib.cudaSetDevice(device_id), "cudaSetDevice", f"{field}.device_id")
-    base = ctypes.c_void_p()
-    check_rt(lib, lib.cudaIpcOpenMemHandle(ctypes.byref(base), IpcHandle.from_buffer_copy(handle),
-                                                    IPC_LAZY_ENABLE_PEER_ACCESS),
-              "cudaIpcOpenMemHandle", f"{field}.handle.cuda_ipc_handle")
+    allocation = open_ipc_allocation(handle, device_id, field)
     try:  # the region must lie inside the shared allocation: never expose the memory around it
-        allocation_bytes = allocation_size(base.value, field)
-        if offset + num_bytes > allocation_bytes:
+        if offset + num_bytes > allocation.num_bytes:
             raise InvalidArgumentError(f"{field}.num_bytes", f"region [{offset}, {offset + num_bytes}) exceeds the "
-                                                             f"shared allocation of {allocation_bytes} bytes")
+                                                             f"shared allocation of {allocation.num_bytes} bytes")
+        device_uuid = device_uuid or _uuid_of(device_id, field, uuids)
+        share = DeviceShare(handle, offset, device_uuid) if device_uuid else None
     except BaseException:
-        lib.cudaIpcCloseMemHandle(base)
+        allocation.close()
         raise
-    return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), lambda: lib.cudaIpcCloseMemHandle(base))
+    return GpuMapping(RegionMemory(allocation.base + offset, num_bytes, device_id, share=share), allocation.close)
 
 
-_UUID_FORMAT = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def format_uuid(raw: bytes) -> str:
-    """``GPU-`` and the 16 bytes of a ``CUuuid`` as 8-4-4-4-12 hex (nvidia-smi's form)."""
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
-def visible_device_uuids(field: str) -> list[str]:
-    """UUIDs of the GPUs this process sees, by index (``cuDeviceGetUuid``)."""
-    lib = cuda(field)
-    check_drv(lib.cuInit(0), "cuInit", field)
-    count = ctypes.c_int()
-    check_drv(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount", field)
-    uuids = []
-    for index in range(count.value):
-        device, raw = ctypes.c_int(), (ctypes.c_char * 16)()
-        check_drv(lib.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet", field)
-        check_drv(lib.cuDeviceGetUuid(raw, device), "cuDeviceGetUuid", field)
-        uuids.append(format_uuid(bytes(raw)))
-    return uuids
-
-
-def resolve_device(device_id: int, device_uuid: str, field: str, *, visible=visible_device_uuids) -> int:
-    """The index under which this daemon sees the engine's GPU.
-
-    An engine and its daemon may see the same GPU under different indices
-    (another ``CUDA_VISIBLE_DEVICES``), and index 0 of both may be two
-    different GPUs: the UUID decides. Without one, the index is trusted.
-    """
-    if not device_uuid:
-        return device_id
-    if not _UUID_FORMAT.fullmatch(device_uuid):
-        raise InvalidArgumentError(f"{field}.device_uuid", f"{device_uuid[:80]!r} is not a GPU UUID (GPU-xxxxxxxx-...)")
-    uuids = visible(f"{field}.device_uuid")
-    if device_uuid in uuids:
-        return uuids.index(device_uuid)
-    raise UnavailableError(f"{field}.device_uuid", f"the engine's GPU {device_uuid} is not visible to this daemon "
-                                                   f"(it sees {uuids or 'no GPU'}): run the daemon on the engine's GPU, "
-                                                   "e.g. with the same CUDA_VISIBLE_DEVICES")
+def _uuid_of(device_id: int, field: str, uuids) -> str:
+    """The UUID of this daemon's GPU ``device_id`` ("" when it cannot be told: no same-host reads of it)."""
+    try:
+        seen = uuids(f"{field}.device_id")
+    except (UnavailableError, InvalidArgumentError):
+        return ""
+    return seen[device_id] if device_id < len(seen) else ""
 
 
 def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, *,

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvxferd.cuda.ipc import resolve_device
 from kvxferd.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from kvxferd.plan.groups import HostShare, RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -158,11 +159,34 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str,
         os.close(fd)
 
 
-def map_fd(fd: int, offset: int, num_bytes: int, field: str) -> MappedRegion:
-    """Map ``num_bytes`` at ``offset`` of a shared-memory fd the engine passed (the caller keeps ``fd``)."""
+class KeptFds:
+    """Copies of the fds an engine passed, one per fd, kept open while its registration lives: a same-host
+    reader opens one as ``/proc/<this pid>/fd/<copy>`` (issue #37). Closed with the mappings."""
+
+    def __init__(self) -> None:
+        self.copies: dict[int, int] = {}  # the engine's fd (as received) -> our copy
+
+    def copy_of(self, fd: int) -> int:
+        if fd not in self.copies:
+            self.copies[fd] = os.dup(fd)  # O_CLOEXEC: no child inherits it
+        return self.copies[fd]
+
+    def close(self) -> None:
+        for copy in self.copies.values():
+            os.close(copy)
+        self.copies.clear()
+
+
+def map_fd(fd: int, offset: int, num_bytes: int, field: str, kept: KeptFds | None = None) -> MappedRegion:
+    """Map ``num_bytes`` at ``offset`` of a shared-memory fd the engine passed (the caller keeps ``fd``).
+    With ``kept``, a copy of the fd stays open and the region records it for same-host readers."""
     if offset < 0 or num_bytes <= 0:
         raise InvalidArgumentError(field, f"bad range: offset {offset}, {num_bytes} bytes")
-    return _map_open_fd(fd, f"fd {fd}", offset, num_bytes, f"{field}.handle.shm_fd_index")
+    region = _map_open_fd(fd, f"fd {fd}", offset, num_bytes, f"{field}.handle.shm_fd_index")
+    if kept is not None:
+        status = os.fstat(fd)
+        region.share = HostShare("", offset, status.st_dev, status.st_ino, os.getpid(), kept.copy_of(fd))
+    return region
 
 
 def _map_open_fd(fd: int, name: str, offset: int, num_bytes: int, field: str) -> MappedRegion:
@@ -184,9 +208,10 @@ def _map_open_fd(fd: int, name: str, offset: int, num_bytes: int, field: str) ->
 
 
 def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fds: Sequence[int] = (),
-                openers: ShmOpeners = ShmOpeners()):
+                openers: ShmOpeners = ShmOpeners(), kept: KeptFds | None = None):
     """Open one region of a Register request; returns an object with ``memory`` and ``close()``.
-    ``openers``: who may have sent it (a ``shm_name`` is opened only for an object they could open)."""
+    ``openers``: who may have sent it (a ``shm_name`` is opened only for an object they could open);
+    ``kept``: where copies of passed shared-memory fds stay open for same-host readers."""
     source = region.handle.WhichOneof("source")
     want = {"shm_name": "DRAM", "shm_fd_index": "DRAM", "cuda_ipc_handle": "VRAM", "cuda_vmm_fd_index": "VRAM"}.get(source)
     if source is None:
@@ -200,10 +225,10 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
         index = region.handle.shm_fd_index
         if not 0 <= index < len(fds):
             raise InvalidArgumentError(f"{field}.handle.shm_fd_index", f"index {index}, {len(fds)} fds were sent")
-        return map_fd(fds[index], offset, num_bytes, field)
-    device_id = gpu.resolve_device(region.device_id, region.device_uuid, field)
+        return map_fd(fds[index], offset, num_bytes, field, kept)
+    device_id = resolve_device(region.device_id, region.device_uuid, field)
     if source == "cuda_ipc_handle":
-        return gpu.open_ipc(region.handle.cuda_ipc_handle, offset, num_bytes, device_id, field)
+        return gpu.open_ipc(region.handle.cuda_ipc_handle, offset, num_bytes, device_id, field, region.device_uuid)
     index = region.handle.cuda_vmm_fd_index
     if not 0 <= index < len(fds):
         raise InvalidArgumentError(f"{field}.handle.cuda_vmm_fd_index", f"index {index}, {len(fds)} fds were sent")

@@ -32,7 +32,7 @@ from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.reads.dataplane import DataPlane
 from kvxferd.service.engines.fdpass import FdInbox
-from kvxferd.service.engines.memory import ShmOpeners, open_region, populate
+from kvxferd.service.engines.memory import KeptFds, ShmOpeners, open_region, populate
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.agent import NixlAgent, collect_agents
@@ -206,6 +206,8 @@ class Registry:
     def _open_memory(self, engine: pb.EngineRank, groups, fds, mapped: list, openers: ShmOpeners) -> list[list]:
         """Map every region (in a worker thread: populating a large host cache takes a while)."""
         memory = []
+        kept = KeptFds()  # copies of passed shm fds, for same-host readers; closed with the mappings
+        mapped.append(kept)
         for g, (group_pb, group) in enumerate(zip(engine.groups, groups)):
             need = group.spec.region(engine.tp_size or 1, engine.tp_rank).num_bytes
             regions = []
@@ -214,7 +216,7 @@ class Registry:
                 num_bytes = region.num_bytes or need
                 if num_bytes < need:
                     raise InvalidArgumentError(f"{field}.num_bytes", f"{num_bytes} bytes, the layout needs {need}")
-                mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers)
+                mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers, kept)
                 mapped.append(mapping)
                 regions.append(mapping.memory)
             memory.append(regions)

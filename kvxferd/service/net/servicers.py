@@ -263,9 +263,9 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
                                                   f"{request.engine_id!r}, not {request.tp_rank}")
         await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
-        secret, address = self.daemon.peers.secret, self.daemon.peer_token_address
-        proof = (holder_proof(secret, address, request.same_host_token) if self.daemon.peers.same_host
-                 and secret is not None and is_same_host(secret, address, request.same_host_token) else "")
+        secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
+        proof = (holder_proof(secret, address, request.same_host_token)
+                 if secret is not None and is_same_host(secret, address, request.same_host_token) else "")
         return encode_info(slot.incarnation, slot.metadata, slot.cache, slot.holder.board, same_host_proof=proof)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str) -> None:

@@ -33,7 +33,7 @@ from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import peer_metadata
 from kvxferd.wire.samehost import same_host_token, shares_from, without_shares
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
-from kvxferd.xfer.reads import RemoteEngine
+from kvxferd.xfer.records import RemoteEngine
 
 log = logging.getLogger("kvxferd.peers")
 
@@ -87,9 +87,10 @@ class Peers:
         # Without TLS: this host's peer secret (set at start; kvxferd.wire.peerauth). Calls carry its token, and
         # the peer servicer checks tokens with it.
         self.secret: bytes | None = None
-        # Same-host reads (set at start, with the secret: config.same_host_reads): ask every holder to name its
-        # shared memory, proving this host; a holder that does is read by copying (kvxferd.xfer.hostmaps).
-        self.same_host = False
+        # Same-host reads (set at start: config.same_host_reads): the secret that proves this host (without TLS
+        # the peer secret; with TLS the same file, for this alone). Every holder is asked to name its memory,
+        # proving this host; a holder that does is read by copying (kvxferd.xfer.hostmaps, devicemaps).
+        self.same_host_secret: bytes | None = None
 
     def _channel(self, address: str) -> "_PeerChannel":
         """The channel to ``address``; a new one after the TLS files changed (new connections, new certificate)."""
@@ -249,8 +250,8 @@ class Peers:
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
                                        reader_tp_size=slot.cache.tp_size,
                                        reader_agent_metadata=slot.notices_metadata)
-        if self.same_host and self.secret is not None:
-            request.same_host_token = same_host_token(self.secret, address)
+        if self.same_host_secret is not None:
+            request.same_host_token = same_host_token(self.same_host_secret, address)
         try:
             reply = await self.call(address, "GetEngineInfo", request)
         except grpc.aio.AioRpcError as err:
@@ -264,8 +265,9 @@ class Peers:
                                               f"expected {q}/{tp_size}")
         # Names of shared memory count only from a holder that proved this host too: the engine chose the
         # address, and a listener of another user must not get the daemon to map what it names.
-        cache = (shares_from(info.cache, self.secret, address, request.same_host_token, info.same_host_proof)
-                 if self.secret is not None else without_shares(info.cache))
+        secret = self.same_host_secret
+        cache = (shares_from(info.cache, secret, address, request.same_host_token, info.same_host_proof)
+                 if secret is not None else without_shares(info.cache))
         return dataclasses.replace(info, cache=cache)
 
     async def probe(self, slot: EngineSlot, link: RemoteLink) -> bool:

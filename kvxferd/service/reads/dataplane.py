@@ -63,7 +63,8 @@ from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.osthreads import name_this_thread
-from kvxferd.xfer.reads import POLL_MIN_S, ReadFailure
+from kvxferd.xfer.reads import POLL_MIN_S
+from kvxferd.xfer.records import ReadFailure
 from kvxferd.xfer.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")

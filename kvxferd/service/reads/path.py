@@ -40,7 +40,7 @@ from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
 from kvxferd.service.reads.read import Read, ReadState, refused_completion
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
-from kvxferd.xfer.reads import ReadFailure
+from kvxferd.xfer.records import ReadFailure
 
 if TYPE_CHECKING:
     from kvxferd.service.parts import DaemonParts

@@ -37,7 +37,7 @@ from kvxferd.service.reads.completions import CompletionFeed
 from kvxferd.service.status import status_code
 from kvxferd.wire.messages import ids_to_pb
 from kvxferd.xfer.backend import ReadBackend
-from kvxferd.xfer.reads import InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine
 
 
 class ReadOwner(Protocol):

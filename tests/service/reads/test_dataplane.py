@@ -28,7 +28,7 @@ from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer import holder as holder_module
 from kvxferd.xfer.holder import Holder, NoticeEvent, Reader
-from kvxferd.xfer.reads import ReadFailure
+from kvxferd.xfer.records import ReadFailure
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import grpc
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
 from kvxferd.service.reads.read import ReadState
-from kvxferd.xfer.reads import ReadFailure, ReadResult
+from kvxferd.xfer.records import ReadFailure, ReadResult
 from kvxferd.service.reads.path import ReadPath
 from kvxferd.verify.engines import paper_cache
 

@@ -1,0 +1,101 @@
+"""A same-host holder's GPU memory, opened by the reader from its CUDA IPC handles, read by batched copies.
+
+Issue #37, the GPU half. Over NIXL a daemon's GPU reads run at UCX's
+emulated speed on one host (its cuda_ipc cannot hand out memory the daemon
+itself imported). When the holder proved the reader shares its host
+(:mod:`kvxferd.wire.samehost`), it names the CUDA IPC handle of the
+allocation each region lies in and the GPU's UUID (:class:`DeviceShare`).
+The reader opens each allocation once per connection, on its own GPU (CUDA
+maps the holder's memory into the reader's context and enables peer access
+when it lies on another GPU; the UUID only names it in messages), checks
+that a few bytes of it copy, and a rank's data READ becomes one batch of
+device copies on the reader's stream::
+
+    holder's address space        reader's address space
+    region r at A_r ── handle h, offset o_r ──► allocation h opened at B (peer access if another GPU)
+    remote span at a              ──────────► a - A_r + B + o_r   (checked: inside region r)
+    one read: cuMemcpyBatchAsync(local spans <- translated spans) + an event, polled like a NIXL READ
+
+The board checks before and after, the notices and the deadline stay as
+over NIXL. Opening a handle gives the reader the whole allocation, not only
+the region: only authenticated same-host readers get handles (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvxferd.cuda.copies import BatchCopier, CopyEvent
+from kvxferd.cuda.ipc import IpcAllocation, bare_ipc_handle, open_ipc_allocation
+from kvxferd.errors import KvxferError, TransferError
+from kvxferd.plan.engine import RankPlan
+from kvxferd.plan.groups import DeviceShare, EngineCache
+from kvxferd.xfer.agent import TransferState
+from kvxferd.xfer.hostmaps import HostRank, MappedSource, empty_source
+
+
+class PendingDeviceCopy:
+    """One rank's batch of device copies, in a read's handles beside NIXL transfers: polled for its state."""
+
+    def __init__(self, event: CopyEvent) -> None:
+        self.event = event
+
+    def state(self) -> TransferState:
+        try:
+            return TransferState.DONE if self.event.done() else TransferState.PROC
+        except TransferError:
+            return TransferState.ERR
+
+    def release(self) -> None:
+        self.event.release()
+
+
+def map_device_source(cache: EngineCache, copier: BatchCopier, *, open_allocation=None) -> MappedSource:
+    """Open every allocation a remote rank's GPU regions lie in, once each, on the copier's GPU, and copy a
+    few bytes of each. Raises :class:`TransferError` when a region has no handle, a handle does not open
+    (another PID namespace, a freed allocation), a region does not fit, or the check copy fails."""
+    open_allocation = open_allocation or open_ipc_allocation
+    regions = [region for memory in cache.memory for region in memory]
+    if cache.mem_type != "VRAM" or not regions or any(not isinstance(r.share, DeviceShare) for r in regions):
+        raise TransferError("same_host", "not every region is GPU memory with a CUDA IPC handle")
+    # Close in this order: wait for the copies already on the stream, then the allocations they read.
+    source = empty_source()
+    source._closers.append(copier.synchronize)
+    opened: dict[bytes, IpcAllocation] = {}
+    try:
+        for share in dict.fromkeys(r.share for r in regions):
+            if share.ipc_handle not in opened:
+                allocation = _open(share, copier.device_id, open_allocation)
+                opened[share.ipc_handle] = allocation
+                source._closers.append(allocation.close)
+                _check(copier, allocation, share)
+        source.place([(region, opened[region.share.ipc_handle].base + region.share.offset,
+                       opened[region.share.ipc_handle].num_bytes - region.share.offset) for region in regions])
+    except BaseException:
+        source.close()
+        raise
+    return source
+
+
+def _open(share: DeviceShare, device_id: int, open_allocation) -> IpcAllocation:
+    try:
+        return open_allocation(bare_ipc_handle(share.ipc_handle, "same_host"), device_id, "same_host")
+    except KvxferError as err:  # another PID namespace, a handle of a freed allocation, no peer access
+        raise TransferError("same_host", f"cannot open the holder's GPU memory (on {share.device_uuid}) on GPU "
+                                         f"{device_id}: {err.message}") from None
+
+
+def _check(copier: BatchCopier, allocation: IpcAllocation, share: DeviceShare) -> None:
+    try:
+        copier.check_source(allocation.base, allocation.num_bytes)
+    except TransferError as err:
+        raise TransferError("same_host", f"copying from the holder's GPU memory (on {share.device_uuid}) fails: "
+                                         f"{err.message}") from None
+
+
+def device_rank(source: MappedSource, rank_plan: RankPlan, copier: BatchCopier) -> HostRank:
+    """How one remote rank's reads are copied on the device: its opened memory and the plan's tables."""
+    def submit(destinations: np.ndarray, sources: np.ndarray, lengths: np.ndarray) -> PendingDeviceCopy:
+        return PendingDeviceCopy(copier.submit(destinations, sources, lengths))
+
+    return HostRank.of(source, rank_plan, copier=submit, on_device=True)

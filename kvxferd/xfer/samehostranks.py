@@ -1,0 +1,60 @@
+"""Which remote ranks a reader copies itself (issue #37), opened at connect and dropped back to NIXL.
+
+A remote engine's connection keeps, per remote rank, either a
+:class:`~kvxferd.xfer.hostmaps.HostRank` (its memory opened here: host
+memory mapped, GPU memory opened from IPC handles) or the reason it reads
+over NIXL (``host_errors``). A rank goes back to NIXL when its holder changed
+or went away, when the driver refuses a batch, or, for every GPU rank, when
+a device fault poisoned the context.
+"""
+
+from __future__ import annotations
+
+from kvxferd.cuda.copies import BatchCopier
+from kvxferd.errors import KvxferError, TransferError
+from kvxferd.plan.engine import RankPlan
+from kvxferd.plan.groups import EngineCache
+from kvxferd.xfer.devicemaps import device_rank, map_device_source
+from kvxferd.xfer.hostmaps import HostRank, map_host_source
+
+
+class SameHostOpener:
+    """Opens same-host remote ranks' memory for copies into one local cache; owns the GPU copier."""
+
+    def __init__(self, cache: EngineCache) -> None:
+        self.cache = cache
+        self.device_copier: BatchCopier | None = None  # made at the first GPU connection
+
+    def open(self, remote: EngineCache, rank_plan: RankPlan) -> HostRank:
+        """A remote rank's memory, opened for copies (same kind of memory as the local cache); raises
+        :class:`TransferError` saying why it is read over NIXL instead."""
+        if remote.mem_type != self.cache.mem_type:
+            raise TransferError("same_host", f"{remote.mem_type} memory is read into {self.cache.mem_type} over NIXL")
+        if self.cache.mem_type == "DRAM":
+            return HostRank.of(map_host_source(remote), rank_plan)
+        if self.device_copier is None:
+            try:
+                self.device_copier = BatchCopier(self.cache.memory[0][0].device_id)
+            except KvxferError as err:  # no usable driver call: every GPU read goes over NIXL
+                raise TransferError("same_host", f"no device copies here: {err.message}") from None
+        if self.device_copier.broken:
+            raise TransferError("same_host", f"no device copies any more: {self.device_copier.broken}")
+        return device_rank(map_device_source(remote, self.device_copier), rank_plan, self.device_copier)
+
+    def close(self) -> None:
+        if self.device_copier is not None:
+            self.device_copier.close()
+
+
+def drop_rank(remote, q: int, reason: str) -> None:
+    """Read remote rank ``q`` of ``remote`` (a connection) over NIXL from now on: close its memory here."""
+    host_rank = remote.host_ranks.pop(q, None)
+    if host_rank is not None:
+        host_rank.source.close()
+        remote.host_errors[q] = reason
+
+
+def drop_all(remote, reason: str, *, on_device_only: bool = False) -> None:
+    """Every same-host rank of ``remote`` (or only its GPU ones) over NIXL from now on."""
+    for q in [q for q, rank in remote.host_ranks.items() if rank.on_device or not on_device_only]:
+        drop_rank(remote, q, reason)
