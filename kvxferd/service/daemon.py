@@ -192,6 +192,7 @@ class Daemon:
                 # The host's secret proves a peer shares this host. With TLS it proves nothing else (certificates
                 # authenticate), and only daemons that share the file (one pod, or a hostPath) prove it.
                 self.peers.same_host_secret = self.peers.secret or self._same_host_secret_with_tls()
+                self.registry.keep_passed_fds = self.peers.same_host_secret is not None
             for server in (engine_server, peer_server):
                 await server.start()
                 self._servers.append(server)

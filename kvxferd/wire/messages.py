@@ -194,7 +194,7 @@ def share_from_pb(region: pb.Region, field: str) -> HostShare | DeviceShare | No
 
 def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool = False) -> pb.EngineRank:
     """The message describing ``cache`` (for peers: with region addresses; for a proven same-host reader
-    also the shared-memory object of each region opened by name)."""
+    also what each region's memory can be opened by: :func:`share_from_pb`)."""
     out = pb.EngineRank(engine_id=cache.engine_id, tp_rank=cache.tp_rank, tp_size=cache.tp_size, mem_type=cache.mem_type)
     for group, memory in zip(cache.groups, cache.memory):
         message = out.groups.add(kind=group.kind)

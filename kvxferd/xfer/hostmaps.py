@@ -21,6 +21,7 @@ and every region inside its object.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import stat
@@ -124,6 +125,57 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR) -> MappedSource:
     return source
 
 
+# Where shared memory lives: tmpfs (/dev/shm, and memfds) and hugetlbfs. A passed fd naming anything else
+# (a file on disk, a device) is refused before it is opened for reading.
+SHM_FS_TYPES = frozenset({0x01021994, 0x958458F6})
+STATFS_BYTES = 256  # room for struct statfs, whose first member is f_type
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _fs_type(fd: int) -> int:
+    buffer = ctypes.create_string_buffer(STATFS_BYTES)
+    if _libc.fstatfs(fd, buffer) != 0:
+        return -1
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def _open_passed(share: HostShare, identity: tuple[int, int], name: str) -> int:
+    """The holder's copy of an fd its engine passed, opened read-only here. Nothing is opened for reading
+    before it is known to be the object the holder mapped: the process must be this user's (its /proc
+    directory held open, so a reused pid cannot stand in), the link is followed with ``O_PATH`` (no
+    driver's open runs), and the file must be a regular file in shared memory with the holder's
+    ``st_dev``/``st_ino``; then it is reopened from that ``O_PATH`` fd."""
+    try:
+        proc = os.open(f"/proc/{int(share.holder_pid)}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        proc = -1
+    try:
+        # Only a process of this user: a root reader must not open another user's files for a holder.
+        if proc < 0 or os.fstat(proc).st_uid != os.geteuid():
+            raise TransferError("same_host", f"process {share.holder_pid} is not one of this user's (another PID "
+                                             "namespace, or gone)")
+        try:
+            handle = os.open(f"fd/{int(share.holder_fd)}", os.O_PATH | os.O_CLOEXEC, dir_fd=proc)
+        except OSError as err:
+            raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
+    finally:
+        if proc >= 0:
+            os.close(proc)
+    try:
+        status = os.fstat(handle)
+        if not stat.S_ISREG(status.st_mode) or _fs_type(handle) not in SHM_FS_TYPES:
+            raise TransferError("same_host", f"{name!r} is not a shared-memory object (a regular file on tmpfs or "
+                                             "hugetlbfs)")
+        if (status.st_dev, status.st_ino) != identity:
+            raise TransferError("same_host", f"shared-memory object {name!r} is not the one the holder mapped")
+        try:
+            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as err:  # its mode does not let this user read it (an engine of another user)
+            raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
+    finally:
+        os.close(handle)
+
+
 def _map(share: HostShare, shm_dir: str, closers: list) -> tuple[int, int]:
     """Map one object read-only (its unmapping appended to ``closers``); its base address here and its size.
 
@@ -131,25 +183,16 @@ def _map(share: HostShare, shm_dir: str, closers: list) -> tuple[int, int]:
     is opened through the holder's copy of it, ``/proc/<pid>/fd/<fd>``: a link the kernel follows to the
     open file itself (the same user and PID namespace only), checked below like a name."""
     identity, name = (share.device, share.inode), share.name or share.path
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
     if share.name:
         bare = name[1:] if name.startswith("/") else name
         if not bare or "/" in bare:  # validated when decoded: never a path out of the directory
             raise TransferError("same_host", f"not a shared-memory object name: {name[:64]!r}")
-        path, flags = os.path.join(shm_dir, bare), flags | os.O_NOFOLLOW
+        try:
+            fd = os.open(os.path.join(shm_dir, bare), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError as err:  # another IPC namespace, no permission, gone
+            raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
     else:
-        path = f"/proc/{int(share.holder_pid)}/fd/{int(share.holder_fd)}"
-        try:  # only a process of this user: a root reader must not open another user's files for a holder
-            owner = os.stat(f"/proc/{int(share.holder_pid)}").st_uid
-        except OSError:
-            owner = -1
-        if owner != os.geteuid():
-            raise TransferError("same_host", f"process {share.holder_pid} is not one of this user's (another PID "
-                                             "namespace, or gone)")
-    try:
-        fd = os.open(path, flags)
-    except OSError as err:  # another IPC or PID namespace, no permission, gone
-        raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
+        fd = _open_passed(share, identity, name)
     try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or (status.st_dev, status.st_ino) != identity:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import numpy as np
 import pytest
@@ -160,20 +161,34 @@ def test_a_name_that_is_a_symlink_or_regions_that_overlap_are_not_mapped(cluster
         map_host_source(dataclasses.replace(cache, memory=memory))
 
 
-def test_an_object_the_engine_passed_as_an_fd_is_mapped_through_the_holders_copy_and_checked(cluster, tmp_path):
+def test_an_object_the_engine_passed_as_an_fd_is_mapped_through_the_holders_copy_and_checked(
+        cluster, tmp_path, monkeypatch):
     """An engine that passed its memory as an fd names no object: the holder keeps a copy of the fd and the
-    reader opens /proc/<holder pid>/fd/<copy> (same user, same PID namespace), checked to be the same
-    object like a name. Another object behind the fd, or no fd, is refused."""
+    reader opens /proc/<holder pid>/fd/<copy> (same user, same PID namespace), checked before it is opened
+    for reading: another shared-memory object, a file on disk, a FIFO (whose open would block), no such
+    fd, or another user's process are refused."""
     import os
+    import time
 
     cache = cluster.prefill[0].cache
     name = cache.memory[0][0].share.name.lstrip("/")
     fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
-    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
+    other = os.memfd_create("kvxferd-other")  # shared memory too, but not the holder's object
     os.ftruncate(other, 1 << 20)
+    on_disk = os.open(pathlib.Path(__file__), os.O_RDONLY)  # the source tree: not tmpfs
+    os.mkfifo(tmp_path / "fifo")
+    fifo = os.open(tmp_path / "fifo", os.O_RDONLY | os.O_NONBLOCK)
+
+    def passed(copy: int, pid: int = os.getpid(), of: int | None = None):
+        """``cache`` as a holder names it when its engine passed an fd; ``of``: announce that fd's identity."""
+        changes = dict(name="", holder_pid=pid, holder_fd=copy)
+        if of is not None:
+            status = os.fstat(of)
+            changes.update(device=status.st_dev, inode=status.st_ino)
+        return _with_share(cache, **changes)
+
     try:
-        by_fd = _with_share(cache, name="", holder_pid=os.getpid(), holder_fd=fd)
-        source = map_host_source(by_fd)
+        source = map_host_source(passed(fd))
         try:
             region = cache.memory[0][0]
             (local,) = source.translate(np.array([region.address]), np.array([64]))
@@ -184,11 +199,20 @@ def test_an_object_the_engine_passed_as_an_fd_is_mapped_through_the_holders_copy
         finally:
             source.close()
         with pytest.raises(TransferError, match="not the one the holder mapped"):
-            map_host_source(_with_share(cache, name="", holder_pid=os.getpid(), holder_fd=other))
+            map_host_source(passed(other))
+        for refused in (on_disk, fifo):  # announced with their own identity: refused for what they are
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="not a shared-memory object"):
+                map_host_source(passed(refused, of=refused))
+            assert time.monotonic() - start < 1.0
         with pytest.raises(TransferError, match="cannot open"):
-            map_host_source(_with_share(cache, name="", holder_pid=os.getpid(), holder_fd=(1 << 20) - 1))
+            map_host_source(passed((1 << 20) - 1))
         with pytest.raises(TransferError, match="not one of this user's"):  # no such process
-            map_host_source(_with_share(cache, name="", holder_pid=(1 << 22) - 1, holder_fd=fd))
+            map_host_source(passed(fd, pid=(1 << 22) - 1))
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)  # the holder's process is another user's
+        with pytest.raises(TransferError, match="not one of this user's"):
+            map_host_source(passed(fd))
     finally:
-        os.close(fd)
-        os.close(other)
+        monkeypatch.undo()
+        for opened in (fd, other, on_disk, fifo):
+            os.close(opened)

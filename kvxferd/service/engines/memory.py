@@ -32,8 +32,10 @@ GPU memory (CUDA IPC handles, CUDA VMM fds) is opened by
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import stat
@@ -48,6 +50,8 @@ from kvxferd.plan.groups import HostShare, RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines import gpu
 from kvxferd.wire.names import shm_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -167,14 +171,15 @@ class KeptFds:
         self.copies: dict[int, int] = {}  # the engine's fd (as received) -> our copy
 
     def copy_of(self, fd: int) -> int:
+        """Our copy of ``fd`` (made once); raises :class:`OSError` (EMFILE: no fd left)."""
         if fd not in self.copies:
             self.copies[fd] = os.dup(fd)  # O_CLOEXEC: no child inherits it
         return self.copies[fd]
 
     def close(self) -> None:
-        for copy in self.copies.values():
-            os.close(copy)
-        self.copies.clear()
+        while self.copies:
+            with contextlib.suppress(OSError):  # one that fails does not keep the others open
+                os.close(self.copies.popitem()[1])
 
 
 def map_fd(fd: int, offset: int, num_bytes: int, field: str, kept: KeptFds | None = None) -> MappedRegion:
@@ -184,8 +189,13 @@ def map_fd(fd: int, offset: int, num_bytes: int, field: str, kept: KeptFds | Non
         raise InvalidArgumentError(field, f"bad range: offset {offset}, {num_bytes} bytes")
     region = _map_open_fd(fd, f"fd {fd}", offset, num_bytes, f"{field}.handle.shm_fd_index")
     if kept is not None:
-        status = os.fstat(fd)
-        region.share = HostShare("", offset, status.st_dev, status.st_ino, os.getpid(), kept.copy_of(fd))
+        try:
+            copy = kept.copy_of(fd)
+        except OSError as err:  # no fd left: this region is read over NIXL, the registration goes on
+            log.warning("cannot keep a copy of a passed fd for same-host readers: %s", err.strerror)
+        else:
+            status = os.fstat(copy)
+            region.share = HostShare("", offset, status.st_dev, status.st_ino, os.getpid(), copy)
     return region
 
 

@@ -70,6 +70,9 @@ class Registry:
         self.default_lease_s = default_lease_s
         self.max_lease_s = max_lease_s
         self.fd_inbox = fd_inbox
+        # Keep a copy of each shared-memory fd an engine passes, for same-host readers to open (set by the
+        # daemon when same-host reads are on: else the received fds close after mapping, as always).
+        self.keep_passed_fds = False
         self.slots: dict[str, EngineSlot] = {}
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # engine id -> (lock, users)
         self.accepting = True
@@ -206,8 +209,10 @@ class Registry:
     def _open_memory(self, engine: pb.EngineRank, groups, fds, mapped: list, openers: ShmOpeners) -> list[list]:
         """Map every region (in a worker thread: populating a large host cache takes a while)."""
         memory = []
-        kept = KeptFds()  # copies of passed shm fds, for same-host readers; closed with the mappings
-        mapped.append(kept)
+        kept = None
+        if self.keep_passed_fds:  # copies of passed shm fds, for same-host readers; closed with the mappings
+            kept = KeptFds()
+            mapped.append(kept)
         for g, (group_pb, group) in enumerate(zip(engine.groups, groups)):
             need = group.spec.region(engine.tp_size or 1, engine.tp_rank).num_bytes
             regions = []

@@ -144,3 +144,34 @@ def test_populate_faults_in_every_page_of_the_registered_region_only():
     finally:
         shm.close()
         shm.unlink()
+
+
+def test_a_passed_fd_is_kept_once_for_same_host_readers_and_closed_with_the_registration():
+    """Issue #37: with same-host reads on, the daemon keeps one copy per fd the engine passed (regions of one
+    fd share it) and names it in the region's share; closing the copies closes every one, even when one
+    close fails; without ``kept`` (same-host reads off) nothing is kept and the region names nothing."""
+    import os
+
+    from kvxferd.service.engines.memory import KeptFds, map_fd
+
+    fd = os.memfd_create("kvxferd-kept")
+    os.ftruncate(fd, 1 << 16)
+    kept = KeptFds()
+    try:
+        first = map_fd(fd, 0, 4096, "r", kept)
+        second = map_fd(fd, 4096, 4096, "r", kept)
+        copy = first.share.holder_fd
+        assert copy != fd and second.share.holder_fd == copy and len(kept.copies) == 1
+        assert (first.share.holder_pid, first.share.name, second.share.offset) == (os.getpid(), "", 4096)
+        status = os.fstat(fd)
+        assert (first.share.device, first.share.inode) == (status.st_dev, status.st_ino)
+        assert map_fd(fd, 0, 4096, "r").share is None  # same-host reads off: nothing kept, nothing named
+        kept.copies[-5] = (1 << 20) - 1  # a copy that fails to close does not keep the others open
+        kept.close()
+        with pytest.raises(OSError):
+            os.fstat(copy)
+        assert not kept.copies
+        for region in (first, second):
+            region.close()
+    finally:
+        os.close(fd)
