@@ -8,14 +8,14 @@ in the kernel (docs/reliability.md, the fd-table stall) needed these names.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 
 PR_SET_NAME = 15  # prctl(2)
 MAX_NAME_BYTES = 15  # the kernel keeps 16 bytes with the terminating NUL
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
+# The C library the process already has (no ldconfig run at import, as find_library would).
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def os_thread_name(name: str) -> bytes:
