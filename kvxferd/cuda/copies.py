@@ -88,15 +88,19 @@ class CopyEvent:
             code = self._copier.query(self._event)
             if code == CUDA_ERROR_NOT_READY:
                 return False
-            if code != 0:
-                self._copier.broken = f"a device copy failed (cuEventQuery CUresult {code})"
-                raise TransferError("same_host", self._copier.broken)
-            self._done = True
+            self._ended(code, "cuEventQuery")
         return True
 
-    def copier_broken(self) -> str:
-        """Why its copier refuses batches now ("" while it does not)."""
-        return self._copier.broken
+    def wait(self) -> None:
+        """Wait for the batch (the calling thread sleeps on the event); raises as :meth:`done`."""
+        if not self._done and self._event is not None:
+            self._ended(self._copier.wait(self._event), "cuEventSynchronize")
+
+    def _ended(self, code: int, call: str) -> None:
+        if code != 0:
+            self._copier.broken = f"a device copy failed ({call} CUresult {code})"
+            raise TransferError("same_host", self._copier.broken)
+        self._done = True
 
     def release(self) -> None:
         """Destroy the event. A batch still running is waited for first: it writes into the reader's cache,
@@ -138,7 +142,6 @@ class BatchCopier:
         here = Location(CU_LOCATION_DEVICE, device_id)  # hints only (they matter for managed memory alone)
         self._attributes = MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, here, here, 0)
         self._attribute_index = ctypes.c_size_t(0)  # one attribute entry, for every copy from index 0 on
-        self.num_batches = 0
 
     def _current(self) -> None:
         check_drv(self._lib.cuCtxSetCurrent(self._context), "cuCtxSetCurrent", "same_host")
@@ -169,7 +172,6 @@ class BatchCopier:
         if check != 0:  # the batch is enqueued but cannot be watched: wait for it here, rarely
             lib.cuStreamSynchronize(self._stream)
             raise TransferError("same_host", f"cannot record the copy's event (CUresult {check})")
-        self.num_batches += 1
         return CopyEvent(self, event, arrays)
 
     def check_source(self, address: int, num_bytes: int) -> None:
@@ -178,12 +180,7 @@ class BatchCopier:
         event = self.submit(np.array([self._scratch.value]), np.array([address]),
                             np.array([min(CHECK_BYTES, num_bytes)]))
         try:
-            self._current()
-            code = self._lib.cuEventSynchronize(event._event)
-            if code != 0:
-                self.broken = f"a device copy failed (cuEventSynchronize CUresult {code})"
-                raise TransferError("same_host", self.broken)
-            event._done = True
+            event.wait()
         finally:
             event.release()
 
@@ -192,10 +189,15 @@ class BatchCopier:
         self._current()
         return self._lib.cuEventQuery(event)
 
-    def end(self, event: ctypes.c_void_p, *, wait: bool) -> None:
+    def wait(self, event: ctypes.c_void_p) -> int:
+        """``cuEventSynchronize``'s code: 0 once the event's batch ended, else an error."""
         self._current()
+        return self._lib.cuEventSynchronize(event)
+
+    def end(self, event: ctypes.c_void_p, *, wait: bool) -> None:
         if wait:
-            self._lib.cuEventSynchronize(event)
+            self.wait(event)
+        self._current()
         self._lib.cuEventDestroy_v2(event)
 
     def synchronize(self) -> None:

@@ -110,7 +110,7 @@ class Daemon:
 
     # ---- start --------------------------------------------------------------------
     @staticmethod
-    def _can_copy_same_host() -> bool:
+    def _same_host_possible() -> bool:
         """Same-host reads need this kernel's boot id. Host-memory copies also need process_vm_readv (a seccomp
         filter may refuse it): without, GPU caches are still copied, host memory goes over NIXL."""
         if not boot_id():
@@ -188,7 +188,7 @@ class Daemon:
             self.peer_token_address = f"{bracket_host(config.advertise_host or config.peer_host)}:{peer_port}"
             if self.tls is None:  # same-host peers prove themselves with the host's secret instead
                 self.peers.secret = load_or_create_peer_secret(config.peer_secret_path)
-            if config.same_host_reads and self._can_copy_same_host():
+            if config.same_host_reads and self._same_host_possible():
                 # The host's secret proves a peer shares this host. With TLS it proves nothing else (certificates
                 # authenticate), and only daemons that share the file (one pod, or a hostPath) prove it.
                 self.peers.same_host_secret = self.peers.secret or self._same_host_secret_with_tls()

@@ -160,8 +160,8 @@ def engine_from_pb(engine: pb.EngineRank, memory: Sequence[Sequence[RegionMemory
 
 
 def peer_memory_from_pb(engine: pb.EngineRank) -> list[list[RegionMemory]]:
-    """Region addresses of a peer's engine (peer info carries addresses, and for a same-host reader the
-    shared-memory object of each host-memory region opened by name: :func:`share_from_pb`)."""
+    """Region addresses of a peer's engine (peer info carries addresses, and for a same-host reader what
+    each region's memory can be opened by: :func:`share_from_pb`)."""
     return [[RegionMemory(r.address, r.num_bytes, r.device_id, share_from_pb(r, f"engine.groups[{g}].regions[{i}]"))
              for i, r in enumerate(group.regions)] for g, group in enumerate(engine.groups)]
 

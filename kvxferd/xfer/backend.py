@@ -13,13 +13,13 @@
     data-plane thread ───── progress_notices ───► keep notices moving (num_notices_sent)
 
 NIXL (:class:`kvxferd.xfer.reads.ReadExecutor`) is the backend today. The
-same-host path of issue #37 lives inside it, as a per-rank choice of how a
-rank's data moves (:mod:`kvxferd.xfer.hostmaps`): its board checks and
-notices stay NIXL's, and one remote engine may have ranks of both kinds.
-The service layer calls a slot's backend through these members only
-(``tests/xfer/test_backend.py`` reads the service's source to check it), so
-a second backend (a GPU copy path) changes neither the read's record, the
-session nor the books.
+same-host paths of issue #37 (host memory and GPU memory) live inside it,
+as a per-rank choice of how a rank's data moves (:mod:`kvxferd.xfer.hostmaps`,
+:mod:`kvxferd.xfer.devicemaps`): their board checks and notices stay NIXL's,
+and one remote engine may have ranks of both kinds. The service layer calls
+a slot's backend through these members only (``tests/xfer/test_backend.py``
+reads the service's source to check it), so another backend would change
+neither the read's record, the session nor the books.
 
 ``lock`` lets one thread at a time into the backend (every member takes
 it): the event loop posts small reads while the data-plane thread polls

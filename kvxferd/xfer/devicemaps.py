@@ -39,11 +39,13 @@ class PendingDeviceCopy:
 
     def __init__(self, event: CopyEvent) -> None:
         self.event = event
+        self.error = ""  # why the device failed it (once its state is ERR)
 
     def state(self) -> TransferState:
         try:
             return TransferState.DONE if self.event.done() else TransferState.PROC
-        except TransferError:
+        except TransferError as err:
+            self.error = err.message
             return TransferState.ERR
 
     def release(self) -> None:
@@ -60,14 +62,14 @@ def map_device_source(cache: EngineCache, copier: BatchCopier, *, open_allocatio
         raise TransferError("same_host", "not every region is GPU memory with a CUDA IPC handle")
     # Close in this order: wait for the copies already on the stream, then the allocations they read.
     source = empty_source()
-    source._closers.append(copier.synchronize)
+    source.closers.append(copier.synchronize)
     opened: dict[bytes, IpcAllocation] = {}
     try:
-        for share in dict.fromkeys(r.share for r in regions):
-            if share.ipc_handle not in opened:
+        for share in (region.share for region in regions):
+            if share.ipc_handle not in opened:  # regions of one allocation share it
                 allocation = _open(share, copier.device_id, open_allocation)
                 opened[share.ipc_handle] = allocation
-                source._closers.append(allocation.close)
+                source.closers.append(allocation.close)
                 _check(copier, allocation, share)
         source.place([(region, opened[region.share.ipc_handle].base + region.share.offset,
                        opened[region.share.ipc_handle].num_bytes - region.share.offset) for region in regions])

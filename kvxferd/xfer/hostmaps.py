@@ -48,7 +48,7 @@ class MappedSource:
     starts: np.ndarray  # remote region start addresses, ascending (the holder's address space)
     ends: np.ndarray
     shifts: np.ndarray  # local address - remote address, per region
-    _closers: list[Callable[[], object]] = field(default_factory=list, repr=False)  # run in order by close()
+    closers: list[Callable[[], object]] = field(default_factory=list, repr=False)  # run in order by close()
     closed: bool = False
 
     def translate(self, addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -70,9 +70,9 @@ class MappedSource:
         so no host copy runs meanwhile (one that did would fail with EFAULT, not crash); a device source's
         first closer waits for the copies already on the stream."""
         self.closed = True
-        for closer in self._closers:
+        for closer in self.closers:
             closer()
-        self._closers.clear()
+        self.closers.clear()
 
     def place(self, placed: list[tuple[RegionMemory, int, int]]) -> None:
         """Take each region's local start address and the bytes its object has from there on: checked that
@@ -113,7 +113,7 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR) -> MappedSource:
         for share in {r.share for r in regions}:
             identity = (share.device, share.inode)
             if identity not in mapped:
-                mapped[identity] = _map(share, shm_dir, source._closers)
+                mapped[identity] = _map(share, shm_dir, source.closers)
         placed = []
         for region in regions:
             base, size = mapped[(region.share.device, region.share.inode)]

@@ -402,7 +402,7 @@ class ReadExecutor:
             if state is TransferState.ERR:
                 inflight.fail(q, "same-host copy: the device reported an error", ReadFailure.TRANSFER)
                 for remote in self._remotes.values():  # the context is poisoned: no GPU rank copies any more
-                    drop_all(remote, f"a device copy failed: {handle.event.copier_broken()}", on_device_only=True)
+                    drop_all(remote, handle.error, on_device_only=True)
             return state
         try:
             return self.agent.state(handle)

@@ -61,7 +61,7 @@ class MappedRegion:
     name: str
     array: np.ndarray  # uint8 view of the region
     _mapping: mmap.mmap = field(repr=False)
-    share: HostShare | None = None  # opened by name: a same-host reader may map the object itself
+    share: HostShare | None = None  # what a same-host reader opens the object by (its name, or our fd copy)
 
     @property
     def memory(self) -> RegionMemory:
