@@ -29,10 +29,11 @@ PANELS = [
     ("Notify events / s", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_notify_events_total{SEL}{RATE}))")]),
     ("Readers' notices that waited for the holder (fast polls) / s", "ops", [
         ("{{pod}}", f"sum by (pod) (rate(kvxferd_waited_notices_total{SEL}{RATE}))")]),
-    ("Leases expired, stale reads and late notices / s", "ops", [
+    ("Leases expired, stale reads, late notices and unsettled reads / s", "ops", [
         ("leases expired", f"sum(rate(kvxferd_leases_expired_total{SEL}{RATE}))"),
         ("stale reads", f"sum(rate(kvxferd_stale_reads_total{SEL}{RATE}))"),
-        ("late notices", f"sum(rate(kvxferd_late_notices_total{SEL}{RATE}))")]),
+        ("late notices", f"sum(rate(kvxferd_late_notices_total{SEL}{RATE}))"),
+        ("unsettled failed reads", f"sum(rate(kvxferd_unsettled_reads_total{SEL}{RATE}))")]),
     ("Handshakes p99 by outcome", "s", [
         ("{{outcome}}", f"histogram_quantile(0.99, sum by (le, outcome) (rate(kvxferd_handshake_duration_seconds_bucket{SEL}{RATE})))")]),
     ("RPC errors / s", "ops", [("{{method}} {{code}}", f"sum by (method, code) (rate(kvxferd_rpc_errors_total{SEL}{RATE}))")]),

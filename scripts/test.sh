@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 scripts/bootstrap.sh --vllm
+scripts/system-deps.sh  # iptables for the namespace-host tests (root only; they skip otherwise)
 # vLLM's CPU engines in the tests keep their KV cache small (GiB).
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # Three xdist workers share the two cores: much of the suite waits (daemons starting, leases

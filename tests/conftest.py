@@ -18,6 +18,8 @@ LONGEST_FIRST = (
     "tests/integrations/test_vllm_mamba.py",  # ~75 s: two Mamba2 vLLM engines
     "tests/test_cli.py",  # ~60 s: the demo and the benchmarks as subprocesses
     "tests/verify/test_sweep.py",  # ~60 s
+    "tests/verify/hosts/test_fabric.py",  # ~50 s: namespace hosts, a demo across two of them
+    "tests/verify/hosts/test_late_writes.py",  # ~40 s: two reads cut by a partition
 )
 
 

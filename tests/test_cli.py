@@ -64,7 +64,9 @@ def test_bad_arguments_exit_2_with_one_line(capsys):
                          (("--prefill-tp", "12", "--decode-tp", "5"), "at most 16"),
                          (("--num-layers", "0"), "num_layers"),
                          (("--layout", "hnd"), "--layout"),
-                         (("--num-tokens", "5000"), "--num-blocks")]:
+                         (("--num-tokens", "5000"), "--num-blocks"),
+                         (("--hosts", "1"), "--hosts must be 2..8"),
+                         (("--hosts", "3", "--prefill-tp", "4", "--decode-tp", "8"), "at most 16")]:
         code = exit_code(["demo", "--model", "gqa", *args])
         stderr = capsys.readouterr().err
         assert code == 2, (args, stderr)
@@ -118,3 +120,11 @@ def test_dev_certs_writes_what_serve_accepts(tmp_path, capsys):
                                                          *flags]))
     assert config.tls and refusal(config) is None  # exposed, but authenticated
     assert TlsFiles(config.tls_cert, config.tls_key, config.tls_ca).current().generation == 0
+
+
+def test_demo_on_hosts_without_netns_says_why(monkeypatch, capsys):
+    import kvxferd.demo.hosts as demo_hosts
+
+    monkeypatch.setattr(demo_hosts, "unavailable", lambda: "network namespaces need root (run as root, as CI does)")
+    code = exit_code(["demo", "--hosts", "2", "--model", "gqa", "--requests", "1"])
+    assert code == 2 and "--hosts needs network namespaces: network namespaces need root" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 
 from kvxferd.bench.common import bench_main
@@ -53,12 +54,13 @@ QUICK = dict(rounds=3, bulk_layers=16, bulk_blocks=128, num_requests_300=450, nu
 
 def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int, bulk_blocks: int,
              num_requests_300: int, num_requests_1000: int, idle_s: float, rate_layers: int = 2,
-             rate_blocks: int = 2, reads_socket: bool = True, same_host: bool = False) -> dict:
-    """Every figure of one engine path, with the flat keys the targets name."""
+             rate_blocks: int = 2, reads_socket: bool = True, same_host: bool = False, tls=None) -> dict:
+    """Every figure of one engine path, with the flat keys the targets name; ``tls``: a :class:`Tls`, or a
+    :class:`kvxferd.bench.hosts.HostsPlacement` (the daemons on namespace hosts, mutual TLS)."""
     path = dict(reads_stream=reads_stream, reads_socket=reads_socket, same_host=same_host)
-    b = bulk(workdir, bulk_layers, bulk_blocks, rounds, **path)
-    o300 = overhead(workdir, rate_layers, rate_blocks, 300.0, num_requests_300, idle_s=idle_s, **path)
-    o1000 = overhead(workdir, rate_layers, rate_blocks, 1000.0, num_requests_1000, **path)
+    b = bulk(workdir, bulk_layers, bulk_blocks, rounds, tls, **path)
+    o300 = overhead(workdir, rate_layers, rate_blocks, 300.0, num_requests_300, tls, idle_s=idle_s, **path)
+    o1000 = overhead(workdir, rate_layers, rate_blocks, 1000.0, num_requests_1000, tls, **path)
     cpu = o300["cpu_us_per_request"]
     return {"bulk": b, "overhead": o300, "overhead_1000": o1000,
             "bulk_ratio": b["ratio"],
@@ -69,11 +71,14 @@ def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int,
 
 
 def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None, unary: bool = True,
-        grpc_stream: bool = True, same_host: bool = True) -> dict:
+        grpc_stream: bool = True, same_host: bool = True, hosts: bool = False) -> dict:
     """The socket path's figures over NIXL at the top level; the same path with same-host copies under
     ``"same_host"`` (its two targets also flat: ``same_host_bulk_ratio``, ``same_host_p50_overhead_us_300``);
-    the gRPC stream's under ``"stream"``, the unary path's under ``"unary"``, TLS under ``"mtls"``."""
+    the gRPC stream's under ``"stream"``, the unary path's under ``"unary"``, TLS under ``"mtls"``.
+    ``hosts``: only the socket path, its daemons on two namespace hosts (``"hosts": true``)."""
     sizes = sizes or (QUICK if quick else FULL)
+    if hosts:
+        return _across_hosts(sizes)
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
         figures = one_path(workdir, True, **sizes)
         if same_host:
@@ -87,6 +92,18 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None, u
         if mtls:
             figures["mtls"] = _mtls(workdir, sizes)
     return figures
+
+
+def _across_hosts(sizes: dict) -> dict:
+    """The socket path with the daemons on two network namespaces, raw NIXL across the same link."""
+    from kvxferd.bench.hosts import HostsPlacement
+
+    with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
+        placement = HostsPlacement(workdir)
+        try:
+            return {**one_path(workdir, True, tls=placement, **sizes), "hosts": True}
+        finally:
+            placement.close()
 
 
 def _mtls(workdir: str, sizes: dict) -> dict:
@@ -123,7 +140,9 @@ def format_table(f: dict) -> str:
         value = f["same_host_" + key]
         lines.append(f"{'same-host: ' + label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}{'':>20}"
                      f"  {_verdict(value, op, goal)}")
-    text = "\n".join(lines) + "\n\nsocket path (Reads batches on the reads socket):\n" + _format_one(f)
+    where = (", daemons on two namespace hosts: mutual TLS, UCX over TCP on a veth link, the chart's NetworkPolicy;"
+             " raw NIXL across the same link" if f.get("hosts") else "")
+    text = "\n".join(lines) + f"\n\nsocket path (Reads batches on the reads socket{where}):\n" + _format_one(f)
     if "same_host" in f:
         text += "\n\nsocket path, same-host copies instead of NIXL (issue 37):\n" + _format_one(f["same_host"])
     if stream:
@@ -177,12 +196,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-unary", action="store_true", help="skip the old unary path")
     parser.add_argument("--no-grpc-stream", action="store_true", help="skip the gRPC Reads stream path")
     parser.add_argument("--no-same-host", action="store_true", help="skip the same-host copy path")
+    parser.add_argument("--hosts", action="store_true", help="only the socket path, with the daemons on two "
+                        "network namespaces (root): mutual TLS, the chart's NetworkPolicy, UCX over TCP; raw NIXL "
+                        "across the same link")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
 def run_args(args: argparse.Namespace) -> int:
-    figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary, grpc_stream=not args.no_grpc_stream,
-                  same_host=not args.no_same_host)
+    from kvxferd.bench.hosts import HostsUnavailable
+
+    try:
+        figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary, grpc_stream=not args.no_grpc_stream,
+                      same_host=not args.no_same_host, hosts=args.hosts)
+    except HostsUnavailable as err:
+        print(f"kvxferd bench daemon: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 

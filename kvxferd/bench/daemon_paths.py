@@ -64,7 +64,7 @@ def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls
     args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")),
             *(() if same_host else ("--no-same-host-reads",)))  # NIXL's figures unless same-host is asked for
     return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args, reads_stream=reads_stream,
-                         reads_socket=reads_socket)
+                         reads_socket=reads_socket, start_many=getattr(tls, "start_many", None))
 
 
 def _credentials(tls: Tls | None):

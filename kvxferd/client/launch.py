@@ -61,9 +61,10 @@ class DaemonProcess:
 
     def __init__(self, daemon_id: str, *, socket_dir: str | None = None, extra_args: tuple[str, ...] = (),
                  ready_timeout_s: float = 60.0, env: dict | None = None, wait: bool = True,
-                 default_socket: bool = False) -> None:
-        """``default_socket``: let the daemon pick its engine socket (its private runtime directory)."""
-        self.daemon_id = daemon_id
+                 default_socket: bool = False, prefix: tuple[str, ...] = ()) -> None:
+        """``default_socket``: let the daemon pick its engine socket (its private runtime directory);
+        ``prefix``: the command runs as ``prefix + [python, -m, kvxferd, serve, ...]`` (``ip netns exec NS``)."""
+        self.daemon_id, self.prefix = daemon_id, tuple(prefix)
         self.socket = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.sock")
         self._socket_args = () if default_socket else ("--engine-socket", self.socket)
         self._extra_args, self._env = tuple(extra_args), env
@@ -81,7 +82,7 @@ class DaemonProcess:
 
     def _launch(self) -> None:
         peer, notify, metrics = free_ports(3)  # flags in extra_args come later and win (a restart in place)
-        self.args = [sys.executable, "-m", "kvxferd", "serve", "--daemon-id", self.daemon_id, *self._socket_args,
+        self.args = [*self.prefix, sys.executable, "-m", "kvxferd", "serve", "--daemon-id", self.daemon_id, *self._socket_args,
                      "--peer-port", str(peer), "--notify-port", str(notify), "--metrics-port", str(metrics),
                      *self._extra_args]
         self._log_start = os.path.getsize(self.log_path)  # this start's lines begin here
@@ -93,8 +94,13 @@ class DaemonProcess:
         """Start several daemons at once, then wait for each (start-up runs in parallel). ``args_of``: more
         flags for one daemon, by its id (after ``extra_args``)."""
         extra = tuple(kwargs.pop("extra_args", ()))
-        daemons = [cls(daemon_id, wait=False, extra_args=extra + (tuple(args_of(daemon_id)) if args_of else ()),
-                       **kwargs) for daemon_id in daemon_ids]
+        return cls.wait_all([cls(daemon_id, wait=False, extra_args=extra + (tuple(args_of(daemon_id)) if args_of
+                                                                              else ()), **kwargs)
+                             for daemon_id in daemon_ids])
+
+    @staticmethod
+    def wait_all(daemons: list["DaemonProcess"]) -> list["DaemonProcess"]:
+        """Wait for each of ``daemons`` (started with ``wait=False``); if one fails, kill them all and raise."""
         try:
             for daemon in daemons:
                 daemon.wait_ready()
@@ -137,11 +143,14 @@ class DaemonProcess:
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of this daemon's Prometheus metrics (``labels`` as exported, e.g. ``kind="uid"``); 0 if absent."""
-        text = urllib.request.urlopen(self.addresses["metrics"], timeout=5).read().decode()
-        for line in text.splitlines():
+        for line in self.metrics_text().splitlines():
             if line.startswith(f"{name} " if not labels else f"{name}{{{labels}}} ") or line.startswith(name + "{} "):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
+
+    def metrics_text(self) -> str:
+        """This daemon's metrics page, as Prometheus scrapes it."""
+        return urllib.request.urlopen(self.addresses["metrics"], timeout=5).read().decode()
 
     @property
     def engine_target(self) -> str:

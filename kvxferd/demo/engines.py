@@ -143,8 +143,18 @@ class PrefillEngine(EngineRanks):
 class DecodeEngine(EngineRanks):
     """Reads requests through its daemons and checks every byte against the oracle."""
 
-    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
+    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float,
+                 tls_files: tuple[str, str, str] | None = None) -> None:
+        """``tls_files``: ``(ca, cert, key)`` PEM paths the raw baseline dials the prefill daemons with
+        (their peer ports run mutual TLS)."""
         super().__init__(engine_id, groups, engine_targets, tagged=False, lease_s=lease_s)
+        self.tls_files = tls_files
+
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        if self.tls_files is None:
+            return None
+        ca, cert, key = (open(path, "rb").read() for path in self.tls_files)
+        return grpc.ssl_channel_credentials(ca, key, cert)
 
     def handshake(self, remote_engine_id: str, peer_addresses: Sequence[str]) -> None:
         for client in self.clients:
@@ -178,8 +188,9 @@ class DecodeEngine(EngineRanks):
 
     def raw(self, requests: Sequence[ReadRequest], remote_engine_id: str, peer_addresses: Sequence[str]) -> dict:
         """The same reads over raw NIXL (no daemon in the path); per request, all ranks at once."""
-        readers = [RawReader(engine.cache, remote_engine_id, list(peer_addresses), f"raw-{self.engine_id}-{r}")
-                   for r, engine in enumerate(self.ranks)]
+        credentials = self._credentials()
+        readers = [RawReader(engine.cache, remote_engine_id, list(peer_addresses), f"raw-{self.engine_id}-{r}",
+                             credentials) for r, engine in enumerate(self.ranks)]
         try:
             seconds, num_bytes = [], 0
             warm_up_s = _warm_up(readers, requests[0])

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from kvxferd.client import DaemonProcess
 from kvxferd.demo import summary as figures
 from kvxferd.demo.engines import DecodeEngine, PrefillEngine
+from kvxferd.demo.hosts import MAX_HOSTS, DemoHosts, HostsUnavailable
 from kvxferd.errors import KvxferError
 from kvxferd.tp.shards import check_tp
 from kvxferd.verify.engines import check_pairing
@@ -48,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=0, help="seed of the request generator")
     run.add_argument("--no-same-host", action="store_true", help="daemons read each other over NIXL only (by "
                      "default a decode daemon copies from a prefill engine's shared memory itself: issue 37)")
+    run.add_argument("--hosts", type=int, default=0, metavar="N",
+                     help="run across N network namespaces as hosts (root only): prefill on h0, decode on h1..; "
+                          "peer ports on mutual TLS, UCX over TCP, the chart's NetworkPolicy as packet filters "
+                          "(default: every daemon on loopback)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -63,9 +68,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
     for flag in ("requests", "num_tokens", "prefill_tp", "decode_tp"):
         if getattr(args, flag) < 1:
             raise BadArguments(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.prefill_tp + args.decode_tp > MAX_DEMO_DAEMONS:
-        raise BadArguments(f"--prefill-tp + --decode-tp must be at most {MAX_DEMO_DAEMONS} (one daemon per rank, "
-                           f"all on this host), got {args.prefill_tp + args.decode_tp}")
+    if args.hosts and not 2 <= args.hosts <= MAX_HOSTS:
+        raise BadArguments(f"--hosts must be 2..{MAX_HOSTS} (one prefill host and at least one decode host)")
+    num_daemons = args.prefill_tp + args.decode_tp * max(1, args.hosts - 1)
+    if num_daemons > MAX_DEMO_DAEMONS:
+        raise BadArguments(f"--prefill-tp + --decode-tp (x decode hosts) must be at most {MAX_DEMO_DAEMONS} (one "
+                           f"daemon per rank, all on this machine), got {num_daemons}")
     if args.cached_tokens < 0 or args.timeout_s <= 0:
         raise BadArguments("--cached-tokens must be >= 0 and --timeout-s > 0")
     shape = ModelShape(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
@@ -88,8 +96,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
 
 
 def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProcess]], args: argparse.Namespace,
-              rng: np.random.Generator, progress: tqdm) -> dict:
-    """Every request of one preset through the daemons, checked; then the same transfers over raw NIXL."""
+              rng: np.random.Generator, progress: tqdm, engine_options: tuple[dict, dict] = ({}, {})) -> dict:
+    """Every request of one preset through the daemons, checked; then the same transfers over raw NIXL.
+    ``engine_options``: more options of the prefill and the decode engine process (their host, with --hosts)."""
     prefill_groups, decode_groups = model_groups(model, shape)
     prefill_id, decode_id = f"{model}-prefill", f"{model}-decode"
     row = figures.new_row(model, args.prefill_tp, args.decode_tp, "+".join(g.kind for g in decode_groups))
@@ -98,9 +107,9 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
     prefill = decode = None
     try:
         prefill = EngineProcess("prefill", prefill_id, prefill_groups, [d.engine_target for d in daemons["prefill"]],
-                                factory=PrefillEngine, lease_s=lease_s, wait=False)
+                                factory=PrefillEngine, lease_s=lease_s, wait=False, **engine_options[0])
         decode = EngineProcess("decode", decode_id, decode_groups, [d.engine_target for d in daemons["decode"]],
-                               factory=DecodeEngine, lease_s=lease_s, wait=False)
+                               factory=DecodeEngine, lease_s=lease_s, wait=False, **engine_options[1])
         prefill.wait_started()
         decode.wait_started()
         decode.call("handshake", prefill_id, peer_addresses)
@@ -162,26 +171,43 @@ def run(args: argparse.Namespace) -> int:
     except BadArguments as err:
         return _fail(str(err), 2)
     rng = np.random.default_rng(args.seed)
-    rows, daemons = [], {"prefill": [], "decode": []}
+    rows, started, hosts = [], [], None
+    daemon_args = ("--log-level", "WARNING", *(("--no-same-host-reads",) if args.no_same_host else ()))
     with tempfile.TemporaryDirectory(prefix="kvxferd-demo-") as workdir:
         try:
-            ids = [f"prefill{q}" for q in range(args.prefill_tp)] + [f"decode{r}" for r in range(args.decode_tp)]
-            started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=(
-                "--log-level", "WARNING", *(("--no-same-host-reads",) if args.no_same_host else ())))
-            daemons = {"prefill": started[: args.prefill_tp], "decode": started[args.prefill_tp:]}
+            if args.hosts:
+                hosts = DemoHosts(args.hosts, args.prefill_tp, args.decode_tp, workdir, daemon_args)
+                started = hosts.daemons
+            else:
+                ids = [f"prefill{q}" for q in range(args.prefill_tp)] + [f"decode{r}" for r in range(args.decode_tp)]
+                started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args)
             if not args.json:
-                print(f"{len(started)} kvxferd daemons: prefill TP={args.prefill_tp}, decode TP={args.decode_tp} "
-                      f"(logs in {workdir} while it runs)", file=sys.stderr)
+                where = (f" on {args.hosts} namespace hosts (mutual TLS, UCX over TCP, the chart's NetworkPolicy)"
+                         if hosts else "")
+                print(f"{len(started)} kvxferd daemons{where}: prefill TP={args.prefill_tp}, decode TP="
+                      f"{args.decode_tp} (logs in {workdir} while it runs)", file=sys.stderr)
             with tqdm(total=len(models) * args.requests, unit="req", file=sys.stderr, disable=None,
                       dynamic_ncols=True) as progress:
-                for model in models:
+                for index, model in enumerate(models):
                     progress.set_description(f"{model} {args.prefill_tp}->{args.decode_tp}")
-                    rows.append(run_model(model, shape, daemons, args, rng, progress))
+                    if hosts:
+                        daemons, *options = hosts.turn(index)
+                    else:
+                        daemons = {"prefill": started[: args.prefill_tp], "decode": started[args.prefill_tp:]}
+                        options = ({}, {})
+                    rows.append(run_model(model, shape, daemons, args, rng, progress, tuple(options)))
+            described = hosts.describe() if hosts else None
+        except HostsUnavailable as err:
+            return _fail(str(err), 2)
         except (EngineFailed, RuntimeError) as err:
             return _fail(str(err).splitlines()[0] if args.json else str(err), 1)
         finally:
-            for daemon in daemons["prefill"] + daemons["decode"]:
+            if hosts:
+                hosts.close()
+            for daemon in started:
                 daemon.terminate()
     summary = figures.summarize(rows)
+    if described:
+        summary["hosts"] = described
     print(json.dumps(summary) if args.json else figures.format_table(summary))
     return 0 if summary["ok"] else 1

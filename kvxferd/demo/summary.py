@@ -96,6 +96,11 @@ def format_table(summary: dict) -> str:
               "raw GB/s: the same descriptors posted straight on NIXL from the decode engine, no daemon in the path. "
               "consumed: CONSUMED events on the prefill notify bus / holds (one per prefill rank and request, "
               "the warm-up's included)."]
+    if "hosts" in summary:
+        lines += ["", "hosts (network namespaces; bytes their eth0 moved, packets their policy refused):"]
+        lines += [f"  {name} {h['role']:<8}{h['address']:<13} rx {h['rx_bytes'] / 2**20:9.1f} MiB  tx "
+                  f"{h['tx_bytes'] / 2**20:9.1f} MiB  refused {h['policy_refused_packets']}"
+                  for name, h in summary["hosts"].items()]
     return "\n".join(lines)
 
 

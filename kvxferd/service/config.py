@@ -102,6 +102,11 @@ class DaemonConfig(BaseSettings):
                                "engine's fast path; the gRPC Reads stream stays)")
     fd_recv_timeout_s: float = Field(2.0, gt=0, le=60, description="how long the fd socket waits for a client's message (s)")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish (s)")
+    abort_drain_s: float = Field(30.0, ge=0, le=3600, description="how long a read that failed (deadline, "
+                                 "re-handshake) waits for its NIXL transfers still in flight before its completion "
+                                 "goes out: UCX cannot stop a READ, whose bytes land when they arrive (over TCP, "
+                                 "once a broken link is back). Past it the completion says its blocks may still "
+                                 "be written (s)")
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, description="largest gRPC message accepted (bytes)")
     max_peer_request_bytes: int = Field(1 << 20, ge=1 << 16, description="largest request accepted on the peer port "
                                         "(bytes): peers send introductions, renewals and probes, all small")

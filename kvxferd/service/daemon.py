@@ -159,6 +159,7 @@ class Daemon:
                                      fd_inbox=self._fd_inbox, max_engines=config.max_engines,
                                      max_registered_bytes=config.max_registered_bytes,
                                      max_holds=config.max_holds_per_engine, max_hold_s=config.max_hold_s,
+                                     abort_drain_s=config.abort_drain_s,
                                      populate_host_memory=config.populate_host_memory, shm_group=gid)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))

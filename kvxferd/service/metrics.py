@@ -41,6 +41,9 @@ class Metrics:
         self.leases_expired = Counter("kvxferd_leases_expired", "holds whose lease ran out unread", registry=r)
         self.stale_reads = Counter("kvxferd_stale_reads", "reads whose hold had left the holder's board when they were "
                                    "checked (blocks invalid)", registry=r)
+        self.unsettled_reads = Counter("kvxferd_unsettled_reads", "failed reads whose aborted NIXL transfer still "
+                                       "ran after abort_drain_s: their blocks may still be written (a link down "
+                                       "for longer than that)", registry=r)
         self.late_notices = Counter("kvxferd_late_notices", "readers' notices for holds that had ended already "
                                     "(lease, release): counted for nothing", registry=r)
         self.waited_notices = Counter("kvxferd_waited_notices", "readers' notices saying their READs waited for "

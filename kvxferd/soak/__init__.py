@@ -19,7 +19,7 @@ import sys
 import traceback
 import tempfile
 
-from kvxferd.soak.faults import KINDS
+from kvxferd.soak.faults import KINDS, LOOPBACK_ONLY, NET_KINDS, default_kinds
 from kvxferd.soak.report import INVARIANTS, Report
 
 
@@ -29,8 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "(a failing run replays with the same seed)")
     parser.add_argument("--fault-rate", type=float, default=0.25,
                         help="share of requests that get a fault (default 0.25; 0: none)")
-    parser.add_argument("--faults", default=",".join(KINDS), metavar="KIND[,KIND...]",
-                        help="the fault kinds to draw from (default: all; one kind replays a finding)")
+    parser.add_argument("--faults", metavar="KIND[,KIND...]",
+                        help="the fault kinds to draw from (default: all this run can inject; one kind replays a "
+                             f"finding); network kinds ({', '.join(NET_KINDS)}) need --hosts")
+    parser.add_argument("--hosts", type=int, default=0, metavar="N",
+                        help="run on N network namespaces as hosts (root only; 2..8): prefill on h0, decode hosts "
+                             "h1.. taking turns, mutual TLS, the chart's NetworkPolicy, and real network faults "
+                             "(default: every daemon on loopback)")
     parser.add_argument("--epoch-requests", type=int, default=40,
                         help="requests per pairing before the next is drawn (default 40)")
     parser.add_argument("--max-tp", type=int, default=4, choices=range(1, 5), metavar="{1..4}",
@@ -56,20 +61,36 @@ def _table(summary: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every invariant held, 1 when any broke, 2 on bad arguments."""
+    from kvxferd.soak.hosts import HostsUnavailable
     from kvxferd.soak.run import Soak
 
     if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or args.epoch_requests < 1:
         print("kvxferd soak: --duration must be > 0, --fault-rate in [0, 1], --epoch-requests >= 1", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.faults.split(",")) - set(KINDS))
+    if args.hosts and not 2 <= args.hosts <= 8:
+        print("kvxferd soak: --hosts must be 2..8 (a prefill host and at least one decode host)", file=sys.stderr)
+        return 2
+    args.faults = args.faults or ",".join(default_kinds(bool(args.hosts)))
+    kinds = set(args.faults.split(","))
+    unknown = sorted(kinds - set(KINDS) - set(NET_KINDS))
     if unknown:
-        print(f"kvxferd soak: unknown fault kinds {unknown}; known: {', '.join(KINDS)}", file=sys.stderr)
+        print(f"kvxferd soak: unknown fault kinds {unknown}; known: {', '.join(KINDS + NET_KINDS)}", file=sys.stderr)
+        return 2
+    misplaced = sorted(kinds & set(NET_KINDS if not args.hosts else LOOPBACK_ONLY))
+    if misplaced:
+        print(f"kvxferd soak: {', '.join(misplaced)} " + ("need --hosts (network faults act on real links)"
+              if not args.hosts else "run only on loopback (the driver does not sit on the hosts' links)"),
+              file=sys.stderr)
         return 2
     report = Report(args.seed, args.duration)  # progress on stderr; --json goes to stdout
     with contextlib.ExitStack() as stack:
         workdir = args.logs or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvxferd-soak-"))
         os.makedirs(workdir, exist_ok=True)
-        soak = Soak(args, workdir, report)
+        try:
+            soak = Soak(args, workdir, report)
+        except HostsUnavailable as err:
+            print(f"kvxferd soak: {err}", file=sys.stderr)
+            return 2
         try:
             soak.run()
         except Exception as err:  # the run could not go on: that is a finding too

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvxferd.client import DaemonProcess
@@ -23,6 +24,7 @@ class DaemonLife:
     daemon: DaemonProcess
     role: str  # prefill | decode
     index: int  # rank within its role
+    start_again: Callable[[DaemonProcess], DaemonProcess]  # a new daemon at the old one's addresses
     stopped_since: float | None = None
     frozen: list[tuple[float, float]] = field(default_factory=list)  # (SIGSTOP, SIGCONT) monotonic times
 
@@ -33,18 +35,32 @@ class DaemonLife:
 
 
 class DaemonSet:
-    """Prefill and decode daemons (one per rank) in one work directory."""
+    """Prefill daemons (one per rank) and one or more sets of decode daemons, of which one serves now."""
 
-    def __init__(self, num_prefill: int, num_decode: int, workdir: str, daemon_args: tuple[str, ...]) -> None:
-        self.workdir, self.daemon_args = workdir, daemon_args
+    def __init__(self, prefill: list[DaemonLife], decode_sets: list[list[DaemonLife]]) -> None:
+        self.prefill, self.decode_sets = prefill, decode_sets
+        self.current = 0  # the decode set the pairing uses (--hosts: decode hosts take turns)
+
+    @classmethod
+    def loopback(cls, num_prefill: int, num_decode: int, workdir: str, daemon_args: tuple[str, ...]) -> "DaemonSet":
+        """Every daemon on this host's loopback, in one work directory."""
         ids = [f"soak-p{q}" for q in range(num_prefill)] + [f"soak-d{r}" for r in range(num_decode)]
         started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args)
-        self.prefill = [DaemonLife(d, "prefill", q) for q, d in enumerate(started[:num_prefill])]
-        self.decode = [DaemonLife(d, "decode", r) for r, d in enumerate(started[num_prefill:])]
+
+        def again(old: DaemonProcess) -> DaemonProcess:
+            return DaemonProcess(old.daemon_id, socket_dir=workdir, extra_args=(*daemon_args, *old.port_args()),
+                                 ready_timeout_s=60)
+
+        return cls([DaemonLife(d, "prefill", q, again) for q, d in enumerate(started[:num_prefill])],
+                   [[DaemonLife(d, "decode", r, again) for r, d in enumerate(started[num_prefill:])]])
+
+    @property
+    def decode(self) -> list[DaemonLife]:
+        return self.decode_sets[self.current]
 
     @property
     def all(self) -> list[DaemonLife]:
-        return self.prefill + self.decode
+        return self.prefill + [life for lives in self.decode_sets for life in lives]
 
     def kill(self, life: DaemonLife) -> None:
         """``kill -9``: no drain, no goodbye; sockets and shared-memory mappings die with it."""
@@ -55,11 +71,9 @@ class DaemonSet:
         """A new daemon at the killed one's addresses; seconds until it is ready."""
         old = life.daemon
         start = time.monotonic()
-        ports = old.port_args()
         for attempt in range(20):  # the old sockets may linger a moment after kill -9
             try:
-                life.daemon = DaemonProcess(old.daemon_id, socket_dir=self.workdir,
-                                            extra_args=(*self.daemon_args, *ports), ready_timeout_s=60)
+                life.daemon = life.start_again(old)
                 break
             except RuntimeError:
                 if attempt == 19:

@@ -25,6 +25,10 @@ forged_notices      after the hold, a rogue NIXL agent sends one prefill rank
                     notices naming the real readers, and junk: every one must
                     be dropped, and the hold must live on until it is read
 ==================  ==========================================================
+
+With ``--hosts``, the network faults of netfaults.py join them (``link_down``,
+``loss``, ``delay``, ``reorder``, ``partition``); ``bad_input`` and
+``forged_notices`` then stay out: the driver does not sit on the hosts' links.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ import numpy as np
 
 KINDS = ("kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine", "stop_short",
          "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input", "forged_notices")
+NET_KINDS = ("link_down", "loss", "delay", "reorder", "partition")  # --hosts only (netfaults.py)
+LOOPBACK_ONLY = ("bad_input", "forged_notices")
+
+
+def default_kinds(hosts: bool) -> tuple[str, ...]:
+    """Every kind a run on loopback (``hosts`` False) or on namespace hosts can inject."""
+    return tuple(k for k in KINDS if k not in LOOPBACK_ONLY) + NET_KINDS if hosts else KINDS
+
+
 # Faults that act on a read in flight when drawn "mid"; the others always act before the hold
 # (early_release and forged_notices: after it, before the read).
 CAN_BE_MID = {"kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine",

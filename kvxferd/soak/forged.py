@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import numpy as np
 
 from kvxferd.plan.notifications import ReadNotice

@@ -26,7 +26,9 @@ from kvxferd.soak import badinput
 from kvxferd.soak.configs import SoakConfig, draw_config
 from kvxferd.soak.daemons import DaemonLife, DaemonSet, leaks, measure
 from kvxferd.soak.engines import SoakDecode, SoakPrefill
-from kvxferd.soak.faults import FaultPlan
+from kvxferd.soak.faults import NET_KINDS, FaultPlan
+from kvxferd.soak.hosts import SoakHosts
+from kvxferd.soak.netfaults import WINDOW_S, NetworkFaults
 from kvxferd.soak.forged import NoticeForger
 from kvxferd.soak.holds import HoldLedger
 from kvxferd.soak.report import Report
@@ -39,6 +41,7 @@ DEADLINE_S = 2.0  # read deadline
 GRACE_S = 2.0  # a completion must come within deadline + GRACE_S (+ the time its own daemon was frozen)
 FORGED_COUNTED_S = 2.0  # how long a holder may take to count forged notices as dropped
 AFTER_THE_HOLD = ("early_release", "forged_notices")  # faults that act after the hold, before the read
+RETRANSMIT_S = 8.0  # TCP retransmits with a doubling timeout: after a few seconds dark, the next try may wait as long
 STOP_SHORT_S = (0.1, 1.0)
 STOP_LONG_S = (HOLD_LEASE_S + 0.5, HOLD_LEASE_S + 1.5)
 
@@ -52,9 +55,22 @@ class Soak:
         self.faults = FaultPlan(self.rng, args.fault_rate, args.faults.split(","))
         # INFO: each registration and deregistration with its reason, for a failure's post-mortem (--logs)
         daemon_args = ("--log-level", "INFO", "--peer-check-s", "0.3")
-        self.daemons = DaemonSet(args.max_tp, args.max_tp, workdir, daemon_args)
-        self.ledger = HoldLedger([life.daemon.addresses["notify"] for life in self.daemons.prefill],
-                                 report.violate)
+        self.hosts = self.net = None
+        if getattr(args, "hosts", 0):
+            # A read aborted mid-transfer over TCP waits for it up to abort_drain_s: within the soak's wait.
+            daemon_args += ("--abort-drain-s", str(WINDOW_S[1] + RETRANSMIT_S))
+            self.hosts = SoakHosts(args.hosts, args.max_tp, workdir, daemon_args)
+            self.daemons = self.hosts.daemons
+        else:
+            self.daemons = DaemonSet.loopback(args.max_tp, args.max_tp, workdir, daemon_args)
+        try:
+            if self.hosts:
+                self.net = NetworkFaults(self.hosts.links, report, self.rng)
+            self.ledger = HoldLedger([life.daemon.addresses["notify"] for life in self.daemons.prefill],
+                                     report.violate, netns=self.hosts.prefill_host.netns if self.hosts else None)
+        except BaseException:
+            (self.hosts or self.daemons).close()
+            raise
         self.prefill = self.decode = None
         self.config: SoakConfig | None = None
         self.epoch = 0
@@ -70,7 +86,8 @@ class Soak:
         lives = self._lives(role)
         factory, groups = (SoakPrefill, prefill_groups) if role == "prefill" else (SoakDecode, decode_groups)
         engine = EngineProcess(role, self._engine_id(role), groups, [life.daemon.engine_target for life in lives],
-                               factory=factory, lease_s=ENGINE_LEASE_S, start_timeout_s=90)
+                               factory=factory, lease_s=ENGINE_LEASE_S, start_timeout_s=90,
+                               **(self.hosts.engine_options(role) if self.hosts else {}))
         self._arenas[role] = engine.call("arena_names")
         return engine
 
@@ -89,6 +106,8 @@ class Soak:
     def start_epoch(self) -> None:
         """A new pairing: new engine processes with new engine ids on the same daemons."""
         self.epoch += 1
+        if self.hosts:
+            self.report.log(f"pairing {self.epoch} reads on {self.hosts.use_pairing(self.epoch).name}")
         self.config, refused = draw_config(self.rng, self.args.max_tp)
         self.report.new_config(self.config, refused)
         self.ledger.follow(self._engine_id("prefill"))
@@ -98,6 +117,8 @@ class Soak:
         time.sleep(0.3)  # the bus subscription reaches the daemons
 
     def end_epoch(self) -> None:
+        if self.net is not None:
+            self.net.settle()
         for engine in (self.decode, self.prefill):
             if engine is not None:
                 engine.close()
@@ -143,7 +164,9 @@ class Soak:
         """Inject ``kind``; returns what recovery needs to know afterwards."""
         effect: dict = {"kind": kind}
         self.report.log(f"{kind} ({'mid-read' if mid else 'before the hold'}) on {request.request_id}")
-        if kind in ("kill_prefill_daemon", "kill_decode_daemon"):
+        if kind in NET_KINDS:  # a window: requests go on through it (netfaults.py)
+            self.net.start(kind, self.hosts.prefill_host, self.hosts.decode_host)
+        elif kind in ("kill_prefill_daemon", "kill_decode_daemon"):
             life = self._pick("prefill" if kind == "kill_prefill_daemon" else "decode")
             if life is None:
                 return self._skip(effect)
@@ -242,7 +265,9 @@ class Soak:
     # ---- one request ---------------------------------------------------------------------------
     def one_request(self, n: int) -> None:
         """Hold, read, check; a fault before or during it; recovery after it."""
-        kind, mid = self.faults.next()
+        # One network fault at a time, and nothing else until reads came back (the cycle waits: no kind
+        # loses its turn).
+        kind, mid = (None, False) if self.net is not None and self.net.busy else self.faults.next()
         request = self.config.request(f"e{self.epoch}-r{n}", self.rng)
         lease_s = float(self.rng.uniform(0.05, 0.5)) if kind == "lease_expiry" else HOLD_LEASE_S
         deadline_s = HOLD_LEASE_S * 1.5 if kind == "slow_read" else DEADLINE_S
@@ -266,7 +291,7 @@ class Soak:
             time.sleep(float(self.rng.uniform(0.0, 0.5)))
         result = None
         if self.decode.process.is_alive():
-            wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0
+            wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0 + (WINDOW_S[1] + RETRANSMIT_S if self.net else 0.0)
             self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s)
             sent_s = time.monotonic()
             if kind and mid:
@@ -285,6 +310,8 @@ class Soak:
         if effect is not None:
             self.recover(effect)
         failed = result is None or any(rank["outcome"] != "ok" for rank in result["ranks"])
+        if self.net is not None and result is not None:
+            self.net.read_done(not failed)
         if failed and self.rng.random() < 0.5:  # an engine frees the blocks of a failed read; or the lease does
             self.prefill.call("release", request.remote_request_id)
         self.ledger.drain()
@@ -302,7 +329,7 @@ class Soak:
                 self.report.violate("bytes_right", problem)
             mine = life is not None and life.role == "decode" and life.index == rank
             frozen_s = lives[rank].frozen_during(sent_s, sent_s + outcome["latency_s"])
-            bound_s = deadline_s + GRACE_S + frozen_s
+            bound_s = deadline_s + GRACE_S + frozen_s + self._drain_allowance_s(sent_s, outcome["latency_s"])
             fault = effect["kind"] if effect else "none"
             where = f"{request.request_id} decode rank {rank} (fault: {fault})"
             late_s = outcome["latency_s"] - deadline_s - frozen_s
@@ -320,6 +347,16 @@ class Soak:
                     and effect["kind"] == "stop_long":
                 self.report.figure("hung_prefill_failed_read_s", outcome["latency_s"])
 
+    def _drain_allowance_s(self, sent_s: float, latency_s: float) -> float:
+        """Over TCP (--hosts) a read aborted mid-transfer ends only once its transfer did (UCX cannot stop
+        it): while the link was broken or its holder frozen, and TCP's next retransmission after that."""
+        if self.net is None:
+            return 0.0
+        end_s = sent_s + latency_s
+        stalled_s = self.net.overlap_s(sent_s, end_s) + max(
+            (life.frozen_during(sent_s, end_s) for life in self.daemons.prefill), default=0.0)
+        return stalled_s + RETRANSMIT_S if stalled_s else 0.0
+
     def _check_forged_read(self, request, result: dict, sent_s: float) -> None:
         """The real readers still read a hold that forged notices named: ok, unless a daemon was frozen meanwhile."""
         now = time.monotonic()
@@ -336,9 +373,12 @@ class Soak:
         n = 0
         while time.monotonic() < end_s or self.epoch == 0:
             self.start_epoch()
-            for _ in range(self.args.epoch_requests):
+            num_requests = 0
+            # A pairing ends after its requests, or later while a network fault's reads have not come back.
+            while num_requests < self.args.epoch_requests or (self.net is not None and self.net.busy):
                 self.one_request(n)
                 n += 1
+                num_requests += 1
                 self.report.line(len(self.ledger.open_holds()))
                 if time.monotonic() >= end_s:
                     break
@@ -391,4 +431,7 @@ class Soak:
         self.ledger.close()
         if self.forger is not None:
             self.forger.close()
-        self.daemons.close()
+        if self.hosts is not None:
+            self.hosts.close()  # faults cleared, daemons stopped, namespaces removed
+        else:
+            self.daemons.close()

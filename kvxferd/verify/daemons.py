@@ -30,11 +30,13 @@ class DaemonCluster(DecodeChecks):
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
                  prefill_tp: int, decode_tp: int, *, workdir: str, name: str = "c", lease_s: float = 30.0,
                  daemon_args: tuple[str, ...] = (), reads_stream: bool = True, reads_socket: bool = True,
-                 args_of=None, by_fd: bool = False) -> None:
+                 args_of=None, by_fd: bool = False, start_many=None) -> None:
         """``reads_stream=False``: the decode clients use unary SubmitRead and WatchCompletions (the old path);
         ``reads_socket=False``: their Reads sessions go over gRPC, not the daemon's reads socket; ``args_of``:
         more flags for one daemon, by its id (``<name>-p<q>``, ``<name>-d<r>``); ``by_fd``: engines pass their
-        shared memory as an fd over the fd socket (``shm_fd_index``, as the vLLM connector does), not by name."""
+        shared memory as an fd over the fd socket (``shm_fd_index``, as the vLLM connector does), not by name;
+        ``start_many``: starts the daemons instead of :meth:`DaemonProcess.start_many` (same arguments), e.g. on
+        namespace hosts."""
         self.reads_stream, self.reads_socket = reads_stream, reads_socket
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
@@ -47,7 +49,8 @@ class DaemonCluster(DecodeChecks):
         self.subscribers: list[NotifySubscriber] = []
         try:
             ids = [f"{name}-p{q}" for q in range(prefill_tp)] + [f"{name}-d{r}" for r in range(decode_tp)]
-            self.daemons = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args, args_of=args_of)
+            self.daemons = (start_many or DaemonProcess.start_many)(ids, socket_dir=workdir, extra_args=daemon_args,
+                                                                    args_of=args_of)
             self.prefill = [self._engine(self.prefill_id, prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
             self.decode = [self._engine(self.decode_id, decode_groups, decode_tp, r, False) for r in range(decode_tp)]
             # Registration creates a NIXL agent (about a second): all ranks at once.

@@ -10,15 +10,22 @@ reported, never a hang, and an engine that dies is :class:`EngineFailed`.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import traceback
 
 from kvxferd.xfer.fdtable import reserve_fd_table
 
 
-def engine_main(kind: str, factory, args: tuple, kwargs: dict, conn) -> None:
-    """Body of an engine process: build the engine (``factory``), then serve commands until ``stop``."""
-    reserve_fd_table()  # before the engine starts threads: its table then never grows under load (fdtable.py)
+def engine_main(kind: str, factory, args: tuple, kwargs: dict, conn, netns: str | None = None,
+                environ: dict | None = None) -> None:
+    """Body of an engine process: build the engine (``factory``), then serve commands until ``stop``;
+    first, in ``netns`` (a host of the namespace rig) with ``environ`` set, if given."""
     try:
+        if netns is not None:  # while this process has one thread
+            from kvxferd.verify.hosts.nsenter import enter_netns
+            enter_netns(netns)
+        os.environ.update(environ or {})
+        reserve_fd_table()  # before the engine starts threads: its table then never grows under load (fdtable.py)
         engine = factory(*args, **kwargs)
     except Exception as err:
         conn.send(("error", f"{kind} engine did not start: {type(err).__name__}: {err}"))
@@ -46,12 +53,13 @@ class EngineProcess:
     """Driver-side handle of one engine process."""
 
     def __init__(self, kind: str, *args, factory, start_timeout_s: float = 120.0, wait: bool = True,
-                 **kwargs) -> None:
-        """``factory(*args, **kwargs)`` builds the engine in the child: an importable class (spawned, not forked)."""
+                 netns: str | None = None, environ: dict | None = None, **kwargs) -> None:
+        """``factory(*args, **kwargs)`` builds the engine in the child: an importable class (spawned, not forked);
+        ``netns``: the child runs in that network namespace (a host of the rig), with ``environ`` set."""
         context = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC threads
         self.kind = kind
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=engine_main, args=(kind, factory, args, kwargs, child),
+        self.process = context.Process(target=engine_main, args=(kind, factory, args, kwargs, child, netns, environ),
                                        daemon=True, name=f"kvxferd-engine-{kind}")
         self.process.start()
         child.close()

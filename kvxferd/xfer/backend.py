@@ -43,6 +43,7 @@ class ReadBackend(Protocol):
 
     lock: threading.RLock
     num_notices_sent: int  # grows with every batch of notices sent: the data plane then makes progress
+    abort_drain_s: float  # how long an aborted read waits for transfers that cannot be stopped (abort)
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
                 boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
@@ -75,8 +76,10 @@ class ReadBackend(Protocol):
     def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
         """Advance a posted read; its result once every rank's transfer and board check ended."""
 
-    def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED) -> ReadResult:
-        """Stop a read still running and finish it as failed."""
+    def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED, *,
+              drain: bool = True) -> ReadResult | None:
+        """Fail a read still running. With ``drain`` its result waits (None meanwhile: poll it) until no transfer
+        of it can still write, at most ``abort_drain_s``; without, it is finished at once (its memory goes)."""
 
     def send_notices(self, inflight: InFlightRead) -> None:
         """Tell every holder how a finished read went, once."""

@@ -54,6 +54,7 @@ class CheckArea:
             agent.deregister(CHECK_AREA_KEY)
             raise
         self._free = list(range(num_slots - 1, -1, -1))
+        self._quarantine: list[tuple[object, int]] = []  # (handle, slot) of abandoned checks maybe still running
 
     @property
     def num_free(self) -> int:
@@ -67,6 +68,8 @@ class CheckArea:
             if self._num_owned.get(owner, 0) >= self.max_per_owner:
                 return None
             self._num_owned[owner] = self._num_owned.get(owner, 0) + 1
+        if self._quarantine and not self._free:
+            self._reclaim()
         try:
             slot = self._free.pop()
         except IndexError:
@@ -99,17 +102,40 @@ class CheckArea:
         """Whether the check that landed in ``slot`` saw ``tag``."""
         return tag_in(self.words[2 * slot:2 * slot + 2], tag)
 
-    def end(self, handle, slot: int) -> None:
-        """A posted check is over (done, failed or abandoned): release its handle, give its slot back."""
+    def end(self, handle, slot: int, *, maybe_running: bool = False) -> None:
+        """A posted check is over (done, failed or abandoned): release its handle, give its slot back.
+        ``maybe_running``: it was abandoned, and UCX cannot stop its READ, whose bytes could land on a later
+        check's: the slot waits in quarantine until NIXL says that READ ended."""
+        self._disown(self._owner_of.pop(slot, None))
+        if maybe_running:
+            self._quarantine.append((handle, slot))
+            return
+        self._release(handle)
+        self._free.append(slot)
+
+    def _release(self, handle) -> None:
         try:
             self.agent.release(handle)
         except NixlError:
             pass  # the handle of a failed transfer may already be gone
-        self._disown(self._owner_of.pop(slot, None))
-        self._free.append(slot)
+
+    def _reclaim(self) -> None:
+        """Free the quarantined slots whose READ ended."""
+        for handle, slot in list(self._quarantine):
+            try:
+                running = self.agent.state(handle) is TransferState.PROC
+            except NixlError:
+                running = False
+            if not running:
+                self._quarantine.remove((handle, slot))
+                self._release(handle)
+                self._free.append(slot)
 
     def close(self) -> None:
         """Release the list and deregister (every check released first)."""
+        for handle, _ in self._quarantine:
+            self._release(handle)
+        self._quarantine.clear()
         self.local_list.release()
         self.local_list = None
         self.agent.deregister(CHECK_AREA_KEY)
@@ -157,12 +183,13 @@ class BoardProbe:
         return None if self.waiting or self.running else dict(self.errors)
 
     def abort(self, reason: str) -> None:
-        """Stop every READ still running (the connection is being released)."""
+        """Give up every READ still running (the connection is being released, or the probe timed out):
+        their slots wait in quarantine until those READs end."""
         for q in [*self.waiting, *self.running]:
             self.errors.setdefault(q, reason)
             if q in self.running:
-                self._end(q)
+                self._end(q, maybe_running=True)
         self.waiting.clear()
 
-    def _end(self, q: int) -> None:
-        self.area.end(*self.running.pop(q))
+    def _end(self, q: int, *, maybe_running: bool = False) -> None:
+        self.area.end(*self.running.pop(q), maybe_running=maybe_running)

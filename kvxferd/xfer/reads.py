@@ -51,6 +51,9 @@ from kvxferd.xfer.samehostranks import SameHostOpener, drop_all, drop_rank
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
 POLL_MAX_S = 1e-3
+ABORT_DRAIN_S = 30.0  # how long an aborted read's result waits for transfers UCX cannot stop (abort)
+UNSETTLED_ERROR = ("an aborted transfer was still in flight after abort_drain_s: its bytes may still land in "
+                   "the named blocks; do not reuse them for another request yet")
 
 
 class ReadExecutor:
@@ -78,6 +81,8 @@ class ReadExecutor:
         self.num_notices_sent = 0  # the data plane polls the notice agent (its progress) only after new ones
         self.num_host_copies = 0  # rank reads copied same-host instead of read over NIXL
         self.same_host = SameHostOpener(cache)
+        self.abort_drain_s = ABORT_DRAIN_S
+        self._retired: list[RemoteEngine] = []  # replaced connections with aborted transfers still running
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
                 boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
@@ -136,10 +141,14 @@ class ReadExecutor:
         return remote
 
     def disconnect(self, engine_id: str) -> None:
-        """Forget a remote engine: release its lists and its agents."""
+        """Forget a remote engine: release its lists and its agents (once no aborted read of it still has a
+        transfer running: until then it is retired, not released)."""
         with self.lock:
             remote = self._remotes.pop(engine_id, None)
-            if remote is not None:
+            if remote is not None and remote.num_draining:
+                remote.retired = True
+                self._retired.append(remote)
+            elif remote is not None:
                 self._unload(remote)
 
     def start_probe(self, remote: RemoteEngine) -> BoardProbe:
@@ -200,6 +209,8 @@ class ReadExecutor:
         with self.lock:
             for engine_id in list(self._remotes):
                 self.disconnect(engine_id)
+            while self._retired:  # the data plane failed their reads without drain before closing
+                self._unload(self._retired.pop())
             self.checks.close()
             self.same_host.close()
             self.agent.deregister(self.cache.engine_id)
@@ -339,6 +350,8 @@ class ReadExecutor:
             if notify:
                 self._send_notices(inflight)
             return inflight.result
+        if inflight.draining and not self._settle(inflight):
+            return None  # aborted: its transfers may still write (abort)
         # Checks first (a rank seen held posts its data), then data (a rank whose data is in posts its
         # second check), then checks again: over shared memory each ends inside its post, so a small
         # read ends in one poll.
@@ -368,28 +381,76 @@ class ReadExecutor:
         deadline = time.perf_counter() + timeout_s
         sleep_s = POLL_MIN_S
         while (result := self.poll(inflight)) is None:
-            if time.perf_counter() >= deadline:
-                return self.abort(inflight, f"deadline: not done after {timeout_s:g} s", ReadFailure.DEADLINE)
+            if time.perf_counter() >= deadline and not inflight.drain_until_s:
+                result = self.abort(inflight, f"deadline: not done after {timeout_s:g} s", ReadFailure.DEADLINE)
+                if result is not None:
+                    return result
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, POLL_MAX_S)
         return result
 
-    def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED) -> ReadResult:
-        """Stop every rank still reading or checking (releasing a handle aborts its transfer) and finish."""
-        with self.lock:
-            return self._abort(inflight, reason, failure)
+    def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED, *,
+              drain: bool = True) -> ReadResult | None:
+        """Fail every rank still reading or checking, and finish.
 
-    def _abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure) -> ReadResult:
+        UCX cannot stop a READ in flight: released, it still writes its
+        bytes when they arrive (over TCP, seconds later, once a broken link
+        is back). So with ``drain`` the result waits until every such
+        transfer ended, up to ``abort_drain_s`` (past that it says its blocks
+        may still be written): None until then, :meth:`poll` it. Without
+        ``drain`` everything is released at once (the memory is about to go).
+        """
+        with self.lock:
+            return self._abort(inflight, reason, failure, drain)
+
+    def _abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure, drain: bool) -> ReadResult | None:
         for q in list(inflight.handles):
             inflight.fail(q, reason, failure)
-            self._release(inflight.handles.pop(q))
+            inflight.draining[("data", q)] = (inflight.handles.pop(q), None)
         for q in [*inflight.checks, *inflight.unchecked]:
             inflight.fail(q, reason, failure)
             if q in inflight.checks:
-                self._end_check(inflight, q)
+                inflight.draining[("check", q)] = inflight.checks.pop(q)
         inflight.unchecked.clear()
         inflight.admitting.clear()  # never posted: nothing of theirs was copied
+        if not inflight.drain_until_s:
+            inflight.drain_until_s = time.perf_counter() + (self.abort_drain_s if drain else 0.0)
+        if inflight.draining and not inflight.drain_counted:
+            inflight.drain_counted = True
+            inflight.remote.num_draining += 1
+        if not drain:
+            self._settle(inflight, force=True)
         return self._poll(inflight, notify=True)
+
+    def _settle(self, inflight: InFlightRead, force: bool = False) -> bool:
+        """Release every aborted transfer that ended (all of them past the drain deadline, or ``force``d);
+        True when none is left."""
+        past = force or time.perf_counter() >= inflight.drain_until_s
+        for key, (handle, slot) in list(inflight.draining.items()):
+            running = not isinstance(handle, PendingDeviceCopy) and self._running(handle)
+            if running and not past:
+                continue
+            del inflight.draining[key]
+            if slot is None:
+                inflight.unsettled |= running and not force  # its bytes may still land in the engine's blocks
+                self._release(handle)  # a device batch: waits for it (devicemaps.py)
+            else:
+                self.checks.end(handle, slot, maybe_running=running)
+        if inflight.draining or not inflight.drain_counted:
+            return not inflight.draining
+        inflight.drain_counted = False
+        remote = inflight.remote
+        remote.num_draining -= 1
+        if remote.retired and not remote.num_draining:
+            self._retired.remove(remote)
+            self._unload(remote)
+        return True
+
+    def _running(self, handle) -> bool:
+        try:
+            return self.agent.state(handle) is TransferState.PROC
+        except NixlError:
+            return False
 
     def read(self, remote_engine_id: str, request: ReadRequest, timeout_s: float = 30.0) -> ReadResult:
         """Post and wait for one request."""
@@ -504,11 +565,12 @@ class ReadExecutor:
         request = planned.request
         failed = tuple(sorted(inflight.errors))
         invalid = planned.invalid_block_ids(failed) if failed else tuple(np.zeros(0, np.int64) for _ in planned.units)
-        error = "; ".join(f"rank {q}: {inflight.errors[q]}" for q in failed) or None
+        error = "; ".join([f"rank {q}: {inflight.errors[q]}" for q in failed]
+                          + ([UNSETTLED_ERROR] if inflight.unsettled else [])) or None
         return ReadResult(request.request_id, remote.plan.remote_engine_id, ok,
                           sum(r.num_bytes for r in planned.reads if r.remote_rank not in inflight.errors),
                           sum(r.num_descriptors for r in planned.reads), time.perf_counter() - inflight.start_s,
-                          invalid, failed, error, inflight.failure)
+                          invalid, failed, error, inflight.failure, inflight.unsettled)
 
 
 STALE_ERROR = ("stale read: the hold had ended (lease expired or released) before the read was checked "

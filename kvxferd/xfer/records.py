@@ -45,6 +45,7 @@ class ReadResult:
     failed_ranks: tuple[int, ...] = ()
     error: str | None = None
     failure: ReadFailure = ReadFailure.NONE
+    unsettled: bool = False  # aborted with a transfer still running past abort_drain_s: may still write
 
 
 @dataclass(eq=False)
@@ -59,6 +60,10 @@ class RemoteEngine:
     board_buckets: tuple[int, ...] = ()  # per remote rank; () when connected without boards (nothing checked)
     hold_keys: tuple[bytes, ...] = ()  # per remote rank, with the boards: every read's capabilities are checked
     probe: BoardProbe | None = None  # the connection's probe while it runs (start_probe)
+    # Reads of this connection whose aborted transfers may still run: a re-handshake keeps it loaded
+    # (``retired``) until they ended, so none runs on after its lists and remote agents were released.
+    num_draining: int = 0
+    retired: bool = False
     # Same-host reads (issue #37): remote rank -> its memory opened here, copied by this process instead of
     # a NIXL READ (host memory: in the kernel; GPU memory: a batch on the device); a rank whose memory could
     # not be opened reads over NIXL (why: host_errors).
@@ -93,6 +98,12 @@ class InFlightRead:
     transferred_s: float = 0.0  # perf_counter when the last data READ ended
     notified: bool = False  # its notices went out (send_notices)
     num_host_copies: int = 0  # ranks whose data was copied same-host, not read over NIXL
+    # Aborted transfers still in flight: UCX cannot stop a READ, its bytes land when they arrive. The
+    # result waits for them (reads.py, abort) until ``drain_until_s``; past it, ``unsettled``.
+    draining: dict[tuple[str, int], tuple[object, int | None]] = field(default_factory=dict)  # (what, rank) ->
+    drain_until_s: float = 0.0  # (handle, check slot or None)
+    drain_counted: bool = False  # counted in its remote's num_draining
+    unsettled: bool = False
 
     def fail(self, q: int, error: str, failure: ReadFailure) -> None:
         self.errors.setdefault(q, error)

@@ -3,6 +3,7 @@
 import multiprocessing
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buff
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.verify.holderthread import HolderThread
-from kvxferd.xfer.reads import ReadExecutor
+from kvxferd.xfer.reads import UNSETTLED_ERROR, ReadExecutor
+from kvxferd.xfer.records import InFlightRead
 
 PREFILL_GROUPS, DECODE_GROUPS = model_groups("hybrid", ModelShape(num_layers=2))
 
@@ -143,3 +145,99 @@ def test_a_closed_agent_refuses_calls_with_a_typed_error():
     with pytest.raises(UnavailableError, match="closed"):
         agent.metadata()
     agent.close()  # twice is fine
+
+
+def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world, monkeypatch):
+    """UCX cannot stop a READ: an aborted read's result waits while NIXL says a transfer of it runs, and past
+    abort_drain_s it says its blocks may still be written (the real late write over a partitioned link:
+    tests/verify/hosts/test_late_writes.py)."""
+    healthy, _, decode, executor, _ = world
+    monkeypatch.setattr(executor, "_running", lambda handle: True)  # a transfer that never ends
+    executor.abort_drain_s = 0.2
+    inflight = _unposted(executor, "stuck")
+    fake = object()  # a handle NIXL still runs: released only when the drain gives up
+    released = []
+    monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
+    inflight.handles[0] = fake
+    assert executor.abort(inflight, "deadline: test") is None
+    assert executor.poll(inflight) is None and not released
+    time.sleep(0.25)
+    result = executor.poll(inflight)
+    assert result is not None and not result.ok and UNSETTLED_ERROR in result.error and fake in released
+    assert sum(len(ids) for ids in result.invalid_block_ids) > 0  # rank 0's blocks are named
+
+
+def test_an_abort_without_drain_releases_at_once(world, monkeypatch):
+    healthy, _, decode, executor, _ = world
+    monkeypatch.setattr(executor, "_running", lambda handle: True)
+    inflight = _unposted(executor, "at-once")
+    released = []
+    monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
+    inflight.handles[0] = marker = object()
+    result = executor.abort(inflight, "the engine went away", drain=False)
+    assert result is not None and not result.ok and marker in released and UNSETTLED_ERROR not in result.error
+
+
+def _draining_read(executor, request_id, monkeypatch, running):
+    """A read of ``healthy`` aborted while a (stand-in) transfer of it still runs: NIXL says so while
+    ``running["yes"]``."""
+    monkeypatch.setattr(executor, "_running", lambda handle: running["yes"])
+    released = []
+    monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
+    inflight = _unposted(executor, request_id)
+    inflight.handles[0] = marker = object()
+    return inflight, marker, released
+
+
+def _unposted(executor, request_id):
+    """A read of ``healthy`` planned but never posted: its transfers are the stand-ins a test puts in."""
+    request = random_request(request_id, PREFILL_GROUPS, DECODE_GROUPS, 50, np.random.default_rng(8))
+    remote = executor.remote("healthy")
+    return InFlightRead(remote.plan.plan_request(request), remote, time.perf_counter())
+
+
+def test_an_aborted_read_ends_once_its_transfer_did_without_saying_unsettled(world, monkeypatch):
+    _, _, _, executor, _ = world
+    running = {"yes": True}
+    executor.abort_drain_s = 60.0
+    inflight, marker, released = _draining_read(executor, "drains", monkeypatch, running)
+    assert executor.abort(inflight, "deadline: test") is None
+    assert executor.abort(inflight, "deadline: again") is None  # idempotent while it drains
+    assert inflight.remote.num_draining == 1 and executor.poll(inflight) is None and not released
+    running["yes"] = False
+    result = executor.poll(inflight)
+    assert result is not None and not result.ok and "deadline: test" in result.error
+    assert UNSETTLED_ERROR not in result.error and not result.unsettled and released == [marker]
+    assert inflight.remote.num_draining == 0
+
+
+def test_a_replaced_connection_stays_loaded_until_its_aborted_reads_drained(world, monkeypatch):
+    """A re-handshake must not release the lists and remote agents a running transfer still uses."""
+    _, _, _, executor, _ = world
+    running = {"yes": True}
+    inflight, _, _ = _draining_read(executor, "retired", monkeypatch, running)
+    remote = inflight.remote
+    assert executor.abort(inflight, "the remote engine was re-handshaked") is None
+    executor.disconnect("healthy")
+    assert remote.retired and remote.local_lists  # kept: the transfer may still run
+    running["yes"] = False
+    assert executor.poll(inflight) is not None
+    assert not remote.local_lists and not remote.remote_lists  # released once it ended
+
+
+def test_an_abandoned_check_keeps_its_slot_until_its_read_ended(world, monkeypatch):
+    from kvxferd.xfer.agent import TransferState
+
+    _, _, _, executor, _ = world
+    area = executor.checks
+    state = {"now": TransferState.PROC}
+    monkeypatch.setattr(area.agent, "state", lambda handle: state["now"])
+    monkeypatch.setattr(area, "_release", lambda handle: None)
+    num_free = area.num_free
+    slot = area._free.pop()  # as a posted check holds it
+    area.end(object(), slot, maybe_running=True)
+    area._reclaim()
+    assert area.num_free == num_free - 1  # its READ may still land there
+    state["now"] = TransferState.DONE
+    area._reclaim()
+    assert area.num_free == num_free

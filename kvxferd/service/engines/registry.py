@@ -55,7 +55,7 @@ class Registry:
     def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, HoldEnd], None], *,
                  daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
-                 max_hold_s: float = float("inf"),
+                 max_hold_s: float = float("inf"), abort_drain_s: float = 30.0,
                  populate_host_memory: bool = True, shm_group: int | None = None) -> None:
         """``shm_group``: engine_socket_group, whose members may register too (see memory.ShmOpeners)."""
         self.dataplane = dataplane
@@ -63,6 +63,7 @@ class Registry:
         self.populate_host_memory = populate_host_memory  # fault a host cache's pages in at registration
         self.max_holds = max_holds  # per engine rank: sizes its hold board
         self.max_hold_s = max_hold_s  # a hold's whole life, renewals included
+        self.abort_drain_s = abort_drain_s  # an aborted read waits that long for transfers UCX cannot stop
         self.max_engines = max_engines
         self.max_registered_bytes = max_registered_bytes
         self.publish = publish
@@ -240,6 +241,7 @@ class Registry:
         name = f"{self.daemon_id}.{cache.engine_id}.{cache.tp_rank}.{incarnation[:12]}"
         agent = NixlAgent(name)
         executor = ReadExecutor(agent, cache)
+        executor.abort_drain_s = self.abort_drain_s
         holder = Holder(agent, self.max_holds, self.max_hold_s)
         slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
         slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need

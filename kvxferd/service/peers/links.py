@@ -198,7 +198,7 @@ class Peers:
             def connect() -> RemoteEngine:
                 with slot.executor.lock:  # no read posted on the loop between failing the old ones and the swap
                     self.dataplane.fail_reads(slot, "the remote engine was re-handshaked (restarted or "
-                                                    "unreachable)", link.remote_engine_id)
+                                                    "unreachable)", link.remote_engine_id, drain=True)
                     return slot.executor.connect(caches, metadata, boards, same_host=same_host)
 
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))

@@ -208,12 +208,17 @@ class DataPlane:
         elif event is NoticeEvent.WAITED:
             self._metrics.waited_notices.inc()
 
-    def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None) -> None:
+    def fail_reads(self, slot: EngineSlot, reason: str, remote_engine_id: str | None = None, *,
+                   drain: bool = False) -> None:
         """Abort a slot's reads (of one remote engine, or all) before their memory or lists go; call with
-        the slot's ``executor.lock`` held up to that release, so no read is posted on the loop meanwhile."""
+        the slot's ``executor.lock`` held up to that release, so no read is posted on the loop meanwhile.
+        ``drain``: the engine's memory stays (a new connection replaces the old): a read whose transfers
+        UCX cannot stop ends once they did (ReadExecutor.abort), not at once."""
         for read in list(self._reads):
             if read.slot is slot and remote_engine_id in (None, read.remote_engine_id):
-                self._finish(read, slot.executor.abort(read.inflight, reason), ReadFailure.ABORTED)
+                result = slot.executor.abort(read.inflight, reason, drain=drain)
+                if result is not None:
+                    self._finish(read, result, ReadFailure.ABORTED)
 
     def remove_slot(self, slot: EngineSlot, reason: str) -> None:
         """Fail the slot's reads, disconnect its remotes and deregister its memory."""
@@ -323,7 +328,7 @@ class DataPlane:
             step = read.inflight.step
             result = read.slot.executor.poll(read.inflight, notify=False)
             busy |= read.inflight.step != step  # a rank's data came in: its check is posted, poll again soon
-            if result is None and now >= read.deadline_s:
+            if result is None and now >= read.deadline_s and not read.inflight.drain_until_s:
                 result = read.slot.executor.abort(read.inflight, "deadline: the transfer or its board check did "
                                                   "not end in time", ReadFailure.DEADLINE)
             if result is not None:
@@ -332,6 +337,8 @@ class DataPlane:
         return busy
 
     def _finish(self, read: Read, result, failure: ReadFailure) -> None:
+        if result.unsettled and self._metrics is not None:
+            self._metrics.unsettled_reads.inc()
         self._reads.remove(read)
         read.end(result, failure)
         self._deliver(read)
