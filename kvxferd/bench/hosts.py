@@ -19,7 +19,7 @@ import grpc
 import zmq
 
 from kvxferd.verify.hosts import policy
-from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, daemon_args, ucx_environment
+from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, host_daemon, ucx_environment
 from kvxferd.verify.hosts.fabric import Fabric, unavailable
 from kvxferd.verify.hosts.nsenter import call_in_netns, setns_fd, setns_thread
 
@@ -66,13 +66,9 @@ class HostsPlacement:
         daemons = []
         for daemon_id in daemon_ids:
             role, rank = daemon_id.rsplit("-", 1)[1][0], int(daemon_id.rsplit("-", 1)[1][1:])
-            host = self.prefill_host if role == "p" else self.decode_host
-            host_dir = os.path.join(socket_dir, host.name)
-            os.makedirs(host_dir, mode=0o700, exist_ok=True)
-            daemons.append(NamespaceDaemon(
-                daemon_id, host, socket_dir=socket_dir, wait=False, env=ucx_environment(host, self.ports),
-                extra_args=(*daemon_args(host, rank, self.ports, self.pki, host_dir), *extra_args,
-                            *(args_of(daemon_id) if args_of else ()))))
+            daemons.append(host_daemon(daemon_id, self.prefill_host if role == "p" else self.decode_host, rank,
+                                       workdir=socket_dir, pki=self.pki, ports=self.ports, socket_dir=socket_dir,
+                                       extra_args=(*extra_args, *(args_of(daemon_id) if args_of else ()))))
         return NamespaceDaemon.wait_all(daemons)
 
     def close(self) -> None:

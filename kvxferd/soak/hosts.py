@@ -28,10 +28,6 @@ class HostsUnavailable(RuntimeError):
     """Namespace hosts cannot run here: the reason (not root, no netns, no iptables)."""
 
 
-def _start_again(old: NamespaceDaemon) -> NamespaceDaemon:
-    return old.start_again()
-
-
 class SoakHosts:
     """The fabric, its policy, its link faults and every host's daemons."""
 
@@ -49,11 +45,11 @@ class SoakHosts:
             pki = Pki(os.path.join(workdir, "pki"))
             start = dict(workdir=workdir, pki=pki, ports=self.ports, extra_args=daemon_args)
             prefill = start_host_daemons(self.prefill_host, "prefill", max_tp, **start)
-            self.daemons = DaemonSet([DaemonLife(d, "prefill", q, _start_again) for q, d in enumerate(prefill)], [])
+            again = NamespaceDaemon.start_again  # a killed daemon, at its addresses and with its flags
+            self.daemons = DaemonSet([DaemonLife(d, "prefill", q, again) for q, d in enumerate(prefill)], [])
             for host in self.decode_hosts:
                 decode = start_host_daemons(host, "decode", max_tp, **start)
-                self.daemons.decode_sets.append([DaemonLife(d, "decode", r, _start_again)
-                                                 for r, d in enumerate(decode)])
+                self.daemons.decode_sets.append([DaemonLife(d, "decode", r, again) for r, d in enumerate(decode)])
         except BaseException:
             self.close()
             raise

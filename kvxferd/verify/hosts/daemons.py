@@ -97,14 +97,26 @@ def daemon_args(host: Host, rank: int, ports: ChartPorts, pki: Pki, host_dir: st
             *pki.tls_args(f"{host.name}-{rank}"))
 
 
+def host_dir(workdir: str, host: Host) -> str:
+    """``host``'s private directory under ``workdir`` (its host secret; sockets and logs where wanted)."""
+    path = os.path.join(workdir, host.name)
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def host_daemon(daemon_id: str, host: Host, rank: int, *, workdir: str, pki: Pki, ports: ChartPorts,
+                socket_dir: str | None = None, extra_args: tuple[str, ...] = ()) -> NamespaceDaemon:
+    """Start (not wait for) rank ``rank``'s daemon on ``host``, as the chart's container ``kvxferd-<rank>``;
+    its socket and log in ``socket_dir`` (default: the host's directory)."""
+    private = host_dir(workdir, host)
+    return NamespaceDaemon(daemon_id, host, socket_dir=socket_dir or private, wait=False,
+                           env=ucx_environment(host, ports),
+                           extra_args=(*daemon_args(host, rank, ports, pki, private), *extra_args))
+
+
 def start_host_daemons(host: Host, role: str, count: int, *, workdir: str, pki: Pki, ports: ChartPorts,
                        extra_args: tuple[str, ...] = ()) -> list[NamespaceDaemon]:
     """``count`` daemons of ``role`` on ``host`` (ranks 0..count-1), started at once, each waited for."""
-    host_dir = os.path.join(workdir, host.name)
-    os.makedirs(host_dir, exist_ok=True)
-    os.chmod(host_dir, 0o700)
-    return NamespaceDaemon.wait_all([
-        NamespaceDaemon(f"{host.name}-{role}{rank}", host, socket_dir=host_dir, wait=False,
-                        env=ucx_environment(host, ports),
-                        extra_args=(*daemon_args(host, rank, ports, pki, host_dir), *extra_args))
-        for rank in range(count)])
+    return NamespaceDaemon.wait_all([host_daemon(f"{host.name}-{role}{rank}", host, rank, workdir=workdir, pki=pki,
+                                                 ports=ports, extra_args=extra_args) for rank in range(count)])
