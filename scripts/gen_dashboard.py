@@ -7,6 +7,9 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RATE = "[$__rate_interval]"
 SEL = '{namespace=~"$namespace", pod=~"$pod"}'
+# process_* series come from every Python exporter in a pod (vLLM's too): keep those of the scrape
+# targets (job, instance) that are kvxferd daemons, the ones exporting kvxferd_build_info.
+DAEMONS = " and on (job, instance) kvxferd_build_info"
 
 # (title, unit, [(legend, PromQL)]); every series comes from kvxferd/service/metrics.py.
 PANELS = [
@@ -48,7 +51,17 @@ PANELS = [
     ("Security: insecure listeners and TLS reloads", "short", [
         ("insecure listeners ({{pod}})", f"max by (pod) (kvxferd_insecure_listeners{SEL})"),
         ("TLS reloads ({{pod}})", f"max by (pod) (kvxferd_tls_reloads_total{SEL})"),
-        ("TLS certificates refused ({{pod}})", f"max by (pod) (kvxferd_tls_refused_total{SEL})")]),
+        ("TLS certificates refused ({{pod}})", f"max by (pod) (kvxferd_tls_refused_total{SEL})"),
+        ("TLS files unusable ({{pod}})", f"max by (pod) (kvxferd_tls_files_unusable{SEL})")]),
+    ("Daemons by version", "short", [
+        ("kvxferd {{version}}, Python {{python}}, NIXL {{nixl}}",
+         f"count by (version, python, nixl) (kvxferd_build_info{SEL})")]),
+    ("Daemon CPU (cores)", "short", [
+        ("{{pod}}", f"sum by (pod) (rate(process_cpu_seconds_total{SEL}{RATE}){DAEMONS})")]),
+    ("Daemon resident memory", "bytes", [
+        ("{{pod}}", f"sum by (pod) (process_resident_memory_bytes{SEL}{DAEMONS})")]),
+    ("Daemon open fds (of its limit)", "percentunit", [
+        ("{{pod}}", f"max by (pod) (process_open_fds{SEL} / process_max_fds{SEL}{DAEMONS})")]),
 ]
 
 

@@ -123,8 +123,20 @@ def test_dev_certs_writes_what_serve_accepts(tmp_path, capsys):
 
 
 def test_demo_on_hosts_without_netns_says_why(monkeypatch, capsys):
-    import kvxferd.demo.hosts as demo_hosts
+    from kvxferd.verify.hosts import policy
 
-    monkeypatch.setattr(demo_hosts, "unavailable", lambda: "network namespaces need root (run as root, as CI does)")
+    monkeypatch.setattr(policy.fabric_rig, "unavailable", lambda: "network namespaces need root (run as root, as CI does)")
     code = exit_code(["demo", "--hosts", "2", "--model", "gqa", "--requests", "1"])
-    assert code == 2 and "--hosts needs network namespaces: network namespaces need root" in capsys.readouterr().err
+    assert code == 2 and "--hosts cannot run here: network namespaces need root" in capsys.readouterr().err
+
+
+def test_demo_on_hosts_without_helms_engine_says_why(monkeypatch, capsys):
+    """The rig renders the chart's NetworkPolicy with Helm's engine (a test extra)."""
+    from kvxferd.verify import chart
+    from kvxferd.verify.hosts import policy
+
+    monkeypatch.setattr(policy.fabric_rig, "unavailable", lambda: None)
+    monkeypatch.setitem(sys.modules, "helm_python", None)  # as if not installed
+    assert "helm-python-sdk" in chart.unavailable()
+    code = exit_code(["demo", "--hosts", "2", "--model", "gqa", "--requests", "1"])
+    assert code == 2 and "--hosts cannot run here: rendering the chart needs helm-python-sdk" in capsys.readouterr().err

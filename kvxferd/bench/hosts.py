@@ -20,7 +20,7 @@ import zmq
 
 from kvxferd.verify.hosts import policy
 from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, host_daemon, ucx_environment
-from kvxferd.verify.hosts.fabric import Fabric, unavailable
+from kvxferd.verify.hosts.fabric import Fabric
 from kvxferd.verify.hosts.nsenter import call_in_netns, setns_fd, setns_thread
 
 
@@ -40,9 +40,9 @@ class HostsPlacement:
     """Where ``bench daemon``'s clusters start their daemons (``start_many``), and the raw baseline's TLS."""
 
     def __init__(self, workdir: str) -> None:
-        reason = unavailable()
+        reason = policy.unavailable()
         if reason:
-            raise HostsUnavailable(f"--hosts needs network namespaces: {reason}")
+            raise HostsUnavailable(f"--hosts cannot run here: {reason}")
         self._root_netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._environ = dict(os.environ)
         try:

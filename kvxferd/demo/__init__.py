@@ -12,7 +12,8 @@ decode engine moves the same transfers over raw NIXL, and the summary
 gives both speeds and their ratio.
 
 Exit status: 0 when everything matched, 1 on a wrong byte, a failed
-request, a lost or stray event, 2 on bad arguments.
+request, a lost or stray event, 2 on bad arguments or when /dev/shm has
+too little room for the caches (a container: ``docker run --shm-size=1g``).
 """
 
 from kvxferd.demo.main import add_arguments, run

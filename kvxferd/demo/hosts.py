@@ -16,7 +16,7 @@ decode host too, across the same link.
 from __future__ import annotations
 
 from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, start_host_daemons, ucx_environment
-from kvxferd.verify.hosts.fabric import Fabric, unavailable
+from kvxferd.verify.hosts.fabric import Fabric
 from kvxferd.verify.hosts import policy
 
 MAX_HOSTS = 8
@@ -31,9 +31,9 @@ class DemoHosts:
 
     def __init__(self, num_hosts: int, prefill_tp: int, decode_tp: int, workdir: str,
                  daemon_args: tuple[str, ...]) -> None:
-        reason = unavailable()
+        reason = policy.unavailable()
         if reason:
-            raise HostsUnavailable(f"--hosts needs network namespaces: {reason}")
+            raise HostsUnavailable(f"--hosts cannot run here: {reason}")
         self.fabric = Fabric(num_hosts)
         try:
             hosts = self.fabric.hosts

@@ -12,6 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvxferd.client import DaemonProcess
+from kvxferd.demo import shm
 from kvxferd.demo import summary as figures
 from kvxferd.demo.engines import DecodeEngine, PrefillEngine
 from kvxferd.demo.hosts import MAX_HOSTS, DemoHosts, HostsUnavailable
@@ -70,7 +71,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
             raise BadArguments(f"--{flag.replace('_', '-')} must be at least 1")
     if args.hosts and not 2 <= args.hosts <= MAX_HOSTS:
         raise BadArguments(f"--hosts must be 2..{MAX_HOSTS} (one prefill host and at least one decode host)")
-    num_daemons = args.prefill_tp + args.decode_tp * max(1, args.hosts - 1)
+    num_daemons = _num_daemons(args)
     if num_daemons > MAX_DEMO_DAEMONS:
         raise BadArguments(f"--prefill-tp + --decode-tp (x decode hosts) must be at most {MAX_DEMO_DAEMONS} (one "
                            f"daemon per rank, all on this machine), got {num_daemons}")
@@ -93,6 +94,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
     except ValueError as err:  # more blocks per request than the cache has
         raise BadArguments(f"{err} (try a larger --num-blocks or fewer --num-tokens)") from None
     return shape, models
+
+
+def _num_daemons(args: argparse.Namespace) -> int:
+    return args.prefill_tp + args.decode_tp * max(1, args.hosts - 1)
 
 
 def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProcess]], args: argparse.Namespace,
@@ -165,11 +170,15 @@ def _fail(message: str, code: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 when every byte matched, every request succeeded and every hold ended CONSUMED; 1 otherwise; 2 on bad arguments."""
+    """Exit 0 when every byte matched, every request succeeded and every hold ended CONSUMED; 1 otherwise; 2 on bad
+    arguments or too little room in /dev/shm."""
     try:
         shape, models = check_arguments(args)
     except BadArguments as err:
         return _fail(str(err), 2)
+    too_small = shm.shortfall(*shm.needed_bytes(models, shape, args.prefill_tp, args.decode_tp, _num_daemons(args)))
+    if too_small:  # before anything starts: else the first engine dies allocating, and says only that
+        return _fail(too_small, 2)
     rng = np.random.default_rng(args.seed)
     rows, started, hosts = [], [], None
     daemon_args = ("--log-level", "WARNING", *(("--no-same-host-reads",) if args.no_same_host else ()))

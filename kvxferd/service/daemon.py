@@ -57,6 +57,8 @@ from kvxferd.service.net.servicers import EngineServicer, PeerServicer
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import load_or_create_peer_secret
+from kvxferd.wire.names import default_runtime_dir
+from kvxferd.wire import serving
 from kvxferd.wire.samehost import boot_id
 from kvxferd.wire.frames import reads_socket_path
 from kvxferd.xfer import hostcopy
@@ -84,6 +86,8 @@ class Daemon:
         if self.tls is not None:
             self.tls.on_reload = self.metrics.tls_reloads.inc
             self.tls.on_refused = self.metrics.tls_refused.inc
+            # The maintenance loop looks at the files every TLS_CHECK_S; refused_error stays set until they load.
+            self.metrics.tls_files_unusable.set_function(lambda: 1.0 if self.tls.refused_error else 0.0)
         self.engine_token = read_token(config.engine_token_file) if config.engine_token_file else None
         self.socket_path = config.engine_socket_path
         self.reads = ReadPath(self)
@@ -107,6 +111,7 @@ class Daemon:
         self._fd_inbox: FdInbox | None = None
         self._reads_socket: ReadSocketServer | None = None
         self._owns_socket = False
+        self._serving_record: str | None = None
 
     # ---- start --------------------------------------------------------------------
     @staticmethod
@@ -208,6 +213,7 @@ class Daemon:
             raise StartupError(f"{type(err).__name__}: {err}") from err
         for service in (*SERVICES, ""):
             await _set_health(self._health, service, health_pb2.HealthCheckResponse.SERVING)
+        self._record_serving()
         host = config.advertise_host or config.peer_host
         self.addresses = {"engine": f"unix:{self.socket_path}", "peer": f"{bracket_host(host)}:{peer_port}",
                           "notify": self.bus.address, "metrics": f"http://{bracket_host(config.metrics_host)}:{metrics_port}/metrics"}
@@ -216,6 +222,16 @@ class Daemon:
         self.spawn(self._maintenance())
         log.info("daemon started", extra={**self.addresses, "daemon_id": config.daemon_id})
         return self.addresses
+
+    def _record_serving(self) -> None:
+        """Say where the engine socket is, for ``kvxferd health`` with no target (a container's HEALTHCHECK
+        never sees this daemon's flags): :mod:`kvxferd.wire.serving`. Without it the daemon still serves."""
+        runtime_dir = self.config.runtime_dir or default_runtime_dir()
+        try:
+            self._serving_record = serving.write_record(runtime_dir, self.socket_path)
+        except OSError as err:
+            log.warning("no serving record: `kvxferd health` without --target will not find this daemon",
+                        extra={"runtime_dir": runtime_dir, "error": str(err)})
 
     def _new_server(self, max_request_bytes: int) -> grpc.aio.Server:
         config = self.config
@@ -382,6 +398,8 @@ class Daemon:
             self._reads_socket.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
+        if self._serving_record is not None:
+            serving.remove_record(self._serving_record)
         if self._owns_socket and os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
 

@@ -2,28 +2,100 @@
 
 Labels never carry engine, request or peer ids: a failure ``kind`` is one
 of a fixed set, an RPC ``method`` is one of the service's methods.
+
+Every labelled series is created at zero for each label value the code can
+pass, so a dashboard query or an alert expression has series on an idle
+daemon, and ``increase()`` sees the first event (a series born at 1 shows
+no increase). The registry exports no ``_created`` series; it does export
+``kvxferd_build_info`` and the standard ``process_*`` and ``python_*``
+series of prometheus_client's collectors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import importlib.metadata
+import platform
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import grpc
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector)
+from prometheus_client.metrics_core import Metric
 
+from kvxferd.plan.leases import HoldEndKind
+from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
 from kvxferd.service.net.metricsserver import MetricsServer
+from kvxferd.service.reads import readsock
+from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.records import ReadFailure
 
 FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)
+OUTCOMES = ("ok", "failed")  # of a read (reads/path.py) and of a handshake (peers/links.py)
+EVENT_KINDS = tuple(kind.value for kind in HoldEndKind)
+DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
+# FdInbox's refusals (engines/fdpass.py names them inline): peer uid or gid not allowed, not one
+# printable token, max_fd_tokens or a token in use, max_fds_waiting, a socket error, a bug.
+FD_REFUSALS = ("uid", "malformed", "tokens", "fds", "io", "error")
+BUS_REFUSALS = ("prefix", "limit")  # NotifyBus's refusals (net/bus.py)
+# kvxferd_rpc_errors' methods: those of both gRPC services (WatchCompletions counts none: its series
+# stays 0) and the engine's read socket (readsock.METHOD; its Hold frames count as "Hold").
+RPC_METHODS = tuple(method.name for module, service in ((engine_service_pb2, "EngineService"),
+                                                         (peer_service_pb2, "PeerService"))
+                    for method in module.DESCRIPTOR.services_by_name[service].methods) + (readsock.METHOD,)
+# The one code whose series exists for every method from start-up: INTERNAL (a bug, an error with
+# no type) is the answer every method can give and the one an alert must see the first time. Every
+# code for every method would be over 150 zero series, most for answers a method never gives (and
+# a panel of 150 flat lines); the other codes' series appear at their first error.
+RPC_INITIAL_CODE = grpc.StatusCode.INTERNAL.name
 _LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 _DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+_NO_CREATED = ("counter", "histogram", "summary")
+
+
+class _Registry(CollectorRegistry):
+    """A registry whose counters and histograms export no ``_created`` series.
+
+    prometheus_client adds one per series (a gauge to Prometheus, doubling the series count and
+    meaning nothing to a dashboard). Its switch for that, ``disable_created_metrics()``, is
+    process-wide: it would also change the vLLM connector's metrics (integrations/vllm/stats.py)
+    where they share a process with a :class:`Metrics`. Filtering here touches this registry only.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            if metric.type in _NO_CREATED and any(s.name.endswith("_created") for s in metric.samples):
+                metric = copy.copy(metric)
+                metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
+
+
+def build_labels() -> dict[str, str]:
+    """``kvxferd_build_info``'s labels: kvxferd's, Python's and NIXL's versions (installed metadata,
+    no import; ``none`` where a package is not installed)."""
+    return {"version": _package_version("kvxferd"), "python": platform.python_version(),
+            "nixl": _package_version("nixl")}
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 class Metrics:
     """Every metric the daemon exports."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = _Registry()
         r = self.registry
+        build = build_labels()
+        self.build_info = Gauge("kvxferd_build_info", "always 1; the labels say which kvxferd, Python and NIXL "
+                                "this daemon runs", list(build), registry=r)
+        self.build_info.labels(**build).set(1)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):  # process_*, python_*
+            collector(registry=r)
         self.read_duration = Histogram("kvxferd_read_duration_seconds", "submit to completion of a read (incl. board checks)",
                                        ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.read_post = Histogram("kvxferd_read_post_seconds", "submit to every rank posted",
@@ -34,8 +106,6 @@ class Metrics:
         self.read_failures = Counter("kvxferd_read_failures", "failed reads by kind", ["kind"], registry=r)
         self.same_host_copies = Counter("kvxferd_same_host_copies", "remote ranks' parts of reads copied from a "
                                         "same-host holder's shared memory instead of read over NIXL", registry=r)
-        for kind in FAILURE_KINDS:
-            self.read_failures.labels(kind)
         self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",
                                             ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.leases_expired = Counter("kvxferd_leases_expired", "holds whose lease ran out unread", registry=r)
@@ -58,14 +128,15 @@ class Metrics:
         self.tls_reloads = Counter("kvxferd_tls_reloads", "times changed TLS files were loaded", registry=r)
         self.tls_refused = Counter("kvxferd_tls_refused", "times a changed certificate was refused (expired, not "
                                    "yet valid, or off its identity): the previous one stays in use", registry=r)
+        self.tls_files_unusable = Gauge("kvxferd_tls_files_unusable", "1 while the TLS files on disk differ from "
+                                        "those in use and cannot be loaded (unreadable, half-written, a key that "
+                                        "does not match, or refused): the previous ones stay in use", registry=r)
         self.fd_socket_refused = Counter("kvxferd_fd_socket_refused", "fd-socket connections refused", ["reason"],
                                          registry=r)
         self.bus_subscriptions_refused = Counter("kvxferd_bus_subscriptions_refused", "notify-bus subscriptions "
                                                  "not applied: not one whole engine topic (prefix), or past "
                                                  "max_bus_subscriptions (limit: the bus dropped every subscriber "
                                                  "and started over)", ["reason"], registry=r)
-        for reason in ("prefix", "limit"):
-            self.bus_subscriptions_refused.labels(reason)
         self.rpc_errors = Counter("kvxferd_rpc_errors", "RPCs answered with an error status", ["method", "code"],
                                   registry=r)
         self.loop_stalls = Counter("kvxferd_loop_stalls", "times the event loop woke over LOOP_STALL_S late "
@@ -73,6 +144,18 @@ class Metrics:
         self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)
         self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
         self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)
+        self._create_series()
+
+    def _create_series(self) -> None:
+        """Every labelled series at zero for each label value the code passes (see the module's doc)."""
+        for metric, values in ((self.read_duration, OUTCOMES), (self.handshake_duration, OUTCOMES),
+                               (self.read_failures, FAILURE_KINDS), (self.events, EVENT_KINDS),
+                               (self.notices_dropped, DROPPED_NOTICES), (self.fd_socket_refused, FD_REFUSALS),
+                               (self.bus_subscriptions_refused, BUS_REFUSALS)):
+            for value in values:
+                metric.labels(value)
+        for method in RPC_METHODS:
+            self.rpc_errors.labels(method, RPC_INITIAL_CODE)
 
     def bind_gauges(self, holds: Callable[[], int], reads: Callable[[], int], engines: Callable[[], int]) -> None:
         """Gauges read at scrape time from the daemon's state."""

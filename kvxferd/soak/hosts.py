@@ -18,7 +18,7 @@ import os
 from kvxferd.soak.daemons import DaemonLife, DaemonSet
 from kvxferd.verify.hosts import policy
 from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, start_host_daemons, ucx_environment
-from kvxferd.verify.hosts.fabric import Fabric, Host, unavailable
+from kvxferd.verify.hosts.fabric import Fabric, Host
 from kvxferd.verify.hosts.linkfaults import LinkFaults
 
 MAX_HOSTS = 8
@@ -32,9 +32,9 @@ class SoakHosts:
     """The fabric, its policy, its link faults and every host's daemons."""
 
     def __init__(self, num_hosts: int, max_tp: int, workdir: str, daemon_args: tuple[str, ...]) -> None:
-        reason = unavailable()
+        reason = policy.unavailable()
         if reason:
-            raise HostsUnavailable(f"--hosts needs network namespaces: {reason}")
+            raise HostsUnavailable(f"--hosts cannot run here: {reason}")
         self.fabric = Fabric(num_hosts)
         try:
             self.prefill_host, self.decode_hosts = self.fabric.hosts[0], self.fabric.hosts[1:]

@@ -1,15 +1,14 @@
-"""The Helm chart renders to valid Kubernetes objects that would run kvxferd as the docs say.
+"""The Helm chart, rendered by Helm's own engine, makes valid Kubernetes objects that run kvxferd as the docs say.
 
-Rendered with scripts/helmlite.py (helm is not installable here), then every
-built-in object is validated against the Kubernetes 1.37 schemas (strict:
-unknown fields fail) and the kvxferd containers' arguments and config file
-are parsed by kvxferd's own CLI and config schema.
+Every values file under the chart's ``ci/`` is linted (``helm lint --strict``),
+rendered, and each built-in object is validated against the Kubernetes 1.37
+schemas (strict: unknown fields fail). The kvxferd containers' arguments and
+config file are parsed by kvxferd's own CLI and config schema.
 """
 
-import importlib.util
 import pathlib
-import sys
 
+import helm_python
 import kubernetes_validate
 import pytest
 import yaml
@@ -17,19 +16,17 @@ import yaml
 from kvxferd.cli import build_parser
 from kvxferd.service.config import config_from_args
 from kvxferd.service.net.exposure import refusal
+from kvxferd.verify import chart
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy/helm/kvxferd"
+CHART = chart.CHART
 K8S_VERSION = "1.37.0"
-
-spec = importlib.util.spec_from_file_location("helmlite", ROOT / "scripts/helmlite.py")
-helmlite = importlib.util.module_from_spec(spec)
-sys.modules["helmlite"] = helmlite
-spec.loader.exec_module(helmlite)
+CRD_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/")  # checked by their own tests below
+VALUES_FILES = chart.ci_values()
 
 
-def _render(**kwargs):
-    objects = helmlite.render_objects(CHART, **kwargs)
+def _render(values=None, **release):
+    objects = chart.render_objects(values, **release)
     by_kind = {}
     for obj in objects:
         by_kind.setdefault(obj["kind"], []).append(obj)
@@ -37,18 +34,51 @@ def _render(**kwargs):
 
 
 def _validate(obj):
-    if obj["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
-        return  # CRDs: checked by test_pod_monitor_scrapes_every_daemon and test_cert_manager_certificate
-    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    if not obj["apiVersion"].startswith(CRD_GROUPS):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
-def test_default_values_render_valid_objects():
-    objects, by_kind = _render()
-    assert {kind: len(objs) for kind, objs in by_kind.items()} == {
-        "ConfigMap": 1, "Deployment": 2, "ResourceClaimTemplate": 2, "Service": 2, "PodMonitor": 2, "NetworkPolicy": 2,
-        "ServiceAccount": 1}
+def _sidecars(deployment):
+    return [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"].startswith("kvxferd-")]
+
+
+def _roles(values):
+    """The enabled roles as the chart sees them: values.yaml's roles with ``values`` merged over them."""
+    roles = yaml.safe_load((CHART / "values.yaml").read_text())["roles"]
+    for name, override in ((values or {}).get("roles") or {}).items():
+        roles[name] = {**roles.get(name, {}), **override}
+    return {name: role for name, role in roles.items() if role["enabled"]}
+
+
+def _daemon_config(container, config_text, tmp_path, monkeypatch, pod_name="decode-7d9f-x2"):
+    """What a kvxferd container would run with, with Kubernetes' $(VAR) expansion done by hand."""
+    path = tmp_path / "kvxferd.yaml"
+    path.write_text(config_text)
+    monkeypatch.setenv("KVXFERD_ADVERTISE_HOST", "10.1.2.3")
+    argv = [a.replace("$(POD_NAME)", pod_name).replace("/etc/kvxferd/kvxferd.yaml", str(path)) for a in container["args"]]
+    return config_from_args(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_helm_lint_is_clean(name):
+    assert chart.lint(VALUES_FILES[name]) == []
+
+
+def test_helm_lint_reports_a_broken_chart():
+    findings = chart.lint({"roles": {"prefill": {"tensorParallelSize": "two"}}})
+    assert any("tensorParallelSize" in f["error"] for f in findings)
+
+
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_every_values_file_renders_valid_objects(name):
+    objects, by_kind = _render(VALUES_FILES[name])
     for obj in objects:
         _validate(obj)
+    roles = _roles(VALUES_FILES[name])
+    assert sorted(d["metadata"]["labels"]["app.kubernetes.io/component"] for d in by_kind["Deployment"]) == sorted(roles)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names))
+    assert not any("kvxferd-kvxferd" in n for _, n in names)  # release "kvxferd" is not repeated
 
 
 def test_the_validator_rejects_a_broken_object():
@@ -59,33 +89,47 @@ def test_the_validator_rejects_a_broken_object():
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
 
-def _sidecars(deployment):
-    return [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"].startswith("kvxferd-")]
+@pytest.mark.parametrize("values, where", [
+    ({"roles": {"prefill": {"tensorParallelSize": 2.5}}}, "/roles/prefill/tensorParallelSize"),
+    ({"roles": [{"name": "prefill", "enabled": True, "replicas": 1, "tensorParallelSize": 2}]}, "/roles"),  # the old list
+    ({"role": {"prefill": {}}}, "role"),
+    ({"gpu": {"allocation": "mig"}}, "/gpu/allocation"),
+    ({"ports": {"ucx": {"max": 70000}}}, "/ports/ucx/max"),
+    ({"roles": {"Prefill": {"enabled": True, "replicas": 1, "tensorParallelSize": 1}}}, "Prefill. does not match"),
+    ({"tls": {"allowedIds": ["ns/*"]}}, "/tls/allowedIds/0"),
+])
+def test_the_values_schema_refuses_bad_values(values, where):
+    with pytest.raises(helm_python.HelmValuesError, match=where):
+        chart.render_manifests(values)
 
 
-def _config_file(by_kind, tmp_path):
-    path = tmp_path / "kvxferd.yaml"
-    path.write_text(by_kind["ConfigMap"][0]["data"]["kvxferd.yaml"])
-    return path
+def test_a_role_is_turned_off_by_name_with_set():
+    _, by_kind = _render(helm_python.parse_set_string("roles.prefill.enabled=false,roles.decode.replicas=4"))
+    (deployment,) = by_kind["Deployment"]
+    assert deployment["metadata"]["name"] == "kvxferd-decode" and deployment["spec"]["replicas"] == 4
+    assert [s["metadata"]["name"] for s in by_kind["Service"]] == ["kvxferd-decode-peers"]
 
 
-@pytest.mark.parametrize("values", [None, {"roles": [{"name": "prefill", "enabled": False, "replicas": 1, "tensorParallelSize": 1},
-                                                     {"name": "decode", "enabled": True, "replicas": 3, "tensorParallelSize": 4}],
-                                          "podMonitor": {"enabled": False, "interval": "15s"}}])
-def test_one_daemon_per_gpu_that_kvxferd_itself_accepts(values, tmp_path, monkeypatch):
-    objects, by_kind = _render(values=values)
-    for obj in objects:
-        _validate(obj)
-    config_path = _config_file(by_kind, tmp_path)
-    roles = [r for r in (values or yaml.safe_load((CHART / "values.yaml").read_text()))["roles"] if r["enabled"]]
-    assert len(by_kind["Deployment"]) == len(roles)
-    assert ("PodMonitor" in by_kind) == (values is None)
-    for deployment, role in zip(by_kind["Deployment"], roles):
+@pytest.mark.parametrize("values, release, prefix", [
+    (None, "kvxferd", "kvxferd"), (None, "kvx", "kvx-kvxferd"), (None, "prod-kvxferd-a", "prod-kvxferd-a"),
+    ({"nameOverride": "kv"}, "serving", "serving-kv"), ({"fullnameOverride": "kv"}, "serving", "kv")])
+def test_names_follow_the_release_and_overrides(values, release, prefix):
+    _, by_kind = _render(values, release=release)
+    assert {d["metadata"]["name"] for d in by_kind["Deployment"]} == {f"{prefix}-prefill", f"{prefix}-decode"}
+    assert by_kind["ConfigMap"][0]["metadata"]["name"] == f"{prefix}-config"
+
+
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_one_daemon_per_gpu_that_kvxferd_itself_accepts(name, tmp_path, monkeypatch):
+    values = VALUES_FILES[name]
+    _, by_kind = _render(values)
+    config_text = by_kind["ConfigMap"][0]["data"]["kvxferd.yaml"]
+    roles = _roles(values)
+    for deployment in by_kind["Deployment"]:
+        role = roles[deployment["metadata"]["labels"]["app.kubernetes.io/component"]]
         pod = deployment["spec"]["template"]["spec"]
         assert deployment["spec"]["replicas"] == role["replicas"]
-        assert pod["shareProcessNamespace"] is True  # legacy CUDA IPC handles (values.yaml); uids kept apart
         assert pod["securityContext"]["runAsNonRoot"] is True
-        assert all({"name": "gpus"} in c["resources"]["claims"] for c in pod["containers"])  # same GPUs for all
         sidecars = _sidecars(deployment)
         assert len(sidecars) == role["tensorParallelSize"]
         ports = [p["containerPort"] for c in pod["containers"] for p in c["ports"]]
@@ -94,39 +138,74 @@ def test_one_daemon_per_gpu_that_kvxferd_itself_accepts(values, tmp_path, monkey
             env = {e["name"]: e for e in container["env"]}
             assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
             assert env["KVXFERD_ADVERTISE_HOST"]["value"] == "$(POD_IP)"
-            # What the container would run, with Kubernetes' $(VAR) expansion done by hand.
-            monkeypatch.setenv("KVXFERD_ADVERTISE_HOST", "10.1.2.3")
-            argv = [a.replace("$(POD_NAME)", "decode-7d9f-x2").replace("/etc/kvxferd/kvxferd.yaml", str(config_path))
-                    for a in container["args"]]
-            config = config_from_args(build_parser().parse_args(argv))
+            config = _daemon_config(container, config_text, tmp_path, monkeypatch)
             assert config.peer_address == f"10.1.2.3:{container['ports'][0]['containerPort']}"
             assert config.engine_socket == f"/run/kvxferd/gpu{gpu}.sock" and config.daemon_id == f"decode-7d9f-x2-gpu{gpu}"
             assert config.peer_host == "0.0.0.0" and config.metrics_host == "0.0.0.0"
             assert config.notify_host == "127.0.0.1"  # the engine is in the pod: the bus never leaves it
             assert config.notify_port == 47200 + gpu and config.metrics_port == container["ports"][1]["containerPort"]
-            # Mutual TLS by default, so kvxferd accepts the exposed peer port without --insecure.
-            assert config.tls and not config.insecure and refusal(config) is None
-            assert config.tls_cert == "/etc/kvxferd/tls/tls.crt" and config.peer_allowed_ids
+            # Mutual TLS, or the explicit --insecure of development values: kvxferd starts on either.
+            assert refusal(config) is None and config.tls != config.insecure
             engine_socket = f"unix:/run/kvxferd/gpu{gpu}.sock"
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 # grpc.health.v1 over the engine socket: kubelet's gRPC probes cannot do mutual TLS.
                 command = container[probe]["exec"]["command"]
                 assert command[:4] == ["kvxferd", "health", "--target", engine_socket]
-                health_args = build_parser().parse_args(command[1:])
-                assert health_args.target == engine_socket
+                assert build_parser().parse_args(command[1:]).target == engine_socket
             assert container["readinessProbe"]["exec"]["command"][-2:] == ["--service", "kvxfer.v1.PeerService"]
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
-            assert {"/run/kvxferd", "/dev/shm", "/etc/kvxferd", "/etc/kvxferd/tls"} <= mounts
-        tls_volume = next(v for v in pod["volumes"] if v["name"] == "tls")
-        assert "subPath" not in str(sidecars) and tls_volume["secret"]["secretName"].endswith("-peer-tls")
+            assert {"/run/kvxferd", "/dev/shm", "/etc/kvxferd"} <= mounts
+            assert ("/etc/kvxferd/tls" in mounts) == config.tls
+        engine = next(c for c in pod["containers"] if c["name"] == "engine")
+        assert engine["securityContext"]["allowPrivilegeEscalation"] is False
+        assert {"startupProbe", "livenessProbe", "readinessProbe"} <= engine.keys()
+        assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert pod["automountServiceAccountToken"] is False
-        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        engine_container = next(c for c in pod["containers"] if c["name"] == "engine")
-        assert engine_container["securityContext"]["allowPrivilegeEscalation"] is False
-        assert pod["terminationGracePeriodSeconds"] > yaml.safe_load(config_path.read_text())["drain_timeout_s"]
+        assert pod["terminationGracePeriodSeconds"] > yaml.safe_load(config_text)["drain_timeout_s"]
 
 
-def test_services_and_claims_match_the_pods():
+def test_gpus_from_dra_are_one_claim_shared_by_every_container():
+    _, by_kind = _render()
+    claims = {t["metadata"]["name"]: t for t in by_kind["ResourceClaimTemplate"]}
+    for deployment in by_kind["Deployment"]:
+        pod = deployment["spec"]["template"]["spec"]
+        (claim,) = pod["resourceClaims"]
+        request = claims[claim["resourceClaimTemplateName"]]["spec"]["spec"]["devices"]["requests"][0]
+        assert request["exactly"]["count"] == len(_sidecars(deployment))
+        assert all({"name": "gpus"} in c["resources"]["claims"] for c in pod["containers"])  # same GPUs for all
+
+
+def test_gpus_from_the_device_plugin_go_to_the_engine_and_the_daemons_see_them():
+    _, by_kind = _render(VALUES_FILES["device-plugin"])
+    assert "ResourceClaimTemplate" not in by_kind
+    for deployment in by_kind["Deployment"]:
+        pod = deployment["spec"]["template"]["spec"]
+        assert "resourceClaims" not in pod
+        engine = next(c for c in pod["containers"] if c["name"] == "engine")
+        assert engine["resources"]["limits"] == {"nvidia.com/gpu": len(_sidecars(deployment)), "memory": "64Gi"}
+        assert engine["resources"]["requests"] == {"cpu": "4", "memory": "32Gi"}
+        for sidecar in _sidecars(deployment):
+            assert "claims" not in sidecar["resources"] and "nvidia.com/gpu" not in str(sidecar["resources"])
+            assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in sidecar["env"]
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_scheduling_values_reach_the_pods_and_a_role_can_replace_them():
+    _, by_kind = _render(VALUES_FILES["tp-sizes"])
+    selectors = {d["metadata"]["name"]: d["spec"]["template"]["spec"].get("nodeSelector") for d in by_kind["Deployment"]}
+    assert selectors == {"kvxferd-decode": None, "kvxferd-prefill": None,
+                         "kvxferd-decode-long": {"gpu.example.com/memory": "141Gi"}}
+    _, by_kind = _render(VALUES_FILES["names"])
+    for deployment in by_kind["Deployment"]:
+        template = deployment["spec"]["template"]
+        assert template["metadata"]["labels"]["team"] == "serving"
+        assert template["metadata"]["annotations"]["example.com/owner"] == "serving"
+        assert template["metadata"]["annotations"]["checksum/config"]
+        assert template["spec"]["priorityClassName"] == "high-priority" and template["spec"]["affinity"]
+
+
+def test_services_select_the_pods_and_name_their_ports():
     _, by_kind = _render()
     deployments = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in by_kind["Deployment"]}
     for service in by_kind["Service"]:
@@ -136,40 +215,42 @@ def test_services_and_claims_match_the_pods():
         assert service["spec"]["selector"].items() <= pod_labels.items()
         named = {p["name"] for c in _sidecars(deployment) for p in c["ports"]}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= named
-    claims = {t["metadata"]["name"]: t for t in by_kind["ResourceClaimTemplate"]}
-    for deployment in by_kind["Deployment"]:
-        (claim,) = deployment["spec"]["template"]["spec"]["resourceClaims"]
-        request = claims[claim["resourceClaimTemplateName"]]["spec"]["spec"]["devices"]["requests"][0]
-        assert request["exactly"]["count"] == len(_sidecars(deployment))
 
 
-def test_pod_monitor_scrapes_every_daemon():
-    _, by_kind = _render()
+@pytest.mark.parametrize("name", ["default", "names"])
+def test_pod_monitor_scrapes_every_daemon_and_prometheus_selects_it(name):
+    _, by_kind = _render(VALUES_FILES[name])
+    release_label = VALUES_FILES[name].get("podMonitor", {}).get("labels", {"release": "kube-prometheus-stack"})
     for monitor in by_kind["PodMonitor"]:
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert release_label.items() <= monitor["metadata"]["labels"].items()
         deployment = next(d for d in by_kind["Deployment"] if d["metadata"]["name"] == monitor["metadata"]["name"])
         assert monitor["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
         metrics_ports = {p["name"] for c in _sidecars(deployment) for p in c["ports"] if p["name"].startswith("metrics-")}
         assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == metrics_ports
 
 
+@pytest.mark.parametrize("name", ["default", "names"])
+def test_a_disruption_budget_per_role(name):
+    _, by_kind = _render(VALUES_FILES[name])
+    budgets = {b["metadata"]["name"]: b for b in by_kind["PodDisruptionBudget"]}
+    assert budgets.keys() == {d["metadata"]["name"] for d in by_kind["Deployment"]}
+    for deployment in by_kind["Deployment"]:
+        spec = budgets[deployment["metadata"]["name"]]["spec"]
+        assert spec["selector"] == deployment["spec"]["selector"]
+        assert spec["maxUnavailable"] == VALUES_FILES[name].get("podDisruptionBudget", {}).get("maxUnavailable", 1)
+
+
 def test_committed_manifests_are_the_rendered_chart():
     committed = (ROOT / "deploy/kubernetes/kvxferd.yaml").read_text()
-    assert committed.split("\n", 1)[1] == helmlite.render_stream(CHART), \
-        "deploy/kubernetes/kvxferd.yaml is stale: python scripts/helmlite.py deploy/helm/kvxferd > deploy/kubernetes/kvxferd.yaml"
+    assert committed.split("\n", 1)[1] == chart.render_stream(), \
+        "deploy/kubernetes/kvxferd.yaml is stale: run scripts/render_chart.py"
 
 
-@pytest.mark.parametrize("template, message", [("{{ .Values.x | sha256sum }}", "sha256sum"),
-                                               ("{{ with .Values }}x{{ end }}", "with"),
-                                               ("{{ if .Values.x }}", "end")])
-def test_helmlite_refuses_what_it_does_not_know(template, message):
-    with pytest.raises(helmlite.TemplateError, match=message):
-        helmlite.Renderer({}).render_nodes(helmlite.parse(template, {}), {"Values": {"x": 1}}, {})
-
-
-def test_network_policy_admits_only_peers_and_monitoring():
+def test_network_policy_admits_only_peers_monitoring_and_the_release_test():
     _, by_kind = _render()
     deployments = {d["metadata"]["name"]: d for d in by_kind["Deployment"]}
+    (test_pod,) = by_kind["Pod"]
     for policy in by_kind["NetworkPolicy"]:
         deployment = deployments[policy["metadata"]["name"]]
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -182,14 +263,18 @@ def test_network_policy_admits_only_peers_and_monitoring():
         assert source["podSelector"]["matchLabels"] == {k: v for k, v in pod_labels.items()
                                                         if k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
         assert sorted(p["port"] for p in metrics["ports"]) == sorted(v for k, v in named.items() if k.startswith("metrics-"))
-        assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+        monitoring, tester = metrics["from"]
+        assert monitoring == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        assert tester["podSelector"]["matchLabels"] == test_pod["metadata"]["labels"]
         assert engine["ports"] == [{"port": 8000, "protocol": "TCP"}] and engine["from"]  # never every source
         ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
         assert not ports & {47200 + g for g in range(8)}  # the notify bus is not reachable from outside
+    _, by_kind = _render(VALUES_FILES["decode-only"])  # no helm test: monitoring only
+    assert [len(p["spec"]["ingress"][2]["from"]) for p in by_kind["NetworkPolicy"]] == [1]
 
 
 def test_cert_manager_certificate():
-    _, by_kind = _render(values={"tls": {"certManager": {"enabled": True}}})
+    _, by_kind = _render(VALUES_FILES["cert-manager"])
     (certificate,) = [c for c in by_kind["Certificate"] if c["metadata"]["name"].endswith("-peer")]
     spec = certificate["spec"]
     assert spec["secretName"].endswith("-peer-tls") and spec["dnsNames"] == ["kvxferd-peer"]
@@ -200,10 +285,15 @@ def test_cert_manager_certificate():
 
 @pytest.mark.parametrize("insecure", [False, True])
 def test_without_tls_the_daemons_start_only_when_told_it_is_insecure(insecure, tmp_path, monkeypatch):
-    _, by_kind = _render(values={"tls": {"enabled": False}, "insecure": insecure})
-    config_path = _config_file(by_kind, tmp_path)
+    _, by_kind = _render({"tls": {"enabled": False}, "insecure": insecure})
     container = _sidecars(by_kind["Deployment"][0])[0]
-    monkeypatch.setenv("KVXFERD_ADVERTISE_HOST", "10.1.2.3")
-    argv = [a.replace("$(POD_NAME)", "p").replace("/etc/kvxferd/kvxferd.yaml", str(config_path)) for a in container["args"]]
-    config = config_from_args(build_parser().parse_args(argv))
+    config = _daemon_config(container, by_kind["ConfigMap"][0]["data"]["kvxferd.yaml"], tmp_path, monkeypatch)
     assert (refusal(config) is None) == insecure
+
+
+def test_install_notes_name_the_release_and_what_is_missing():
+    text = chart.notes(release="kvx", namespace="serving")
+    assert "kvx-kvxferd in namespace serving" in text and "helm test kvx -n serving" in text
+    assert "Secret kvx-kvxferd-peer-tls" in text  # TLS without cert-manager: the Secret the user must make
+    assert "WARNING" in chart.notes(VALUES_FILES["insecure"])
+    assert "Secret" not in chart.notes(VALUES_FILES["cert-manager"])

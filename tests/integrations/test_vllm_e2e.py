@@ -91,15 +91,20 @@ def test_another_requests_kv_changes_the_tokens(pd):
 
 def test_blocks_read_out_of_order_change_the_tokens(pd):
     """Negative control: each request's held blocks rotated by one in place before decode reads them (what
-    reading its own blocks in the wrong order would deliver). Prompts of one block keep their tokens; every
-    longer prompt must change."""
+    reading its own blocks in the wrong order would deliver). Prompts of one block keep their tokens; longer
+    prompts change, all but at most one, as in the other controls: a tiny random model's greedy tokens can
+    collapse into one repeated token that ignores the context (seen for the 64-token prompt on an AMD EPYC
+    host: [162, 478, 478, ...] either way), and where that happens depends on the CPU's float kernels."""
     prompts = random_prompts(23)
     single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
     params = prefill_params(pd.prefill, prompts)
     rotate_blocks(pd.prefill, [p["remote_block_ids"][0] for p in params])
     outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(outputs)  # every read went through
-    assert changed(token_ids(outputs), single) == [blocks(len(p)) > 1 for p in prompts], (token_ids(outputs), single)
+    differ = changed(token_ids(outputs), single)
+    multi_block = [blocks(len(p)) > 1 for p in prompts]
+    assert not any(d for d, multi in zip(differ, multi_block) if not multi), (token_ids(outputs), single)
+    assert sum(d for d, multi in zip(differ, multi_block) if multi) >= sum(multi_block) - 1, (token_ids(outputs), single)
     wait_for_reset(pd.prefill)  # the rotated blocks stay in prefill's prefix cache
 
 

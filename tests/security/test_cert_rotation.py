@@ -16,9 +16,7 @@ import subprocess
 import sys
 import time
 
-import grpc
 import numpy as np
-import pytest
 
 from kvxferd.verify.certs import DevCA
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -47,6 +45,7 @@ def test_rotation_takes_effect_on_new_connections_without_restart(tmp_path):
     with DaemonCluster(*GROUPS, 1, 1, workdir=str(tmp_path), name="rot", daemon_args=args) as cluster:
         pids = [d.process.pid for d in cluster.daemons]
         decode = cluster.decode_clients[0]
+        assert all(d.metric("kvxferd_tls_files_unusable") == 0 for d in cluster.daemons)
 
         unusable = [dict(name="rogue", spiffe_id="spiffe://kvxferd.test/ns/serving/sa/rogue"),
                     dict(name="expired", spiffe_id=SPIFFE, valid_s=-60, not_before_s=-3600),
@@ -61,6 +60,7 @@ def test_rotation_takes_effect_on_new_connections_without_restart(tmp_path):
             decode.handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])  # the old one serves
             assert all(d.metric("kvxferd_tls_refused_total") == n for d in cluster.daemons), issue["name"]
             assert all(d.metric("kvxferd_tls_reloads_total") == 0 for d in cluster.daemons), issue["name"]
+            assert all(d.metric("kvxferd_tls_files_unusable") == 1 for d in cluster.daemons), issue["name"]
 
         install(second_ca, "daemon-2", SPIFFE, tls)
         cluster.handshake()
@@ -71,6 +71,7 @@ def test_rotation_takes_effect_on_new_connections_without_restart(tmp_path):
         assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
         assert [d.process.pid for d in cluster.daemons] == pids and all(d.process.poll() is None for d in cluster.daemons)
         assert all(d.metric("kvxferd_tls_reloads_total") == 1 for d in cluster.daemons)
+        assert all(d.metric("kvxferd_tls_files_unusable") == 0 for d in cluster.daemons)  # loaded: the alert clears
 
 
 def test_a_daemon_does_not_start_on_an_expired_certificate(tmp_path):

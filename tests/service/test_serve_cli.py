@@ -1,8 +1,8 @@
 """``kvxferd serve``: loopback defaults, exit codes for bad configuration and failed start-up."""
 
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -77,4 +77,57 @@ def test_health_command_answers_for_a_live_daemon_only(workdir):
         port = daemon.peer_address.rsplit(":", 1)[1]
         daemon.terminate()
     run = health("--target", f"127.0.0.1:{port}", "--timeout-s", "1")
+    assert run.returncode == 1 and "UNREACHABLE" in run.stderr
+
+
+def test_serving_records_name_live_daemons_of_this_mount_namespace_only(tmp_path, monkeypatch):
+    """Issue 39: the image's HEALTHCHECK asked a fixed socket and failed for `serve --engine-socket ...`."""
+    from kvxferd.client import health
+    from kvxferd.wire import serving
+
+    path = serving.write_record(str(tmp_path), "gpu0.sock")  # relative: recorded absolute
+    assert serving.live_engine_sockets(str(tmp_path)) == [os.path.abspath("gpu0.sock")]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    namespace = serving.mount_namespace()
+    stale = {
+        f"serving.{namespace}.{dead.stdout.strip()}": {"engine_socket": "/gone.sock", "pid": int(dead.stdout)},
+        f"serving.{namespace}.{os.getppid()}": {"engine_socket": "/reused.sock", "pid": os.getppid(), "start": "1"},
+        f"serving.1{namespace}.{os.getpid()}": {"engine_socket": "/neighbour.sock", "pid": os.getpid()},
+        f"serving.{namespace}.{os.getpid()}.tmp": {"engine_socket": "/scratch.sock", "pid": os.getpid()},
+    }
+    for name, record in stale.items():
+        (tmp_path / name).write_text(json.dumps(record))
+    (tmp_path / f"serving.{namespace}.1").write_text("not json")
+    assert serving.live_engine_sockets(str(tmp_path)) == [os.path.abspath("gpu0.sock")]
+
+    monkeypatch.setenv("KVXFERD_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("KVXFERD_ENGINE_SOCKET", raising=False)
+    assert health.default_targets() == [f"unix:{os.path.abspath('gpu0.sock')}"]
+    monkeypatch.setenv("KVXFERD_ENGINE_SOCKET", "/explicit.sock")  # the environment names one: that one
+    assert health.default_targets() == ["unix:/explicit.sock"]
+    monkeypatch.delenv("KVXFERD_ENGINE_SOCKET")
+    serving.remove_record(path)
+    serving.remove_record(path)  # gone already is fine
+    assert health.default_targets() == [health.default_target()]
+    serving.prune(str(tmp_path), "/neighbour.sock")  # its socket is ours now; the dead and the reused pid's go too
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"serving.{namespace}.1", f"serving.{namespace}.{os.getpid()}.tmp"]
+
+
+def test_health_without_target_finds_a_daemon_serving_on_any_engine_socket(workdir):
+    runtime_dir = os.path.join(workdir, "run")  # records here, not in this host's shared runtime directory
+    env = {**os.environ, "KVXFERD_RUNTIME_DIR": runtime_dir}
+    env.pop("KVXFERD_ENGINE_SOCKET", None)
+
+    def health():
+        return subprocess.run([sys.executable, "-m", "kvxferd", "health"], capture_output=True, text=True,
+                              timeout=60, env=env)
+    daemon = DaemonProcess("gpu0", socket_dir=workdir, env={"KVXFERD_RUNTIME_DIR": runtime_dir})
+    try:
+        assert not daemon.socket.startswith(runtime_dir)
+        run = health()
+        assert run.returncode == 0 and f"unix:{daemon.socket} (daemon): SERVING" in run.stdout, run.stderr
+    finally:
+        assert daemon.terminate() == 0
+    assert not [name for name in os.listdir(runtime_dir) if name.startswith("serving.")]
+    run = health()
     assert run.returncode == 1 and "UNREACHABLE" in run.stderr

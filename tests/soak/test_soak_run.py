@@ -76,12 +76,12 @@ def test_bad_arguments_exit_2():
 
 def test_on_namespace_hosts_without_netns_the_reason_is_said(monkeypatch, capsys, tmp_path):
     """Not root, no netns, no iptables: --hosts exits 2 saying why (CI, as root, runs the real thing)."""
-    import kvxferd.soak.hosts as soak_hosts
     from kvxferd.cli import main
+    from kvxferd.verify.hosts import policy
 
-    monkeypatch.setattr(soak_hosts, "unavailable", lambda: "network namespaces need root (run as root, as CI does)")
+    monkeypatch.setattr(policy.fabric_rig, "unavailable", lambda: "network namespaces need root (run as root, as CI does)")
     code = main(["soak", "--hosts", "2", "--duration", "5", "--logs", str(tmp_path)])
-    assert code == 2 and "needs network namespaces: network namespaces need root" in capsys.readouterr().err
+    assert code == 2 and "cannot run here: network namespaces need root" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # six daemons and two engines for 90 s: on request (the 600 s run: docs/reliability.md)

@@ -22,10 +22,8 @@ from kvxferd.client import DaemonProcess
 from kvxferd.verify.certs import DevCA
 from kvxferd.verify.hosts.fabric import Host
 from kvxferd.verify.hosts.nsenter import call_in_netns
-from kvxferd.verify.hosts.policy import RELEASE, chart_values
+from kvxferd.verify.hosts.policy import chart_values, release_config
 
-SPIFFE_ID = f"spiffe://cluster.local/ns/default/sa/{RELEASE}-kvxferd"
-SERVER_NAME = "kvxferd-peer"
 UCX_TRANSPORTS = "tcp"
 
 
@@ -51,21 +49,24 @@ class ChartPorts:
 
 
 class Pki:
-    """A throw-away CA and one certificate per name, with the release's identity."""
+    """A throw-away CA and one certificate per name, with the release's identity and server name (as rendered)."""
 
     def __init__(self, directory: str) -> None:
         self.ca = DevCA(directory, name="kvxferd fabric CA")
+        config = release_config()
+        (self.identity,) = config["peer_allowed_ids"]
+        self.server_name = config["peer_server_name"]
 
     def client_files(self, name: str) -> tuple[str, str, str]:
         """``(ca, cert, key)`` paths of a new certificate with the release's identity (a raw NIXL baseline's)."""
-        issued = self.ca.issue(name, dns_names=(SERVER_NAME,), spiffe_id=SPIFFE_ID)
+        issued = self.ca.issue(name, dns_names=(self.server_name,), spiffe_id=self.identity)
         return str(self.ca.cert_path), str(issued.cert), str(issued.key)
 
-    def tls_args(self, name: str, *, spiffe_id: str = SPIFFE_ID) -> tuple[str, ...]:
-        """The daemon flags for mutual TLS with a certificate issued to ``name``."""
-        issued = self.ca.issue(name, dns_names=(SERVER_NAME,), spiffe_id=spiffe_id)
+    def tls_args(self, name: str, *, spiffe_id: str | None = None) -> tuple[str, ...]:
+        """The daemon flags for mutual TLS with a certificate issued to ``name`` (another identity: ``spiffe_id``)."""
+        issued = self.ca.issue(name, dns_names=(self.server_name,), spiffe_id=spiffe_id or self.identity)
         return ("--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", str(self.ca.cert_path),
-                "--peer-allowed-ids", SPIFFE_ID, "--peer-server-name", SERVER_NAME)
+                "--peer-allowed-ids", self.identity, "--peer-server-name", self.server_name)
 
 
 class NamespaceDaemon(DaemonProcess):

@@ -20,17 +20,16 @@ Egress is not restricted: the chart's policies are ``policyTypes: [Ingress]``.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import functools
 import ipaddress
-import pathlib
 
 import yaml
 
+from kvxferd.verify import chart
+from kvxferd.verify.chart import NAMESPACE, RELEASE
+from kvxferd.verify.hosts import fabric as fabric_rig
 from kvxferd.verify.hosts.fabric import IPTABLES, Fabric, Host
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
-CHART = REPO / "deploy" / "helm" / "kvxferd"
-RELEASE, NAMESPACE = "kvxferd", "default"
 POLICY_CHAIN = "KVX-POLICY"
 
 
@@ -43,25 +42,31 @@ class Admitted:
     high: int
 
 
+def unavailable() -> str | None:
+    """Why namespace hosts with the chart's policy cannot run here (None when they can)."""
+    return fabric_rig.unavailable() or chart.unavailable()
+
+
 def chart_values() -> dict:
     """The chart's default values (ports, roles)."""
-    return yaml.safe_load((CHART / "values.yaml").read_text())
+    return yaml.safe_load((chart.CHART / "values.yaml").read_text())
+
+
+@functools.lru_cache(maxsize=1)
+def release_config() -> dict:
+    """The daemons' configuration file as the chart renders it with its defaults (allow-list, UCX range)."""
+    (config_map,) = [o for o in chart.render_objects() if o["kind"] == "ConfigMap"]
+    return yaml.safe_load(config_map["data"]["kvxferd.yaml"])
 
 
 def render_policies(tp_by_role: dict[str, int]) -> list[dict]:
-    """The NetworkPolicy objects the chart renders with ``tp_by_role`` GPUs per pod of each role.
+    """The NetworkPolicy objects the chart renders with ``tp_by_role`` GPUs per pod of each role (only these roles).
 
-    Needs the source tree (the chart and ``scripts/helmlite.py``), as the demo and the tests have it."""
-    renderer = REPO / "scripts" / "helmlite.py"
-    if not renderer.exists() or not CHART.exists():
-        raise FileNotFoundError(f"the namespace rig renders the chart's NetworkPolicy from the source tree; "
-                                f"{renderer} or {CHART} is missing (run from a checkout)")
-    spec = importlib.util.spec_from_file_location("kvxferd_helmlite", renderer)
-    helmlite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helmlite)
-    roles = [{"name": role, "enabled": True, "replicas": 1, "tensorParallelSize": tp}
-             for role, tp in tp_by_role.items()]
-    objects = helmlite.render_objects(CHART, values={"roles": roles}, release=RELEASE, namespace=NAMESPACE)
+    Needs the source tree and Helm's engine (``kvxferd.verify.chart``), as the demo and the tests have them."""
+    defaults = chart_values()["roles"]
+    roles = {name: {"enabled": name in tp_by_role, "replicas": 1, "tensorParallelSize": tp_by_role.get(name, 1)}
+             for name in {*defaults, *tp_by_role}}
+    objects = chart.render_objects({"roles": roles, "tests": {"enabled": False}})
     return [o for o in objects if o.get("kind") == "NetworkPolicy"]
 
 

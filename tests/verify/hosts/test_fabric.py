@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tempfile
 
 import pytest
 
 from kvxferd.verify.certs import DevCA
 from kvxferd.verify.hosts import policy
-from kvxferd.verify.hosts.daemons import SERVER_NAME, ChartPorts, Pki, start_host_daemons
+from kvxferd.verify.hosts.daemons import ChartPorts, Pki, start_host_daemons
 from kvxferd.verify.hosts.fabric import BENCHMARK_RANGE, Fabric, unavailable
 
 REASON = unavailable()
@@ -70,10 +71,10 @@ def test_peer_port_answers_only_mutual_tls_with_the_release_identity(hosts):
     assert probe(fabric, h1, "grpc", peer, *good) == "NOT_FOUND"
     assert probe(fabric, h1, "grpc", peer) == "UNAVAILABLE"  # plaintext: no TLS handshake, no call
     other_ca = DevCA(os.path.join(workdir, "other-ca"))
-    stranger = other_ca.issue("stranger", dns_names=(SERVER_NAME,), spiffe_id="spiffe://cluster.local/ns/default/sa/x")
+    stranger = other_ca.issue("stranger", dns_names=(pki.server_name,), spiffe_id="spiffe://cluster.local/ns/default/sa/x")
     assert probe(fabric, h1, "grpc", peer, str(pki.ca.cert_path), str(stranger.cert), str(stranger.key)) == "UNAVAILABLE"
     # Our CA, another identity: TLS completes, the allow-list refuses.
-    wrong_id = pki.ca.issue("wrong-id", dns_names=(SERVER_NAME,), spiffe_id="spiffe://cluster.local/ns/other/sa/kvxferd")
+    wrong_id = pki.ca.issue("wrong-id", dns_names=(pki.server_name,), spiffe_id="spiffe://cluster.local/ns/other/sa/kvxferd")
     assert probe(fabric, h1, "grpc", peer, str(pki.ca.cert_path), str(wrong_id.cert), str(wrong_id.key)) == \
         "PERMISSION_DENIED"
 
@@ -91,7 +92,10 @@ def test_the_policy_drops_what_it_does_not_admit(hosts):
     listener = subprocess.Popen(fabric.command(h0, sys.executable, "-m", "http.server", "--bind", h0.address, "47399"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert probe(fabric, h0, "tcp", h0.address, "47399") == "connected"  # it listens (from its own host)
+        deadline = time.monotonic() + 30  # Python starting http.server, on a loaded machine
+        while (reached := probe(fabric, h0, "tcp", h0.address, "47399")) == "refused" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reached == "connected"  # it listens (from its own host)
         assert probe(fabric, h1, "tcp", h0.address, "47399") == "timeout"
     finally:
         listener.kill()
