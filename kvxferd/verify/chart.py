@@ -66,11 +66,12 @@ def render_objects(values: dict | None = None, **release) -> list[dict]:
 
 
 def render_stream(values: dict | None = None, **release) -> str:
-    """One multi-document YAML stream, ``# Source:`` before each document, as ``helm template`` prints."""
+    """One multi-document YAML stream, ``# Source:`` before each document, as ``helm template --skip-tests``
+    prints (plain manifests for ``kubectl apply``: a test hook applied with them would run at once and fail)."""
     manifests = render_manifests(values, **release)
     documents = []
     for path in sorted(manifests):
-        if path.endswith(".txt"):
+        if path.endswith(".txt") or "/templates/tests/" in path:
             continue
         for text in manifests[path].split("\n---\n"):
             text = text.strip("\n")

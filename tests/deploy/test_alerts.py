@@ -22,7 +22,9 @@ from kvxferd.verify import chart
 from tests.deploy.prometheus import prometheus, promtool, run_promtool, running_prometheus
 
 RELEASE, NAMESPACE = "kvx", "serving"
-POD = {"namespace": NAMESPACE, "pod": "kvx-kvxferd-prefill-5d8f-x2", "container": "kvxferd-0"}
+# The labels the Prometheus Operator gives a series its PodMonitor scraped (job: <namespace>/<PodMonitor>).
+POD = {"namespace": NAMESPACE, "job": f"{NAMESPACE}/kvx-kvxferd-prefill", "pod": "kvx-kvxferd-prefill-5d8f-x2",
+       "container": "kvxferd-0"}
 # What the issue asks alerts for, by the alert that covers it.
 REQUIRED = {"daemon down": "KvxferdDaemonDown", "stale reads": "KvxferdStaleReads",
             "holds expiring instead of consumed": "KvxferdHoldsExpiring", "loop stalls": "KvxferdLoopStalls",
@@ -56,7 +58,8 @@ def test_every_alert_the_issue_asks_for_and_only_exported_series():
     for name, rule in alerts.items():
         used = set(re.findall(r"\b(kvxferd_\w+)\{", rule["expr"]))
         assert used <= exported, (name, used - exported)
-        assert f'namespace="{NAMESPACE}"' in rule["expr"] and 'pod=~"kvx-kvxferd-.+"' in rule["expr"]
+        # This release's PodMonitors only: another release's pods may share the name prefix.
+        assert f'namespace="{NAMESPACE}", job=~"{NAMESPACE}/(kvx-kvxferd-decode|kvx-kvxferd-prefill)"' in rule["expr"]
         assert rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
 
 
@@ -112,8 +115,12 @@ CASES = {
     "daemon down": ([_series("up", {}, "1x5 0x25")], "KvxferdDaemonDown",
                     f"kvxferd daemon {P}/{POD['container']} is not scraped"),
     "daemon up": ([_series("up", {}, "1x30")], "KvxferdDaemonDown", None),
-    "another release's stale reads": ([{"series": 'kvxferd_stale_reads_total{namespace="other", pod="kvx-kvxferd-p-1"}',
-                                        "values": "0+1x30"}], "KvxferdStaleReads", None),
+    "another namespace's stale reads": ([_series("kvxferd_stale_reads_total", {"namespace": "other"}, "0+1x30")],
+                                        "KvxferdStaleReads", None),
+    # Release kvx-kvxferd-canary's pods match kvx-kvxferd-.+ too: its job tells them apart.
+    "another release's stale reads": ([_series("kvxferd_stale_reads_total", {
+        "job": f"{NAMESPACE}/kvx-kvxferd-canary-prefill", "pod": "kvx-kvxferd-canary-prefill-7c-x1"}, "0+1x30")],
+        "KvxferdStaleReads", None),
 }
 
 
@@ -126,7 +133,7 @@ def test_each_alert_fires_on_its_condition_and_not_otherwise(rule_file, tmp_path
         if summary is not None:
             rule = rules[alert]
             # sum by (namespace, pod) keeps those two labels; up's alert keeps the container too.
-            labels = {k: v for k, v in POD.items() if k != "container" or alert == "KvxferdDaemonDown"}
+            labels = {k: v for k, v in POD.items() if k in ("namespace", "pod") or alert == "KvxferdDaemonDown"}
             expected = [{"exp_labels": {**labels, "severity": rule["labels"]["severity"]},
                          "exp_annotations": {"summary": summary, "description": rule["annotations"]["description"]}}]
         tests.append({"name": case, "interval": "1m", "input_series": series,
@@ -152,7 +159,8 @@ def test_a_real_prometheus_evaluates_every_rule_against_a_daemon(rule_file):
     daemon = DaemonProcess("alerts-idle", socket_dir=workdir)
     try:
         target = daemon.addresses["metrics"].removeprefix("http://").removesuffix("/metrics")
-        with running_prometheus([target], labels=POD, rule_files=(str(rule_file),)) as prom:
+        labels = {k: v for k, v in POD.items() if k != "job"}
+        with running_prometheus([target], labels=labels, rule_files=(str(rule_file),), job=POD["job"]) as prom:
             prom.wait_for('kvxferd_build_info{namespace="serving"}')
             prom.wait_for("up == 1")
             deadline = time.monotonic() + 10

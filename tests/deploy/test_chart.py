@@ -157,6 +157,8 @@ def test_one_daemon_per_gpu_that_kvxferd_itself_accepts(name, tmp_path, monkeypa
             assert {"/run/kvxferd", "/dev/shm", "/etc/kvxferd"} <= mounts
             assert ("/etc/kvxferd/tls" in mounts) == config.tls
         engine = next(c for c in pod["containers"] if c["name"] == "engine")
+        # One engine rank per daemon of the pod, listening where the probes and the policy expect it.
+        assert engine["args"][-2:] == [f"--tensor-parallel-size={role['tensorParallelSize']}", "--port=8000"]
         assert engine["securityContext"]["allowPrivilegeEscalation"] is False
         assert {"startupProbe", "livenessProbe", "readinessProbe"} <= engine.keys()
         assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -245,6 +247,54 @@ def test_committed_manifests_are_the_rendered_chart():
     committed = (ROOT / "deploy/kubernetes/kvxferd.yaml").read_text()
     assert committed.split("\n", 1)[1] == chart.render_stream(), \
         "deploy/kubernetes/kvxferd.yaml is stale: run scripts/render_chart.py"
+    kinds = {doc["kind"] for doc in yaml.safe_load_all(committed) if doc}
+    assert "Pod" not in kinds and "Deployment" in kinds  # no test hook for kubectl apply to run at once
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tls": {"enabled": False}}, "tls.enabled=false needs insecure=true"),
+    ({"ports": {"ucx": None}}, "ports.ucx=null with networkPolicy.enabled"),
+    ({"ports": {"ucx": {"min": 40100, "max": 40000}}}, "ports.ucx.min must not be above ports.ucx.max"),
+    ({"serviceAccount": {"create": False}}, "serviceAccount.create=false needs serviceAccount.name"),
+])
+def test_values_that_make_pods_that_cannot_work_are_refused(values, message):
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        chart.render_manifests(values)
+
+
+@pytest.mark.parametrize("values", [{"resources": None}, {"engine": {"resources": None}},
+                                    {"resources": {"requests": None, "limits": None}},
+                                    {"gpu": {"allocation": "devicePlugin"}, "engine": {"resources": None}}])
+def test_empty_resources_still_render(values):
+    objects, by_kind = _render(values)
+    for obj in objects:
+        _validate(obj)
+    for deployment in by_kind["Deployment"]:
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            resources = container["resources"]
+            assert resources.get("claims") == [{"name": "gpus"}] or "nvidia.com/gpu" in resources.get("limits", {}) \
+                or container["name"] != "engine"
+
+
+def test_names_over_63_characters_are_refused_not_cut():
+    """Cutting <release>-kvxferd-<role> could give two roles one Service; Kubernetes refuses a longer one."""
+    long_role = {"roles": {"decode-long-context": {"enabled": True, "replicas": 1, "tensorParallelSize": 1}}}
+    objects, _ = _render(long_role, release="serving-east-1")
+    assert max(len(o["metadata"]["name"]) for o in objects) <= 63
+    with pytest.raises(helm_python.HelmRenderError, match="-kvxferd-decode-peers is over 63 characters"):
+        chart.render_manifests(long_role, release="inference-serving-production-cluster-east-1")
+    objects, _ = _render({**long_role, "fullnameOverride": "kv"}, release="inference-serving-production-cluster-east-1")
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "Service"} == {
+        "kv-decode-peers", "kv-prefill-peers", "kv-decode-long-context-peers"}
+
+
+def test_an_empty_metrics_source_list_closes_the_metrics_ports():
+    """An empty from admits every source in Kubernetes: with no scraper and no test, no rule at all."""
+    _, by_kind = _render({"networkPolicy": {"metricsFrom": []}, "tests": {"enabled": False}})
+    for policy in by_kind["NetworkPolicy"]:
+        assert all(rule["from"] for rule in policy["spec"]["ingress"])
+        ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+        assert not ports & {9464, 9465}
 
 
 def test_network_policy_admits_only_peers_monitoring_and_the_release_test():
@@ -283,12 +333,16 @@ def test_cert_manager_certificate():
     assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"] == spec["secretName"]
 
 
-@pytest.mark.parametrize("insecure", [False, True])
-def test_without_tls_the_daemons_start_only_when_told_it_is_insecure(insecure, tmp_path, monkeypatch):
-    _, by_kind = _render({"tls": {"enabled": False}, "insecure": insecure})
+def test_without_tls_the_daemons_start_only_when_told_it_is_insecure(tmp_path, monkeypatch):
+    _, by_kind = _render({"tls": {"enabled": False}, "insecure": True})
     container = _sidecars(by_kind["Deployment"][0])[0]
-    config = _daemon_config(container, by_kind["ConfigMap"][0]["data"]["kvxferd.yaml"], tmp_path, monkeypatch)
-    assert (refusal(config) is None) == insecure
+    config_text = by_kind["ConfigMap"][0]["data"]["kvxferd.yaml"]
+    assert refusal(_daemon_config(container, config_text, tmp_path, monkeypatch)) is None
+    # What the chart refuses to render (test_values_that_make_pods_that_cannot_work_are_refused): kvxferd would
+    # refuse to start on it too.
+    refused = config_text.replace("insecure: true", "insecure: false")
+    assert refused != config_text
+    assert refusal(_daemon_config(container, refused, tmp_path, monkeypatch)) is not None
 
 
 def test_install_notes_name_the_release_and_what_is_missing():

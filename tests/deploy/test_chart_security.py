@@ -188,7 +188,7 @@ def test_ucx_runs_on_a_pinned_range_that_only_this_release_may_reach(tmp_path, m
         other_ports = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         other_ports |= {values["ports"]["notify"] + g for g in range(daemons)}
         assert not any(low <= port <= high for port in other_ports)
-    unpinned = _release({"ports": {"ucx": None}})
+    # OS-picked ports only without the policy (with it the chart refuses: UCX would be dropped).
+    unpinned = _release({"ports": {"ucx": None}, "networkPolicy": {"enabled": False}})
     assert "ucx_tcp_port_range" not in unpinned["ConfigMap"][0]["data"]["kvxferd.yaml"]
-    assert not any("endPort" in p for policy in unpinned["NetworkPolicy"] for r in policy["spec"]["ingress"]
-                   for p in r["ports"])
+    assert "NetworkPolicy" not in unpinned

@@ -75,7 +75,7 @@ app.kubernetes.io/component: {{ .role }}
 {{- int .tensorParallelSize -}}
 {{- end -}}
 
-{{/* For `helm test`: a Python list of (headless Service, [metrics ports]) per enabled role. */}}
+{{/* For `helm test`: a Python list of (headless Service, [metrics ports], replicas) per enabled role. */}}
 {{- define "kvxferd.testTargets" -}}
 {{- $targets := list -}}
 {{- range $name, $role := .Values.roles -}}
@@ -84,8 +84,49 @@ app.kubernetes.io/component: {{ .role }}
 {{- range $gpu := until (int $role.tensorParallelSize) -}}
 {{- $ports = append $ports (add $.Values.ports.metrics $gpu) -}}
 {{- end -}}
-{{- $targets = append $targets (list (printf "%s-%s-peers" (include "kvxferd.fullname" $) $name) $ports) -}}
+{{- $targets = append $targets (list (printf "%s-peers" (include "kvxferd.roleName" (dict "root" $ "role" $name))) $ports (int $role.replicas)) -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $targets -}}
+{{- end -}}
+
+{{/* A container's resources: the values' map (copied; null or empty allowed) plus the pod's GPUs,
+     the DRA claim for every container, or resourceName on the engine with the device plugin.
+     Call with (dict "root" $ "resources" <map> "gpus" <int> "engine" <bool>). */}}
+{{- define "kvxferd.resources" -}}
+{{- $resources := deepCopy (.resources | default dict) -}}
+{{- if eq .root.Values.gpu.allocation "dra" -}}
+{{- $_ := set $resources "claims" (list (dict "name" "gpus")) -}}
+{{- else if .engine -}}
+{{- $limits := deepCopy ((get $resources "limits") | default dict) -}}
+{{- $_ := set $limits .root.Values.gpu.resourceName .gpus -}}
+{{- $_ := set $resources "limits" $limits -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
+{{/* <fullname>-<role>. With "-peers" (a Service: a DNS label) it must fit 63 characters; cutting it
+     could give two roles one name, so a name too long is refused instead. */}}
+{{- define "kvxferd.roleName" -}}
+{{- $name := printf "%s-%s" (include "kvxferd.fullname" .root) .role -}}
+{{- if gt (len $name) 57 -}}
+{{- fail (printf "%s-peers is over 63 characters: use a shorter release or role name, or fullnameOverride" $name) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* Values that would render pods that cannot work: refused with the reason, before anything is installed. */}}
+{{- define "kvxferd.checkValues" -}}
+{{- if and (not .Values.tls.enabled) (not .Values.insecure) -}}
+{{- fail "tls.enabled=false needs insecure=true (development only): without TLS or --insecure every daemon refuses to start on the pod's address" -}}
+{{- end -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.ports.ucx) -}}
+{{- fail "ports.ucx=null with networkPolicy.enabled: UCX would listen on ports the policy drops, and reads between pods would fail; set ports.ucx or turn the policy off" -}}
+{{- end -}}
+{{- if and .Values.ports.ucx (gt (int .Values.ports.ucx.min) (int .Values.ports.ucx.max)) -}}
+{{- fail "ports.ucx.min must not be above ports.ucx.max" -}}
+{{- end -}}
+{{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) -}}
+{{- fail "serviceAccount.create=false needs serviceAccount.name (an existing ServiceAccount)" -}}
+{{- end -}}
 {{- end -}}
