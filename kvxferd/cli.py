@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return demo.run(args)
     if args.command == "soak":
-        return soak.run(args)
+        return soak.run_args(args)  # not soak.run: importing kvxferd.soak.run would shadow that name
     if args.command == "serve":
         return serve.run(args)
     if args.command == "health":

@@ -59,7 +59,7 @@ def _table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
+def run_args(args: argparse.Namespace) -> int:
     """Exit 0 when every invariant held, 1 when any broke, 2 on bad arguments."""
     from kvxferd.soak.hosts import HostsUnavailable
     from kvxferd.soak.run import Soak

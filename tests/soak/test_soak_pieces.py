@@ -96,7 +96,7 @@ def test_the_end_measure_waits_for_a_registration_whose_deregistration_failed(mo
     import importlib
     import types
 
-    run = importlib.import_module("kvxferd.soak.run")  # the module (the package exports a function of that name)
+    run = importlib.import_module("kvxferd.soak.run")
 
     clean = {"pid": 1, "fds": 30, "threads": 15, "rss_bytes": 1, "other_shm_mappings": 0, "engine_shm": [],
              "engines_registered": 0}
