@@ -203,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    from kvxferd.bench.hosts import HostsUnavailable
+    from kvxferd.verify.hosts.policy import HostsUnavailable
 
     try:
         figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary, grpc_stream=not args.no_grpc_stream,

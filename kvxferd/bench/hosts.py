@@ -21,28 +21,14 @@ import zmq
 from kvxferd.verify.hosts import policy
 from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, host_daemon, ucx_environment
 from kvxferd.verify.hosts.fabric import Fabric
-from kvxferd.verify.hosts.nsenter import call_in_netns, setns_fd, setns_thread
-
-
-class HostsUnavailable(RuntimeError):
-    """Namespace hosts cannot run here: the reason."""
-
-
-def _start_global_zmq_context() -> None:
-    # NotifySubscriber uses the process's global context: its I/O thread must start here, in h0, or the
-    # subscriptions would dial this process's own loopback and wait forever.
-    if getattr(zmq.Context, "_instance", None) is not None:
-        raise RuntimeError("bench daemon --hosts must start before anything in this process used ZMQ")
-    zmq.Context.instance().socket(zmq.SUB).close(linger=0)
+from kvxferd.verify.hosts.nsenter import setns_fd, setns_thread, zmq_context_in
 
 
 class HostsPlacement:
     """Where ``bench daemon``'s clusters start their daemons (``start_many``), and the raw baseline's TLS."""
 
     def __init__(self, workdir: str) -> None:
-        reason = policy.unavailable()
-        if reason:
-            raise HostsUnavailable(f"--hosts cannot run here: {reason}")
+        policy.require()
         self._root_netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._environ = dict(os.environ)
         try:
@@ -54,7 +40,11 @@ class HostsPlacement:
             ca, cert, key = (open(path, "rb").read() for path in self.pki.client_files("bench-raw"))
             self.credentials = grpc.ssl_channel_credentials(ca, key, cert)
             self.daemon_args: tuple[str, ...] = ()
-            call_in_netns(self.prefill_host.netns, _start_global_zmq_context)
+            # NotifySubscriber uses the process's global context: its I/O thread must start in h0, or the
+            # subscriptions would dial this process's own loopback and wait forever.
+            if getattr(zmq.Context, "_instance", None) is not None:
+                raise RuntimeError("bench daemon --hosts must start before anything in this process used ZMQ")
+            zmq_context_in(self.prefill_host.netns, zmq.Context.instance)
             os.environ.update(ucx_environment(self.decode_host, self.ports))  # the raw agent's UCX
             setns_thread(self.decode_host.netns)  # threads started from here on (gRPC, UCX) are in h1 too
         except BaseException:

@@ -19,21 +19,13 @@ from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, start
 from kvxferd.verify.hosts.fabric import Fabric
 from kvxferd.verify.hosts import policy
 
-MAX_HOSTS = 8
-
-
-class HostsUnavailable(RuntimeError):
-    """Namespace hosts cannot run here (not root, no netns, no iptables): the reason."""
-
 
 class DemoHosts:
     """The fabric, its policy and every host's daemons; :meth:`close` removes all of it."""
 
     def __init__(self, num_hosts: int, prefill_tp: int, decode_tp: int, workdir: str,
                  daemon_args: tuple[str, ...]) -> None:
-        reason = policy.unavailable()
-        if reason:
-            raise HostsUnavailable(f"--hosts cannot run here: {reason}")
+        policy.require()
         self.fabric = Fabric(num_hosts)
         try:
             hosts = self.fabric.hosts

@@ -15,10 +15,11 @@ from kvxferd.client import DaemonProcess
 from kvxferd.demo import shm
 from kvxferd.demo import summary as figures
 from kvxferd.demo.engines import DecodeEngine, PrefillEngine
-from kvxferd.demo.hosts import MAX_HOSTS, DemoHosts, HostsUnavailable
+from kvxferd.demo.hosts import DemoHosts
 from kvxferd.errors import KvxferError
 from kvxferd.tp.shards import check_tp
 from kvxferd.verify.engines import check_pairing
+from kvxferd.verify.hosts.policy import MAX_HOSTS, HostsUnavailable
 from kvxferd.verify.models import DECODE_LAYOUTS, MODELS, ModelShape, model_groups, random_request
 from kvxferd.verify.process import EngineFailed, EngineProcess
 

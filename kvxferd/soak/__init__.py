@@ -61,14 +61,15 @@ def _table(summary: dict) -> str:
 
 def run_args(args: argparse.Namespace) -> int:
     """Exit 0 when every invariant held, 1 when any broke, 2 on bad arguments."""
-    from kvxferd.soak.hosts import HostsUnavailable
+    from kvxferd.verify.hosts.policy import MAX_HOSTS, HostsUnavailable
     from kvxferd.soak.run import Soak
 
     if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or args.epoch_requests < 1:
         print("kvxferd soak: --duration must be > 0, --fault-rate in [0, 1], --epoch-requests >= 1", file=sys.stderr)
         return 2
-    if args.hosts and not 2 <= args.hosts <= 8:
-        print("kvxferd soak: --hosts must be 2..8 (a prefill host and at least one decode host)", file=sys.stderr)
+    if args.hosts and not 2 <= args.hosts <= MAX_HOSTS:
+        print(f"kvxferd soak: --hosts must be 2..{MAX_HOSTS} (a prefill host and at least one decode host)",
+              file=sys.stderr)
         return 2
     args.faults = args.faults or ",".join(default_kinds(bool(args.hosts)))
     kinds = set(args.faults.split(","))

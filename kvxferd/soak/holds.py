@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.verify.hosts.nsenter import call_in_netns
+from kvxferd.verify.hosts.nsenter import zmq_context_in
 from kvxferd.wire.names import topic
 
 TERMINAL = {pb.NotifyEvent.CONSUMED: "CONSUMED", pb.NotifyEvent.EXPIRED: "EXPIRED"}
@@ -39,7 +39,7 @@ class HoldLedger:
 
     def __init__(self, notify_addresses: list[str], violate, *, netns: str | None = None) -> None:
         """``netns``: the daemons' buses are on the loopback of that network namespace (``--hosts``)."""
-        self._context = call_in_netns(netns, _started_context) if netns else zmq.Context.instance()
+        self._context = zmq_context_in(netns) if netns else zmq.Context.instance()
         self._addresses = list(notify_addresses)
         self._violate = violate
         self.lives = [0] * len(notify_addresses)
@@ -141,11 +141,3 @@ class HoldLedger:
     def close(self) -> None:
         for socket in self._sockets:
             socket.close(linger=0)
-
-
-def _started_context() -> zmq.Context:
-    """A ZMQ context whose I/O thread runs in the calling thread's network namespace: libzmq starts it with
-    the first socket, and every later connection of the context is made from that thread."""
-    context = zmq.Context()
-    context.socket(zmq.SUB).close(linger=0)
-    return context

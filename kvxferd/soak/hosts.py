@@ -21,20 +21,12 @@ from kvxferd.verify.hosts.daemons import ChartPorts, NamespaceDaemon, Pki, start
 from kvxferd.verify.hosts.fabric import Fabric, Host
 from kvxferd.verify.hosts.linkfaults import LinkFaults
 
-MAX_HOSTS = 8
-
-
-class HostsUnavailable(RuntimeError):
-    """Namespace hosts cannot run here: the reason (not root, no netns, no iptables)."""
-
 
 class SoakHosts:
     """The fabric, its policy, its link faults and every host's daemons."""
 
     def __init__(self, num_hosts: int, max_tp: int, workdir: str, daemon_args: tuple[str, ...]) -> None:
-        reason = policy.unavailable()
-        if reason:
-            raise HostsUnavailable(f"--hosts cannot run here: {reason}")
+        policy.require()
         self.fabric = Fabric(num_hosts)
         try:
             self.prefill_host, self.decode_hosts = self.fabric.hosts[0], self.fabric.hosts[1:]

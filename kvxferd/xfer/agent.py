@@ -257,6 +257,14 @@ class NixlAgent:
     def state(self, handle) -> "TransferState":
         return TransferState(self._call("check_xfer_state", self._agent.check_xfer_state, handle))
 
+    def running(self, handle) -> bool:
+        """Whether a transfer is still in flight (False once it ended, failed, or its handle is gone): an
+        abandoned READ keeps writing until then, since releasing its handle does not stop it."""
+        try:
+            return self.state(handle) is TransferState.PROC
+        except NixlError:
+            return False
+
     def descriptors_moved(self, handle) -> int:
         """Descriptors NIXL moved for a finished transfer, after merging (needs ``telemetry``)."""
         return int(self._call("get_xfer_telemetry", self._agent.get_xfer_telemetry, handle).descCount)

@@ -122,11 +122,7 @@ class CheckArea:
     def _reclaim(self) -> None:
         """Free the quarantined slots whose READ ended."""
         for handle, slot in list(self._quarantine):
-            try:
-                running = self.agent.state(handle) is TransferState.PROC
-            except NixlError:
-                running = False
-            if not running:
+            if not self.agent.running(handle):
                 self._quarantine.remove((handle, slot))
                 self._release(handle)
                 self._free.append(slot)

@@ -146,7 +146,6 @@ class ReadExecutor:
         with self.lock:
             remote = self._remotes.pop(engine_id, None)
             if remote is not None and remote.num_draining:
-                remote.retired = True
                 self._retired.append(remote)
             elif remote is not None:
                 self._unload(remote)
@@ -427,7 +426,7 @@ class ReadExecutor:
         True when none is left."""
         past = force or time.perf_counter() >= inflight.drain_until_s
         for key, (handle, slot) in list(inflight.draining.items()):
-            running = not isinstance(handle, PendingDeviceCopy) and self._running(handle)
+            running = not isinstance(handle, PendingDeviceCopy) and self.agent.running(handle)
             if running and not past:
                 continue
             del inflight.draining[key]
@@ -441,16 +440,10 @@ class ReadExecutor:
         inflight.drain_counted = False
         remote = inflight.remote
         remote.num_draining -= 1
-        if remote.retired and not remote.num_draining:
+        if not remote.num_draining and remote in self._retired:
             self._retired.remove(remote)
             self._unload(remote)
         return True
-
-    def _running(self, handle) -> bool:
-        try:
-            return self.agent.state(handle) is TransferState.PROC
-        except NixlError:
-            return False
 
     def read(self, remote_engine_id: str, request: ReadRequest, timeout_s: float = 30.0) -> ReadResult:
         """Post and wait for one request."""

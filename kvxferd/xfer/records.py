@@ -61,9 +61,8 @@ class RemoteEngine:
     hold_keys: tuple[bytes, ...] = ()  # per remote rank, with the boards: every read's capabilities are checked
     probe: BoardProbe | None = None  # the connection's probe while it runs (start_probe)
     # Reads of this connection whose aborted transfers may still run: a re-handshake keeps it loaded
-    # (``retired``) until they ended, so none runs on after its lists and remote agents were released.
+    # (ReadExecutor's retired list) until they ended, so none runs on after its lists and agents were released.
     num_draining: int = 0
-    retired: bool = False
     # Same-host reads (issue #37): remote rank -> its memory opened here, copied by this process instead of
     # a NIXL READ (host memory: in the kernel; GPU memory: a batch on the device); a rank whose memory could
     # not be opened reads over NIXL (why: host_errors).

@@ -152,7 +152,7 @@ def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world
     abort_drain_s it says its blocks may still be written (the real late write over a partitioned link:
     tests/verify/hosts/test_late_writes.py)."""
     healthy, _, decode, executor, _ = world
-    monkeypatch.setattr(executor, "_running", lambda handle: True)  # a transfer that never ends
+    monkeypatch.setattr(executor.agent, "running", lambda handle: True)  # a transfer that never ends
     executor.abort_drain_s = 0.2
     inflight = _unposted(executor, "stuck")
     fake = object()  # a handle NIXL still runs: released only when the drain gives up
@@ -169,7 +169,7 @@ def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world
 
 def test_an_abort_without_drain_releases_at_once(world, monkeypatch):
     healthy, _, decode, executor, _ = world
-    monkeypatch.setattr(executor, "_running", lambda handle: True)
+    monkeypatch.setattr(executor.agent, "running", lambda handle: True)
     inflight = _unposted(executor, "at-once")
     released = []
     monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
@@ -181,7 +181,7 @@ def test_an_abort_without_drain_releases_at_once(world, monkeypatch):
 def _draining_read(executor, request_id, monkeypatch, running):
     """A read of ``healthy`` aborted while a (stand-in) transfer of it still runs: NIXL says so while
     ``running["yes"]``."""
-    monkeypatch.setattr(executor, "_running", lambda handle: running["yes"])
+    monkeypatch.setattr(executor.agent, "running", lambda handle: running["yes"])
     released = []
     monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
     inflight = _unposted(executor, request_id)
@@ -219,7 +219,7 @@ def test_a_replaced_connection_stays_loaded_until_its_aborted_reads_drained(worl
     remote = inflight.remote
     assert executor.abort(inflight, "the remote engine was re-handshaked") is None
     executor.disconnect("healthy")
-    assert remote.retired and remote.local_lists  # kept: the transfer may still run
+    assert remote in executor._retired and remote.local_lists  # kept: the transfer may still run
     running["yes"] = False
     assert executor.poll(inflight) is not None
     assert not remote.local_lists and not remote.remote_lists  # released once it ended

@@ -23,6 +23,8 @@ import ctypes
 import os
 import threading
 
+import zmq
+
 NETNS_DIR = "/run/netns"  # where `ip netns add` names namespaces
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
@@ -97,3 +99,15 @@ def call_in_netns(name: str | None, fn, *args, **kwargs):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def zmq_context_in(name: str, make=zmq.Context) -> zmq.Context:
+    """A ZMQ context (``make()``: a new one, or ``zmq.Context.instance`` for the process's global one) whose
+    I/O thread runs inside ``name``: libzmq starts that thread with the context's first socket, and every
+    later connection of the context is made from it, so subscriptions reach ``name``'s loopback."""
+    def start() -> zmq.Context:
+        context = make()
+        context.socket(zmq.SUB).close(linger=0)
+        return context
+
+    return call_in_netns(name, start)

@@ -31,6 +31,7 @@ from kvxferd.verify.hosts import fabric as fabric_rig
 from kvxferd.verify.hosts.fabric import IPTABLES, Fabric, Host
 
 POLICY_CHAIN = "KVX-POLICY"
+MAX_HOSTS = 8  # the most hosts `--hosts N` of the demo and the soak take (the fabric holds more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +43,20 @@ class Admitted:
     high: int
 
 
+class HostsUnavailable(RuntimeError):
+    """Namespace hosts cannot run here (not root, no netns, no iptables, no Helm engine): the reason."""
+
+
 def unavailable() -> str | None:
     """Why namespace hosts with the chart's policy cannot run here (None when they can)."""
     return fabric_rig.unavailable() or chart.unavailable()
+
+
+def require() -> None:
+    """Raise :class:`HostsUnavailable` with the reason when namespace hosts cannot run here (``--hosts``)."""
+    reason = unavailable()
+    if reason:
+        raise HostsUnavailable(f"--hosts cannot run here: {reason}")
 
 
 def chart_values() -> dict:
