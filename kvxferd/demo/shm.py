@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from kvxferd.verify.engines import REGION_GAP_BYTES, region_num_bytes
+from kvxferd.verify.engines import arena_layout
 from kvxferd.verify.models import ModelShape, model_groups
 
 SHM_DIR = "/dev/shm"
@@ -25,12 +25,7 @@ MIB = 1 << 20
 
 def engine_bytes(groups, tp_size: int) -> int:
     """Shared memory of one engine, every TP rank: the arenas :func:`kvxferd.verify.engines.allocate_engine` asks for."""
-    total = 0
-    for rank in range(tp_size):
-        sizes = [region_num_bytes(group.spec, tp_size, rank) for group in groups]
-        strides = [-(-size // REGION_GAP_BYTES) * REGION_GAP_BYTES + REGION_GAP_BYTES for size in sizes]
-        total += sum(stride * group.num_regions for stride, group in zip(strides, groups)) + REGION_GAP_BYTES
-    return total
+    return sum(arena_layout(groups, tp_size, rank)[2] for rank in range(tp_size))
 
 
 def needed_bytes(models: Sequence[str], shape: ModelShape, prefill_tp: int, decode_tp: int,

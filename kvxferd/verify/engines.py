@@ -68,6 +68,15 @@ class EngineBuffers:
                 buf[...] = SENTINEL
 
 
+def arena_layout(groups: Sequence[CacheGroup], tp_size: int, tp_rank: int) -> tuple[list[int], list[int], int]:
+    """One engine rank's arena: each group's region size and stride (a region, then a sentinel gap), and the
+    arena's bytes (a gap first)."""
+    sizes = [region_num_bytes(group.spec, tp_size, tp_rank) for group in groups]
+    strides = [-(-size // REGION_GAP_BYTES) * REGION_GAP_BYTES + REGION_GAP_BYTES for size in sizes]
+    num_bytes = sum(stride * group.num_regions for stride, group in zip(strides, groups)) + REGION_GAP_BYTES
+    return sizes, strides, num_bytes
+
+
 def allocate_engine(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, tp_rank: int, *, tagged: bool,
                     allocate: Callable[[int], np.ndarray] | None = None) -> EngineBuffers:
     """Allocate (and tag, for a prefill rank) every region of one engine rank.
@@ -75,9 +84,7 @@ def allocate_engine(engine_id: str, groups: Sequence[CacheGroup], tp_size: int, 
     ``allocate(num_bytes)`` supplies the arena (default: process memory;
     engines behind a daemon pass shared memory).
     """
-    sizes = [region_num_bytes(group.spec, tp_size, tp_rank) for group in groups]
-    strides = [-(-size // REGION_GAP_BYTES) * REGION_GAP_BYTES + REGION_GAP_BYTES for size in sizes]
-    num_bytes = sum(stride * group.num_regions for stride, group in zip(strides, groups)) + REGION_GAP_BYTES
+    sizes, strides, num_bytes = arena_layout(groups, tp_size, tp_rank)
     arena = np.empty(num_bytes, dtype=np.uint8) if allocate is None else allocate(num_bytes)
     arena[...] = SENTINEL
     buffers, memory, offset = [], [], REGION_GAP_BYTES
