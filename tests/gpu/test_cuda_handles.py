@@ -55,12 +55,13 @@ def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp, same
         for client, (_, message) in zip(clients, prefill + decode):
             client.register(message)
         request = random_request("g", prefill_groups, decode_groups, 70, np.random.default_rng(0))
-        for client in clients[:prefill_tp]:
-            client.hold(request.remote_request_id, request.remote_block_ids)
+        # issue #35: a read carries each prefill rank's capability for the hold, in rank order
+        capabilities = [client.hold(request.remote_request_id, request.remote_block_ids).capability
+                        for client in clients[:prefill_tp]]
         for client in clients[prefill_tp:]:
             client.handshake("gp", [d.peer_address for d in daemons[:prefill_tp]])
             client.submit_read(request.request_id, "gp", request.remote_request_id, request.local_block_ids,
-                               request.remote_block_ids, num_tokens=70)
+                               request.remote_block_ids, num_tokens=70, remote_capabilities=capabilities)
         for client in clients[prefill_tp:]:
             completion = client.reads.wait_completion(request.request_id)
             assert completion.ok, completion.error
@@ -179,10 +180,10 @@ def test_vmm_fd_regions_read_through_daemons_and_are_bounds_checked(tmp_path):
             send_fds(fd_socket_path(daemon.socket), "ok", [vmm.fd])
             client.register(message, fd_token="ok")
         request = random_request("v", prefill_groups, decode_groups, 70, np.random.default_rng(1))
-        clients[0].hold(request.remote_request_id, request.remote_block_ids)
+        capability = clients[0].hold(request.remote_request_id, request.remote_block_ids).capability
         clients[1].handshake("vp", [daemons[0].peer_address])
         clients[1].submit_read(request.request_id, "vp", request.remote_request_id, request.local_block_ids,
-                               request.remote_block_ids, num_tokens=70)
+                               request.remote_block_ids, num_tokens=70, remote_capabilities=[capability])
         completion = clients[1].reads.wait_completion(request.request_id)
         assert completion.ok, completion.error
         _daemon, decode_host, decode_vmm, _ = engines[1]
