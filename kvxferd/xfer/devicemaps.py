@@ -14,7 +14,7 @@ device copies on the reader's stream::
     holder's address space        reader's address space
     region r at A_r ── handle h, offset o_r ──► allocation h opened at B (peer access if another GPU)
     remote span at a              ──────────► a - A_r + B + o_r   (checked: inside region r)
-    one read: cuMemcpyBatchAsync(local spans <- translated spans) + an event, polled like a NIXL READ
+    one read: one span-copy launch (local spans <- translated spans) + an event, polled like a NIXL READ
 
 The board checks before and after, the notices and the deadline stay as
 over NIXL. Opening a handle gives the reader the whole allocation, not only

@@ -1,4 +1,7 @@
-"""Batched device copies (issue #37) against a played driver: the right spans, only once the event says so."""
+"""Batched device copies (issue #37) against a played driver: the right spans, only once the event says so.
+
+:class:`FakeDriver` has no kernel calls, so these run the ``cuMemcpyBatchAsync`` fallback; the tests marked
+with both drivers also run the span-copy kernel's path (tests/cuda/test_spancopy.py has the rest of it)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ from kvxferd.cuda import copies
 from kvxferd.cuda.copies import BatchCopier
 from kvxferd.errors import TransferError, UnavailableError
 from tests.cuda.fake_driver import FakeDriver
+from tests.cuda.test_spancopy import KernelDriver
+
+both_drivers = pytest.mark.parametrize("driver_class", [FakeDriver, KernelDriver])
 
 
 def _spans(rng, source: np.ndarray, target: np.ndarray, num_spans: int):
@@ -34,6 +40,7 @@ def test_a_batch_copies_exactly_its_spans_and_only_once_its_event_ended():
     target = np.zeros(1 << 16, np.uint8)
     driver = FakeDriver(lag=3)
     copier = BatchCopier(2, lib=driver)
+    assert copier.method == "cuMemcpyBatchAsync"  # the played driver cannot load the kernel
     (dsts, srcs, sizes), expected = _spans(rng, source, target, 300)
     event = copier.submit(dsts, srcs, sizes)
     assert driver.batch_sizes == [300]  # one driver call for the whole read, not one per span
@@ -80,8 +87,9 @@ def test_a_refused_batch_names_the_copy_and_records_no_event():
         copier.submit(np.array([1, 2]), np.array([4]), np.array([1]))
 
 
-def test_a_device_error_ends_the_batch_as_a_transfer_error():
-    driver = FakeDriver()
+@both_drivers
+def test_a_device_error_ends_the_batch_as_a_transfer_error(driver_class):
+    driver = driver_class()
     copier = BatchCopier(0, lib=driver)
     buffer = np.zeros(64, np.uint8)
     event = copier.submit(np.array([buffer.ctypes.data]), np.array([buffer.ctypes.data + 32]), np.array([8]))
@@ -114,7 +122,7 @@ def test_an_empty_batch_is_only_an_event():
     assert event.done() and "cuMemcpyBatchAsync" not in driver.calls
 
 
-def test_a_driver_without_the_batch_call_is_unavailable():
+def test_a_driver_without_the_batch_call_nor_kernel_calls_is_unavailable():
     with pytest.raises(UnavailableError, match="12.8"):
         copies._typed(types.SimpleNamespace())
     with pytest.raises(UnavailableError, match="12.8"):
@@ -131,10 +139,11 @@ def test_without_a_gpu_driver_a_copier_cannot_be_made():
         pytest.skip("this machine has a CUDA driver: tests/gpu covers the copier")
 
 
-def test_every_thread_that_submits_or_polls_gets_the_context_made_current():
+@both_drivers
+def test_every_thread_that_submits_or_polls_gets_the_context_made_current(driver_class):
     """A daemon posts on its event loop and polls on its data-plane thread: CUDA's current context is per
     thread, so each call makes it current first (else the driver would use none, or another GPU's)."""
-    driver = FakeDriver(lag=1)
+    driver = driver_class(lag=1)
     copier = BatchCopier(1, lib=driver)
     source, target = np.arange(1, 33, dtype=np.uint8), np.zeros(32, np.uint8)
     events, errors = [], []
@@ -164,8 +173,9 @@ def test_every_thread_that_submits_or_polls_gets_the_context_made_current():
     assert not errors and np.array_equal(target, source)
 
 
-def test_the_check_copy_reads_a_few_bytes_of_an_allocation_and_a_fault_breaks_the_copier():
-    driver = FakeDriver(lag=5)
+@both_drivers
+def test_the_check_copy_reads_a_few_bytes_of_an_allocation_and_a_fault_breaks_the_copier(driver_class):
+    driver = driver_class(lag=5)
     copier = BatchCopier(0, lib=driver)
     allocation = np.arange(256, dtype=np.uint8)
     copier.check_source(allocation.ctypes.data, allocation.nbytes)  # waits: no lag counts
@@ -193,3 +203,20 @@ def test_the_driver_calls_are_typed_as_the_cuda_12_8_header_has_them():
     assert ctypes.sizeof(copies.MemcpyAttributes) == 24
     assert [getattr(copies.MemcpyAttributes, f).offset for f in ("src_access_order", "src_location", "dst_location",
                                                                    "flags")] == [0, 4, 12, 20]
+
+
+def test_the_kernel_calls_are_typed_as_the_cuda_12_header_has_them():
+    """A driver with the kernel's calls and no batch call (CUDA 12.0 to 12.7) is usable: cuLaunchKernel's 11
+    arguments with kernelParams and extra as void**, and a 64-bit device address for the table's upload."""
+    fake = types.SimpleNamespace(**{name: types.SimpleNamespace() for name in (
+        "cuModuleLoadData", "cuModuleGetFunction", "cuModuleUnload", "cuLaunchKernel", "cuMemcpyHtoDAsync_v2",
+        "cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuCtxSetCurrent",
+        "cuMemAlloc_v2", "cuMemFree_v2", "cuStreamCreate", "cuStreamSynchronize", "cuStreamDestroy_v2",
+        "cuEventCreate", "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy_v2")})
+    typed = copies._typed(fake)
+    launch = typed.cuLaunchKernel.argtypes
+    assert len(launch) == 11 and launch[1:8] == [ctypes.c_uint] * 7
+    assert launch[9] == launch[10] == ctypes.POINTER(ctypes.c_void_p)
+    assert typed.cuMemcpyHtoDAsync_v2.argtypes[0] == ctypes.c_uint64
+    assert typed.cuModuleLoadData.argtypes[1] == ctypes.c_char_p  # the PTX, NUL-terminated
+    assert not hasattr(typed, "cuMemcpyBatchAsync")
