@@ -39,6 +39,7 @@ from kvxferd.plan.leases import EXPIRED, HoldEnd
 from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.service.net.callcap import CallCap, http2_stream_limit
 from kvxferd.service.net.bus import NotifyBus
 from kvxferd.service.config import DaemonConfig
 from kvxferd.service.reads.dataplane import DataPlane
@@ -237,8 +238,11 @@ class Daemon:
         config = self.config
         options = [("grpc.max_receive_message_length", max_request_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0),
-                   ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
-        server = grpc.aio.server(options=options)
+                   ("grpc.max_concurrent_streams", http2_stream_limit(config.max_concurrent_streams))]
+        refused = self.metrics.rpc_errors
+        cap = CallCap(config.max_concurrent_streams,
+                      on_refused=lambda method: refused.labels(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc())
+        server = grpc.aio.server(options=options, interceptors=[cap])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if config.reflection if config.reflection is not None else not config.tls:
             reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

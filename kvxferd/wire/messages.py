@@ -69,8 +69,13 @@ def _check_host_port(address: str, field: str) -> None:
         raise InvalidArgumentError(field, f"{address!r} is not host:port with a port in 1..65535")
 
 
-def check_seconds(value: float, field: str, *, default_s: float, max_s: float) -> float:
-    """A duration from outside (lease, deadline): 0 means ``default_s``; finite, positive, at most ``max_s``.
+def check_seconds(value: float, field: str, *, default_s: float, max_s: float, limit: str) -> float:
+    """A duration from outside (lease, deadline): 0 means ``default_s``; finite, positive, at most ``max_s``
+    (the option named ``limit``).
+
+    Over the limit is INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: the limit is
+    fixed for the daemon's life, so the same request never succeeds later,
+    and engines back off and retry on RESOURCE_EXHAUSTED.
 
     NaN compares false with everything and inf never runs out: either would
     pin blocks or keep a read waiting forever, so both are refused by name.
@@ -78,7 +83,7 @@ def check_seconds(value: float, field: str, *, default_s: float, max_s: float) -
     if not math.isfinite(value) or value < 0:
         raise InvalidArgumentError(field, f"must be a finite number of seconds >= 0 (0: the default), got {value}")
     if value > max_s:
-        raise InvalidArgumentError(field, f"{value:g} s is over this daemon's limit of {max_s:g} s")
+        raise InvalidArgumentError(field, f"{value:g} s is over this daemon's {limit} ({max_s:g} s)")
     return value or default_s
 
 

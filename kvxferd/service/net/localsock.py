@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
-import socket
 import stat
 
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError

@@ -33,7 +33,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.reads.completions import COMPLETIONS_PER_BATCH, StreamReplaced
 from kvxferd.service.engines.holding import lease_seconds, place_hold
-from kvxferd.service.status import error_status, status_code
+from kvxferd.service.status import error_status
 from kvxferd.service.peers.tls import authorize_peer, peer_identities
 from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
 from kvxferd.wire.names import SESSION_KEY

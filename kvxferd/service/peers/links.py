@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, TransferError
+from kvxferd.errors import (InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, PermissionDeniedError,
+                            ResourceExhaustedError, TransferError)
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.reads.dataplane import DataPlane
@@ -292,13 +293,21 @@ class Peers:
                 log.warning("lease renewal failed", extra={"remote_engine_id": link.remote_engine_id, "error": str(outcome)})
 
 
+# A remote daemon's answer, as the engine that asked for the handshake gets it (docs/protocol.md,
+# "Status codes"): permanent refusals keep their code, so an engine that retries on UNAVAILABLE does
+# not retry them forever. The remote's UNAUTHENTICATED is about this daemon's credentials (its
+# certificate or the host's peer secret), never the engine's session: the engine gets PERMISSION_DENIED.
+_PEER_CODES: dict[grpc.StatusCode, type[KvxferError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatchError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.UNAUTHENTICATED: PermissionDeniedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+}
+
+
 def _peer_error(field: str, address: str, err: grpc.aio.AioRpcError) -> KvxferError:
-    """A peer's gRPC failure as our typed error, keeping its status meaning."""
+    """A peer's gRPC failure as our typed error, keeping its status meaning (anything else: UNAVAILABLE)."""
     detail = f"{address}: {err.code().name}: {err.details()}"
-    if err.code() == grpc.StatusCode.NOT_FOUND:
-        return NotFoundError(field, detail)
-    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgumentError(field, detail)
-    if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-        return LayoutMismatchError(field, detail)
-    return TransferError(field, detail)
+    return _PEER_CODES.get(err.code(), TransferError)(field, detail)

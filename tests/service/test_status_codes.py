@@ -1,0 +1,246 @@
+"""Issue 40: every status code of docs/protocol.md's table, drawn from real daemons as an engine meets it.
+
+The table is read from the doc: a code added there without a case here, or
+a case whose code the table does not name, fails
+:func:`test_the_table_and_the_cases_name_the_same_codes`. Each case is one
+engine-side action and the code it must get; the ones that failed before
+issue 40 say so.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvxferd.client import DaemonProcess, EngineClient
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.verify.daemons import DaemonCluster
+from kvxferd.verify.models import ModelShape, model_groups, random_request
+from tests.service.helpers import engine_pb, status
+
+C = grpc.StatusCode
+GROUPS = model_groups("gqa", ModelShape())
+PROTOCOL = pathlib.Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+ANSWER_S = 5.0
+LIMITS = ("--max-lease-s", "60", "--max-deadline-s", "60", "--max-holds-per-engine", "3",
+          "--max-message-bytes", "65536")
+
+
+def table_codes(text: str | None = None) -> list[str]:
+    """The codes in the first column of protocol.md's "Status codes" table (of ``text``), in order."""
+    section = (text or PROTOCOL.read_text()).split("## Status codes", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([A-Z_]+)` \|", section, flags=re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir):
+    with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="sc", daemon_args=LIMITS) as c:
+        yield c
+
+
+@pytest.fixture
+def arenas():
+    kept = []
+    yield kept
+    for arena in kept:
+        arena.close()
+
+
+def other_engine(cluster, engine_id, arenas, groups=GROUPS[0], **register) -> EngineClient:
+    """A second engine on the prefill daemon (closed by the caller)."""
+    client = EngineClient(cluster.prefill_daemons[0].engine_target)
+    client.register(engine_pb(groups, engine_id, arenas), **register)
+    return client
+
+
+# ---- one case per code: (code, what the message must contain) ---------------------------------------
+def invalid_argument(cluster, arenas):
+    prefill = cluster.prefill_clients[0]
+    code, details = status(lambda: prefill.hold("sc-big", [[1_000_000]]))
+    assert code == C.INVALID_ARGUMENT and details.startswith("block_ids[0]"), details
+    # Over a fixed limit is INVALID_ARGUMENT naming the limit: retrying never helps (docs say why).
+    code, details = status(lambda: prefill.hold("sc-long", [[1]], lease_s=61))
+    assert code == C.INVALID_ARGUMENT and details.startswith("lease_s") and "max_lease_s (60 s)" in details, details
+    request = random_request("sc-deadline", *GROUPS, 16, np.random.default_rng(3))
+    decode = cluster.decode_clients[0]
+    code, details = status(lambda: decode.submit_read(request.request_id, cluster.prefill_id, "x",
+                                                      request.local_block_ids, request.remote_block_ids,
+                                                      deadline_s=61))
+    assert code == C.INVALID_ARGUMENT and "max_deadline_s (60 s)" in details, details
+    return code
+
+
+def failed_precondition(cluster, arenas):
+    other = other_engine(cluster, "sc-headsize", arenas, model_groups("gqa", ModelShape(head_size=32))[0])
+    try:
+        code, details = status(lambda: cluster.decode_clients[0].handshake(
+            "sc-headsize", [cluster.prefill_daemons[0].peer_address]))
+        assert "compatibility_hash" in details, details
+        return code
+    finally:
+        other.close()
+
+
+def not_found(cluster, arenas):
+    code, details = status(lambda: cluster.decode_clients[0].handshake(
+        "sc-nobody", [cluster.prefill_daemons[0].peer_address]))  # the remote daemon's NOT_FOUND, passed on
+    assert details.startswith("peer_addresses[0]"), details
+    return code
+
+
+def unavailable(cluster, arenas):
+    code, details = status(lambda: cluster.decode_clients[0].handshake(cluster.prefill_id, ["127.0.0.1:1"]))
+    assert details.startswith("peer_addresses[0]"), details
+    return code
+
+
+def unauthenticated(cluster, arenas):
+    stub = cluster.decode_clients[0].stub
+    code, details = status(lambda: stub.Heartbeat(pb.HeartbeatRequest(engine_id=cluster.decode_id), timeout=ANSWER_S,
+                                                  metadata=(("kvxferd-session", "not-the-session"),)))
+    assert details.startswith("engine_id"), details
+    return code
+
+
+def permission_denied(cluster, arenas):
+    """Before issue 40 the refused reader got UNAVAILABLE (the remote's PERMISSION_DENIED only in the text),
+    and an engine retrying on UNAVAILABLE retried a permanent refusal forever."""
+    guarded = other_engine(cluster, "sc-guarded", arenas, allowed_reader_engine_ids=["somebody-else"])
+    try:
+        code, details = status(lambda: cluster.decode_clients[0].handshake(
+            "sc-guarded", [cluster.prefill_daemons[0].peer_address]))
+        assert code == C.PERMISSION_DENIED and details.startswith("peer_addresses[0]"), (code, details)
+        assert "PERMISSION_DENIED" in details and "reader_engine_id" in details, details
+    finally:
+        guarded.close()
+    # a read without the hold's capabilities: refused before anything is posted
+    request = random_request("sc-unsealed", *GROUPS, 16, np.random.default_rng(4))
+    cluster.hold(request)
+    decode = cluster.decode_clients[0]
+    code, details = status(lambda: decode.submit_read(request.request_id, cluster.prefill_id,
+                                                      request.remote_request_id, request.local_block_ids,
+                                                      request.remote_block_ids))
+    assert details.startswith("remote_capabilities"), details
+    cluster.prefill_clients[0].release(request.remote_request_id)
+    return code
+
+
+def already_exists(cluster, arenas):
+    stranger = EngineClient(cluster.decode_daemons[0].engine_target)  # not the decode engine's client: no session
+    try:
+        code, details = status(lambda: stranger.stub.Register(pb.RegisterRequest(
+            engine=engine_pb(GROUPS[1], cluster.decode_id, arenas)), timeout=30))
+    finally:
+        stranger.close()
+    assert details.startswith("engine.engine_id"), details
+    return code
+
+
+def resource_exhausted(cluster, arenas):
+    prefill = cluster.prefill_clients[0]
+    for i in range(3):
+        prefill.hold(f"sc-many{i}", [[10 + i]])
+    try:
+        code, details = status(lambda: prefill.hold("sc-many3", [[20]]))
+        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_holds_per_engine"), details
+    finally:
+        for i in range(3):
+            prefill.release(f"sc-many{i}")
+    huge = [np.arange(100_000, dtype=np.int64)]  # over --max-message-bytes 65536 on the wire
+    code, details = status(lambda: cluster.decode_clients[0].submit_read("sc-huge", cluster.prefill_id, "x", huge, huge))
+    assert code == C.RESOURCE_EXHAUSTED, details
+    return code  # max_concurrent_streams: test_a_call_past_max_concurrent_streams_is_answered_at_once
+
+
+def aborted(cluster, arenas):
+    client = EngineClient(cluster.decode_daemons[0].engine_target)
+    try:
+        client.session = client.stub.Register(pb.RegisterRequest(engine=engine_pb(GROUPS[1], "sc-streams", arenas)),
+                                              timeout=30).session
+        watch = pb.WatchCompletionsRequest(engine_id="sc-streams")
+        first = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)
+        time.sleep(0.3)  # the first stream is current
+        second = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)  # kept: a dropped call is cancelled
+        code, details = status(lambda: list(first))
+        assert "replaced" in details, details
+        client.stub.Deregister(pb.DeregisterRequest(engine_id="sc-streams"), timeout=ANSWER_S)
+        assert list(second) == []
+        return code
+    finally:
+        client.close()
+
+
+CASES = {"INVALID_ARGUMENT": invalid_argument, "FAILED_PRECONDITION": failed_precondition, "NOT_FOUND": not_found,
+         "UNAVAILABLE": unavailable, "UNAUTHENTICATED": unauthenticated, "PERMISSION_DENIED": permission_denied,
+         "ALREADY_EXISTS": already_exists, "RESOURCE_EXHAUSTED": resource_exhausted, "ABORTED": aborted}
+NOT_FROM_OUTSIDE = {"INTERNAL"}  # a bug; test_fuzz_rpcs shows no bad input gets it
+
+
+def test_the_table_and_the_cases_name_the_same_codes():
+    codes = table_codes()
+    assert len(codes) == len(set(codes)), codes
+    assert set(codes) == set(CASES) | NOT_FROM_OUTSIDE
+    assert all(code in C.__members__ for code in codes), codes
+
+
+def test_the_table_reader_sees_a_missing_row():
+    """Negative control: the reader is not blind; a row taken out of the table is missed."""
+    text = PROTOCOL.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `ABORTED` |"))
+    assert "ABORTED" in table_codes() and "ABORTED" not in table_codes(text.replace(row + "\n", ""))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_code_of_the_table_from_a_real_daemon(cluster, arenas, name):
+    assert CASES[name](cluster, arenas).name == name
+    # and nothing an engine did broke the daemons: a read still works, byte-exact
+    request = random_request(f"sc-after-{name.lower()}", *GROUPS, 32, np.random.default_rng(len(name)))
+    cluster.reset_decode()
+    assert all(c.ok for c in cluster.read(request)), name
+    assert cluster.verify(request) == ([], 0)
+
+
+def test_a_call_past_max_concurrent_streams_is_answered_at_once(workdir, arenas):
+    """Before issue 40 the third call waited in the client's HTTP/2 queue: DEADLINE_EXCEEDED with a deadline,
+    forever without one. Now it is RESOURCE_EXHAUSTED at once, naming the limit, and counted."""
+    (daemon,) = DaemonProcess.start_many(["sc-streams"], socket_dir=workdir,
+                                         extra_args=("--max-concurrent-streams", "2"))
+    clients = [EngineClient(daemon.engine_target, reads_stream=False) for _ in range(2)]
+    try:
+        for k, client in enumerate(clients):  # each opens its WatchCompletions: two calls run
+            client.register(engine_pb(GROUPS[1], f"sc-s{k}", arenas), heartbeat_s=0)
+        give_up_s = time.monotonic() + 10
+        while True:  # until both streams run on the daemon
+            try:
+                clients[0].stub.Heartbeat(pb.HeartbeatRequest(engine_id="sc-s0"), timeout=2)
+            except grpc.RpcError as err:
+                code, details = err.code(), err.details()
+                break
+            assert time.monotonic() < give_up_s, "two streams never ran at once"
+            time.sleep(0.05)
+        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_concurrent_streams"), (code, details)
+        assert "limit 2" in details, details
+        assert 'kvxferd_rpc_errors_total{code="RESOURCE_EXHAUSTED",method="Heartbeat"}' in daemon.metrics_text()
+        # the health service is not counted: a probe still answers
+        with grpc.insecure_channel(daemon.engine_target) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        clients[1].close()  # its stream ends: one call runs
+        give_up_s = time.monotonic() + 10
+        while True:
+            try:
+                clients[0].stub.Heartbeat(pb.HeartbeatRequest(engine_id="sc-s0"), timeout=2)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == C.RESOURCE_EXHAUSTED and time.monotonic() < give_up_s, err
+                time.sleep(0.05)
+    finally:
+        for client in clients:
+            client.close()
+        daemon.terminate()
