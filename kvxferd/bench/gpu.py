@@ -56,6 +56,7 @@ from kvxferd.bench.common import bench_main, full_attention_groups, percentiles_
 from kvxferd.bench.raw import RawReader, prepare_raw, read_all
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.verify.engines import verify_decode
 from kvxferd.verify.gpu import GpuEngine, cuda_missing
@@ -137,8 +138,9 @@ def _own_memory_s(decode: GpuEngine, groups: tuple[CacheGroup, ...], request: Re
         owner.close()
 
 
-def _daemon_read(prefill: EngineProcess, client: EngineClient, request: ReadRequest) -> float:
-    """Hold (untimed), then submit -> completion on the decode engine's Reads session: seconds."""
+def _daemon_read(prefill: EngineProcess, client: EngineClient, request: ReadRequest) -> tuple[float, pb.Completion]:
+    """Hold (untimed), then submit -> completion on the decode engine's Reads session: seconds, and the
+    completion (where the daemon's time went)."""
     capability = prefill.call("hold", request.remote_request_id, list(request.remote_block_ids))
     start = time.perf_counter()
     client.reads.submit_reads([client.read_spec(request.request_id, PREFILL_ID, request.remote_request_id,
@@ -148,7 +150,7 @@ def _daemon_read(prefill: EngineProcess, client: EngineClient, request: ReadRequ
     elapsed = time.perf_counter() - start
     if not completion.ok:
         raise RuntimeError(f"daemon read {request.request_id} failed: {completion.error}")
-    return elapsed
+    return elapsed, completion
 
 
 def _device_copy_s(num_bytes: int, rounds: int) -> float:
@@ -202,9 +204,9 @@ class _Pair:
             daemon.terminate()
 
 
-def _alternate(pair: _Pair, requests: list[ReadRequest]) -> tuple[list[float], list[float], list[float], int, int]:
+def _alternate(pair: _Pair, requests: list[ReadRequest]) -> tuple[list[float], list[float], list, int, int]:
     """Raw NIXL, the daemons over NIXL, the same-host daemon, for each request: ``(raw seconds, daemon
-    seconds, same-host seconds, bytes, descriptors)``."""
+    seconds, same-host (seconds, completion) pairs, bytes, descriptors)``."""
     prepared = pair.raw.prepare(requests[0])
     num_bytes = sum(p[3] for p in prepared)
     num_descriptors = sum(len(p[2]) for p in prepared)
@@ -212,11 +214,23 @@ def _alternate(pair: _Pair, requests: list[ReadRequest]) -> tuple[list[float], l
     try:
         for request in requests:
             raw_s.append(pair.raw.read(prepared))
-            daemon_s.append(_daemon_read(pair.prefill, pair.clients[0], request))
+            daemon_s.append(_daemon_read(pair.prefill, pair.clients[0], request)[0])
             same_host_s.append(_daemon_read(pair.prefill, pair.clients[1], _renamed(request, "-s")))
     finally:
         pair.raw.release(prepared)
     return raw_s, daemon_s, same_host_s, num_bytes, num_descriptors
+
+
+def same_host_split(reads: list[tuple[float, pb.Completion]]) -> dict[str, float]:
+    """Medians (us) of where a same-host read's time went, from its completion: ``plan`` (submit to the
+    data-plane thread), ``post`` (to every rank posted, plan included), ``transfer`` (the copies),
+    ``check`` (the board checks and notices), and ``outside`` (the engine's leg: the submit reaching the
+    daemon and the completion coming back, i.e. what the engine waited beyond the daemon's duration)."""
+    def p50(values) -> float:
+        return statistics.median(values) * 1e6
+    return {"plan": p50([c.plan_s for _, c in reads]), "post": p50([c.post_s for _, c in reads]),
+            "transfer": p50([c.transfer_s for _, c in reads]), "check": p50([c.check_s for _, c in reads]),
+            "outside": p50([elapsed - c.duration_s for elapsed, c in reads])}
 
 
 def _renamed(request: ReadRequest, suffix: str) -> ReadRequest:
@@ -272,6 +286,9 @@ def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, n
             small_device_s = _device_copy_s(small_bytes, rounds)
         finally:
             pair.close()
+    same_s = [elapsed for elapsed, _ in same_s]
+    small_split = same_host_split(small_same_s[1:])
+    small_same_s = [elapsed for elapsed, _ in small_same_s]
     raw_bulk_s, daemon_bulk_s, same_bulk_s = (statistics.median(times[1:]) for times in (raw_s, daemon_s, same_s))
     raw_small, daemon_small, same_small = (percentiles_us(times[1:]) for times in (small_raw_s, small_daemon_s,
                                                                                     small_same_s))
@@ -290,7 +307,8 @@ def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, n
                             "raw": raw_small, "daemon": daemon_small, "same_host": same_small,
                             "overhead_p50_us": daemon_small["p50_us"] - raw_small["p50_us"],
                             "device_copy_us": small_device_s * 1e6,
-                            "same_host_added_p50_us": same_small["p50_us"] - small_device_s * 1e6},
+                            "same_host_added_p50_us": same_small["p50_us"] - small_device_s * 1e6,
+                            "same_host_split_p50_us": small_split},
             # rank reads each decode daemon copied itself: 0 over NIXL; every read on the same-host daemon
             "same_host_copies": {"nixl_daemon": nixl_copies, "same_host_daemon": same_copies}}
 
@@ -341,6 +359,11 @@ def format_table(f: dict) -> str:
         lines.append(f"  same-host daemon p50 {s['same_host']['p50_us']:.0f} us, p99 {s['same_host']['p99_us']:.0f} us;"
                      f"   a device copy of the bytes {s['device_copy_us']:.0f} us;   added at p50 "
                      f"{s['same_host_added_p50_us']:.0f} us (target <= 500)")
+        if "same_host_split_p50_us" in s:
+            t = s["same_host_split_p50_us"]
+            lines.append(f"    where its time went (p50): post {t['post']:.0f} us (plan {t['plan']:.0f}), copies "
+                         f"{t['transfer']:.0f}, board checks and notices {t['check']:.0f}, the engine's leg "
+                         f"{t['outside']:.0f}")
     if "same_host_copies" in f:
         c = f["same_host_copies"]
         lines.append(f"rank reads copied same-host: {c['same_host_daemon']:.0f} by the same-host daemon, "

@@ -50,3 +50,19 @@ def test_the_table_shows_the_same_host_path_against_its_targets():
     assert "0.69x the device copy (target >= 0.5)" in table and "added at p50 175 us (target <= 500)" in table
     assert "same-host checked read: WRONG: 12 bytes" in table  # a wrong same-host read is never hidden
     assert "210 by the same-host daemon, 0 by the NIXL one" in table
+
+
+def test_the_same_host_split_says_where_a_read_went_and_the_table_prints_it():
+    from kvxferd.bench.gpu import format_table, same_host_split
+    from kvxferd.proto.v1 import kvxfer_pb2 as pb
+
+    reads = [(0.002 + k * 1e-4, pb.Completion(plan_s=1e-4, post_s=3e-4, transfer_s=2e-4 + k * 1e-5, check_s=5e-4,
+                                               duration_s=1e-3 + k * 1e-5)) for k in range(3)]
+    split = same_host_split(reads)
+    assert split == pytest.approx({"plan": 100.0, "post": 300.0, "transfer": 210.0, "check": 500.0,
+                                   "outside": 1090.0})
+    figures = _figures(0.4, 1074.0)
+    figures["per_request"].update(same_host={"p50_us": 2000.0, "p99_us": 2500.0}, device_copy_us=20.0,
+                                  same_host_added_p50_us=1980.0, same_host_split_p50_us=split)
+    table = format_table(figures)
+    assert "post 300 us (plan 100), copies 210, board checks and notices 500, the engine's leg 1090" in table
