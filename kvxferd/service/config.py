@@ -93,8 +93,8 @@ class DaemonConfig(BaseSettings):
     max_reads_per_engine: int = Field(8192, ge=1, description="reads of one engine rank in flight or with a completion "
                                                                "it has not acked yet")
     max_reads_per_batch: int = Field(1024, ge=1, description="reads in one batch of the Reads stream")
-    max_concurrent_streams: int = Field(256, ge=1, description="concurrent gRPC calls per client (one TCP connection; "
-                                        "the engine socket's connections together); more are answered RESOURCE_EXHAUSTED")
+    max_concurrent_streams: int = Field(256, ge=1, description="concurrent gRPC calls per client (one TCP connection, or "
+                                        "one engine session on the engine socket); more are answered RESOURCE_EXHAUSTED")
     max_fds_per_token: int = Field(1024, ge=1, le=4096, description="file descriptors one fd-socket message may carry")
     max_fd_tokens: int = Field(256, ge=1, description="fd-socket deliveries waiting for their Register at once")
     max_fds_waiting: int = Field(4096, ge=1, description="file descriptors waiting for their Register at once, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import threading
 import time
 
 import grpc
@@ -19,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxferd.client import DaemonProcess, EngineClient
+from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
@@ -90,7 +92,7 @@ def failed_precondition(cluster, arenas):
 def not_found(cluster, arenas):
     code, details = status(lambda: cluster.decode_clients[0].handshake(
         "sc-nobody", [cluster.prefill_daemons[0].peer_address]))  # the remote daemon's NOT_FOUND, passed on
-    assert details.startswith("peer_addresses[0]"), details
+    assert details.startswith("peer_addresses[0]") and ": NOT_FOUND: " in details, details
     return code
 
 
@@ -165,7 +167,7 @@ def aborted(cluster, arenas):
                                               timeout=30).session
         watch = pb.WatchCompletionsRequest(engine_id="sc-streams")
         first = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)
-        time.sleep(0.3)  # the first stream is current
+        time.sleep(1.0)  # the first stream is current
         second = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)  # kept: a dropped call is cancelled
         code, details = status(lambda: list(first))
         assert "replaced" in details, details
@@ -206,41 +208,81 @@ def test_each_code_of_the_table_from_a_real_daemon(cluster, arenas, name):
     assert cluster.verify(request) == ([], 0)
 
 
+def _retry_until(call, give_up_s: float = 10.0):
+    """``call()``'s result, or the last error once ``give_up_s`` passed (until the other streams run)."""
+    deadline = time.monotonic() + give_up_s
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as err:
+            if time.monotonic() > deadline:
+                return err
+        time.sleep(0.05)
+
+
 def test_a_call_past_max_concurrent_streams_is_answered_at_once(workdir, arenas):
-    """Before issue 40 the third call waited in the client's HTTP/2 queue: DEADLINE_EXCEEDED with a deadline,
-    forever without one. Now it is RESOURCE_EXHAUSTED at once, naming the limit, and counted."""
+    """Before issue 40 the call past the limit waited in the client's HTTP/2 queue: DEADLINE_EXCEEDED with a
+    deadline, forever without one. Now it is RESOURCE_EXHAUSTED at once, naming the limit, and counted. The
+    limit is per engine session: a stranger on the socket (no session) cannot use up an engine's calls, and
+    the calls that keep its lease never count."""
     (daemon,) = DaemonProcess.start_many(["sc-streams"], socket_dir=workdir,
-                                         extra_args=("--max-concurrent-streams", "2"))
-    clients = [EngineClient(daemon.engine_target, reads_stream=False) for _ in range(2)]
+                                         extra_args=("--max-concurrent-streams", "1", "--lease-s", "3"))
+    engine = EngineClient(daemon.engine_target, reads_stream=False)
+    stranger = grpc.insecure_channel(daemon.engine_target)
+    stop = threading.Event()
+
+    def nothing_until_stopped():  # a Reads request stream that sends nothing
+        stop.wait()
+        yield from ()
     try:
-        for k, client in enumerate(clients):  # each opens its WatchCompletions: two calls run
-            client.register(engine_pb(GROUPS[1], f"sc-s{k}", arenas), heartbeat_s=0)
+        # the engine opens its WatchCompletions: its one call runs
+        engine.register(engine_pb(GROUPS[1], "sc-s0", arenas), heartbeat_s=0, lease_s=3)
+        # a stranger's idle Reads stream (no session) fills the sessionless budget, and only that
+        idle = engine_grpc.EngineServiceStub(stranger).Reads(nothing_until_stopped(), timeout=30)
+
         give_up_s = time.monotonic() + 10
-        while True:  # until both streams run on the daemon
+        for attempt in range(10_000):  # admitted only until the engine's WatchCompletions runs on the daemon
             try:
-                clients[0].stub.Heartbeat(pb.HeartbeatRequest(engine_id="sc-s0"), timeout=2)
+                engine.hold(f"sc-more{attempt}", [[1, 2]])
             except grpc.RpcError as err:
-                code, details = err.code(), err.details()
+                refused = err
                 break
-            assert time.monotonic() < give_up_s, "two streams never ran at once"
-            time.sleep(0.05)
-        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_concurrent_streams"), (code, details)
-        assert "limit 2" in details, details
-        assert 'kvxferd_rpc_errors_total{code="RESOURCE_EXHAUSTED",method="Heartbeat"}' in daemon.metrics_text()
-        # the health service is not counted: a probe still answers
-        with grpc.insecure_channel(daemon.engine_target) as channel:
+            engine.release(f"sc-more{attempt}")
+            assert time.monotonic() < give_up_s, "the engine's stream never ran"
+        assert refused.code() == C.RESOURCE_EXHAUSTED, refused
+        assert refused.details().startswith("max_concurrent_streams") and "limit 1" in refused.details(), refused
+        assert 'kvxferd_rpc_errors_total{code="RESOURCE_EXHAUSTED",method="Hold"}' in daemon.metrics_text()
+        for _ in range(3):  # its lease is kept: Heartbeat is never refused (4 s > the 3 s lease)
+            engine.stub.Heartbeat(pb.HeartbeatRequest(engine_id="sc-s0"), timeout=2)
+            time.sleep(4 / 3)
+        with grpc.insecure_channel(daemon.engine_target) as channel:  # probes are not counted
             answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
-        clients[1].close()  # its stream ends: one call runs
-        give_up_s = time.monotonic() + 10
-        while True:
-            try:
-                clients[0].stub.Heartbeat(pb.HeartbeatRequest(engine_id="sc-s0"), timeout=2)
-                break
-            except grpc.RpcError as err:
-                assert err.code() == C.RESOURCE_EXHAUSTED and time.monotonic() < give_up_s, err
-                time.sleep(0.05)
+        third = pb.RegisterRequest(engine=engine_pb(GROUPS[1], "sc-s2", arenas))
+        code, details = status(lambda: engine_grpc.EngineServiceStub(stranger).Register(third, timeout=2))
+        assert code == C.RESOURCE_EXHAUSTED and details.startswith("max_concurrent_streams"), details
+        idle.cancel()  # the sessionless budget is free again
+        reply = _retry_until(lambda: engine_grpc.EngineServiceStub(stranger).Register(third, timeout=2))
+        assert isinstance(reply, pb.RegisterReply), reply
     finally:
-        for client in clients:
-            client.close()
+        stop.set()
+        engine.close()
+        stranger.close()
         daemon.terminate()
+
+
+
+def test_a_remote_refusing_this_daemons_credentials_is_permission_denied(cluster, workdir, tmp_path, arenas):
+    """The remote's UNAUTHENTICATED (another host's peer secret) is about the daemons, not the engine's
+    session: the engine gets PERMISSION_DENIED, which it does not retry (issue 40)."""
+    secret = tmp_path / "another-host.secret"
+    (stranger,) = DaemonProcess.start_many(["sc-other-host"], socket_dir=workdir,
+                                           extra_args=("--peer-secret-file", str(secret)))
+    client = EngineClient(stranger.engine_target)
+    try:
+        client.register(engine_pb(GROUPS[1], "sc-elsewhere", arenas))
+        code, details = status(lambda: client.handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address]))
+        assert code == C.PERMISSION_DENIED and ": UNAUTHENTICATED: " in details, (code, details)
+    finally:
+        client.close()
+        stranger.terminate()

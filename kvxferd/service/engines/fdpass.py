@@ -86,14 +86,20 @@ class FdInbox:
             self.on_refused("uid")
             return
         conn.settimeout(self.recv_timeout_s)
-        token_bytes, fds, flags, _addr = socket.recv_fds(conn, MAX_TOKEN_BYTES, self.max_fds)
+        # One byte more than a token may have: a stream socket never says MSG_TRUNC, so a longer token
+        # shows as that byte (else its first 256 bytes would pass for the token).
+        token_bytes, fds, flags, _addr = socket.recv_fds(conn, MAX_TOKEN_BYTES + 1, self.max_fds)
+        if not token_bytes and not fds:  # the client went away without a message
+            self.on_refused("io")
+            return
         try:
             token = token_bytes.decode()
         except UnicodeDecodeError:
             token = ""
-        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not token or not token.isprintable():
+        if (flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not fds or not token or not token.isprintable()
+                or len(token_bytes) > MAX_TOKEN_BYTES):
             _close(fds)
-            self._refuse(conn, "malformed", "not one printable token with at most max_fds_per_token fds")
+            self._refuse(conn, "malformed", "not one printable token of 1..256 bytes with 1..max_fds_per_token fds")
             return
         self._expire()
         with self._lock:
@@ -131,7 +137,9 @@ class FdInbox:
                 _close(fds)
 
     def take(self, token: str) -> list[int]:
-        """Claim the fds sent under ``token`` (the caller owns and closes them)."""
+        """Claim the fds sent under ``token`` (the caller owns and closes them); a delivery older than
+        ``ttl_s`` is gone."""
+        self._expire()
         with self._lock:
             entry = self._fds.pop(token, None)
             if entry is not None:

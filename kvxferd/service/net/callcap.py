@@ -9,11 +9,15 @@ deliver the calls it refuses::
     client ── call N+1 ──► HTTP/2 (limit N + HEADROOM_STREAMS) ──► CallCap: N running for this client
                                                                   └─► RESOURCE_EXHAUSTED "max_concurrent_streams: ..."
 
-A client is what gRPC names as the peer: one TCP connection (its address
-and port), or the engine's UNIX socket as a whole (gRPC names every UNIX
-connection ``unix:``; all of them are the one engine's). The health and
-reflection services are not counted, so a probe still answers while an
-engine uses all its calls; HTTP/2's limit still bounds them per connection.
+A client is what gRPC names as the peer together with the engine session
+the call carries (``kvxferd-session``): one TCP connection, and on the
+engine's UNIX socket (gRPC names every UNIX connection ``unix:``) one
+registered engine, so no local process without an engine's session can
+use up that engine's calls. Calls that keep leases alive or end them
+(Heartbeat, RenewLease, Release, Deregister) and the health and reflection
+services are never refused: a client at its limit still keeps its
+registration and can let go of its holds (HTTP/2's limit still bounds them
+per connection).
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ import grpc
 
 from kvxferd.errors import ResourceExhaustedError
 from kvxferd.service.status import abort_with
+from kvxferd.wire.names import SESSION_KEY
 
 HEADROOM_STREAMS = 16  # HTTP/2 streams past the limit, so that refused calls reach the daemon
 UNCOUNTED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+# Leases must not lapse at the limit, and what ends holds or registrations must not be put off.
+UNCOUNTED_METHODS = frozenset({"Heartbeat", "RenewLease", "Release", "Deregister"})
 
 
 def http2_stream_limit(max_concurrent_streams: int) -> int:
@@ -39,20 +46,24 @@ class CallCap(grpc.aio.ServerInterceptor):
     """Admit at most ``max_calls`` concurrent calls per client; refuse the rest at once.
 
     ``on_refused(method)`` counts a refusal (``method``: the RPC's short name).
-    Runs on the server's event loop only, so the counts need no lock.
+    Runs on the server's event loop only, so the counts need no lock; only
+    ``async`` handlers (all of the daemon's) are counted.
     """
 
     def __init__(self, max_calls: int, on_refused: Callable[[str], None] = lambda method: None) -> None:
         self.max_calls = max_calls
         self.on_refused = on_refused
-        self.num_calls: dict[str, int] = {}  # per client (gRPC's peer name); absent at zero
+        self.num_calls: dict[tuple[str, str], int] = {}  # per (peer, session); absent at zero
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(UNCOUNTED_PREFIXES):
-            return handler
         short_name = method.rsplit("/", 1)[-1]
+        if handler is None or method.startswith(UNCOUNTED_PREFIXES) or short_name in UNCOUNTED_METHODS:
+            return handler
+        behaviour = handler.unary_unary or handler.stream_unary or handler.unary_stream or handler.stream_stream
+        if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
+            return handler  # a synchronous handler would need another wrapper: none exists here
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._unary(short_name, handler.unary_unary))
         if handler.stream_unary is not None:
@@ -61,8 +72,8 @@ class CallCap(grpc.aio.ServerInterceptor):
             return handler._replace(unary_stream=self._streaming(short_name, handler.unary_stream))
         return handler._replace(stream_stream=self._streaming(short_name, handler.stream_stream))
 
-    def _enter(self, short_name: str, context) -> str:
-        client = context.peer()
+    def _enter(self, short_name: str, context) -> tuple[str, str]:
+        client = (context.peer(), _session(context))
         running = self.num_calls.get(client, 0)
         if running >= self.max_calls:
             self.on_refused(short_name)
@@ -71,7 +82,7 @@ class CallCap(grpc.aio.ServerInterceptor):
         self.num_calls[client] = running + 1
         return client
 
-    def _leave(self, client: str) -> None:
+    def _leave(self, client: tuple[str, str]) -> None:
         running = self.num_calls.pop(client) - 1
         if running:
             self.num_calls[client] = running
@@ -104,3 +115,11 @@ class CallCap(grpc.aio.ServerInterceptor):
             finally:
                 self._leave(client)
         return counted
+
+
+def _session(context) -> str:
+    """The engine session a call carries ("" for none: Register, the peer port)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == SESSION_KEY:
+            return value if isinstance(value, str) else ""
+    return ""
