@@ -216,6 +216,7 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
             for name, kind in items[shift:] + items[:shift]:
                 if not bench.live(name):
                     continue
+                time.sleep(args.settle_s)  # the last request's vLLM workers stop spinning (see --settle-s)
                 if kind == "request":
                     result = bench.attempt(name, bench.request, name, prompt)
                     ttft[name].append(result and result[0])
@@ -404,6 +405,10 @@ def main() -> None:
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server, so all compute on the same cores "
                              "(default 1); 'auto': vLLM's own choice, which differs between plain and P/D servers")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--settle-s", type=float, default=1.2,
+                        help="pause before each request: a vLLM worker busy-polls for 1 s after every step "
+                             "(vLLM's shm broadcast, busy_loop_s), and on 2 cores a spinning worker of one server "
+                             "slows the next request of another (issue #41); 0: back to back, as before")
     parser.add_argument("--json", metavar="PATH", help="also write every number as JSON")
     parser.add_argument("--disconnect-check", action="store_true",
                         help="then a client that leaves mid-stream through the kvxferd proxy: no hold may stay pinned")

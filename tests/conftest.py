@@ -16,6 +16,7 @@ LONGEST_FIRST = (
     "tests/soak/test_soak_run.py",  # ~100 s: the 90 s soak
     "tests/integrations/test_vllm_serve.py",  # ~60-85 s: two vLLM API servers
     "tests/integrations/test_vllm_mamba.py",  # ~75 s: two Mamba2 vLLM engines
+    "tests/integrations/test_vllm_prefill_frees.py",  # ~55 s: two vLLM engines, 1 s CPU windows
     "tests/test_cli.py",  # ~60 s: the demo and the benchmarks as subprocesses
     "tests/verify/test_sweep.py",  # ~60 s
     "tests/verify/hosts/test_fabric.py",  # ~50 s: namespace hosts, a demo across two of them

@@ -211,6 +211,7 @@ class BusRecorder:
         self._socket.setsockopt(zmq.SUBSCRIBE, topic(engine_id))
         self._socket.connect(daemon.addresses["notify"])
         self.events: dict[str, list[str]] = {}
+        self.ended_at: dict[str, float] = {}  # request id -> when its CONSUMED / EXPIRED came (monotonic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -218,9 +219,11 @@ class BusRecorder:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._socket.poll(50):
+            if self._socket.poll(5):
                 event = pb.NotifyEvent.FromString(self._socket.recv_multipart()[1])
                 self.events.setdefault(event.request_id, []).append(pb.NotifyEvent.Kind.Name(event.kind))
+                if event.kind in (pb.NotifyEvent.CONSUMED, pb.NotifyEvent.EXPIRED):
+                    self.ended_at.setdefault(event.request_id, time.monotonic())
         self._socket.close(linger=0)
 
     def close(self) -> None:
