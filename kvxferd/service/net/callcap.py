@@ -82,6 +82,14 @@ class CallCap(grpc.aio.ServerInterceptor):
         self.num_calls[client] = running + 1
         return client
 
+    async def _admit(self, short_name: str, context) -> tuple[str, str]:
+        """Count the call in, or answer it RESOURCE_EXHAUSTED (the abort raises: no return then)."""
+        try:
+            return self._enter(short_name, context)
+        except ResourceExhaustedError as err:
+            await abort_with(context, err)
+            raise  # not reached: abort raises
+
     def _leave(self, client: tuple[str, str]) -> None:
         running = self.num_calls.pop(client) - 1
         if running:
@@ -89,10 +97,7 @@ class CallCap(grpc.aio.ServerInterceptor):
 
     def _unary(self, short_name: str, behaviour):
         async def counted(request, context):
-            try:
-                client = self._enter(short_name, context)
-            except ResourceExhaustedError as err:
-                await abort_with(context, err)
+            client = await self._admit(short_name, context)
             try:
                 return await behaviour(request, context)
             finally:
@@ -101,10 +106,7 @@ class CallCap(grpc.aio.ServerInterceptor):
 
     def _streaming(self, short_name: str, behaviour):
         async def counted(request, context):
-            try:
-                client = self._enter(short_name, context)
-            except ResourceExhaustedError as err:
-                await abort_with(context, err)
+            client = await self._admit(short_name, context)
             try:
                 replies = behaviour(request, context)
                 if inspect.isasyncgen(replies):
