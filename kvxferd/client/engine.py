@@ -253,13 +253,22 @@ class EngineClient:
         capability (readers present it). On the reads socket when this client has a session there (no
         gRPC call), else the ``Hold`` call; either way a refusal raises :class:`grpc.RpcError` with the
         daemon's status code."""
+        return self.hold_started(request_id, block_ids, lease_s=lease_s)()
+
+    def hold_started(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> Callable[[], Held]:
+        """:meth:`hold`, sent without waiting for its answer: a function that waits for it (and raises as
+        :meth:`hold` does). Several daemons' holds are then in flight at once (a TP engine's ranks)."""
         request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
                                  lease_s=lease_s)
         held = self.reads.hold(request)
-        if held is None:
-            reply = self.stub.Hold(request, timeout=self.timeout_s)
-            held = Held(reply.incarnation, reply.capability)
-        return held
+        if held is not None:
+            return lambda: held
+        call = self.stub.Hold.future(request, timeout=self.timeout_s)
+
+        def answer() -> Held:
+            reply = call.result()
+            return Held(reply.incarnation, reply.capability)
+        return answer
 
     def renew(self, request_ids: Sequence[str], *, lease_s: float = 0.0) -> list[str]:
         reply = self.stub.RenewLease(pb.RenewLeaseRequest(engine_id=self.engine_id, request_ids=list(request_ids),

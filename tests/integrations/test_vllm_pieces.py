@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvxferd.client import DaemonProcess
+from kvxferd.client.session import Held
 from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine, share_host_storages
 from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill
@@ -161,6 +162,56 @@ def test_a_missing_daemon_is_a_clear_error_naming_the_socket(tmp_path):
     worker = WorkerSide("e", 0, 1, ConnectorSettings(engine_socket=str(tmp_path / "none.sock")))
     with pytest.raises(RuntimeError, match="none.sock"):
         worker.register([group(["layer.0"])], layer_cache(layers=1))
+
+
+def test_the_scheduler_sends_every_ranks_hold_before_it_waits_for_one():
+    """The order of calls, with clients that record it: every hold is sent, then the answers are read (a hold
+    one rank after another would interleave them)."""
+    calls = []
+
+    class Client:
+        def __init__(self, q):
+            self.q = q
+
+        def hold_started(self, request_id, block_ids, *, lease_s=0.0):
+            calls.append(("sent", self.q))
+            return lambda: calls.append(("answered", self.q)) or Held(f"inc{self.q}", bytes([self.q]) * 16)
+
+        def hold(self, request_id, block_ids, *, lease_s=0.0):
+            return self.hold_started(request_id, block_ids, lease_s=lease_s)()
+
+    scheduler = SchedulerSide("order", ConnectorSettings(engine_socket="unused"))
+    scheduler.set_ranks([RankDaemon(q, f"s{q}", f"127.0.0.1:{q + 1}") for q in range(4)])
+    scheduler._client = lambda rank: Client(rank.tp_rank)
+    delay, params = scheduler.hold("r", ([1, 2],), 64)
+    assert delay and params["remote_capabilities"] == [bytes([q]).hex() * 16 for q in range(4)]
+    assert calls == [("sent", q) for q in range(4)] + [("answered", q) for q in range(4)]
+
+
+def test_a_tp_prefill_holds_on_every_rank_at_once_or_on_none(tmp_path):
+    """The scheduler sends every rank's hold before it waits for any (issue #41: one round trip, not one
+    per rank); a rank that refuses makes the others' holds go (all or none), and the error names it."""
+    daemons = DaemonProcess.start_many(["hp0", "hp1"], socket_dir=str(tmp_path))
+    workers = []
+    try:
+        cache = layer_cache()
+        workers = [WorkerSide("hp", q, 2, ConnectorSettings(engine_socket=daemons[q].socket)) for q in range(2)]
+        ranks = [worker.register([group(cache)], cache) for worker in workers]
+        scheduler = SchedulerSide("hp", workers[0].settings)
+        scheduler.set_ranks(ranks)
+        delay, params = scheduler.hold("both", ([3, 4],), 64)
+        assert delay and len(params["remote_capabilities"]) == 2 and params["remote_peer_addresses"] == [
+            r.peer_address for r in ranks]
+        # rank 1's daemon no longer knows the engine: rank 1 refuses, and rank 0's hold is released
+        workers[1].client.deregister()
+        delay, params = scheduler.hold("one", ([5, 6],), 64)
+        assert not delay and params["error"].startswith(f"rank 1 ({daemons[1].socket}): "), params
+        workers[0].client.hold("one", [[5, 6]])  # free to hold again: the failed attempt left nothing held
+    finally:
+        for worker in workers:
+            worker.close()
+        for daemon in daemons:
+            daemon.terminate()
 
 
 def test_hold_order_read_cycle_on_real_daemons(tmp_path):

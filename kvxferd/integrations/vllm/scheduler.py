@@ -137,22 +137,29 @@ class SchedulerSide:
         if not self.ranks:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
+        # Every rank's hold in flight at once: this runs inside the prefill request's last step, and a
+        # TP engine's holds one after another cost one round trip per rank (issue #41).
+        answers = [self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s)
+                   for rank in self.ranks]
         held: list[RankDaemon] = []
         incarnations: list[str] = []
         capabilities: list[str] = []
-        try:
-            for rank in self.ranks:
-                hold = self._client(rank).hold(request_id, blocks, lease_s=self.settings.lease_s)
-                incarnations.append(hold.incarnation)
-                capabilities.append(hold.capability.hex())
-                held.append(rank)
-        except grpc.RpcError as err:
+        error = ""
+        for rank, answer in zip(self.ranks, answers):
+            try:
+                hold = answer()
+            except grpc.RpcError as err:
+                error = error or f"rank {rank.tp_rank} ({rank.engine_socket}): {err.code().name}: {err.details()}"
+                continue
+            incarnations.append(hold.incarnation)
+            capabilities.append(hold.capability.hex())
+            held.append(rank)
+        if error:
             for rank in held:  # all ranks or none
                 try:
                     self._client(rank).release(request_id)
                 except grpc.RpcError:
                     pass  # it expires on its own
-            error = f"rank {len(held)} ({self.ranks[len(held)].engine_socket}): {err.code().name}: {err.details()}"
             log.warning("kvxferd: could not hold a finished prefill", extra={"request_id": request_id, "error": error})
             return False, failed_prefill_params(error)
         self._held.append(HeldRequest(request_id, tuple(incarnations)))
