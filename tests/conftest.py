@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -22,6 +23,15 @@ LONGEST_FIRST = (
     "tests/verify/hosts/test_fabric.py",  # ~50 s: namespace hosts, a demo across two of them
     "tests/verify/hosts/test_late_writes.py",  # ~40 s: two reads cut by a partition
 )
+
+
+@pytest.fixture
+def arenas():
+    """Shared-memory arenas a test makes (``engine_pb(..., arenas)``): closed after it."""
+    kept = []
+    yield kept
+    for arena in kept:
+        arena.close()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

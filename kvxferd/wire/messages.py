@@ -69,9 +69,9 @@ def _check_host_port(address: str, field: str) -> None:
         raise InvalidArgumentError(field, f"{address!r} is not host:port with a port in 1..65535")
 
 
-def check_seconds(value: float, field: str, *, default_s: float, max_s: float, limit: str) -> float:
+def check_seconds(value: float, field: str, *, default_s: float, max_s: float) -> float:
     """A duration from outside (lease, deadline): 0 means ``default_s``; finite, positive, at most ``max_s``
-    (the option named ``limit``).
+    (the daemon's option ``max_<field>``).
 
     Over the limit is INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: the limit is
     fixed for the daemon's life, so the same request never succeeds later,
@@ -83,7 +83,7 @@ def check_seconds(value: float, field: str, *, default_s: float, max_s: float, l
     if not math.isfinite(value) or value < 0:
         raise InvalidArgumentError(field, f"must be a finite number of seconds >= 0 (0: the default), got {value}")
     if value > max_s:
-        raise InvalidArgumentError(field, f"{value:g} s is over this daemon's {limit} ({max_s:g} s)")
+        raise InvalidArgumentError(field, f"{value:g} s is over this daemon's max_{field} ({max_s:g} s)")
     return value or default_s
 
 

@@ -42,14 +42,6 @@ def daemon(workdir):
     process.terminate()
 
 
-@pytest.fixture
-def arenas():
-    held = []
-    yield held
-    for arena in held:
-        arena.close()
-
-
 def test_sockets_are_private_to_the_daemons_user(daemon):
     path = daemon.engine_target.removeprefix("unix:")
     directory = os.path.dirname(path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -34,6 +36,27 @@ def engine_pb(groups, engine_id: str = "other", arenas: list | None = None) -> p
     if arenas is not None:
         arenas.extend(holder)
     return engine_rank_pb(engine.cache, holder[0])
+
+
+def second_completion_stream(target: str, engine_id: str, groups, arenas: list, answer_s: float = 5.0):
+    """Register ``engine_id`` on the daemon at ``target`` and open its ``WatchCompletions`` twice: the first
+    stream's ending ``(code, details)``; then Deregister, which must end the second at once (asserted)."""
+    from kvxferd.client import EngineClient
+
+    client = EngineClient(target)
+    try:
+        client.session = client.stub.Register(pb.RegisterRequest(engine=engine_pb(groups, engine_id, arenas)),
+                                              timeout=30).session
+        watch = pb.WatchCompletionsRequest(engine_id=engine_id)
+        first = client.stub.WatchCompletions(watch, timeout=answer_s * 2)
+        time.sleep(1.0)  # the first stream is current
+        second = client.stub.WatchCompletions(watch, timeout=answer_s * 2)  # kept: a dropped call is cancelled
+        ended = status(lambda: list(first))
+        client.stub.Deregister(pb.DeregisterRequest(engine_id=engine_id), timeout=answer_s)
+        assert list(second) == []  # ended, well before its deadline
+        return ended
+    finally:
+        client.close()
 
 
 def status(call) -> tuple[grpc.StatusCode, str]:

@@ -23,7 +23,7 @@ from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
-from tests.service.helpers import engine_pb, status
+from tests.service.helpers import engine_pb, second_completion_stream, status
 
 C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
@@ -173,24 +173,10 @@ def test_defect5_concurrent_registers_leave_no_mapping_behind(cluster):
             arena.close()
 
 
-def test_defect6_a_second_completion_stream_replaces_the_first_and_deregister_ends_it(cluster):
-    arenas = []
-    client = EngineClient(cluster.decode_daemons[0].engine_target)
-    try:
-        client.session = client.stub.Register(pb.RegisterRequest(engine=engine_pb(GROUPS[1], "streams", arenas)),
-                                              timeout=30).session
-        watch = pb.WatchCompletionsRequest(engine_id="streams")
-        first = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)
-        time.sleep(0.3)  # the first stream is current
-        second = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)
-        code, details = status(lambda: list(first))
-        assert code == C.ABORTED and "replaced" in details, details
-        client.stub.Deregister(pb.DeregisterRequest(engine_id="streams"), timeout=ANSWER_S)
-        assert list(second) == []  # ended, well before its deadline
-    finally:
-        client.close()
-        for arena in arenas:
-            arena.close()
+def test_defect6_a_second_completion_stream_replaces_the_first_and_deregister_ends_it(cluster, arenas):
+    code, details = second_completion_stream(cluster.decode_daemons[0].engine_target, "streams", GROUPS[1], arenas,
+                                             ANSWER_S)
+    assert code == C.ABORTED and "replaced" in details, details
 
 
 def test_defect7_a_handshake_never_answers_with_another_calls_result(cluster):

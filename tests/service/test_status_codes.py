@@ -24,7 +24,7 @@ from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
-from tests.service.helpers import engine_pb, status
+from tests.service.helpers import engine_pb, second_completion_stream, status
 
 C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
@@ -44,14 +44,6 @@ def table_codes(text: str | None = None) -> list[str]:
 def cluster(workdir):
     with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="sc", daemon_args=LIMITS) as c:
         yield c
-
-
-@pytest.fixture
-def arenas():
-    kept = []
-    yield kept
-    for arena in kept:
-        arena.close()
 
 
 def other_engine(cluster, engine_id, arenas, groups=GROUPS[0], **register) -> EngineClient:
@@ -161,21 +153,10 @@ def resource_exhausted(cluster, arenas):
 
 
 def aborted(cluster, arenas):
-    client = EngineClient(cluster.decode_daemons[0].engine_target)
-    try:
-        client.session = client.stub.Register(pb.RegisterRequest(engine=engine_pb(GROUPS[1], "sc-streams", arenas)),
-                                              timeout=30).session
-        watch = pb.WatchCompletionsRequest(engine_id="sc-streams")
-        first = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)
-        time.sleep(1.0)  # the first stream is current
-        second = client.stub.WatchCompletions(watch, timeout=ANSWER_S * 2)  # kept: a dropped call is cancelled
-        code, details = status(lambda: list(first))
-        assert "replaced" in details, details
-        client.stub.Deregister(pb.DeregisterRequest(engine_id="sc-streams"), timeout=ANSWER_S)
-        assert list(second) == []
-        return code
-    finally:
-        client.close()
+    code, details = second_completion_stream(cluster.decode_daemons[0].engine_target, "sc-streams", GROUPS[1], arenas,
+                                             ANSWER_S)
+    assert "replaced" in details, details
+    return code
 
 
 CASES = {"INVALID_ARGUMENT": invalid_argument, "FAILED_PRECONDITION": failed_precondition, "NOT_FOUND": not_found,

@@ -34,8 +34,7 @@ def check_block_ids(lists, slot: "EngineSlot", field: str) -> tuple[np.ndarray, 
 
 def lease_seconds(daemon: "DaemonParts", value: float) -> float:
     """A requested lease (0: the default), checked against ``max_lease_s``."""
-    config = daemon.config
-    return check_seconds(value, "lease_s", default_s=config.lease_s, max_s=config.max_lease_s, limit="max_lease_s")
+    return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
 
 
 def place_hold(daemon: "DaemonParts", slot: "EngineSlot", request: pb.HoldRequest) -> bytes:

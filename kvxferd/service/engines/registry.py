@@ -143,8 +143,7 @@ class Registry:
             raise UnavailableError("engine", "the daemon is shutting down")
         engine = message.engine
         check_id(engine.engine_id, "engine.engine_id")
-        lease_s = check_seconds(message.lease_s, "lease_s", default_s=self.default_lease_s, max_s=self.max_lease_s,
-                                limit="max_lease_s")
+        lease_s = check_seconds(message.lease_s, "lease_s", default_s=self.default_lease_s, max_s=self.max_lease_s)
         # Shielded: a caller that gives up mid-way must not leave memory mapped
         # and registered with nobody owning it (the registration then expires).
         for i, reader in enumerate(message.allowed_reader_engine_ids):

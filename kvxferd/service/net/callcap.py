@@ -28,6 +28,7 @@ from collections.abc import Callable
 import grpc
 
 from kvxferd.errors import ResourceExhaustedError
+from kvxferd.service.net.servicers import metadata_value
 from kvxferd.service.status import abort_with
 from kvxferd.wire.names import SESSION_KEY
 
@@ -72,23 +73,17 @@ class CallCap(grpc.aio.ServerInterceptor):
             return handler._replace(unary_stream=self._streaming(short_name, handler.unary_stream))
         return handler._replace(stream_stream=self._streaming(short_name, handler.stream_stream))
 
-    def _enter(self, short_name: str, context) -> tuple[str, str]:
-        client = (context.peer(), _session(context))
+    async def _admit(self, short_name: str, context) -> tuple[str, str]:
+        """Count the call in, or answer it RESOURCE_EXHAUSTED (the abort raises: no return then)."""
+        client = (context.peer(), metadata_value(context, SESSION_KEY))
         running = self.num_calls.get(client, 0)
         if running >= self.max_calls:
             self.on_refused(short_name)
-            raise ResourceExhaustedError("max_concurrent_streams", f"{running} calls of this client run already "
-                                                                   f"(limit {self.max_calls}); retry once one ended")
+            await abort_with(context, ResourceExhaustedError(
+                "max_concurrent_streams", f"{running} calls of this client run already (limit {self.max_calls}); "
+                                          "retry once one ended"))
         self.num_calls[client] = running + 1
         return client
-
-    async def _admit(self, short_name: str, context) -> tuple[str, str]:
-        """Count the call in, or answer it RESOURCE_EXHAUSTED (the abort raises: no return then)."""
-        try:
-            return self._enter(short_name, context)
-        except ResourceExhaustedError as err:
-            await abort_with(context, err)
-            raise  # not reached: abort raises
 
     def _leave(self, client: tuple[str, str]) -> None:
         running = self.num_calls.pop(client) - 1
@@ -118,10 +113,3 @@ class CallCap(grpc.aio.ServerInterceptor):
                 self._leave(client)
         return counted
 
-
-def _session(context) -> str:
-    """The engine session a call carries ("" for none: Register, the peer port)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == SESSION_KEY:
-            return value if isinstance(value, str) else ""
-    return ""

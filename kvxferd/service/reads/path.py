@@ -82,7 +82,7 @@ class ReadPath:
         if link is None or link.remote is None:
             raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet")
         deadline_at_s = received_s + check_seconds(deadline_s, "deadline_s", default_s=config.deadline_s,
-                                                   max_s=config.max_deadline_s, limit="max_deadline_s")
+                                                   max_s=config.max_deadline_s)
         # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often land
         # on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
         plan_there = not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
