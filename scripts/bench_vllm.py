@@ -17,16 +17,23 @@ are measured, since NIXL's progress thread spins a core even when idle. A
 breakdown (on with ``--compare``) sends each P/D setup the proxy's two legs
 straight from here too, to split P/D's added time into the prefill leg, the
 decode leg's read (the decode side's own metrics) and the rest of the decode
-leg, and the proxy's hops. Run in .venv-vllm::
+leg, and the proxy's hops. ``--trace`` stamps each kvxferd P/D request in
+every process it crosses (scripts/bench_vllm_trace.py) and cuts its TTFT into
+segments; it also prints when the prefill freed the blocks after decode's
+read and the prefill server's CPU after each request, each against its bound.
+``--worker-cores 0 1`` binds the prefill's and the decode's model to cores of
+their own (docs/vllm.md, Limits). Run in .venv-vllm::
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--requests 10] [--lengths 128 512 960]
     .venv-vllm/bin/python scripts/bench_vllm.py --compare nixl [--json out.json]
+    .venv-vllm/bin/python scripts/bench_vllm.py --trace --worker-cores 0 1 --requests 15 --lengths 64 256 1024
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shutil
 import signal
@@ -42,7 +49,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench_vllm_servers import Setup, cpu_seconds, metric_sum, nixl_log_notes, scrape, start_setups  # noqa: E402  (next to this script)
 
-from kvxferd.integrations.vllm.proxy import decode_request, prefill_request  # noqa: E402
+from bench_vllm_trace import print_bounds, print_trace, summary, timelines  # noqa: E402
+
+from kvxferd.integrations.vllm.proxy import PREFILL_ID_HEADER, decode_request, prefill_request  # noqa: E402
+from kvxferd.integrations.vllm.trace import TRACE_DIR_ENV, read_stamps  # noqa: E402
 from kvxferd.integrations.vllm.tinymodel import TINY_LLAMA, write_tiny_model  # noqa: E402
 
 MAX_TOKENS = 8
@@ -55,12 +65,17 @@ def block_kib(config: dict = TINY_LLAMA, block_size: int = 32) -> float:
             * dtype_bytes / 1024)
 
 
-def post(url: str, body: dict, timeout_s: float) -> tuple[float, list[int], dict | None]:
-    """(seconds to the first token, every token id, kv_transfer_params) of one completion, streamed or not."""
+def post(url: str, body: dict, timeout_s: float, stamps: dict | None = None) -> tuple[float, list[int], dict | None]:
+    """(seconds to the first token, every token id, kv_transfer_params) of one completion, streamed or not.
+
+    ``stamps`` (a dict) gets the wall-clock ``start`` and ``first`` (token) and the proxy's prefill request id."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    start_s = time.time()
     start, first, tokens = time.perf_counter(), None, []
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            if stamps is not None:
+                stamps.update(start=start_s, prefill_id=answer.headers.get(PREFILL_ID_HEADER, ""))
             if not body.get("stream"):
                 whole = json.loads(answer.read())
                 ids = whole["choices"][0].get("token_ids") or []
@@ -74,6 +89,8 @@ def post(url: str, body: dict, timeout_s: float) -> tuple[float, list[int], dict
                 ids = chunk["choices"][0].get("token_ids") or []
                 if ids and first is None:
                     first = time.perf_counter() - start
+                    if stamps is not None:
+                        stamps["first"] = time.time()
                 tokens += ids
     except urllib.error.HTTPError as err:
         raise RuntimeError(f"HTTP {err.code} from {url}: {err.read()[:300].decode(errors='replace')}") from None
@@ -100,6 +117,7 @@ class Bench:
         self.args, self.setups, self.model = args, setups, model
         self.failures: dict[str, int] = {}  # failed requests in a row
         self.errors: dict[str, list[str]] = {name: [] for name in setups}
+        self.clients: list[dict] = []  # --trace: the client's stamps of each P/D request through kvxferd
 
     def live(self, name: str) -> bool:
         return name in self.setups and self.setups[name].error is None
@@ -122,7 +140,10 @@ class Bench:
 
     def request(self, name: str, prompt: list[int]) -> tuple[float, list[int]]:
         setup = self.use(name)
-        ttft, tokens, _ = post(setup.url, self.body(prompt), self.args.timeout)
+        stamps = {} if self.args.trace and name == "kvxferd" else None
+        ttft, tokens, _ = post(setup.url, self.body(prompt), self.args.timeout, stamps)
+        if stamps and "first" in stamps:
+            self.clients.append(stamps)
         return ttft, tokens
 
     def legs(self, name: str, prompt: list[int]) -> dict:
@@ -209,6 +230,13 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
         tokens: dict[str, list] = {name: [] for name in setups}
         legs = {name: [] for name in breakdown}
         before = {name: bench.metrics(name) for name in pd_names}
+        bench.clients = []
+        # the prefill server's CPU in the pause after each request it took part in (a P/D request, and a
+        # request it served alone when it is the single instance): vLLM's worker spins a second after any
+        after_cpu: dict[str, list[float]] = {"kvxferd": [], "single": []}
+        prefill_server = setups["kvxferd"].processes[0]
+        single_is_prefill = not setups["single"].processes
+        previous = None
         items = [(name, "request") for name in setups] + [(name, "legs") for name in breakdown]
         for n in range(args.requests):
             prompt = prompt_ids(length, n)
@@ -216,7 +244,11 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
             for name, kind in items[shift:] + items[:shift]:
                 if not bench.live(name):
                     continue
+                cpu_s = prefill_server.cpu_seconds()
                 time.sleep(args.settle_s)  # the last request's vLLM workers stop spinning (see --settle-s)
+                if previous == "kvxferd" or (previous == "single" and single_is_prefill):
+                    after_cpu[previous].append(prefill_server.cpu_seconds() - cpu_s)
+                previous = name if kind == "request" else None
                 if kind == "request":
                     result = bench.attempt(name, bench.request, name, prompt)
                     ttft[name].append(result and result[0])
@@ -244,7 +276,14 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
             same = sum(1 for leg, ref in zip(legs[name], reference) if leg and leg["tokens"] == ref)
             row["breakdown"][name] = {"requests": len(done), "prefill_leg_p50_ms": prefill,
                                       "decode_leg_ttft_p50_ms": decode, "tokens_equal": same}
+        row["prefill_cpu_after_s"] = {k: statistics.median(v) if v else None for k, v in after_cpu.items()}
+        row["clients"] = bench.clients
         report["lengths"].append(row)
+    if args.trace:
+        time.sleep(args.settle_s)  # the last requests' prefills hear CONSUMED and stamp it
+        stamps = read_stamps(args.trace_dir)
+        for row in report["lengths"]:
+            row["trace"] = summary(timelines(stamps, row["clients"], "kvx-prefill", "kvx-decode"))
     report["unavailable"] = {n: s.error for n, s in setups.items() if s.error}
     report["errors"] = {name: errors for name, errors in bench.errors.items() if errors}
     return report
@@ -404,11 +443,17 @@ def main() -> None:
     parser.add_argument("--reserved-cpus", default="1",
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server, so all compute on the same cores "
                              "(default 1); 'auto': vLLM's own choice, which differs between plain and P/D servers")
+    parser.add_argument("--worker-cores", nargs=2, metavar=("PREFILL", "DECODE"),
+                        help="VLLM_CPU_OMP_THREADS_BIND of the kvxferd prefill and decode servers (e.g. 0 1): each "
+                             "P/D server's model on cores of its own; default: vLLM's choice")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--settle-s", type=float, default=1.2,
                         help="pause before each request: a vLLM worker busy-polls for 1 s after every step "
                              "(vLLM's shm broadcast, busy_loop_s), and on 2 cores a spinning worker of one server "
                              "slows the next request of another (issue #41); 0: back to back, as before")
+    parser.add_argument("--trace", action="store_true",
+                        help="stamp every kvxferd P/D request in the client, proxy, both engines' connectors and the "
+                             "decode daemon's completion, and print its TTFT segment by segment (issue #41)")
     parser.add_argument("--json", metavar="PATH", help="also write every number as JSON")
     parser.add_argument("--disconnect-check", action="store_true",
                         help="then a client that leaves mid-stream through the kvxferd proxy: no hold may stay pinned")
@@ -421,13 +466,16 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops every server
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvx-bench-vllm"))
     model = write_tiny_model(work / "tiny-llama")
+    args.trace_dir = str(work / "trace")
+    if args.trace:
+        os.environ[TRACE_DIR_ENV] = args.trace_dir  # every server and proxy started below inherits it
     setups: dict[str, Setup] = {}
     failed = True
     try:
         patches = tuple(patch for patch, on in (("no-progress-thread", args.nixl_progress_thread == "on"),
                                                  ("no-pin", args.nixl_pin == "on")) if not on)
         start_setups(setups, names, model, args.base_port, work, single_on_prefill, args.pause_nixl, patches,
-                     args.reserved_cpus, args.nixl_threads)
+                     args.reserved_cpus, args.nixl_threads, tuple(args.worker_cores) if args.worker_cores else None)
         setups = {name: setups[name] for name in names}
         report = run(args, setups, model)
         if args.disconnect_check:
@@ -436,7 +484,9 @@ def main() -> None:
         report["single_instance"] = "the kvxferd prefill server" if single_on_prefill else "a plain vLLM server"
         report["settings"] = {"reserved_cpus": args.reserved_cpus, "nixl_patches": list(patches),
                               "nixl_threads": args.nixl_threads, "pause_nixl": args.pause_nixl,
-                              "breakdown": args.breakdown}
+                              "breakdown": args.breakdown,
+                              "worker_cores": args.worker_cores,
+                              "settle_s": args.settle_s}
         if "nixl" in setups:
             report["nixl_prefill_log"] = nixl_log_notes(work / "nixl-prefill.log")
         if args.compare:
@@ -451,6 +501,9 @@ def main() -> None:
             print_default(report)
         if args.breakdown:
             print_breakdown(report)
+        if args.trace:
+            print_trace(report)
+        print_bounds(report)
         notes = report.get("nixl_prefill_log") or {}
         if notes.get("expired_before_read"):
             print(f"\nnixl: the prefill server released {notes['expired_before_read']} request(s)' blocks when their "

@@ -327,7 +327,8 @@ class Setup:
 
 def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: int, work: pathlib.Path,
                  single_on_prefill: bool, pause_nixl: bool, nixl_patches: tuple[str, ...] = (),
-                 reserved_cpus: str = "1", nixl_threads: int | None = None) -> None:
+                 reserved_cpus: str = "1", nixl_threads: int | None = None,
+                 worker_cores: tuple[str, str] | None = None) -> None:
     """Start every setup's processes at once (start-up runs in parallel), then wait for each.
 
     Ports (all on 127.0.0.1): kvxferd proxy base-100, prefill base, decode base+100 (as before);
@@ -355,8 +356,12 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
         kvx.daemons.append(DaemonProcess(daemon_id, socket_dir=str(work), extra_args=ports, wait=False))
     for daemon in kvx.daemons:
         daemon.wait_ready()
-    for role, port, daemon in (("prefill", base, kvx.daemons[0]), ("decode", base + 100, kvx.daemons[1])):
-        kvx.processes.append(vllm_server(f"kvxferd-{role}", model, port, work, env,
+    roles = (("prefill", base, kvx.daemons[0]), ("decode", base + 100, kvx.daemons[1]))
+    for n, (role, port, daemon) in enumerate(roles):
+        # worker_cores: each P/D server's model on cores of its own (vLLM's OpenMP binding); else vLLM's
+        # choice, which on a 2-core host puts every server's worker on core 0
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": worker_cores[n]} if worker_cores else {}
+        kvx.processes.append(vllm_server(f"kvxferd-{role}", model, port, work, {**env, **bind},
                                          kvxferd_transfer(f"kvx-{role}", daemon.socket)))
     kvx.processes.append(proxy("kvxferd-proxy", base, base + 100, base - 100, work, env))
     if "single" in names:

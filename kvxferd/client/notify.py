@@ -26,10 +26,12 @@ import time
 import zmq
 
 from kvxferd.client.engine import EngineClient
+from kvxferd.plan.leases import RELEASED
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.names import topic
 
 TERMINAL = (pb.NotifyEvent.CONSUMED, pb.NotifyEvent.EXPIRED)
+__all__ = ["RELEASED", "TERMINAL", "NotifySubscriber"]  # RELEASED: an EXPIRED's reason after the engine's Release
 
 
 class NotifySubscriber:

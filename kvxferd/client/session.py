@@ -229,8 +229,12 @@ class ReadSession:
 
     def take_completions(self) -> list[pb.Completion]:
         """Every completion that arrived and was not taken yet (never blocks)."""
+        return [completion for completion, _ in self.take_completions_timed()]
+
+    def take_completions_timed(self) -> list[tuple[pb.Completion, float]]:
+        """:meth:`take_completions`, each with the wall-clock time it arrived here."""
         with self._cond:
-            taken = [completion for completion, _ in self._completions.values()]
+            taken = list(self._completions.values())
             self._completions.clear()
         return taken
 

@@ -49,6 +49,7 @@ class HoldEndKind(str, enum.Enum):
 
 
 CONSUMED, EXPIRED, FAILED = HoldEndKind.CONSUMED, HoldEndKind.EXPIRED, HoldEndKind.FAILED
+RELEASED = "released"  # the reason an EXPIRED names when the engine released the hold itself
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class HoldTable:
         if entry is None:
             raise NotFoundError("request_id", f"request {request_id!r} is not held")
         self._unboard(entry)
-        return HoldEnd(request_id, EXPIRED, entry.block_ids, "released")
+        return HoldEnd(request_id, EXPIRED, entry.block_ids, RELEASED)
 
     def record(self, notice: ReadNotice, now: float, expected_readers: int | None = None) -> NoticeOutcome:
         """Count one reader; says whether the hold was alive when the notice came.

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvxferd.client import DaemonProcess
 from kvxferd.client.session import Held
 from kvxferd.client.readsock import ReadsSocketStream
-from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine, share_host_storages
+from kvxferd.integrations.vllm.describe import describe_engine, share_host_storages
 from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide, real_blocks
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
@@ -22,6 +22,7 @@ from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
 from kvxferd.integrations.vllm.worker import WorkerSide
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.config import DaemonConfig
+from tests.integrations.connector_pair import connector_pair, eventually as _eventually, group, layer_cache
 
 GOOD = RemotePrefill(kvxferd=1, remote_engine_id="p", remote_request_id="r-1", remote_peer_addresses=["127.0.0.1:1"],
                      remote_block_ids=[[4, 5]], remote_capabilities=["ab" * 16], remote_num_tokens=40,
@@ -103,16 +104,6 @@ def test_state_groups_stop_the_prefiller_one_token_short_and_decode_loads_that_m
     assert attention.matched_tokens("r", GOOD, 40, 0) == (40, True)
     assert states.matched_tokens("r", {**GOOD, "error": "down"}, 40, 0) == (39, True)  # a failed load, same span
     assert states.matched_tokens("r", {**GOOD, "error": "down"}, 1, 0) == (1, True)  # vLLM must hear of it
-
-
-def layer_cache(num_blocks=16, heads=2, block=32, head_size=64, layers=2):
-    """Like vLLM's CPU cache: one storage, a (B, H, N, 2C) view per layer."""
-    storage = torch.zeros(layers, num_blocks, heads, block, 2 * head_size, dtype=torch.bfloat16)
-    return {f"layer.{n}": storage[n] for n in range(layers)}
-
-
-def group(names, num_blocks=16, heads=2, block=32, head_size=64):
-    return GroupLayout("full", tuple(names), "kv_per_head", num_blocks, heads, head_size, block, block, "bfloat16")
 
 
 def test_host_tensors_are_shared_in_place_and_described_per_layer():
@@ -216,17 +207,8 @@ def test_a_tp_prefill_holds_on_every_rank_at_once_or_on_none(tmp_path):
 
 def test_hold_order_read_cycle_on_real_daemons(tmp_path):
     """Prefill worker + scheduler hold, decode scheduler orders, decode worker reads: byte-exact."""
-    daemons = DaemonProcess.start_many(["ip0", "id0"], socket_dir=str(tmp_path))
-    workers = []
-    try:
-        prefill_cache, decode_cache = layer_cache(), layer_cache()
-        for name, tensor in prefill_cache.items():
-            tensor.copy_(torch.randn_like(tensor, dtype=torch.float32).to(torch.bfloat16))
-        prefill = WorkerSide("p", 0, 1, ConnectorSettings(engine_socket=daemons[0].socket))
-        decode = WorkerSide("d", 0, 1, ConnectorSettings(engine_socket=daemons[1].socket))
-        workers = [prefill, decode]
-        ranks = [prefill.register([group(prefill_cache)], prefill_cache)]
-        decode.register([group(decode_cache)], decode_cache)
+    with connector_pair(tmp_path, ("ip0", "id0")) as pair:
+        daemons, prefill, decode, ranks, prefill_cache, decode_cache = pair
         prefill_scheduler, decode_scheduler = SchedulerSide("p", prefill.settings), SchedulerSide("d", decode.settings)
         prefill_scheduler.set_ranks(ranks)
         delay, params = prefill_scheduler.hold("req", ([0, 3, 4, 5],), 100)  # 0 is vLLM's null block
@@ -280,19 +262,6 @@ def test_hold_order_read_cycle_on_real_daemons(tmp_path):
         assert result.failed_recving == {"bad"} and result.finished_recving == {"bad"}
         failed = decode.take_stats()
         assert failed.data["num_failed"]["not_submitted"] == 1 and failed.data["transferred_bytes"] == 0, failed
-    finally:
-        for worker in workers:
-            worker.close()
-        for daemon in daemons:
-            daemon.terminate()
-
-
-def _eventually(value, timeout_s: float = 5.0):
-    """``value()`` once it is truthy (the daemon counts a read just after it sends its completion)."""
-    deadline = time.monotonic() + timeout_s
-    while not (got := value()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return got
 
 
 def _gather(workers, until, timeout_s: float = 20.0, daemons=()) -> dict:
@@ -412,7 +381,7 @@ class _QuietClient:
 
     def __init__(self, incarnation: str) -> None:
         self.incarnation, self.incarnations = incarnation, [incarnation]
-        self.reads = self  # the session's calls (take_lost, take_completions, submit_reads) on the same fake
+        self.reads = self  # the session's calls (take_lost, take_completions_timed, submit_reads) on the same fake
 
     def registered_again(self, incarnation: str) -> None:
         self.incarnation = incarnation
@@ -421,7 +390,7 @@ class _QuietClient:
     def take_lost(self) -> set[str]:
         return set()
 
-    def take_completions(self) -> list:
+    def take_completions_timed(self) -> list:
         return []
 
 
@@ -578,9 +547,9 @@ class _ScriptedClient(_QuietClient):
         lost, self.lost = self.lost, set()
         return lost
 
-    def take_completions(self) -> list:
+    def take_completions_timed(self) -> list:
         completions, self.completions = self.completions, []
-        return completions
+        return [(completion, 0.0) for completion in completions]
 
 
 class _ScriptedSubscriber:

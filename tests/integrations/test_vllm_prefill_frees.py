@@ -10,7 +10,10 @@ of the prefill engine's processes in the second after a P/D request is set
 beside the second after a request the same engine served alone: vLLM's
 worker spins for a second after any step (its shm broadcast's
 ``busy_loop_s``), with or without a connector. Timings are printed, not
-asserted (2 shared cores).
+asserted (2 shared cores). Two API servers show what this in-process pair
+does not: workers bound to one core starve each other, and the prefill frees
+its blocks ~0.5 s late; ``scripts/bench_vllm.py --trace`` measures that (and
+``--worker-cores`` avoids it), against its bound.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from kvxferd.integrations.vllm.states import StateGroup, mamba_group
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide
 from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
+from kvxferd.integrations.vllm.trace import Trace
 from kvxferd.integrations.vllm.worker import TransferResults, WorkerSide
 
 if TYPE_CHECKING:
@@ -111,8 +112,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            has_states = any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups)
-            self.scheduler = SchedulerSide(self.engine_id, self.settings, num_backoff_tokens=int(has_states))
+            groups = kv_cache_config.kv_cache_groups
+            has_states = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
+            # Early holds where the prompt's blocks are the blocks handed over: full attention only
+            # (windows and states drop blocks by the end), no speculative lookahead (extra blocks).
+            plain = all(type(g.kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec) for g in groups)
+            self.scheduler = SchedulerSide(self.engine_id, self.settings, num_backoff_tokens=int(has_states),
+                                           early_holds=plain and vllm_config.speculative_config is None)
+            self._trace = Trace(f"{self.engine_id}-scheduler", self.settings.trace_dir)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -240,6 +247,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.close()
         if self.scheduler is not None:
             self.scheduler.close()
+            self._trace.close()
 
     # ---- scheduler side ----------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -264,6 +272,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         request.kv_transfer_params = {**request.kv_transfer_params, "kvxferd_prompt_cut": True}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._trace.enabled and request.kv_transfer_params:  # the first stamp: the scheduler saw the request
+            self._trace.stamp("matched", (request.request_id,),
+                              remote=request.kv_transfer_params.get("remote_request_id"))
         return self.scheduler.matched_tokens(request.request_id, request.kv_transfer_params,
                                              request.num_prompt_tokens, num_computed_tokens)
 
@@ -271,11 +282,23 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))  # a read restores every group
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self.scheduler.prefill_allocated(request.request_id, request.kv_transfer_params, request.num_prompt_tokens,
+                                         request.max_tokens)
         self.scheduler.after_alloc(request.request_id, request.kv_transfer_params,
                                    blocks.get_unhashed_block_ids_all_groups(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvxferdMetadata:
+        for new in scheduler_output.scheduled_new_reqs:  # a prefill's hold goes out with its last step
+            if self.scheduler.prefill_scheduled(new.req_id, new.block_ids, new.num_computed_tokens,
+                                                scheduler_output.num_scheduled_tokens.get(new.req_id, 0)):
+                self._trace.stamp("hold_sent", (new.req_id,))
         return KvxferdMetadata(orders=self.scheduler.take_orders(), held=self.scheduler.take_held())
+
+    def update_connector_output(self, connector_output) -> None:
+        """Only stamps (when tracing): the scheduler learns which reads ended and which holds let go."""
+        super().update_connector_output(connector_output)
+        self._trace.stamp("told_recving", connector_output.finished_recving or ())
+        self._trace.stamp("told_sending", connector_output.finished_sending or ())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -293,5 +316,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         if not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            self.scheduler.drop_early(request.request_id)
             return False, None  # aborted: nothing to hand over
-        return self.scheduler.hold(request.request_id, block_ids, request.num_computed_tokens)
+        self._trace.stamp("hold_start", (request.request_id,))
+        delay_free, out = self.scheduler.hold(request.request_id, block_ids, request.num_computed_tokens)
+        self._trace.stamp("hold_end", (request.request_id,))
+        return delay_free, out

@@ -6,7 +6,10 @@
                                        │ ◄── kv_transfer_params ─────────────────┘
                                        └──(the request + kv_transfer_params)──► decode ──► client
 
-The decode answer (streamed or not) goes back unchanged. A prefill that
+The decode answer (streamed or not) goes back unchanged, with the prefill's
+request id in ``X-Kvxferd-Prefill-Request-Id`` (the id the daemons' holds,
+reads and bus events name; with ``KVXFERD_TRACE_DIR`` set the proxy stamps
+its steps under it, see trace.py). A prefill that
 answers without ``kv_transfer_params`` is a 502 naming the prefill URL.
 ``/v1/chat/completions`` works the same way. Run it where vLLM is installed
 (it uses aiohttp, one of vLLM's dependencies)::
@@ -19,9 +22,13 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import time
+
+from kvxferd.integrations.vllm.trace import Trace
 
 log = logging.getLogger("kvxferd.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+PREFILL_ID_HEADER = "X-Kvxferd-Prefill-Request-Id"
 
 
 def prefill_request(body: dict) -> dict:
@@ -44,6 +51,7 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
     from aiohttp import ClientSession, ClientTimeout, web
 
     session_key = web.AppKey("session", ClientSession)
+    trace = Trace("proxy")
 
     async def start(app):
         app[session_key] = ClientSession(timeout=ClientTimeout(total=timeout_s))
@@ -52,6 +60,7 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
         await app[session_key].close()
 
     async def forward(request: web.Request) -> web.StreamResponse:
+        arrived_s = time.time()
         try:
             body = await request.json()
         except ValueError:
@@ -59,6 +68,7 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
         if not isinstance(body, dict):
             return web.json_response({"error": "the request body must be a JSON object"}, status=400)
         session = request.app[session_key]
+        prefill_sent_s = time.time()
         async with session.post(prefill_url + request.path, json=prefill_request(body)) as answer:
             prefilled = await answer.json(content_type=None)
             if answer.status != 200:
@@ -67,13 +77,25 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
         if not params:
             return web.json_response({"error": f"prefill {prefill_url} returned no kv_transfer_params "
                                                "(is it running with the KvxferdConnector?)"}, status=502)
+        prefill_id = str(params.get("remote_request_id", ""))
+        ids = (prefill_id,) if prefill_id else ()  # (failed params name no request: nothing to stamp)
+        trace.stamp("proxy_in", ids, arrived_s)
+        trace.stamp("prefill_sent", ids, prefill_sent_s)
+        trace.stamp("prefill_back", ids)
+        headers = {PREFILL_ID_HEADER: prefill_id}
         async with session.post(decode_url + request.path, json=decode_request(body, params)) as answer:
+            trace.stamp("decode_answered", ids)
             if not body.get("stream"):
-                return web.json_response(await answer.json(content_type=None), status=answer.status)
-            response = web.StreamResponse(status=answer.status, headers={"Content-Type": "text/event-stream"})
+                return web.json_response(await answer.json(content_type=None), status=answer.status, headers=headers)
+            response = web.StreamResponse(status=answer.status,
+                                          headers={"Content-Type": "text/event-stream", **headers})
             await response.prepare(request)
+            first = True
             async for chunk in answer.content.iter_any():
                 await response.write(chunk)
+                if first and b'"choices"' in chunk:  # (vLLM's first chunk carries the first token)
+                    trace.stamp("first_chunk_out", ids)
+                    first = False
             await response.write_eof()
             return response
 

@@ -2,9 +2,20 @@
 
 Prefill (a request that came with ``do_remote_decode``)::
 
-    request_finished ─► Hold(request, block ids) on every prefill rank's daemon
-                     ─► delay_free=True + kv_transfer_params (engine id, peer addresses,
-                        block ids, token count, lease expiry) for the proxy
+    build_connector_meta ─► (a one-token request whose whole prompt runs in this step) Hold
+                            sent on every rank's daemon, not waited for: it overlaps the
+                            forward pass
+    request_finished     ─► the Hold's answers (sent now if it was not sent early; released and
+                            sent again if the blocks changed since, or half its lease is gone)
+                            ─► delay_free=True + kv_transfer_params (engine id, peer addresses,
+                            block ids, token count, lease expiry)
+
+An early hold gives nothing away: only ``request_finished``'s params carry its
+capability, so no reader can use it before the prompt is computed. A hold
+released here was never handed over, and the workers ignore its EXPIRED, so it
+cannot end a later hold of the same request id. Engines whose blocks at the end
+are not the prompt's (sliding windows, states, speculative decoding) hold at the
+end only.
 
 Decode (a request that came with ``do_remote_prefill``)::
 
@@ -32,14 +43,17 @@ vLLM-free: requests and blocks are passed as plain values.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from kvxferd.client.engine import EngineClient
+from kvxferd.client.session import Held
+from kvxferd.errors import KvxferError
 from kvxferd.integrations.vllm.params import (ParamsError, RemotePrefill, failed_prefill_params,
                                               parse_remote_prefill)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
@@ -69,6 +83,15 @@ class HeldRequest:
 
 
 @dataclass(frozen=True)
+class EarlyHold:
+    """A hold sent at the start of a prefill's last step: its blocks, when, and each rank's answer to come."""
+
+    blocks: tuple[tuple[int, ...], ...]
+    sent_s: float
+    answers: tuple[Callable[[], Held], ...]
+
+
+@dataclass(frozen=True)
 class ReadOrder:
     """Scheduler -> worker: read ``remote`` into ``local_block_ids`` (per group), or fail with ``error``.
 
@@ -85,6 +108,10 @@ class ReadOrder:
     awaited: bool = True
 
 
+def _raise(err: BaseException):
+    raise err
+
+
 def real_blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
     """Per group, the block ids without vLLM's null placeholders (out-of-window or unused slots)."""
     return tuple(tuple(int(b) for b in group if b != NULL_BLOCK_ID) for group in block_ids)
@@ -93,15 +120,21 @@ def real_blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ..
 class SchedulerSide:
     """Scheduler-process state of one engine (prefill, decode, or both)."""
 
-    def __init__(self, engine_id: str, settings: ConnectorSettings, num_backoff_tokens: int = 0) -> None:
+    def __init__(self, engine_id: str, settings: ConnectorSettings, num_backoff_tokens: int = 0,
+                 early_holds: bool = True) -> None:
         self.engine_id = engine_id
         self.settings = settings
         self.num_backoff_tokens = num_backoff_tokens  # 1 when a group holds running states (Mamba)
+        # False where the blocks vLLM allocates for a prompt differ from those it hands over at the end
+        # (sliding windows and states drop blocks, speculative decoding reserves more): held at the end
+        self.early_holds = early_holds
         self.ranks: list[RankDaemon] = []
         self._clients: dict[int, EngineClient] = {}
         self._orders: list[ReadOrder] = []
         self._held: list[HeldRequest] = []  # held since the last build_connector_meta
         self._pending: dict[str, RemotePrefill | ParamsError] = {}  # decode requests not scheduled yet
+        self._prefills: dict[str, int] = {}  # remote-decode prefills allocated, not scheduled whole yet -> prompt
+        self._early: dict[str, EarlyHold] = {}  # holds sent before request_finished
 
     # ---- the daemons of every rank ---------------------------------------------------
     def set_ranks(self, ranks: Sequence[RankDaemon]) -> None:
@@ -132,15 +165,81 @@ class SchedulerSide:
             return 0
         return self.num_backoff_tokens if num_prompt_tokens > self.num_backoff_tokens else 0
 
+    def prefill_allocated(self, request_id: str, params: dict | None, num_prompt_tokens: int, max_tokens: int) -> None:
+        """``update_state_after_alloc``: note a remote-decode prefill whose hold may go out early: one that
+        ends at the step that computes its prompt (one token; the proxy's prefill leg), so the blocks
+        held then are the blocks ``request_finished`` hands over."""
+        if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and max_tokens == 1:
+            self._prefills[request_id] = num_prompt_tokens
+
+    def prefill_scheduled(self, request_id: str, block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
+                          num_scheduled_tokens: int) -> bool:
+        """``build_connector_meta``: a noted prefill scheduled whole (its last prompt token in this step, its
+        blocks all allocated) ends at this step's end; its hold goes out now and :meth:`hold` collects the
+        answers, so the round trips overlap the forward pass instead of following it (issue #41). Whether
+        it went out. A prompt computed in chunks is held in :meth:`hold`, as before."""
+        num_prompt_tokens = self._prefills.pop(request_id, None)
+        if num_prompt_tokens is None or num_computed_tokens + num_scheduled_tokens < num_prompt_tokens:
+            return False
+        if not self.early_holds or not self.ranks or request_id in self._early:
+            return False  # (in _early: scheduled whole again after a preemption; hold() checks the blocks)
+        blocks = real_blocks(block_ids)
+        sent_s = time.monotonic()  # before the calls: the daemons' leases start after this
+        self._early[request_id] = EarlyHold(blocks, sent_s, self._hold_started(request_id, blocks))
+        return True
+
+    def drop_early(self, request_id: str) -> None:
+        """A prefill that ended without being handed over (aborted): let its early hold go."""
+        self._prefills.pop(request_id, None)
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            self._release(request_id, [rank for rank, answer in zip(self.ranks, early.answers)
+                                       if self._answered(answer)])
+
+    def _hold_started(self, request_id: str, blocks) -> tuple[Callable[[], Held], ...]:
+        """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
+        rank, issue #41); never raises: a rank that could not even be asked answers with its error."""
+        answers = []
+        for rank in self.ranks:
+            try:
+                answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s))
+            except (grpc.RpcError, KvxferError) as err:
+                answers.append(functools.partial(_raise, err))
+        return tuple(answers)
+
+    @staticmethod
+    def _answered(answer: Callable[[], Held]) -> bool:
+        try:
+            answer()
+            return True
+        except (grpc.RpcError, KvxferError):
+            return False
+
+    def _release(self, request_id: str, ranks: Sequence[RankDaemon]) -> None:
+        for rank in ranks:
+            try:
+                self._client(rank).release(request_id)
+            except grpc.RpcError:
+                pass  # it expires on its own
+
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int) -> tuple[bool, dict]:
         """Hold a finished prefill on every rank; ``(delay_free, kv_transfer_params)``."""
         if not self.ranks:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
-        # Every rank's hold in flight at once: this runs inside the prefill request's last step, and a
-        # TP engine's holds one after another cost one round trip per rank (issue #41).
-        answers = [self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s)
-                   for rank in self.ranks]
+        self._prefills.pop(request_id, None)
+        early = self._early.get(request_id)
+        if early is not None and (early.blocks != blocks
+                                  or time.monotonic() - early.sent_s > self.settings.lease_s / 2):
+            # Other blocks (preempted and scheduled again, say), or half the lease gone: let it go and
+            # hold anew. The workers ignore a released hold's EXPIRED (worker.py), so it cannot end
+            # the new hold of the same id.
+            self.drop_early(request_id)
+            early = None
+        self._early.pop(request_id, None)
+        sent_s = early.sent_s if early is not None else time.monotonic()
+        answers = early.answers if early is not None else self._hold_started(request_id, blocks)
+        held_since_s = time.time() - (time.monotonic() - sent_s)
         held: list[RankDaemon] = []
         incarnations: list[str] = []
         capabilities: list[str] = []
@@ -151,15 +250,14 @@ class SchedulerSide:
             except grpc.RpcError as err:
                 error = error or f"rank {rank.tp_rank} ({rank.engine_socket}): {err.code().name}: {err.details()}"
                 continue
+            except KvxferError as err:
+                error = error or f"rank {rank.tp_rank} ({rank.engine_socket}): {err}"
+                continue
             incarnations.append(hold.incarnation)
             capabilities.append(hold.capability.hex())
             held.append(rank)
         if error:
-            for rank in held:  # all ranks or none
-                try:
-                    self._client(rank).release(request_id)
-                except grpc.RpcError:
-                    pass  # it expires on its own
+            self._release(request_id, held)  # all ranks or none
             log.warning("kvxferd: could not hold a finished prefill", extra={"request_id": request_id, "error": error})
             return False, failed_prefill_params(error)
         self._held.append(HeldRequest(request_id, tuple(incarnations)))
@@ -167,7 +265,7 @@ class SchedulerSide:
                                remote_peer_addresses=[r.peer_address for r in self.ranks],
                                remote_block_ids=[list(g) for g in blocks], remote_capabilities=capabilities,
                                remote_num_tokens=num_tokens,
-                               remote_lease_expiry_unix_s=time.time() + self.settings.lease_s)
+                               remote_lease_expiry_unix_s=held_since_s + self.settings.lease_s)
         return True, params.to_params()
 
     def take_held(self) -> list[HeldRequest]:

@@ -33,6 +33,8 @@ class ConnectorSettings(BaseModel):
     daemon_uid: int | None = Field(None, ge=0, description="uid the daemons run as (default: $KVXFERD_DAEMON_UID, "
                                                           "else this engine's own); a socket of any other user gets "
                                                           "nothing from the connector")
+    trace_dir: str | None = Field(None, description="write per-request timestamps there (default: $KVXFERD_TRACE_DIR; "
+                                                   "unset: none); a benchmark's tool, see trace.py")
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
         "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "
                              "VLLM_KV_CACHE_LAYOUT still wins, and kvxferd reads any order")

@@ -31,12 +31,13 @@ import grpc
 import torch
 
 from kvxferd.client.engine import EngineClient
-from kvxferd.client.notify import TERMINAL, NotifySubscriber
+from kvxferd.client.notify import RELEASED, TERMINAL, NotifySubscriber
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine
 from kvxferd.integrations.vllm.params import RemotePrefill
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 from kvxferd.integrations.vllm.stats import TransferStats
+from kvxferd.integrations.vllm.trace import Trace
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.client.fdsend import send_fds
 from kvxferd.wire.names import fd_socket_path
@@ -74,6 +75,7 @@ class WorkerSide:
         self._ended: set[str] = set()  # holds that ended before the worker heard they were held
         self._incarnation = ""  # of the current registration (the one handshakes were made on)
         self.stats = TransferStats()  # since the last take_stats
+        self.trace = Trace(f"{engine_id}-worker{tp_rank}", settings.trace_dir)
 
     # ---- registration ---------------------------------------------------------------
     def register(self, groups: Sequence[GroupLayout], tensors: Mapping[str, torch.Tensor]) -> RankDaemon:
@@ -137,7 +139,10 @@ class WorkerSide:
             else:
                 self._releasing.add(order.request_id)
         if specs:
+            submitted_s = time.time()
             self.client.reads.submit_reads(specs)
+            if self.trace.enabled:
+                self.trace.stamp("submitted", self._reading.keys() & {spec.request_id for spec in specs}, submitted_s)
 
     def _spec(self, order: ReadOrder):
         if order.remote is None:
@@ -175,8 +180,10 @@ class WorkerSide:
             out.finished_recving.add(request_id)
             out.failed_recving.add(request_id)
         self._failed_now.clear()
-        for completion in self.client.reads.take_completions():
+        for completion, arrived_s in self.client.reads.take_completions_timed():
             submitted = self._reading.pop(completion.request_id, None)
+            if self.trace.enabled and submitted is not None:
+                self._stamp_read(completion, arrived_s)
             if submitted is None:
                 if completion.request_id in self._releasing and not completion.ok:
                     log.warning("kvxferd: a release-only read was refused; the prefill hold ends at its lease",
@@ -200,8 +207,14 @@ class WorkerSide:
             log.debug("kvxferd: notify catch-up failed", extra={"error": err.code().name})
             events = []
         for event in events:
+            if event.kind == pb.NotifyEvent.EXPIRED and event.reason == RELEASED:
+                # Only this engine's scheduler releases, and only holds it never handed over (an early
+                # hold it sends again, a hold not placed on every rank): no reader, no blocks to free.
+                # Counting it as an end would end a later hold of the same request id.
+                continue
             if event.kind in TERMINAL:
                 self._ended.add(event.request_id)
+                self.trace.stamp("bus_ended", (event.request_id,))
                 self.stats.record_hold_ended("consumed" if event.kind == pb.NotifyEvent.CONSUMED else "expired")
         gone = set(self.client.incarnations[:-1])  # registrations replaced since: their holds are gone
         done = {r for r, incarnation in self._held.items() if r in self._ended or incarnation in gone}
@@ -210,6 +223,18 @@ class WorkerSide:
             del self._held[request_id]
         out.finished_sending = done
         return out
+
+    def _stamp_read(self, completion: pb.Completion, arrived_s: float) -> None:
+        """Trace: the daemon's stages of a read (its completion's own figures), the completion's arrival
+        here, and now (vLLM asked)."""
+        ids = (completion.request_id,)
+        got_s = completion.done_unix_s - completion.duration_s
+        self.trace.stamp("daemon_got", ids, got_s)
+        self.trace.stamp("daemon_posted", ids, got_s + completion.post_s)
+        self.trace.stamp("daemon_moved", ids, got_s + completion.post_s + completion.transfer_s)
+        self.trace.stamp("daemon_done", ids, completion.done_unix_s)
+        self.trace.stamp("completion_arrived", ids, arrived_s)
+        self.trace.stamp("completion_taken", ids)
 
     def take_stats(self) -> TransferStats | None:
         """What was recorded since the last call (None when nothing was); recording starts over."""
@@ -231,6 +256,7 @@ class WorkerSide:
         self._remotes.clear()
 
     def close(self) -> None:
+        self.trace.close()
         if self.subscriber is not None:
             self.subscriber.close()
         if self.client is not None:

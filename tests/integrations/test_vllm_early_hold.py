@@ -1,0 +1,132 @@
+"""A prefill's hold sent with the step that computes its prompt, collected at request_finished (issue #41):
+one Hold per rank, the read byte-exact, and every case that must not go early, or must let go.
+Real daemons; vLLM-free."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvxferd.errors import PermissionDeniedError
+from kvxferd.integrations.vllm.scheduler import EarlyHold, SchedulerSide
+from tests.integrations.connector_pair import connector_pair, eventually, read_held
+
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A registered prefill rank and decode rank, the prefill's scheduler, and a count of Holds sent."""
+    with connector_pair(tmp_path, ("ep0", "ed0")) as two:
+        scheduler = SchedulerSide("p", two.prefill.settings)
+        scheduler.set_ranks(two.ranks)
+        client = scheduler._client(two.ranks[0])
+        sent = []
+        real = client.hold_started
+        client.hold_started = lambda request_id, *args, **kwargs: sent.append(request_id) or real(request_id, *args,
+                                                                                                   **kwargs)
+        yield {"scheduler": scheduler, "prefill": two.prefill, "decode": two.decode, "sent": sent,
+               "daemon": two.daemons[0], "caches": (two.prefill_cache, two.decode_cache)}
+
+
+def test_the_hold_goes_out_with_the_last_step_and_is_only_collected_at_the_end(pair):
+    scheduler, sent = pair["scheduler"], pair["sent"]
+    scheduler.prefill_allocated("req", REMOTE_DECODE, 64, max_tokens=1)
+    sent_s = time.time()
+    assert scheduler.prefill_scheduled("req", ([0, 3, 4],), 0, 64)  # 0: vLLM's null block
+    assert sent == ["req"]
+    delay, params = scheduler.hold("req", ([0, 3, 4],), 64)
+    assert delay and sent == ["req"], params  # answered, not sent again
+    assert params["remote_block_ids"] == [[3, 4]]
+    # the lease runs from when the hold went out, not from request_finished
+    assert sent_s <= params["remote_lease_expiry_unix_s"] - scheduler.settings.lease_s <= time.time()
+    read_held(pair["scheduler"], pair["prefill"], pair["decode"], params, [7, 8])
+    prefill_cache, decode_cache = pair["caches"]
+    for name in prefill_cache:
+        assert torch.equal(decode_cache[name][7:9], prefill_cache[name][3:5])
+    # The control: a request not sent early is held at request_finished, as before, and reads as well.
+    delay, params = scheduler.hold("late", ([5, 6],), 64)
+    assert delay and sent == ["req", "late"]
+    read_held(pair["scheduler"], pair["prefill"], pair["decode"], params, [9, 10])
+    for name in prefill_cache:
+        assert torch.equal(decode_cache[name][9:11], prefill_cache[name][5:7])
+
+
+def test_what_does_not_go_early(pair):
+    scheduler, sent = pair["scheduler"], pair["sent"]
+    scheduler.prefill_allocated("two-tokens", REMOTE_DECODE, 64, max_tokens=2)  # not ended by its prompt's step
+    assert not scheduler.prefill_scheduled("two-tokens", ([3, 4],), 0, 64)
+    scheduler.prefill_allocated("chunked", REMOTE_DECODE, 64, max_tokens=1)
+    assert not scheduler.prefill_scheduled("chunked", ([3],), 0, 32)  # the first of two chunks
+    scheduler.prefill_allocated("plain", None, 64, max_tokens=1)  # not a P/D prefill
+    assert not scheduler.prefill_scheduled("plain", ([3, 4],), 0, 64)
+    scheduler.prefill_allocated("decode", {"do_remote_prefill": True, "do_remote_decode": True}, 64, max_tokens=1)
+    assert not scheduler.prefill_scheduled("decode", ([3, 4],), 0, 64)
+    assert not scheduler.prefill_scheduled("never-allocated", ([3, 4],), 0, 64)
+    assert sent == []
+
+
+def test_an_aborted_request_lets_its_early_hold_go_and_the_workers_ignore_that(pair):
+    scheduler, prefill, daemon = pair["scheduler"], pair["prefill"], pair["daemon"]
+    assert daemon.metric("kvxferd_holds_pending") == 0
+    scheduler.prefill_allocated("aborted", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("aborted", ([3, 4],), 0, 64)
+    assert eventually(lambda: daemon.metric("kvxferd_holds_pending") == 1)
+    scheduler.drop_early("aborted")  # request_finished of an aborted request
+    assert eventually(lambda: daemon.metric("kvxferd_holds_pending") == 0)
+    # The release's EXPIRED reaches the prefill worker, which keeps nothing of it (it never held it).
+    assert eventually(lambda: prefill.subscriber.last_seq >= 1 or prefill.results().finished_sending)
+    for _ in range(3):
+        assert prefill.results().finished_sending == set()
+    assert prefill._ended == set() and pair["sent"] == ["aborted"]
+
+
+def test_other_blocks_at_the_end_are_held_anew_and_only_the_new_hold_ends_it(pair):
+    scheduler, prefill, sent, daemon = pair["scheduler"], pair["prefill"], pair["sent"], pair["daemon"]
+    scheduler.prefill_allocated("moved", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("moved", ([3, 4],), 0, 64)  # then, say, preempted and scheduled again
+    delay, params = scheduler.hold("moved", ([3, 5],), 64)
+    assert delay and params["remote_block_ids"] == [[3, 5]] and sent == ["moved", "moved"], params
+    assert eventually(lambda: daemon.metric("kvxferd_holds_pending") == 1)  # the first released, the second held
+    held = scheduler.take_held()
+    prefill.expect_held(held)
+    # The first hold's EXPIRED (released) does not end the second: no reader has read yet.
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert prefill.results().finished_sending == set()
+        time.sleep(0.05)
+    scheduler._held.extend(held)  # read_held hands them to the worker again (the same, no harm)
+    read_held(scheduler, prefill, pair["decode"], params, [7, 8])
+    prefill_cache, decode_cache = pair["caches"]
+    for name in prefill_cache:  # the blocks of the end, not those of the early hold
+        assert torch.equal(decode_cache[name][7], prefill_cache[name][3])
+        assert torch.equal(decode_cache[name][8], prefill_cache[name][5])
+
+
+def test_a_stale_early_hold_is_held_anew_and_a_rank_that_cannot_be_asked_fails_the_request(pair):
+    scheduler, sent = pair["scheduler"], pair["sent"]
+    scheduler.prefill_allocated("slow", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("slow", ([3, 4],), 0, 64)
+    early = scheduler._early["slow"]
+    scheduler._early["slow"] = EarlyHold(early.blocks, early.sent_s - scheduler.settings.lease_s, early.answers)
+    delay, params = scheduler.hold("slow", ([3, 4],), 64)
+    assert delay and sent == ["slow", "slow"]  # more than half its lease gone: held anew, with a fresh lease
+    assert params["remote_lease_expiry_unix_s"] > time.time() + scheduler.settings.lease_s / 2
+    scheduler.take_held()
+    # A daemon that cannot even be asked (here: the socket is another user's) fails that request at
+    # request_finished, never vLLM's schedule.
+    client = scheduler._client(scheduler.ranks[0])
+
+    def refuse(*args, **kwargs):
+        raise PermissionDeniedError("daemon_uid", "the socket belongs to another user")
+    client.hold_started = refuse
+    scheduler.prefill_allocated("refused", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("refused", ([5, 6],), 0, 64)
+    delay, params = scheduler.hold("refused", ([5, 6],), 64)
+    assert not delay and "another user" in params["error"], params
+    # Off (a sliding window or state group, or speculative decoding): nothing goes early.
+    scheduler.early_holds = False
+    scheduler.prefill_allocated("off", REMOTE_DECODE, 64, max_tokens=1)
+    assert not scheduler.prefill_scheduled("off", ([7, 8],), 0, 64)
