@@ -244,9 +244,10 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
             for name, kind in items[shift:] + items[:shift]:
                 if not bench.live(name):
                     continue
-                cpu_s = prefill_server.cpu_seconds()
+                measured = previous == "kvxferd" or (previous == "single" and single_is_prefill)
+                cpu_s = prefill_server.cpu_seconds() if measured else 0.0
                 time.sleep(args.settle_s)  # the last request's vLLM workers stop spinning (see --settle-s)
-                if previous == "kvxferd" or (previous == "single" and single_is_prefill):
+                if measured:
                     after_cpu[previous].append(prefill_server.cpu_seconds() - cpu_s)
                 previous = name if kind == "request" else None
                 if kind == "request":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvxferd.errors import PermissionDeniedError
-from kvxferd.integrations.vllm.scheduler import EarlyHold, SchedulerSide
+from kvxferd.integrations.vllm.scheduler import SentHold, SchedulerSide
 from tests.integrations.connector_pair import connector_pair, eventually, read_held
 
 REMOTE_DECODE = {"do_remote_decode": True}
@@ -110,7 +110,7 @@ def test_a_stale_early_hold_is_held_anew_and_a_rank_that_cannot_be_asked_fails_t
     scheduler.prefill_allocated("slow", REMOTE_DECODE, 64, max_tokens=1)
     assert scheduler.prefill_scheduled("slow", ([3, 4],), 0, 64)
     early = scheduler._early["slow"]
-    scheduler._early["slow"] = EarlyHold(early.blocks, early.sent_s - scheduler.settings.lease_s, early.answers)
+    scheduler._early["slow"] = SentHold(early.blocks, early.sent_s - scheduler.settings.lease_s, early.answers)
     delay, params = scheduler.hold("slow", ([3, 4],), 64)
     assert delay and sent == ["slow", "slow"]  # more than half its lease gone: held anew, with a fresh lease
     assert params["remote_lease_expiry_unix_s"] > time.time() + scheduler.settings.lease_s / 2

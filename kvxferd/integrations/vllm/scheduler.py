@@ -83,8 +83,8 @@ class HeldRequest:
 
 
 @dataclass(frozen=True)
-class EarlyHold:
-    """A hold sent at the start of a prefill's last step: its blocks, when, and each rank's answer to come."""
+class SentHold:
+    """A hold sent on every rank: its blocks, when it went out, and each rank's answer to come."""
 
     blocks: tuple[tuple[int, ...], ...]
     sent_s: float
@@ -112,6 +112,11 @@ def _raise(err: BaseException):
     raise err
 
 
+def describe_error(err: Exception) -> str:
+    """An error as one line: a gRPC error's status and details, any other error's message."""
+    return f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+
+
 def real_blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
     """Per group, the block ids without vLLM's null placeholders (out-of-window or unused slots)."""
     return tuple(tuple(int(b) for b in group if b != NULL_BLOCK_ID) for group in block_ids)
@@ -134,7 +139,7 @@ class SchedulerSide:
         self._held: list[HeldRequest] = []  # held since the last build_connector_meta
         self._pending: dict[str, RemotePrefill | ParamsError] = {}  # decode requests not scheduled yet
         self._prefills: dict[str, int] = {}  # remote-decode prefills allocated, not scheduled whole yet -> prompt
-        self._early: dict[str, EarlyHold] = {}  # holds sent before request_finished
+        self._early: dict[str, SentHold] = {}  # holds sent before request_finished
 
     # ---- the daemons of every rank ---------------------------------------------------
     def set_ranks(self, ranks: Sequence[RankDaemon]) -> None:
@@ -183,9 +188,7 @@ class SchedulerSide:
             return False
         if not self.early_holds or not self.ranks or request_id in self._early:
             return False  # (in _early: scheduled whole again after a preemption; hold() checks the blocks)
-        blocks = real_blocks(block_ids)
-        sent_s = time.monotonic()  # before the calls: the daemons' leases start after this
-        self._early[request_id] = EarlyHold(blocks, sent_s, self._hold_started(request_id, blocks))
+        self._early[request_id] = self._send(request_id, real_blocks(block_ids))
         return True
 
     def drop_early(self, request_id: str) -> None:
@@ -193,19 +196,23 @@ class SchedulerSide:
         self._prefills.pop(request_id, None)
         early = self._early.pop(request_id, None)
         if early is not None:
-            self._release(request_id, [rank for rank, answer in zip(self.ranks, early.answers)
-                                       if self._answered(answer)])
+            self._let_go(request_id, early)
 
-    def _hold_started(self, request_id: str, blocks) -> tuple[Callable[[], Held], ...]:
+    def _send(self, request_id: str, blocks) -> SentHold:
         """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
         rank, issue #41); never raises: a rank that could not even be asked answers with its error."""
+        sent_s = time.monotonic()  # before the calls: the daemons' leases start after this
         answers = []
         for rank in self.ranks:
             try:
                 answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s))
             except (grpc.RpcError, KvxferError) as err:
                 answers.append(functools.partial(_raise, err))
-        return tuple(answers)
+        return SentHold(blocks, sent_s, tuple(answers))
+
+    def _let_go(self, request_id: str, sent: SentHold) -> None:
+        """Release ``sent`` on the ranks that held it (waits for their answers)."""
+        self._release(request_id, [rank for rank, answer in zip(self.ranks, sent.answers) if self._answered(answer)])
 
     @staticmethod
     def _answered(answer: Callable[[], Held]) -> bool:
@@ -228,30 +235,25 @@ class SchedulerSide:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
         self._prefills.pop(request_id, None)
-        early = self._early.get(request_id)
-        if early is not None and (early.blocks != blocks
-                                  or time.monotonic() - early.sent_s > self.settings.lease_s / 2):
+        sent = self._early.pop(request_id, None)
+        if sent is not None and (sent.blocks != blocks or time.monotonic() - sent.sent_s > self.settings.lease_s / 2):
             # Other blocks (preempted and scheduled again, say), or half the lease gone: let it go and
             # hold anew. The workers ignore a released hold's EXPIRED (worker.py), so it cannot end
             # the new hold of the same id.
-            self.drop_early(request_id)
-            early = None
-        self._early.pop(request_id, None)
-        sent_s = early.sent_s if early is not None else time.monotonic()
-        answers = early.answers if early is not None else self._hold_started(request_id, blocks)
-        held_since_s = time.time() - (time.monotonic() - sent_s)
+            self._let_go(request_id, sent)
+            sent = None
+        if sent is None:
+            sent = self._send(request_id, blocks)
+        held_since_s = time.time() - (time.monotonic() - sent.sent_s)
         held: list[RankDaemon] = []
         incarnations: list[str] = []
         capabilities: list[str] = []
         error = ""
-        for rank, answer in zip(self.ranks, answers):
+        for rank, answer in zip(self.ranks, sent.answers):
             try:
                 hold = answer()
-            except grpc.RpcError as err:
-                error = error or f"rank {rank.tp_rank} ({rank.engine_socket}): {err.code().name}: {err.details()}"
-                continue
-            except KvxferError as err:
-                error = error or f"rank {rank.tp_rank} ({rank.engine_socket}): {err}"
+            except (grpc.RpcError, KvxferError) as err:
+                error = error or f"rank {rank.tp_rank} ({rank.engine_socket}): {describe_error(err)}"
                 continue
             incarnations.append(hold.incarnation)
             capabilities.append(hold.capability.hex())

@@ -34,7 +34,7 @@ from kvxferd.client.engine import EngineClient
 from kvxferd.client.notify import RELEASED, TERMINAL, NotifySubscriber
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine
 from kvxferd.integrations.vllm.params import RemotePrefill
-from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder
+from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, describe_error
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 from kvxferd.integrations.vllm.stats import TransferStats
 from kvxferd.integrations.vllm.trace import Trace
@@ -128,7 +128,7 @@ class WorkerSide:
             try:
                 specs.append(self._spec(order))
             except (grpc.RpcError, ValueError) as err:
-                reason = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+                reason = describe_error(err)
                 log.warning("kvxferd: read not submitted", extra={"request_id": order.request_id, "error": reason})
                 if order.awaited:
                     self._failed_now.add(order.request_id)
