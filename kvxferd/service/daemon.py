@@ -97,7 +97,7 @@ class Daemon:
                                    notice_interval_s=config.notice_poll_interval_s, metrics=self.metrics)
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
                            max_message_bytes=config.max_message_bytes, tls=self.tls,
-                           server_name=config.peer_server_name)
+                           server_name=config.peer_server_name, insecure=config.insecure)
         self.bus: NotifyBus | None = None
         self.registry: Registry | None = None
         self.addresses: dict[str, str] = {}

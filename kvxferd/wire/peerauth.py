@@ -1,66 +1,49 @@
-"""Peer authentication without TLS: a host-local secret that same-host daemons present on the peer port.
+"""Peer authentication without TLS: a host-local secret that same-host daemons prove on the peer port.
 
 Without mutual TLS the peer port listens on loopback, where any local user
 can connect. The daemons of one host share a secret file in their private
-runtime directory (0700, the file 0600 or 0640); a peer call carries a token
-derived from the secret, the address the caller dialed and the current
-five-minute window::
+runtime directory (0700, the file 0600 or 0640). Every peer call follows a
+challenge (:mod:`kvxferd.wire.challenge`): the server proves the secret
+over the address it serves and both nonces, and only then does the caller
+send its call, with a token bound to that address and those nonces::
 
-    caller dials 127.0.0.1:P      token = HMAC-SHA256(secret, "kvxferd-peer-v2\0" + "127.0.0.1:P" + "\0" + window)
-      (only if every listener        window = unix time // 300
-       on P runs as its own uid     ──► daemon on 127.0.0.1:P: the token of its own address, this window or the
-       or root: wire/listening.py)        last? else UNAUTHENTICATED, before anything is looked up
+    caller dials 127.0.0.1:P       Challenge(c) ──► s, HMAC(secret, "proof" "127.0.0.1:P" c s)
+      proof checked, else nothing is sent (and the caller asks the kernel who listens there, to say so)
+    call + "c:s" + HMAC(secret, "call" "127.0.0.1:P" c s) ──► s issued here for c and unused? the token
+                                                           of ITS advertised address? else UNAUTHENTICATED
 
-Engines name the addresses a daemon dials (``Handshake.peer_addresses``),
-so a local user could get a daemon to dial its own listener. Three things
-keep that from opening a real daemon's port: the caller sends a token only
-to a loopback listener of its own user (or root); the token names the exact
-address dialed (the daemon takes only the address it advertises, no alias
-such as ``[::1]`` or ``localhost`` that another user could bind); and it
-expires within ten minutes. The token is sent in the clear over loopback,
-which only root can watch.
-
-Nothing here authenticates the answering daemon beyond its uid (TLS does
-that); docs/security.md says what that leaves open.
+The token names the exact address dialed (the daemon takes only the
+address it advertises, no alias such as ``[::1]`` or ``localhost`` that
+another user could bind) and one server nonce of one incarnation, used
+once: a listener that squats a port gets no token, and a token captured
+any other way opens nothing.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import hmac
 import os
 import secrets
 import stat
-import time
 
 import grpc
 
 from kvxferd.errors import PermissionDeniedError, UnauthenticatedError
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.wire.challenge import (CHALLENGE_KEY, ChallengeBook, Nonces, call_token, new_nonce, proof_matches)
 from kvxferd.wire.listening import listener_uids
 from kvxferd.wire.names import default_runtime_dir
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 PEER_TOKEN_KEY = "kvxferd-peer-token"  # gRPC metadata of every peer call when TLS is off
 PEER_SECRET_NAME = "peer.secret"
 SECRET_BYTES = 32
-TOKEN_WINDOW_S = 300  # a token is taken in its window and the next: captured, it is worth ten minutes at most
-_CONTEXT = b"kvxferd-peer-v2\0"
 
 
 def default_peer_secret_file(runtime_dir: str | None = None) -> str:
     """Where the daemons of one user and host share their peer secret: ``<runtime_dir>/peer.secret``."""
     return os.path.join(runtime_dir or default_runtime_dir(), PEER_SECRET_NAME)
-
-
-def token_window(now: float | None = None) -> int:
-    """The window a token made at ``now`` (unix seconds) belongs to."""
-    return int((time.time() if now is None else now) // TOKEN_WINDOW_S)
-
-
-@functools.lru_cache(maxsize=256)
-def peer_token(secret: bytes, address: str, window: int) -> str:
-    """The token a caller presents when it dials ``address`` (host:port as dialed) in ``window``."""
-    return hmac.new(secret, _CONTEXT + address.encode() + b"\0" + str(window).encode(), hashlib.sha256).hexdigest()
 
 
 def read_peer_secret(path: str) -> bytes:
@@ -125,40 +108,61 @@ def tokens_match(expected: str, presented: str) -> bool:
     return len(presented) == len(expected) and presented.isascii() and hmac.compare_digest(expected, presented)
 
 
-def check_peer_token(secret: bytes, address: str, presented: str, now: float | None = None) -> None:
-    """Raises :class:`UnauthenticatedError` unless ``presented`` is the token of ``address`` (this daemon's
-    advertised address) in this window or the one before."""
+def check_peer_call(secret: bytes, address: str, book: ChallengeBook, challenge: str, presented: str) -> Nonces:
+    """The nonces of a call to this daemon (advertised at ``address``), used up; raises
+    :class:`UnauthenticatedError` unless the call follows a challenge issued here and presents its token."""
     if not presented:
         raise UnauthenticatedError("peer", "no peer token: this port takes same-host daemons that share its "
                                            "peer secret (peer_secret_file), or mutual TLS")
-    window = token_window(now)
-    if not any(tokens_match(peer_token(secret, address, w), presented) for w in (window, window - 1)):
-        raise UnauthenticatedError("peer", "the peer token is not this daemon's (another host secret, a token for "
-                                           "another address, or an old one)")
+    nonces = Nonces.parse(challenge)
+    book.take(nonces)
+    if not tokens_match(call_token(secret, address, nonces), presented):
+        raise UnauthenticatedError("peer", "the peer token is not this daemon's (another host secret, or a token "
+                                           "for another address)")
+    return nonces
 
 
-def peer_metadata(secret: bytes, address: str, now: float | None = None) -> tuple[tuple[str, str], ...]:
-    """The metadata of one peer call to ``address``: its token, after checking that a loopback listener there
-    runs as this user or root (else :class:`PermissionDeniedError`: the token is not handed to another user)."""
+def refuse_listener(address: str, why: str) -> PermissionDeniedError:
+    """The error for a server at ``address`` that failed its challenge, naming the uid listening there
+    when the kernel can tell (a local user's listener in a daemon's place)."""
     host, _, port = address.rpartition(":")
     owners = listener_uids(host, int(port)) if port.isdigit() else None
     strangers = (owners or set()) - {os.getuid(), 0}
-    if strangers:
-        raise PermissionDeniedError("peer_addresses", f"{address} is served by uid {min(strangers)}, not by a "
-                                                      "daemon of this user: no peer token is sent to it")
-    return ((PEER_TOKEN_KEY, peer_token(secret, address, token_window(now))),)
+    who = f"served by uid {min(strangers)}, not" if strangers else "not"
+    return PermissionDeniedError("peer_addresses", f"{address} is {who} a daemon of this host: {why}; nothing "
+                                                   "secret was sent to it")
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor):
-    def __init__(self, secret: bytes, address: str) -> None:
-        self.secret, self.address = secret, address
+def secret_call_metadata(secret: bytes, address: str, nonces: Nonces) -> tuple[tuple[str, str], ...]:
+    """The metadata of a call to ``address`` after its server passed the challenge ``nonces``."""
+    return ((CHALLENGE_KEY, nonces.text()), (PEER_TOKEN_KEY, call_token(secret, address, nonces)))
+
+
+def prove_secret(stub: peer_grpc.PeerServiceStub, secret: bytes, address: str, timeout_s: float = 10.0) -> Nonces:
+    """Challenge the server at ``address`` (synchronous stub: tools and tests); its nonces once it proved
+    the host secret, else :class:`PermissionDeniedError` (nothing secret was sent)."""
+    client = new_nonce()
+    reply = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, client_nonce=client),
+                           timeout=timeout_s)
+    nonces = Nonces(client, bytes(reply.server_nonce))
+    if not proof_matches(secret, address, nonces, reply.proof):
+        raise refuse_listener(address, "its challenge proof is not this host's peer secret")
+    return nonces
+
+
+class _ChallengeInterceptor(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, channel: grpc.Channel, secret: bytes, address: str) -> None:
+        self.stub, self.secret, self.address = peer_grpc.PeerServiceStub(channel), secret, address
 
     def intercept_unary_unary(self, continuation, details, request):
-        metadata = tuple(details.metadata or ()) + peer_metadata(self.secret, self.address)
+        nonces = prove_secret(self.stub, self.secret, self.address)
+        metadata = tuple(details.metadata or ()) + secret_call_metadata(self.secret, self.address, nonces)
         return continuation(details._replace(metadata=metadata), request)
 
 
 def peer_channel(address: str, secret_file: str | None = None) -> grpc.Channel:
-    """A plaintext channel to a same-host daemon's peer port that presents this host's token (tools, tests)."""
+    """A plaintext channel to a same-host daemon's peer port whose every call follows a challenge the
+    daemon passed, with its token (tools, tests)."""
     secret = read_peer_secret(secret_file or default_peer_secret_file())
-    return grpc.intercept_channel(grpc.insecure_channel(address), _TokenInterceptor(secret, address))
+    channel = grpc.insecure_channel(address)
+    return grpc.intercept_channel(channel, _ChallengeInterceptor(channel, secret, address))

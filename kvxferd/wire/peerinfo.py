@@ -25,7 +25,8 @@ from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from
 # 4: hold boards replace acks (EngineInfo.hold_board required; notices from a second agent, unanswered)
 # 5: notices say whether the reader needed the holder's progress (flag bit 1: a holder of v4 refuses it)
 # 6: reads are sealed: EngineInfo.hold_key, capabilities in reads and notices (record version 2)
-PROTOCOL_VERSION = 6
+# 7: every peer call follows a Challenge the answering daemon passes (issue #53); same-host tokens bound to it
+PROTOCOL_VERSION = 7
 
 
 def model_facts(cache: EngineCache) -> str:

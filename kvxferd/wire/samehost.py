@@ -3,18 +3,18 @@
 A same-host reader maps the holder engine's shared memory itself (issue
 #37), so the holder must know, not assume, that the reader shares its
 kernel. The reader's ``GetEngineInfo`` carries a token (an HMAC of the
-host's peer secret, :mod:`kvxferd.wire.peerauth`) over the holder's boot id
-and its address::
+host's peer secret) over the holder's boot id, its address and the nonces of
+the challenge the holder just passed (:mod:`kvxferd.wire.challenge`)::
 
     reader                                          holder
-    token = peer_token(secret, "same-host:" + boot_id + "/" + address, window)
-                                      ──────────►  the same over ITS boot id and address:
+    token = HMAC(secret, "same-host" boot_id "/" address, c s)
+                                      ──────────►  the same over ITS boot id and address and the
+                                                   nonces it issued and took for this call:
                                                    equal -> the names of its shm objects
 
 Only a process that reads this host's secret file makes the token, and
 only for the boot id this kernel has: a copied secret on another host
-names another boot id, and a token replayed after a reboot names the old
-one. The reader reads its own boot id, so a token proves the reader's
+names another boot id, and a token is good for one call only. The reader reads its own boot id, so a token proves the reader's
 kernel is the holder's (containers share the host's boot id).
 
 The other way round, the reader maps nothing a holder names unless the
@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from kvxferd.errors import UnauthenticatedError
 from kvxferd.plan.groups import EngineCache
-from kvxferd.wire.peerauth import check_peer_token, peer_token, token_window, tokens_match
+from kvxferd.wire.challenge import Nonces, bound_mac
+from kvxferd.wire.peerauth import tokens_match
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -46,33 +46,36 @@ def boot_id() -> str:
         return ""
 
 
-def _subject(address: str, boot: str) -> str:
-    return f"same-host:{boot}/{address}"
+_READER, _HOLDER = b"kvxferd-same-host-v2\0", b"kvxferd-same-host-holder-v2\0"
 
 
-def same_host_token(secret: bytes, address: str, now: float | None = None) -> str:
-    """The token a reader presents to the holder it dials at ``address``; "" without a boot id."""
+def _token(secret: bytes, context: bytes, subject: str, nonces: Nonces) -> str:
+    return bound_mac(secret, context, subject, nonces).hex()
+
+
+def same_host_token(secret: bytes, address: str, nonces: Nonces) -> str:
+    """The token a reader presents to the holder it dials at ``address``, in the call that follows the
+    challenge ``nonces``; "" without a boot id."""
     boot = boot_id()
-    return peer_token(secret, _subject(address, boot), token_window(now)) if boot else ""
+    return _token(secret, _READER, f"{boot}/{address}", nonces) if boot else ""
 
 
-def is_same_host(secret: bytes, address: str, presented: str, now: float | None = None) -> bool:
-    """Whether ``presented`` proves a caller on this host (this boot) that holds ``secret``; ``address``: this
-    daemon's own peer address, as its readers dial it."""
+def is_same_host(secret: bytes, address: str, nonces: Nonces | None, presented: str) -> bool:
+    """Whether ``presented`` proves a caller on this host (this boot) that holds ``secret``, in the call that
+    used up ``nonces`` here (None: the call followed no challenge); ``address``: this daemon's own peer
+    address, as its readers dial it."""
     boot = boot_id()
-    if not (boot and presented):
+    if not (boot and presented and nonces is not None):
         return False
-    try:
-        check_peer_token(secret, _subject(address, boot), presented, now)
-    except UnauthenticatedError:
-        return False
-    return True
+    return tokens_match(_token(secret, _READER, f"{boot}/{address}", nonces), presented)
 
 
 def holder_proof(secret: bytes, address: str, request_token: str) -> str:
     """What a holder at ``address`` answers a proven reader's ``request_token`` with; "" without a boot id."""
     boot = boot_id()
-    return peer_token(secret, f"same-host-holder:{boot}/{address}/{request_token}", 0) if boot and request_token else ""
+    if not (boot and request_token):
+        return ""
+    return _token(secret, _HOLDER, f"{boot}/{address}/{request_token}", Nonces(b"", b""))
 
 
 def shares_from(cache: EngineCache, secret: bytes, address: str, request_token: str, proof: str) -> EngineCache:

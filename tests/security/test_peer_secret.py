@@ -2,22 +2,21 @@
 
 Any uid on the host got the engine-id oracle, agent metadata and hold keys
 (so raw NIXL READ and WRITE of every cache), early CONSUMED and endless
-renewals. Now, without TLS, a peer call must carry the token of this host's
-peer secret (a 0600 file in the daemons' private runtime directory) for the
-address it dialed; in the chart's configuration (mutual TLS) the token opens
-nothing. Tried here as a local user would: no token, a made-up secret, a
-token for another address, and a token captured by a listener that an
-engine got a daemon to dial.
+renewals. Now, without TLS, a peer call must follow a challenge this daemon
+issued and carry its token: an HMAC of this host's peer secret (a 0600 file
+in the daemons' private runtime directory) over the address it dialed and
+both nonces, taken once (issue 53); in the chart's configuration (mutual
+TLS) the token opens nothing. Tried here as a local user would: no token, a
+made-up secret, a token for another address, a replayed one, and a listener
+that an engine got a daemon to dial (it gets a challenge, nothing else).
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import stat
 import subprocess
 import sys
-from concurrent import futures
 
 import grpc
 import pytest
@@ -27,10 +26,11 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups
-from kvxferd.wire.peerauth import (PEER_TOKEN_KEY, default_peer_secret_file, peer_channel, peer_token,
-                                   read_peer_secret, token_window)
+from kvxferd.wire.challenge import CHALLENGE_KEY, Nonces, call_token, new_nonce
+from kvxferd.wire.peerauth import PEER_TOKEN_KEY, default_peer_secret_file, peer_channel, read_peer_secret
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from tests.security.conftest import SPIFFE, tls_args
+from tests.security.test_peer_dial import Attacker
 
 GROUPS = model_groups("gqa", ModelShape())
 C = grpc.StatusCode
@@ -57,13 +57,24 @@ def probes(cluster) -> dict[str, tuple[str, object]]:
     }
 
 
-def codes(cluster, metadata: tuple = ()) -> dict[str, C]:
-    """The answers of every probe on a plaintext channel carrying ``metadata``."""
+def codes(cluster, token_of=None, *, replay: bool = False) -> dict[str, C]:
+    """The answers of every probe on a plaintext channel. With ``token_of(nonces)``, each probe follows a
+    challenge of the daemon's and carries that token (``replay``: the same challenge twice, the second's
+    answer counts)."""
     found = {}
     with grpc.insecure_channel(cluster.prefill_daemons[0].peer_address) as channel:
         stub = peer_grpc.PeerServiceStub(channel)
         for name, (method, request) in probes(cluster).items():
             try:
+                metadata = ()
+                if token_of is not None:
+                    client = new_nonce()
+                    reply = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, client_nonce=client),
+                                           timeout=5)
+                    nonces = Nonces(client, reply.server_nonce)
+                    metadata = ((CHALLENGE_KEY, nonces.text()), (PEER_TOKEN_KEY, token_of(nonces)))
+                if replay:
+                    getattr(stub, method)(request, metadata=metadata, timeout=5)
                 getattr(stub, method)(request, metadata=metadata, timeout=5)
                 found[name] = C.OK
             except grpc.RpcError as err:
@@ -80,23 +91,27 @@ def refused(cluster) -> dict[str, C]:
 
 def test_a_local_user_without_the_token_is_refused(cluster):
     assert codes(cluster) == refused(cluster)
-    address, window = cluster.prefill_daemons[0].peer_address, token_window()
-    made_up = peer_token(os.urandom(32), address, window)
-    assert codes(cluster, ((PEER_TOKEN_KEY, made_up),)) == refused(cluster)
+    address = cluster.prefill_daemons[0].peer_address
+    assert codes(cluster, lambda n: call_token(os.urandom(32), address, n)) == refused(cluster)  # made-up secret
     secret = read_peer_secret(default_peer_secret_file())
     port = address.rsplit(":", 1)[1]
     # This host's secret, but the token of another port, of an alias of this one that another user could bind
-    # (the daemon listens on 127.0.0.1 only), or of a window long past.
+    # (the daemon listens on 127.0.0.1 only), of other nonces, or one replayed.
     for other in ("127.0.0.1:1", f"[::1]:{port}", f"localhost:{port}"):
-        assert codes(cluster, ((PEER_TOKEN_KEY, peer_token(secret, other, window)),)) == refused(cluster), other
-    assert codes(cluster, ((PEER_TOKEN_KEY, peer_token(secret, address, window - 2)),)) == refused(cluster)
+        assert codes(cluster, lambda n: call_token(secret, other, n)) == refused(cluster), other
+    assert codes(cluster, lambda n: call_token(secret, address, Nonces(new_nonce(), n.server))) == refused(cluster)
+    replayed = codes(cluster, lambda n: call_token(secret, address, n), replay=True)
+    if cluster.param == "chart":
+        assert replayed == refused(cluster)
+    else:  # the calls that pass the first time (the others fail after authentication, before the replay)
+        assert replayed["incarnation"] == replayed["renew"] == C.UNAUTHENTICATED
 
 
 def test_the_hosts_token_is_served_only_without_tls(cluster):
     """The control: the token of the dialed address gets real answers, and opens nothing where TLS is on."""
     address = cluster.prefill_daemons[0].peer_address
-    token = peer_token(read_peer_secret(default_peer_secret_file()), address, token_window())
-    found = codes(cluster, ((PEER_TOKEN_KEY, token),))
+    secret = read_peer_secret(default_peer_secret_file())
+    found = codes(cluster, lambda n: call_token(secret, address, n))
     if cluster.param == "chart":
         assert found == refused(cluster)
         return
@@ -108,59 +123,24 @@ def test_the_hosts_token_is_served_only_without_tls(cluster):
     assert reply.incarnation == cluster.prefill_clients[0].incarnation
 
 
-class _Capture(peer_grpc.PeerServiceServicer):
-    """A local user's listener: records the metadata of whatever calls it."""
-
-    def __init__(self) -> None:
-        self.seen: queue.Queue = queue.Queue()
-
-    def GetEngineInfo(self, request, context):  # noqa: N802 - gRPC's name
-        self.seen.put(dict(context.invocation_metadata()))
-        context.abort(C.UNAVAILABLE, "captured")
-
-
-def test_a_token_captured_by_a_listener_an_engine_named_opens_nothing(cluster):
-    """An engine names the addresses its daemon dials: a local user's listener among them learns the token of
-    its own address only, which the real daemon refuses."""
-    capture = _Capture()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    peer_grpc.add_PeerServiceServicer_to_server(capture, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with pytest.raises(grpc.RpcError):
-            cluster.decode_clients[0].handshake("victim", [f"127.0.0.1:{port}"])
-        seen = capture.seen.get(timeout=5) if cluster.param == "default" else None
-    finally:
-        server.stop(0)
-    if cluster.param == "chart":  # TLS: the daemon's handshake with a plaintext listener fails, no call is made
-        assert capture.seen.empty()
-        return
-    token = seen.get(PEER_TOKEN_KEY, "")
-    assert token, "the daemon dialed without a token (nothing to capture: the test would prove nothing)"
-    assert codes(cluster, ((PEER_TOKEN_KEY, token),)) == refused(cluster)
-
-
-def test_a_listener_of_another_user_is_sent_no_token(cluster):
-    """A local user listens where an engine makes the daemon dial (here: a port of its own; before, also a
-    port a daemon would take later, or [::1] of a daemon's port). The daemon looks the listener's uid up
-    first and sends no token to another user: the handshake is refused, nothing was captured."""
+@pytest.mark.parametrize("uid", [None, 65534], ids=["own-uid", "another-uid"])
+def test_a_listener_an_engine_named_gets_a_challenge_and_nothing_else(cluster, uid):
+    """An engine names the addresses its daemon dials. A listener there (of this user, or another: before
+    issue 53 the first got the token of its own address, the second nothing only thanks to a uid check made
+    before connecting) cannot prove the host secret or an allowed certificate: it gets a challenge, no token,
+    no notice-agent metadata, and the handshake is refused naming the uid where it is another's."""
     if cluster.param == "chart":
-        pytest.skip("with TLS the daemon dials only peers whose certificate names peer_server_name")
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import os, socket, sys\nos.setgid(65534); os.setuid(65534)\ns = socket.socket()\n"
-        "s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True)\n"
-        "s.settimeout(5)\ntry:\n    c, _ = s.accept(); c.settimeout(2); print(len(c.recv(65536)), flush=True)\n"
-        "except OSError:\n    print(0, flush=True)\n")], stdout=subprocess.PIPE, text=True)
+        pytest.skip("test_peer_dial.py tries listeners with certificates")
+    attacker = Attacker(uid=uid)
     try:
-        port = int(child.stdout.readline())
+        assert attacker.listening.wait(30)
         with pytest.raises(grpc.RpcError) as err:
-            cluster.decode_clients[0].handshake("victim", [f"127.0.0.1:{port}"])
-        assert err.value.code() == C.PERMISSION_DENIED and "uid 65534" in err.value.details()
-        assert int(child.stdout.readline()) == 0  # not a byte reached it
+            cluster.decode_clients[0].handshake("victim", [f"127.0.0.1:{attacker.port}"])
     finally:
-        child.kill()
-        child.wait(10)
+        attacker.stop()
+    assert [c["method"] for c in attacker.calls] == ["Challenge"] and attacker.secrets_seen() == []
+    assert err.value.code() == C.PERMISSION_DENIED
+    assert ("uid 65534" in err.value.details()) == (uid is not None), err.value.details()
 
 
 def test_the_secret_file_is_private_and_checked(workdir):

@@ -6,9 +6,9 @@ import threading
 import pytest
 
 from kvxferd.errors import PermissionDeniedError, UnauthenticatedError
+from kvxferd.wire.challenge import ChallengeBook, Nonces, call_token, new_nonce, proof_matches, secret_proof
 from kvxferd.wire.listening import listener_uids
-from kvxferd.wire.peerauth import (TOKEN_WINDOW_S, check_peer_token, load_or_create_peer_secret,
-                                   peer_metadata, peer_token, read_peer_secret, token_window)
+from kvxferd.wire.peerauth import check_peer_call, load_or_create_peer_secret, read_peer_secret, refuse_listener
 
 
 def test_racing_daemons_agree_on_one_secret(tmp_path):
@@ -54,23 +54,57 @@ def test_a_symlink_a_short_or_a_garbled_secret_is_refused(tmp_path):
             read_peer_secret(str(real))
 
 
-def test_a_token_binds_the_secret_the_exact_address_and_its_window():
+def test_a_token_binds_the_secret_the_exact_address_and_one_unused_challenge():
     """Issue 35 review: a daemon on 127.0.0.1:P took tokens for [::1]:P and localhost:P, addresses another
-    local user could bind; and a token never expired. Now only the exact address, this window or the last."""
-    secret, now = os.urandom(32), 1_000_000.0
-    window = token_window(now)
-    check_peer_token(secret, "127.0.0.1:4000", peer_token(secret, "127.0.0.1:4000", window), now)
-    check_peer_token(secret, "127.0.0.1:4000", peer_token(secret, "127.0.0.1:4000", window - 1), now)
-    for presented in ("", peer_token(secret, "127.0.0.1:4001", window), peer_token(secret, "[::1]:4000", window),
-                      peer_token(secret, "localhost:4000", window), peer_token(os.urandom(32), "127.0.0.1:4000", window),
-                      peer_token(secret, "127.0.0.1:4000", window - 2), peer_token(secret, "127.0.0.1:4000", window + 1)):
+    local user could bind. Issue 53: a token captured by a listener that squatted a restarting daemon's port
+    was good for ten minutes. Now a token names the exact address and one challenge this daemon issued, once."""
+    secret, address = os.urandom(32), "127.0.0.1:4000"
+    book = ChallengeBook()
+    nonces = book.issue(new_nonce())
+    check_peer_call(secret, address, book, nonces.text(), call_token(secret, address, nonces))
+    with pytest.raises(UnauthenticatedError, match="already used"):  # replayed
+        check_peer_call(secret, address, book, nonces.text(), call_token(secret, address, nonces))
+    made_up = Nonces(new_nonce(), new_nonce())  # not issued here (a predecessor's, or invented)
+    with pytest.raises(UnauthenticatedError, match="did not issue"):
+        check_peer_call(secret, address, book, made_up.text(), call_token(secret, address, made_up))
+    for token_of in (lambda n: call_token(secret, "127.0.0.1:4001", n), lambda n: call_token(secret, "[::1]:4000", n),
+                     lambda n: call_token(secret, "localhost:4000", n), lambda n: call_token(os.urandom(32), address, n),
+                     lambda n: secret_proof(secret, address, n).hex(), lambda n: "", lambda n: "é" * 64):
+        nonces = book.issue(new_nonce())
         with pytest.raises(UnauthenticatedError):
-            check_peer_token(secret, "127.0.0.1:4000", presented, now)
-    assert token_window(now + TOKEN_WINDOW_S) == window + 1
+            check_peer_call(secret, address, book, nonces.text(), token_of(nonces))
+    for text in ("", "00:11", "zz" * 16 + ":" + "00" * 16, "00" * 16):
+        with pytest.raises(UnauthenticatedError, match="no challenge"):
+            check_peer_call(secret, address, book, text, "0" * 64)
 
 
-def test_no_token_goes_to_a_listener_of_another_user():
-    """The caller asks the kernel who listens on the loopback port first: its own uid (or root) only."""
+def test_a_challenge_expires_and_a_flood_only_evicts():
+    secret, address = os.urandom(32), "127.0.0.1:4000"
+    book = ChallengeBook(ttl_s=30, max_pending=4)
+    old = book.issue(new_nonce(), now=0.0)
+    with pytest.raises(UnauthenticatedError, match="older than 30 s"):
+        book.take(old, now=31.0)
+    first = book.issue(new_nonce())
+    for _ in range(4):
+        book.issue(new_nonce())
+    assert len(book) == 4
+    with pytest.raises(UnauthenticatedError):  # evicted by the flood: the caller challenges again
+        check_peer_call(secret, address, book, first.text(), call_token(secret, address, first))
+
+
+def test_a_proof_binds_the_secret_the_address_dialed_and_both_nonces():
+    secret, address = os.urandom(32), "127.0.0.1:4000"
+    nonces = Nonces(new_nonce(), new_nonce())
+    proof = secret_proof(secret, address, nonces)
+    assert proof_matches(secret, address, nonces, proof)
+    assert not proof_matches(secret, "127.0.0.1:4001", nonces, proof)  # another daemon's answer passed on
+    assert not proof_matches(secret, address, Nonces(new_nonce(), nonces.server), proof)  # an old answer replayed
+    assert not proof_matches(os.urandom(32), address, nonces, proof)
+    assert not proof_matches(secret, address, nonces, bytes.fromhex(call_token(secret, address, nonces)))
+
+
+def test_a_failed_challenge_names_a_listener_of_another_user():
+    """Who listens is asked only to word the refusal (the proof decides): its own uid, or another's."""
     import socket
     import subprocess
     import sys
@@ -81,7 +115,7 @@ def test_no_token_goes_to_a_listener_of_another_user():
     port = listener.getsockname()[1]
     try:
         assert listener_uids("127.0.0.1", port) == {os.getuid()}
-        assert peer_metadata(os.urandom(32), f"127.0.0.1:{port}")  # our own: a token
+        assert "uid" not in refuse_listener(f"127.0.0.1:{port}", "no proof").message
     finally:
         listener.close()
     assert listener_uids("198.18.0.1", port) is None  # not loopback: cannot tell
@@ -93,8 +127,8 @@ def test_no_token_goes_to_a_listener_of_another_user():
     try:
         port = int(child.stdout.readline())
         assert listener_uids("127.0.0.1", port) == {65534}  # a dual-stack wildcard reaches 127.0.0.1 too
-        with pytest.raises(PermissionDeniedError, match="uid 65534"):
-            peer_metadata(os.urandom(32), f"127.0.0.1:{port}")
+        error = refuse_listener(f"127.0.0.1:{port}", "no proof")
+        assert isinstance(error, PermissionDeniedError) and "uid 65534" in error.message
     finally:
         child.stdin.close()
         child.wait(10)

@@ -7,32 +7,37 @@ import pytest
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.groups import DeviceShare, HostShare
 from kvxferd.wire import samehost
+from kvxferd.wire.challenge import Nonces, new_nonce
 from kvxferd.wire.messages import engine_to_pb, peer_memory_from_pb
 from kvxferd.verify.engines import paper_cache
 from kvxferd.verify.models import ModelShape, model_groups
 
 SECRET, OTHER_SECRET = b"s" * 32, b"t" * 32
 ADDRESS = "127.0.0.1:7001"
+NONCES = Nonces(b"c" * 16, b"s" * 16)
 
 
-def test_a_token_proves_this_host_for_the_address_it_names():
-    token = samehost.same_host_token(SECRET, ADDRESS)
-    assert samehost.boot_id() and samehost.is_same_host(SECRET, ADDRESS, token)
-    assert not samehost.is_same_host(SECRET, "127.0.0.1:7002", token)  # another holder's
-    assert not samehost.is_same_host(OTHER_SECRET, ADDRESS, token)  # another host's secret
-    assert not samehost.is_same_host(SECRET, ADDRESS, "")
-    assert not samehost.is_same_host(SECRET, ADDRESS, "0" * 64)
-    assert not samehost.is_same_host(SECRET, ADDRESS, "é" * 64)  # any text fits a protobuf string: no crash
+def test_a_token_proves_this_host_for_the_address_and_the_challenge_it_names():
+    token = samehost.same_host_token(SECRET, ADDRESS, NONCES)
+    assert samehost.boot_id() and samehost.is_same_host(SECRET, ADDRESS, NONCES, token)
+    assert not samehost.is_same_host(SECRET, "127.0.0.1:7002", NONCES, token)  # another holder's
+    assert not samehost.is_same_host(OTHER_SECRET, ADDRESS, NONCES, token)  # another host's secret
+    assert not samehost.is_same_host(SECRET, ADDRESS, Nonces(new_nonce(), NONCES.server), token)  # another call's
+    assert not samehost.is_same_host(SECRET, ADDRESS, None, token)  # a call that followed no challenge
+    assert not samehost.is_same_host(SECRET, ADDRESS, NONCES, "")
+    assert not samehost.is_same_host(SECRET, ADDRESS, NONCES, "0" * 64)
+    assert not samehost.is_same_host(SECRET, ADDRESS, NONCES, "é" * 64)  # any text fits a protobuf string: no crash
 
 
 def test_a_token_made_under_another_boot_id_proves_nothing(monkeypatch):
     """A secret copied to another host (or a token from before a reboot) names another kernel."""
-    token = samehost.same_host_token(SECRET, ADDRESS)
+    token = samehost.same_host_token(SECRET, ADDRESS, NONCES)
     monkeypatch.setattr(samehost, "boot_id", lambda: "another-boot")
-    assert not samehost.is_same_host(SECRET, ADDRESS, token)
-    assert samehost.is_same_host(SECRET, ADDRESS, samehost.same_host_token(SECRET, ADDRESS))
+    assert not samehost.is_same_host(SECRET, ADDRESS, NONCES, token)
+    assert samehost.is_same_host(SECRET, ADDRESS, NONCES, samehost.same_host_token(SECRET, ADDRESS, NONCES))
     monkeypatch.setattr(samehost, "boot_id", lambda: "")  # no boot id: no proof either way
-    assert samehost.same_host_token(SECRET, ADDRESS) == "" and not samehost.is_same_host(SECRET, ADDRESS, token)
+    assert samehost.same_host_token(SECRET, ADDRESS, NONCES) == ""
+    assert not samehost.is_same_host(SECRET, ADDRESS, NONCES, token)
 
 
 UUID = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
@@ -103,14 +108,14 @@ def test_a_reader_keeps_names_only_from_a_holder_that_proved_this_host_too():
     must not get the daemon to map an object it names. Only the holder's proof over the reader's own token
     keeps the names."""
     cache = _shared_cache()
-    token = samehost.same_host_token(SECRET, ADDRESS)
+    token = samehost.same_host_token(SECRET, ADDRESS, NONCES)
     proof = samehost.holder_proof(SECRET, ADDRESS, token)
     kept = samehost.shares_from(cache, SECRET, ADDRESS, token, proof)
     assert kept is cache
     for bad_proof, address, request_token in (("", ADDRESS, token), ("0" * 64, ADDRESS, token),
                                                (samehost.holder_proof(OTHER_SECRET, ADDRESS, token), ADDRESS, token),
                                                (proof, "127.0.0.1:7002", token),  # another listener's answer
-                                               (proof, ADDRESS, samehost.same_host_token(SECRET, "x:1")),
+                                               (proof, ADDRESS, samehost.same_host_token(SECRET, "x:1", NONCES)),
                                                ("é" * 64, ADDRESS, token), (proof, ADDRESS, "")):
         stripped = samehost.shares_from(cache, SECRET, address, request_token, bad_proof)
         assert all(r.share is None for regions in stripped.memory for r in regions)

@@ -489,6 +489,26 @@ class HoldBoard(_message.Message):
     num_buckets: int
     def __init__(self, address: _Optional[int] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
+class ChallengeRequest(_message.Message):
+    __slots__ = ("protocol_version", "client_nonce")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    client_nonce: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., client_nonce: _Optional[bytes] = ...) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("protocol_version", "server_nonce", "proof", "certificate")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    server_nonce: bytes
+    proof: bytes
+    certificate: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., server_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., certificate: _Optional[bytes] = ...) -> None: ...
+
 class IncarnationRequest(_message.Message):
     __slots__ = ("engine_id",)
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

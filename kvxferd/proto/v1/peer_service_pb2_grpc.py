@@ -34,6 +34,11 @@ class PeerServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Challenge = channel.unary_unary(
+                '/kvxfer.v1.PeerService/Challenge',
+                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ChallengeReply.FromString,
+                _registered_method=True)
         self.GetEngineInfo = channel.unary_unary(
                 '/kvxfer.v1.PeerService/GetEngineInfo',
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoRequest.SerializeToString,
@@ -53,6 +58,13 @@ class PeerServiceStub:
 
 class PeerServiceServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Challenge(self, request, context):
+        """Before every other call: the answering daemon proves it is one (kvxfer.proto, ChallengeRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def GetEngineInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -77,6 +89,11 @@ class PeerServiceServicer:
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ChallengeRequest.FromString,
+                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ChallengeReply.SerializeToString,
+            ),
             'GetEngineInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineInfo,
                     request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.EngineInfoRequest.FromString,
@@ -102,6 +119,33 @@ def add_PeerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PeerService:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/Challenge',
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ChallengeRequest.SerializeToString,
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def GetEngineInfo(request,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,8 +31,10 @@ from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.reads.dataplane import DataPlane
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.engines.slots import EngineSlot
+from kvxferd.service.peers.proof import check_signed_proof
 from kvxferd.service.peers.tls import TlsFiles
-from kvxferd.wire.peerauth import peer_metadata
+from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, Nonces, new_nonce, proof_matches
+from kvxferd.wire.peerauth import refuse_listener, secret_call_metadata
 from kvxferd.wire.samehost import same_host_token, shares_from, without_shares
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.records import RemoteEngine
@@ -66,16 +69,17 @@ class _PeerChannel:
 
 
 PROBE_POLL_MIN_S, PROBE_POLL_MAX_S = 50e-6, 1e-3  # how the handshake's probe is polled (growing sleeps)
-PEER_RETRY_S = 2.0  # how long the one retry after UNAVAILABLE waits for the peer to accept
+PEER_RETRY_S = 2.0  # how long the one retry's challenge waits for the peer to accept (it carries nothing secret)
 
 
 class Peers:
     """Outgoing peer calls of one daemon."""
 
     def __init__(self, dataplane: DataPlane, metrics: Metrics, *, timeout_s: float, max_message_bytes: int,
-                 tls: TlsFiles | None = None, server_name: str = "kvxferd-peer") -> None:
+                 tls: TlsFiles | None = None, server_name: str = "kvxferd-peer", insecure: bool = False) -> None:
         self.dataplane = dataplane
         self.tls = tls
+        self.insecure = insecure  # without TLS, dial peers beyond loopback too (--insecure, development only)
         self.metrics = metrics
         self.timeout_s = timeout_s
         # Own subchannels per channel: gRPC otherwise shares one per address
@@ -116,21 +120,47 @@ class Peers:
         if not entry.num_calls:
             asyncio.ensure_future(entry.channel.close())
 
-    async def _unary(self, address: str, entry: "_PeerChannel", method: str, request, **kwargs):
+    async def _unary(self, address: str, entry: "_PeerChannel", method: str, request, bind, timeout_s: float,
+                     wait_for_ready: bool):
         entry.num_calls += 1  # first: the channel is not closed under this call while it waits below
         try:
-            # Without TLS: a fresh token per call, checked to go to a listener of this user
-            # (kvxferd.wire.peerauth). The check asks the kernel who listens (0.2-2 ms): off the event loop.
-            metadata = await asyncio.to_thread(peer_metadata, self.secret, address) if self.secret is not None else ()
-            return await getattr(peer_grpc.PeerServiceStub(entry.channel), method)(request, metadata=metadata,
-                                                                                   **kwargs)
+            deadline_s = time.monotonic() + timeout_s
+            stub = peer_grpc.PeerServiceStub(entry.channel)
+            # Only the challenge may wait for a server to appear: it carries nothing secret. What follows goes
+            # to whoever passed it (kvxferd.wire.challenge).
+            nonces = await self._challenge(stub, address, timeout_s, wait_for_ready)
+            metadata = (secret_call_metadata(self.secret, address, nonces) if self.secret is not None
+                        else ((CHALLENGE_KEY, nonces.text()),))
+            request = bind(request, nonces) if bind is not None else request
+            return await getattr(stub, method)(request, metadata=metadata,
+                                               timeout=max(deadline_s - time.monotonic(), 1e-3))
         finally:
             entry.num_calls -= 1
             if entry.retired and not entry.num_calls:
                 await entry.channel.close()
 
-    async def call(self, address: str, method: str, request, *, timeout_s: float | None = None):
-        """One unary peer call; on UNAVAILABLE, retry once on a fresh channel.
+    async def _challenge(self, stub, address: str, timeout_s: float, wait_for_ready: bool) -> Nonces:
+        """The nonces of a challenge the server at ``address`` passed; raises :class:`PermissionDeniedError`
+        when it did not prove itself (no TLS: the host secret over this address; TLS: a signature by a
+        certificate of tls_ca on peer_allowed_ids)."""
+        client = new_nonce()
+        reply = await stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, client_nonce=client),
+                                     timeout=timeout_s, wait_for_ready=wait_for_ready)
+        nonces = Nonces(client, bytes(reply.server_nonce))
+        if len(nonces.server) != NONCE_BYTES:
+            raise PermissionDeniedError("peer_addresses", f"{address}: its challenge answer has no server nonce; "
+                                                          "nothing secret was sent to it")
+        if self.tls is not None:
+            check_signed_proof(self.tls, address, nonces, reply.proof, reply.certificate)
+        elif self.secret is None or not proof_matches(self.secret, address, nonces, reply.proof):
+            # Who listens there, for the message: asking the kernel takes 0.2-2 ms, off the event loop.
+            raise await asyncio.to_thread(refuse_listener, address, "its challenge proof is not this host's "
+                                                                    "peer secret")
+        return nonces
+
+    async def call(self, address: str, method: str, request, *, timeout_s: float | None = None, bind=None):
+        """One peer call after a challenge the peer passed (``bind(request, nonces)`` may complete the request
+        with what depends on it); on UNAVAILABLE, once more on a fresh channel.
 
         A channel whose peer died sits in reconnect backoff (seconds, growing)
         and fails calls fast even after the peer came back on the same
@@ -142,16 +172,33 @@ class Peers:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         entry = self._channel(address)
         try:
-            return await self._unary(address, entry, method, request, timeout=timeout_s)
+            return await self._unary(address, entry, method, request, bind, timeout_s, False)
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
         if self._channels.get(address) is entry:  # not replaced by a concurrent caller yet
             self._retire(address, entry)
-        # wait_for_ready: connect (once the peer listens) instead of failing on a
-        # cached transient failure; bounded, so a dead peer still fails quickly.
-        return await self._unary(address, self._channel(address), method, request, timeout=min(timeout_s, PEER_RETRY_S),
-                                 wait_for_ready=True)
+        # The retry's challenge waits for the peer to accept (wait_for_ready) instead of failing on a cached
+        # transient failure; bounded, so a dead peer still fails quickly.
+        return await self._unary(address, self._channel(address), method, request, bind,
+                                 min(timeout_s, PEER_RETRY_S), True)
+
+    def check_dialable(self, addresses: tuple[str, ...]) -> None:
+        """Without TLS only loopback peers are dialled, unless the operator said ``insecure``: elsewhere no
+        kernel tells who listens, and the host secret would cross a network in the clear."""
+        if self.tls is not None or self.insecure:
+            return
+        for q, address in enumerate(addresses):
+            host = address.rpartition(":")[0].strip("[]")
+            try:
+                loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                raise PermissionDeniedError(f"peer_addresses[{q}]", f"{address} is not a loopback address: without "
+                                                                    "TLS this daemon dials only peers on this host "
+                                                                    "(turn on mutual TLS, or --insecure for "
+                                                                    "development)")
 
     async def close(self) -> None:
         for entry in self._channels.values():
@@ -164,6 +211,8 @@ class Peers:
         New addresses are adopted only once a handshake with them succeeded:
         a bad request never breaks a working link.
         """
+        if addresses:
+            self.check_dialable(tuple(addresses))
         link = slot.links.get(remote_engine_id)
         if link is None:
             if not addresses:
@@ -251,12 +300,19 @@ class Peers:
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
                                        reader_tp_size=slot.cache.tp_size,
                                        reader_agent_metadata=slot.notices_metadata)
-        if self.same_host_secret is not None:
-            request.same_host_token = same_host_token(self.same_host_secret, address)
+        secret = self.same_host_secret
+
+        def bind(request: pb.EngineInfoRequest, nonces: Nonces) -> pb.EngineInfoRequest:
+            if secret is not None:  # bound to this call's challenge: good for this call only
+                request.same_host_token = same_host_token(secret, address, nonces)
+            return request
+
         try:
-            reply = await self.call(address, "GetEngineInfo", request)
+            reply = await self.call(address, "GetEngineInfo", request, bind=bind)
         except grpc.aio.AioRpcError as err:
             raise _peer_error(field, address, err) from None
+        except KvxferError as err:  # the peer did not pass its challenge
+            raise type(err)(field, err.message) from None
         try:
             info = decode_info(reply, slot.cache)
         except KvxferError as err:
@@ -266,7 +322,6 @@ class Peers:
                                               f"expected {q}/{tp_size}")
         # Names of shared memory count only from a holder that proved this host too: the engine chose the
         # address, and a listener of another user must not get the daemon to map what it names.
-        secret = self.same_host_secret
         cache = (shares_from(info.cache, secret, address, request.same_host_token, info.same_host_proof)
                  if secret is not None else without_shares(info.cache))
         return dataclasses.replace(info, cache=cache)
@@ -304,6 +359,7 @@ _PEER_CODES: dict[grpc.StatusCode, type[KvxferError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.UNAUTHENTICATED: PermissionDeniedError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNIMPLEMENTED: LayoutMismatchError,  # a daemon of protocol 6 or older has no Challenge
 }
 
 
