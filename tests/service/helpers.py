@@ -11,10 +11,30 @@ import pytest
 from kvxferd.client import SharedArena, engine_rank_pb
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.wire.challenge import ChallengeBook, secret_proof
+from kvxferd.wire.peerauth import default_peer_secret_file, peer_channel, read_peer_secret
 from kvxferd.verify.engines import allocate_engine
 from kvxferd.verify.models import ModelShape, model_groups
 
 GQA_GROUPS = model_groups("gqa", ModelShape())  # (prefill, decode) groups of the Reads tests' clusters
+
+
+class ProxyPeer(peer_grpc.PeerServiceServicer):
+    """A test's stand-in for a holder's peer port that forwards to the real one (set ``address`` to where it
+    listens). It holds the host's peer secret, as a daemon of this user does, so it passes the challenges
+    of the daemons that dial it (for its own address); it does not check their tokens."""
+
+    def __init__(self, target: str) -> None:
+        self.stub = peer_grpc.PeerServiceStub(peer_channel(target))
+        self.secret = read_peer_secret(default_peer_secret_file())
+        self.challenges = ChallengeBook()
+        self.address = ""
+
+    def Challenge(self, request, context):  # noqa: N802 - gRPC's name
+        nonces = self.challenges.issue(request.client_nonce)
+        return pb.ChallengeReply(protocol_version=request.protocol_version, server_nonce=nonces.server,
+                                 proof=secret_proof(self.secret, self.address, nonces))
 
 
 def two_block_request(name: str, k: int) -> ReadRequest:

@@ -72,29 +72,39 @@ def test_a_same_host_holder_is_copied_from_byte_exact_and_only_when_both_allow_i
 def test_a_holder_names_its_shared_memory_only_to_a_reader_that_proves_this_host(workdir):
     """GetEngineInfo without a token, or with one of another secret, gets addresses only; with this host's,
     the names and the holder's own proof (which the reader checks before it maps anything)."""
-    from kvxferd.wire.peerauth import default_peer_secret_file, read_peer_secret
+    import grpc
+
+    from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+    from kvxferd.wire.peerauth import (default_peer_secret_file, prove_secret, read_peer_secret,
+                                       secret_call_metadata)
     from kvxferd.wire.samehost import holder_proof, same_host_token
-    from tests.service.test_protocol_defects import observer, peer_stub
+    from tests.service.test_protocol_defects import observer
     prefill_groups, decode_groups = model_groups("gqa", ModelShape())
-    with DaemonCluster(prefill_groups, decode_groups, 1, 1, workdir=workdir, name="names") as cluster:
+    with DaemonCluster(prefill_groups, decode_groups, 1, 1, workdir=workdir, name="names") as cluster, \
+            grpc.insecure_channel(cluster.prefill_daemons[0].peer_address) as channel:
         address = cluster.prefill_daemons[0].peer_address
         secret = read_peer_secret(default_peer_secret_file())  # the daemons' (and peer_channel's) default
+        stub = peer_grpc.PeerServiceStub(channel)
 
-        def info(token: str) -> pb.EngineInfo:
-            reply = peer_stub(address).GetEngineInfo(pb.EngineInfoRequest(
+        def info(token_of) -> tuple[pb.EngineInfo, str]:
+            nonces = prove_secret(stub, secret, address)  # the token is bound to this call's challenge
+            token = token_of(nonces)
+            reply = stub.GetEngineInfo(pb.EngineInfoRequest(
                 engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id="names",
-                reader_tp_size=1, reader_agent_metadata=observer().metadata(), same_host_token=token), timeout=10)
+                reader_tp_size=1, reader_agent_metadata=observer().metadata(), same_host_token=token),
+                metadata=secret_call_metadata(secret, address, nonces), timeout=10)
             message = pb.EngineInfo()
             message.ParseFromString(reply.payload)
-            return message
+            return message, token
 
         def names(message: pb.EngineInfo) -> set[str]:
             return {r.handle.shm_name for g in message.engine.groups for r in g.regions}
 
-        token = same_host_token(secret, address)
-        for refused in ("", same_host_token(b"x" * 32, address), same_host_token(secret, "127.0.0.1:1")):
-            message = info(refused)
+        for refused in (lambda n: "", lambda n: same_host_token(b"x" * 32, address, n),
+                        lambda n: same_host_token(secret, "127.0.0.1:1", n),
+                        lambda n: same_host_token(secret, address, type(n)(b"c" * 16, n.server))):
+            message, _ = info(refused)
             assert names(message) == {""} and message.same_host_proof == ""
-        message = info(token)
+        message, token = info(lambda n: same_host_token(secret, address, n))
         assert names(message) == {cluster.arenas[0].name}
         assert message.same_host_proof == holder_proof(secret, address, token)

@@ -18,21 +18,21 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request
+from tests.service.helpers import ProxyPeer
 
 GROUPS = model_groups("gqa", ModelShape())
 HANDSHAKE_TIMEOUT_S = 2.0
 
 
-class FreezingPeer(peer_grpc.PeerServiceServicer):
+class FreezingPeer(ProxyPeer):
     """Answers GetEngineInfo with the real holder's answer, freezing the holder (SIGSTOP) just before:
     its gRPC has answered, its NIXL agent will not."""
 
     def __init__(self, address: str, pid: int) -> None:
-        self.stub = peer_grpc.PeerServiceStub(peer_channel(address))
+        super().__init__(address)
         self.pid = pid
 
     def GetEngineInfo(self, request, context):
@@ -46,8 +46,9 @@ def test_a_handshake_fails_when_the_holders_data_plane_does_not_answer(workdir):
                        daemon_args=("--handshake-timeout-s", str(HANDSHAKE_TIMEOUT_S))) as cluster:
         holder = cluster.prefill_daemons[0]
         server = grpc.server(futures.ThreadPoolExecutor(2))
-        peer_grpc.add_PeerServiceServicer_to_server(FreezingPeer(holder.peer_address, holder.process.pid), server)
-        proxy = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        freezing = FreezingPeer(holder.peer_address, holder.process.pid)
+        peer_grpc.add_PeerServiceServicer_to_server(freezing, server)
+        proxy = freezing.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         server.start()
         try:
             start = time.perf_counter()

@@ -28,24 +28,22 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.verify.daemons import DaemonCluster
 from kvxferd.wire.messages import ids_from_pb
-from kvxferd.wire.peerauth import peer_channel
-from tests.service.helpers import GQA_GROUPS as GROUPS, two_block_request
+from tests.service.helpers import GQA_GROUPS as GROUPS, ProxyPeer, two_block_request
 
 C = grpc.StatusCode
 CODES = {code.value[0]: code for code in C}  # a refused_code as the status unary would raise
 TRANSPORTS = ("socket", "grpc", "unary")
 
 
-class GatedPeer(peer_grpc.PeerServiceServicer):
+class GatedPeer(ProxyPeer):
     """The prefill daemon's peer service, forwarded; while the gate is shut, GetEngineInfo waits. The decode
     daemon's link is then mid-handshake, so a read on it is accepted and waits for the handshake: in flight
     for as long as the test keeps the gate shut, whatever the machine's speed."""
 
     def __init__(self, address: str) -> None:
-        self.stub = peer_grpc.PeerServiceStub(peer_channel(address))
+        super().__init__(address)
         self.opened, self.waiting = threading.Event(), threading.Event()
         self.opened.set()
-        self.address = ""
 
     def shut(self) -> None:
         self.waiting.clear()
