@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # keys and tokens may begin with "-" (config.attach_values)
+        argv = ["serve", *config.attach_values(argv[1:])]
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         return demo.run(args)

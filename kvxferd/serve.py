@@ -19,6 +19,7 @@ from kvxferd.errors import KvxferError
 from kvxferd.service.config import config_from_args
 from kvxferd.service.daemon import EXIT_CONFIG, serve
 from kvxferd.service.logs import setup_logging
+from kvxferd.service.net import audit, corelog
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvxferd serve: bad configuration: {err}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config.log_level, config.log_format)
+    audit.configure(config.audit_window_s, config.audit_lines_per_window)
+    if config.tls or config.engine_tcp:  # TLS handshakes refused in gRPC's core: audit lines (corelog.py)
+        corelog.route_core_log(config.log_level, config.log_format, config.audit_window_s,
+                               config.audit_lines_per_window)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - a dependency; plain asyncio works too

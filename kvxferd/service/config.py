@@ -23,6 +23,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
                                YamlConfigSettingsSource)
 
 from kvxferd.errors import InvalidArgumentError, first_error
+from kvxferd.service.peers.identities import parse_pattern
 from kvxferd.wire.names import ENV_PREFIX, default_engine_socket, env_name
 from kvxferd.wire.peerauth import default_peer_secret_file
 
@@ -50,8 +51,11 @@ class DaemonConfig(BaseSettings):
                                  "port (reloaded when the file changes)")
     tls_key: str | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: str | None = Field(None, description="PEM CA bundle that peers' certificates must chain to")
-    peer_allowed_ids: list[str] = Field([], description="peer identities allowed on the peer port (certificate SANs "
-                                        "such as spiffe://... or DNS names, or CN=...; * and ? never cross /), comma-separated")
+    peer_allowed_ids: list[str] = Field([], description="peer identities allowed on the peer port, comma-separated: "
+                                        "typed patterns uri:<URI>, dns:<name>, ip:<address> or cn:<common name>, "
+                                        "each matching that type of the certificate's names only; an untyped "
+                                        "pattern with a scheme (spiffe://...) is a URI, CN=<name> is cn:<name>, any "
+                                        "other untyped one is refused; * and ? never cross /")
     peer_server_name: str = Field("kvxferd-peer", description="DNS name every peer's certificate carries; checked "
                                   "when this daemon dials a peer")
     notify_curve_secret_key: str | None = Field(None, description="Z85 CURVE secret key of the notify bus: turns on "
@@ -90,6 +94,14 @@ class DaemonConfig(BaseSettings):
     populate_host_memory: bool = Field(True, description="fault in every page of a host-memory cache when it is "
                                        "registered (about 0.2 ms per MiB here), not in its first reads")
     max_readers_per_engine: int = Field(1024, ge=1, description="reader agents introduced to one engine rank at once")
+    max_readers_per_identity: int = Field(256, ge=1, description="reader agents one peer identity (a certificate "
+                                          "identity; without TLS all daemons of the host are one) may have "
+                                          "introduced to one engine rank at once: past it, and past "
+                                          "max_readers_per_engine, only a reader idle for reader_idle_s gives up "
+                                          "its place, else RESOURCE_EXHAUSTED")
+    reader_idle_s: float = Field(600.0, gt=0, description="how long an introduced reader keeps its place without "
+                                 "activity (an introduction, or a notice sealed for a live hold); its notices still "
+                                 "count until a new reader needs the place (s)")
     max_reads_per_engine: int = Field(8192, ge=1, description="reads of one engine rank in flight or with a completion "
                                                                "it has not acked yet")
     max_reads_per_batch: int = Field(1024, ge=1, description="reads in one batch of the Reads stream")
@@ -111,12 +123,16 @@ class DaemonConfig(BaseSettings):
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, description="largest gRPC message accepted (bytes)")
     max_peer_request_bytes: int = Field(1 << 20, ge=1 << 16, description="largest request accepted on the peer port "
                                         "(bytes): peers send introductions, renewals and probes, all small")
+    max_peer_connections_per_source: int = Field(64, ge=1, description="connections the peer port keeps per "
+                                                 "source (a remote address; on loopback the uid that connects): the "
+                                                 "newest past it are closed within a second")
     event_history: int = Field(100_000, ge=1, description="notify-bus events kept for subscribers that missed some")
-    max_bus_subscriptions: int = Field(1024, ge=1, description="subscriptions the notify bus takes from all its "
-                                       "subscribers together before it starts over, dropping every subscriber (they "
-                                       "reconnect, subscribe again and fetch what they missed): what libzmq keeps of "
-                                       "them stays below about 25 KiB each; keep it well above the number of "
-                                       "subscribers (one per engine rank)")
+    max_bus_subscriptions: int = Field(1024, ge=1, description="what all notify-bus subscribers together may "
+                                       "send, in subscriptions of 512 bytes (each connection counted 512 more): past "
+                                       "it the connections of the sources that sent most are closed and those sources "
+                                       "refused for a while (a connection past 16 KiB alone is too); where the kernel "
+                                       "cannot say who sent what, the bus starts over instead, dropping every "
+                                       "subscriber. Keep it well above the number of subscribers (one per engine rank)")
     handshake_timeout_s: float = Field(10.0, gt=0, description="timeout of each call to a peer daemon (s)")
     peer_check_s: float = Field(2.0, gt=0, description="how often connected peers are probed for a restart (s)")
     poll_interval_s: float = Field(1e-3, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
@@ -139,12 +155,28 @@ class DaemonConfig(BaseSettings):
                                   "/dev/shm or IPC namespace; the holder's GPU visible); else NIXL")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
+    audit_window_s: float = Field(10.0, gt=0, le=3600, description="the audit log's refusal window: per caller "
+                                  "(a peer's address and identity, a local uid, an engine) and outcome, the first "
+                                  "audit_lines_per_window refusals of a window are written, the rest counted in one "
+                                  "line when it ends")
+    audit_lines_per_window: int = Field(5, ge=1, le=1000, description="refusal lines per caller and outcome written "
+                                        "in each audit_window_s (at most 50 for all callers together)")
 
     @field_validator("allowed_uids", "peer_allowed_ids", "notify_client_keys", mode="before")
     @classmethod
     def _comma_separated(cls, value):
         if isinstance(value, str):  # a flag or a plain environment value
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("peer_allowed_ids")
+    @classmethod
+    def _typed_identity_patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:  # refused at start, not at the first peer call: parse_pattern says how to write it
+            try:
+                parse_pattern(pattern)
+            except InvalidArgumentError as err:
+                raise ValueError(err.message) from None
         return value
 
     @field_validator("log_level")
@@ -209,6 +241,12 @@ class DaemonConfig(BaseSettings):
             raise ValueError("engine_tcp needs tls_cert, tls_key, tls_ca and engine_token_file (TLS and a token)")
         if self.notify_client_keys and not self.notify_curve_secret_key:
             raise ValueError("notify_client_keys need notify_curve_secret_key")
+        advertised = self.advertise_host or self.peer_host
+        if not all(tls) and advertised not in WILDCARD_HOSTS and not _is_ip(advertised):
+            # The challenge proves the secret over the address *string*: a name such as localhost may reach
+            # ::1 or 127.0.0.1, and another local user can bind the one this daemon does not (issue 53).
+            raise ValueError(f"without TLS the peer address must be an IP address, not {advertised!r} (a name may "
+                             "resolve to an address another local user listens on): e.g. 127.0.0.1")
         return self
 
     @property
@@ -238,6 +276,14 @@ class DaemonConfig(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
         return init_settings, env_settings, _FileSource(settings_cls)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def _is_ipv6(host: str) -> bool:
@@ -290,6 +336,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         kind = {int: int, float: float}.get(field.annotation, str)
         parser.add_argument(flag, dest=name, type=kind, default=None, help=text)
+
+
+def attach_values(argv: list[str]) -> list[str]:
+    """``argv`` with each text option's value attached (``--notify-curve-secret-key=-x...``) where it begins
+    with ``-``: argparse takes such a value for an option and refuses it ("expected one argument"), and a
+    generated key or token may begin with one (a Z85 CURVE key, 1 in 85). Every option of the schema
+    starts with ``--``; a value that is exactly one of them stays an option."""
+    text_flags = {f"--{name.replace('_', '-')}" for name, field in DaemonConfig.model_fields.items()
+                  if field.annotation not in (bool, bool | None, int, float)} | {"--config"}
+    every_flag = {f"--{name.replace('_', '-')}" for name in DaemonConfig.model_fields} | {"--config", "--help"}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in text_flags and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1].split("=", 1)[0] not in every_flag and argv[i + 1] != "-h":
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:

@@ -45,10 +45,11 @@ from kvxferd.service.config import DaemonConfig
 from kvxferd.service.reads.dataplane import DataPlane
 from kvxferd.service.engines.registry import Registry
 from kvxferd.service.net.exposure import insecure_listeners, refusal, ucx_environment
+from kvxferd.service.net.peerport import ConnectionCap, peer_server_options
 from kvxferd.service.engines.fdpass import FdInbox
 from kvxferd.wire.names import fd_socket_path
 from kvxferd.service.net.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
-from kvxferd.service.net.localsock import group_id, prepare_private_dir, restrict_socket, socket_umask
+from kvxferd.service.net.localsock import claim_runtime_dir, group_id, restrict_socket, socket_umask
 from kvxferd.service.metrics import Metrics
 from kvxferd.service.peers.links import Peers, RemoteLink
 from kvxferd.service.reads.read import Read
@@ -56,6 +57,7 @@ from kvxferd.service.reads.path import ReadPath
 from kvxferd.service.reads.readsock import ReadSocketServer
 from kvxferd.service.net.servicers import EngineServicer, PeerServicer
 from kvxferd.service.engines.slots import EngineSlot
+from kvxferd.service.peers.proof import check_own_chain
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.peerauth import load_or_create_peer_secret
 from kvxferd.wire.names import default_runtime_dir
@@ -85,6 +87,7 @@ class Daemon:
         self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca, server_name=config.peer_server_name,
                             allowed_ids=tuple(config.peer_allowed_ids)) if config.tls else None
         if self.tls is not None:
+            check_own_chain(self.tls)  # as peers check it in their challenge: a CA they refuse stops us here
             self.tls.on_reload = self.metrics.tls_reloads.inc
             self.tls.on_refused = self.metrics.tls_refused.inc
             # The maintenance loop looks at the files every TLS_CHECK_S; refused_error stays set until they load.
@@ -144,8 +147,11 @@ class Daemon:
         self._loop = asyncio.get_running_loop()
         try:
             gid = group_id(config.engine_socket_group)
-            if config.engine_socket is None:  # the default directory is ours alone
-                prepare_private_dir(os.path.dirname(self.socket_path), gid)
+            allowed_uids = frozenset(config.allowed_uids)  # on every engine-side socket: SO_PEERCRED and ACLs
+            if config.engine_socket is None:  # the default directory is ours alone (or our fallback: localsock.py)
+                runtime_dir = claim_runtime_dir(os.path.dirname(self.socket_path), gid,
+                                                default=config.runtime_dir is None, uids=allowed_uids)
+                self.socket_path = os.path.join(runtime_dir, os.path.basename(self.socket_path))
             claim_unix_socket(self.socket_path)  # first: never touch a live daemon's files
             self._owns_socket = True
             self.dataplane.start()
@@ -159,25 +165,29 @@ class Daemon:
                                          recv_timeout_s=config.fd_recv_timeout_s,
                                          max_fds_waiting=config.max_fds_waiting,
                                          on_refused=lambda reason: self.metrics.fd_socket_refused.labels(reason).inc())
-            restrict_socket(self._fd_inbox.path, gid)
+            restrict_socket(self._fd_inbox.path, gid, allowed_uids)
             self.registry = Registry(self.dataplane, self.publish, daemon_id=config.daemon_id,
                                      default_lease_s=config.lease_s, max_lease_s=config.max_lease_s,
                                      fd_inbox=self._fd_inbox, max_engines=config.max_engines,
                                      max_registered_bytes=config.max_registered_bytes,
                                      max_holds=config.max_holds_per_engine, max_hold_s=config.max_hold_s,
                                      abort_drain_s=config.abort_drain_s,
-                                     populate_host_memory=config.populate_host_memory, shm_group=gid)
+                                     populate_host_memory=config.populate_host_memory, shm_group=gid,
+                                     shm_uids=allowed_uids)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
             engine_server = self._new_server(config.max_message_bytes)
-            peer_server = self._new_server(min(config.max_peer_request_bytes, config.max_message_bytes))
+            peer_cap = ConnectionCap(config.max_peer_connections_per_source,
+                                     on_shut=self.metrics.peer_connections_closed.inc)
+            peer_server = self._new_server(min(config.max_peer_request_bytes, config.max_message_bytes),
+                                           peer_server_options(), interceptors=(peer_cap,))
             engine_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), engine_server)
             peer_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), peer_server)
             with socket_umask(gid):
                 bind(engine_server, f"unix:{self.socket_path}")
-            restrict_socket(self.socket_path, gid)
+            restrict_socket(self.socket_path, gid, allowed_uids)
             reads_path = reads_socket_path(self.socket_path)
             if config.reads_socket:
                 self._reads_socket = ReadSocketServer(
@@ -221,6 +231,7 @@ class Daemon:
         if config.engine_tcp:
             self.addresses["engine_tcp"] = f"{config.engine_tcp.rsplit(':', 1)[0]}:{tcp_port}"
         self.spawn(self._maintenance())
+        self.spawn(peer_cap.run(peer_port))
         log.info("daemon started", extra={**self.addresses, "daemon_id": config.daemon_id})
         return self.addresses
 
@@ -234,15 +245,19 @@ class Daemon:
             log.warning("no serving record: `kvxferd health` without --target will not find this daemon",
                         extra={"runtime_dir": runtime_dir, "error": str(err)})
 
-    def _new_server(self, max_request_bytes: int) -> grpc.aio.Server:
+    def _new_server(self, max_request_bytes: int, port_options: list[tuple[str, int]] = (),
+                    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> grpc.aio.Server:
+        """A gRPC server; ``port_options`` replace or add to the common options, ``interceptors`` run before the
+        call cap (the peer port's: peerport.py)."""
         config = self.config
-        options = [("grpc.max_receive_message_length", max_request_bytes),
-                   ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0),
-                   ("grpc.max_concurrent_streams", http2_stream_limit(config.max_concurrent_streams))]
+        options = dict([("grpc.max_receive_message_length", max_request_bytes),
+                        ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0),
+                        ("grpc.max_concurrent_streams", http2_stream_limit(config.max_concurrent_streams))])
+        options = list({**options, **dict(port_options)}.items())
         refused = self.metrics.rpc_errors
         cap = CallCap(config.max_concurrent_streams,
                       on_refused=lambda method: refused.labels(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc())
-        server = grpc.aio.server(options=options, interceptors=[cap])
+        server = grpc.aio.server(options=options, interceptors=[*interceptors, cap])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if config.reflection if config.reflection is not None else not config.tls:
             reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -37,7 +37,7 @@ DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
 # FdInbox's refusals (engines/fdpass.py names them inline): peer uid or gid not allowed, not one
 # printable token, max_fd_tokens or a token in use, max_fds_waiting, a socket error, a bug.
 FD_REFUSALS = ("uid", "malformed", "tokens", "fds", "io", "error")
-BUS_REFUSALS = ("prefix", "limit")  # NotifyBus's refusals (net/bus.py)
+BUS_REFUSALS = ("prefix", "flood", "limit")  # NotifyBus's refusals (net/bus.py, net/busguard.py)
 # kvxferd_rpc_errors' methods: those of both gRPC services (WatchCompletions counts none: its series
 # stays 0) and the engine's read socket (readsock.METHOD; its Hold frames count as "Hold").
 RPC_METHODS = tuple(method.name for module, service in ((engine_service_pb2, "EngineService"),
@@ -134,9 +134,13 @@ class Metrics:
         self.fd_socket_refused = Counter("kvxferd_fd_socket_refused", "fd-socket connections refused", ["reason"],
                                          registry=r)
         self.bus_subscriptions_refused = Counter("kvxferd_bus_subscriptions_refused", "notify-bus subscriptions "
-                                                 "not applied: not one whole engine topic (prefix), or past "
-                                                 "max_bus_subscriptions (limit: the bus dropped every subscriber "
-                                                 "and started over)", ["reason"], registry=r)
+                                                 "not applied: not one whole engine topic (prefix), a subscriber "
+                                                 "connection closed for what its source sent (flood: once per "
+                                                 "connection), or too many at once (limit: the bus dropped every "
+                                                 "subscriber and started over)", ["reason"], registry=r)
+        self.peer_connections_closed = Counter("kvxferd_peer_connections_closed", "peer-port connections closed "
+                                               "past max_peer_connections_per_source (the newest of a source)",
+                                               registry=r)
         self.rpc_errors = Counter("kvxferd_rpc_errors", "RPCs answered with an error status", ["method", "code"],
                                   registry=r)
         self.loop_stalls = Counter("kvxferd_loop_stalls", "times the event loop woke over LOOP_STALL_S late "

@@ -53,7 +53,7 @@ class LocalCluster(DecodeChecks):
         for holder, engine in zip(self.holders, self.prefill):
             expected = expected_readers(engine.cache, decode_tp)
             for r, executor in enumerate(self.executors):
-                holder.readers[(self.decode_id, r)] = Reader(executor.notices.name, decode_tp, expected)
+                holder.introduce((self.decode_id, r), Reader(executor.notices.name, decode_tp, expected))
         # Decode agents are polled too: their notices leave only while their notice agent makes progress.
         self.holder_thread = HolderThread(self.prefill_agents + [a for e in self.executors for a in (e.agent, e.notices)],
                                           dict(enumerate(self.holders))).__enter__()

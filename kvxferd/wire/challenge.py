@@ -39,7 +39,7 @@ from kvxferd.errors import UnauthenticatedError
 CHALLENGE_KEY = "kvxferd-peer-challenge"  # gRPC metadata of a call after a challenge: "<c hex>:<s hex>"
 NONCE_BYTES = 16
 CHALLENGE_TTL_S = 30.0  # a server nonce must be used within this
-MAX_PENDING = 4096  # server nonces issued and not yet taken; the oldest goes first (a flood only evicts)
+MAX_PENDING = 65536  # server nonces used within their TTL, remembered against replay (authenticated calls only)
 _PROOF = b"kvxferd-peer-proof-v1\0"
 _CALL = b"kvxferd-peer-call-v1\0"
 _SIGNED = b"kvxferd-peer-signed-v1\0"
@@ -100,34 +100,56 @@ def signed_message(nonces: Nonces) -> bytes:
 
 
 class ChallengeBook:
-    """Server nonces issued and not yet used (thread-safe): each is good for one call within its TTL.
+    """Server nonces: made without state, each good for one call within its TTL (thread-safe).
 
-    Kept in memory only: a restarted daemon takes none of the nonces its
-    predecessor issued, so a token made for one is worthless after it.
+    A server nonce is the time it was issued and a MAC over it and the
+    client nonce, keyed by this process alone::
+
+        server nonce (16 bytes) = issued_ms (6, big-endian, this process's monotonic clock)
+                                  + HMAC-SHA256(process key, client nonce + issued_ms)[:10]
+
+    So issuing stores nothing: anyone may call Challenge (without TLS, any
+    local user), and a flood of challenges evicts nobody's. Only a call that
+    presented a valid token is remembered (until its nonce's TTL ends), so a
+    nonce is taken once; only authenticated callers add to that. A restarted
+    daemon has another key and takes none of its predecessor's nonces.
     """
 
     def __init__(self, *, ttl_s: float = CHALLENGE_TTL_S, max_pending: int = MAX_PENDING) -> None:
-        self.ttl_s, self.max_pending = ttl_s, max_pending
-        self._pending: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        self.ttl_s, self.max_used = ttl_s, max_pending
+        self._key = secrets.token_bytes(32)
+        self._used: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # nonce -> when it expires
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _now_ms(now: float | None) -> int:
+        return int((time.monotonic() if now is None else now) * 1000)
+
+    def _mac(self, client_nonce: bytes, issued: bytes) -> bytes:
+        return hmac.new(self._key, bytes(client_nonce) + issued, hashlib.sha256).digest()[:NONCE_BYTES - 6]
 
     def issue(self, client_nonce: bytes, now: float | None = None) -> Nonces:
         """A new server nonce for ``client_nonce`` (``NONCE_BYTES`` long, checked by the caller)."""
-        nonces = Nonces(bytes(client_nonce), new_nonce())
-        with self._lock:
-            while len(self._pending) >= self.max_pending:
-                self._pending.popitem(last=False)
-            self._pending[nonces.server] = (nonces.client, (time.monotonic() if now is None else now) + self.ttl_s)
-        return nonces
+        issued = self._now_ms(now).to_bytes(6, "big")
+        return Nonces(bytes(client_nonce), issued + self._mac(client_nonce, issued))
 
     def take(self, nonces: Nonces, now: float | None = None) -> None:
-        """Use up ``nonces``; raises :class:`UnauthenticatedError` unless issued here, unused and in time."""
-        with self._lock:
-            entry = self._pending.pop(nonces.server, None)
-        if entry is None or not hmac.compare_digest(entry[0], nonces.client):
-            raise UnauthenticatedError("peer", "a challenge this daemon did not issue, or one already used")
-        if (time.monotonic() if now is None else now) > entry[1]:
+        """Use up ``nonces``; raises :class:`UnauthenticatedError` unless issued here, unused and in time.
+        Call it only once the rest of the call's credentials checked out (see :func:`check_peer_call`)."""
+        issued, mac = nonces.server[:6], nonces.server[6:]
+        if not hmac.compare_digest(self._mac(nonces.client, issued), mac):
+            raise UnauthenticatedError("peer", "a challenge this daemon did not issue")
+        now_ms = self._now_ms(now)
+        if now_ms - int.from_bytes(issued, "big") > self.ttl_s * 1000:
             raise UnauthenticatedError("peer", f"the challenge is older than {self.ttl_s:g} s")
+        with self._lock:
+            while self._used and next(iter(self._used.values())) < now_ms:  # expired: a replay fails on time
+                self._used.popitem(last=False)
+            if nonces.server in self._used:
+                raise UnauthenticatedError("peer", "a challenge already used")
+            if len(self._used) >= self.max_used:  # more authenticated calls in a TTL than this: forget the oldest
+                self._used.popitem(last=False)
+            self._used[nonces.server] = int.from_bytes(issued, "big") + self.ttl_s * 1000
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._used)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 
 from kvxferd.errors import InvalidArgumentError
 
@@ -24,15 +25,52 @@ def default_runtime_dir() -> str:
 
     ``$XDG_RUNTIME_DIR/kvxferd`` (per user, 0700 by systemd), else
     ``/run/kvxferd`` when ``/run`` or it is writable (a container), else
-    ``/tmp/kvxferd-<uid>``, which the daemon creates 0700 and refuses to use
-    if someone else owns it.
+    :func:`tmp_runtime_dir`.
     """
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg):
         return os.path.join(xdg, "kvxferd")
     if os.access("/run/kvxferd", os.W_OK) or (not os.path.exists("/run/kvxferd") and os.access("/run", os.W_OK)):
         return "/run/kvxferd"
-    return f"/tmp/kvxferd-{os.getuid()}"
+    return tmp_runtime_dir()
+
+
+TMP_PARENT = "/tmp"
+
+
+def tmp_runtime_dir(parent: str = TMP_PARENT) -> str:
+    """``/tmp/kvxferd-<uid>``, which the daemon creates 0700, unless another user made it first (anyone may
+    create names in /tmp): then this user's fallback, the first by name of the directories
+    ``/tmp/kvxferd-<uid>.<random>`` that belong to this user and no one else may write. Another user cannot
+    make one of those (a directory belongs to whoever creates it; the sticky /tmp lets no one else rename
+    or remove it), so daemons and engines of this user agree on it without asking anyone. When no
+    fallback exists yet, the squatted path itself (the daemon makes a fallback:
+    :func:`kvxferd.service.net.localsock.claim_runtime_dir`).
+    """
+    primary = os.path.join(parent, f"kvxferd-{os.getuid()}")
+    if not os.path.lexists(primary) or own_private_dir(primary):
+        return primary
+    fallbacks = own_fallback_dirs(parent)
+    return fallbacks[0] if fallbacks else primary
+
+
+def own_private_dir(path: str) -> bool:
+    """``path`` is a directory (not a link) of this user that no one else may write."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def own_fallback_dirs(parent: str = TMP_PARENT) -> list[str]:
+    """This user's fallback runtime directories under ``parent`` (``kvxferd-<uid>.<random>``), by name."""
+    prefix = f"kvxferd-{os.getuid()}."
+    try:
+        names = [entry.name for entry in os.scandir(parent) if entry.name.startswith(prefix)]
+    except OSError:
+        return []
+    return sorted(path for path in (os.path.join(parent, name) for name in names) if own_private_dir(path))
 
 
 def default_engine_socket(daemon_id: str = "kvxferd", runtime_dir: str | None = None) -> str:

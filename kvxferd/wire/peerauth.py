@@ -115,10 +115,10 @@ def check_peer_call(secret: bytes, address: str, book: ChallengeBook, challenge:
         raise UnauthenticatedError("peer", "no peer token: this port takes same-host daemons that share its "
                                            "peer secret (peer_secret_file), or mutual TLS")
     nonces = Nonces.parse(challenge)
-    book.take(nonces)
     if not tokens_match(call_token(secret, address, nonces), presented):
         raise UnauthenticatedError("peer", "the peer token is not this daemon's (another host secret, or a token "
                                            "for another address)")
+    book.take(nonces)  # last: only an authenticated call is remembered
     return nonces
 
 

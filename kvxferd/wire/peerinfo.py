@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
+from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.board import BoardInfo, check_num_buckets
 from kvxferd.plan.capability import HOLD_KEY_BYTES
@@ -79,18 +79,32 @@ def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, boa
 
 
 def decode_info(reply: pb.EngineInfoReply, local: EngineCache) -> PeerInfo:
-    """Check the envelope against ``local``, then decode the payload."""
+    """Check the envelope against ``local`` (protocol version, then compatibility hash: FAILED_PRECONDITION,
+    whatever the payload holds), then decode the payload and check it says what the envelope says."""
     if reply.protocol_version != PROTOCOL_VERSION:
         raise LayoutMismatchError("protocol_version", f"peer speaks v{reply.protocol_version}, this daemon v{PROTOCOL_VERSION}")
+    if reply.compatibility_hash != compatibility_hash(local):
+        raise LayoutMismatchError("compatibility_hash", f"peer model [{_facts_of(reply)}] vs local "
+                                                        f"[{model_facts(local)}]")
     info = pb.EngineInfo()
     try:
         info.ParseFromString(reply.payload)
     except DecodeError as err:
         raise InvalidArgumentError("payload", f"undecodable engine info: {err}") from None
     remote = engine_from_pb(info.engine, peer_memory_from_pb(info.engine))
-    if reply.compatibility_hash != compatibility_hash(local) or compatibility_hash(remote) != reply.compatibility_hash:
+    if compatibility_hash(remote) != reply.compatibility_hash:  # an envelope that does not match its payload
         raise LayoutMismatchError("compatibility_hash", f"peer model [{model_facts(remote)}] vs local [{model_facts(local)}]")
     return PeerInfo(info.incarnation, info.agent_metadata, remote, decode_board(info), info.same_host_proof)
+
+
+def _facts_of(reply: pb.EngineInfoReply) -> str:
+    """The peer's model in words for a refusal, where its payload says (else its hash only)."""
+    try:
+        info = pb.EngineInfo()
+        info.ParseFromString(reply.payload)
+        return model_facts(engine_from_pb(info.engine, peer_memory_from_pb(info.engine)))
+    except (DecodeError, KvxferError):
+        return f"hash {reply.compatibility_hash[:32]!r}"
 
 
 def decode_board(info: pb.EngineInfo) -> BoardInfo:

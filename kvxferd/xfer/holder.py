@@ -9,8 +9,9 @@ exercises the daemon's board and notice path::
 
     Hold        ──► HoldTable.hold: tag onto the board, then held
     notice from agent A ──► decode (typed errors: counted, dropped)
-                        ──► A introduced for that reader?  no: dropped, counted
+                        ──► A introduced for that reader (by any identity)?  no: dropped, counted
                         ──► HoldTable.record (the holder's own reader count)
+                        ──► sealed for a live hold: the reader was active (kvxferd.xfer.readers)
                         ──► HoldEnd: FAILED reader (hold lives on), CONSUMED (last reader;
                             its tag left the board first)
 
@@ -29,13 +30,16 @@ and slowly (only to count notices) otherwise::
     notice ok, READs alone     not wanted for that reader (a failed read proves nothing)
 
 A reader can only speak for itself: its notices set or clear its own entry,
-never another's, and only from the agent it was introduced with.
+never another's, and only from the agent it was introduced with. Who
+introduced which reader, how many each peer identity may, and when an idle
+one gives up its place: :mod:`kvxferd.xfer.readers`.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import logging
 import secrets
 import threading
 import time
@@ -48,16 +52,9 @@ from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.leases import FAILED, HoldEnd, HoldTable
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.readers import Introduction, Reader, ReaderLimits, ReaderTable
 
-
-@dataclass(frozen=True)
-class Reader:
-    """A reader engine rank introduced to the holder (by an authenticated peer daemon)."""
-
-    agent_name: str  # only this NIXL agent's notices count for the reader (its notice agent)
-    tp_size: int
-    expected_readers: int  # reader ranks of that engine that notify this rank per request
-    identity: str = ""  # the peer identity that introduced it ("" : the host's peer secret); only it may replace it
+log = logging.getLogger(__name__)
 
 
 class NoticeEvent(str, enum.Enum):
@@ -114,9 +111,9 @@ class Holder:
     max_holds: int = 100_000
     max_hold_s: float = float("inf")  # a hold's whole life, renewals included
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # (reader engine id, rank) -> Reader. Written by whoever introduces readers, read here
-    # (single dict lookups: atomic under the GIL).
-    readers: dict[tuple[str, int], Reader] = field(default_factory=dict)
+    # Introduced readers, by (reader engine id, rank) and the identity that introduced them. Written by
+    # whoever introduces readers, read here (the table has its own lock).
+    readers: ReaderTable = field(default_factory=ReaderTable)
     counts: NoticeCounts = field(default_factory=NoticeCounts)
     holds: HoldTable = field(init=False)
     # reader -> time.monotonic() until which its READs may need our progress. Written by introduce (the
@@ -145,15 +142,22 @@ class Holder:
         self.agent.deregister(BOARD_KEY)
 
     def introduce(self, key: tuple[str, int], reader: Reader, *, reads_here: bool = True,
-                  now: float | None = None) -> None:
-        """Count ``reader``'s notices from now on (by its agent's name) and, when it reads this rank, poll
+                  limits: ReaderLimits = ReaderLimits(), now: float | None = None) -> Introduction:
+        """Count ``reader``'s notices from now on (by its agent's name, under ``reader.identity``; raises
+        :class:`~kvxferd.errors.ResourceExhaustedError` past ``limits``) and, when it reads this rank, poll
         fast for its handshake's probe: over UCX on TCP that READ of our board waits for our progress.
-        A reader rank the TP mapping never sends here gets no fast polls (any thread)."""
-        self.readers[key] = reader
+        A reader rank the TP mapping never sends here gets no fast polls (any thread). Returns what the
+        introduction did (a new reader, the same again, or another agent replacing the reader's)."""
+        introduction = self.readers.introduce(key, reader, limits, now)
+        for identity, engine_id, rank in introduction.evicted:  # their notices count no more: say why
+            log.info("an idle reader gave up its place to a new one", extra={
+                "holder_agent": self.agent.name, "reader": f"{engine_id}/{rank}", "identity": identity,
+                "reader_idle_s": limits.idle_s})
         if reads_here:
             self.progress_wanted[key] = (time.monotonic() if now is None else now) + READER_SETUP_S
         else:
             self.progress_wanted.pop(key, None)
+        return introduction
 
     def wants_progress(self, now: float | None = None) -> bool:
         """Some reader may need this side's progress now (see the module doc): poll fast."""
@@ -171,13 +175,13 @@ class Holder:
         except InvalidArgumentError:
             self.counts.add(NoticeEvent.BAD)
             return []
-        reader = self.readers.get((notice.reader_engine_id, notice.reader_rank))
-        if reader is None or reader.agent_name != sender:
-            # Not from the agent that reader introduced: dropped, so a forged notice cannot end a hold.
+        key = (notice.reader_engine_id, notice.reader_rank)
+        reader = self.readers.sender_reader(key, sender, notice.expected_readers)
+        if reader is None:
+            # Not from an agent introduced for that reader: dropped, so a forged notice cannot end a hold.
             self.counts.add(NoticeEvent.FOREIGN)
             return []
         now = time.monotonic() if now is None else now
-        key = (notice.reader_engine_id, notice.reader_rank)
         if not notice.alone:
             self.progress_wanted[key] = now + PROGRESS_WANTED_S
             self.counts.add(NoticeEvent.WAITED)
@@ -194,6 +198,8 @@ class Holder:
             outcome = None
         if outcome is not None and not outcome.alive and notice.ok:
             self.counts.add(NoticeEvent.LATE)  # the reader judged its read by the board; this notice only came late
+        if outcome is not None and outcome.alive:  # it carried a live hold's capability: the reader is active
+            self.readers.touch(key, reader, now)
         events = []
         if outcome is not None and outcome.failed:
             events.append(HoldEnd(notice.request_id, FAILED, (),

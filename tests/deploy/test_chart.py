@@ -97,6 +97,7 @@ def test_the_validator_rejects_a_broken_object():
     ({"ports": {"ucx": {"max": 70000}}}, "/ports/ucx/max"),
     ({"roles": {"Prefill": {"enabled": True, "replicas": 1, "tensorParallelSize": 1}}}, "Prefill. does not match"),
     ({"tls": {"allowedIds": ["ns/*"]}}, "/tls/allowedIds/0"),
+    ({"tls": {"allowedIds": ["dns:spiffe://cluster.local/ns/a/sa/b"]}}, "/tls/allowedIds/0"),  # URIs only (#53)
 ])
 def test_the_values_schema_refuses_bad_values(values, where):
     with pytest.raises(helm_python.HelmValuesError, match=where):

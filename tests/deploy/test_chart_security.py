@@ -58,13 +58,16 @@ def test_default_allow_list_names_only_this_release(tmp_path, monkeypatch):
     for other in ("spiffe://cluster.local/ns/other/sa/kvx-kvxferd",   # the same release name elsewhere
                   "spiffe://cluster.local/ns/other/sa/kvxferd",       # what the old default admitted
                   f"spiffe://cluster.local/ns/{NAMESPACE}/sa/other-kvxferd"):  # another release here
-        assert not any(identity_matches(other, p) for p in config.peer_allowed_ids), other
+        assert not any(identity_matches(f"uri:{other}", p) for p in config.peer_allowed_ids), other
+    # Only the URI SAN is the identity (issue #53): a DNS SAN or common name spelling it is not.
+    assert any(identity_matches(f"uri:{IDENTITY}", p) for p in config.peer_allowed_ids)
+    assert not any(identity_matches(f"{kind}:{IDENTITY}", p) for p in config.peer_allowed_ids for kind in ("dns", "cn"))
     (account,) = by_kind["ServiceAccount"]
     assert IDENTITY.endswith("/sa/" + account["metadata"]["name"])
 
 
 def test_allow_list_and_identity_can_be_overridden(tmp_path, monkeypatch):
-    allowed = ["spiffe://example.org/ns/serving/sa/kvx-kvxferd", "spiffe://example.org/ns/serving/sa/legacy"]
+    allowed = ["spiffe://example.org/ns/serving/sa/kvx-kvxferd", "uri:spiffe://example.org/ns/serving/sa/legacy"]
     by_kind = _release({"tls": {"allowedIds": allowed, "trustDomain": "example.org", "certManager": {"enabled": True}}})
     assert _daemon_config(by_kind, tmp_path, monkeypatch).peer_allowed_ids == allowed
     peer = next(c for c in by_kind["Certificate"] if c["metadata"]["name"].endswith("-peer"))
@@ -147,15 +150,19 @@ def test_the_engine_container_cannot_read_the_tls_key():
 
 
 def test_the_daemons_admit_the_engine_user_on_their_sockets(tmp_path, monkeypatch):
-    """Engine socket: 0660 in engine_socket_group, which both containers have (the pod's fsGroup);
-    fd and reads sockets: SO_PEERCRED, where the engine's uid is allowed and another is not."""
+    """Every socket admits the engine's uid by an ACL entry (allowed_uids), and the fd and reads sockets check it
+    with SO_PEERCRED; no group is shared with the sockets, since the pod's fsGroup is every container's
+    (issue 53: tests/security/test_socket_files.py runs it). The engine mounts them read-only."""
     by_kind = _release()
     config = _daemon_config(by_kind, tmp_path, monkeypatch)
     pod = _pods(by_kind)[0]
     engine = _engine(pod)["securityContext"]
     group = group_id(config.engine_socket_group)
-    assert group == pod["securityContext"]["fsGroup"]  # a supplementary group of every container
+    assert group is None
+    (mount,) = [m for m in _engine(pod)["volumeMounts"] if m["name"] == "sockets"]
+    assert mount["readOnly"] is True
     allowed = frozenset(config.allowed_uids)
+    assert allowed == {engine["runAsUser"]}
     assert credentials_allowed(engine["runAsUser"], engine["runAsGroup"], allowed, group)
     assert not credentials_allowed(engine["runAsUser"] + 1, engine["runAsGroup"] + 1, allowed, group)
 

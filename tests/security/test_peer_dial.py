@@ -191,4 +191,21 @@ def test_without_tls_a_non_loopback_peer_is_not_dialled(workdir, insecure):
     if insecure:
         assert result["calls"] == ["Challenge"] and "peer secret" in result["details"], result
     else:
-        assert result["calls"] == [] and "not a loopback address" in result["details"], result
+        assert result["calls"] == [] and "not a loopback IP address" in result["details"], result
+
+
+def test_without_tls_a_name_is_neither_dialled_nor_advertised(cluster, workdir):
+    """Review of H2: the challenge's proof covers the address as written. "localhost:P" may reach [::1]:P,
+    which another local user can bind while the daemon holds 127.0.0.1:P only, and relay the challenge to it:
+    the proof checks out and the token goes to the relay. Without TLS names are refused on both sides."""
+    if cluster.param == "chart":
+        pytest.skip("with TLS the certificate, not the address, authenticates")
+    port = cluster.prefill_daemons[0].peer_address.rsplit(":", 1)[1]
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.decode_clients[0].handshake(cluster.prefill_id, [f"localhost:{port}"])
+    assert err.value.code() == C.PERMISSION_DENIED and "not a loopback IP address" in err.value.details()
+    for flag in ("--peer-host", "--advertise-host"):
+        done = subprocess.run([sys.executable, "-m", "kvxferd", "serve", flag, "localhost", "--peer-port", "0",
+                               "--notify-port", "0", "--metrics-port", "0", "--engine-socket",
+                               f"{workdir}/named.sock"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "must be an IP address" in done.stderr, (flag, done.stderr[-500:])

@@ -109,6 +109,7 @@ def test_an_allowed_identity_is_served(cluster, ca):
     # Each decision is an audit line naming the certificate's identities (issue 35), refusals of strangers too.
     lines = [json.loads(line) for line in cluster.prefill_daemons[0].tail(500_000).splitlines()
              if line.startswith("{") and '"kvxferd.audit"' in line]
+    lines = [r for r in lines if r.get("event") == "peer"]  # not the TLS handshakes refused (issue 53)
     assert any(r["method"] == "GetEngineInfo" and r["outcome"] == "INVALID_ARGUMENT" and SPIFFE in r["identity"]
                for r in lines), lines[-5:]
     assert any(r["outcome"] == "PERMISSION_DENIED" and SPIFFE not in r["identity"] and r["identity"] for r in lines)
@@ -166,3 +167,25 @@ def test_with_tls_same_host_reads_need_the_hosts_secret_file_too(workdir, ca, tm
         assert copies == (2 if secret_files == "one" else 0)
         warned = ["cannot be used" in daemon.tail(20000) for daemon in cluster.daemons]
         assert warned == [secret_files == "unusable"] * 3
+
+
+def test_a_caller_without_a_certificate_can_tell_the_refusal_from_a_daemon_that_is_down(cluster, ca):
+    """Issue 61: the refusal happens in the TLS handshake, so gRPC's client says UNAVAILABLE. What the docs
+    promise (protocol.md, status table): its details end "Socket closed", where a port nobody serves gives
+    "Connection refused"; and the daemon logs the refusal as an audit line."""
+    import socket
+
+    ca_pem = ca.cert_path.read_bytes()
+    options = [("grpc.ssl_target_name_override", "kvxferd-peer")]
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{unused.getsockname()[1]}"
+    seen = {}
+    for name, address in (("no certificate", cluster.prefill_daemons[0].peer_address), ("down", down)):
+        with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca_pem), options=options) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                peer_grpc.PeerServiceStub(channel).GetIncarnation(pb.IncarnationRequest(engine_id="x"), timeout=5)
+        seen[name] = (err.value.code(), err.value.details())
+    assert seen["no certificate"][0] == seen["down"][0] == C.UNAVAILABLE
+    assert seen["no certificate"][1].endswith("Socket closed"), seen
+    assert "Connection refused" in seen["down"][1], seen

@@ -60,7 +60,8 @@ def engine_pb(groups, engine_id: str = "other", arenas: list | None = None) -> p
 
 def second_completion_stream(target: str, engine_id: str, groups, arenas: list, answer_s: float = 5.0):
     """Register ``engine_id`` on the daemon at ``target`` and open its ``WatchCompletions`` twice: the first
-    stream's ending ``(code, details)``; then Deregister, which must end the second at once (asserted)."""
+    stream's ending ``(code, details)``; then Deregister, which must end the second at once, FAILED_PRECONDITION
+    (asserted)."""
     from kvxferd.client import EngineClient
 
     client = EngineClient(target)
@@ -73,7 +74,8 @@ def second_completion_stream(target: str, engine_id: str, groups, arenas: list, 
         second = client.stub.WatchCompletions(watch, timeout=answer_s * 2)  # kept: a dropped call is cancelled
         ended = status(lambda: list(first))
         client.stub.Deregister(pb.DeregisterRequest(engine_id=engine_id), timeout=answer_s)
-        assert list(second) == []  # ended, well before its deadline
+        # ended, well before its deadline: the registration's end, not OK (issue 61)
+        assert status(lambda: list(second))[0] == grpc.StatusCode.FAILED_PRECONDITION
         return ended
     finally:
         client.close()

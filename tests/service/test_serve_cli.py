@@ -131,3 +131,53 @@ def test_health_without_target_finds_a_daemon_serving_on_any_engine_socket(workd
     assert not [name for name in os.listdir(runtime_dir) if name.startswith("serving.")]
     run = health()
     assert run.returncode == 1 and "UNREACHABLE" in run.stderr
+
+
+def test_generated_curve_keys_that_begin_with_a_dash_are_taken(tmp_path):
+    """Issue 61: the documented `kvxferd serve --notify-curve-secret-key "$SECRET" --notify-client-keys
+    "$PUBLIC"` exited 2 ("expected one argument") for about 1 key in 85, those beginning with "-". Drawn as a
+    client would (pyzmq only): keys made until both begin with "-", the daemon started with them as the docs
+    say, and a CURVE subscriber with them completes its handshake with the daemon's key."""
+    import re
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    def keypair_beginning_with_dash(which: int) -> tuple[bytes, bytes]:
+        while True:
+            pair = zmq.curve_keypair()
+            if pair[which].startswith(b"-"):
+                return pair
+
+    _, server_secret = keypair_beginning_with_dash(1)
+    client_public, client_secret = keypair_beginning_with_dash(0)
+    process = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve", "--peer-port", "0", "--notify-port", "0",
+                                "--metrics-port", "0", "--engine-socket", str(tmp_path / "curve.sock"),
+                                "--notify-curve-secret-key", server_secret.decode(),
+                                "--notify-client-keys", client_public.decode()],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    context = zmq.Context()
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("kvxferd ready: "), process.stderr.read()
+        notify = re.search(r"notify=(\S+)", line).group(1)
+
+        def handshake(server_key: bytes) -> bool:
+            sub = context.socket(zmq.SUB)
+            sub.curve_serverkey, sub.curve_publickey, sub.curve_secretkey = server_key, client_public, client_secret
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            sub.connect(notify)
+            try:
+                return monitor.poll(3_000) and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            finally:
+                sub.disable_monitor()
+                sub.close(0)
+
+        assert handshake(zmq.curve_public(server_secret))
+        assert not handshake(zmq.curve_keypair()[0])  # the control: another server key does not pass
+    finally:
+        context.destroy(0)
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)

@@ -254,8 +254,9 @@ def test_a_call_past_max_concurrent_streams_is_answered_at_once(workdir, arenas)
 
 
 def test_a_remote_refusing_this_daemons_credentials_is_permission_denied(cluster, workdir, tmp_path, arenas):
-    """The remote's UNAUTHENTICATED (another host's peer secret) is about the daemons, not the engine's
-    session: the engine gets PERMISSION_DENIED, which it does not retry (issue 40)."""
+    """A remote of another host secret is about the daemons, not the engine's session: the engine gets
+    PERMISSION_DENIED, which it does not retry (issue 40). Since issue 53 the dialling daemon finds it out
+    first: the remote's challenge proof is not of this daemon's secret, and nothing more is sent."""
     secret = tmp_path / "another-host.secret"
     (stranger,) = DaemonProcess.start_many(["sc-other-host"], socket_dir=workdir,
                                            extra_args=("--peer-secret-file", str(secret)))
@@ -263,7 +264,22 @@ def test_a_remote_refusing_this_daemons_credentials_is_permission_denied(cluster
     try:
         client.register(engine_pb(GROUPS[1], "sc-elsewhere", arenas))
         code, details = status(lambda: client.handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address]))
-        assert code == C.PERMISSION_DENIED and ": UNAUTHENTICATED: " in details, (code, details)
+        assert code == C.PERMISSION_DENIED and "not this host's peer secret" in details, (code, details)
     finally:
         client.close()
         stranger.terminate()
+
+
+def test_watch_completions_ends_failed_precondition_when_its_registration_ends(cluster, arenas):
+    """Issue 61: WatchCompletions ended OK when its registration ended, where the Reads stream and the reads
+    socket end FAILED_PRECONDITION: a client could not tell "nothing more" from "register again"."""
+    client = other_engine(cluster, "sc-watch-end", arenas)
+    try:
+        stream = client.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=client.engine_id),
+                                              timeout=30)  # the client adds its session
+        time.sleep(0.3)  # the stream is open on the daemon
+        client.deregister()
+        code, details = status(lambda: list(stream))
+        assert code == C.FAILED_PRECONDITION and "registration" in details and "ended" in details, (code, details)
+    finally:
+        client.close()

@@ -61,6 +61,14 @@ def test_peer_of_another_model_or_version_is_refused():
         decode_info(reply, prefill)
     assert err.value.field == "payload"
     assert compatibility_hash(prefill) != compatibility_hash(other)
+    # Issue 61: the envelope first. Another model's hash with an empty or garbled payload is the model's
+    # refusal (FAILED_PRECONDITION), not the payload's.
+    for payload in (b"", b"\xff\xff garbage"):
+        reply = encode_info("i", b"", prefill, BOARD)
+        reply.payload = payload
+        with pytest.raises(LayoutMismatchError) as err:
+            decode_info(reply, other)
+        assert err.value.field == "compatibility_hash" and compatibility_hash(prefill)[:8] in err.value.message
 
 
 @pytest.mark.parametrize("board, field", [(None, "hold_board"), (pb.HoldBoard(address=0, num_buckets=8), "hold_board.address"),

@@ -78,18 +78,26 @@ def test_a_token_binds_the_secret_the_exact_address_and_one_unused_challenge():
             check_peer_call(secret, address, book, text, "0" * 64)
 
 
-def test_a_challenge_expires_and_a_flood_only_evicts():
+def test_a_challenge_expires_and_a_flood_of_challenges_evicts_nothing():
+    """Review of issue 53: the server kept every nonce it issued (4096), so a local user's flood of Challenge
+    calls could evict an honest caller's before its call. Nonces are made without state now."""
     secret, address = os.urandom(32), "127.0.0.1:4000"
-    book = ChallengeBook(ttl_s=30, max_pending=4)
+    book = ChallengeBook(ttl_s=30)
     old = book.issue(new_nonce(), now=0.0)
     with pytest.raises(UnauthenticatedError, match="older than 30 s"):
         book.take(old, now=31.0)
     first = book.issue(new_nonce())
-    for _ in range(4):
+    for _ in range(20_000):
         book.issue(new_nonce())
-    assert len(book) == 4
-    with pytest.raises(UnauthenticatedError):  # evicted by the flood: the caller challenges again
-        check_peer_call(secret, address, book, first.text(), call_token(secret, address, first))
+    assert len(book) == 0  # issuing stored nothing
+    check_peer_call(secret, address, book, first.text(), call_token(secret, address, first))
+    assert len(book) == 1  # an authenticated call is remembered, against replay
+    with pytest.raises(UnauthenticatedError, match="did not issue"):  # another daemon's (another process key)
+        ChallengeBook().take(book.issue(new_nonce()))
+    bad = book.issue(new_nonce())
+    with pytest.raises(UnauthenticatedError, match="not this daemon's"):  # a wrong token marks nothing used
+        check_peer_call(secret, address, book, bad.text(), "0" * 64)
+    check_peer_call(secret, address, book, bad.text(), call_token(secret, address, bad))
 
 
 def test_a_proof_binds_the_secret_the_address_dialed_and_both_nonces():

@@ -88,7 +88,7 @@ def test_a_reader_speaks_only_for_itself(holder_and_reader):
 def test_a_new_reader_gets_fast_polls_until_it_reads_alone_and_one_that_never_reads_here_none(holder_and_reader):
     holder, agent_name, decode_id = holder_and_reader
     holder.progress_wanted.clear()
-    reader = holder.readers[(decode_id, 0)]
+    reader = holder.readers.get((decode_id, 0))
     holder.introduce((decode_id, 0), reader, now=50.0)  # introduced again (a re-handshake)
     assert holder.wants_progress(50.0) and not holder.wants_progress(50.0 + READER_SETUP_S)
     holder.on_notice(agent_name, ReadNotice("never-held", decode_id, 0, 1, alone=True).encode(), 50.1)

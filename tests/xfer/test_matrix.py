@@ -73,7 +73,7 @@ def check_pairing(model: str, shape: ModelShape, name: str, p: int, d: int, *, s
             for q, holder in enumerate(cluster.holders):
                 end = cluster.holder_thread.wait_end(q, request.remote_request_id, timeout_s=10)
                 assert end is not None and end.kind == "CONSUMED" and not end.failed_readers, f"prefill rank {q}: {end}"
-                assert holder.readers[(cluster.decode_id, 0)].expected_readers == notifiers[q]
+                assert holder.readers.get((cluster.decode_id, 0)).expected_readers == notifiers[q]
         # Every decode rank copied itself exactly when same-host (else every byte came over NIXL).
         assert [e.num_host_copies > 0 for e in cluster.executors] == [same_host] * d
         # Nothing refused or late (a new connection's first READs may wait: `waited` is not a fault).

@@ -510,13 +510,19 @@ class ChallengeReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., server_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class IncarnationRequest(_message.Message):
-    __slots__ = ("engine_id",)
+    __slots__ = ("engine_id", "reader_engine_id", "reader_tp_rank")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
-    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+    reader_engine_id: str
+    reader_tp_rank: int
+    def __init__(self, engine_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ...) -> None: ...
 
 class IncarnationReply(_message.Message):
-    __slots__ = ("incarnation",)
+    __slots__ = ("incarnation", "reader_known")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    READER_KNOWN_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
-    def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
+    reader_known: bool
+    def __init__(self, incarnation: _Optional[str] = ..., reader_known: _Optional[bool] = ...) -> None: ...

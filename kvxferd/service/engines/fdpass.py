@@ -27,7 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
+
 from kvxferd.errors import InvalidArgumentError
+from kvxferd.service.net import audit
 from kvxferd.service.net.localsock import credentials_allowed
 from kvxferd.wire.names import FD_ANSWER_MAX_BYTES
 from kvxferd.wire.owner import peer_credentials
@@ -80,9 +83,10 @@ class FdInbox:
 
     def _receive(self, conn: socket.socket) -> None:
         """Take one delivery, or count and answer its refusal."""
-        _pid, uid, gid = peer_credentials(conn)
+        pid, uid, gid = peer_credentials(conn)
         if not credentials_allowed(uid, gid, self.allowed_uids, self.group):
-            log.warning("fd socket: refused a client", extra={"uid": uid})
+            audit.socket_refused("fd", uid, pid, grpc.StatusCode.PERMISSION_DENIED,
+                                 "uid not on allowed_uids (SO_PEERCRED)")
             self.on_refused("uid")
             return
         conn.settimeout(self.recv_timeout_s)

@@ -10,7 +10,10 @@ read-write itself (:class:`ShmOpeners`): with the engine socket 0600 only
 the daemon's user and root connect, and whatever the daemon can open, they
 could; with ``engine_socket_group`` the object must be readable and
 writable by that group (its group, ``g+rw``) or by everyone (``o+rw``);
-over ``engine_tcp`` by everyone. Else ``PERMISSION_DENIED``: an engine
+over ``engine_tcp`` by everyone; for each of ``allowed_uids`` (the sockets'
+ACLs admit them) the object must be that uid's own (``u+rw``) or everyone's.
+Else ``PERMISSION_DENIED`` (also for an object the daemon's own user cannot
+open: before, ``INVALID_ARGUMENT``): an engine
 passes such an object as an fd (``shm_fd_index``), which proves it opened
 it. (Before, a group member named a root-only object of a root daemon and
 read it over NIXL.) An object with a POSIX ACL is refused in the last two
@@ -82,12 +85,23 @@ class ShmOpeners:
 
     group: int | None = None  # engine_socket_group: its members connect too (else the daemon's user and root)
     anyone: bool = False  # the call came over engine_tcp: anyone holding the token
+    uids: frozenset[int] = frozenset()  # allowed_uids: the sockets' ACLs admit them too
 
     def check(self, fd: int, status: os.stat_result, name: str, field: str) -> None:
         """Refuse (``PERMISSION_DENIED``) an object some possible sender could not open read-write itself."""
+        mode = stat.S_IMODE(status.st_mode)
+        for uid in self.uids - {os.getuid(), 0}:
+            # Certain only for its owner (the owner's bits apply to it whatever else the object says) or for
+            # an object every class may open, without an ACL that could name this uid: the groups of
+            # another uid are not ours to know (a pod's supplementary groups are in no /etc/group here).
+            if not ((status.st_uid == uid and mode & 0o600 == 0o600) or (mode & 0o666 == 0o666 and not _has_acl(fd))):
+                raise PermissionDeniedError(f"{field}.shm_name", f"shared-memory object {name!r} (uid "
+                                            f"{status.st_uid}, mode {mode:04o}) is neither uid {uid}'s own "
+                                            "(allowed_uids) nor readable and writable by everyone: the daemon opens "
+                                            "a name only for an object every user it admits could open itself; "
+                                            "pass it as an fd (handle.shm_fd_index) instead")
         if self.group is None and not self.anyone:
             return  # the daemon's user and root: the daemon just opened it as that user
-        mode = stat.S_IMODE(status.st_mode)
         # Linux takes the first class that matches (owner, then group, then other), so a user of an earlier
         # class is not granted what a later one says: every class a possible sender falls in must allow rw.
         everyone = mode & 0o666 == 0o666
@@ -148,8 +162,10 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str,
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise NotFoundError(f"{field}.shm_name", f"no shared-memory object {name!r}") from None
-    except PermissionError:
-        raise InvalidArgumentError(f"{field}.shm_name", f"shared-memory object {name!r} is not readable and writable") from None
+    except PermissionError:  # the daemon's own user may not open it: a question of who, not of the request
+        raise PermissionDeniedError(f"{field}.shm_name", f"shared-memory object {name!r} is not readable and "
+                                                         "writable by the daemon's user; pass it as an fd "
+                                                         "(handle.shm_fd_index) instead") from None
     except OSError as err:  # ELOOP (a symlink), EISDIR, ...: the name, never the server's path
         raise InvalidArgumentError(f"{field}.shm_name", f"cannot open shared-memory object {name!r}: "
                                                          f"{err.strerror or type(err).__name__}") from None

@@ -56,10 +56,12 @@ class Registry:
                  daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
                  max_hold_s: float = float("inf"), abort_drain_s: float = 30.0,
-                 populate_host_memory: bool = True, shm_group: int | None = None) -> None:
-        """``shm_group``: engine_socket_group, whose members may register too (see memory.ShmOpeners)."""
+                 populate_host_memory: bool = True, shm_group: int | None = None,
+                 shm_uids: frozenset[int] = frozenset()) -> None:
+        """``shm_group``: engine_socket_group, whose members may register too, and ``shm_uids``: allowed_uids,
+        who may too (see memory.ShmOpeners)."""
         self.dataplane = dataplane
-        self.shm_group = shm_group
+        self.shm_group, self.shm_uids = shm_group, shm_uids
         self.populate_host_memory = populate_host_memory  # fault a host cache's pages in at registration
         self.max_holds = max_holds  # per engine rank: sizes its hold board
         self.max_hold_s = max_hold_s  # a hold's whole life, renewals included
@@ -148,7 +150,7 @@ class Registry:
         # and registered with nobody owning it (the registration then expires).
         for i, reader in enumerate(message.allowed_reader_engine_ids):
             check_id(reader, f"allowed_reader_engine_ids[{i}]")
-        openers = ShmOpeners(group=self.shm_group, anyone=over_tcp)
+        openers = ShmOpeners(group=self.shm_group, anyone=over_tcp, uids=self.shm_uids)
         attempt = asyncio.ensure_future(self._register_exclusive(message, lease_s, session, openers))
         attempt.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen even if the caller left
         return await asyncio.shield(attempt)

@@ -20,7 +20,8 @@ from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.leases import HoldTable
 from kvxferd.service.reads.completions import CompletionFeed
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.xfer.holder import Holder, Reader
+from kvxferd.xfer.holder import Holder
+from kvxferd.xfer.readers import ReaderTable
 from kvxferd.xfer.backend import ReadBackend
 
 if TYPE_CHECKING:
@@ -65,8 +66,9 @@ class EngineSlot:
         return self.holder.lock
 
     @property
-    def readers(self) -> dict[tuple[str, int], Reader]:
-        """Introduced readers by (engine id, rank): written on the loop, read by the data-plane thread."""
+    def readers(self) -> ReaderTable:
+        """Introduced readers by (engine id, rank) and identity: written on the loop, read by the data-plane
+        thread."""
         return self.holder.readers
 
     def heartbeat(self) -> None:

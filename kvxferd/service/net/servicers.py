@@ -19,34 +19,35 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import logging
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
-from kvxferd.errors import (InvalidArgumentError, KvxferError, PermissionDeniedError,
-                            ResourceExhaustedError, UnauthenticatedError, UnavailableError)
+from kvxferd.errors import (InvalidArgumentError, KvxferError, PermissionDeniedError, UnauthenticatedError,
+                            UnavailableError)
 from kvxferd.plan.engine import notifying_readers
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.service.net import audit
 from kvxferd.service.reads.completions import COMPLETIONS_PER_BATCH, StreamReplaced
 from kvxferd.service.engines.holding import lease_seconds, place_hold
 from kvxferd.service.status import error_status
-from kvxferd.service.peers.tls import authorize_peer, peer_identities
+from kvxferd.service.peers.proof import ChallengeSigner
+from kvxferd.service.peers.tls import authorize_peer
+from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, ChallengeBook, Nonces, secret_proof
 from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
 from kvxferd.wire.names import SESSION_KEY
-from kvxferd.wire.peerauth import PEER_TOKEN_KEY, check_peer_token
+from kvxferd.wire.peerauth import PEER_TOKEN_KEY, check_peer_call
 from kvxferd.wire.samehost import holder_proof, is_same_host
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
 from kvxferd.xfer.agent import agent_name_of
-from kvxferd.xfer.holder import Reader
+from kvxferd.xfer.holder import Reader, ReaderLimits
+from kvxferd.xfer.readers import Introduced
 
 if TYPE_CHECKING:
     from kvxferd.service.parts import DaemonParts
-
-audit_log = logging.getLogger("kvxferd.audit")
 
 
 def rpc(fn):
@@ -83,8 +84,10 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
     def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
 
-    def audit(self, *outcome) -> None:
-        """Engine calls are the engine's own business: no audit line (see :class:`PeerServicer`)."""
+    def audit(self, method: str, request, context, code: grpc.StatusCode, error: str = "") -> None:
+        """Only refusals of security meaning (a session, a token, an object the caller may not name) get a line,
+        rate-limited: :func:`kvxferd.service.net.audit.engine_call`. The rest is the engine's own business."""
+        audit.engine_call(method, request, context, code, error)
 
     def _check_transport(self, context) -> None:
         """Over engine_tcp (not the UNIX socket) the caller must present the bearer token."""
@@ -145,7 +148,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         engine's batches and, when it fails, wakes the generator, which ends
         the stream with that error's status.
         """
-        receiver = None
+        receiver = first = None
         try:
             first = await anext(aiter(request_iterator), None)
             if first is None:
@@ -169,6 +172,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
             if receiver is not None:
                 receiver.cancel()
         self.daemon.metrics.rpc_errors.labels("Reads", code.name).inc()
+        self.audit("Reads", first, context, code, message)
         await context.abort(code, message)
 
     async def _receive_reads(self, slot, first, request_iterator) -> None:
@@ -183,8 +187,13 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
             slot = self._slot(request.engine_id, context)
             async for completion in slot.completions.stream():
                 yield completion
+            # The feed closed: the registration ended (deregistered, lapsed, daemon draining). Everything
+            # queued went out; not OK, so the engine can tell "register again" from "nothing more" (issue 61).
+            raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
         except (KvxferError, StreamReplaced) as err:
-            await context.abort(*error_status("WatchCompletions", err))
+            code, message = error_status("WatchCompletions", err)
+            self.audit("WatchCompletions", request, context, code, message)
+            await context.abort(code, message)
 
     @rpc
     async def Hold(self, request, context):
@@ -221,40 +230,58 @@ def _renew(daemon: "DaemonParts", slot, request: pb.RenewLeaseRequest) -> pb.Ren
 class PeerServicer(peer_grpc.PeerServiceServicer):
     def __init__(self, daemon: "DaemonParts") -> None:
         self.daemon = daemon
+        self.challenges = ChallengeBook()  # server nonces issued, each good for one call (kvxferd.wire.challenge)
+        self.signer = ChallengeSigner(daemon.tls) if daemon.tls is not None else None
 
     def audit(self, method: str, request, context, code: grpc.StatusCode, error: str = "") -> None:
-        """One ``kvxferd.audit`` line per decision about a peer: every introduction (GetEngineInfo) and
-        renewal, and every refusal; who asked (certificate identity, address), of which engine, the outcome.
-        A probe that is answered (GetIncarnation, every ``peer_check_s`` per link) is not worth a line."""
-        if code == grpc.StatusCode.OK and method == "GetIncarnation":
-            return
-        identities = peer_identities(context)
-        fields = {"method": method, "outcome": code.name, "peer": context.peer(),
-                  "identity": ",".join(identities)[:300], "engine_id": request.engine_id[:256]}
-        if method == "GetEngineInfo":
-            fields["reader"] = f"{request.reader_engine_id[:256]}/{request.reader_tp_rank}"
-        elif method == "RenewLeases":
-            fields["num_request_ids"] = len(request.request_ids)
-        if error:
-            fields["error"] = error[:300]
-        audit_log.info("peer %s: %s", method, code.name, extra=fields)
+        """One ``kvxferd.audit`` line per decision about a peer (introductions, renewals), refusals rate-limited
+        per caller: :func:`kvxferd.service.net.audit.peer_call`."""
+        audit.peer_call(method, request, context, code, error)
 
-    def _authorize(self, context) -> str:
-        """Before anything is looked up: with TLS, the caller's certificate identity must be on the allow-list
-        (returns the identity it matched); without, the caller must present this host's peer token for this
-        port (kvxferd.wire.peerauth; returns "": every daemon of the host is one identity)."""
+    def _authorize(self, context) -> tuple[str, Nonces | None]:
+        """Before anything is looked up: ``(identity, nonces)`` of the caller. With TLS, its certificate identity
+        must be on the allow-list (the nonces of a challenge, used up here, come along where the call names
+        one: a same-host token is bound to them); without, the call must follow a challenge issued here and
+        carry its token (kvxferd.wire.peerauth; identity "": every daemon of the host is one identity)."""
+        challenge = metadata_value(context, CHALLENGE_KEY)
         if self.daemon.config.tls:
-            return authorize_peer(context, tuple(self.daemon.config.peer_allowed_ids))
+            identity = authorize_peer(context, tuple(self.daemon.config.peer_allowed_ids))
+            nonces = None
+            if challenge:
+                nonces = Nonces.parse(challenge)
+                self.challenges.take(nonces)
+            return identity, nonces
         secret = self.daemon.peers.secret  # this host's peer secret, loaded at start (kvxferd.wire.peerauth)
         if secret is None:
             raise UnauthenticatedError("peer", "this daemon is still starting")
-        check_peer_token(secret, self.daemon.peer_token_address,
-                         metadata_value(context, PEER_TOKEN_KEY))
-        return ""
+        return "", check_peer_call(secret, self.daemon.peer_token_address, self.challenges, challenge,
+                                   metadata_value(context, PEER_TOKEN_KEY))
+
+    @rpc
+    async def Challenge(self, request, context):
+        """A server nonce and this daemon's proof over both nonces (kvxferd.wire.challenge). With TLS only an
+        allowed peer gets a signature, so a foreign server cannot relay a reader's challenge to us."""
+        if self.daemon.config.tls:
+            authorize_peer(context, tuple(self.daemon.config.peer_allowed_ids))
+        if request.protocol_version != PROTOCOL_VERSION:
+            raise UnavailableError("protocol_version", f"caller speaks v{request.protocol_version}, this daemon "
+                                                       f"v{PROTOCOL_VERSION}")
+        if len(request.client_nonce) != NONCE_BYTES:
+            raise InvalidArgumentError("client_nonce", f"must be {NONCE_BYTES} bytes, got {len(request.client_nonce)}")
+        secret = self.daemon.peers.secret
+        if self.signer is None and secret is None:
+            raise UnauthenticatedError("peer", "this daemon is still starting")
+        nonces = self.challenges.issue(request.client_nonce)
+        if self.signer is not None:
+            signature, certificate = self.signer.sign(nonces)
+            return pb.ChallengeReply(protocol_version=PROTOCOL_VERSION, server_nonce=nonces.server, proof=signature,
+                                     certificate=certificate)
+        return pb.ChallengeReply(protocol_version=PROTOCOL_VERSION, server_nonce=nonces.server,
+                                 proof=secret_proof(secret, self.daemon.peer_token_address, nonces))
 
     @rpc
     async def GetEngineInfo(self, request, context):
-        identity = self._authorize(context)
+        identity, nonces = self._authorize(context)
         if request.protocol_version != PROTOCOL_VERSION:
             raise UnavailableError("protocol_version", f"caller speaks v{request.protocol_version}, this daemon v{PROTOCOL_VERSION}")
         slot = self.daemon.registry.slot(request.engine_id)
@@ -265,18 +292,21 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
-                 if secret is not None and is_same_host(secret, address, request.same_host_token) else "")
+                 if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
         return encode_info(slot.incarnation, slot.metadata, slot.cache, slot.holder.board, same_host_proof=proof)
 
-    async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str) -> None:
+    async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str, peer: str = "") -> None:
         """Record which NIXL agent this reader's notices come from, by the name its metadata carries.
 
         Nothing is loaded: the holder sends readers nothing (they check their
         holds on its board), so it needs only the name to count the reader's
-        notices and drop everyone else's. The same reader introduced again
-        (restarted under a new agent) replaces its old name, but only by the
-        peer identity that introduced it: another allowed peer taking over a
-        reader would have its notices dropped and its holds pinned.
+        notices and drop everyone else's. Readers are kept per peer identity
+        (kvxferd.xfer.readers): another allowed identity naming the same reader
+        gets an entry of its own, so it can neither hold the reader's owner out
+        nor take over its notices. The same identity naming another agent for
+        a reader it introduced replaces the old one (a restarted reader), with
+        an audit line. Each identity may have ``max_readers_per_identity``
+        readers; a reader idle for ``reader_idle_s`` gives up its place to a new one.
         """
         check_id(request.reader_engine_id, "reader_engine_id")
         if not request.reader_agent_metadata:
@@ -295,21 +325,23 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         if name == slot.agent.name:
             raise InvalidArgumentError("reader_agent_metadata", f"agent {name!r} is this engine's own agent")
         reader = (request.reader_engine_id, request.reader_tp_rank)
-        known = slot.readers.get(reader)
-        if known is not None and known.identity != identity:
-            raise PermissionDeniedError("reader_engine_id", f"reader {reader[0]!r} rank {reader[1]} was introduced by "
-                                                            "another peer identity; only that one may introduce it again")
-        limit = self.daemon.config.max_readers_per_engine
-        if reader not in slot.readers and len(slot.readers) >= limit:
-            raise ResourceExhaustedError("max_readers_per_engine", f"{limit} readers are introduced already")
-        slot.holder.introduce(reader, Reader(name, request.reader_tp_size, expected, identity),
-                              reads_here=bool(notifying[request.reader_tp_rank]))
+        config = self.daemon.config
+        limits = ReaderLimits(config.max_readers_per_engine, config.max_readers_per_identity, config.reader_idle_s)
+        introduction = slot.holder.introduce(reader, Reader(name, request.reader_tp_size, expected, identity),
+                                             reads_here=bool(notifying[request.reader_tp_rank]), limits=limits)
+        if introduction.outcome is Introduced.REPLACED:  # not a plain OK: the old agent's notices count no more
+            audit.reader_replaced(slot.engine_id, reader, identity, introduction.replaced_agent, name, peer)
         self.daemon.dataplane.wake()  # to poll fast: its handshake's probe READs our board next
 
     @rpc
     async def GetIncarnation(self, request, context):
-        self._authorize(context)
-        return pb.IncarnationReply(incarnation=self.daemon.registry.slot(request.engine_id).incarnation)
+        identity, _ = self._authorize(context)
+        slot = self.daemon.registry.slot(request.engine_id)
+        # A reader's daemon probes every peer_check_s: that keeps its introduction active, and tells it when
+        # its place was given to another reader (it then introduces it again before its notices are dropped).
+        known = bool(request.reader_engine_id) and slot.readers.refresh(
+            (request.reader_engine_id, request.reader_tp_rank), identity)
+        return pb.IncarnationReply(incarnation=slot.incarnation, reader_known=known)
 
     @rpc
     async def RenewLeases(self, request, context):

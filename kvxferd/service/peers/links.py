@@ -184,19 +184,22 @@ class Peers:
                                  min(timeout_s, PEER_RETRY_S), True)
 
     def check_dialable(self, addresses: tuple[str, ...]) -> None:
-        """Without TLS only loopback peers are dialled, unless the operator said ``insecure``: elsewhere no
-        kernel tells who listens, and the host secret would cross a network in the clear."""
+        """Without TLS only loopback IP addresses are dialled, unless the operator said ``insecure``: elsewhere
+        the host secret would prove a host nobody chose, over a network in the clear. No names (localhost):
+        the challenge's proof covers the address as written, and a name may reach ::1 where the daemon
+        listens on 127.0.0.1 only, and another local user on ::1."""
         if self.tls is not None or self.insecure:
             return
         for q, address in enumerate(addresses):
             host = address.rpartition(":")[0].strip("[]")
             try:
-                loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+                loopback = ipaddress.ip_address(host).is_loopback
             except ValueError:
                 loopback = False
             if not loopback:
-                raise PermissionDeniedError(f"peer_addresses[{q}]", f"{address} is not a loopback address: without "
-                                                                    "TLS this daemon dials only peers on this host "
+                raise PermissionDeniedError(f"peer_addresses[{q}]", f"{address} is not a loopback IP address: "
+                                                                    "without TLS this daemon dials only peers on "
+                                                                    "this host, by IP address "
                                                                     "(turn on mutual TLS, or --insecure for "
                                                                     "development)")
 
@@ -327,13 +330,17 @@ class Peers:
         return dataclasses.replace(info, cache=cache)
 
     async def probe(self, slot: EngineSlot, link: RemoteLink) -> bool:
-        """True when every remote rank still runs the incarnation we planned for."""
+        """True when every remote rank still runs the incarnation we planned for and still knows this rank as
+        its reader (a reader idle for long may lose its place: the next handshake introduces it again)."""
+        request = pb.IncarnationRequest(engine_id=link.remote_engine_id, reader_engine_id=slot.engine_id,
+                                        reader_tp_rank=slot.cache.tp_rank)
+
         async def one(address: str, incarnation: str) -> bool:
             try:
-                reply = await self.call(address, "GetIncarnation", pb.IncarnationRequest(engine_id=link.remote_engine_id))
+                reply = await self.call(address, "GetIncarnation", request)
             except (grpc.aio.AioRpcError, KvxferError):  # unreachable, or (no TLS) served by another user now
                 return False
-            return reply.incarnation == incarnation
+            return reply.incarnation == incarnation and reply.reader_known
         results = await asyncio.gather(*(one(a, i) for a, i in zip(link.addresses, link.incarnations)))
         return all(results)
 

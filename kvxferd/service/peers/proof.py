@@ -27,17 +27,33 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, padding, rsa
 from cryptography.x509.verification import Criticality, ExtensionPolicy, PolicyBuilder, Store, VerificationError
 
-from kvxferd.errors import PermissionDeniedError
+from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 from kvxferd.service.peers.tls import TlsFiles, TlsMaterial, certificate_identities, identity_matches
 from kvxferd.wire.challenge import Nonces, signed_message
 
 MAX_CERTIFICATE_BYTES = 64 << 10  # a leaf and its intermediates in PEM
-# The Web PKI's rules (intermediates must be CAs, the leaf must be for server auth and name
-# peer_server_name), less one that private CAs and gRPC's own check do not need: an Authority Key
-# Identifier on every certificate (cert-manager's and kvxferd dev-certs' leaves have none).
+
+
+def _must_be_ca(_policy, _cert, constraints: x509.BasicConstraints) -> None:
+    if not constraints.ca:
+        raise ValueError("an issuer that is not a CA (basicConstraints CA:FALSE)")
+
+
+def _may_sign_certificates(_policy, _cert, usage: x509.KeyUsage | None) -> None:
+    if usage is not None and not usage.key_cert_sign:
+        raise ValueError("an issuer whose keyUsage lacks keyCertSign")
+
+
+# What gRPC's own check (BoringSSL's) asks of an issuer, not the Web PKI's more: a CA (basicConstraints
+# CA:TRUE, critical or not) that may sign certificates where it says what its key is for; keyUsage and the
+# key identifiers optional (`openssl req -x509` makes CAs without keyUsage; cert-manager's leaves carry no
+# Authority Key Identifier). The leaf: the Web PKI's rules (server auth, peer_server_name as a SAN) less the
+# Authority Key Identifier. The daemon checks its own chain this way at start (check_own_chain), so a CA this
+# refuses stops it there, not every dial later.
+_CA_POLICY = (ExtensionPolicy.permit_all()
+              .require_present(x509.BasicConstraints, Criticality.AGNOSTIC, _must_be_ca)
+              .may_be_present(x509.KeyUsage, Criticality.AGNOSTIC, _may_sign_certificates))
 _EE_POLICY = ExtensionPolicy.webpki_defaults_ee().may_be_present(x509.AuthorityKeyIdentifier, Criticality.AGNOSTIC,
-                                                                 None)
-_CA_POLICY = ExtensionPolicy.webpki_defaults_ca().may_be_present(x509.AuthorityKeyIdentifier, Criticality.AGNOSTIC,
                                                                  None)
 
 
@@ -80,6 +96,27 @@ def _verify(public, signature: bytes, message: bytes) -> None:
         raise InvalidSignature(f"a {type(public).__name__} cannot sign a challenge")
 
 
+def _verify_chain(tls: TlsFiles, leaf: x509.Certificate, intermediates: list[x509.Certificate],
+                  now: datetime.datetime | None) -> None:
+    verifier = (PolicyBuilder().store(Store(x509.load_pem_x509_certificates(tls.current().ca)))
+                .extension_policies(ca_policy=_CA_POLICY, ee_policy=_EE_POLICY)
+                .time(now or datetime.datetime.now(datetime.timezone.utc))
+                .build_server_verifier(x509.DNSName(tls.server_name or "kvxferd-peer")))
+    verifier.verify(leaf, intermediates)
+
+
+def check_own_chain(tls: TlsFiles) -> None:
+    """At start: this daemon's certificate passes the check its peers make of it when they dial it (else
+    :class:`InvalidArgumentError` naming tls_cert: every dial of it would be refused, while it looked up)."""
+    leaf, *intermediates = x509.load_pem_x509_certificates(tls.current().cert)
+    try:
+        _verify_chain(tls, leaf, intermediates, None)
+    except VerificationError as err:
+        raise InvalidArgumentError("tls_cert", f"peers would refuse it when they dial this daemon: it does not "
+                                               f"chain to tls_ca for peer_server_name ({str(err)[:300]}); an "
+                                               "Ed25519 or Ed448 CA is not supported") from None
+
+
 def check_signed_proof(tls: TlsFiles, address: str, nonces: Nonces, signature: bytes, certificate_pem: bytes,
                        now: datetime.datetime | None = None) -> str:
     """The allowed identity of the peer at ``address`` that answered ``nonces`` with ``signature`` and
@@ -93,13 +130,8 @@ def check_signed_proof(tls: TlsFiles, address: str, nonces: Nonces, signature: b
         leaf, *intermediates = x509.load_pem_x509_certificates(bytes(certificate_pem))
     except ValueError:
         raise refuse("its challenge answer's certificate is not PEM") from None
-    material = tls.current()
-    verifier = (PolicyBuilder().store(Store(x509.load_pem_x509_certificates(material.ca)))
-                .extension_policies(ca_policy=_CA_POLICY, ee_policy=_EE_POLICY)
-                .time(now or datetime.datetime.now(datetime.timezone.utc))
-                .build_server_verifier(x509.DNSName(tls.server_name or "kvxferd-peer")))
     try:
-        verifier.verify(leaf, intermediates)
+        _verify_chain(tls, leaf, intermediates, now)
     except VerificationError as err:
         raise refuse(f"its certificate does not chain to tls_ca for peer_server_name ({str(err)[:200]})") from None
     identities = certificate_identities(leaf)

@@ -6,8 +6,9 @@
     ─────────────                                   ─────────────
     channel credentials (cert, key, CA)  ──TLS──►   server credentials, client cert required
     checks: holder's cert chains to the CA          checks: reader's cert chains to the CA
-            and names peer_server_name                      and one of its identities is on
-                                                            peer_allowed_ids (every peer RPC)
+            and names peer_server_name                      and one of its typed identities
+                                                            (uri:, dns:...: identities.py) is
+                                                            on peer_allowed_ids (every peer RPC)
 
 The files are read again when they change (cert-manager rotates a
 Secret's files in place): the server picks them up at the next TLS
@@ -22,7 +23,6 @@ import datetime
 import functools
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass
 
@@ -31,6 +31,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+# Typed identities (issue #53): kept importable from here, where callers have always found them.
+from kvxferd.service.peers.identities import (allowed_identity, certificate_identities,  # noqa: F401
+                                              identity_matches)
 
 log = logging.getLogger("kvxferd.tls")
 
@@ -133,19 +136,6 @@ def _check_pair(cert: bytes, key: bytes, ca: bytes) -> None:
         raise InvalidArgumentError("tls_key", "the key does not belong to tls_cert")
 
 
-def certificate_identities(cert: x509.Certificate) -> tuple[str, ...]:
-    """A certificate's identities as :func:`peer_identities` names them: SANs (DNS, URI, IP), then ``CN=``."""
-    names: list[str] = []
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        names += [str(v) for kind in (x509.DNSName, x509.UniformResourceIdentifier, x509.IPAddress)
-                  for v in san.get_values_for_type(kind)]
-    except x509.ExtensionNotFound:
-        pass
-    names += [f"CN={a.value}" for a in cert.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)]
-    return tuple(names)
-
-
 def check_own_certificate(cert_pem: bytes, server_name: str | None, allowed_ids: tuple[str, ...],
                           now: datetime.datetime | None = None) -> None:
     """Refuse our own certificate if it is not valid now, lacks ``server_name`` as a DNS name, or has no
@@ -157,9 +147,9 @@ def check_own_certificate(cert_pem: bytes, server_name: str | None, allowed_ids:
     if now > leaf.not_valid_after_utc:
         raise InvalidArgumentError("tls_cert", f"expired at {leaf.not_valid_after_utc.isoformat()}")
     identities = certificate_identities(leaf)
-    if server_name and server_name not in identities:
+    if server_name and f"dns:{server_name.lower()}" not in identities:  # a DNS SAN: what gRPC checks when dialling
         raise InvalidArgumentError("tls_cert", f"does not name {server_name!r} (peer_server_name) as a DNS name")
-    if allowed_ids and not any(identity_matches(i, p) for i in identities for p in allowed_ids):
+    if allowed_ids and allowed_identity(identities, allowed_ids) is None:
         raise InvalidArgumentError("tls_cert", f"none of its identities {', '.join(identities)[:200]} is on "
                                                "peer_allowed_ids")
 
@@ -169,33 +159,29 @@ def _server_config(material: TlsMaterial):
 
 
 def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
-    """What a TLS peer's certificate says it is: its SANs (DNS, URI, IP) and ``CN=...``; empty without TLS."""
-    auth = context.auth_context()
-    names = [v.decode(errors="replace") for v in auth.get("x509_subject_alternative_name", ())]
-    names += [f"CN={v.decode(errors='replace')}" for v in auth.get("x509_common_name", ())]
-    return tuple(names)
+    """A TLS peer's typed identities (:func:`certificate_identities`), read from its certificate itself; empty
+    without TLS. gRPC's ``x509_subject_alternative_name`` lumps SANs of every type into plain strings, so a DNS
+    SAN spelling a SPIFFE id would pass for that URI: the certificate says which type each name has."""
+    certificates = context.auth_context().get("x509_pem_cert", ())
+    return _pem_identities(certificates[0]) if certificates else ()
 
 
 @functools.lru_cache(maxsize=256)
-def _identity_pattern(pattern: str) -> re.Pattern:
-    # Every other character is literal: no [classes], and a wildcard never crosses "/", so
-    # spiffe://td/ns/*/sa/kvxferd names one namespace segment, never ns/a/b/sa/kvxferd.
-    parts = ("[^/]*" if c == "*" else "[^/]" if c == "?" else re.escape(c) for c in pattern)
-    return re.compile("".join(parts), re.DOTALL)
-
-
-def identity_matches(identity: str, pattern: str) -> bool:
-    """Whether a certificate identity matches an allow-list pattern: ``*`` any run and ``?`` one
-    character, neither crossing ``/``; everything else literal, case-sensitive."""
-    return _identity_pattern(pattern).fullmatch(identity) is not None
+def _pem_identities(pem: bytes) -> tuple[str, ...]:
+    # Every peer call asks: parse each certificate once (gRPC verified its chain before any call).
+    try:
+        return certificate_identities(x509.load_pem_x509_certificate(pem))
+    except ValueError:
+        return ()
 
 
 def authorize_peer(context: grpc.aio.ServicerContext, allowed: tuple[str, ...]) -> str:
-    """The first identity of the caller on the allow-list (:func:`identity_matches`); raises otherwise."""
+    """The first identity of the caller on the allow-list (:func:`allowed_identity`); raises otherwise."""
     identities = peer_identities(context)
     if not identities:
         raise UnauthenticatedError("peer", "no client certificate (mutual TLS is required on this port)")
-    for identity in identities:
-        if any(identity_matches(identity, pattern) for pattern in allowed):
-            return identity
-    raise PermissionDeniedError("peer", f"identity {', '.join(identities)[:200]} is not on peer_allowed_ids")
+    identity = allowed_identity(identities, allowed)
+    if identity is None:
+        raise PermissionDeniedError("peer", f"identity {', '.join(identities)[:200]} is not on peer_allowed_ids")
+    return identity
+

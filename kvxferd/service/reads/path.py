@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, PermissionDeniedError,
                             ResourceExhaustedError, UnavailableError)
 from kvxferd.plan.capability import check_read_capabilities, sealed_by_other_keys
+from kvxferd.service.net import audit
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
@@ -95,14 +96,18 @@ class ReadPath:
         # A link being re-handshaken may be about to learn a new key: such a read is checked when it is
         # posted, on the new link, and renews no hold while it waits (it is not verified yet).
         verified = not sealed_by_other_keys(link.remote.hold_keys, request.remote_capabilities)
-        if verified:
-            check_read_capabilities(link.remote.hold_keys, request.remote_request_id, request.remote_block_ids,
-                                    request.remote_capabilities)
-        elif link.ready:
-            daemon.probe_soon(slot, link)
-            raise PermissionDeniedError("remote_capabilities", "sealed by a registration of the remote engine "
-                                        "that this daemon's handshake does not know (a restarted holder is "
-                                        "picked up within a second)")
+        try:
+            if verified:
+                check_read_capabilities(link.remote.hold_keys, request.remote_request_id, request.remote_block_ids,
+                                        request.remote_capabilities)
+            elif link.ready:
+                daemon.probe_soon(slot, link)
+                raise PermissionDeniedError("remote_capabilities", "sealed by a registration of the remote engine "
+                                            "that this daemon's handshake does not know (a restarted holder is "
+                                            "picked up within a second)")
+        except PermissionDeniedError as err:  # a forged or guessed capability: counted per engine in the audit log
+            audit.capability_refused(slot.engine_id, remote_engine_id, request.remote_request_id, str(err))
+            raise
         read = slot.reads[request.request_id] = Read(
             slot, remote_engine_id, request, link.remote, received_s, deadline_at_s, planned,
             sealed_for=link.remote if verified else None)

@@ -43,6 +43,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.reads.completions import COMPLETIONS_PER_BATCH
 from kvxferd.service.reads.framewriter import FrameWriter
 from kvxferd.service.engines.holding import place_hold
+from kvxferd.service.net import audit
 from kvxferd.service.net.localsock import credentials_allowed, restrict_socket, socket_umask
 from kvxferd.wire.owner import peer_credentials
 from kvxferd.service.status import error_status, status_code
@@ -73,7 +74,7 @@ class ReadSocketServer:
             os.unlink(self.path)
         with socket_umask(self.group):  # never world-accessible, not even before the chmod
             self._server = await asyncio.get_running_loop().create_unix_server(lambda: ReadSession(self), self.path)
-        restrict_socket(self.path, self.group)
+        restrict_socket(self.path, self.group, self.allowed_uids)
 
     def close(self) -> None:
         if self._server is not None:
@@ -94,6 +95,8 @@ class ReadSession(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.writer: FrameWriter | None = None  # every frame back; the transport only reads
         self.slot = None
+        self.pid = self.uid = -1  # the client's, from SO_PEERCRED
+        self.hello_engine_id = ""
         self.ended = False
         self._sender: asyncio.Task | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -101,9 +104,10 @@ class ReadSession(asyncio.Protocol):
     # ---- the connection ---------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        _pid, uid, gid = peer_credentials(transport.get_extra_info("socket"))
-        if not credentials_allowed(uid, gid, self.server.allowed_uids, self.server.group):
-            log.warning("reads socket: refused a client", extra={"uid": uid})
+        self.pid, self.uid, gid = peer_credentials(transport.get_extra_info("socket"))
+        if not credentials_allowed(self.uid, gid, self.server.allowed_uids, self.server.group):
+            audit.socket_refused("reads", self.uid, self.pid, grpc.StatusCode.PERMISSION_DENIED,
+                                 "uid not on allowed_uids (SO_PEERCRED)")
             self.daemon.metrics.rpc_errors.labels(METHOD, grpc.StatusCode.PERMISSION_DENIED.name).inc()
             self.ended = True
             transport.abort()
@@ -163,6 +167,7 @@ class ReadSession(asyncio.Protocol):
     # ---- the session ------------------------------------------------------------------
     def _open(self, batch: pb.ReadBatch) -> None:
         """The first batch: the engine and its session (as gRPC's metadata would carry it)."""
+        self.hello_engine_id = batch.engine_id[:256]  # for the audit line, should the session be refused
         check_id(batch.engine_id, "engine_id")
         self.slot = self.daemon.registry.session_slot(batch.engine_id, batch.session)
         self._hello_timer.cancel()
@@ -220,6 +225,9 @@ class ReadSession(asyncio.Protocol):
     def _end_with(self, err: Exception) -> None:
         code, message = error_status(METHOD, err)
         self.daemon.metrics.rpc_errors.labels(METHOD, code.name).inc()
+        if code in audit.SECURITY_CODES:  # a session that is not the engine's: who tried it
+            audit.socket_refused("reads", self.uid, self.pid, code, message,
+                                 engine_id=self.slot.engine_id if self.slot is not None else self.hello_engine_id)
         self.end(code, message)
 
     def end(self, code: grpc.StatusCode, message: str) -> None:

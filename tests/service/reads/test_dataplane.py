@@ -204,7 +204,7 @@ def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, 
     rounds_in = _polling_rounds(dataplane, monkeypatch)
     monkeypatch.setattr(holder_module, "READER_SETUP_S", 0.3)
     monkeypatch.setattr(slot.holder, "progress_wanted", {})
-    monkeypatch.setattr(slot.holder, "readers", dict(slot.holder.readers))
+    monkeypatch.setattr(slot.holder, "readers", slot.holder.readers.copy())
 
     time.sleep(0.6)  # past the notice agents' safety net: idle
     assert rounds_in(0.3) <= 1
