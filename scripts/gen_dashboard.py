@@ -47,7 +47,9 @@ PANELS = [
         ("notices dropped ({{reason}})", f"sum by (reason) (rate(kvxferd_notices_dropped_total{SEL}{RATE}))"),
         ("fd socket refused ({{reason}})", f"sum by (reason) (rate(kvxferd_fd_socket_refused_total{SEL}{RATE}))"),
         ("bus subscriptions refused ({{reason}})",
-         f"sum by (reason) (rate(kvxferd_bus_subscriptions_refused_total{SEL}{RATE}))")]),
+         f"sum by (reason) (rate(kvxferd_bus_subscriptions_refused_total{SEL}{RATE}))"),
+        ("peer connections closed past the per-source cap",
+         f"sum(rate(kvxferd_peer_connections_closed_total{SEL}{RATE}))")]),
     ("Security: insecure listeners and TLS reloads", "short", [
         ("insecure listeners ({{pod}})", f"max by (pod) (kvxferd_insecure_listeners{SEL})"),
         ("TLS reloads ({{pod}})", f"max by (pod) (kvxferd_tls_reloads_total{SEL})"),

@@ -3,7 +3,7 @@
 gRPC's Python server and libzmq accept connections inside themselves: neither
 says who is connected, nor closes one connection on request. The kernel knows
 both. Its socket diagnostics (netlink ``SOCK_DIAG_BY_FAMILY``, what ``ss -ti``
-uses; :mod:`kvxferd.wire.listening` asks it for listeners) dump the
+uses; :mod:`kvxferd.wire.listening` asks :func:`tcp_listeners` too) dump the
 connections of one port, filtered by port in the kernel, with each socket's
 inode, owner uid and ``tcp_info`` (``tcpi_bytes_received``: what the peer sent
 on it so far)::
@@ -28,9 +28,10 @@ import os
 import socket
 import struct
 
-from kvxferd.wire.listening import (NETLINK_SOCK_DIAG, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR,
-                                    SOCK_DIAG_BY_FAMILY)
-
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
 INET_DIAG_INFO = 2  # the rtattr carrying struct tcp_info
 # Connected states (TCP_ESTABLISHED 1, FIN_WAIT1 4, FIN_WAIT2 5, CLOSE_WAIT 8, LAST_ACK 9, CLOSING 11): a socket
 # the peer half-closed still holds what the server kept for it.
@@ -57,25 +58,32 @@ class TcpConnection:
 
     local: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
     remote: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
-    state: int  # TCP_ESTABLISHED, or a closing state (CONNECTED_STATES)
+    state: int  # TCP_ESTABLISHED, or a closing state (CONNECTED_STATES); 10 for a listener
     uid: int
     inode: int
     bytes_received: int  # -1 where the kernel did not say
 
 
-def listener_families(port: int) -> tuple[int, ...]:
-    """The address families of the TCP listeners on ``port`` (a cheap dump: the kernel walks listeners only).
-    gRPC listens on IPv6 sockets even for an IPv4 address (its clients are then IPv4-mapped IPv6)."""
-    families = []
+def tcp_listeners(port: int) -> list[TcpConnection]:
+    """The TCP listeners on ``port``, both families (a cheap dump: the kernel walks listeners only; their
+    ``remote`` is the unspecified address). Raises OSError where the kernel cannot be asked (no netlink)."""
+    found: list[TcpConnection] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(1.0)
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
             body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN) + _SOCKID.pack(port, 0, b"", b"")
             sock.send(_HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP,
                                    seq, 0) + body)
-            if any(c.local[1] == port for c in _read_dump(sock, seq)):
-                families.append(family)
-    return tuple(families)
+            found += _read_dump(sock, seq)
+    # The kernel filtered already; a reply is input all the same.
+    return [c for c in found if c.state == _TCP_LISTEN and c.local[1] == port]
+
+
+def listener_families(port: int) -> tuple[int, ...]:
+    """The address families of the TCP listeners on ``port``. gRPC listens on IPv6 sockets even for an IPv4
+    address (its clients are then IPv4-mapped IPv6)."""
+    found = {socket.AF_INET if c.local[0].version == 4 else socket.AF_INET6 for c in tcp_listeners(port)}
+    return tuple(f for f in (socket.AF_INET, socket.AF_INET6) if f in found)
 
 
 def tcp_connections(port: int, *, remote_port: bool = False,

@@ -20,23 +20,10 @@ netlink is unavailable (a sandbox without it), /proc/net/tcp still answers.
 from __future__ import annotations
 
 import ipaddress
-import socket
-import struct
 
-NETLINK_SOCK_DIAG = 4
-SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-TCP_LISTEN = 10
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
-_REQUEST = struct.Struct("=BBBxI")  # inet_diag_req_v2: family, protocol, ext, pad, states; then a sockid
-# inet_diag_sockid: sport, dport (network order), src[16], dst[16] (network order); interface, cookie[2]
-_SOCKID = struct.Struct(">HH16s16s8x4x")
-_MESSAGE_HEAD = struct.Struct("=BBBB")  # inet_diag_msg: family, state, timer, retrans; then a sockid,
-_MESSAGE_TAIL = struct.Struct("=IIIII")  # then expires, rqueue, wqueue, uid, inode
-_MESSAGE_BYTES = _MESSAGE_HEAD.size + _SOCKID.size + _MESSAGE_TAIL.size  # 72
+from kvxferd.wire.connections import tcp_listeners
+
 _PROC_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
-_RECV_BYTES = 1 << 16
 
 
 def listener_uids(host: str, port: int) -> set[int] | None:
@@ -64,44 +51,7 @@ def listener_uids(host: str, port: int) -> set[int] | None:
 
 def _netlink_listeners(port: int) -> list[tuple[ipaddress._BaseAddress, int]]:
     """(address, uid) of every TCP listener on ``port``, both families, from the kernel's socket diagnostics."""
-    found = []
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
-        sock.settimeout(1.0)
-        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
-            body = (_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 1 << TCP_LISTEN)
-                    + _SOCKID.pack(port, 0, b"", b""))
-            sock.send(_HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP,
-                                   seq, 0) + body)
-            found += _read_dump(sock, seq, port)
-    return found
-
-
-def _read_dump(sock: socket.socket, seq: int, port: int) -> list[tuple[ipaddress._BaseAddress, int]]:
-    found = []
-    while True:
-        data = sock.recv(_RECV_BYTES)
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            length, kind, _flags, reply_seq, _pid = _HEADER.unpack_from(data, offset)
-            if length < _HEADER.size:
-                raise OSError("netlink: a message shorter than its header")
-            if reply_seq == seq:
-                if kind == NLMSG_DONE:
-                    return found
-                if kind == NLMSG_ERROR:
-                    (errno,) = struct.unpack_from("=i", data, offset + _HEADER.size)
-                    raise OSError(-errno, "netlink: the socket diagnostics request failed")
-                if kind == SOCK_DIAG_BY_FAMILY and length >= _HEADER.size + _MESSAGE_BYTES:
-                    at = offset + _HEADER.size
-                    family, state, _timer, _retrans = _MESSAGE_HEAD.unpack_from(data, at)
-                    sport, _dport, src, _dst = _SOCKID.unpack_from(data, at + _MESSAGE_HEAD.size)
-                    uid = _MESSAGE_TAIL.unpack_from(data, at + _MESSAGE_HEAD.size + _SOCKID.size)[3]
-                    if state == TCP_LISTEN and sport == port:  # the kernel filtered already; input is checked anyway
-                        raw = src[:4] if family == socket.AF_INET else src
-                        found.append((ipaddress.ip_address(raw), uid))
-            offset += (length + 3) & ~3
-        if not data:
-            raise OSError("netlink: the dump ended without NLMSG_DONE")
+    return [(listener.local[0], listener.uid) for listener in tcp_listeners(port)]
 
 
 def _proc_listeners(port: int) -> list[tuple[ipaddress._BaseAddress, int]] | None:

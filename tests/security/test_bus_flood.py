@@ -146,7 +146,9 @@ def test_a_flooder_does_not_slow_another_engines_events(cluster):
     p50_quiet, p50_flooded = statistics.median(quiet), statistics.median(flooded)
     # Before: p50 10 -> 200 ms, every event fetched by polling (the subscriber was dropped with everyone).
     assert fetched <= NUM_READS // 5, f"{fetched} of {NUM_READS} events came by polling, not over the bus"
-    assert p50_flooded <= 3 * p50_quiet + 20, f"CONSUMED p50 {p50_quiet:.1f} -> {p50_flooded:.1f} ms under the flood"
+    # The bound leaves room for a loaded machine (the full suite on 2 cores measured 12 -> 61 ms once): what
+    # fails without the guard is the polling above, and a p50 near the catch-up interval's 200 ms.
+    assert p50_flooded <= 3 * p50_quiet + 80, f"CONSUMED p50 {p50_quiet:.1f} -> {p50_flooded:.1f} ms under the flood"
     acted = sum(daemon.metric("kvxferd_bus_subscriptions_refused_total", f'reason="{reason}"')
                 for reason in ("flood", "limit"))
     assert acted >= 3, "the flood did not reach the bus's bound: the test proves nothing"

@@ -29,8 +29,11 @@ accepted sockets (an accepting front that relayed the bytes would hide the
 caller's address from the audit log and add a hop to every call). So
 :class:`ConnectionCap` asks the kernel which connections the port has
 (:mod:`kvxferd.wire.connections`: about 2.5 ms for the table walk, in a worker
-thread) every ``CAP_CHECK_S`` and when a call arrives (at most every
-``MIN_CHECK_GAP_S``), and shuts down, per **source** (the remote address; on
+thread) when a call arrives (at most every ``MIN_CHECK_GAP_S``), every
+``CAP_CHECK_S`` while this process's file descriptors grew since the last walk
+(an accepted connection is one of them: counting them costs tens of
+microseconds, so an idle daemon walks nothing), and every ``FULL_CHECK_S``
+regardless; it shuts down, per **source** (the remote address; on
 loopback the uid that made the connecting end, as the kernel says), the newest
 past ``max_peer_connections_per_source``; gRPC sees them end and frees their
 streams, and freed heap goes back to the system (``malloc_trim``). Measured
@@ -46,6 +49,7 @@ import collections
 import contextlib
 import ctypes
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -58,6 +62,7 @@ log = logging.getLogger("kvxferd.daemon")
 PEER_HTTP2_STREAMS = 4  # calls at once per peer connection (more wait in the caller's channel)
 MAX_PEER_METADATA_BYTES = 8 << 10
 CAP_CHECK_S = 1.0
+FULL_CHECK_S = 10.0  # the table is walked at least this often, whatever the fd count says
 MIN_CHECK_GAP_S = 0.25  # calls arriving make a check happen at once, but not more often than this
 LOG_EVERY_S = 10.0
 
@@ -137,11 +142,14 @@ class ConnectionCap(grpc.aio.ServerInterceptor):
         """Check ``port`` every ``CAP_CHECK_S``, or sooner when a call arrives, off the event loop, until
         cancelled. Where the kernel cannot be asked, say so once and stop (no cap then)."""
         self.port, self._due = port, asyncio.Event()
-        logged_s = -LOG_EVERY_S
+        logged_s, walked_fds = -LOG_EVERY_S, -1
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._due.wait(), CAP_CHECK_S)
+            called = self._due.is_set()
             self._due.clear()
+            if not called and _num_fds() <= walked_fds and time.monotonic() - self._checked_s < FULL_CHECK_S:
+                continue  # no call, and no connection can have been accepted since the last walk
             self._checked_s = time.monotonic()
             try:
                 shut = await asyncio.to_thread(self.check)
@@ -150,12 +158,21 @@ class ConnectionCap(grpc.aio.ServerInterceptor):
                             extra={"error": str(err)})
                 self._due = None
                 return
+            walked_fds = _num_fds()
             if shut:
                 self.on_shut(shut)
                 if time.monotonic() - logged_s >= LOG_EVERY_S:
                     logged_s = time.monotonic()
                     log.warning("peer port: connections past max_peer_connections_per_source were closed",
                                 extra={"closed": shut, "max_peer_connections_per_source": self.max_per_source})
+
+
+def _num_fds() -> int:
+    """This process's open file descriptors (a connection gRPC accepted is one)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 1 << 30  # cannot tell: walk the table every time
 
 
 def _trim_heap() -> None:
