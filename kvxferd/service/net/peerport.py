@@ -29,11 +29,12 @@ accepted sockets (an accepting front that relayed the bytes would hide the
 caller's address from the audit log and add a hop to every call). So
 :class:`ConnectionCap` asks the kernel which connections the port has
 (:mod:`kvxferd.wire.connections`: about 2.5 ms for the table walk, in a worker
-thread) when a call arrives (at most every ``MIN_CHECK_GAP_S``), every
-``CAP_CHECK_S`` while this process's file descriptors grew since the last walk
-(an accepted connection is one of them: counting them costs tens of
-microseconds, so an idle daemon walks nothing), and every ``FULL_CHECK_S``
-regardless; it shuts down, per **source** (the remote address; on
+thread) when this process's file descriptors grew since the last walk (an
+accepted connection is one of them; counting them costs tens of microseconds,
+so a daemon whose peers only call on their open connections, as probes do,
+walks nothing), looked at every ``CAP_CHECK_S`` and when a call arrives (at
+most every ``MIN_CHECK_GAP_S``), and every ``FULL_CHECK_S`` regardless; it
+shuts down, per **source** (the remote address; on
 loopback the uid that made the connecting end, as the kernel says), the newest
 past ``max_peer_connections_per_source``; gRPC sees them end and frees their
 streams, and freed heap goes back to the system (``malloc_trim``). Measured
@@ -146,10 +147,9 @@ class ConnectionCap(grpc.aio.ServerInterceptor):
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._due.wait(), CAP_CHECK_S)
-            called = self._due.is_set()
             self._due.clear()
-            if not called and _num_fds() <= walked_fds and time.monotonic() - self._checked_s < FULL_CHECK_S:
-                continue  # no call, and no connection can have been accepted since the last walk
+            if _num_fds() <= walked_fds and time.monotonic() - self._checked_s < FULL_CHECK_S:
+                continue  # no connection can have been accepted since the last walk (a call only wakes us sooner)
             self._checked_s = time.monotonic()
             try:
                 shut = await asyncio.to_thread(self.check)
