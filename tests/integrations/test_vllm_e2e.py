@@ -22,7 +22,7 @@ import pytest
 from kvxferd.client import DaemonProcess
 
 from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, changed, damage_blocks, engine, greedy,
-                                             hold_events, metric, prefill_decode, prefill_params,
+                                             hold_ends, metric, prefill_decode, prefill_params,
                                              prompt_tokens_by_source, prompts_of, random_prompts, released_early,
                                              rotate_blocks, tiny_model_and_daemons, token_ids, wait_for_reset)
 from tests.integrations.vllm_stats_check import connector_metrics
@@ -72,7 +72,7 @@ def test_prefill_decode_gives_the_single_instance_tokens(pd):
             stats["vllm:kvxferd_transferred_bytes"], stats["vllm:kvxferd_transfer_time_seconds_count"]) == (
         len(prompts), 0, read, len(prompts)), stats
     # Every prefill hold ended exactly once, CONSUMED, and none is left.
-    events = hold_events(pd.prefill_daemon, "prefill")
+    events = hold_ends(pd.prefill_daemon, "prefill")
     assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
     assert metric(pd.prefill_daemon, "kvxferd_holds_pending") == 0
 
@@ -126,7 +126,7 @@ def test_a_client_cannot_read_blocks_its_params_were_not_sealed_for(pd):
     outputs = pd.decode.generate(prompts_of(mine + theirs), [greedy(8, p) for p in (my_params, their_params)],
                                  use_tqdm=False)
     assert token_ids(outputs) == single
-    events = hold_events(pd.prefill_daemon, "prefill")
+    events = hold_ends(pd.prefill_daemon, "prefill")
     assert [events.get(p["remote_request_id"]) for p in (my_params, their_params)] == [["CONSUMED"]] * 2
 
 
@@ -153,7 +153,7 @@ def test_a_decode_prefix_hit_reads_only_the_uncached_tail(pd):
     outputs = pd.decode.generate(prompts_of([second]), [greedy(8, params)], use_tqdm=False)
     assert token_ids(outputs) == single
     assert metric(pd.decode_daemon, "kvxferd_read_bytes_total") - read_before == (blocks(156) - 3) * BLOCK_BYTES
-    assert hold_events(pd.prefill_daemon, "prefill")[params["remote_request_id"]] == ["CONSUMED"]
+    assert hold_ends(pd.prefill_daemon, "prefill")[params["remote_request_id"]] == ["CONSUMED"]
 
 
 def test_a_failed_read_fails_that_request_under_fail_and_the_engines_keep_serving(pd):
@@ -194,7 +194,7 @@ def test_decode_requests_aborted_before_and_after_their_read_end_their_holds(pd)
     deadline = time.monotonic() + 10  # well inside the 20 s lease
     while metric(pd.prefill_daemon, "kvxferd_holds_pending") and time.monotonic() < deadline:
         time.sleep(0.05)
-    events = hold_events(pd.prefill_daemon, "prefill")
+    events = hold_ends(pd.prefill_daemon, "prefill")
     assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"], ["CONSUMED"]], events
     again = random_prompts(27, (90,))
     expected = token_ids(pd.prefill.generate(prompts_of(again), greedy(6), use_tqdm=False))

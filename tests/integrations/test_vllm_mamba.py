@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.vllm_cluster import (changed, hold_events, metric, one_by_one, prefill_decode, prefill_params,
+from tests.integrations.vllm_cluster import (changed, hold_ends, metric, one_by_one, prefill_decode, prefill_params,
                                              prompt_tokens_by_source, random_prompts, tiny_model_and_daemons)
 
 pytestmark = pytest.mark.vllm
@@ -56,7 +56,7 @@ def test_mamba2_prefill_decode_gives_the_single_instance_tokens(mamba):
     sources = prompt_tokens_by_source(mamba.decode)
     assert sources.get("external_kv_transfer", 0) - sources_before.get("external_kv_transfer", 0) == \
         sum(len(p) - 1 for p in prompts)
-    events = hold_events(mamba.prefill_daemon, "mamba-prefill")
+    events = hold_ends(mamba.prefill_daemon, "mamba-prefill")
     assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.vllm_cluster import (changed, engine, hold_events, metric, one_by_one, one_core_per_worker,
+from tests.integrations.vllm_cluster import (changed, engine, hold_ends, metric, one_by_one, one_core_per_worker,
                                              prefill_decode, prefill_params, random_prompts, record_events, shutdown,
                                              tiny_model_and_daemons)
 
@@ -40,7 +40,7 @@ def test_mla_prefill_decode_gives_the_single_instance_tokens(mla):
     assert one_by_one(mla.decode, prompts, params) == single
     read = metric(mla.decode_daemon, "kvxferd_read_bytes_total") - read_before
     assert read == sum(-(-len(p) // 16) for p in prompts) * LATENT_BLOCK_BYTES  # the latents, nothing more
-    events = hold_events(mla.prefill_daemon, "mla-prefill")
+    events = hold_ends(mla.prefill_daemon, "mla-prefill")
     assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
 
 
@@ -76,7 +76,7 @@ def test_mla_prefill_tp2_to_decode_tp1_reads_one_rank_and_ends_both_holds(tmp_pa
         read = metric(daemons[2], "kvxferd_read_bytes_total") - read_before[2]
         assert read == sum(-(-len(p) // 16) for p in prompts) * LATENT_BLOCK_BYTES  # each latent once
         for daemon in daemons[:2]:
-            events = hold_events(daemon, "mla-tp2")
+            events = hold_ends(daemon, "mla-tp2")
             assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
     finally:
         shutdown(*llms)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, changed, engine, greedy, hold_events,
+from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_MISTRAL_SWA, changed, engine, greedy, hold_ends,
                                              record_events, prefill_params, prompts_of, shutdown, tiny_model_and_daemons)
 
 # A second model kind on a real engine (about 70 s on 2 cores): with -m slow and -m vllm. The default
@@ -31,7 +31,7 @@ def test_sliding_window_prefill_decode_gives_the_single_instance_tokens(tmp_path
             assert len(p["remote_block_ids"][0]) <= -(-WINDOW // BLOCK_SIZE) + 1, (len(prompt), p["remote_block_ids"])
         outputs = decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == single
-        events = hold_events(daemons[0], "swa-prefill")
+        events = hold_ends(daemons[0], "swa-prefill")
         assert [events.get(p["remote_request_id"]) for p in params] == [["CONSUMED"]] * len(prompts)
         # Negative control: the same prompts with another prompt set's windows (same lengths) change the tokens.
         others = [rng.integers(3, 500, len(p)).tolist() for p in prompts]

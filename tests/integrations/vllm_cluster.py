@@ -211,6 +211,7 @@ class BusRecorder:
         self._socket.setsockopt(zmq.SUBSCRIBE, topic(engine_id))
         self._socket.connect(daemon.addresses["notify"])
         self.events: dict[str, list[str]] = {}
+        self.reasons: dict[str, list[str]] = {}  # request id -> each event's reason, beside its kind
         self.ended_at: dict[str, float] = {}  # request id -> when its CONSUMED / EXPIRED came (monotonic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -222,6 +223,7 @@ class BusRecorder:
             if self._socket.poll(5):
                 event = pb.NotifyEvent.FromString(self._socket.recv_multipart()[1])
                 self.events.setdefault(event.request_id, []).append(pb.NotifyEvent.Kind.Name(event.kind))
+                self.reasons.setdefault(event.request_id, []).append(event.reason)
                 if event.kind in (pb.NotifyEvent.CONSUMED, pb.NotifyEvent.EXPIRED):
                     self.ended_at.setdefault(event.request_id, time.monotonic())
         self._socket.close(linger=0)
@@ -243,6 +245,21 @@ def hold_events(daemon: DaemonProcess, engine_id: str, settle_s: float = 0.3) ->
     """Every bus event of ``engine_id`` on ``daemon`` since :func:`record_events`: request id -> kinds."""
     time.sleep(settle_s)  # the last events are on their way
     return dict(_RECORDERS[(daemon.addresses["notify"], engine_id)].events)
+
+
+def hold_ends(daemon: DaemonProcess, engine_id: str, settle_s: float = 0.3) -> dict[str, list[str]]:
+    """:func:`hold_events` less each hold the prefill scheduler released before handing it over and held anew
+    under the same request id (issue #41's early hold, when the prompt's step was slow: ``EXPIRED`` with
+    reason ``released``, followed by a later event of that id). What is left is how each handed-over hold
+    ended."""
+    recorder = _RECORDERS[(daemon.addresses["notify"], engine_id)]
+    kinds_of = hold_events(daemon, engine_id, settle_s)
+    ends = {}
+    for request_id, kinds in kinds_of.items():
+        reasons = recorder.reasons.get(request_id, [""] * len(kinds))
+        ends[request_id] = [k for i, (k, r) in enumerate(zip(kinds, reasons))
+                            if not (k == "EXPIRED" and r == "released" and i + 1 < len(kinds))]
+    return ends
 
 
 @contextlib.contextmanager
