@@ -39,7 +39,7 @@ from kvxferd.errors import UnauthenticatedError
 CHALLENGE_KEY = "kvxferd-peer-challenge"  # gRPC metadata of a call after a challenge: "<c hex>:<s hex>"
 NONCE_BYTES = 16
 CHALLENGE_TTL_S = 30.0  # a server nonce must be used within this
-MAX_PENDING = 65536  # server nonces used within their TTL, remembered against replay (authenticated calls only)
+MAX_USED = 65536  # server nonces used within their TTL, remembered against replay (authenticated calls only)
 _PROOF = b"kvxferd-peer-proof-v1\0"
 _CALL = b"kvxferd-peer-call-v1\0"
 _SIGNED = b"kvxferd-peer-signed-v1\0"
@@ -115,8 +115,8 @@ class ChallengeBook:
     daemon has another key and takes none of its predecessor's nonces.
     """
 
-    def __init__(self, *, ttl_s: float = CHALLENGE_TTL_S, max_pending: int = MAX_PENDING) -> None:
-        self.ttl_s, self.max_used = ttl_s, max_pending
+    def __init__(self, *, ttl_s: float = CHALLENGE_TTL_S, max_used: int = MAX_USED) -> None:
+        self.ttl_s, self.max_used = ttl_s, max_used
         self._key = secrets.token_bytes(32)
         self._used: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # nonce -> when it expires
         self._lock = threading.Lock()
