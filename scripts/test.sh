@@ -14,6 +14,7 @@ scripts/system-deps.sh  # iptables for the namespace-host tests (root only; they
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # Three xdist workers share the two cores: much of the suite waits (daemons starting, leases
 # running out, the soak's clock), so a third worker fills that time. One test file is one unit of
-# work (module fixtures start daemons and vLLM engines once), in tests/conftest.py's order,
-# longest first. KVXFERD_TEST_WORKERS=0 runs in one process; `-n N` after it wins too.
-exec .venv-vllm/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+# work (module fixtures start daemons and vLLM engines once), and all vLLM files are one unit
+# (they run one at a time), in tests/conftest.py's order, longest first.
+# KVXFERD_TEST_WORKERS=0 runs in one process; `-n N` after it wins too.
+exec .venv-vllm/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"

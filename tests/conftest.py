@@ -8,16 +8,17 @@ settings.register_profile("dev", max_examples=60, deadline=None, suppress_health
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
-# The default run goes over three xdist workers (scripts/test.sh), one test file per unit of work,
-# in collection order. The longest files go first, so no worker starts one of them near the end
-# while the others sit idle (seconds on 2 cores; the rest take under 30 s a file).
+# The default run goes over three xdist workers (scripts/test.sh, `--dist loadgroup`). Each test file
+# is one unit of work (module fixtures start daemons and vLLM engines once), except the vLLM files,
+# which are one unit together: they run one after another on one worker. Side by side, two or three
+# of them put a dozen vLLM processes on the two cores, and a step could stall for 20-30 s: long
+# enough for an engine's registration to lapse or an early hold's lease to run out (issue #54).
+# Units go out in collection order, the longest first, so no worker starts one of them near the end
+# while the others sit idle (the rest take under 30 s a file).
+VLLM_GROUP = "vllm"
 LONGEST_FIRST = (
-    "tests/integrations/test_vllm_e2e.py",  # ~100 s: two vLLM engines
-    "tests/integrations/test_vllm_tp2_recompute.py",  # ~100 s: a TP=2 and a TP=1 vLLM engine
+    VLLM_GROUP,  # ~7 min: every vLLM file
     "tests/soak/test_soak_run.py",  # ~100 s: the 90 s soak
-    "tests/integrations/test_vllm_serve.py",  # ~60-85 s: two vLLM API servers
-    "tests/integrations/test_vllm_mamba.py",  # ~75 s: two Mamba2 vLLM engines
-    "tests/integrations/test_vllm_prefill_frees.py",  # ~55 s: two vLLM engines, 1 s CPU windows
     "tests/test_cli.py",  # ~60 s: the demo and the benchmarks as subprocesses
     "tests/verify/test_sweep.py",  # ~60 s
     "tests/verify/hosts/test_fabric.py",  # ~50 s: namespace hosts, a demo across two of them
@@ -35,6 +36,11 @@ def arenas():
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Put :data:`LONGEST_FIRST`'s files first, in that order (a stable sort: files stay whole)."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    """Group every item (its file, or :data:`VLLM_GROUP`) and put :data:`LONGEST_FIRST` first, in that
+    order (a stable sort: groups stay whole)."""
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    units = {}
+    for item in items:
+        units[item.nodeid] = VLLM_GROUP if item.get_closest_marker("vllm") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(units[item.nodeid]))
+    items.sort(key=lambda item: rank.get(units[item.nodeid], len(rank)))

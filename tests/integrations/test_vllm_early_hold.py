@@ -4,6 +4,7 @@ Real daemons; vLLM-free."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -17,10 +18,11 @@ REMOTE_DECODE = {"do_remote_decode": True}
 
 
 @pytest.fixture
-def pair(tmp_path):
+def pair(tmp_path, request):
     """A registered prefill rank and decode rank, the prefill's scheduler, and a count of Holds sent."""
     with connector_pair(tmp_path, ("ep0", "ed0")) as two:
-        scheduler = SchedulerSide("p", two.prefill.settings)
+        lease_s = getattr(request, "param", two.prefill.settings.lease_s)
+        scheduler = SchedulerSide("p", two.prefill.settings.model_copy(update={"lease_s": lease_s}))
         scheduler.set_ranks(two.ranks)
         client = scheduler._client(two.ranks[0])
         sent = []
@@ -109,10 +111,10 @@ def test_a_stale_early_hold_is_held_anew_and_a_rank_that_cannot_be_asked_fails_t
     scheduler, sent = pair["scheduler"], pair["sent"]
     scheduler.prefill_allocated("slow", REMOTE_DECODE, 64, max_tokens=1)
     assert scheduler.prefill_scheduled("slow", ([3, 4],), 0, 64)
-    early = scheduler._early["slow"]
-    scheduler._early["slow"] = SentHold(early.blocks, early.sent_s - scheduler.settings.lease_s, early.answers)
+    early = scheduler._early.pop("slow")  # as a rank that no longer knew it marks it (early.py)
+    scheduler._early.put("slow", SentHold(early.blocks, -math.inf, early.answers))
     delay, params = scheduler.hold("slow", ([3, 4],), 64)
-    assert delay and sent == ["slow", "slow"]  # more than half its lease gone: held anew, with a fresh lease
+    assert delay and sent == ["slow", "slow"]  # its lease gone: held anew, with a fresh lease
     assert params["remote_lease_expiry_unix_s"] > time.time() + scheduler.settings.lease_s / 2
     scheduler.take_held()
     # A daemon that cannot even be asked (here: the socket is another user's) fails that request at
@@ -130,3 +132,33 @@ def test_a_stale_early_hold_is_held_anew_and_a_rank_that_cannot_be_asked_fails_t
     scheduler.early_holds = False
     scheduler.prefill_allocated("off", REMOTE_DECODE, 64, max_tokens=1)
     assert not scheduler.prefill_scheduled("off", ([7, 8],), 0, 64)
+
+
+@pytest.mark.parametrize("pair", [1.0], indirect=True)  # a 1 s lease
+def test_a_step_slower_than_the_lease_keeps_its_early_hold(pair):
+    """The prompt's step takes 2.5 leases: the early holds' thread renews the hold meanwhile, so the
+    daemon never ends it by its lease (no EXPIRED on the bus for a hold no reader was given), and
+    request_finished hands over the same hold, which decode reads and ends CONSUMED (issue #54)."""
+    scheduler, sent, daemon = pair["scheduler"], pair["sent"], pair["daemon"]
+    expired_before = daemon.metric("kvxferd_leases_expired_total")
+    scheduler.prefill_allocated("long-step", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("long-step", ([3, 4],), 0, 64)
+    time.sleep(2.5)  # the forward pass
+    delay, params = scheduler.hold("long-step", ([3, 4],), 64)
+    assert delay and sent == ["long-step"], params  # the early hold itself, not a new one
+    assert scheduler._early.num_renewals >= 4
+    assert params["remote_lease_expiry_unix_s"] > time.time()
+    assert daemon.metric("kvxferd_leases_expired_total") == expired_before
+    read_held(scheduler, pair["prefill"], pair["decode"], params, [7, 8])
+    prefill_cache, decode_cache = pair["caches"]
+    for name in prefill_cache:
+        assert torch.equal(decode_cache[name][7:9], prefill_cache[name][3:5])
+    # The control: without renewals the same step lets the daemon end the early hold by its lease, and
+    # request_finished must hold anew.
+    scheduler._early.close()
+    scheduler.prefill_allocated("unrenewed", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("unrenewed", ([5, 6],), 0, 64)
+    time.sleep(2.5)
+    assert eventually(lambda: daemon.metric("kvxferd_leases_expired_total") == expired_before + 1)
+    delay, params = scheduler.hold("unrenewed", ([5, 6],), 64)
+    assert delay and sent == ["long-step", "unrenewed", "unrenewed"], params

@@ -4,7 +4,7 @@ Prefill (a request that came with ``do_remote_decode``)::
 
     build_connector_meta ─► (a one-token request whose whole prompt runs in this step) Hold
                             sent on every rank's daemon, not waited for: it overlaps the
-                            forward pass
+                            forward pass; renewed while the step runs (early.py)
     request_finished     ─► the Hold's answers (sent now if it was not sent early; released and
                             sent again if the blocks changed since, or half its lease is gone)
                             ─► delay_free=True + kv_transfer_params (engine id, peer addresses,
@@ -54,6 +54,7 @@ import grpc
 from kvxferd.client.engine import EngineClient
 from kvxferd.client.session import Held
 from kvxferd.errors import KvxferError
+from kvxferd.integrations.vllm.early import EarlyHolds, SentHold
 from kvxferd.integrations.vllm.params import (ParamsError, RemotePrefill, failed_prefill_params,
                                               parse_remote_prefill)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
@@ -80,15 +81,6 @@ class HeldRequest:
 
     request_id: str
     incarnations: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class SentHold:
-    """A hold sent on every rank: its blocks, when it went out, and each rank's answer to come."""
-
-    blocks: tuple[tuple[int, ...], ...]
-    sent_s: float
-    answers: tuple[Callable[[], Held], ...]
 
 
 @dataclass(frozen=True)
@@ -139,7 +131,7 @@ class SchedulerSide:
         self._held: list[HeldRequest] = []  # held since the last build_connector_meta
         self._pending: dict[str, RemotePrefill | ParamsError] = {}  # decode requests not scheduled yet
         self._prefills: dict[str, int] = {}  # remote-decode prefills allocated, not scheduled whole yet -> prompt
-        self._early: dict[str, SentHold] = {}  # holds sent before request_finished
+        self._early = EarlyHolds(settings.lease_s, self._renew)  # holds sent before request_finished
 
     # ---- the daemons of every rank ---------------------------------------------------
     def set_ranks(self, ranks: Sequence[RankDaemon]) -> None:
@@ -188,13 +180,13 @@ class SchedulerSide:
             return False
         if not self.early_holds or not self.ranks or request_id in self._early:
             return False  # (in _early: scheduled whole again after a preemption; hold() checks the blocks)
-        self._early[request_id] = self._send(request_id, real_blocks(block_ids))
+        self._early.put(request_id, self._send(request_id, real_blocks(block_ids)))
         return True
 
     def drop_early(self, request_id: str) -> None:
         """A prefill that ended without being handed over (aborted): let its early hold go."""
         self._prefills.pop(request_id, None)
-        early = self._early.pop(request_id, None)
+        early = self._early.pop(request_id)
         if early is not None:
             self._let_go(request_id, early)
 
@@ -222,6 +214,17 @@ class SchedulerSide:
         except (grpc.RpcError, KvxferError):
             return False
 
+    def _renew(self, request_ids: list[str]) -> set[str]:
+        """Renew early holds on every rank (the early holds' thread); the ids a rank did not know. A rank
+        that cannot be asked is left out: its holds run on their leases."""
+        unknown: set[str] = set()
+        for rank in self.ranks:
+            try:
+                unknown.update(self._client(rank).renew(request_ids, lease_s=self.settings.lease_s))
+            except (grpc.RpcError, KvxferError):
+                continue
+        return unknown
+
     def _release(self, request_id: str, ranks: Sequence[RankDaemon]) -> None:
         for rank in ranks:
             try:
@@ -235,10 +238,11 @@ class SchedulerSide:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
         self._prefills.pop(request_id, None)
-        sent = self._early.pop(request_id, None)
+        sent = self._early.pop(request_id)
         if sent is not None and (sent.blocks != blocks or time.monotonic() - sent.sent_s > self.settings.lease_s / 2):
-            # Other blocks (preempted and scheduled again, say), or half the lease gone: let it go and
-            # hold anew. The workers ignore a released hold's EXPIRED (worker.py), so it cannot end
+            # Other blocks (preempted and scheduled again, say), or half the lease gone although the
+            # early holds' thread renews it (early.py; a rank forgot it, or the thread was starved): let
+            # it go and hold anew. The workers ignore a released hold's EXPIRED (worker.py), so it cannot end
             # the new hold of the same id.
             self._let_go(request_id, sent)
             sent = None
@@ -353,6 +357,7 @@ class SchedulerSide:
         return orders
 
     def close(self) -> None:
+        self._early.close()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
