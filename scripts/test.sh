@@ -7,6 +7,15 @@
 # tests/test_purity.py checks that. Both environments are reused between runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fast" ]; then
+    # The inner loop: the pure layers and the in-process tests, in .venv alone. No daemon process,
+    # no vLLM engine, no namespace host (tests/conftest.py fails a test here that starts a daemon).
+    shift
+    scripts/bootstrap.sh
+    export KVXFERD_FAST_LANE=1
+    exec .venv/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-2}" --dist loadgroup -m "not slow and not image and not vllm and not daemons" \
+        tests/layout tests/tp tests/plan tests/wire tests/xfer tests/cuda tests/test_purity.py tests/test_docs.py "$@"
+fi
 scripts/bootstrap.sh
 scripts/bootstrap.sh --vllm
 scripts/system-deps.sh  # iptables for the namespace-host tests (root only; they skip otherwise)

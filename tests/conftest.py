@@ -26,6 +26,27 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "daemons: starts daemon processes; left out of scripts/test.sh --fast")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fast_lane_starts_no_daemon():
+    """``scripts/test.sh --fast`` (``KVXFERD_FAST_LANE=1``) promises no daemon process: a test there that
+    starts one fails, naming the lane, instead of slowing it down unseen."""
+    if os.environ.get("KVXFERD_FAST_LANE") != "1":
+        yield
+        return
+    from kvxferd.client.launch import DaemonProcess
+
+    def refuse(self) -> None:
+        raise RuntimeError("scripts/test.sh --fast starts no daemon process: mark this test `daemons` "
+                           "(tests/conftest.py) or move it out of the fast lane's folders")
+    launch, DaemonProcess._launch = DaemonProcess._launch, refuse
+    yield
+    DaemonProcess._launch = launch
+
+
 @pytest.fixture
 def arenas():
     """Shared-memory arenas a test makes (``engine_pb(..., arenas)``): closed after it."""

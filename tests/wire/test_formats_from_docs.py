@@ -181,11 +181,13 @@ def shm_names(info: pb.EngineInfo) -> set[str]:
 
 # ---- the tests --------------------------------------------------------------------------------------------
 
+@pytest.mark.daemons
 def test_the_peer_secret_file_is_hex_and_a_newline_and_the_key_is_the_bytes_it_encodes(cluster):
     key = docs_peer_secret(cluster.secret_file)
     assert len(key) == 32 and key == peerauth.read_peer_secret(cluster.secret_file)
 
 
+@pytest.mark.daemons
 def test_a_raw_peer_call_built_from_the_docs_is_answered_and_one_byte_changed_is_refused(cluster, peer):
     address, stub, secret = peer
     c, s = challenge_of(stub, secret, address)
@@ -212,6 +214,7 @@ def test_a_raw_peer_call_built_from_the_docs_is_answered_and_one_byte_changed_is
     assert engine_info(cluster, stub, docs_call_metadata(secret, address, c, s)).hold_key == info.hold_key
 
 
+@pytest.mark.daemons
 def test_the_same_host_token_and_the_holders_proof_built_from_the_docs(cluster, peer):
     address, stub, secret = peer
     boot = docs_boot_id()
@@ -231,6 +234,7 @@ def test_the_same_host_token_and_the_holders_proof_built_from_the_docs(cluster, 
         assert shm_names(info) == {""} and info.same_host_proof == ""
 
 
+@pytest.mark.daemons
 def test_the_capability_built_from_the_docs_matches_the_holders_and_opens_exactly_its_read(cluster, peer):
     address, stub, secret = peer
     rng = np.random.default_rng(61)
@@ -301,6 +305,7 @@ def test_the_board_tag_and_buckets_built_from_the_docs_find_a_hold_on_a_holders_
     assert docs_tag_on_board(words, caps[1], hold_board.num_buckets)
 
 
+@pytest.mark.daemons
 def test_a_read_both_malformed_and_unsealed_gets_the_refusal_the_docs_give(cluster):
     """SubmitRead checks the block ids before the capabilities; a Reads batch's read over the batch's 1 MiB
     that is planned on the data-plane thread is checked the other way round (docs: the order of checks)."""
