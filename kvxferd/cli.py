@@ -29,7 +29,7 @@ import argparse
 from kvxferd import demo, serve, soak
 from kvxferd.client import health
 from kvxferd.verify import certs as devcerts
-from kvxferd.service import config
+from kvxferd.service.base import config
 from kvxferd.bench import daemon as daemon_bench
 from kvxferd.bench import floors as floors_bench
 from kvxferd.bench import gpu as gpu_bench

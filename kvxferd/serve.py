@@ -16,10 +16,11 @@ import asyncio
 import sys
 
 from kvxferd.errors import KvxferError
-from kvxferd.service.config import config_from_args
+from kvxferd.service.base.config import config_from_args
 from kvxferd.service.daemon import EXIT_CONFIG, serve
-from kvxferd.service.logs import setup_logging
-from kvxferd.service.net import audit, corelog
+from kvxferd.service.base.logs import setup_logging
+from kvxferd.service.base import audit
+from kvxferd.service.net import corelog
 
 
 def run(args: argparse.Namespace) -> int:

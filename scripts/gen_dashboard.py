@@ -11,7 +11,7 @@ SEL = '{namespace=~"$namespace", pod=~"$pod"}'
 # targets (job, instance) that are kvxferd daemons, the ones exporting kvxferd_build_info.
 DAEMONS = " and on (job, instance) kvxferd_build_info"
 
-# (title, unit, [(legend, PromQL)]); every series comes from kvxferd/service/metrics.py.
+# (title, unit, [(legend, PromQL)]); every series comes from kvxferd/service/base/metrics.py.
 PANELS = [
     ("Read throughput", "Bps", [("{{pod}}", f"sum by (pod) (rate(kvxferd_read_bytes_total{SEL}{RATE}))")]),
     ("Reads completed / s by outcome", "ops", [

@@ -14,7 +14,9 @@ if [ "${1:-}" = "--fast" ]; then
     scripts/bootstrap.sh
     export KVXFERD_FAST_LANE=1
     exec .venv/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-2}" --dist loadgroup -m "not slow and not image and not vllm and not daemons" \
-        tests/layout tests/tp tests/plan tests/wire tests/xfer tests/cuda tests/test_purity.py tests/test_docs.py "$@"
+        tests/layout tests/tp tests/plan tests/wire tests/xfer tests/cuda tests/test_purity.py tests/test_docs.py \
+        tests/service/base/test_config.py tests/service/base/test_identity_match.py tests/service/engines/test_completions.py \
+        tests/service/engines/test_memory.py tests/service/dataplane tests/service/net/test_framewriter.py "$@"
 fi
 scripts/bootstrap.sh
 scripts/bootstrap.sh --vllm

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from kvxferd.cli import build_parser, main
-from kvxferd.service.config import config_from_args
+from kvxferd.service.base.config import config_from_args
 from kvxferd.service.net.exposure import refusal
 from kvxferd.service.peers.tls import TlsFiles
 

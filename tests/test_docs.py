@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-from kvxferd.service.config import DaemonConfig
+from kvxferd.service.base.config import DaemonConfig
 from kvxferd.service.reference import PAGES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

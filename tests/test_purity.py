@@ -72,3 +72,66 @@ def test_only_the_vllm_connector_imports_vllm():
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# The daemon's own layers, bottom first: each may import its own layer and those below it, never one
+# above (TYPE_CHECKING imports included). A lower layer that needs something of a higher one asks for
+# it through a small protocol (engines/registry.py's SlotThread, engines/holding.py's HoldingParts,
+# reads/path.py's ReadPathParts). Top-level modules (daemon.py, reference.py) sit above them all.
+SERVICE_LAYERS = ["base", "engines", "dataplane", "peers", "reads", "net"]
+
+
+def _kvxferd_imports(path: pathlib.Path) -> list[str]:
+    """Every kvxferd module or name ``path`` imports, anywhere in the file, as dotted paths."""
+    module = ".".join(("kvxferd", *path.relative_to(ROOT).with_suffix("").parts))
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.startswith("kvxferd")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if base.startswith("kvxferd"):
+                names += [f"{base}.{a.name}" for a in node.names]
+    return names
+
+
+def _service_layer(dotted: str) -> int:
+    part = dotted.split(".")[2] if dotted.count(".") >= 2 else ""
+    return SERVICE_LAYERS.index(part) if part in SERVICE_LAYERS else len(SERVICE_LAYERS)
+
+
+def test_service_layers_point_down():
+    service = ROOT / "service"
+    assert sorted(p.name for p in service.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(SERVICE_LAYERS)
+    for path in service.rglob("*.py"):
+        here = _service_layer(".".join(("kvxferd", *path.relative_to(ROOT).parts)))
+        for name in _kvxferd_imports(path):
+            if name.startswith("kvxferd.service."):
+                assert _service_layer(name) <= here, f"{path}: imports {name}, a layer above its own"
+
+
+def test_no_import_cycle_in_the_package():
+    """No two kvxferd modules import each other, directly or round a circle (TYPE_CHECKING imports too)."""
+    modules = {".".join(("kvxferd", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
+               for p in ROOT.rglob("*.py")}
+
+    def module_of(name: str) -> str:
+        while name not in modules:
+            name = name.rsplit(".", 1)[0]
+        return name
+    graph = {m: {module_of(n) for n in _kvxferd_imports(p)} - {m} for m, p in modules.items()}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, path + [module])
+        done.add(module)
+    for module in sorted(graph):
+        visit(module, [])

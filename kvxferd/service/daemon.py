@@ -41,20 +41,20 @@ from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.net.callcap import CallCap, http2_stream_limit
 from kvxferd.service.net.bus import NotifyBus
-from kvxferd.service.config import DaemonConfig
-from kvxferd.service.reads.dataplane import DataPlane
+from kvxferd.service.base.config import DaemonConfig
+from kvxferd.service.dataplane.thread import DataPlane
 from kvxferd.service.engines.registry import Registry
 from kvxferd.service.net.exposure import insecure_listeners, refusal, ucx_environment
 from kvxferd.service.net.peerport import ConnectionCap, peer_server_options
 from kvxferd.service.engines.fdpass import FdInbox
 from kvxferd.wire.names import fd_socket_path
 from kvxferd.service.net.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
-from kvxferd.service.net.localsock import claim_runtime_dir, group_id, restrict_socket, socket_umask
-from kvxferd.service.metrics import Metrics
+from kvxferd.service.base.localsock import claim_runtime_dir, group_id, restrict_socket, socket_umask
+from kvxferd.service.base.metrics import Metrics
 from kvxferd.service.peers.links import Peers, RemoteLink
-from kvxferd.service.reads.read import Read
+from kvxferd.service.engines.read import Read
 from kvxferd.service.reads.path import ReadPath
-from kvxferd.service.reads.readsock import ReadSocketServer
+from kvxferd.service.net.readsock import ReadSocketServer
 from kvxferd.service.net.servicers import EngineServicer, PeerServicer
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.proof import check_own_chain

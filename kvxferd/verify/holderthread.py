@@ -1,6 +1,6 @@
 """A thread that drives NIXL agents outside a daemon: the in-process test cluster and benchmarks.
 
-The daemon's data-plane thread polls its agents itself (service/reads/dataplane.py); this is the
+The daemon's data-plane thread polls its agents itself (service/dataplane/thread.py); this is the
 test rig's stand-in, polling every agent on a fixed interval and handing notices to holders.
 """
 

@@ -45,7 +45,7 @@ def tmp_runtime_dir(parent: str = TMP_PARENT) -> str:
     make one of those (a directory belongs to whoever creates it; the sticky /tmp lets no one else rename
     or remove it), so daemons and engines of this user agree on it without asking anyone. When no
     fallback exists yet, the squatted path itself (the daemon makes a fallback:
-    :func:`kvxferd.service.net.localsock.claim_runtime_dir`).
+    :func:`kvxferd.service.base.localsock.claim_runtime_dir`).
     """
     primary = os.path.join(parent, f"kvxferd-{os.getuid()}")
     if not os.path.lexists(primary) or own_private_dir(primary):

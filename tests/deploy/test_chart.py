@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvxferd.cli import build_parser
-from kvxferd.service.config import config_from_args
+from kvxferd.service.base.config import config_from_args
 from kvxferd.service.net.exposure import refusal
 from kvxferd.verify import chart
 

@@ -5,7 +5,7 @@ import json
 import pathlib
 import re
 
-from kvxferd.service.metrics import build_labels
+from kvxferd.service.base.metrics import build_labels
 from kvxferd.service.reference import exported_series, standard_series
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -63,7 +63,7 @@ def test_one_nixl_wheel_per_image():
 
 
 def test_only_ports_that_listen_beyond_loopback_by_default_are_exposed():
-    from kvxferd.service.config import DaemonConfig
+    from kvxferd.service.base.config import DaemonConfig
 
     fields = DaemonConfig.model_fields
     beyond_loopback = {str(fields[f"{name}_port"].default) for name in ("peer", "notify", "metrics")

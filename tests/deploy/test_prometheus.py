@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.client import DaemonProcess
-from kvxferd.service import metrics as m
+from kvxferd.service.base import metrics as m
 from tests.deploy.prometheus import lint_metrics, prometheus, promtool, run_promtool, running_prometheus
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

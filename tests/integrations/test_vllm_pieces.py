@@ -21,7 +21,7 @@ from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
 from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
 from kvxferd.integrations.vllm.worker import WorkerSide
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.config import DaemonConfig
+from kvxferd.service.base.config import DaemonConfig
 from tests.integrations.connector_pair import connector_pair, eventually as _eventually, group, layer_cache
 
 GOOD = RemotePrefill(kvxferd=1, remote_engine_id="p", remote_request_id="r-1", remote_peer_addresses=["127.0.0.1:1"],

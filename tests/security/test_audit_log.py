@@ -316,7 +316,7 @@ def test_tls_handshake_refusals_are_audit_lines(workdir, ca):
 def test_the_limiter_keeps_bounded_state_and_output_whoever_calls():
     """Many callers (a peer port reachable from many addresses): at most MAX_CALLERS windows are kept and at
     most MAX_LINES_PER_WINDOW lines written per window, every refusal counted in a summary."""
-    from kvxferd.service.net.audit import RefusalLimiter
+    from kvxferd.service.base.audit import RefusalLimiter
 
     now = [0.0]
     limiter = RefusalLimiter(1.0, 3, max_callers=64, max_lines=50, clock=lambda: now[0])

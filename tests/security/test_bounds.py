@@ -175,7 +175,7 @@ def test_each_bound_leaves_room_for_what_it_bounds():
     """A total under one delivery's size would refuse every full delivery; a bus bound under the subscribers
     of ``max_engines`` engines would start over each time they subscribed again."""
     from kvxferd.errors import InvalidArgumentError
-    from kvxferd.service.config import load_config
+    from kvxferd.service.base.config import load_config
 
     with pytest.raises(InvalidArgumentError, match="max_fds_waiting"):
         load_config({"max_fds_waiting": 100, "max_fds_per_token": 101})

@@ -30,8 +30,8 @@ from collections.abc import Callable
 import grpc
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.net import audit
-from kvxferd.service.net.localsock import credentials_allowed
+from kvxferd.service.base import audit
+from kvxferd.service.base.localsock import credentials_allowed
 from kvxferd.wire.names import FD_ANSWER_MAX_BYTES
 from kvxferd.wire.owner import peer_credentials
 from kvxferd.xfer.osthreads import name_this_thread

@@ -7,7 +7,7 @@ its lease runs out or it is released (EXPIRED); see :mod:`kvxferd.plan.leases`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -16,8 +16,20 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
 
 if TYPE_CHECKING:
-    from kvxferd.service.parts import DaemonParts
+    from kvxferd.service.base.config import DaemonConfig
+    from kvxferd.service.engines.registry import Registry, SlotThread
     from kvxferd.service.engines.slots import EngineSlot
+
+
+class HoldingParts(Protocol):
+    """What placing a hold uses of the daemon (the daemon, through ``net/parts.py``'s view, gives it)."""
+
+    config: DaemonConfig
+    registry: Registry
+    dataplane: SlotThread
+
+    def wake_maintenance(self) -> None:
+        """A first hold arrived: leave the idle maintenance tick now."""
 
 
 def check_block_ids(lists, slot: "EngineSlot", field: str) -> tuple[np.ndarray, ...]:
@@ -32,12 +44,12 @@ def check_block_ids(lists, slot: "EngineSlot", field: str) -> tuple[np.ndarray, 
     return out
 
 
-def lease_seconds(daemon: "DaemonParts", value: float) -> float:
+def lease_seconds(daemon: HoldingParts, value: float) -> float:
     """A requested lease (0: the default), checked against ``max_lease_s``."""
     return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
 
 
-def place_hold(daemon: "DaemonParts", slot: "EngineSlot", request: pb.HoldRequest) -> bytes:
+def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest) -> bytes:
     """Hold ``request``'s blocks on ``slot`` (event-loop thread); the hold's capability (readers must present
     it). Raises a typed error, holding nothing."""
     daemon.registry.check_accepting()

@@ -16,6 +16,7 @@ order, so no read can touch memory that is going away::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -25,12 +26,12 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
+from typing import Protocol
 
 from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, NotFoundError,
                             ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.reads.dataplane import DataPlane
 from kvxferd.service.engines.fdpass import FdInbox
 from kvxferd.service.engines.memory import KeptFds, ShmOpeners, open_region, populate
 from kvxferd.service.engines.slots import EngineSlot
@@ -49,10 +50,27 @@ MAX_EXPIRIES_PER_TICK = 8192  # per engine and maintenance tick (0.2 s): 40,000 
 PAUSE_S = 2.0
 
 
+class SlotThread(Protocol):
+    """What the engines layer asks of the data-plane thread. ``service/dataplane/`` implements it; this
+    layer sits below it and must not import it (tests/test_purity.py)."""
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the thread; its future."""
+
+    def add_slot(self, slot: EngineSlot) -> None:
+        """The thread serves ``slot`` from now on (call on the thread)."""
+
+    def remove_slot(self, slot: EngineSlot, reason: str) -> None:
+        """Fail ``slot``'s reads and let its memory go (call on the thread)."""
+
+    def wake(self) -> None:
+        """Poll faster now (a first hold); any thread."""
+
+
 class Registry:
     """The engine slots of one daemon (event-loop side)."""
 
-    def __init__(self, dataplane: DataPlane, publish: Callable[[EngineSlot, HoldEnd], None], *,
+    def __init__(self, dataplane: SlotThread, publish: Callable[[EngineSlot, HoldEnd], None], *,
                  daemon_id: str, default_lease_s: float, max_lease_s: float, fd_inbox: FdInbox | None = None,
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
                  max_hold_s: float = float("inf"), abort_drain_s: float = 30.0,

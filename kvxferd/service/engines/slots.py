@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.leases import HoldTable
-from kvxferd.service.reads.completions import CompletionFeed
+from kvxferd.service.engines.completions import CompletionFeed
 from kvxferd.xfer.agent import NixlAgent
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.readers import ReaderTable
 from kvxferd.xfer.backend import ReadBackend
 
 if TYPE_CHECKING:
-    from kvxferd.service.reads.read import Read
+    from kvxferd.service.engines.read import Read
 
 
 @dataclass(eq=False)
@@ -42,7 +42,7 @@ class EngineSlot:
     holder: Holder  # its holds, their board (registered with ``agent``) and introduced readers
     completions: CompletionFeed = field(default_factory=CompletionFeed)  # loop side
     # Reads the engine submitted, by request id, until the loop kept their books (loop side; a read's
-    # state may be advanced meanwhile by the data-plane thread: service/reads/read.py).
+    # state may be advanced meanwhile by the data-plane thread: service/engines/read.py).
     reads: dict[str, Read] = field(default_factory=dict)
     links: dict = field(default_factory=dict)  # remote engine id -> RemoteLink (loop side)
     allowed_readers: frozenset[str] = frozenset()  # empty: any reader engine

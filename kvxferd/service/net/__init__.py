@@ -1,1 +1,1 @@
-"""The daemon's what listens: the gRPC services, sockets and their checks, the notify bus, the metrics endpoint."""
+"""The daemon's what listens: the gRPC services, the reads socket and its frames, sockets and their checks, the notify bus."""

@@ -29,7 +29,7 @@ import grpc
 
 from kvxferd.errors import ResourceExhaustedError
 from kvxferd.service.net.servicers import metadata_value
-from kvxferd.service.status import abort_with
+from kvxferd.service.base.status import abort_with
 from kvxferd.wire.names import SESSION_KEY
 
 HEADROOM_STREAMS = 16  # HTTP/2 streams past the limit, so that refused calls reach the daemon

@@ -13,7 +13,7 @@ bad handshakes was a flood of lines. :func:`route_core_log` puts a pipe
 under fd 2 before any server starts: Python's own writes (the log handler,
 ``sys.stderr``) go to the original stderr directly; a small child process
 (this module's ``main``) reads the pipe, turns each failed handshake into
-:func:`kvxferd.service.net.audit.tls_refused` (rate-limited per reason, like
+:func:`kvxferd.service.base.audit.tls_refused` (rate-limited per reason, like
 every refusal) and passes every other line through unchanged::
 
     daemon: gRPC, UCX, C libraries ──fd 2──► pipe ──► child: handshake lines -> audit lines ──► stderr
@@ -39,7 +39,7 @@ import re
 import subprocess
 import sys
 
-from kvxferd.service.net import audit
+from kvxferd.service.base import audit
 
 PIPE_BYTES = 1 << 20  # room for a burst of lines before any is dropped
 F_SETPIPE_SZ = 1031
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> None:
     process that inherited its stderr gone)."""
     import signal
 
-    from kvxferd.service.logs import setup_logging
+    from kvxferd.service.base.logs import setup_logging
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the daemon's end is our EOF, not a signal
     level, fmt, window_s, lines_per_window = argv

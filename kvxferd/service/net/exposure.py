@@ -18,7 +18,7 @@ import socket
 import psutil
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.config import WILDCARD_HOSTS, DaemonConfig
+from kvxferd.service.base.config import WILDCARD_HOSTS, DaemonConfig
 
 
 def is_loopback(host: str) -> bool:

@@ -1,7 +1,7 @@
 """The gRPC services: EngineService (engine <-> its daemon), PeerService (daemon <-> daemon).
 
 Handlers validate input (``wire``), call into the daemon's parts and map
-every typed error to a status in one place (:func:`kvxferd.service.status.status_code`).
+every typed error to a status in one place (:func:`kvxferd.service.base.status.status_code`).
 
 Who may call what::
 
@@ -30,10 +30,10 @@ from kvxferd.plan.engine import notifying_readers
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.service.net import audit
-from kvxferd.service.reads.completions import COMPLETIONS_PER_BATCH, StreamReplaced
+from kvxferd.service.base import audit
+from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH, StreamReplaced
 from kvxferd.service.engines.holding import lease_seconds, place_hold
-from kvxferd.service.status import error_status
+from kvxferd.service.base.status import error_status
 from kvxferd.service.peers.proof import ChallengeSigner
 from kvxferd.service.peers.tls import authorize_peer
 from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, ChallengeBook, Nonces, secret_proof
@@ -47,7 +47,7 @@ from kvxferd.xfer.holder import Reader, ReaderLimits
 from kvxferd.xfer.readers import Introduced
 
 if TYPE_CHECKING:
-    from kvxferd.service.parts import DaemonParts
+    from kvxferd.service.net.parts import DaemonParts
 
 
 def rpc(fn):
@@ -86,7 +86,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
 
     def audit(self, method: str, request, context, code: grpc.StatusCode, error: str = "") -> None:
         """Only refusals of security meaning (a session, a token, an object the caller may not name) get a line,
-        rate-limited: :func:`kvxferd.service.net.audit.engine_call`. The rest is the engine's own business."""
+        rate-limited: :func:`kvxferd.service.base.audit.engine_call`. The rest is the engine's own business."""
         audit.engine_call(method, request, context, code, error)
 
     def _check_transport(self, context) -> None:
@@ -235,7 +235,7 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
 
     def audit(self, method: str, request, context, code: grpc.StatusCode, error: str = "") -> None:
         """One ``kvxferd.audit`` line per decision about a peer (introductions, renewals), refusals rate-limited
-        per caller: :func:`kvxferd.service.net.audit.peer_call`."""
+        per caller: :func:`kvxferd.service.base.audit.peer_call`."""
         audit.peer_call(method, request, context, code, error)
 
     def _authorize(self, context) -> tuple[str, Nonces | None]:

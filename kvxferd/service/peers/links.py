@@ -28,8 +28,8 @@ from kvxferd.errors import (InvalidArgumentError, KvxferError, LayoutMismatchErr
                             ResourceExhaustedError, TransferError)
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.service.reads.dataplane import DataPlane
-from kvxferd.service.metrics import Metrics
+from kvxferd.service.dataplane.thread import DataPlane
+from kvxferd.service.base.metrics import Metrics
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.proof import check_signed_proof
 from kvxferd.service.peers.tls import TlsFiles

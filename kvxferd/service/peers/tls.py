@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
 # Typed identities (issue #53): kept importable from here, where callers have always found them.
-from kvxferd.service.peers.identities import (allowed_identity, certificate_identities,  # noqa: F401
+from kvxferd.service.base.identities import (allowed_identity, certificate_identities, peer_identities,  # noqa: F401
                                               identity_matches)
 
 log = logging.getLogger("kvxferd.tls")
@@ -156,23 +156,6 @@ def check_own_certificate(cert_pem: bytes, server_name: str | None, allowed_ids:
 
 def _server_config(material: TlsMaterial):
     return grpc.ssl_server_certificate_configuration([(material.key, material.cert)], material.ca)
-
-
-def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
-    """A TLS peer's typed identities (:func:`certificate_identities`), read from its certificate itself; empty
-    without TLS. gRPC's ``x509_subject_alternative_name`` lumps SANs of every type into plain strings, so a DNS
-    SAN spelling a SPIFFE id would pass for that URI: the certificate says which type each name has."""
-    certificates = context.auth_context().get("x509_pem_cert", ())
-    return _pem_identities(certificates[0]) if certificates else ()
-
-
-@functools.lru_cache(maxsize=256)
-def _pem_identities(pem: bytes) -> tuple[str, ...]:
-    # Every peer call asks: parse each certificate once (gRPC verified its chain before any call).
-    try:
-        return certificate_identities(x509.load_pem_x509_certificate(pem))
-    except ValueError:
-        return ()
 
 
 def authorize_peer(context: grpc.aio.ServicerContext, allowed: tuple[str, ...]) -> str:

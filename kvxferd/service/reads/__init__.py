@@ -1,1 +1,1 @@
-"""The daemon's the reads an engine submits: the record, its path, the data-plane thread, completions and the reads socket."""
+"""The daemon's read path: a read submitted by an engine, checked, planned and handed to the data plane."""

@@ -22,29 +22,49 @@
 
 A read refused in a ``Reads`` batch becomes a completion too (``refused_code``),
 so the engine learns about every read it sent on the same stream. The read
-itself, its states and who may advance it: service/reads/read.py.
+itself, its states and who may advance it: service/engines/read.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, PermissionDeniedError,
                             ResourceExhaustedError, UnavailableError)
 from kvxferd.plan.capability import check_read_capabilities, sealed_by_other_keys
-from kvxferd.service.net import audit
+from kvxferd.service.base import audit
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
-from kvxferd.service.reads.read import Read, ReadState, refused_completion
+from kvxferd.service.dataplane.thread import INLINE_MAX_BYTES
+from kvxferd.service.engines.read import Read, ReadState, refused_completion
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
 from kvxferd.xfer.records import ReadFailure
 
 if TYPE_CHECKING:
-    from kvxferd.service.parts import DaemonParts
+    from kvxferd.service.base.config import DaemonConfig
+    from kvxferd.service.base.metrics import Metrics
+    from kvxferd.service.dataplane.thread import DataPlane
+    from kvxferd.service.engines.registry import Registry
+    from kvxferd.service.peers.links import Peers, RemoteLink
+
+
+class ReadPathParts(Protocol):
+    """What the read path uses of the daemon (the daemon, through ``net/parts.py``'s view, gives it)."""
+
+    config: DaemonConfig
+    metrics: Metrics
+    registry: Registry
+    dataplane: DataPlane
+    peers: Peers
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run a coroutine in the background, cancelled at shutdown."""
+
+    def probe_soon(self, slot: EngineSlot, link: RemoteLink) -> None:
+        """Ask the remote engine's ranks for their incarnations soon (rate-limited per link)."""
 
 STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, ReadFailure.DEADLINE})
 
@@ -52,7 +72,7 @@ STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, 
 class ReadPath:
     """Submits reads and turns finished ones into completions."""
 
-    def __init__(self, daemon: "DaemonParts") -> None:
+    def __init__(self, daemon: ReadPathParts) -> None:
         self.daemon = daemon
         self._inline_left = INLINE_MAX_BYTES  # bytes the current batch may still post on the loop
 

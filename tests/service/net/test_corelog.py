@@ -12,7 +12,7 @@ HANDSHAKE_LINE = (b"E1128 22:34:09.374385 7865 ssl_transport_security.cc:2563] H
 
 DYING = f"""
 import os, sys
-from kvxferd.service.logs import setup_logging
+from kvxferd.service.base.logs import setup_logging
 from kvxferd.service.net import corelog
 setup_logging("INFO", "json")
 corelog.route_core_log("INFO", "json", 10.0, 5)

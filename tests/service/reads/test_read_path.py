@@ -14,12 +14,12 @@ import pytest
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup
-from kvxferd.service.reads.completions import CompletionFeed
+from kvxferd.service.engines.completions import CompletionFeed
 import grpc
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.reads.dataplane import INLINE_MAX_BYTES
-from kvxferd.service.reads.read import ReadState
+from kvxferd.service.dataplane.thread import INLINE_MAX_BYTES
+from kvxferd.service.engines.read import ReadState
 from kvxferd.xfer.records import ReadFailure, ReadResult
 from kvxferd.service.reads.path import ReadPath
 from kvxferd.verify.engines import paper_cache

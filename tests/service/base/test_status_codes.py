@@ -28,7 +28,7 @@ from tests.service.helpers import engine_pb, second_completion_stream, status
 
 C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
-PROTOCOL = pathlib.Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+PROTOCOL = pathlib.Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
 ANSWER_S = 5.0
 LIMITS = ("--max-lease-s", "60", "--max-deadline-s", "60", "--max-holds-per-engine", "3",
           "--max-message-bytes", "65536")

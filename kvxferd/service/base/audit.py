@@ -24,7 +24,7 @@ whatever the callers do. Admitted decisions (an introduction, a renewal)
 are written as they come: only allowed peers make them.
 
 Every field is the caller's own text, so the formatters escape it
-(:mod:`kvxferd.service.logs`).
+(:mod:`kvxferd.service.base.logs`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvxferd.service.peers.tls import peer_identities
+from kvxferd.service.base.identities import peer_identities
 
 audit_log = logging.getLogger("kvxferd.audit")
 

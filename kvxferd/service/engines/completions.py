@@ -13,7 +13,7 @@ engine's completions, each getting some)::
 
 Every stream is :meth:`CompletionFeed.pump` writing to a sink; two kinds of sink:
 
-* The reads socket (``service/reads/readsock.py``): written on the loop by
+* The reads socket (``service/net/readsock.py``): written on the loop by
   the pump, and by the data-plane thread, which may number and write an ok
   read's completion itself (:meth:`CompletionFeed.put_direct`) when the sink
   is caught up and writable; it skips the hop back to the loop
@@ -48,13 +48,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.service.base.status import StreamReplaced
 
 
 COMPLETIONS_PER_BATCH = 256  # at most this many completions in one CompletionBatch, on either transport
-
-
-class StreamReplaced(Exception):
-    """A newer stream took over this engine's completions."""
 
 
 class CompletionSink(Protocol):

@@ -40,21 +40,22 @@ from google.protobuf.message import DecodeError
 
 from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedError, UnavailableError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.reads.completions import COMPLETIONS_PER_BATCH
-from kvxferd.service.reads.framewriter import FrameWriter
+from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH
+from kvxferd.service.net.framewriter import FrameWriter
 from kvxferd.service.engines.holding import place_hold
-from kvxferd.service.net import audit
-from kvxferd.service.net.localsock import credentials_allowed, restrict_socket, socket_umask
+from kvxferd.service.base import audit
+from kvxferd.service.base.localsock import credentials_allowed, restrict_socket, socket_umask
 from kvxferd.wire.owner import peer_credentials
-from kvxferd.service.status import error_status, status_code
+from kvxferd.service.base.metrics import READS_SOCKET_METHOD
+from kvxferd.service.base.status import error_status, status_code
 from kvxferd.wire.frames import FrameReader, encode_frame
 from kvxferd.wire.messages import check_id
 
 if TYPE_CHECKING:
-    from kvxferd.service.parts import DaemonParts
+    from kvxferd.service.net.parts import DaemonParts
 
 log = logging.getLogger("kvxferd.readsock")
-METHOD = "ReadsSocket"  # its label in kvxferd_rpc_errors
+METHOD = READS_SOCKET_METHOD  # its label in kvxferd_rpc_errors
 WRITE_HIGH_WATER_BYTES = 1 << 20  # a session that does not read stops taking completions beyond this
 
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.config import DaemonConfig
-from kvxferd.service.peers.identities import glob_matches, parse_pattern
+from kvxferd.service.base.config import DaemonConfig
+from kvxferd.service.base.identities import glob_matches, parse_pattern
 from kvxferd.service.peers.tls import identity_matches
 
 ALPHABET = "ab/*?.[]"

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.config import DaemonConfig, add_arguments, config_from_args, load_config
+from kvxferd.service.base.config import DaemonConfig, add_arguments, config_from_args, load_config
 
 
 def parse(*argv):

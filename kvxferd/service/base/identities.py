@@ -33,6 +33,7 @@ import ipaddress
 import re
 from collections.abc import Iterable
 
+import grpc
 from cryptography import x509
 
 from kvxferd.errors import InvalidArgumentError
@@ -119,3 +120,20 @@ def allowed_identity(identities: Iterable[str], patterns: Iterable[str]) -> str 
     """The first of ``identities`` that matches one of ``patterns`` (None: the peer is not allowed)."""
     patterns = tuple(patterns)
     return next((i for i in identities if any(identity_matches(i, p) for p in patterns)), None)
+
+
+def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
+    """A TLS peer's typed identities (:func:`certificate_identities`), read from its certificate itself; empty
+    without TLS. gRPC's ``x509_subject_alternative_name`` lumps SANs of every type into plain strings, so a DNS
+    SAN spelling a SPIFFE id would pass for that URI: the certificate says which type each name has."""
+    certificates = context.auth_context().get("x509_pem_cert", ())
+    return _pem_identities(certificates[0]) if certificates else ()
+
+
+@functools.lru_cache(maxsize=256)
+def _pem_identities(pem: bytes) -> tuple[str, ...]:
+    # Every peer call asks: parse each certificate once (gRPC verified its chain before any call).
+    try:
+        return certificate_identities(x509.load_pem_x509_certificate(pem))
+    except ValueError:
+        return ()

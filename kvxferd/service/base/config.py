@@ -23,7 +23,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
                                YamlConfigSettingsSource)
 
 from kvxferd.errors import InvalidArgumentError, first_error
-from kvxferd.service.peers.identities import parse_pattern
+from kvxferd.service.base.identities import parse_pattern
 from kvxferd.wire.names import ENV_PREFIX, default_engine_socket, env_name
 from kvxferd.wire.peerauth import default_peer_secret_file
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
-from kvxferd.service.net import acl
+from kvxferd.service.base import acl
 from kvxferd.wire.names import own_fallback_dirs
 
 log = logging.getLogger("kvxferd.daemon")

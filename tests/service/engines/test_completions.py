@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.reads.completions import CompletionFeed, StreamReplaced
+from kvxferd.service.engines.completions import CompletionFeed, StreamReplaced
 
 
 class _Sink:

@@ -25,12 +25,12 @@ from prometheus_client.metrics_core import Metric
 
 from kvxferd.plan.leases import HoldEndKind
 from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
-from kvxferd.service.net.metricsserver import MetricsServer
-from kvxferd.service.reads import readsock
+from kvxferd.service.base.metricsserver import MetricsServer
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.records import ReadFailure
 
 FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)
+READS_SOCKET_METHOD = "ReadsSocket"  # the reads socket (net/readsock.py) in kvxferd_rpc_errors
 OUTCOMES = ("ok", "failed")  # of a read (reads/path.py) and of a handshake (peers/links.py)
 EVENT_KINDS = tuple(kind.value for kind in HoldEndKind)
 DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
@@ -39,10 +39,10 @@ DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
 FD_REFUSALS = ("uid", "malformed", "tokens", "fds", "io", "error")
 BUS_REFUSALS = ("prefix", "flood", "limit")  # NotifyBus's refusals (net/bus.py, net/busguard.py)
 # kvxferd_rpc_errors' methods: those of both gRPC services (WatchCompletions counts none: its series
-# stays 0) and the engine's read socket (readsock.METHOD; its Hold frames count as "Hold").
+# stays 0) and the engine's read socket (READS_SOCKET_METHOD; its Hold frames count as "Hold").
 RPC_METHODS = tuple(method.name for module, service in ((engine_service_pb2, "EngineService"),
                                                          (peer_service_pb2, "PeerService"))
-                    for method in module.DESCRIPTOR.services_by_name[service].methods) + (readsock.METHOD,)
+                    for method in module.DESCRIPTOR.services_by_name[service].methods) + (READS_SOCKET_METHOD,)
 # The one code whose series exists for every method from start-up: INTERNAL (a bug, an error with
 # no type) is the answer every method can give and the one an alert must see the first time. Every
 # code for every method would be over 150 zero series, most for answers a method never gives (and

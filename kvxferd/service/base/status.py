@@ -25,7 +25,6 @@ import grpc
 from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError,
                             PermissionDeniedError, ResourceExhaustedError, TransferError, UnauthenticatedError,
                             UnavailableError)
-from kvxferd.service.reads.completions import StreamReplaced
 
 log = logging.getLogger("kvxferd.rpc")
 
@@ -40,6 +39,10 @@ _CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
     (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
+
+
+class StreamReplaced(Exception):
+    """A newer stream took over this engine's completions (its feed raises it to the old stream)."""
 
 
 def status_code(error: KvxferError) -> grpc.StatusCode:

@@ -33,8 +33,8 @@ from typing import Protocol
 from kvxferd.errors import KvxferError
 from kvxferd.plan.engine import PlannedRead, ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.reads.completions import CompletionFeed
-from kvxferd.service.status import status_code
+from kvxferd.service.engines.completions import CompletionFeed
+from kvxferd.service.base.status import status_code
 from kvxferd.wire.messages import ids_to_pb
 from kvxferd.xfer.backend import ReadBackend
 from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine

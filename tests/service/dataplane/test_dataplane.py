@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.service.reads import dataplane as dataplane_module
-from kvxferd.service.reads.dataplane import DataPlane
-from kvxferd.service.reads.read import Read, ReadState
+from kvxferd.service.dataplane import thread as dataplane_module
+from kvxferd.service.dataplane.thread import DataPlane
+from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.verify.cluster import LocalCluster
 from kvxferd.verify.models import ModelShape, model_groups, random_request

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from kvxferd.errors import KvxferError, PermissionDeniedError
 from kvxferd.plan.leases import HoldEnd
-from kvxferd.service.reads.read import Read, ReadState
+from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.xfer.agent import NixlError
 from kvxferd.xfer.holder import NoticeEvent

@@ -13,8 +13,8 @@ import threading
 import pytest
 import uvloop
 
-from kvxferd.service.reads import framewriter as framewriter_module
-from kvxferd.service.reads.framewriter import FrameWriter
+from kvxferd.service.net import framewriter as framewriter_module
+from kvxferd.service.net.framewriter import FrameWriter
 from kvxferd.wire.frames import FrameReader, encode_frame
 
 
