@@ -26,46 +26,57 @@ if sys.argv[1:2] == ["serve"]:  # the daemon's fd table, grown while this proces
 
 import argparse
 
-from kvxferd import demo, serve, soak
+import importlib
+
+from kvxferd import serve
 from kvxferd.client import health
-from kvxferd.verify import certs as devcerts
 from kvxferd.service.base import config
-from kvxferd.bench import daemon as daemon_bench
-from kvxferd.bench import floors as floors_bench
-from kvxferd.bench import gpu as gpu_bench
-from kvxferd.bench import holds as holds_bench
-from kvxferd.bench import layout as layout_bench
-from kvxferd.bench import scale as scale_bench
-from kvxferd.bench import suite
-from kvxferd.bench import xfer as xfer_bench
+
+# The rig (kvxferd/rig/) is imported only for the command that runs: `kvxferd serve` never loads it.
+RIG_COMMANDS = {  # command -> (module, help)
+    "dev-certs": ("kvxferd.rig.verify.certs", "a throw-away CA and certificates for local mutual TLS"),
+    "demo": ("kvxferd.rig.demo", "move and verify prefill->decode reads over NIXL for model presets"),
+    "soak": ("kvxferd.rig.soak", "random pairings and faults on real daemons; every invariant checked"),
+    "bench": ("kvxferd.rig.bench.suite", "run every benchmark suite (Markdown table), or one suite"),
+}
+BENCH_SUITES = {  # suite -> (module, help)
+    "layout": ("kvxferd.rig.bench.layout", "span emission and planning (pure layers)"),
+    "xfer": ("kvxferd.rig.bench.xfer", "data plane vs raw NIXL, plan build, request planning"),
+    "daemon": ("kvxferd.rig.bench.daemon", "through the daemons vs raw NIXL; per-request overhead"),
+    "holds": ("kvxferd.rig.bench.holds", "hold bookkeeping from 10 to 100,000 holds"),
+    "floors": ("kvxferd.rig.bench.floors", "what each step of a read costs alone"),
+    "scale": ("kvxferd.rig.bench.scale", "1 to 16 remote ranks per read; offered rate to saturation"),
+    "gpu": ("kvxferd.rig.bench.gpu", "GPU caches: through the daemons vs raw NIXL (needs a GPU)"),
+}
+_DOCUMENTED = {"demo", "soak", "bench", "gpu"}  # whose --help shows the module's docstring
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _rig_parser(commands, name: str, table: dict, load: bool):
+    module_name, help_text = table[name]
+    parser = commands.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if load:
+        module = importlib.import_module(module_name)
+        if name in _DOCUMENTED:
+            parser.description = module.__doc__
+        module.add_arguments(parser)
+    return parser
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; a rig command's arguments are added only when ``argv`` names that command."""
+    chosen = (argv or [None])[0]
     parser = argparse.ArgumentParser(prog="kvxferd", description="Disaggregated KV-cache transfer daemon.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="run the daemon next to one engine rank",
                                        description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_arguments(serve_parser)
     health.add_arguments(commands.add_parser("health", help="ask a daemon whether it serves (exit 0 or 1)"))
-    devcerts.add_arguments(commands.add_parser("dev-certs", help="a throw-away CA and certificates for local mutual TLS"))
-    demo_parser = commands.add_parser("demo", help="move and verify prefill->decode reads over NIXL for model presets",
-                                      description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_arguments(demo_parser)
-    soak.add_arguments(commands.add_parser("soak", help="random pairings and faults on real daemons; every invariant checked",
-                                           description=soak.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    bench = commands.add_parser("bench", help="run every benchmark suite (Markdown table), or one suite",
-                                description=suite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    suite.add_arguments(bench)
-    suites = bench.add_subparsers(dest="suite")
-    layout_bench.add_arguments(suites.add_parser("layout", help="span emission and planning (pure layers)"))
-    xfer_bench.add_arguments(suites.add_parser("xfer", help="data plane vs raw NIXL, plan build, request planning"))
-    daemon_bench.add_arguments(suites.add_parser("daemon", help="through the daemons vs raw NIXL; per-request overhead"))
-    holds_bench.add_arguments(suites.add_parser("holds", help="hold bookkeeping from 10 to 100,000 holds"))
-    floors_bench.add_arguments(suites.add_parser("floors", help="what each step of a read costs alone"))
-    scale_bench.add_arguments(suites.add_parser("scale", help="1 to 16 remote ranks per read; offered rate to saturation"))
-    gpu_bench.add_arguments(suites.add_parser("gpu", help="GPU caches: through the daemons vs raw NIXL (needs a GPU)",
-                                              description=gpu_bench.__doc__,
-                                              formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name in RIG_COMMANDS:
+        rig = _rig_parser(commands, name, RIG_COMMANDS, load=name == chosen)
+        if name == "bench" and chosen == "bench":
+            suites = rig.add_subparsers(dest="suite")
+            for suite_name in BENCH_SUITES:
+                _rig_parser(suites, suite_name, BENCH_SUITES, load=True)
     return parser
 
 
@@ -73,22 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # keys and tokens may begin with "-" (config.attach_values)
         argv = ["serve", *config.attach_values(argv[1:])]
-    args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        return demo.run(args)
-    if args.command == "soak":
-        return soak.run_args(args)  # not soak.run: importing kvxferd.soak.run would shadow that name
+    args = build_parser(argv).parse_args(argv)
     if args.command == "serve":
         return serve.run(args)
     if args.command == "health":
         return health.run(args)
-    if args.command == "dev-certs":
-        return devcerts.run(args)
-    if args.suite is None:
-        return suite.run_args(args)
-    suites = {"layout": layout_bench, "xfer": xfer_bench, "daemon": daemon_bench, "holds": holds_bench,
-              "scale": scale_bench, "floors": floors_bench, "gpu": gpu_bench}
-    return suites[args.suite].run_args(args)
+    if args.command == "soak":
+        return importlib.import_module("kvxferd.rig.soak").run_args(args)  # not .run: a module of that name
+    if args.command == "bench" and args.suite is not None:
+        return importlib.import_module(BENCH_SUITES[args.suite][0]).run_args(args)
+    module = importlib.import_module(RIG_COMMANDS[args.command][0])
+    return module.run_args(args) if args.command == "bench" else module.run(args)
 
 
 if __name__ == "__main__":

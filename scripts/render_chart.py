@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kvxferd.verify import chart  # noqa: E402
+from kvxferd.rig.verify import chart  # noqa: E402
 
 HEADER = "# Rendered by scripts/render_chart.py (Helm's engine) from deploy/helm/kvxferd; edit the chart, not this file.\n"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System packages some tests need beyond Python:
-# * iptables (its legacy backend) for the namespace hosts (tests/verify/hosts,
+# * iptables (its legacy backend) for the namespace hosts (tests/rig/verify/hosts,
 #   `kvxferd demo --hosts`, `kvxferd soak --hosts`), which mirror the chart's
 #   NetworkPolicy as packet filters and inject network faults;
 # * prometheus (/usr/bin/prometheus and /usr/bin/promtool) for tests/deploy/test_prometheus.py,

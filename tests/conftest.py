@@ -18,11 +18,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 VLLM_GROUP = "vllm"
 LONGEST_FIRST = (
     VLLM_GROUP,  # ~7 min: every vLLM file
-    "tests/soak/test_soak_run.py",  # ~100 s: the 90 s soak
+    "tests/rig/soak/test_soak_run.py",  # ~100 s: the 90 s soak
     "tests/test_cli.py",  # ~60 s: the demo and the benchmarks as subprocesses
-    "tests/verify/test_sweep.py",  # ~60 s
-    "tests/verify/hosts/test_fabric.py",  # ~50 s: namespace hosts, a demo across two of them
-    "tests/verify/hosts/test_late_writes.py",  # ~40 s: two reads cut by a partition
+    "tests/rig/verify/test_sweep.py",  # ~60 s
+    "tests/rig/verify/hosts/test_fabric.py",  # ~50 s: namespace hosts, a demo across two of them
+    "tests/rig/verify/hosts/test_late_writes.py",  # ~40 s: two reads cut by a partition
 )
 
 
@@ -56,6 +56,7 @@ def arenas():
         arena.close()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     """Group every item (its file, or :data:`VLLM_GROUP`) and put :data:`LONGEST_FIRST` first, in that
     order (a stable sort: groups stay whole)."""

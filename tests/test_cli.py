@@ -116,14 +116,14 @@ def test_bench_runs_every_suite_into_one_markdown_table(tmp_path):
 def test_dev_certs_writes_what_serve_accepts(tmp_path, capsys):
     assert main(["dev-certs", str(tmp_path), "--name", "node-a"]) == 0
     flags = capsys.readouterr().out.splitlines()[0].split()
-    config = config_from_args(build_parser().parse_args(["serve", "--peer-host", "0.0.0.0", "--advertise-host", "10.0.0.5",
+    config = config_from_args(build_parser(["serve"]).parse_args(["serve", "--peer-host", "0.0.0.0", "--advertise-host", "10.0.0.5",
                                                          *flags]))
     assert config.tls and refusal(config) is None  # exposed, but authenticated
     assert TlsFiles(config.tls_cert, config.tls_key, config.tls_ca).current().generation == 0
 
 
 def test_demo_on_hosts_without_netns_says_why(monkeypatch, capsys):
-    from kvxferd.verify.hosts import policy
+    from kvxferd.rig.verify.hosts import policy
 
     monkeypatch.setattr(policy.fabric_rig, "unavailable", lambda: "network namespaces need root (run as root, as CI does)")
     code = exit_code(["demo", "--hosts", "2", "--model", "gqa", "--requests", "1"])
@@ -132,8 +132,8 @@ def test_demo_on_hosts_without_netns_says_why(monkeypatch, capsys):
 
 def test_demo_on_hosts_without_helms_engine_says_why(monkeypatch, capsys):
     """The rig renders the chart's NetworkPolicy with Helm's engine (a test extra)."""
-    from kvxferd.verify import chart
-    from kvxferd.verify.hosts import policy
+    from kvxferd.rig.verify import chart
+    from kvxferd.rig.verify.hosts import policy
 
     monkeypatch.setattr(policy.fabric_rig, "unavailable", lambda: None)
     monkeypatch.setitem(sys.modules, "helm_python", None)  # as if not installed

@@ -40,11 +40,9 @@ ALLOWED = {
     "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "cuda", "service"},
     # The engine SDK shares only the wire package with the daemon, never the daemon's own modules.
     "client": {"errors", "layout", "tp", "plan", "proto", "wire", "cuda", "client"},
-    "verify": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "client", "verify"},
-    "bench": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service", "client", "verify", "bench"},
-    "demo": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "service", "client", "verify", "bench", "demo"},
-    # The soak's rogue agent (forged notices) is a NIXL agent of its own.
-    "soak": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "client", "verify", "demo", "soak"},
+    # The rig (verify, bench, soak, demo, vllm): proves and measures the product, which never imports it.
+    "rig": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "cuda", "service", "client", "integrations",
+            "rig"},
     # A connector is an engine: the engine SDK and the wire format, never the daemon (issue 36).
     "integrations": {"errors", "layout", "proto", "wire", "client", "integrations"},
 }
@@ -57,6 +55,15 @@ def test_imports_point_one_way():
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvxferd."):
                     target = node.module.split(".")[1]
                     assert target in allowed, f"{path}: {package} must not import kvxferd.{target}"
+
+
+def test_the_product_never_imports_the_rig():
+    """Only the CLI reaches the rig, by module name when a rig command runs (importlib), so that
+    ``kvxferd serve`` loads none of it."""
+    assert not any(name.startswith("kvxferd.rig") for name in _kvxferd_imports(ROOT / "cli.py"))
+    code = "import sys, kvxferd.cli, kvxferd.serve\nprint(sorted(m for m in sys.modules if m.startswith('kvxferd.rig')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_only_the_vllm_connector_imports_vllm():

@@ -18,7 +18,7 @@ import yaml
 
 from kvxferd.client import DaemonProcess
 from kvxferd.service.reference import exported_series
-from kvxferd.verify import chart
+from kvxferd.rig.verify import chart
 from tests.deploy.prometheus import prometheus, promtool, run_promtool, running_prometheus
 
 RELEASE, NAMESPACE = "kvx", "serving"

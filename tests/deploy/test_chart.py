@@ -16,7 +16,7 @@ import yaml
 from kvxferd.cli import build_parser
 from kvxferd.service.base.config import config_from_args
 from kvxferd.service.net.exposure import refusal
-from kvxferd.verify import chart
+from kvxferd.rig.verify import chart
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = chart.CHART

@@ -14,7 +14,7 @@ from kvxferd.errors import InvalidArgumentError
 from kvxferd.service.base.config import config_from_args
 from kvxferd.service.base.localsock import credentials_allowed, group_id
 from kvxferd.service.peers.tls import check_own_certificate, identity_matches
-from kvxferd.verify.certs import DevCA
+from kvxferd.rig.verify.certs import DevCA
 from tests.deploy.test_chart import CHART, _render, _sidecars, _validate
 
 RELEASE, NAMESPACE = "kvx", "serving"

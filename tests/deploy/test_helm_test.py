@@ -16,7 +16,7 @@ import pytest
 
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.client.launch import free_ports
-from kvxferd.verify import chart
+from kvxferd.rig.verify import chart
 from tests.service.helpers import GQA_GROUPS, engine_pb
 
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kvxferd.verify.models import MODELS
+from kvxferd.rig.verify.models import MODELS
 
 pytestmark = pytest.mark.image
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -27,9 +27,9 @@ from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
 from kvxferd.client.fdsend import send_fds
 from kvxferd.wire.names import fd_socket_path  # noqa: E402
 from kvxferd.client.gpu import export_ipc  # noqa: E402
-from kvxferd.verify.engines import allocate_engine, verify_decode  # noqa: E402
-from kvxferd.verify.gpu import GpuEngine  # noqa: E402
-from kvxferd.verify.models import ModelShape, model_groups, random_request  # noqa: E402
+from kvxferd.rig.verify.engines import allocate_engine, verify_decode  # noqa: E402
+from kvxferd.rig.verify.gpu import GpuEngine  # noqa: E402
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request  # noqa: E402
 from kvxferd.wire.messages import engine_to_pb  # noqa: E402
 
 
@@ -199,7 +199,7 @@ def test_vmm_fd_regions_read_through_daemons_and_are_bounds_checked(tmp_path):
 
 def test_bench_gpu_quick_reads_byte_exact_and_reports_both_paths():
     """``kvxferd bench gpu --quick``: VRAM reads through the daemons and over raw NIXL, the checked read exact."""
-    from kvxferd.bench import gpu as gpu_bench
+    from kvxferd.rig.bench import gpu as gpu_bench
 
     figures = gpu_bench.run(**gpu_bench.QUICK)
     bulk, small = figures["bulk"], figures["per_request"]

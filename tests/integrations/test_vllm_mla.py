@@ -23,7 +23,7 @@ LATENT_BLOCK_BYTES = 2 * 16 * 576 * 4  # 2 layers, 16 tokens, 576 float32 elemen
 
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory):
-    from kvxferd.integrations.vllm.tinymodel import write_tiny_mla_model
+    from kvxferd.rig.vllm.tinymodel import write_tiny_mla_model
 
     model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("mla"), ["mlp0", "mld0"], write=write_tiny_mla_model)
     with prefill_decode(model, daemons, "mla-prefill", "mla-decode", dtype="float32") as cluster:
@@ -58,7 +58,7 @@ def test_mla_another_requests_latents_change_the_tokens(mla):
 def test_mla_prefill_tp2_to_decode_tp1_reads_one_rank_and_ends_both_holds(tmp_path):
     """Read one, notify all: both prefill ranks hold the same latents; decode reads them from one and
     both holds end CONSUMED. Tokens: decode TP 1 alone is the reference (TP 2 rounds otherwise)."""
-    from kvxferd.integrations.vllm.tinymodel import write_tiny_mla_model
+    from kvxferd.rig.vllm.tinymodel import write_tiny_mla_model
 
     model, daemons = tiny_model_and_daemons(tmp_path, ["mt0", "mt1", "mtd"], write=write_tiny_mla_model)
     recorders, llms = [record_events(d, "mla-tp2") for d in daemons[:2]], []

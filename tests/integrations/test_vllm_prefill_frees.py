@@ -12,7 +12,7 @@ worker spins for a second after any step (its shm broadcast's
 ``busy_loop_s``), with or without a connector. Timings are printed, not
 asserted (2 shared cores). Two API servers show what this in-process pair
 does not: workers bound to one core starve each other, and the prefill frees
-its blocks ~0.5 s late; ``scripts/bench_vllm.py --trace`` measures that (and
+its blocks ~0.5 s late; ``kvxferd/rig/vllm/bench.py --trace`` measures that (and
 ``--worker-cores`` avoids it), against its bound.
 """
 

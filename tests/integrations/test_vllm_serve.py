@@ -1,13 +1,12 @@
 """docs/vllm.md's path over HTTP: two vLLM API servers with the connector, their daemons, and the proxy.
 
-Runs ``scripts/bench_vllm.py`` small: the same prompts straight to one
+Runs ``kvxferd/rig/vllm/bench.py`` small: the same prompts straight to one
 instance and through the proxy must give the same tokens, and the decode
 daemon must read exactly the prompt's blocks.
 """
 
 from __future__ import annotations
 
-import pathlib
 import random
 import socket
 import subprocess
@@ -16,7 +15,6 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.vllm
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def free_base_port() -> int:
@@ -35,14 +33,14 @@ def free_base_port() -> int:
 
 def test_the_proxy_returns_the_single_instance_tokens():
     pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts/bench_vllm.py"), "--requests", "1", "--lengths", "40", "100",
+    run = subprocess.run([sys.executable, "-m", "kvxferd.rig.vllm.bench", "--requests", "1", "--lengths", "40", "100",
                           "--base-port", str(free_base_port()), "--disconnect-check", "--trace"], capture_output=True, text=True, timeout=600)
     rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert run.returncode == 0 and len(rows) == 2, run.stdout + run.stderr[-3000:]
     # A client that left mid-stream through the proxy pinned no prefill hold, and P/D served on.
     assert "disconnect check: ok" in run.stdout, run.stdout
     # --trace: each P/D request's stamps from the client, proxy, both engines and the decode daemon joined
-    # into segments that add up to its TTFT (scripts/bench_vllm_trace.py)
+    # into segments that add up to its TTFT (kvxferd/rig/vllm/tracejoin.py)
     trace = {line.split("|")[1].strip(): line.split("|")[3:-1] for line in run.stdout.splitlines()
              if line.startswith("| ")}
     assert [cell.strip() for cell in trace["requests"]] == ["1", "1"], run.stdout

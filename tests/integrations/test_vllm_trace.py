@@ -1,11 +1,9 @@
 """Per-request stamps (trace.py) on a real hold -> read cycle, and the benchmark's join of them into
-consecutive segments of a P/D request's TTFT (scripts/bench_vllm_trace.py). vLLM-free."""
+consecutive segments of a P/D request's TTFT (kvxferd/rig/vllm/tracejoin.py). vLLM-free."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 
 import torch
 
@@ -15,17 +13,7 @@ from kvxferd.integrations.vllm.trace import TRACE_DIR_ENV, Trace, read_stamps
 from kvxferd.integrations.vllm.worker import WorkerSide
 from tests.integrations.connector_pair import connector_pair, read_held
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load_join():
-    spec = importlib.util.spec_from_file_location("bench_vllm_trace", ROOT / "scripts/bench_vllm_trace.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-join = _load_join()
+from kvxferd.rig.vllm import tracejoin as join
 
 
 def test_a_read_is_stamped_in_order_by_both_workers(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """A prefill and a decode vLLM engine (CPU), each with its own kvxferd daemon and the connector.
 
 The model is a tiny Llama checkpoint written at test time with normal-scale
-weights drawn from a fixed seed (:mod:`kvxferd.integrations.vllm.tinymodel`),
+weights drawn from a fixed seed (:mod:`kvxferd.rig.vllm.tinymodel`),
 loaded by vLLM's real loader, so every instance has the same weights and its
 greedy tokens depend on the KV cache (the negative controls show it);
 prompts are token ids (no tokenizer). The prefill instance doubles as the
@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from kvxferd.client import DaemonProcess
-from kvxferd.integrations.vllm.tinymodel import TINY_LLAMA, sliding_window, write_tiny_model
+from kvxferd.rig.vllm.tinymodel import TINY_LLAMA, sliding_window, write_tiny_model
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.names import topic
 

@@ -5,7 +5,7 @@ import pytest
 from kvxferd.errors import InvalidArgumentError, TpConfigError
 from kvxferd.layout import builders
 from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, MambaSpec
-from kvxferd.verify.physical import region_num_bytes
+from kvxferd.rig.verify.physical import region_num_bytes
 
 
 @pytest.mark.parametrize("layout", [name for name in ATTENTION_LAYOUTS if name != "strided"])

@@ -12,8 +12,8 @@ from kvxferd.layout.spans import SpanTable
 from kvxferd.layout.strided import Layout
 
 from tests.layout.brute import addresses
-from kvxferd.verify.oracle import apply_span_copies
-from kvxferd.verify.physical import UINTS
+from kvxferd.rig.verify.oracle import apply_span_copies
+from kvxferd.rig.verify.physical import UINTS
 
 INNER_DIMS = ("H", "N", "KV", "C")
 

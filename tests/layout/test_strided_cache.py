@@ -6,7 +6,7 @@ import pytest
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout.builders import ORDERS, CacheStrides, order_strides, strided_attention
 from kvxferd.layout.specs import AttentionSpec
-from kvxferd.verify.physical import region_num_bytes
+from kvxferd.rig.verify.physical import region_num_bytes
 from tests.layout.brute import addresses
 
 LAYERS, BLOCKS, HEADS, TOKENS, HEAD_SIZE = 3, 5, 4, 8, 6

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvxferd.errors import BlockIdError, InvalidArgumentError, LayoutMismatchError
 from kvxferd.layout.specs import AttentionSpec, MambaSpec
 from kvxferd.plan.groups import CacheGroup, EngineCache, GroupPairing, RegionMemory, check_groups_compatible
-from kvxferd.verify.oracle import TokenSource
+from kvxferd.rig.verify.oracle import TokenSource
 
 NUM_BLOCKS = 64
 

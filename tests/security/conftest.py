@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from kvxferd.verify.certs import DevCA, Issued
+from kvxferd.rig.verify.certs import DevCA, Issued
 
 SPIFFE = "spiffe://kvxferd.test/ns/serving/sa/kvxferd"
 

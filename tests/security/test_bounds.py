@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.client.fdsend import send_fds
 from kvxferd.wire.names import fd_socket_path
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from kvxferd.wire.names import topic
 from tests.security.conftest import SPIFFE, tls_args
 from tests.service.helpers import engine_pb

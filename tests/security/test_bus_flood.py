@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 
 GROUPS = model_groups("gqa", ModelShape())
 NUM_READS = 30

@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 
-from kvxferd.verify.certs import DevCA
+from kvxferd.rig.verify.certs import DevCA
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from tests.security.conftest import SPIFFE
 
 GROUPS = model_groups("gqa", ModelShape())

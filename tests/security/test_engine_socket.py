@@ -24,7 +24,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.client.fdsend import send_fds
 from kvxferd.wire.names import fd_socket_path
 from kvxferd.wire.frames import encode_frame, reads_socket_path
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from tests.service.helpers import engine_pb, status
 
 C = grpc.StatusCode

@@ -15,8 +15,8 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.names import SHM_DIR
 from kvxferd.service.net.servicers import rpc
-from kvxferd.verify.certs import DevCA
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.certs import DevCA
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
 from tests.security.conftest import SPIFFE

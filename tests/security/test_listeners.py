@@ -19,7 +19,7 @@ import pytest
 
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.service.net.exposure import is_loopback
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from tests.service.helpers import engine_pb
 from tests.sockets import listening_sockets
 

@@ -31,7 +31,7 @@ from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.client.fdsend import send_fds
 from kvxferd.wire.names import SHM_DIR
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from tests.security.conftest import SPIFFE, tls_args
 from tests.service.helpers import engine_pb, status
 

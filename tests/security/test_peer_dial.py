@@ -29,8 +29,8 @@ import threading
 import grpc
 import pytest
 
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from tests.security.conftest import SPIFFE, tls_args
 
 GROUPS = model_groups("gqa", ModelShape())
@@ -139,7 +139,7 @@ def test_the_release_peers_still_connect(cluster):
     import numpy as np
 
     from kvxferd.proto.v1 import kvxfer_pb2 as pb
-    from kvxferd.verify.models import random_request
+    from kvxferd.rig.verify.models import random_request
     request = random_request("dial-control", *GROUPS, 32, np.random.default_rng(3))
     cluster.hold(request)
     cluster.submit(request)
@@ -153,8 +153,8 @@ subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 subprocess.run(["ip", "addr", "add", "198.18.77.1/32", "dev", "lo"], check=True)  # this namespace's own address
 sys.path.insert(0, sys.argv[1])
 import grpc
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from tests.security.test_peer_dial import Attacker
 attacker = Attacker("--host", "198.18.77.1")
 attacker.listening.wait(30)

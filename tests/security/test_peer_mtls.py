@@ -13,12 +13,12 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxferd.bench.raw import RawReader
+from kvxferd.rig.bench.raw import RawReader
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.verify.certs import DevCA
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.certs import DevCA
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from tests.security.conftest import SPIFFE, tls_args
 

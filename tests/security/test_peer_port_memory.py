@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 from kvxferd.client import DaemonProcess
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from tests.security.conftest import SPIFFE, tls_args
 
 GROUPS = model_groups("gqa", ModelShape())

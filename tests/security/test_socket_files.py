@@ -32,8 +32,8 @@ import pytest
 import yaml
 
 from kvxferd.client import DaemonProcess, EngineClient
-from kvxferd.verify import chart
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify import chart
+from kvxferd.rig.verify.models import ModelShape, model_groups
 from kvxferd.wire.names import SHM_DIR
 from tests.service.helpers import engine_pb, status
 

@@ -14,8 +14,8 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.challenge import ChallengeBook, secret_proof
 from kvxferd.wire.peerauth import default_peer_secret_file, peer_channel, read_peer_secret
-from kvxferd.verify.engines import allocate_engine
-from kvxferd.verify.models import ModelShape, model_groups
+from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.verify.models import ModelShape, model_groups
 
 GQA_GROUPS = model_groups("gqa", ModelShape())  # (prefill, decode) groups of the Reads tests' clusters
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
 CASES = [("gqa", 2, 1), ("gqa", 1, 2), ("mla", 2, 1), ("hybrid", 2, 1)]

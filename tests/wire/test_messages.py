@@ -6,8 +6,8 @@ import pytest
 from kvxferd.errors import BlockIdError, InvalidArgumentError, LayoutMismatchError, NotFoundError, TransferError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.base.status import status_code
-from kvxferd.verify.engines import allocate_engine
-from kvxferd.verify.models import MODELS, ModelShape, model_groups
+from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups
 from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from_pb, read_request_from_pb
 from kvxferd.plan.board import BoardInfo
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, compatibility_hash, decode_info, encode_info

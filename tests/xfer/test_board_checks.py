@@ -19,8 +19,8 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError, TransferError
 from kvxferd.plan.notifications import HELLO
-from kvxferd.verify.cluster import LocalCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.checks import NUM_CHECK_SLOTS
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.records import ReadFailure

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from kvxferd.plan.engine import EngineTransferPlan
-from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.engines import allocate_engine, check_buffers, expected_buffers
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.verify.holderthread import HolderThread
+from kvxferd.rig.verify.holderthread import HolderThread
 
 
 # hybrid from TP 2: each prefill rank fills half of every decode block, so nothing merges.

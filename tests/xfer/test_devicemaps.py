@@ -21,8 +21,8 @@ from kvxferd.cuda.copies import BatchCopier
 from kvxferd.cuda.ipc import IpcAllocation
 from kvxferd.errors import TransferError, UnavailableError
 from kvxferd.plan.groups import DeviceShare
-from kvxferd.verify.cluster import LocalCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer import devicemaps, samehostranks
 from kvxferd.xfer.devicemaps import PendingDeviceCopy, map_device_source
 from kvxferd.xfer.records import ReadFailure

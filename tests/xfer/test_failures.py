@@ -10,10 +10,10 @@ import pytest
 
 from kvxferd.errors import BlockIdError, NotFoundError
 from kvxferd.plan.engine import ReadRequest
-from kvxferd.verify.engines import allocate_engine, check_buffers, expected_buffers
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.engines import allocate_engine, check_buffers, expected_buffers
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.agent import NixlAgent
-from kvxferd.verify.holderthread import HolderThread
+from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import UNSETTLED_ERROR, ReadExecutor
 from kvxferd.xfer.records import InFlightRead
 
@@ -150,7 +150,7 @@ def test_a_closed_agent_refuses_calls_with_a_typed_error():
 def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world, monkeypatch):
     """UCX cannot stop a READ: an aborted read's result waits while NIXL says a transfer of it runs, and past
     abort_drain_s it says its blocks may still be written (the real late write over a partitioned link:
-    tests/verify/hosts/test_late_writes.py)."""
+    tests/rig/verify/hosts/test_late_writes.py)."""
     healthy, _, decode, executor, _ = world
     monkeypatch.setattr(executor.agent, "running", lambda handle: True)  # a transfer that never ends
     executor.abort_drain_s = 0.2

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvxferd.plan.notifications import ReadNotice
-from kvxferd.verify.cluster import LocalCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.holder import NoticeEvent, PROGRESS_WANTED_S, READER_SETUP_S, Reader
 
 GROUPS = model_groups("gqa", ModelShape())

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import TransferError
-from kvxferd.verify.cluster import LocalCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.hostmaps import map_host_source
 from kvxferd.xfer.records import ReadFailure
 

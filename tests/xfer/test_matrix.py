@@ -9,8 +9,8 @@ decode byte against the oracle and waits for every prefill rank to release.
 import numpy as np
 import pytest
 
-from kvxferd.verify.cluster import LocalCluster
-from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
+from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups, random_request
 from kvxferd.xfer.holder import NoticeEvent
 
 from tests.sampling import covering

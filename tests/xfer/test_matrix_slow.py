@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kvxferd.verify.cluster import LocalCluster
-from kvxferd.verify.models import MODELS, ModelShape, model_groups, random_request
+from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups, random_request
 
 TP_PAIRS = [(p, d) for p in (1, 2, 3, 4, 6, 8) for d in (1, 2, 3, 4, 8)]
 SHAPES = [ModelShape(num_kv_heads=h, prefill_block_size=pb, decode_block_size=db, kernel_block_size=k, layout=layout)

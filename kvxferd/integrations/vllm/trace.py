@@ -10,7 +10,7 @@ appends JSON lines to ``<dir>/<who>-<pid>.jsonl``::
 stamps of the proxy, both engines and the client line up. A decode request
 has its own id in vLLM; its ``matched`` stamp names the prefill's id
 (``remote``), which joins the two engines, and the proxy stamps with the
-prefill's id. ``scripts/bench_vllm_trace.py`` turns the files into the
+prefill's id. ``kvxferd/rig/vllm/tracejoin.py`` turns the files into the
 per-segment table of docs/benchmarks.md.
 
 Off, a stamp is one attribute test; on, one short write per event (a

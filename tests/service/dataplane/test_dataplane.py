@@ -24,8 +24,8 @@ from kvxferd.service.dataplane import thread as dataplane_module
 from kvxferd.service.dataplane.thread import DataPlane
 from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
-from kvxferd.verify.cluster import LocalCluster
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer import holder as holder_module
 from kvxferd.xfer.holder import Holder, NoticeEvent, Reader
 from kvxferd.xfer.records import ReadFailure

@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import pytest
 
-from kvxferd.verify.daemons import DaemonCluster
-from kvxferd.verify.engines import allocate_engine
-from kvxferd.verify.models import ModelShape, model_groups, random_request
+from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.messages import engine_to_pb
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

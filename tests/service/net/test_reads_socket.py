@@ -15,7 +15,7 @@ from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.verify.daemons import DaemonCluster
+from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.wire.frames import HEADER, FrameReader, encode_frame, reads_socket_path
 from tests.service.helpers import GQA_GROUPS as GROUPS, engine_pb, two_block_request
 

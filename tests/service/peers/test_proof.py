@@ -13,7 +13,7 @@ from cryptography.x509.oid import NameOID
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.service.peers.proof import ChallengeSigner, check_signed_proof
 from kvxferd.service.peers.tls import TlsFiles
-from kvxferd.verify.certs import DevCA
+from kvxferd.rig.verify.certs import DevCA
 from kvxferd.wire.challenge import Nonces, new_nonce
 
 SPIFFE = "spiffe://kvxferd.test/ns/serving/sa/kvxferd"

@@ -22,7 +22,7 @@ from kvxferd.service.dataplane.thread import INLINE_MAX_BYTES
 from kvxferd.service.engines.read import ReadState
 from kvxferd.xfer.records import ReadFailure, ReadResult
 from kvxferd.service.reads.path import ReadPath
-from kvxferd.verify.engines import paper_cache
+from kvxferd.rig.verify.engines import paper_cache
 
 
 class _DataPlane:

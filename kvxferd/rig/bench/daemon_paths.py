@@ -1,0 +1,211 @@
+"""The measurements of ``kvxferd bench daemon``: one daemon pair per measurement, raw NIXL beside it.
+
+Each takes ``reads_stream``: True for the engine's Reads session (batches in,
+numbered completions out), over the daemon's reads socket or, with
+``reads_socket=False``, the gRPC ``Reads`` stream; False for the unary
+SubmitRead + WatchCompletions path. All are measured the same way in one run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import grpc
+import numpy as np
+
+from kvxferd.rig.bench.common import full_attention_groups, percentiles_us
+from kvxferd.rig.bench.raw import RawReader
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.rig.verify.certs import DevCA
+from kvxferd.rig.verify.daemons import DaemonCluster
+
+
+class RawPath:
+    """Raw NIXL from this process into the decode cache, reading the prefill daemon's agent (one request)."""
+
+    def __init__(self, cluster: DaemonCluster, request: ReadRequest,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.reader = RawReader(cluster.decode[0].cache, cluster.prefill_id,
+                                [d.peer_address for d in cluster.prefill_daemons], "raw-decode", credentials)
+        self.prepared = self.reader.prepare(request)
+        self.num_bytes = sum(num_bytes for *_, num_bytes in self.prepared)
+        self.num_descriptors = sum(len(ids) for _, _, ids, _ in self.prepared)
+
+    def read(self) -> float:
+        return self.reader.read(self.prepared)
+
+    def close(self) -> None:
+        self.reader.release(self.prepared)
+        self.reader.close()
+
+
+BENCH_ID = "spiffe://kvxferd.rig.bench/daemon"
+
+
+class Tls:
+    """A throw-away CA: the daemons' flags for mutual TLS, and a client certificate for the raw baseline."""
+
+    def __init__(self, workdir: str) -> None:
+        ca = DevCA(os.path.join(workdir, "pki"))
+        issued = ca.issue("bench", dns_names=("kvxferd-peer",), spiffe_id=BENCH_ID)
+        self.daemon_args = ("--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", str(ca.cert_path),
+                            "--peer-allowed-ids", BENCH_ID)
+        self.credentials = grpc.ssl_channel_credentials(ca.cert_path.read_bytes(), issued.key.read_bytes(),
+                                                        issued.cert.read_bytes())
+
+
+def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls | None,
+             reads_stream: bool, reads_socket: bool = True, same_host: bool = False) -> DaemonCluster:
+    groups = full_attention_groups(num_layers, num_blocks)
+    # The unary path keeps one gRPC call open per read in flight: when the daemons fall behind at
+    # 1 000/s, more than the default 256 per connection (max_concurrent_streams) would be refused.
+    args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")),
+            *(() if same_host else ("--no-same-host-reads",)))  # NIXL's figures unless same-host is asked for
+    return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args, reads_stream=reads_stream,
+                         reads_socket=reads_socket, start_many=getattr(tls, "start_many", None))
+
+
+def _credentials(tls: Tls | None):
+    return tls.credentials if tls else None
+
+
+def _daemon_read(cluster: DaemonCluster, request: ReadRequest) -> float:
+    cluster.hold(request)
+    start = time.perf_counter()
+    cluster.submit(request)
+    (completion,) = cluster.completions(request)
+    elapsed = time.perf_counter() - start
+    if not completion.ok:
+        raise RuntimeError(f"daemon read failed: {completion.error}")
+    return elapsed
+
+
+def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
+         reads_stream: bool = True, reads_socket: bool = True, same_host: bool = False) -> dict:
+    """Alternate raw NIXL and the daemon path on one big request; also time repeated handshakes.
+    ``same_host``: the decode daemon copies from the prefill engine's shared memory (issue #37)."""
+    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_stream, reads_socket, same_host) as cluster:
+        handshake_s = [cluster.decode_clients[0].handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])
+                       .duration_s for _ in range(max(rounds, 3))]
+        ids = np.arange(num_blocks)
+        request = ReadRequest("bulk-0", "bulk-0@p", (ids,), (ids,))
+        raw = RawPath(cluster, request, _credentials(tls))
+        try:
+            raw_s, daemon_s = [], []
+            for i in range(rounds + 1):  # round 0 warms both paths up
+                raw_time = raw.read()
+                name = f"bulk-{i}"
+                daemon_time = _daemon_read(cluster, ReadRequest(name, f"{name}@p", (ids,), (ids,)))
+                if i:
+                    raw_s.append(raw_time)
+                    daemon_s.append(daemon_time)
+        finally:
+            raw.close()
+    raw_gbps, daemon_gbps = raw.num_bytes / statistics.median(raw_s) / 1e9, raw.num_bytes / statistics.median(daemon_s) / 1e9
+    return {"bytes": raw.num_bytes, "descriptors": raw.num_descriptors, "rounds": rounds, "raw_gbps": raw_gbps,
+            "daemon_gbps": daemon_gbps, "ratio": daemon_gbps / raw_gbps,
+            "raw_ms": statistics.median(raw_s) * 1e3, "daemon_ms": statistics.median(daemon_s) * 1e3,
+            "handshake_ms": statistics.median(handshake_s) * 1e3}
+
+
+def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
+             tls: Tls | None = None, *, reads_stream: bool = True, reads_socket: bool = True, idle_s: float = 0.0,
+             reads_per_step: int = 1, same_host: bool = False) -> dict:
+    """Small requests at a steady rate: where the daemon adds time.
+
+    With ``idle_s``, first the daemons' CPU while engines are registered and nothing happens.
+    ``reads_per_step`` (Reads stream only): the engine submits that many reads as one batch, as a
+    step that scheduled them would; end to end counts from the batch's submission.
+    """
+    num_blocks = 4 * blocks_per_request
+    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream, reads_socket, same_host) as cluster:
+        rng = np.random.default_rng(0)
+        requests = []
+        for n in range(num_requests):
+            ids = rng.permutation(num_blocks)[:blocks_per_request]
+            requests.append(ReadRequest(f"q{n}", f"q{n}@p", (ids,), (np.sort(ids),)))
+        raw = RawPath(cluster, requests[0], _credentials(tls))
+        raw_s = [raw.read() for _ in range(200)][20:]
+        raw.close()
+        pids = {"decode daemon": cluster.decode_daemons[0].process.pid,
+                "prefill daemon": cluster.prefill_daemons[0].process.pid, "engines (this process)": os.getpid()}
+        idle = _idle_cpu_percent(pids, idle_s) if idle_s else {}
+        for request in requests:
+            cluster.hold(request)
+        client = cluster.decode_clients[0]
+        submitted_unix, submit_call_s, calls, submit_errors = {}, [], [], {}
+        cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        per_step = reads_per_step if reads_stream else 1
+        start, start_unix = time.perf_counter(), time.time()
+        for n in range(0, num_requests, per_step):
+            step = requests[n:n + per_step]
+            wait_s = start + (n + len(step) - 1) / rate_per_s - time.perf_counter()  # the step's last arrival
+            if wait_s > 0:
+                time.sleep(wait_s)
+            now_unix = time.time()
+            submitted_unix.update((request.request_id, now_unix) for request in step)
+            # An engine does not wait for the daemon before its next step: send without blocking.
+            if reads_stream:
+                client.reads.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
+                                                      r.local_block_ids, r.remote_block_ids,
+                                                      remote_capabilities=cluster.capabilities[r.remote_request_id])
+                                     for r in step])
+            else:
+                (request,) = step
+                calls.append(client.submit_read_async(request.request_id, cluster.prefill_id,
+                                                      request.remote_request_id, request.local_block_ids,
+                                                      request.remote_block_ids,
+                                                      remote_capabilities=cluster.capabilities[request.remote_request_id]))
+        offered_s = time.perf_counter() - start
+        not_submitted = set()
+        for request, call in zip(requests, calls):
+            try:
+                call.result()
+            except grpc.RpcError as err:  # an overloaded unary path: counted as a failed request
+                not_submitted.add(request.request_id)
+                cluster.prefill_clients[0].release(request.remote_request_id)
+                submit_errors[err.code().name] = submit_errors.get(err.code().name, 0) + 1
+                continue
+            submit_call_s.append(call.call_s)
+        if not submit_call_s:
+            submit_call_s = [0.0]  # the stream has no call to wait for
+        post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], len(not_submitted), start_unix
+        stages_s = {"plan": [], "transfer": [], "check": []}
+        for request in requests:
+            if request.request_id in not_submitted:
+                continue
+            completion, received_unix = client.reads.wait_completion_timed(request.request_id, 60)
+            failed += not completion.ok
+            post_s.append(completion.post_s)
+            for stage, values in stages_s.items():
+                values.append(getattr(completion, f"{stage}_s"))
+            deliver_s.append(received_unix - completion.done_unix_s)
+            end_to_end_s.append(received_unix - submitted_unix[request.request_id])
+            last_unix = max(last_unix, received_unix)
+        cpu_us = {name: (_cpu_s(pid) - cpu_before[name]) / num_requests * 1e6 for name, pid in pids.items()}
+    return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
+            "reads_per_step": per_step, "completed_rate_per_s": (num_requests - failed) / max(last_unix - start_unix, 1e-9),
+            "bytes_per_request": raw.num_bytes, "failed": failed, "submit_errors": submit_errors,
+            "submit_call": percentiles_us(submit_call_s),
+            "submit_to_posted": percentiles_us(post_s), "completion_to_delivered": percentiles_us(deliver_s),
+            **{f"daemon_{stage}": percentiles_us(values) for stage, values in stages_s.items()},
+            "end_to_end": percentiles_us(end_to_end_s), "raw_nixl": percentiles_us(raw_s), "cpu_us_per_request": cpu_us,
+            "idle_cpu_percent": idle}
+
+
+def _idle_cpu_percent(pids: dict, idle_s: float) -> dict:
+    """Per-process CPU over ``idle_s`` seconds of nothing to do, in percent of one core."""
+    time.sleep(0.5)  # registration and handshake settle
+    before, start = {name: _cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
+    time.sleep(idle_s)
+    wall_s = time.perf_counter() - start
+    return {name: (_cpu_s(pid) - before[name]) / wall_s * 100 for name, pid in pids.items() if "daemon" in name}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

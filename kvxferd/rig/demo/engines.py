@@ -1,0 +1,250 @@
+"""The demo's engine processes: a prefill engine and a decode engine, each with all its TP ranks.
+
+Each engine is its own OS process, as beside a real daemon: it allocates
+its ranks' caches in POSIX shared memory, registers them with one
+``kvxferd serve`` per rank over gRPC, and talks to nothing else. The demo
+driver sends it commands over a pipe::
+
+    driver (kvxferd demo)        prefill engine process          decode engine process
+      hold(request) ──────────►  Hold on every rank's daemon
+      read(request) ───────────────────────────────────────────► SubmitRead on every rank,
+                                                                 wait for the completions,
+                                                                 check every byte (oracle)
+      events(ids)   ──────────►  CONSUMED of every rank, from
+                                 the notify bus
+      raw(requests) ───────────────────────────────────────────► the same reads over raw NIXL
+
+Each runs in a :class:`kvxferd.rig.verify.process.EngineProcess` child: every
+command answers ``("ok", value)`` or ``("error", message)``, so a failure in
+an engine is reported, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kvxferd.rig.bench.raw import RawReader, read_all
+from kvxferd.client import EngineClient, NotifySubscriber, SharedArena, engine_rank_pb
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import CacheGroup
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.rig.verify.engines import allocate_engine, verify_decode
+
+
+class EngineRanks:
+    """Every TP rank of one engine: shared-memory caches registered with their daemons."""
+
+    def __init__(self, engine_id: str, groups: Sequence[CacheGroup], engine_targets: Sequence[str], *,
+                 tagged: bool, lease_s: float) -> None:
+        self.engine_id, self.groups, self.targets = engine_id, tuple(groups), list(engine_targets)
+        self.arenas: list[SharedArena] = []  # one per rank, in rank order
+        self.clients: list[EngineClient | None] = [None] * len(self.targets)
+        self.lease_s = lease_s
+        tp_size = len(self.targets)
+        try:
+            self.ranks = [allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=self._allocate)
+                          for rank in range(tp_size)]
+            # Registration creates a NIXL agent in each daemon (about a second): all ranks at once.
+            with ThreadPoolExecutor(tp_size) as pool:
+                list(pool.map(self.register, range(tp_size)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _allocate(self, num_bytes: int):
+        self.arenas.append(SharedArena(num_bytes))
+        return self.arenas[-1].array
+
+    def rank_pb(self, rank: int) -> pb.EngineRank:
+        """The Register message of ``rank`` (its cache in its arena)."""
+        return engine_rank_pb(self.ranks[rank].cache, self.arenas[rank])
+
+    def register(self, rank: int) -> None:
+        """Register ``rank`` with its daemon."""
+        client = self.clients[rank] = EngineClient(self.targets[rank])  # closed even when a later rank fails
+        client.register(self.rank_pb(rank), lease_s=self.lease_s)
+
+    def close(self) -> None:
+        """Deregister every rank (the daemons drop the memory), then free it."""
+        for client in self.clients:
+            if client is None:
+                continue
+            # A daemon that is gone already dropped the memory (or will, when the lease lapses).
+            with contextlib.suppress(Exception):
+                client.deregister()
+            client.close()
+        for arena in self.arenas:
+            arena.close()
+
+
+class PrefillEngine(EngineRanks):
+    """Holds requests' blocks for readers and collects the bus events that end the holds."""
+
+    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
+        super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
+        self.subscribers = [NotifySubscriber(client) for client in self.clients]
+
+    def hold(self, request: ReadRequest) -> tuple[bytes, ...]:
+        """Hold on every rank; the ranks' capabilities, which the read must carry."""
+        return tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=self.lease_s).capability
+                     for client in self.clients)
+
+    def release(self, request: ReadRequest) -> None:
+        """Give the blocks back without waiting for readers (the engine's answer to a failed read).
+
+        A rank whose hold already ended (its reader finished just before the
+        decode side gave up) answers NOT_FOUND: nothing left to release.
+        """
+        for client in self.clients:
+            try:
+                client.release(request.remote_request_id)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+
+    def events(self, remote_request_ids: Sequence[str], released_ids: Sequence[str], timeout_s: float) -> dict:
+        """Per request and rank the event that ended the hold; anything else published is counted.
+
+        A hold ends CONSUMED; one in ``released_ids`` (its read failed and
+        the engine released it) ends EXPIRED, or CONSUMED when its reader
+        finished first; FAILED events may precede.
+        """
+        consumed, missing, other = 0, [], []
+        for request_id in remote_request_ids:
+            released = request_id in released_ids
+            for rank, subscriber in enumerate(self.subscribers):
+                event = subscriber.wait_for(request_id, timeout_s=timeout_s)
+                if event is None:
+                    missing.append(f"{request_id} rank {rank}: no {'EXPIRED' if released else 'CONSUMED'}")
+                elif event.kind == pb.NotifyEvent.CONSUMED:
+                    consumed += 1
+                elif not released:  # a released hold may end EXPIRED: the release ended it
+                    other.append(f"{request_id} rank {rank}: {pb.NotifyEvent.Kind.Name(event.kind)} ({event.reason})")
+                other += [f"{request_id} rank {rank}: also {pb.NotifyEvent.Kind.Name(e.kind)} ({e.reason})"
+                          for e in subscriber.events_of(request_id)
+                          if not (released and e.kind == pb.NotifyEvent.FAILED)]
+        for rank, subscriber in enumerate(self.subscribers):  # a quiet bus now: nothing more may come
+            while (event := subscriber.next(timeout_s=0.05)) is not None:
+                if not (event.request_id in released_ids and event.kind == pb.NotifyEvent.FAILED):
+                    other.append(f"{event.request_id} rank {rank}: stray {pb.NotifyEvent.Kind.Name(event.kind)}")
+        return {"consumed": consumed, "missing": missing, "other": other}
+
+    def close(self) -> None:
+        for subscriber in getattr(self, "subscribers", ()):
+            subscriber.close()
+        super().close()
+
+
+class DecodeEngine(EngineRanks):
+    """Reads requests through its daemons and checks every byte against the oracle."""
+
+    def __init__(self, engine_id, groups, engine_targets, *, lease_s: float,
+                 tls_files: tuple[str, str, str] | None = None) -> None:
+        """``tls_files``: ``(ca, cert, key)`` PEM paths the raw baseline dials the prefill daemons with
+        (their peer ports run mutual TLS)."""
+        super().__init__(engine_id, groups, engine_targets, tagged=False, lease_s=lease_s)
+        self.tls_files = tls_files
+
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        if self.tls_files is None:
+            return None
+        ca, cert, key = (open(path, "rb").read() for path in self.tls_files)
+        return grpc.ssl_channel_credentials(ca, key, cert)
+
+    def handshake(self, remote_engine_id: str, peer_addresses: Sequence[str]) -> None:
+        for client in self.clients:
+            client.handshake(remote_engine_id, peer_addresses)
+
+    def read(self, request: ReadRequest, remote_engine_id: str, prefill_groups: Sequence[CacheGroup],
+             timeout_s: float) -> dict:
+        """One request on every rank: submit, wait for completions, verify; the figures as a dict."""
+        for engine in self.ranks:
+            engine.reset()
+        start, submitted_unix_s = time.perf_counter(), time.time()
+        for client in self.clients:
+            client.reads.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
+                                                  request.local_block_ids, request.remote_block_ids,
+                                                  num_tokens=request.num_tokens or 0, deadline_s=timeout_s,
+                                                  remote_capabilities=request.remote_capabilities)])
+        delivered = [client.reads.wait_completion_timed(request.request_id, timeout_s + 5) for client in self.clients]
+        latency_s = time.perf_counter() - start
+        completions = [completion for completion, _ in delivered]
+        ok = all(c.ok for c in completions)
+        # A failed read leaves its blocks undefined: the engine must not use them, nor do we check them.
+        problems, wrong = verify_decode(self.ranks, prefill_groups, request) if ok else ([], 0)
+        return {"ok": ok, "latency_s": latency_s,
+                "errors": [f"rank {r}: {c.error}" for r, c in enumerate(completions) if not c.ok],
+                "bytes": sum(c.num_bytes for c in completions),
+                "descriptors": sum(c.num_descriptors for c in completions),
+                "post_s": max(c.post_s for c in completions),
+                "stages_s": read_stages(submitted_unix_s, delivered) if ok else {},
+                "verified_bytes": sum(engine.num_bytes for engine in self.ranks) if ok else 0,
+                "mismatched_bytes": wrong, "mismatches": problems}
+
+    def raw(self, requests: Sequence[ReadRequest], remote_engine_id: str, peer_addresses: Sequence[str]) -> dict:
+        """The same reads over raw NIXL (no daemon in the path); per request, all ranks at once."""
+        credentials = self._credentials()
+        readers = [RawReader(engine.cache, remote_engine_id, list(peer_addresses), f"raw-{self.engine_id}-{r}",
+                             credentials) for r, engine in enumerate(self.ranks)]
+        try:
+            seconds, num_bytes = [], 0
+            warm_up_s = _warm_up(readers, requests[0])
+            for request in requests:
+                took_s, request_bytes = _read_round(readers, request)
+                seconds.append(took_s)
+                num_bytes += request_bytes
+            return {"seconds": seconds, "bytes": num_bytes, "warm_up_s": warm_up_s}
+        finally:
+            for reader in readers:
+                reader.close()
+
+
+def read_stages(submitted_unix_s: float, delivered: Sequence[tuple[pb.Completion, float]]) -> dict[str, float]:
+    """Where one request's time went, on the decode rank whose completion came last (it sets the latency).
+
+    Wall clocks of the engine and its daemon (one host): submitted -> the daemon
+    took the read -> planned -> every rank posted (``transfer()`` copies host
+    memory synchronously, so the copy is here) -> transfers ended -> board checks in
+    -> the engine has the completion.
+    """
+    completion, delivered_unix_s = max(delivered, key=lambda item: item[1])
+    started_unix_s = completion.done_unix_s - completion.duration_s
+    return {"to_daemon": started_unix_s - submitted_unix_s, "plan": completion.plan_s,
+            "post": completion.post_s - completion.plan_s, "transfer": completion.transfer_s,
+            "check": completion.check_s, "to_engine": delivered_unix_s - completion.done_unix_s}
+
+
+# Opening a UCX connection needs its owner to make progress, and a prefill daemon that holds
+# nothing polls its agents every 0.5 s (IDLE_POLL_S). The first read to a new peer took 0.5-1.5 s,
+# and the next one sometimes another 0.5 s (2 of 20 presets): a timed read that paid for that made
+# the row's raw GB/s a hundredth of the usual. So the warm-up repeats until a round is fast.
+WARM_UP_FAST_S = 0.05  # raw reads of a demo request take 1-5 ms here; a connection's wait, ~0.5 s
+MAX_WARM_UP_ROUNDS = 8
+
+
+def _warm_up(readers: Sequence[RawReader], request: ReadRequest) -> list[float]:
+    """Read ``request`` until a round after the first takes under WARM_UP_FAST_S; each round's seconds."""
+    rounds_s: list[float] = []
+    while len(rounds_s) < MAX_WARM_UP_ROUNDS and (len(rounds_s) < 2 or rounds_s[-1] >= WARM_UP_FAST_S):
+        rounds_s.append(_read_round(readers, request)[0])
+    return rounds_s
+
+
+def _read_round(readers: Sequence[RawReader], request: ReadRequest) -> tuple[float, int]:
+    """One request on every rank over raw NIXL: ``(seconds, bytes)``; lists are prepared before the clock starts.
+
+    The decode ranks read in parallel through their daemons; here one process
+    posts every rank's transfers before polling any, then polls them together.
+    """
+    prepared = [reader.prepare(request) for reader in readers]
+    try:
+        took_s = read_all([t for reader, rank in zip(readers, prepared) for t in reader.transfers(rank)])
+    finally:
+        for reader, rank in zip(readers, prepared):
+            reader.release(rank)
+    return took_s, sum(p[3] for rank in prepared for p in rank)

@@ -1,1 +1,0 @@
-"""Tests of the namespace-host rig (kvxferd/verify/hosts) and of what runs on it (root only; skipped with the reason elsewhere)."""
