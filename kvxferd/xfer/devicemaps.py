@@ -32,10 +32,12 @@ from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import DeviceShare, EngineCache
 from kvxferd.xfer.agent import TransferState
 from kvxferd.xfer.hostmaps import HostRank, MappedSource, empty_source
+from kvxferd.xfer.records import ReadFailure, TransferFailure
 
 
 class PendingDeviceCopy:
-    """One rank's batch of device copies, in a read's handles beside NIXL transfers: polled for its state."""
+    """One rank's batch of device copies, in a read's handles beside NIXL transfers (a
+    :class:`kvxferd.xfer.transfers.TransferHandle`): polled for its state."""
 
     def __init__(self, event: CopyEvent) -> None:
         self.event = event
@@ -47,6 +49,13 @@ class PendingDeviceCopy:
         except TransferError as err:
             self.error = err.message
             return TransferState.ERR
+
+    def failure(self) -> TransferFailure:
+        # A fault on the device poisons its context: no same-host GPU rank copies any more.
+        return TransferFailure("same-host copy: the device reported an error", ReadFailure.TRANSFER, self.error)
+
+    def running(self) -> bool:
+        return False  # release() waits for the batch: nothing writes after it
 
     def release(self) -> None:
         self.event.release()

@@ -44,9 +44,9 @@ from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
 from kvxferd.xfer.checks import BoardProbe, CheckArea, board_rows
-from kvxferd.xfer.devicemaps import PendingDeviceCopy
+from kvxferd.xfer.transfers import NixlTransfer, nixl_failure
 from kvxferd.xfer.hostmaps import HostRank
-from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine, TransferFailure
 from kvxferd.xfer.samehostranks import SameHostOpener, drop_all, drop_rank
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
@@ -293,21 +293,21 @@ class ReadExecutor:
         host_rank = remote.host_ranks.get(q)
         if host_rank is not None and self._copy_same_host(inflight, read, host_rank):
             return
-        handle = None
+        transfer = None
         try:
-            handle = self.agent.make_read(remote.local_lists[q], read.local_ids, remote.remote_lists[q],
-                                          read.remote_ids, b"")
-            state = self.agent.post(handle)
+            transfer = NixlTransfer(self.agent, self.agent.make_read(remote.local_lists[q], read.local_ids,
+                                                                     remote.remote_lists[q], read.remote_ids, b""))
+            state = self.agent.post(transfer.handle)
         except NixlError as err:
-            inflight.fail(q, str(err), _nixl_failure(err))
-            if handle is not None:
-                self._release(handle)
+            inflight.fail(q, str(err), nixl_failure(err))
+            if transfer is not None:
+                transfer.release()
             return
         if state is TransferState.ERR:
             inflight.fail(q, "transfer: posting reported an error", ReadFailure.TRANSFER)
-            self._release(handle)
+            transfer.release()
         else:
-            inflight.handles[q] = handle
+            inflight.handles[q] = transfer
             if state is TransferState.PROC:
                 inflight.waited_ranks.add(q)
 
@@ -326,7 +326,7 @@ class ReadExecutor:
             return True
         inflight.num_host_copies += 1
         self.num_host_copies += 1
-        if isinstance(copied, PendingDeviceCopy):  # on the device: ends when its event does (poll)
+        if host_rank.on_device:  # a batch on the device (devicemaps.py): it ends when its event does (poll)
             inflight.handles[q] = copied
         else:
             inflight.step += 1
@@ -355,16 +355,16 @@ class ReadExecutor:
         # second check), then checks again: over shared memory each ends inside its post, so a small
         # read ends in one poll.
         self._poll_checks(inflight)
-        for q, handle in list(inflight.handles.items()):
-            state = self._state(inflight, q, handle)
+        for q, transfer in list(inflight.handles.items()):
+            state = transfer.state()
             if state is TransferState.PROC:
                 continue
             inflight.step += 1
             if state is TransferState.ERR:
-                inflight.fail(q, "transfer: completed with an error", ReadFailure.TRANSFER)
+                self._transfer_failed(inflight, q, transfer.failure())
             elif inflight.tags:
                 inflight.unchecked.append(q)  # the data is in: now ask the board whether it was still held
-            self._release(inflight.handles.pop(q))
+            inflight.handles.pop(q).release()
         if not inflight.handles and not inflight.admitting and not inflight.transferred_s:
             inflight.transferred_s = time.perf_counter()
         self._poll_checks(inflight)
@@ -426,13 +426,14 @@ class ReadExecutor:
         True when none is left."""
         past = force or time.perf_counter() >= inflight.drain_until_s
         for key, (handle, slot) in list(inflight.draining.items()):
-            running = not isinstance(handle, PendingDeviceCopy) and self.agent.running(handle)
+            # slot None: a rank's data transfer (TransferHandle); else a board check's NIXL handle
+            running = handle.running() if slot is None else self.agent.running(handle)
             if running and not past:
                 continue
             del inflight.draining[key]
             if slot is None:
                 inflight.unsettled |= running and not force  # its bytes may still land in the engine's blocks
-                self._release(handle)  # a device batch: waits for it (devicemaps.py)
+                handle.release()  # a device batch: waits for it (devicemaps.py)
             else:
                 self.checks.end(handle, slot, maybe_running=running)
         if inflight.draining or not inflight.drain_counted:
@@ -450,18 +451,18 @@ class ReadExecutor:
         return self.wait(self.post(remote_engine_id, request), timeout_s)
 
     # ---- internals ---------------------------------------------------------
-    def _state(self, inflight: InFlightRead, q: int, handle) -> TransferState:
-        if isinstance(handle, PendingDeviceCopy):
-            state = handle.state()
-            if state is TransferState.ERR:
-                inflight.fail(q, "same-host copy: the device reported an error", ReadFailure.TRANSFER)
-                for remote in self._remotes.values():  # the context is poisoned: no GPU rank copies any more
-                    drop_all(remote, handle.error, on_device_only=True)
-            return state
+    def _transfer_failed(self, inflight: InFlightRead, q: int, failure: TransferFailure) -> None:
+        inflight.fail(q, failure.error, failure.kind)
+        if failure.context_lost:
+            for remote in self._remotes.values():  # the device's context is poisoned: no GPU rank copies any more
+                drop_all(remote, failure.context_lost, on_device_only=True)
+
+    def _check_state(self, inflight: InFlightRead, q: int, handle) -> TransferState:
+        """A board check's state (a NIXL handle of :mod:`kvxferd.xfer.checks`)."""
         try:
             return self.agent.state(handle)
         except NixlError as err:
-            inflight.fail(q, str(err), _nixl_failure(err))
+            inflight.fail(q, str(err), nixl_failure(err))
             return TransferState.ERR
 
     def _poll_checks(self, inflight: InFlightRead) -> None:
@@ -469,7 +470,7 @@ class ReadExecutor:
         posts it; a rank whose hold is gone is stale (before its READ: nothing of it was copied)."""
         self._post_checks(inflight)
         for q, (handle, slot) in list(inflight.checks.items()):
-            state = self._state(inflight, q, handle)
+            state = self._check_state(inflight, q, handle)
             if state is TransferState.PROC:
                 continue
             inflight.step += 1
@@ -493,7 +494,7 @@ class ReadExecutor:
             except NixlError as err:
                 inflight.unchecked.pop(0)
                 inflight.admitting.pop(q, None)
-                inflight.fail(q, f"board check: {err}", _nixl_failure(err))
+                inflight.fail(q, f"board check: {err}", nixl_failure(err))
                 continue
             if posted is None:
                 return  # every slot taken: the next poll tries again
@@ -509,15 +510,6 @@ class ReadExecutor:
 
     def _end_check(self, inflight: InFlightRead, q: int) -> None:
         self.checks.end(*inflight.checks.pop(q))
-
-    def _release(self, handle) -> None:
-        if isinstance(handle, PendingDeviceCopy):
-            handle.release()
-            return
-        try:
-            self.agent.release(handle)
-        except NixlError:
-            pass  # the handle of a failed transfer may already be gone
 
     def send_notices(self, inflight: InFlightRead) -> None:
         """Tell every holder how a finished read went, once (nothing before its result).
@@ -570,9 +562,3 @@ STALE_ERROR = ("stale read: the hold had ended (lease expired or released) befor
                "against the holder's board")
 UNHELD_ERROR = ("stale read, nothing copied: the holder's board shows no live hold sealed by this capability "
                 "(it ended, or never was) before the read was posted")
-
-
-def _nixl_failure(err: NixlError) -> ReadFailure:
-    """NIXL's exception type says whether the remote agent is gone (nixlRemoteDisconnectError, nixlNotFoundError)."""
-    name = type(err.cause).__name__
-    return ReadFailure.REMOTE_GONE if "Disconnect" in name or "NotFound" in name else ReadFailure.TRANSFER

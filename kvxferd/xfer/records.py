@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, RankRead
+from kvxferd.xfer.agent import TransferState
 from kvxferd.xfer.checks import BoardProbe
 from kvxferd.xfer.hostmaps import HostRank
 
@@ -29,6 +31,33 @@ class ReadFailure(str, enum.Enum):
     ABORTED = "aborted"  # the engine or the link went away under the read
     HANDSHAKE = "handshake"  # a re-handshake before posting failed
     REFUSED = "refused"  # refused before anything was posted (Reads stream)
+
+
+class TransferFailure(NamedTuple):
+    """Why a transfer ended in ERR: the read's error text and kind, and, when the device's context is
+    lost (no same-host GPU rank may copy any more), the device's own words; else ''."""
+
+    error: str
+    kind: ReadFailure
+    context_lost: str = ""
+
+
+class TransferHandle(Protocol):
+    """A rank's data transfer as the read executor holds it: a NIXL READ
+    (:class:`kvxferd.xfer.transfers.NixlTransfer`) or a batch of device copies
+    (:class:`kvxferd.xfer.devicemaps.PendingDeviceCopy`); the executor never asks which."""
+
+    def state(self) -> TransferState:
+        """DONE, PROC (still running) or ERR (then :meth:`failure` says why)."""
+
+    def failure(self) -> TransferFailure:
+        """Why it ended in ERR."""
+
+    def running(self) -> bool:
+        """Whether it may still write into the local blocks (an aborted READ UCX cannot stop)."""
+
+    def release(self) -> None:
+        """Let go of it (never raises)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +106,7 @@ class InFlightRead:
     planned: PlannedRead
     remote: RemoteEngine
     start_s: float
-    handles: dict[int, object] = field(default_factory=dict)  # rank -> transfer handle still running
+    handles: dict[int, TransferHandle] = field(default_factory=dict)  # rank -> its transfer, still running
     errors: dict[int, str] = field(default_factory=dict)  # rank -> why it failed
     failure: ReadFailure = ReadFailure.NONE  # the first failure's kind
     result: ReadResult | None = None

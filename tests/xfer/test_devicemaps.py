@@ -92,7 +92,7 @@ def _post_until_copying(cluster, request):
     executor = cluster.executors[0]
     inflight = executor.post(cluster.prefill_id, request)
     deadline = time.monotonic() + 10
-    while sum(isinstance(h, PendingDeviceCopy) for h in inflight.handles.values()) < 2:
+    while sum(isinstance(h, PendingDeviceCopy) for h in inflight.handles.values()) < 2:  # test-side: which kind
         assert executor.poll(inflight) is None and time.monotonic() < deadline
         time.sleep(1e-3)
     return inflight

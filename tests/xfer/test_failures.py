@@ -12,10 +12,10 @@ from kvxferd.errors import BlockIdError, NotFoundError
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.rig.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.agent import NixlAgent, TransferState
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import UNSETTLED_ERROR, ReadExecutor
-from kvxferd.xfer.records import InFlightRead
+from kvxferd.xfer.records import InFlightRead, ReadFailure, TransferFailure
 
 PREFILL_GROUPS, DECODE_GROUPS = model_groups("hybrid", ModelShape(num_layers=2))
 
@@ -152,12 +152,10 @@ def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world
     abort_drain_s it says its blocks may still be written (the real late write over a partitioned link:
     tests/rig/verify/hosts/test_late_writes.py)."""
     healthy, _, decode, executor, _ = world
-    monkeypatch.setattr(executor.agent, "running", lambda handle: True)  # a transfer that never ends
     executor.abort_drain_s = 0.2
     inflight = _unposted(executor, "stuck")
-    fake = object()  # a handle NIXL still runs: released only when the drain gives up
     released = []
-    monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
+    fake = StandInTransfer(lambda: True, released)  # a transfer that never ends: released when the drain gives up
     inflight.handles[0] = fake
     assert executor.abort(inflight, "deadline: test") is None
     assert executor.poll(inflight) is None and not released
@@ -169,11 +167,9 @@ def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world
 
 def test_an_abort_without_drain_releases_at_once(world, monkeypatch):
     healthy, _, decode, executor, _ = world
-    monkeypatch.setattr(executor.agent, "running", lambda handle: True)
     inflight = _unposted(executor, "at-once")
     released = []
-    monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
-    inflight.handles[0] = marker = object()
+    inflight.handles[0] = marker = StandInTransfer(lambda: True, released)
     result = executor.abort(inflight, "the engine went away", drain=False)
     assert result is not None and not result.ok and marker in released and UNSETTLED_ERROR not in result.error
 
@@ -181,12 +177,27 @@ def test_an_abort_without_drain_releases_at_once(world, monkeypatch):
 def _draining_read(executor, request_id, monkeypatch, running):
     """A read of ``healthy`` aborted while a (stand-in) transfer of it still runs: NIXL says so while
     ``running["yes"]``."""
-    monkeypatch.setattr(executor.agent, "running", lambda handle: running["yes"])
     released = []
-    monkeypatch.setattr(executor, "_release", lambda handle: released.append(handle))
     inflight = _unposted(executor, request_id)
-    inflight.handles[0] = marker = object()
+    inflight.handles[0] = marker = StandInTransfer(lambda: running["yes"], released)
     return inflight, marker, released
+
+
+class StandInTransfer:
+    """A rank's transfer (xfer/records.py's TransferHandle) that runs while ``running()`` says so and
+    records its release."""
+
+    def __init__(self, running, released: list) -> None:
+        self.running, self.released = running, released
+
+    def state(self) -> TransferState:
+        return TransferState.PROC if self.running() else TransferState.DONE
+
+    def failure(self) -> TransferFailure:
+        return TransferFailure("stand-in", ReadFailure.TRANSFER)
+
+    def release(self) -> None:
+        self.released.append(self)
 
 
 def _unposted(executor, request_id):
