@@ -13,7 +13,7 @@ if [ "${1:-}" = "--fast" ]; then
     shift
     scripts/bootstrap.sh
     export KVXFERD_FAST_LANE=1
-    exec .venv/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-2}" --dist loadgroup -m "not slow and not image and not vllm and not daemons" \
+    exec .venv/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-2}" --dist loadfile -m "not slow and not image and not vllm and not daemons" \
         tests/layout tests/tp tests/plan tests/wire tests/xfer tests/cuda tests/test_purity.py tests/test_docs.py \
         tests/service/base/test_config.py tests/service/base/test_identity_match.py tests/service/engines/test_completions.py \
         tests/service/engines/test_memory.py tests/service/dataplane tests/service/net/test_framewriter.py "$@"
@@ -28,4 +28,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # work (module fixtures start daemons and vLLM engines once), and all vLLM files are one unit
 # (they run one at a time), in tests/conftest.py's order, longest first.
 # KVXFERD_TEST_WORKERS=0 runs in one process; `-n N` after it wins too.
-exec .venv-vllm/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"
+exec .venv-vllm/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

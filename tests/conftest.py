@@ -8,14 +8,16 @@ settings.register_profile("dev", max_examples=60, deadline=None, suppress_health
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
-# The default run goes over three xdist workers (scripts/test.sh, `--dist loadgroup`). Each test file
-# is one unit of work (module fixtures start daemons and vLLM engines once), except the vLLM files,
-# which are one unit together: they run one after another on one worker. Side by side, two or three
-# of them put a dozen vLLM processes on the two cores, and a step could stall for 20-30 s: long
-# enough for an engine's registration to lapse or an early hold's lease to run out (issue #54).
-# Units go out in collection order, the longest first, so no worker starts one of them near the end
-# while the others sit idle (the rest take under 30 s a file).
+# The default run goes over three xdist workers (scripts/test.sh, `--dist loadfile`, with the scheduler
+# below). Each test file is one unit of work (module fixtures start daemons and vLLM engines once),
+# except the vLLM files, which are one unit together: they run one after another on one worker. Side by
+# side, two or three of them put a dozen vLLM processes on the two cores, and a step could stall for
+# 20-30 s: long enough for an engine's registration to lapse or an early hold's lease to run out (issue
+# #54). Units go out in collection order, the longest first, so no worker starts one of them near the
+# end while the others sit idle (the rest take under 30 s a file).
 VLLM_GROUP = "vllm"
+VLLM_FILES = frozenset(f"tests/integrations/test_vllm_{name}.py"
+                       for name in ("e2e", "tp2_recompute", "serve", "mamba", "mla", "prefill_frees", "swa"))
 LONGEST_FIRST = (
     VLLM_GROUP,  # ~7 min: every vLLM file
     "tests/rig/soak/test_soak_run.py",  # ~100 s: the 90 s soak
@@ -24,6 +26,34 @@ LONGEST_FIRST = (
     "tests/rig/verify/hosts/test_fabric.py",  # ~50 s: namespace hosts, a demo across two of them
     "tests/rig/verify/hosts/test_late_writes.py",  # ~40 s: two reads cut by a partition
 )
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return VLLM_GROUP if path in VLLM_FILES else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, but the vLLM files are one unit (pytest-xdist's ``loadgroup`` marks are not
+    read under pytest 9: xdist 3.8 renames a node through an attribute pytest no longer uses)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndOneVllmUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+    return FilesAndOneVllmUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Put :data:`LONGEST_FIRST`'s units first, in that order (a stable sort: units stay whole). A vLLM
+    test outside :data:`VLLM_FILES` is a usage error: it would run beside the others."""
+    stray = sorted({i.nodeid.split("::", 1)[0] for i in items if i.get_closest_marker("vllm")} - VLLM_FILES)
+    if stray:
+        raise pytest.UsageError(f"vLLM tests outside tests/conftest.py's VLLM_FILES: {stray}")
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))
 
 
 def pytest_configure(config) -> None:
@@ -54,15 +84,3 @@ def arenas():
     yield kept
     for arena in kept:
         arena.close()
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items) -> None:
-    """Group every item (its file, or :data:`VLLM_GROUP`) and put :data:`LONGEST_FIRST` first, in that
-    order (a stable sort: groups stay whole)."""
-    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
-    units = {}
-    for item in items:
-        units[item.nodeid] = VLLM_GROUP if item.get_closest_marker("vllm") else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(units[item.nodeid]))
-    items.sort(key=lambda item: rank.get(units[item.nodeid], len(rank)))

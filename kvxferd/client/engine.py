@@ -7,11 +7,9 @@ registration alive while the client lives.
 
 Reads and their completions go through the registration's session
 (:attr:`EngineClient.reads`, :mod:`kvxferd.client.session`: the reads socket
-or the gRPC ``Reads`` stream, numbered and acked; ``WatchCompletions`` for
-simple clients, ``reads_stream=False``, with the unary ``SubmitRead``:
-:meth:`EngineClient.submit_read`, which raises on refusal). This module is
-the control side: registration, heartbeats, handshakes, holds, and the
-unary calls.
+or the gRPC ``Reads`` stream, in batches, numbered and acked; a refused read
+comes back as a completion with ``refused_code``). This module is the control
+side: registration, heartbeats, handshakes, holds, and the unary calls.
 
 ``Register`` returns a session; the client sends it with every later call
 (metadata ``kvxferd-session``), so no other local process can act as this
@@ -29,7 +27,6 @@ nothing (no session, no memory handle) was sent.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -78,11 +75,10 @@ class EngineClient:
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
-                 channel_options: Sequence[tuple[str, object]] = (), reads_stream: bool = True,
-                 reads_socket: bool = True, daemon_uid: int | None = None) -> None:
+                 channel_options: Sequence[tuple[str, object]] = (), reads_socket: bool = True,
+                 daemon_uid: int | None = None) -> None:
         """``target``: ``unix:PATH`` (the default daemon socket) or, with ``credentials`` (TLS) and
         ``token``, the daemon's ``engine_tcp`` address (``channel_options`` e.g. a TLS target name override).
-        ``reads_stream=False``: completions over ``WatchCompletions`` instead of the ``Reads`` stream.
         ``reads_socket``: a ``unix:`` target's reads go over the daemon's reads socket (the same
         batches without gRPC) when it offers one, else over the gRPC ``Reads`` stream.
         ``daemon_uid``: the uid the daemon of a ``unix:`` target runs as (default: this process's); a
@@ -90,10 +86,9 @@ class EngineClient:
         self.target = target
         self.daemon_uid = daemon_uid_or_own(daemon_uid)
         self.socket_path = target.removeprefix("unix:") if target.startswith("unix:") else None
-        self.reads_stream = reads_stream
         self.max_message_bytes = max_message_bytes
         self.reads_socket_path = (reads_socket_path(self.socket_path)
-                                  if reads_socket and reads_stream and self.socket_path is not None else None)
+                                  if reads_socket and self.socket_path is not None else None)
         self.timeout_s = timeout_s
         self.session, self.token = "", token
         options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
@@ -211,22 +206,15 @@ class EngineClient:
         return self.stub.Handshake(pb.HandshakeRequest(engine_id=self.engine_id, remote_engine_id=remote_engine_id,
                                                        peer_addresses=list(peer_addresses)), timeout=self.timeout_s)
 
-    def _read_message(self, request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
-                      num_tokens, deadline_s, remote_capabilities) -> pb.SubmitReadRequest:
-        return pb.SubmitReadRequest(
-            engine_id=self.engine_id, request_id=request_id, remote_engine_id=remote_engine_id,
-            remote_request_id=remote_request_id, local_block_ids=ids_to_pb(local_block_ids),
-            remote_block_ids=ids_to_pb(remote_block_ids), num_tokens=num_tokens, deadline_s=deadline_s,
-            remote_capabilities=list(remote_capabilities))
-
     def submit_read(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                     remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0,
                     remote_capabilities: Sequence[bytes] = ()) -> None:
-        """Submit a read; returns once the daemon accepted it (completion comes later).
-        ``remote_capabilities``: each remote rank's :attr:`Held.capability` of the hold, in rank order."""
-        self.stub.SubmitRead(self._read_message(request_id, remote_engine_id, remote_request_id, local_block_ids,
-                                                remote_block_ids, num_tokens, deadline_s, remote_capabilities),
-                             timeout=self.timeout_s)
+        """One read as a batch of one on the session (:meth:`ReadSession.submit_reads`); its completion, or its
+        refusal (``refused_code``), comes back like any other. ``remote_capabilities``: each remote rank's
+        :attr:`Held.capability` of the hold, in rank order."""
+        self.reads.submit_reads([self.read_spec(request_id, remote_engine_id, remote_request_id, local_block_ids,
+                                                remote_block_ids, num_tokens=num_tokens, deadline_s=deadline_s,
+                                                remote_capabilities=remote_capabilities)])
 
     @staticmethod
     def read_spec(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids, remote_block_ids,
@@ -234,18 +222,6 @@ class EngineClient:
         """One read for :meth:`submit_reads` (block ids per cache group; capabilities per remote rank)."""
         return read_spec_to_pb(request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
                                num_tokens, deadline_s, remote_capabilities)
-
-    def submit_read_async(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
-                          remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0,
-                          remote_capabilities: Sequence[bytes] = ()) -> grpc.Future:
-        """Submit without waiting; ``.result()`` raises the daemon's error; ``.call_s`` is the RPC time once done."""
-        start = time.perf_counter()
-        future = self.stub.SubmitRead.future(self._read_message(request_id, remote_engine_id, remote_request_id,
-                                                                local_block_ids, remote_block_ids, num_tokens,
-                                                                deadline_s, remote_capabilities),
-                                             timeout=self.timeout_s)
-        future.add_done_callback(lambda f: setattr(f, "call_s", time.perf_counter() - start))
-        return future
 
     # ---- holds ------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> Held:

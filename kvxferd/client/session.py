@@ -4,8 +4,6 @@ One session per registration, on one transport at a time::
 
     reads socket (<engine_socket>.reads)   a local daemon that offers it: batches and holds
     gRPC Reads stream                      any other daemon (engine_tcp), or no socket
-    WatchCompletions                       simple clients (reads_stream=False): completions only;
-                                           reads go as unary SubmitRead (EngineClient.submit_read)
 
 Reads go in batches (:meth:`ReadSession.submit_reads`: one message per
 engine step, no reply to wait for); their completions come back numbered.
@@ -57,7 +55,6 @@ class Registration(Protocol):
     engine_id: str | None
     session: str  # the registration's session (the reads socket's first frame carries it)
     stub: object
-    reads_stream: bool
     reads_socket_path: str | None
     timeout_s: float
     max_message_bytes: int
@@ -114,59 +111,53 @@ class ReadSession:
         socket_stream = None
         with self._cond:
             self._retire_stream()
-            if client.reads_stream:
-                if self._outbox is not None:
-                    self._outbox.put(None)  # ends the old request iterator
-                # submit_reads puts under this lock too: a batch goes on the old stream or into `first`.
-                self._outbox = outbox = queue.SimpleQueue()
-                # Reads whose batch may have been lost with the old stream go again, marked: the daemon
-                # skips those it has (in flight or completed but not acked), so none runs twice.
-                first = pb.ReadBatch(engine_id=client.engine_id, ack_seq=self._last_seq, reads=self._pending.values())
-                for spec in first.reads:
-                    spec.resend = True
-                self._acked_seq = self._last_seq
-                if client.reads_socket_path and os.path.exists(client.reads_socket_path):
-                    first.session = client.session  # what gRPC sends as metadata
-                    try:
-                        socket_stream = ReadsSocketStream(client.reads_socket_path, first, timeout_s=client.timeout_s,
-                                                          max_frame_bytes=client.max_message_bytes,
-                                                          on_holds=self._hold_answers_arrived,
-                                                          daemon_uid=client.daemon_uid)
-                    except PermissionDeniedError as err:  # another user listens there: nothing was sent
-                        self._outbox = None  # reads are refused (submit_reads), waits end at once
-                        self.stream_error = ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
-                        self._cond.notify_all()
-                        return
-                    if socket_stream.connected:  # else (a stale path, say) the gRPC stream
-                        self._outbox = self._stream = socket_stream  # in the lock: later batches go after `first`
-                    else:
-                        socket_stream = None
-                        first.session = ""
+            if self._outbox is not None:
+                self._outbox.put(None)  # ends the old request iterator
+            # submit_reads puts under this lock too: a batch goes on the old stream or into `first`.
+            self._outbox = outbox = queue.SimpleQueue()
+            # Reads whose batch may have been lost with the old stream go again, marked: the daemon
+            # skips those it has (in flight or completed but not acked), so none runs twice.
+            first = pb.ReadBatch(engine_id=client.engine_id, ack_seq=self._last_seq, reads=self._pending.values())
+            for spec in first.reads:
+                spec.resend = True
+            self._acked_seq = self._last_seq
+            if client.reads_socket_path and os.path.exists(client.reads_socket_path):
+                first.session = client.session  # what gRPC sends as metadata
+                try:
+                    socket_stream = ReadsSocketStream(client.reads_socket_path, first, timeout_s=client.timeout_s,
+                                                      max_frame_bytes=client.max_message_bytes,
+                                                      on_holds=self._hold_answers_arrived,
+                                                      daemon_uid=client.daemon_uid)
+                except PermissionDeniedError as err:  # another user listens there: nothing was sent
+                    self._outbox = None  # reads are refused (submit_reads), waits end at once
+                    self.stream_error = ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
+                    self._cond.notify_all()
+                    return
+                if socket_stream.connected:  # else (a stale path, say) the gRPC stream
+                    self._outbox = self._stream = socket_stream  # in the lock: later batches go after `first`
+                else:
+                    socket_stream = None
+                    first.session = ""
         if socket_stream is not None:
-            client.start_thread(lambda: self._watch(socket_stream, lambda item: item.completions))
+            client.start_thread(lambda: self._watch(socket_stream))
             return
-        if client.reads_stream:
-            stream = client.stub.Reads(_batches(first, outbox))
-            completions_of = lambda item: item.completions  # noqa: E731
-        else:
-            stream = client.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=client.engine_id))
-            completions_of = lambda item: (item,)  # noqa: E731
+        stream = client.stub.Reads(_batches(first, outbox))
         with self._cond:
             self._stream = stream
-        client.start_thread(lambda: self._watch(stream, completions_of))
+        client.start_thread(lambda: self._watch(stream))
 
     @property
     def on_socket(self) -> bool:
         """The current transport is the daemon's reads socket."""
         return isinstance(self._stream, ReadsSocketStream)
 
-    def _watch(self, stream, completions_of) -> None:
+    def _watch(self, stream) -> None:
         try:
             for item in stream:
                 with self._cond:
                     if stream is not self._stream:
                         break  # retired: see _retire_stream
-                    for completion in completions_of(item):
+                    for completion in item.completions:
                         if completion.seq and completion.seq <= self._last_seq:
                             self.num_duplicates_dropped += 1  # sent again after a reconnect; this client has it
                             continue
@@ -174,7 +165,7 @@ class ReadSession:
                         self._pending.pop(completion.request_id, None)
                         self._completions[completion.request_id] = (completion, time.time())
                     self._cond.notify_all()
-                    if self.client.reads_stream and self._last_seq - self._acked_seq >= ACK_EVERY:
+                    if self._last_seq - self._acked_seq >= ACK_EVERY:
                         self._acked_seq = self._last_seq
                         self._outbox.put(pb.ReadBatch(ack_seq=self._acked_seq))
         except grpc.RpcError as err:
@@ -199,8 +190,8 @@ class ReadSession:
         """Send a batch of reads; never blocks. Refusals come back as completions."""
         if self.stream_error is not None and self._outbox is None:
             raise PermissionDeniedError("daemon_uid", self.stream_error.details())
-        if not self.client.reads_stream or self._outbox is None:
-            raise RuntimeError("submit_reads needs a registered client with reads_stream=True")
+        if self._outbox is None:
+            raise RuntimeError("submit_reads needs a registered client (its session is opened at Register)")
         with self._cond:
             ack = self._acked_seq = self._last_seq
             for spec in reads:

@@ -278,13 +278,6 @@ def read_request_from_spec(spec: pb.ReadSpec) -> ReadRequest:
                          spec.remote_capabilities)
 
 
-def read_request_from_pb(message: pb.SubmitReadRequest) -> ReadRequest:
-    """A read request; ids are range-checked later by the plan, before any I/O."""
-    return _read_request(message.request_id, message.remote_request_id, message.num_tokens,
-                         ids_from_pb(message.local_block_ids), ids_from_pb(message.remote_block_ids),
-                         message.remote_capabilities)
-
-
 def _read_request(request_id: str, remote_request_id: str, num_tokens: int, local, remote,
                   capabilities) -> ReadRequest:
     check_id(request_id, "request_id")

@@ -102,10 +102,8 @@ def test_calls_need_the_engines_session(daemon, arenas):
             "Release": lambda: intruder.release("r"),
             "RenewLease": lambda: intruder.renew(["r"]),
             "MissedEvents": lambda: intruder.missed_events(0),
-            "SubmitRead": lambda: intruder.submit_read("r", "x", "y", [[1]], [[1]]),
             "Handshake": lambda: intruder.handshake("x", ["127.0.0.1:1"]),
-            "WatchCompletions": lambda: next(iter(intruder.stub.WatchCompletions(
-                pb.WatchCompletionsRequest(engine_id="tenant-a"), timeout=5))),
+            "Reads": lambda: list(intruder.stub.Reads(iter([pb.ReadBatch(engine_id="tenant-a")]), timeout=5)),
             "Deregister": lambda: intruder.stub.Deregister(pb.DeregisterRequest(engine_id="tenant-a")),
         }
         for name, call in calls.items():

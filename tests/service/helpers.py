@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 
 import grpc
@@ -59,26 +60,66 @@ def engine_pb(groups, engine_id: str = "other", arenas: list | None = None) -> p
 
 
 def second_completion_stream(target: str, engine_id: str, groups, arenas: list, answer_s: float = 5.0):
-    """Register ``engine_id`` on the daemon at ``target`` and open its ``WatchCompletions`` twice: the first
+    """Register ``engine_id`` on the daemon at ``target`` and open its gRPC ``Reads`` stream twice: the first
     stream's ending ``(code, details)``; then Deregister, which must end the second at once, FAILED_PRECONDITION
     (asserted)."""
     from kvxferd.client import EngineClient
 
     client = EngineClient(target)
+    outboxes: list[queue.SimpleQueue] = []
+
+    def reads_stream():
+        outbox = queue.SimpleQueue()
+        outboxes.append(outbox)
+        outbox.put(pb.ReadBatch(engine_id=engine_id))
+        return client.stub.Reads(iter(outbox.get, None), timeout=answer_s * 2)
     try:
         client.session = client.stub.Register(pb.RegisterRequest(engine=engine_pb(groups, engine_id, arenas)),
                                               timeout=30).session
-        watch = pb.WatchCompletionsRequest(engine_id=engine_id)
-        first = client.stub.WatchCompletions(watch, timeout=answer_s * 2)
+        first = reads_stream()
         time.sleep(1.0)  # the first stream is current
-        second = client.stub.WatchCompletions(watch, timeout=answer_s * 2)  # kept: a dropped call is cancelled
+        second = reads_stream()  # kept: a dropped call is cancelled
         ended = status(lambda: list(first))
         client.stub.Deregister(pb.DeregisterRequest(engine_id=engine_id), timeout=answer_s)
         # ended, well before its deadline: the registration's end, not OK (issue 61)
         assert status(lambda: list(second))[0] == grpc.StatusCode.FAILED_PRECONDITION
         return ended
     finally:
+        for outbox in outboxes:
+            outbox.put(None)
         client.close()
+
+
+CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def oversized_batch(target: str, groups, arenas: list, engine_id: str = "oversized") -> tuple[grpc.StatusCode, str]:
+    """How a session ends that sends a ``Reads`` batch over the daemon's ``--max-message-bytes`` (100,000
+    block ids), from an engine of its own: the client would send that batch again on every new session."""
+    from kvxferd.client import EngineClient
+
+    client = EngineClient(target)
+    try:
+        client.register(engine_pb(groups, engine_id, arenas))
+        huge = [np.arange(100_000, dtype=np.int64)]
+        client.submit_read("huge", "nobody", "x", huge, huge)
+        deadline = time.monotonic() + 10
+        while client.reads.stream_error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        error = client.reads.stream_error
+        assert error is not None, "the session outlived an oversized batch"
+        return error.code(), error.details()
+    finally:
+        client.deregister()
+        client.close()
+
+
+def refusal(client, request_id: str, *args, timeout_s: float = 10.0, **kwargs) -> tuple[grpc.StatusCode | None, str]:
+    """Submit one read (:meth:`EngineClient.submit_read`'s arguments) and wait for its completion: the status
+    code it was refused with and its error, or ``(None, error)`` when it was not refused (it ran)."""
+    client.submit_read(request_id, *args, **kwargs)
+    completion = client.reads.wait_completion(request_id, timeout_s)
+    return (CODES[completion.refused_code] if completion.refused_code else None), completion.error
 
 
 def status(call) -> tuple[grpc.StatusCode, str]:

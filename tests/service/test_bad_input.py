@@ -17,7 +17,7 @@ from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
-from tests.service.helpers import engine_pb, status
+from tests.service.helpers import engine_pb, oversized_batch, refusal, status
 
 C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
@@ -67,12 +67,10 @@ def test_unknown_engine_everywhere(cluster):
         lambda: stub.Heartbeat(pb.HeartbeatRequest(engine_id="ghost")),
         lambda: stub.Deregister(pb.DeregisterRequest(engine_id="ghost")),
         lambda: stub.Handshake(pb.HandshakeRequest(engine_id="ghost", remote_engine_id="x", peer_addresses=["a:1"])),
-        lambda: stub.SubmitRead(pb.SubmitReadRequest(engine_id="ghost", request_id="r", remote_engine_id="x",
-                                                     remote_request_id="y")),
         lambda: stub.Hold(pb.HoldRequest(engine_id="ghost", request_id="r")),
         lambda: stub.RenewLease(pb.RenewLeaseRequest(engine_id="ghost", request_ids=["r"])),
         lambda: stub.Release(pb.ReleaseRequest(engine_id="ghost", request_id="r")),
-        lambda: next(iter(stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id="ghost")))),
+        lambda: list(stub.Reads(iter([pb.ReadBatch(engine_id="ghost")]))),
     ]
     for call in calls:
         code, details = status(call)
@@ -109,6 +107,7 @@ def test_handshake(cluster):
 
 
 def test_submit_read(cluster):
+    """Each bad read of a batch is refused as its completion (``refused_code``), naming the field."""
     decode = cluster.decode_clients[0]
     request = random_request("r", *GROUPS, 48, np.random.default_rng(0))
     ids = dict(local_block_ids=request.local_block_ids, remote_block_ids=request.remote_block_ids)
@@ -116,18 +115,21 @@ def test_submit_read(cluster):
     def submit(request_id="r", remote=cluster.prefill_id, **changes):
         args = {**ids, **changes}
         deadline = args.pop("deadline_s", 0.0)
-        return lambda: decode.submit_read(request_id, remote, "p", args["local_block_ids"], args["remote_block_ids"],
-                                          deadline_s=deadline)
+        return refusal(decode, request_id, remote, "p", args["local_block_ids"], args["remote_block_ids"],
+                       deadline_s=deadline)
 
-    assert status(submit(remote="nobody"))[0] == C.NOT_FOUND
-    code, details = status(submit(remote_block_ids=[[10_000]]))
+    assert submit(remote="nobody")[0] == C.NOT_FOUND
+    code, details = submit(request_id="r1", remote_block_ids=[[10_000]])
     assert code == C.INVALID_ARGUMENT and details.startswith("groups[0]"), details
-    code, details = status(submit(local_block_ids=[[0], [1]]))
-    assert code == C.INVALID_ARGUMENT and details.startswith("local_block_ids")
-    assert status(submit(request_id=""))[0] == C.INVALID_ARGUMENT
-    assert status(submit(deadline_s=-1))[0] == C.INVALID_ARGUMENT
-    huge = [np.arange(100_000, dtype=np.int64)]  # > 64 KiB on the wire
-    assert status(submit(local_block_ids=huge, remote_block_ids=huge))[0] == C.RESOURCE_EXHAUSTED
+    code, details = submit(request_id="r2", local_block_ids=[[0], [1]])
+    assert code == C.INVALID_ARGUMENT and details.startswith("local_block_ids"), details
+    assert submit(request_id="")[0] == C.INVALID_ARGUMENT
+    assert submit(request_id="r3", deadline_s=-1)[0] == C.INVALID_ARGUMENT
+
+def test_a_batch_over_the_message_limit_ends_its_session(cluster, arenas):
+    """Over --max-message-bytes (64 KiB here) a batch is not a read to refuse but a session to end."""
+    code, details = oversized_batch(cluster.decode_daemons[0].engine_target, GROUPS[1], arenas)
+    assert code == C.RESOURCE_EXHAUSTED, details
 
 
 def test_holds_and_events(cluster):

@@ -23,7 +23,7 @@ from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.agent import NixlAgent
-from tests.service.helpers import engine_pb, second_completion_stream, status
+from tests.service.helpers import engine_pb, refusal, second_completion_stream, status
 
 C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
@@ -202,11 +202,10 @@ def test_defect7_a_handshake_never_answers_with_another_calls_result(cluster):
 def test_defect8_non_finite_or_unbounded_times_are_refused(cluster, value):
     decode, prefill = cluster.decode_clients[0], cluster.prefill_clients[0]
     request = random_request("times", *GROUPS, 16, np.random.default_rng(3))
-    calls = {
-        "deadline_s": lambda: decode.submit_read("times", cluster.prefill_id, "times", request.local_block_ids,
-                                                 request.remote_block_ids, deadline_s=value),
-        "lease_s": lambda: prefill.hold("times", request.remote_block_ids, lease_s=value),
-    }
+    code, details = refusal(decode, "times", cluster.prefill_id, "times", request.local_block_ids,
+                            request.remote_block_ids, deadline_s=value)  # a read's refusal is its completion
+    assert code == C.INVALID_ARGUMENT and details.startswith("deadline_s"), details
+    calls = {"lease_s": lambda: prefill.hold("times", request.remote_block_ids, lease_s=value)}
     arenas = []
     register = pb.RegisterRequest(engine=engine_pb(GROUPS[1], "times", arenas), lease_s=value)
     calls["lease_s (Register)"] = lambda: decode.stub.Register(register, timeout=ANSWER_S)
@@ -229,8 +228,8 @@ def test_defect9_duplicate_decode_block_ids_are_refused(cluster):
     local = [np.concatenate([ids, ids[:1]]) for ids in request.local_block_ids]
     remote = [np.concatenate([ids, ids[:1]]) for ids in request.remote_block_ids]
     capability = cluster.prefill_clients[0].hold("dups", remote, lease_s=1).capability  # held: the ids are wrong
-    code, details = status(lambda: decode.submit_read("dups", cluster.prefill_id, "dups", local, remote,
-                                                      num_tokens=0, remote_capabilities=[capability]))
+    code, details = refusal(decode, "dups", cluster.prefill_id, "dups", local, remote, num_tokens=0,
+                            remote_capabilities=[capability])
     assert code == C.INVALID_ARGUMENT and "listed more than once" in details, details
 
 

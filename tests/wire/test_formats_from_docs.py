@@ -307,8 +307,9 @@ def test_the_board_tag_and_buckets_built_from_the_docs_find_a_hold_on_a_holders_
 
 @pytest.mark.daemons
 def test_a_read_both_malformed_and_unsealed_gets_the_refusal_the_docs_give(cluster):
-    """SubmitRead checks the block ids before the capabilities; a Reads batch's read over the batch's 1 MiB
-    that is planned on the data-plane thread is checked the other way round (docs: the order of checks)."""
+    """A read checks the block ids before the capabilities, except a read over what its batch may still post
+    on the loop (1 MiB), planned on the data-plane thread, checked the other way round (docs: the order
+    of a read's checks)."""
     rng = np.random.default_rng(62)
     client = cluster.decode_clients[0]
     for tokens, name in ((70, "small"), (640, "large")):  # 5 blocks (160 KiB), 40 blocks (1.25 MiB)
@@ -317,23 +318,14 @@ def test_a_read_both_malformed_and_unsealed_gets_the_refusal_the_docs_give(clust
         forged = flip(real, 15)
         bad_local = [list(ids[:-1]) + [GROUPS[1][0].spec.num_blocks] for ids in request.local_block_ids]
 
-        def submit(local, cap, suffix: str) -> tuple[grpc.StatusCode, int]:
-            """The unary SubmitRead's status code, and the Reads batch's refused completion's."""
+        def submit(local, cap, suffix: str) -> int:
+            """The refused completion's code of the read, alone in its batch."""
             args = (f"{request.request_id}-{suffix}", cluster.prefill_id, request.remote_request_id, local,
                     request.remote_block_ids)
-            try:
-                client.submit_read(*args, remote_capabilities=(cap,))
-                unary = grpc.StatusCode.OK
-            except grpc.RpcError as err:
-                unary = err.code()
             client.reads.submit_reads([client.read_spec(*args, remote_capabilities=(cap,))])
-            completion = client.reads.wait_completion(args[0], 10)
-            return unary, completion.refused_code
+            return client.reads.wait_completion(args[0], 10).refused_code
         assert submit(bad_local, forged, "both") == (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            (grpc.StatusCode.INVALID_ARGUMENT if name == "small" else grpc.StatusCode.PERMISSION_DENIED).value[0])
-        assert submit(request.local_block_ids, forged, "unsealed") == (
-            grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED.value[0])
-        assert submit(bad_local, real, "malformed") == (
-            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+            grpc.StatusCode.INVALID_ARGUMENT if name == "small" else grpc.StatusCode.PERMISSION_DENIED).value[0]
+        assert submit(request.local_block_ids, forged, "unsealed") == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        assert submit(bad_local, real, "malformed") == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         cluster.prefill_clients[0].release(request.remote_request_id)

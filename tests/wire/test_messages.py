@@ -8,7 +8,8 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.base.status import status_code
 from kvxferd.rig.verify.engines import allocate_engine
 from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups
-from kvxferd.wire.messages import engine_from_pb, engine_to_pb, peer_memory_from_pb, read_request_from_pb
+from kvxferd.wire.messages import (engine_from_pb, engine_to_pb, peer_memory_from_pb, read_request_from_spec,
+                                   read_spec_to_pb)
 from kvxferd.plan.board import BoardInfo
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, compatibility_hash, decode_info, encode_info
 
@@ -120,12 +121,10 @@ def test_bad_engine_messages_name_the_field(message, field):
 
 
 def test_read_requests_and_status_codes():
-    request = read_request_from_pb(pb.SubmitReadRequest(
-        request_id="r", remote_request_id="p", local_block_ids=[pb.BlockIds(ids=[1, 2])],
-        remote_block_ids=[pb.BlockIds(ids=[3, 4])]))
+    request = read_request_from_spec(read_spec_to_pb("r", "e", "p", [[1, 2]], [[3, 4]]))
     assert [ids.tolist() for ids in request.local_block_ids] == [[1, 2]] and request.num_tokens is None
     with pytest.raises(InvalidArgumentError) as err:
-        read_request_from_pb(pb.SubmitReadRequest(request_id="", remote_request_id="p"))
+        read_request_from_spec(read_spec_to_pb("", "e", "p", [[1, 2]], [[3, 4]]))
     assert err.value.field == "request_id"
     assert status_code(BlockIdError("f", "m")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_code(LayoutMismatchError("f", "m")) == grpc.StatusCode.FAILED_PRECONDITION

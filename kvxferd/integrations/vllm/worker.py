@@ -3,7 +3,7 @@
 ::
 
     register_kv_caches ─► describe the cache (no copy) ─► fds over the fd socket ─► Register
-    start_load_kv      ─► Handshake a new remote engine once ─► SubmitRead per order
+    start_load_kv      ─► Handshake a new remote engine once ─► one Reads batch per step
     get_transfer_results
         decode:  completions ─► finished_recving; a failed read ─► its invalid block ids
                  (one KV cache group) or failed_recving (several groups: block ids

@@ -54,16 +54,6 @@ class EngineServiceStub:
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HandshakeReply.FromString,
                 _registered_method=True)
-        self.SubmitRead = channel.unary_unary(
-                '/kvxfer.v1.EngineService/SubmitRead',
-                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.SubmitReadRequest.SerializeToString,
-                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.SubmitReadReply.FromString,
-                _registered_method=True)
-        self.WatchCompletions = channel.unary_stream(
-                '/kvxfer.v1.EngineService/WatchCompletions',
-                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.WatchCompletionsRequest.SerializeToString,
-                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.Completion.FromString,
-                _registered_method=True)
         self.Reads = channel.stream_stream(
                 '/kvxfer.v1.EngineService/Reads',
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ReadBatch.SerializeToString,
@@ -118,20 +108,10 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SubmitRead(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WatchCompletions(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Reads(self, request_iterator, context):
-        """Submit batches of reads and receive batches of completions on one stream. Completions stay
+        """SubmitRead and WatchCompletions (one read per call, completions one by one) were retired in
+        engine protocol 2: every read goes in a Reads batch (here, or on the daemon's reads socket).
+        Submit batches of reads and receive batches of completions on one stream. Completions stay
         queued until acked (ReadBatch.ack_seq): a new stream after a broken one gets every unacked
         completion again, so the engine loses none (it drops seqs it already has).
         """
@@ -185,16 +165,6 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HandshakeReply.SerializeToString,
-            ),
-            'SubmitRead': grpc.unary_unary_rpc_method_handler(
-                    servicer.SubmitRead,
-                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.SubmitReadRequest.FromString,
-                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.SubmitReadReply.SerializeToString,
-            ),
-            'WatchCompletions': grpc.unary_stream_rpc_method_handler(
-                    servicer.WatchCompletions,
-                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.WatchCompletionsRequest.FromString,
-                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.Completion.SerializeToString,
             ),
             'Reads': grpc.stream_stream_rpc_method_handler(
                     servicer.Reads,
@@ -330,60 +300,6 @@ class EngineService:
             '/kvxfer.v1.EngineService/Handshake',
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HandshakeRequest.SerializeToString,
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HandshakeReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubmitRead(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvxfer.v1.EngineService/SubmitRead',
-            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.SubmitReadRequest.SerializeToString,
-            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.SubmitReadReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WatchCompletions(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/kvxfer.v1.EngineService/WatchCompletions',
-            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.WatchCompletionsRequest.SerializeToString,
-            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.Completion.FromString,
             options,
             channel_credentials,
             insecure,

@@ -211,38 +211,6 @@ class HandshakeReply(_message.Message):
     duration_s: float
     def __init__(self, remote_tp_size: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
-class SubmitReadRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "remote_block_ids", "num_tokens", "deadline_s", "remote_capabilities")
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
-    REMOTE_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
-    engine_id: str
-    request_id: str
-    remote_engine_id: str
-    remote_request_id: str
-    local_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    remote_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    num_tokens: int
-    deadline_s: float
-    remote_capabilities: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ...) -> None: ...
-
-class SubmitReadReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class WatchCompletionsRequest(_message.Message):
-    __slots__ = ("engine_id",)
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    engine_id: str
-    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
-
 class Completion(_message.Message):
     __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code", "plan_s", "transfer_s", "check_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -1,6 +1,6 @@
-"""Through the daemons vs raw NIXL, in one run, on the same bytes; the older engine paths beside the new.
+"""Through the daemons vs raw NIXL, in one run, on the same bytes; both engine transports side by side.
 
-    kvxferd bench daemon [--quick] [--json] [--mtls] [--no-unary] [--no-grpc-stream] [--no-same-host]
+    kvxferd bench daemon [--quick] [--json] [--mtls] [--no-grpc-stream] [--no-same-host]
 
 Two ``kvxferd serve`` processes (prefill rank, decode rank) over loopback;
 the engines' caches are shared memory owned by this process. The raw
@@ -8,9 +8,9 @@ baseline is a NIXL agent in this process, registered on the decode cache,
 reading the prefill daemon's agent: the same bytes over the same
 cross-process transport, without the daemons' control plane.
 
-For each engine path, ``socket`` (the new path: Reads batches over the
-daemon's reads socket), ``stream`` (the same batches on the gRPC Reads
-stream) and ``unary`` (SubmitRead + WatchCompletions, one call per read):
+For each engine path, ``socket`` (Reads batches over the daemon's reads
+socket, a local engine's default) and ``stream`` (the same batches on the
+gRPC Reads stream):
 
 * bulk: one large request, alternating rounds of raw NIXL and the daemon
   path. Ratio = daemon GB/s / raw GB/s.
@@ -52,12 +52,12 @@ FULL = dict(rounds=6, bulk_layers=32, bulk_blocks=256, num_requests_300=1500, nu
 QUICK = dict(rounds=3, bulk_layers=16, bulk_blocks=128, num_requests_300=450, num_requests_1000=1500, idle_s=2.0)
 
 
-def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int, bulk_blocks: int,
+def one_path(workdir: str, *, rounds: int, bulk_layers: int, bulk_blocks: int,
              num_requests_300: int, num_requests_1000: int, idle_s: float, rate_layers: int = 2,
              rate_blocks: int = 2, reads_socket: bool = True, same_host: bool = False, tls=None) -> dict:
     """Every figure of one engine path, with the flat keys the targets name; ``tls``: a :class:`Tls`, or a
     :class:`kvxferd.rig.bench.hosts.HostsPlacement` (the daemons on namespace hosts, mutual TLS)."""
-    path = dict(reads_stream=reads_stream, reads_socket=reads_socket, same_host=same_host)
+    path = dict(reads_socket=reads_socket, same_host=same_host)
     b = bulk(workdir, bulk_layers, bulk_blocks, rounds, tls, **path)
     o300 = overhead(workdir, rate_layers, rate_blocks, 300.0, num_requests_300, tls, idle_s=idle_s, **path)
     o1000 = overhead(workdir, rate_layers, rate_blocks, 1000.0, num_requests_1000, tls, **path)
@@ -70,25 +70,23 @@ def one_path(workdir: str, reads_stream: bool, *, rounds: int, bulk_layers: int,
             "idle_cpu_percent": max(o300["idle_cpu_percent"].values())}
 
 
-def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None, unary: bool = True,
+def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
         grpc_stream: bool = True, same_host: bool = True, hosts: bool = False) -> dict:
     """The socket path's figures over NIXL at the top level; the same path with same-host copies under
     ``"same_host"`` (its two targets also flat: ``same_host_bulk_ratio``, ``same_host_p50_overhead_us_300``);
-    the gRPC stream's under ``"stream"``, the unary path's under ``"unary"``, TLS under ``"mtls"``.
+    the gRPC stream's under ``"stream"``, TLS under ``"mtls"``.
     ``hosts``: only the socket path, its daemons on two namespace hosts (``"hosts": true``)."""
     sizes = sizes or (QUICK if quick else FULL)
     if hosts:
         return _across_hosts(sizes)
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
-        figures = one_path(workdir, True, **sizes)
+        figures = one_path(workdir, **sizes)
         if same_host:
-            figures["same_host"] = one_path(workdir, True, same_host=True, **sizes)
+            figures["same_host"] = one_path(workdir, same_host=True, **sizes)
             for key in SAME_HOST_KEYS:
                 figures["same_host_" + key] = figures["same_host"][key]
         if grpc_stream:
-            figures["stream"] = one_path(workdir, True, reads_socket=False, **sizes)
-        if unary:
-            figures["unary"] = one_path(workdir, False, **sizes)
+            figures["stream"] = one_path(workdir, reads_socket=False, **sizes)
         if mtls:
             figures["mtls"] = _mtls(workdir, sizes)
     return figures
@@ -101,7 +99,7 @@ def _across_hosts(sizes: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
         placement = HostsPlacement(workdir)
         try:
-            return {**one_path(workdir, True, tls=placement, **sizes), "hosts": True}
+            return {**one_path(workdir, tls=placement, **sizes), "hosts": True}
         finally:
             placement.close()
 
@@ -128,17 +126,17 @@ def _mean(a, b):
 
 
 def format_table(f: dict) -> str:
-    """Targets, new and old paths side by side, then each path's detail."""
-    stream, old = f.get("stream", {}), f.get("unary", {})
-    lines = [f"{'target (issue 12)':<52}{'goal':>10}{'socket':>10}{'stream':>10}{'unary':>10}"]
+    """Targets, both engine paths side by side, then each path's detail."""
+    stream = f.get("stream", {})
+    lines = [f"{'target (issue 12)':<52}{'goal':>10}{'socket':>10}{'stream':>10}"]
     for key, op, goal, label in TARGETS:
         value = f[key]
         lines.append(f"{label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}"
-                     + "".join(f"{format(p[key], '.3g') if key in p else '-':>10}" for p in (stream, old))
+                     + f"{format(stream[key], '.3g') if key in stream else '-':>10}"
                      + f"  {_verdict(value, op, goal)}")
     for key, op, goal, label in (t for t in TARGETS if t[0] in SAME_HOST_KEYS and "same_host" in f):
         value = f["same_host_" + key]
-        lines.append(f"{'same-host: ' + label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}{'':>20}"
+        lines.append(f"{'same-host: ' + label:<52}{op + ' ' + format(goal, 'g'):>10}{value:>10.3g}{'':>10}"
                      f"  {_verdict(value, op, goal)}")
     where = (", daemons on two namespace hosts: mutual TLS, UCX over TCP on a veth link, the chart's NetworkPolicy;"
              " raw NIXL across the same link" if f.get("hosts") else "")
@@ -147,8 +145,6 @@ def format_table(f: dict) -> str:
         text += "\n\nsocket path, same-host copies instead of NIXL (issue 37):\n" + _format_one(f["same_host"])
     if stream:
         text += "\n\nstream path (Reads batches on the gRPC stream):\n" + _format_one(stream)
-    if old:
-        text += "\n\nunary path (SubmitRead + WatchCompletions):\n" + _format_one(old)
     if "mtls" in f:
         p, t = f["mtls"]["plain"], f["mtls"]["tls"]
         text += (f"\n\nmutual TLS on the peer ports (socket path; plain vs TLS): bulk ratio {p['bulk']['ratio']:.3f} vs "
@@ -172,7 +168,7 @@ def _format_one(f: dict) -> str:
              f"per request: {o['requests']} requests of {o['bytes_per_request'] / 2**10:.0f} KiB offered at "
              f"{o['rate_per_s']:.0f}/s (achieved {o['achieved_rate_per_s']:.0f}/s), {o['failed']:g} failed",
              f"  {'':<34}{'p50 us':>9}{'p99 us':>9}"]
-    for key, label in (("submit_call", "SubmitRead call (client)"), ("daemon_plan", "submit -> planned (daemon)"),
+    for key, label in (("daemon_plan", "submit -> planned (daemon)"),
                        ("submit_to_posted", "submit -> posted (daemon)"),
                        ("daemon_transfer", "posted -> transfer ended (daemon)"),
                        ("daemon_check", "transfer ended -> checked (daemon)"),
@@ -193,7 +189,7 @@ def _format_one(f: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer and smaller requests (under two minutes)")
     parser.add_argument("--mtls", action="store_true", help="also plain vs mutual TLS on the peer ports")
-    parser.add_argument("--no-unary", action="store_true", help="skip the old unary path")
+    parser.add_argument("--no-unary", action="store_true", help=argparse.SUPPRESS)  # the unary path is gone
     parser.add_argument("--no-grpc-stream", action="store_true", help="skip the gRPC Reads stream path")
     parser.add_argument("--no-same-host", action="store_true", help="skip the same-host copy path")
     parser.add_argument("--hosts", action="store_true", help="only the socket path, with the daemons on two "
@@ -206,7 +202,7 @@ def run_args(args: argparse.Namespace) -> int:
     from kvxferd.rig.verify.hosts.policy import HostsUnavailable
 
     try:
-        figures = run(quick=args.quick, mtls=args.mtls, unary=not args.no_unary, grpc_stream=not args.no_grpc_stream,
+        figures = run(quick=args.quick, mtls=args.mtls, grpc_stream=not args.no_grpc_stream,
                       same_host=not args.no_same_host, hosts=args.hosts)
     except HostsUnavailable as err:
         print(f"kvxferd bench daemon: {err}", file=sys.stderr)

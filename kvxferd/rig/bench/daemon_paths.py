@@ -1,9 +1,9 @@
 """The measurements of ``kvxferd bench daemon``: one daemon pair per measurement, raw NIXL beside it.
 
-Each takes ``reads_stream``: True for the engine's Reads session (batches in,
-numbered completions out), over the daemon's reads socket or, with
-``reads_socket=False``, the gRPC ``Reads`` stream; False for the unary
-SubmitRead + WatchCompletions path. All are measured the same way in one run.
+Each reads through the engine's Reads session (batches in, numbered
+completions out), over the daemon's reads socket or, with
+``reads_socket=False``, the gRPC ``Reads`` stream. Both are measured the same
+way in one run.
 """
 
 from __future__ import annotations
@@ -57,13 +57,11 @@ class Tls:
 
 
 def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls | None,
-             reads_stream: bool, reads_socket: bool = True, same_host: bool = False) -> DaemonCluster:
+             reads_socket: bool = True, same_host: bool = False) -> DaemonCluster:
     groups = full_attention_groups(num_layers, num_blocks)
-    # The unary path keeps one gRPC call open per read in flight: when the daemons fall behind at
-    # 1 000/s, more than the default 256 per connection (max_concurrent_streams) would be refused.
-    args = (*(tls.daemon_args if tls else ()), *(() if reads_stream else ("--max-concurrent-streams", "8192")),
+    args = (*(tls.daemon_args if tls else ()),
             *(() if same_host else ("--no-same-host-reads",)))  # NIXL's figures unless same-host is asked for
-    return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args, reads_stream=reads_stream,
+    return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args,
                          reads_socket=reads_socket, start_many=getattr(tls, "start_many", None))
 
 
@@ -83,10 +81,10 @@ def _daemon_read(cluster: DaemonCluster, request: ReadRequest) -> float:
 
 
 def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
-         reads_stream: bool = True, reads_socket: bool = True, same_host: bool = False) -> dict:
+         reads_socket: bool = True, same_host: bool = False) -> dict:
     """Alternate raw NIXL and the daemon path on one big request; also time repeated handshakes.
     ``same_host``: the decode daemon copies from the prefill engine's shared memory (issue #37)."""
-    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_stream, reads_socket, same_host) as cluster:
+    with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_socket, same_host) as cluster:
         handshake_s = [cluster.decode_clients[0].handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])
                        .duration_s for _ in range(max(rounds, 3))]
         ids = np.arange(num_blocks)
@@ -111,16 +109,16 @@ def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls |
 
 
 def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
-             tls: Tls | None = None, *, reads_stream: bool = True, reads_socket: bool = True, idle_s: float = 0.0,
+             tls: Tls | None = None, *, reads_socket: bool = True, idle_s: float = 0.0,
              reads_per_step: int = 1, same_host: bool = False) -> dict:
     """Small requests at a steady rate: where the daemon adds time.
 
     With ``idle_s``, first the daemons' CPU while engines are registered and nothing happens.
-    ``reads_per_step`` (Reads stream only): the engine submits that many reads as one batch, as a
+    ``reads_per_step``: the engine submits that many reads as one batch, as a
     step that scheduled them would; end to end counts from the batch's submission.
     """
     num_blocks = 4 * blocks_per_request
-    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_stream, reads_socket, same_host) as cluster:
+    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_socket, same_host) as cluster:
         rng = np.random.default_rng(0)
         requests = []
         for n in range(num_requests):
@@ -135,9 +133,9 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         for request in requests:
             cluster.hold(request)
         client = cluster.decode_clients[0]
-        submitted_unix, submit_call_s, calls, submit_errors = {}, [], [], {}
+        submitted_unix = {}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
-        per_step = reads_per_step if reads_stream else 1
+        per_step = reads_per_step
         start, start_unix = time.perf_counter(), time.time()
         for n in range(0, num_requests, per_step):
             step = requests[n:n + per_step]
@@ -147,35 +145,14 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             now_unix = time.time()
             submitted_unix.update((request.request_id, now_unix) for request in step)
             # An engine does not wait for the daemon before its next step: send without blocking.
-            if reads_stream:
-                client.reads.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
-                                                      r.local_block_ids, r.remote_block_ids,
-                                                      remote_capabilities=cluster.capabilities[r.remote_request_id])
-                                     for r in step])
-            else:
-                (request,) = step
-                calls.append(client.submit_read_async(request.request_id, cluster.prefill_id,
-                                                      request.remote_request_id, request.local_block_ids,
-                                                      request.remote_block_ids,
-                                                      remote_capabilities=cluster.capabilities[request.remote_request_id]))
+            client.reads.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
+                                                        r.local_block_ids, r.remote_block_ids,
+                                                        remote_capabilities=cluster.capabilities[r.remote_request_id])
+                                       for r in step])
         offered_s = time.perf_counter() - start
-        not_submitted = set()
-        for request, call in zip(requests, calls):
-            try:
-                call.result()
-            except grpc.RpcError as err:  # an overloaded unary path: counted as a failed request
-                not_submitted.add(request.request_id)
-                cluster.prefill_clients[0].release(request.remote_request_id)
-                submit_errors[err.code().name] = submit_errors.get(err.code().name, 0) + 1
-                continue
-            submit_call_s.append(call.call_s)
-        if not submit_call_s:
-            submit_call_s = [0.0]  # the stream has no call to wait for
-        post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], len(not_submitted), start_unix
+        post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], 0, start_unix
         stages_s = {"plan": [], "transfer": [], "check": []}
         for request in requests:
-            if request.request_id in not_submitted:
-                continue
             completion, received_unix = client.reads.wait_completion_timed(request.request_id, 60)
             failed += not completion.ok
             post_s.append(completion.post_s)
@@ -187,8 +164,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         cpu_us = {name: (_cpu_s(pid) - cpu_before[name]) / num_requests * 1e6 for name, pid in pids.items()}
     return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
             "reads_per_step": per_step, "completed_rate_per_s": (num_requests - failed) / max(last_unix - start_unix, 1e-9),
-            "bytes_per_request": raw.num_bytes, "failed": failed, "submit_errors": submit_errors,
-            "submit_call": percentiles_us(submit_call_s),
+            "bytes_per_request": raw.num_bytes, "failed": failed,
             "submit_to_posted": percentiles_us(post_s), "completion_to_delivered": percentiles_us(deliver_s),
             **{f"daemon_{stage}": percentiles_us(values) for stage, values in stages_s.items()},
             "end_to_end": percentiles_us(end_to_end_s), "raw_nixl": percentiles_us(raw_s), "cpu_us_per_request": cpu_us,

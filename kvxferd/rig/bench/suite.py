@@ -25,7 +25,7 @@ QUICK = {
     "xfer": dict(rounds=1, bulk_layers=2, bulk_blocks=16, build_layers=2, build_blocks=200, planning_layers=2,
                  planning_blocks=20),
     "daemon": dict(sizes=dict(rounds=1, bulk_layers=2, bulk_blocks=32, num_requests_300=40, num_requests_1000=40,
-                              idle_s=0.2), unary=False),
+                              idle_s=0.2)),
 }
 
 
@@ -65,10 +65,6 @@ def markdown(figures: dict, command: str, seconds: float) -> str:
               _row("daemon", "submit -> posted p50 / p99", _us(o["submit_to_posted"])),
               _row("daemon", "completion -> delivered p50 / p99", _us(o["completion_to_delivered"])),
               _row("daemon", "CPU per request, all processes", f"{sum(o['cpu_us_per_request'].values()):.0f} µs")]
-    if "unary" in dm:  # the old path, one call per read
-        u = dm["unary"]["overhead"]
-        lines.append(_row("daemon", f"end to end p50 / p99, unary SubmitRead path", _us(u["end_to_end"]),
-                          _us(u["raw_nixl"])))
     return "\n".join(lines) + "\n"
 
 

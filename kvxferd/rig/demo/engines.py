@@ -7,7 +7,7 @@ driver sends it commands over a pipe::
 
     driver (kvxferd demo)        prefill engine process          decode engine process
       hold(request) ──────────►  Hold on every rank's daemon
-      read(request) ───────────────────────────────────────────► SubmitRead on every rank,
+      read(request) ───────────────────────────────────────────► a Reads batch on every rank,
                                                                  wait for the completions,
                                                                  check every byte (oracle)
       events(ids)   ──────────►  CONSUMED of every rank, from

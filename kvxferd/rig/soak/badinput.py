@@ -42,9 +42,8 @@ def _engine_calls(stub, rng: np.random.Generator, engine_id: str):
     return [
         lambda: stub.Hold(pb.HoldRequest(engine_id=engine_id, request_id=junk, block_ids=_ids(rng),
                                          lease_s=float(rng.choice([-1.0, 1e300, float("nan")]))), timeout=ANSWER_S),
-        lambda: stub.SubmitRead(pb.SubmitReadRequest(engine_id=junk, request_id=junk, remote_engine_id=junk,
-                                                     local_block_ids=_ids(rng), remote_block_ids=_ids(rng),
-                                                     num_tokens=int(rng.integers(-5, 5))), timeout=ANSWER_S),
+        lambda: stub.Handshake(pb.HandshakeRequest(engine_id=junk, remote_engine_id=junk,
+                                                   peer_addresses=[junk] * int(rng.integers(0, 3))), timeout=ANSWER_S),
         lambda: stub.Register(pb.RegisterRequest(engine=pb.EngineRank(engine_id=junk, tp_size=-1)), timeout=ANSWER_S),
         lambda: stub.Release(pb.ReleaseRequest(engine_id=engine_id, request_id=junk), timeout=ANSWER_S),
         lambda: stub.Heartbeat(pb.HeartbeatRequest(engine_id=engine_id), timeout=ANSWER_S),

@@ -29,15 +29,14 @@ class DaemonCluster(DecodeChecks):
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
                  prefill_tp: int, decode_tp: int, *, workdir: str, name: str = "c", lease_s: float = 30.0,
-                 daemon_args: tuple[str, ...] = (), reads_stream: bool = True, reads_socket: bool = True,
+                 daemon_args: tuple[str, ...] = (), reads_socket: bool = True,
                  args_of=None, by_fd: bool = False, start_many=None) -> None:
-        """``reads_stream=False``: the decode clients use unary SubmitRead and WatchCompletions (the old path);
-        ``reads_socket=False``: their Reads sessions go over gRPC, not the daemon's reads socket; ``args_of``:
+        """``reads_socket=False``: the decode clients' Reads sessions go over gRPC, not the daemon's reads socket; ``args_of``:
         more flags for one daemon, by its id (``<name>-p<q>``, ``<name>-d<r>``); ``by_fd``: engines pass their
         shared memory as an fd over the fd socket (``shm_fd_index``, as the vLLM connector does), not by name;
         ``start_many``: starts the daemons instead of :meth:`DaemonProcess.start_many` (same arguments), e.g. on
         namespace hosts."""
-        self.reads_stream, self.reads_socket = reads_stream, reads_socket
+        self.reads_socket = reads_socket
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
         self.workdir, self.lease_s, self.daemon_args, self.args_of = workdir, lease_s, daemon_args, args_of
@@ -78,7 +77,7 @@ class DaemonCluster(DecodeChecks):
         return allocate_engine(engine_id, groups, tp_size, rank, tagged=tagged, allocate=allocate)
 
     def _register(self, daemon: DaemonProcess, engine: EngineBuffers) -> EngineClient:
-        client = EngineClient(daemon.engine_target, reads_stream=self.reads_stream, reads_socket=self.reads_socket)
+        client = EngineClient(daemon.engine_target, reads_socket=self.reads_socket)
         self.clients.append(client)
         arena = next(a for a in self.arenas if a.array.ctypes.data == engine.arena.ctypes.data)
         message, token = engine_rank_pb(engine.cache, arena), ""
@@ -125,20 +124,14 @@ class DaemonCluster(DecodeChecks):
         return capabilities
 
     def submit(self, request: ReadRequest, *, deadline_s: float = 0.0) -> None:
-        """Every decode rank submits ``request`` (a batch of one on its Reads stream, or unary SubmitRead),
-        with ``request.remote_capabilities``, else those of the cluster's last hold of its remote request."""
+        """Every decode rank submits ``request`` (a batch of one on its session) with
+        ``request.remote_capabilities``, else those of the cluster's last hold of its remote request."""
         capabilities = request.remote_capabilities or self.capabilities.get(request.remote_request_id, ())
         for client in self.decode_clients:
-            if client.reads_stream:
-                client.reads.submit_reads([client.read_spec(
-                    request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
-                    request.remote_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
-                    remote_capabilities=capabilities)])
-            else:
-                client.submit_read(request.request_id, self.prefill_id, request.remote_request_id,
-                                   request.local_block_ids, request.remote_block_ids,
-                                   num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
-                                   remote_capabilities=capabilities)
+            client.submit_read(request.request_id, self.prefill_id, request.remote_request_id,
+                               request.local_block_ids, request.remote_block_ids,
+                               num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
+                               remote_capabilities=capabilities)
 
     def completions(self, request: ReadRequest, timeout_s: float = 30.0) -> list[pb.Completion]:
         return [client.reads.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]

@@ -38,8 +38,7 @@ DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
 # printable token, max_fd_tokens or a token in use, max_fds_waiting, a socket error, a bug.
 FD_REFUSALS = ("uid", "malformed", "tokens", "fds", "io", "error")
 BUS_REFUSALS = ("prefix", "flood", "limit")  # NotifyBus's refusals (net/bus.py, net/busguard.py)
-# kvxferd_rpc_errors' methods: those of both gRPC services (WatchCompletions counts none: its series
-# stays 0) and the engine's read socket (READS_SOCKET_METHOD; its Hold frames count as "Hold").
+# kvxferd_rpc_errors' methods: those of both gRPC services and the engine's read socket (READS_SOCKET_METHOD; its Hold frames count as "Hold").
 RPC_METHODS = tuple(method.name for module, service in ((engine_service_pb2, "EngineService"),
                                                          (peer_service_pb2, "PeerService"))
                     for method in module.DESCRIPTOR.services_by_name[service].methods) + (READS_SOCKET_METHOD,)

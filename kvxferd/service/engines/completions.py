@@ -21,9 +21,7 @@ Every stream is :meth:`CompletionFeed.pump` writing to a sink; two kinds of sink
 * A gRPC stream (:class:`StreamSink`, behind :meth:`CompletionFeed.batches`):
   the pump hands it one batch at a time, which the stream's generator
   yields; loop only. ``Reads`` keeps completions queued until the engine
-  acks them (``ReadBatch.ack_seq``); ``WatchCompletions``
-  (:meth:`CompletionFeed.stream`, the unary adapter) acks each as it is
-  handed to gRPC (at most once).
+  acks them (``ReadBatch.ack_seq``).
 
 On either, a new stream after a broken one sends every unacked completion
 again, so none is lost, and the engine drops the seqs it already has, so
@@ -220,13 +218,6 @@ class CompletionFeed:
         me.clear()
         await me.wait()
         return True
-
-    async def stream(self) -> AsyncIterator[pb.Completion]:
-        """``WatchCompletions``: :meth:`batches` one completion at a time, each acked as it is handed over
-        (at most once), until :meth:`close`."""
-        async for batch in self.batches(1):
-            self.ack(batch[0].seq)
-            yield batch[0]
 
     def poke(self) -> None:
         """Wake the current stream (its ``should_stop`` may have turned true)."""

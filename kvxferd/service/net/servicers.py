@@ -24,20 +24,20 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvxferd.errors import (InvalidArgumentError, KvxferError, PermissionDeniedError, UnauthenticatedError,
+from kvxferd.errors import (InvalidArgumentError, PermissionDeniedError, UnauthenticatedError,
                             UnavailableError)
 from kvxferd.plan.engine import notifying_readers
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.base import audit
-from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH, StreamReplaced
+from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH
 from kvxferd.service.engines.holding import lease_seconds, place_hold
 from kvxferd.service.base.status import error_status
 from kvxferd.service.peers.proof import ChallengeSigner
 from kvxferd.service.peers.tls import authorize_peer
 from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, ChallengeBook, Nonces, secret_proof
-from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses, read_request_from_pb
+from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses
 from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerauth import PEER_TOKEN_KEY, check_peer_call
 from kvxferd.wire.samehost import holder_proof, is_same_host
@@ -132,15 +132,6 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         await self.daemon.peers.handshake(slot, request.remote_engine_id, tuple(request.peer_addresses))
         return pb.HandshakeReply(remote_tp_size=len(request.peer_addresses), duration_s=time.perf_counter() - start)
 
-    @rpc
-    async def SubmitRead(self, request, context):
-        received_s = time.perf_counter()
-        slot = self._slot(request.engine_id, context)
-        self.daemon.reads.begin_batch()
-        self.daemon.reads.submit(slot, request.remote_engine_id, read_request_from_pb(request), request.deadline_s,
-                                 received_s)
-        return pb.SubmitReadReply()
-
     async def Reads(self, request_iterator, context):
         """Batches of reads in, batches of completions out, on one stream per engine session.
 
@@ -181,19 +172,6 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
             self.daemon.reads.take_batch(slot, batch, time.perf_counter())
             batch = await anext(request_iterator, None)
         # The engine half-closed: it submits nothing more; completions keep flowing until it cancels.
-
-    async def WatchCompletions(self, request, context):
-        try:
-            slot = self._slot(request.engine_id, context)
-            async for completion in slot.completions.stream():
-                yield completion
-            # The feed closed: the registration ended (deregistered, lapsed, daemon draining). Everything
-            # queued went out; not OK, so the engine can tell "register again" from "nothing more" (issue 61).
-            raise UnavailableError("engine_id", f"the registration of {slot.engine_id!r} ended")
-        except (KvxferError, StreamReplaced) as err:
-            code, message = error_status("WatchCompletions", err)
-            self.audit("WatchCompletions", request, context, code, message)
-            await context.abort(code, message)
 
     @rpc
     async def Hold(self, request, context):

@@ -2,7 +2,7 @@
 
 ::
 
-    submit (SubmitRead, or one ReadSpec of a Reads batch)
+    submit (one ReadSpec of a Reads batch, from the reads socket or the gRPC stream)
       checks: draining? duplicate id? too many reads in flight? handshake done?
       ─► a batch's read over what the batch may still post here (max_read_bytes, a bound):
          handed to the data-plane thread unplanned; it plans (bad ids: refused there, before
@@ -11,7 +11,6 @@
       ─► small (the batch's reads posted here stay within INLINE_MAX_BYTES): posted here on
          the loop; ended within the post (host memory) -> its completion at once, then the
          holders' notices, else the data-plane thread polls it
-      ─► larger (SubmitRead): the data-plane thread posts it
       ─► link stale: re-handshake, plan again, post
     an ok read that ended on the data-plane thread, its engine on the reads socket:
       ─► Completion numbered, queued and written by that thread (Read.complete)
@@ -77,18 +76,17 @@ class ReadPath:
         self._inline_left = INLINE_MAX_BYTES  # bytes the current batch may still post on the loop
 
     def begin_batch(self) -> None:
-        """A new batch (a ``Reads`` batch, or one ``SubmitRead``): it may post up to INLINE_MAX_BYTES on the
+        """A new ``Reads`` batch: it may post up to INLINE_MAX_BYTES on the
         event loop in all, so a batch of many small reads blocks the loop for one small copy at most."""
         self._inline_left = INLINE_MAX_BYTES
 
     def submit(self, slot: EngineSlot, remote_engine_id: str, request: ReadRequest, deadline_s: float,
-               received_s: float, *, plan_here: bool = True) -> None:
+               received_s: float) -> None:
         """Check, plan and hand a read to the data plane; raises a typed error when refused (nothing posted).
 
-        ``plan_here=False`` (a read of a ``Reads`` batch, whose refusals are
-        completions anyway): a read larger than the batch may still post here
-        is planned on the data-plane thread instead, so the loop hands it over
-        at once; bad ids are refused there, before any I/O.
+        A read larger than the batch may still post here is planned on the
+        data-plane thread instead, so the loop hands it over at once; bad ids
+        are refused there, before any I/O, as the read's completion.
         """
         daemon = self.daemon
         config = daemon.config
@@ -106,7 +104,7 @@ class ReadPath:
                                                    max_s=config.max_deadline_s)
         # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often land
         # on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
-        plan_there = not plan_here and link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
+        plan_there = link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
         # bad ids fail here, before anything is posted (or there, as a refusal)
         planned = None if plan_there else link.remote.plan.plan_request(request)
         # Only blocks the holders sealed for this request: refused here (after the ids, whose errors
@@ -166,8 +164,7 @@ class ReadPath:
             if spec.resend and (spec.request_id in slot.reads or slot.completions.has(spec.request_id)):
                 continue  # the first send arrived; its completion is on its way
             try:
-                self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s,
-                            plan_here=False)
+                self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
             except KvxferError as err:
                 if len(slot.reads) + len(slot.completions) >= 2 * config.max_reads_per_engine:
                     # Even refusals are not read: end the session instead of queueing more.

@@ -1,4 +1,4 @@
-"""``kvxferd bench daemon`` at tiny sizes: the three engine paths and the TLS comparison run and report."""
+"""``kvxferd bench daemon`` at tiny sizes: both engine paths, same-host copies and the TLS comparison run and report."""
 
 import pytest
 
@@ -11,7 +11,7 @@ TINY = dict(rounds=1, bulk_layers=2, bulk_blocks=16, num_requests_300=20, num_re
 
 def test_daemon_bench_runs_every_path_and_mutual_tls():
     figures = daemon.run(sizes=TINY, mtls=True)
-    for path in (figures, figures["same_host"], figures["stream"], figures["unary"]):
+    for path in (figures, figures["same_host"], figures["stream"]):
         for key, *_ in daemon.TARGETS:
             assert isinstance(path[key], float), key
         assert path["overhead"]["failed"] == 0 and path["overhead"]["requests"] == 20
@@ -20,4 +20,4 @@ def test_daemon_bench_runs_every_path_and_mutual_tls():
     for mode in figures["mtls"].values():
         assert mode["bulk"]["ratio"] > 0 and mode["bulk"]["handshake_ms"] > 0
     text = daemon.format_table(figures)
-    assert "socket path" in text and "same-host copies" in text and "stream path" in text and "unary path" in text and "mutual TLS on the peer ports" in text and "target (issue 12)" in text
+    assert "socket path" in text and "same-host copies" in text and "stream path" in text and "mutual TLS on the peer ports" in text and "target (issue 12)" in text

@@ -24,7 +24,7 @@ from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
-from tests.service.helpers import engine_pb, second_completion_stream, status
+from tests.service.helpers import engine_pb, oversized_batch, refusal, second_completion_stream, status
 
 C = grpc.StatusCode
 GROUPS = model_groups("gqa", ModelShape())
@@ -63,9 +63,8 @@ def invalid_argument(cluster, arenas):
     assert code == C.INVALID_ARGUMENT and details.startswith("lease_s") and "max_lease_s (60 s)" in details, details
     request = random_request("sc-deadline", *GROUPS, 16, np.random.default_rng(3))
     decode = cluster.decode_clients[0]
-    code, details = status(lambda: decode.submit_read(request.request_id, cluster.prefill_id, "x",
-                                                      request.local_block_ids, request.remote_block_ids,
-                                                      deadline_s=61))
+    code, details = refusal(decode, request.request_id, cluster.prefill_id, "x", request.local_block_ids,
+                            request.remote_block_ids, deadline_s=61)
     assert code == C.INVALID_ARGUMENT and "max_deadline_s (60 s)" in details, details
     return code
 
@@ -117,9 +116,8 @@ def permission_denied(cluster, arenas):
     request = random_request("sc-unsealed", *GROUPS, 16, np.random.default_rng(4))
     cluster.hold(request)
     decode = cluster.decode_clients[0]
-    code, details = status(lambda: decode.submit_read(request.request_id, cluster.prefill_id,
-                                                      request.remote_request_id, request.local_block_ids,
-                                                      request.remote_block_ids))
+    code, details = refusal(decode, request.request_id, cluster.prefill_id, request.remote_request_id,
+                            request.local_block_ids, request.remote_block_ids)
     assert details.startswith("remote_capabilities"), details
     cluster.prefill_clients[0].release(request.remote_request_id)
     return code
@@ -146,8 +144,8 @@ def resource_exhausted(cluster, arenas):
     finally:
         for i in range(3):
             prefill.release(f"sc-many{i}")
-    huge = [np.arange(100_000, dtype=np.int64)]  # over --max-message-bytes 65536 on the wire
-    code, details = status(lambda: cluster.decode_clients[0].submit_read("sc-huge", cluster.prefill_id, "x", huge, huge))
+    # a batch over --max-message-bytes 65536 ends its session
+    code, details = oversized_batch(cluster.decode_daemons[0].engine_target, GROUPS[1], arenas, "sc-huge")
     assert code == C.RESOURCE_EXHAUSTED, details
     return code  # max_concurrent_streams: test_a_call_past_max_concurrent_streams_is_answered_at_once
 
@@ -208,7 +206,7 @@ def test_a_call_past_max_concurrent_streams_is_answered_at_once(workdir, arenas)
     the calls that keep its lease never count."""
     (daemon,) = DaemonProcess.start_many(["sc-streams"], socket_dir=workdir,
                                          extra_args=("--max-concurrent-streams", "1", "--lease-s", "3"))
-    engine = EngineClient(daemon.engine_target, reads_stream=False)
+    engine = EngineClient(daemon.engine_target, reads_socket=False)  # its session: one gRPC Reads stream
     stranger = grpc.insecure_channel(daemon.engine_target)
     stop = threading.Event()
 
@@ -216,13 +214,13 @@ def test_a_call_past_max_concurrent_streams_is_answered_at_once(workdir, arenas)
         stop.wait()
         yield from ()
     try:
-        # the engine opens its WatchCompletions: its one call runs
+        # the engine opens its Reads stream: its one call runs
         engine.register(engine_pb(GROUPS[1], "sc-s0", arenas), heartbeat_s=0, lease_s=3)
         # a stranger's idle Reads stream (no session) fills the sessionless budget, and only that
         idle = engine_grpc.EngineServiceStub(stranger).Reads(nothing_until_stopped(), timeout=30)
 
         give_up_s = time.monotonic() + 10
-        for attempt in range(10_000):  # admitted only until the engine's WatchCompletions runs on the daemon
+        for attempt in range(10_000):  # admitted only until the engine's Reads stream runs on the daemon
             try:
                 engine.hold(f"sc-more{attempt}", [[1, 2]])
             except grpc.RpcError as err:
@@ -252,7 +250,6 @@ def test_a_call_past_max_concurrent_streams_is_answered_at_once(workdir, arenas)
         daemon.terminate()
 
 
-
 def test_a_remote_refusing_this_daemons_credentials_is_permission_denied(cluster, workdir, tmp_path, arenas):
     """A remote of another host secret is about the daemons, not the engine's session: the engine gets
     PERMISSION_DENIED, which it does not retry (issue 40). Since issue 53 the dialling daemon finds it out
@@ -268,18 +265,3 @@ def test_a_remote_refusing_this_daemons_credentials_is_permission_denied(cluster
     finally:
         client.close()
         stranger.terminate()
-
-
-def test_watch_completions_ends_failed_precondition_when_its_registration_ends(cluster, arenas):
-    """Issue 61: WatchCompletions ended OK when its registration ended, where the Reads stream and the reads
-    socket end FAILED_PRECONDITION: a client could not tell "nothing more" from "register again"."""
-    client = other_engine(cluster, "sc-watch-end", arenas)
-    try:
-        stream = client.stub.WatchCompletions(pb.WatchCompletionsRequest(engine_id=client.engine_id),
-                                              timeout=30)  # the client adds its session
-        time.sleep(0.3)  # the stream is open on the daemon
-        client.deregister()
-        code, details = status(lambda: list(stream))
-        assert code == C.FAILED_PRECONDITION and "registration" in details and "ended" in details, (code, details)
-    finally:
-        client.close()

@@ -79,18 +79,15 @@ def test_a_batch_hands_its_large_reads_over_unplanned():
     path, slot, plan, dataplane = _path()
     path.begin_batch()
     for n in range(3):
-        path.submit(slot, "p", _request(n, 8), 0.0, 0.0, plan_here=False)
+        path.submit(slot, "p", _request(n, 8), 0.0, 0.0)
     assert dataplane.here == ["r0"] and dataplane.there == ["r1", "r2"] and dataplane.unplanned == ["r1", "r2"]
     assert set(slot.reads) == {"r0", "r1", "r2"}  # all in flight (the fake post_now ended nothing)
     assert all(read.state is ReadState.ACCEPTED for read in slot.reads.values())
-    path.begin_batch()
-    path.submit(slot, "p", _request(3, 16), 0.0, 0.0)  # SubmitRead: planned here, whatever its size
-    assert dataplane.there[-1] == "r3" and dataplane.unplanned == ["r1", "r2"]
 
 
 def test_a_refusal_from_the_data_plane_thread_is_the_reads_completion():
     path, slot, plan, dataplane = _path()
-    path.submit(slot, "p", _request(1, 16), 0.0, 0.0, plan_here=False)
+    path.submit(slot, "p", _request(1, 16), 0.0, 0.0)
     assert dataplane.unplanned == ["r1"]
     err = InvalidArgumentError("local_block_ids", "block id 99 out of range")
     read = slot.reads["r1"]

@@ -1,9 +1,9 @@
 """The rules of a read hold on every transport an engine may send it over, against real daemons.
 
-An engine's reads reach its daemon over the reads socket (the default for a local daemon), the gRPC
-``Reads`` stream, or unary ``SubmitRead`` with ``WatchCompletions``. The daemon checks them all in one
-place, but each transport reports differently: unary raises a refusal, the batch transports send it
-back as a completion naming the status (``refused_code``). What an engine relies on must not depend
+An engine's reads reach its daemon over the reads socket (the default for a local daemon) or the gRPC
+``Reads`` stream (the unary ``SubmitRead`` and ``WatchCompletions`` were retired in engine protocol 2).
+The daemon checks them in one place, and both send a refusal back as a completion naming the status
+(``refused_code``). What an engine relies on must not depend
 on which one it uses: an ok read is byte-exact and completes exactly once, numbered; out-of-range
 local block ids are refused INVALID_ARGUMENT with nothing written; a request id is refused while a
 read of it is in flight and free again once its completion arrived; a read of a released hold fails
@@ -31,8 +31,8 @@ from kvxferd.wire.messages import ids_from_pb
 from tests.service.helpers import GQA_GROUPS as GROUPS, ProxyPeer, two_block_request
 
 C = grpc.StatusCode
-CODES = {code.value[0]: code for code in C}  # a refused_code as the status unary would raise
-TRANSPORTS = ("socket", "grpc", "unary")
+CODES = {code.value[0]: code for code in C}  # a refused_code as its status code
+TRANSPORTS = ("socket", "grpc")
 
 
 class GatedPeer(ProxyPeer):
@@ -108,25 +108,23 @@ def decode(cluster, request):
     decode cache reset."""
     client, transport = cluster.decode_clients[0], request.param
     socket_path = client.reads_socket_path
-    client.reads_stream = transport != "unary"
     client.reads_socket_path = socket_path if transport == "socket" else None
     try:
         client.reconnect_reads()
         assert client.reads.on_socket == (transport == "socket")
         _quiet(client)  # completions not acked before come again (the client drops them)
-        if client.reads_stream:
-            client.reads.submit_reads([])  # acks them
+        client.reads.submit_reads([])  # acks them
         cluster.reset_decode()
         yield transport, client
     finally:
-        client.reads_stream, client.reads_socket_path = True, socket_path
+        client.reads_socket_path = socket_path
         client.reconnect_reads()
 
 
 class Outcome(NamedTuple):
-    code: grpc.StatusCode | None  # the refusal's status (raised by unary, a completion's refused_code otherwise)
-    completion: pb.Completion | None  # None: refused by unary (no completion comes), or not waited for
-    error: str  # the refusal's details or the completion's error
+    code: grpc.StatusCode | None  # the refusal's status: the completion's refused_code
+    completion: pb.Completion | None  # None: not waited for
+    error: str  # the completion's error
 
 
 def submit(cluster, transport: str, client, request: ReadRequest, *, remote_engine_id: str | None = None,
@@ -136,13 +134,7 @@ def submit(cluster, transport: str, client, request: ReadRequest, *, remote_engi
             request.local_block_ids, request.remote_block_ids)
     kwargs = dict(num_tokens=request.num_tokens or 0,
                   remote_capabilities=cluster.capabilities.get(request.remote_request_id, ()))
-    if transport == "unary":
-        try:
-            client.submit_read(*args, **kwargs)
-        except grpc.RpcError as err:
-            return Outcome(err.code(), None, err.details())
-    else:
-        client.reads.submit_reads([client.read_spec(*args, **kwargs)])
+    client.reads.submit_reads([client.read_spec(*args, **kwargs)])
     if not wait:
         return Outcome(None, None, "")
     completion = client.reads.wait_completion(request.request_id, 30.0)
@@ -154,12 +146,9 @@ def _request(transport: str, name: str, k: int) -> ReadRequest:
 
 
 def _refused(transport: str, outcome: Outcome, code: grpc.StatusCode) -> None:
-    """Refused with ``code``: raised on unary, else a completion that is not ok and names the code."""
+    """Refused with ``code``: a completion that is not ok and names the code."""
     assert outcome.code == code, outcome
-    if transport == "unary":
-        assert outcome.completion is None
-    else:
-        assert not outcome.completion.ok and outcome.completion.refused_code == code.value[0], outcome.completion
+    assert not outcome.completion.ok and outcome.completion.refused_code == code.value[0], outcome.completion
 
 
 def test_an_ok_read_is_byte_exact_and_completes_once_numbered(cluster, decode):
