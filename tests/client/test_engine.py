@@ -64,7 +64,7 @@ def test_a_retired_stream_hands_over_nothing_more():
     session = _session()
     stream = ScriptedStream([_batch(1, 2), _batch(3)], before={1: lambda: _retire(session)})
     session._stream = stream
-    session._watch(stream, lambda item: item.completions)
+    session._watch(stream)
     assert stream.cancelled
     assert set(session._completions) == {"r1", "r2"}  # r3 comes again on the next stream (unacked)
     assert session._last_seq == 0  # the new registration's numbering was left alone
@@ -75,7 +75,7 @@ def test_a_retired_stream_sends_no_ack_and_reports_no_error():
     seqs = list(range(1, ACK_EVERY + 1))
     stream = ScriptedStream([_batch(*seqs)], before={0: lambda: _retire(session)}, error=Aborted())
     session._stream = stream
-    session._watch(stream, lambda item: item.completions)
+    session._watch(stream)
     assert session._outbox.empty() and session.stream_error is None and session._completions == {}
 
 
@@ -84,7 +84,7 @@ def test_the_current_stream_acks_and_reports_its_end():
     seqs = list(range(1, ACK_EVERY + 1))
     stream = ScriptedStream([_batch(*seqs)], error=Aborted())
     session._stream = stream
-    session._watch(stream, lambda item: item.completions)
+    session._watch(stream)
     assert session._outbox.get_nowait().ack_seq == ACK_EVERY
     assert session.stream_error is not None and session.stream_error.code() == grpc.StatusCode.ABORTED
     assert len(session._completions) == ACK_EVERY
