@@ -97,6 +97,8 @@ class EarlyHolds:
                 if self._closed:
                     return
                 self._wake.wait(tick_s)
+                if self._closed:
+                    return
                 now = time.monotonic()
                 due = {rid: sent for rid, sent in self._holds.items()
                        if now - sent.sent_s >= self.lease_s * RENEW_AFTER and sent.sent_s > -math.inf}
