@@ -20,7 +20,6 @@ does not match its certificate yet) keeps the previous files in use.
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 import threading
