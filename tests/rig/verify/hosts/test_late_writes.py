@@ -28,11 +28,13 @@ REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"namespace hosts: {REASON}")
 PARTITION_S = 2.0
 DEADLINE_S = 1.0
-IN_FLIGHT_BYTES = 2 << 20  # of a 64 MiB read: well inside it
+IN_FLIGHT_BYTES = 2 << 20  # of a 128 MiB read: well inside it
+SLOW_LINK_S = 0.02  # each packet into the decode host held that long, until the heal
 
 
 def partitioned_read(tmp_path, abort_drain_s: float) -> tuple[dict, list[str], list[str]]:
-    """Read a request, partition the hosts once 2 MiB of it crossed the link, heal after PARTITION_S; the
+    """Read a request over a slowed link, partition the hosts once 2 MiB of it crossed, heal (both) after
+    PARTITION_S; the
     read's outcome, the decode memory's digests when its completion came and 5 s after the heal."""
     hosts = SoakHosts(2, 1, str(tmp_path), ("--log-level", "WARNING", "--abort-drain-s", str(abort_drain_s)))
     prefill = decode = None
@@ -47,6 +49,10 @@ def partitioned_read(tmp_path, abort_drain_s: float) -> tuple[dict, list[str], l
         request = random_request("late-r", groups, groups, 2000, np.random.default_rng(3))
         answers = prefill.call("hold", request.remote_request_id, request.remote_block_ids, 30.0)
         request = dataclasses.replace(request, remote_capabilities=tuple(c for _, c in answers))
+        # Slow the link first: on its own the read crossed it in 0.25 s on a loaded machine, before the
+        # partition's four iptables calls were in, and it ended ok (a clean clone's run, 2026-11-29).
+        # Held 20 ms on its way in, every packet of it is still on the wire when the cut comes.
+        hosts.links.delay(hosts.decode_host, SLOW_LINK_S)
         received = hosts.fabric.link_bytes(hosts.decode_host)["rx_bytes"]
         decode.send("read", request, "late-prefill", groups, DEADLINE_S, 60.0)
         # Cut the link once the read's bytes are crossing it (a read not yet on the wire could be dropped
