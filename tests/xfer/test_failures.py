@@ -147,7 +147,7 @@ def test_a_closed_agent_refuses_calls_with_a_typed_error():
     agent.close()  # twice is fine
 
 
-def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world, monkeypatch):
+def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world):
     """UCX cannot stop a READ: an aborted read's result waits while NIXL says a transfer of it runs, and past
     abort_drain_s it says its blocks may still be written (the real late write over a partitioned link:
     tests/rig/verify/hosts/test_late_writes.py)."""
@@ -165,7 +165,7 @@ def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world
     assert sum(len(ids) for ids in result.invalid_block_ids) > 0  # rank 0's blocks are named
 
 
-def test_an_abort_without_drain_releases_at_once(world, monkeypatch):
+def test_an_abort_without_drain_releases_at_once(world):
     healthy, _, decode, executor, _ = world
     inflight = _unposted(executor, "at-once")
     released = []
@@ -174,7 +174,7 @@ def test_an_abort_without_drain_releases_at_once(world, monkeypatch):
     assert result is not None and not result.ok and marker in released and UNSETTLED_ERROR not in result.error
 
 
-def _draining_read(executor, request_id, monkeypatch, running):
+def _draining_read(executor, request_id, running):
     """A read of ``healthy`` aborted while a (stand-in) transfer of it still runs: NIXL says so while
     ``running["yes"]``."""
     released = []
@@ -207,11 +207,11 @@ def _unposted(executor, request_id):
     return InFlightRead(remote.plan.plan_request(request), remote, time.perf_counter())
 
 
-def test_an_aborted_read_ends_once_its_transfer_did_without_saying_unsettled(world, monkeypatch):
+def test_an_aborted_read_ends_once_its_transfer_did_without_saying_unsettled(world):
     _, _, _, executor, _ = world
     running = {"yes": True}
     executor.abort_drain_s = 60.0
-    inflight, marker, released = _draining_read(executor, "drains", monkeypatch, running)
+    inflight, marker, released = _draining_read(executor, "drains", running)
     assert executor.abort(inflight, "deadline: test") is None
     assert executor.abort(inflight, "deadline: again") is None  # idempotent while it drains
     assert inflight.remote.num_draining == 1 and executor.poll(inflight) is None and not released
@@ -222,11 +222,11 @@ def test_an_aborted_read_ends_once_its_transfer_did_without_saying_unsettled(wor
     assert inflight.remote.num_draining == 0
 
 
-def test_a_replaced_connection_stays_loaded_until_its_aborted_reads_drained(world, monkeypatch):
+def test_a_replaced_connection_stays_loaded_until_its_aborted_reads_drained(world):
     """A re-handshake must not release the lists and remote agents a running transfer still uses."""
     _, _, _, executor, _ = world
     running = {"yes": True}
-    inflight, _, _ = _draining_read(executor, "retired", monkeypatch, running)
+    inflight, _, _ = _draining_read(executor, "retired", running)
     remote = inflight.remote
     assert executor.abort(inflight, "the remote engine was re-handshaked") is None
     executor.disconnect("healthy")

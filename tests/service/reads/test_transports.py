@@ -28,10 +28,9 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.wire.messages import ids_from_pb
-from tests.service.helpers import GQA_GROUPS as GROUPS, ProxyPeer, two_block_request
+from tests.service.helpers import CODES, GQA_GROUPS as GROUPS, ProxyPeer, two_block_request
 
 C = grpc.StatusCode
-CODES = {code.value[0]: code for code in C}  # a refused_code as its status code
 TRANSPORTS = ("socket", "grpc")
 
 
@@ -145,7 +144,7 @@ def _request(transport: str, name: str, k: int) -> ReadRequest:
     return two_block_request(f"{transport}-{name}", k)  # request ids of one module cluster: one per transport
 
 
-def _refused(transport: str, outcome: Outcome, code: grpc.StatusCode) -> None:
+def _refused(outcome: Outcome, code: grpc.StatusCode) -> None:
     """Refused with ``code``: a completion that is not ok and names the code."""
     assert outcome.code == code, outcome
     assert not outcome.completion.ok and outcome.completion.refused_code == code.value[0], outcome.completion
@@ -177,7 +176,7 @@ def test_out_of_range_local_blocks_are_refused_invalid_argument_writing_nothing(
     cluster.hold(held)  # held: what is wrong is the local ids
     bad = replace(held, local_block_ids=tuple(ids + 10_000 for ids in held.local_block_ids))
     outcome = submit(cluster, transport, client, bad)
-    _refused(transport, outcome, C.INVALID_ARGUMENT)
+    _refused(outcome, C.INVALID_ARGUMENT)
     assert "block" in outcome.error, outcome.error
     assert cluster.decode_untouched()
     assert [c for c in _quiet(client) if c.request_id == held.request_id] == []  # no (other) completion
@@ -201,7 +200,7 @@ def test_a_request_id_is_refused_while_in_flight_and_free_again_once_completed(c
         finally:
             gate.opened.set()
         handshake.result(30)
-    _refused(transport, again, C.INVALID_ARGUMENT)
+    _refused(again, C.INVALID_ARGUMENT)
     assert "already in flight" in again.error, again.error
     completion = client.reads.wait_completion(first.request_id, 30.0)  # the first read, once the link is ready
     assert completion.ok and completion.refused_code == 0, completion.error
@@ -234,6 +233,6 @@ def test_a_remote_engine_without_a_handshake_is_refused_not_found(cluster, decod
     transport, client = decode
     request = _request(transport, "nobody", 6)
     outcome = submit(cluster, transport, client, request, remote_engine_id="nobody")
-    _refused(transport, outcome, C.NOT_FOUND)
+    _refused(outcome, C.NOT_FOUND)
     assert "nobody" in outcome.error, outcome.error
     assert cluster.decode_untouched()
