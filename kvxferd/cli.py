@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 if sys.argv[1:2] == ["serve"]:  # the daemon's fd table, grown while this process has one thread: no RCU wait
-    from kvxferd.xfer.fdtable import reserve_fd_table  # (xfer/fdtable.py); imports nothing that starts one
+    from kvxferd.xfer.osutil.fdtable import reserve_fd_table  # (xfer/osutil/fdtable.py); imports nothing that starts one
 
     reserve_fd_table()
 

@@ -3,7 +3,7 @@
 Two readers of an engine's cache open it this way: its own daemon (to
 register it with NIXL, :mod:`kvxferd.service.engines.gpu`) and, for a
 same-host read (issue #37), the reading daemon, which copies the planned
-spans itself (:mod:`kvxferd.xfer.devicemaps`). A GPU is named by its UUID:
+spans itself (:mod:`kvxferd.xfer.samehost.devicemaps`). A GPU is named by its UUID:
 two processes may see it under different indices.
 """
 

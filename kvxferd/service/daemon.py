@@ -64,7 +64,7 @@ from kvxferd.wire.names import default_runtime_dir
 from kvxferd.wire import serving
 from kvxferd.wire.samehost import boot_id
 from kvxferd.wire.frames import reads_socket_path
-from kvxferd.xfer import hostcopy
+from kvxferd.xfer.samehost import hostcopy
 
 log = logging.getLogger("kvxferd.daemon")
 EXIT_CONFIG, EXIT_STARTUP = 2, 3

@@ -14,8 +14,8 @@
 
 NIXL (:class:`kvxferd.xfer.reads.ReadExecutor`) is the backend today. The
 same-host paths of issue #37 (host memory and GPU memory) live inside it,
-as a per-rank choice of how a rank's data moves (:mod:`kvxferd.xfer.hostmaps`,
-:mod:`kvxferd.xfer.devicemaps`): their board checks and notices stay NIXL's,
+as a per-rank choice of how a rank's data moves (:mod:`kvxferd.xfer.samehost.hostmaps`,
+:mod:`kvxferd.xfer.samehost.devicemaps`): their board checks and notices stay NIXL's,
 and one remote engine may have ranks of both kinds. The service layer calls
 a slot's backend through these members only (``tests/xfer/test_backend.py``
 reads the service's source to check it), so another backend would change

@@ -51,7 +51,7 @@ from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.leases import FAILED, HoldEnd, HoldTable
 from kvxferd.plan.notifications import HELLO, ReadNotice
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.readers import Introduction, Reader, ReaderLimits, ReaderTable
 
 log = logging.getLogger(__name__)

@@ -42,12 +42,12 @@ from kvxferd.plan.capability import HOLD_KEY_BYTES, check_read_capabilities
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, RankRead, ReadRequest
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import HELLO, ReadNotice
-from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
-from kvxferd.xfer.checks import BoardProbe, CheckArea, board_rows
-from kvxferd.xfer.transfers import NixlTransfer, nixl_failure
-from kvxferd.xfer.hostmaps import HostRank
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.nixl.checks import BoardProbe, CheckArea, board_rows
+from kvxferd.xfer.nixl.transfers import NixlTransfer, nixl_failure
+from kvxferd.xfer.samehost.hostmaps import HostRank
 from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine, TransferFailure
-from kvxferd.xfer.samehostranks import SameHostOpener, drop_all, drop_rank
+from kvxferd.xfer.samehost.ranks import SameHostOpener, drop_all, drop_rank
 
 POLL_MIN_S = 20e-6  # first sleep between state checks; doubles up to POLL_MAX_S
 POLL_MAX_S = 1e-3
@@ -95,8 +95,8 @@ class ReadExecutor:
 
         ``same_host``: the remote ranks proved they share this host; each whose
         cache names its memory (shared-memory objects, CUDA IPC handles) is
-        opened here and read by copying (:mod:`kvxferd.xfer.hostmaps`,
-        :mod:`kvxferd.xfer.devicemaps`), the others over NIXL.
+        opened here and read by copying (:mod:`kvxferd.xfer.samehost.hostmaps`,
+        :mod:`kvxferd.xfer.samehost.devicemaps`), the others over NIXL.
         """
         with self.lock:
             return self._connect(remotes, metadata, boards, same_host)
@@ -458,7 +458,7 @@ class ReadExecutor:
                 drop_all(remote, failure.context_lost, on_device_only=True)
 
     def _check_state(self, inflight: InFlightRead, q: int, handle) -> TransferState:
-        """A board check's state (a NIXL handle of :mod:`kvxferd.xfer.checks`)."""
+        """A board check's state (a NIXL handle of :mod:`kvxferd.xfer.nixl.checks`)."""
         try:
             return self.agent.state(handle)
         except NixlError as err:

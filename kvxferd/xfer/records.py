@@ -15,9 +15,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, RankRead
-from kvxferd.xfer.agent import TransferState
-from kvxferd.xfer.checks import BoardProbe
-from kvxferd.xfer.hostmaps import HostRank
+from kvxferd.xfer.nixl.agent import TransferState
+from kvxferd.xfer.nixl.checks import BoardProbe
+from kvxferd.xfer.samehost.hostmaps import HostRank
 
 
 class ReadFailure(str, enum.Enum):
@@ -44,8 +44,8 @@ class TransferFailure(NamedTuple):
 
 class TransferHandle(Protocol):
     """A rank's data transfer as the read executor holds it: a NIXL READ
-    (:class:`kvxferd.xfer.transfers.NixlTransfer`) or a batch of device copies
-    (:class:`kvxferd.xfer.devicemaps.PendingDeviceCopy`); the executor never asks which."""
+    (:class:`kvxferd.xfer.nixl.transfers.NixlTransfer`) or a batch of device copies
+    (:class:`kvxferd.xfer.samehost.devicemaps.PendingDeviceCopy`); the executor never asks which."""
 
     def state(self) -> TransferState:
         """DONE, PROC (still running) or ERR (then :meth:`failure` says why)."""

@@ -5,7 +5,7 @@ them), and one of those once took a killed daemon's peer port before the daemon 
 import os
 
 from kvxferd.client.launch import NUM_FIXED_PORTS, ephemeral_port_floor, free_ports, port_is_free
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from tests.sockets import listening_sockets
 
 

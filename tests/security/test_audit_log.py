@@ -36,7 +36,7 @@ from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.names import SESSION_KEY, SHM_DIR
 from kvxferd.wire.peerauth import peer_channel
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from tests.security.conftest import SPIFFE, tls_args
 from tests.service.helpers import engine_pb, status
 

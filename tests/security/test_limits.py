@@ -18,7 +18,7 @@ from kvxferd.service.net.servicers import rpc
 from kvxferd.rig.verify.certs import DevCA
 from kvxferd.rig.verify.models import ModelShape, model_groups
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from tests.security.conftest import SPIFFE
 from tests.service.helpers import engine_pb, status
 

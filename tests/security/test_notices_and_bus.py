@@ -24,7 +24,7 @@ from kvxferd.rig.soak.forged import holder_info, send
 from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.names import topic
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 
 GROUPS = model_groups("gqa", ModelShape())
 

@@ -23,7 +23,7 @@ from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerauth import peer_channel
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from tests.security.conftest import SPIFFE, tls_args
 
 C = grpc.StatusCode

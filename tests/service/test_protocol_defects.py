@@ -22,7 +22,7 @@ from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.rig.verify.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from tests.service.helpers import engine_pb, refusal, second_completion_stream, status
 
 C = grpc.StatusCode

@@ -10,7 +10,7 @@ import pytest
 
 from kvxferd.client import DaemonProcess
 from kvxferd.client.launch import port_is_free
-from kvxferd.xfer.fdtable import RESERVED_FDS
+from kvxferd.xfer.osutil.fdtable import RESERVED_FDS
 from kvxferd.wire.names import default_engine_socket
 
 

@@ -12,7 +12,7 @@ from kvxferd.errors import BlockIdError, NotFoundError
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.rig.verify.engines import allocate_engine, check_buffers, expected_buffers
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.agent import NixlAgent, TransferState
+from kvxferd.xfer.nixl.agent import NixlAgent, TransferState
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import UNSETTLED_ERROR, ReadExecutor
 from kvxferd.xfer.records import InFlightRead, ReadFailure, TransferFailure
@@ -237,7 +237,7 @@ def test_a_replaced_connection_stays_loaded_until_its_aborted_reads_drained(worl
 
 
 def test_an_abandoned_check_keeps_its_slot_until_its_read_ended(world, monkeypatch):
-    from kvxferd.xfer.agent import TransferState
+    from kvxferd.xfer.nixl.agent import TransferState
 
     _, _, _, executor, _ = world
     area = executor.checks

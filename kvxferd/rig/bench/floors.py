@@ -4,7 +4,7 @@
 
 * wake-ups: a polling thread sleeping 100 µs per round, CPU per wake-up and
   the real interval, for ``threading.Event.wait``, the data plane's
-  :class:`~kvxferd.xfer.waker.Waker` (eventfd + select) and ``time.sleep``;
+  :class:`~kvxferd.xfer.osutil.waker.Waker` (eventfd + select) and ``time.sleep``;
 * thread hop: one thread hands an item to another that sleeps on a Waker
   (the event loop to the data-plane thread), latency until it runs;
 * UDP wake-up: a 28-byte datagram over loopback to a thread asleep in
@@ -48,7 +48,7 @@ import numpy as np
 from kvxferd.rig.bench import nixl_progress
 from kvxferd.rig.bench.common import bench_main, full_attention_groups, percentiles_us, process_cpu_s
 from kvxferd.wire.frames import FrameReader, encode_frame
-from kvxferd.xfer.waker import Waker
+from kvxferd.xfer.osutil.waker import Waker
 
 
 def wakeups(seconds: float = 2.0, interval_s: float = 100e-6) -> dict:
@@ -123,7 +123,7 @@ def udp_wakeup(repeat: int = 2000) -> dict:
 
 def nixl_notifications(repeat: int = 2000) -> dict:
     """``get_new_notifs`` alone, and a notification's trip between two polling agents."""
-    from kvxferd.xfer.agent import NixlAgent
+    from kvxferd.xfer.nixl.agent import NixlAgent
 
     sender, receiver = NixlAgent("floor-sender"), NixlAgent("floor-receiver")
     sender.add_remote(receiver.metadata())

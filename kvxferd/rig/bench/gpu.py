@@ -61,7 +61,7 @@ from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.rig.verify.engines import verify_decode
 from kvxferd.rig.verify.gpu import GpuEngine, cuda_missing
 from kvxferd.rig.verify.process import EngineProcess
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 
 FULL = dict(num_layers=32, num_blocks=256, rounds=4, small_blocks=2, num_small=100)
 QUICK = dict(num_layers=8, num_blocks=64, rounds=3, small_blocks=2, num_small=60)

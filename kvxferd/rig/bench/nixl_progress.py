@@ -35,8 +35,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from kvxferd.rig.bench.common import percentiles_us, process_cpu_s
-from kvxferd.xfer.agent import quiet_nixl_logging
-from kvxferd.xfer.nixl_module import nixl_api
+from kvxferd.xfer.nixl.agent import quiet_nixl_logging
+from kvxferd.xfer.nixl.nixl_module import nixl_api
 
 DELAY_US = 1000  # the thread's poll() timeout; NIXL rounds it up to whole milliseconds
 

@@ -14,7 +14,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.peerauth import peer_channel
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 
 
 def prepare_raw(raw_agent, remote_agent_name: str, rank_plan: RankPlan, read: RankRead, *,

@@ -28,7 +28,7 @@ from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.rig.verify.engines import allocate_engine
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
 

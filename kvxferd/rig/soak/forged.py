@@ -23,7 +23,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.peerauth import peer_channel
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 
 FORGER_ENGINE_ID = "soak-forger"
 SEND_S = 0.05  # the rogue polls its agent this long after sending: no progress thread drives the send

@@ -18,7 +18,7 @@ from kvxferd.plan.engine import ReadRequest, expected_readers
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.client.shm import SharedArena
 from kvxferd.rig.verify.engines import DecodeChecks, allocate_engine, shared_engine
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
@@ -34,7 +34,7 @@ class LocalCluster(DecodeChecks):
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
                  prefill_tp: int, decode_tp: int, *, name: str = "c", same_host: bool = False) -> None:
         """``same_host``: prefill caches in named shared memory, which the decode ranks map and copy from
-        themselves (:mod:`kvxferd.xfer.hostmaps`) instead of reading over NIXL."""
+        themselves (:mod:`kvxferd.xfer.samehost.hostmaps`) instead of reading over NIXL."""
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
         self.same_host, self.arenas = same_host, []

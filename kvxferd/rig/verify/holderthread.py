@@ -10,10 +10,10 @@ import threading
 import time
 
 from kvxferd.plan.leases import FAILED, HoldEnd
-from kvxferd.xfer.agent import NixlAgent, NixlError
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError
 from kvxferd.xfer.holder import Holder
-from kvxferd.xfer.osthreads import name_this_thread
-from kvxferd.xfer.waker import Waker
+from kvxferd.xfer.osutil.osthreads import name_this_thread
+from kvxferd.xfer.osutil.waker import Waker
 
 
 class HolderThread:

@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import traceback
 
-from kvxferd.xfer.fdtable import reserve_fd_table
+from kvxferd.xfer.osutil.fdtable import reserve_fd_table
 
 
 def engine_main(kind: str, factory, args: tuple, kwargs: dict, conn, netns: str | None = None,

@@ -27,7 +27,7 @@ import threading
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from kvxferd.xfer.osthreads import name_this_thread
+from kvxferd.xfer.osutil.osthreads import name_this_thread
 
 TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 16

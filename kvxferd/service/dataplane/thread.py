@@ -60,12 +60,12 @@ from kvxferd.errors import KvxferError, PermissionDeniedError
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
-from kvxferd.xfer.agent import NixlError
+from kvxferd.xfer.nixl.agent import NixlError
 from kvxferd.xfer.holder import NoticeEvent
-from kvxferd.xfer.osthreads import name_this_thread
+from kvxferd.xfer.osutil.osthreads import name_this_thread
 from kvxferd.xfer.reads import POLL_MIN_S
 from kvxferd.xfer.records import ReadFailure
-from kvxferd.xfer.waker import Waker
+from kvxferd.xfer.osutil.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight

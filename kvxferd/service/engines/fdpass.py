@@ -34,7 +34,7 @@ from kvxferd.service.base import audit
 from kvxferd.service.base.localsock import credentials_allowed
 from kvxferd.wire.names import FD_ANSWER_MAX_BYTES
 from kvxferd.wire.owner import peer_credentials
-from kvxferd.xfer.osthreads import name_this_thread
+from kvxferd.xfer.osutil.osthreads import name_this_thread
 
 log = logging.getLogger("kvxferd.fdpass")
 MAX_FDS = 4096

@@ -36,7 +36,7 @@ from kvxferd.service.engines.fdpass import FdInbox
 from kvxferd.service.engines.memory import KeptFds, ShmOpeners, open_region, populate
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
-from kvxferd.xfer.agent import NixlAgent, collect_agents
+from kvxferd.xfer.nixl.agent import NixlAgent, collect_agents
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.reads import ReadExecutor
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.leases import HoldTable
 from kvxferd.service.engines.completions import CompletionFeed
-from kvxferd.xfer.agent import NixlAgent
+from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.readers import ReaderTable
 from kvxferd.xfer.backend import ReadBackend

@@ -42,7 +42,7 @@ from kvxferd.wire.names import SESSION_KEY
 from kvxferd.wire.peerauth import PEER_TOKEN_KEY, check_peer_call
 from kvxferd.wire.samehost import holder_proof, is_same_host
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, encode_info
-from kvxferd.xfer.agent import agent_name_of
+from kvxferd.xfer.nixl.agent import agent_name_of
 from kvxferd.xfer.holder import Reader, ReaderLimits
 from kvxferd.xfer.readers import Introduced
 

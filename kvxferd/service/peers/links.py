@@ -94,7 +94,7 @@ class Peers:
         self.secret: bytes | None = None
         # Same-host reads (set at start: config.same_host_reads): the secret that proves this host (without TLS
         # the peer secret; with TLS the same file, for this alone). Every holder is asked to name its memory,
-        # proving this host; a holder that does is read by copying (kvxferd.xfer.hostmaps, devicemaps).
+        # proving this host; a holder that does is read by copying (kvxferd.xfer.samehost.hostmaps, devicemaps).
         self.same_host_secret: bytes | None = None
 
     def _channel(self, address: str) -> "_PeerChannel":

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from kvxferd.rig.verify.process import EngineFailed, EngineProcess
-from kvxferd.xfer.fdtable import RESERVED_FDS, fd_table_size
+from kvxferd.xfer.osutil.fdtable import RESERVED_FDS, fd_table_size
 
 
 class Napper:
@@ -59,7 +59,7 @@ class FdTable:
 
 
 def test_an_engine_process_grows_its_fd_table_before_its_engine_starts():
-    # As a daemon does (xfer/fdtable.py): grown while the child has one thread, it never grows under load.
+    # As a daemon does (xfer/osutil/fdtable.py): grown while the child has one thread, it never grows under load.
     engine = EngineProcess("fds", factory=FdTable, start_timeout_s=60)
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -11,7 +11,7 @@ import pytest
 from kvxferd.errors import TransferError
 from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.hostmaps import map_host_source
+from kvxferd.xfer.samehost.hostmaps import map_host_source
 from kvxferd.xfer.records import ReadFailure
 
 GROUPS = model_groups("gqa", ModelShape())
@@ -104,7 +104,7 @@ def test_a_mapping_gone_under_a_read_fails_that_rank_with_its_blocks_invalid(clu
 
 def test_a_plan_too_large_to_expand_is_looked_up_per_read_as_exactly(cluster, monkeypatch):
     """Above EXPAND_MAX_DESCRIPTORS the tables are not expanded at connect: spans found per read (RowIndex)."""
-    from kvxferd.xfer import hostmaps
+    from kvxferd.xfer.samehost import hostmaps
     monkeypatch.setattr(hostmaps, "EXPAND_MAX_DESCRIPTORS", 0)
     cluster.connect()
     try:

@@ -23,10 +23,10 @@ from kvxferd.errors import TransferError, UnavailableError
 from kvxferd.plan.groups import DeviceShare
 from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer import devicemaps, samehostranks
-from kvxferd.xfer.devicemaps import PendingDeviceCopy, map_device_source
+from kvxferd.xfer.samehost import devicemaps, ranks as samehostranks
+from kvxferd.xfer.samehost.devicemaps import PendingDeviceCopy, map_device_source
 from kvxferd.xfer.records import ReadFailure
-from kvxferd.xfer.samehostranks import SameHostOpener
+from kvxferd.xfer.samehost.ranks import SameHostOpener
 from tests.cuda.fake_driver import FakeDriver
 
 GROUPS = model_groups("gqa", ModelShape())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.xfer.agent import NixlAgent, agent_name_of
+from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def test_references_are_counted_and_the_last_one_unloads(agents):
 @pytest.mark.parametrize("call, level", [("create_agent", "INFO"), ("transfer", "WARNING")])
 def test_a_slow_call_is_logged_with_its_name_a_warning_only_on_the_data_path(agents, caplog, monkeypatch, call, level):
     holder, _, _ = agents
-    monkeypatch.setattr("kvxferd.xfer.agent.SLOW_CALL_S", 0.0)  # every call counts as slow
-    with caplog.at_level("INFO", logger="kvxferd.xfer.agent"):
+    monkeypatch.setattr("kvxferd.xfer.nixl.agent.SLOW_CALL_S", 0.0)  # every call counts as slow
+    with caplog.at_level("INFO", logger="kvxferd.xfer.nixl.agent"):
         holder._call(call, lambda: None)
-    (record,) = [r for r in caplog.records if r.name == "kvxferd.xfer.agent"]
+    (record,) = [r for r in caplog.records if r.name == "kvxferd.xfer.nixl.agent"]
     assert record.levelname == level and call in record.getMessage() and holder.name in record.getMessage()

@@ -1,4 +1,4 @@
-"""The daemon's fd table is grown once at start-up (``xfer/fdtable.py``): in a fresh process, growing it
+"""The daemon's fd table is grown once at start-up (``xfer/osutil/fdtable.py``): in a fresh process, growing it
 moves or closes no open fd and leaves none behind; a low RLIMIT_NOFILE caps it without an error."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 SCRIPT = """
 import json, os, resource, sys
-from kvxferd.xfer.fdtable import fd_table_size, reserve_fd_table
+from kvxferd.xfer.osutil.fdtable import fd_table_size, reserve_fd_table
 limit = int(sys.argv[1])
 if limit:
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -3,7 +3,7 @@
 
 A rank's bytes move as a NIXL READ (:class:`NixlTransfer`) or, from a
 same-host GPU rank, as a batch of device copies
-(:class:`kvxferd.xfer.devicemaps.PendingDeviceCopy`); a same-host copy of
+(:class:`kvxferd.xfer.samehost.devicemaps.PendingDeviceCopy`); a same-host copy of
 host memory ends inside its call and needs no handle. The executor polls,
 fails, drains and releases both the same way and never asks which::
 
@@ -14,7 +14,7 @@ fails, drains and releases both the same way and never asks which::
 
 from __future__ import annotations
 
-from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
 from kvxferd.xfer.records import ReadFailure, TransferFailure
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, TransferError, UnavailableError
 from kvxferd.plan.groups import EngineCache
-from kvxferd.xfer.nixl_module import nixl_api
+from kvxferd.xfer.nixl.nixl_module import nixl_api
 
 
 class TransferState(str, enum.Enum):

@@ -1,7 +1,7 @@
 """Which remote ranks a reader copies itself (issue #37), opened at connect and dropped back to NIXL.
 
 A remote engine's connection keeps, per remote rank, either a
-:class:`~kvxferd.xfer.hostmaps.HostRank` (its memory opened here: host
+:class:`~kvxferd.xfer.samehost.hostmaps.HostRank` (its memory opened here: host
 memory mapped, GPU memory opened from IPC handles) or the reason it reads
 over NIXL (``host_errors``). A rank goes back to NIXL when its holder changed
 or went away, when the driver refuses a batch, or, for every GPU rank, when
@@ -14,8 +14,8 @@ from kvxferd.cuda.copies import BatchCopier
 from kvxferd.errors import KvxferError, TransferError
 from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import EngineCache
-from kvxferd.xfer.devicemaps import device_rank, map_device_source
-from kvxferd.xfer.hostmaps import HostRank, map_host_source
+from kvxferd.xfer.samehost.devicemaps import device_rank, map_device_source
+from kvxferd.xfer.samehost.hostmaps import HostRank, map_host_source
 
 
 class SameHostOpener:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvxferd.plan.board import BUCKET_BYTES, SLOTS_PER_BUCKET, bucket_pair, check_num_buckets, tag_in
-from kvxferd.xfer.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
 
 CHECK_AREA_KEY = "board-checks"
 PROBE_TAG = 1  # a probe reads some bucket pair; which one does not matter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvxferd.xfer.osthreads import MAX_NAME_BYTES, name_this_thread, os_thread_name
+from kvxferd.xfer.osutil.osthreads import MAX_NAME_BYTES, name_this_thread, os_thread_name
 
 
 def test_names_are_shortened_to_what_the_kernel_keeps():

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from kvxferd.xfer.waker import Waker
+from kvxferd.xfer.osutil.waker import Waker
 
 
 def test_a_set_before_the_wait_is_not_lost():

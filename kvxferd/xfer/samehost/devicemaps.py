@@ -30,14 +30,14 @@ from kvxferd.cuda.ipc import IpcAllocation, bare_ipc_handle, open_ipc_allocation
 from kvxferd.errors import KvxferError, TransferError
 from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import DeviceShare, EngineCache
-from kvxferd.xfer.agent import TransferState
-from kvxferd.xfer.hostmaps import HostRank, MappedSource, empty_source
+from kvxferd.xfer.nixl.agent import TransferState
+from kvxferd.xfer.samehost.hostmaps import HostRank, MappedSource, empty_source
 from kvxferd.xfer.records import ReadFailure, TransferFailure
 
 
 class PendingDeviceCopy:
     """One rank's batch of device copies, in a read's handles beside NIXL transfers (a
-    :class:`kvxferd.xfer.transfers.TransferHandle`): polled for its state."""
+    :class:`kvxferd.xfer.nixl.transfers.TransferHandle`): polled for its state."""
 
     def __init__(self, event: CopyEvent) -> None:
         self.event = event

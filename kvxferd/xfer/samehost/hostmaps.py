@@ -5,7 +5,7 @@ holder proved it back (kvxferd.wire.samehost), the holder names the POSIX
 shared-memory object each region lies in: by its name under /dev/shm, or,
 when the engine passed it as an fd, as ``/proc/<holder pid>/fd/<its copy>``.
 The reader maps each object once, read-only, and a rank's data READ becomes
-one :func:`~kvxferd.xfer.hostcopy.copy_spans` from its mapping into the
+one :func:`~kvxferd.xfer.samehost.hostcopy.copy_spans` from its mapping into the
 reader's own registered cache::
 
     holder's address space      reader's address space
@@ -34,7 +34,7 @@ from kvxferd.errors import TransferError
 from kvxferd.plan.descriptors import RowIndex, expand_rows
 from kvxferd.plan.engine import RankPlan, RankRead
 from kvxferd.plan.groups import EngineCache, HostShare, RegionMemory
-from kvxferd.xfer.hostcopy import available as hostcopy_available, copy_spans
+from kvxferd.xfer.samehost.hostcopy import available as hostcopy_available, copy_spans
 
 SHM_DIR = "/dev/shm"
 MAX_ADDRESS = 1 << 57  # above any user-space address (5-level paging): int64 arithmetic cannot wrap
@@ -43,7 +43,7 @@ MAX_ADDRESS = 1 << 57  # above any user-space address (5-level paging): int64 ar
 @dataclass(eq=False)
 class MappedSource:
     """One remote rank's regions as opened here: where each region's bytes are (sorted by remote address).
-    Host memory (:func:`map_host_source`) or GPU memory (:mod:`kvxferd.xfer.devicemaps`)."""
+    Host memory (:func:`map_host_source`) or GPU memory (:mod:`kvxferd.xfer.samehost.devicemaps`)."""
 
     starts: np.ndarray  # remote region start addresses, ascending (the holder's address space)
     ends: np.ndarray
@@ -230,7 +230,7 @@ class HostRank:
     # Expanded tables, or None: local addresses and lengths, remote addresses translated here, and lengths.
     tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     # (destinations, sources, lengths) -> bytes copied (host memory: copied when it returns) or a pending
-    # device copy the executor polls (GPU memory: kvxferd.xfer.devicemaps).
+    # device copy the executor polls (GPU memory: kvxferd.xfer.samehost.devicemaps).
     copier: Callable[[np.ndarray, np.ndarray, np.ndarray], object] = copy_spans
     on_device: bool = False  # GPU memory, copied by batches on the device
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from kvxferd.xfer.nixl_module import torch_cuda_on_disk
+from kvxferd.xfer.nixl.nixl_module import torch_cuda_on_disk
 
 
 def test_a_cpu_build_of_torch_names_no_cuda_version():
@@ -11,7 +11,7 @@ def test_a_cpu_build_of_torch_names_no_cuda_version():
 
 
 def test_an_agent_starts_without_importing_torch():
-    code = ("import sys\nfrom kvxferd.xfer.agent import NixlAgent\nagent = NixlAgent('no-torch')\n"
+    code = ("import sys\nfrom kvxferd.xfer.nixl.agent import NixlAgent\nagent = NixlAgent('no-torch')\n"
             "print('torch' in sys.modules, type(agent.raw).__module__)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -19,7 +19,7 @@ def test_an_agent_starts_without_importing_torch():
 
 
 def test_with_torch_loaded_the_meta_package_decides():
-    code = ("import torch, sys\nfrom kvxferd.xfer.agent import NixlAgent\nagent = NixlAgent('with-torch')\n"
+    code = ("import torch, sys\nfrom kvxferd.xfer.nixl.agent import NixlAgent\nagent = NixlAgent('with-torch')\n"
             "print('nixl' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

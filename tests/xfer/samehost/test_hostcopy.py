@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvxferd.errors import TransferError
-from kvxferd.xfer import hostcopy
+from kvxferd.xfer.samehost import hostcopy
 
 
 def _reference(dst: np.ndarray, src: np.ndarray, dst_offsets, src_offsets, lengths) -> np.ndarray:

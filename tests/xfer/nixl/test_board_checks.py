@@ -21,7 +21,7 @@ from kvxferd.errors import InvalidArgumentError, PermissionDeniedError, Transfer
 from kvxferd.plan.notifications import HELLO
 from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
-from kvxferd.xfer.checks import NUM_CHECK_SLOTS
+from kvxferd.xfer.nixl.checks import NUM_CHECK_SLOTS
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.records import ReadFailure
 
