@@ -7,7 +7,8 @@
     handshake ─────────────── connect ──────────► prepare for a remote engine: its plan,
                                                   lists, boards (RemoteEngine)
               ◄──── start_probe / poll_probe ───  first transfer of a new connection
-    post a read ──────────── post_current ──────► capabilities, board check, data READs
+    post a read ─────────────────── post ───────► admitted again if re-handshaken; board
+                                                  checks and data, rank by rank
     poll it ─────────────────── poll / abort ───► ReadResult once every rank ended
     after the completion ────── send_notices ───► tell each holder how it went
     data-plane thread ───── progress_notices ───► keep notices moving (num_notices_sent)
@@ -33,9 +34,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvxferd.plan.board import BoardInfo
-from kvxferd.plan.engine import PlannedRead
 from kvxferd.plan.groups import EngineCache
-from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, RemoteEngine
 
 
 class ReadBackend(Protocol):
@@ -68,10 +69,9 @@ class ReadBackend(Protocol):
     def abort_probe(self, remote: RemoteEngine, reason: str) -> None:
         """Stop a probe still running."""
 
-    def post_current(self, remote: RemoteEngine, planned: PlannedRead, start_s: float | None = None, *,
-                     notify: bool = True, sealed_for: RemoteEngine | None = None
-                     ) -> tuple[RemoteEngine, PlannedRead, InFlightRead]:
-        """Post a planned read on the remote engine's current connection; typed errors, nothing posted."""
+    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True) -> InFlightRead:
+        """Post a read (:func:`kvxferd.xfer.admission.admit`) on the remote engine's current connection,
+        admitted again there when it was admitted on another; typed errors, nothing posted."""
 
     def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
         """Advance a posted read; its result once every rank's transfer and board check ended."""

@@ -8,56 +8,16 @@ how it ended, a failure being data (:class:`ReadFailure`), not an exception.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
-from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, RankRead
-from kvxferd.xfer.nixl.agent import TransferState
+from kvxferd.plan.engine import EngineTransferPlan, PlannedRead, ReadRequest
+from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.checks import BoardProbe
+from kvxferd.xfer.rankstate import RankPhase, RankTransfer
 from kvxferd.xfer.samehost.hostmaps import HostRank
-
-
-class ReadFailure(str, enum.Enum):
-    """Why a read failed, set where it happens (a bounded metrics label, never parsed from a message)."""
-
-    NONE = ""
-    TRANSFER = "transfer"  # NIXL reported an error for a rank
-    REMOTE_GONE = "remote_gone"  # the remote agent disconnected or is unknown
-    DEADLINE = "deadline"  # the transfer or the board check did not end in time
-    STALE = "stale"  # the hold's tag was not (or no longer) on the holder's board when the read was checked
-    ABORTED = "aborted"  # the engine or the link went away under the read
-    HANDSHAKE = "handshake"  # a re-handshake before posting failed
-    REFUSED = "refused"  # refused before anything was posted (Reads stream)
-
-
-class TransferFailure(NamedTuple):
-    """Why a transfer ended in ERR: the read's error text and kind, and, when the device's context is
-    lost (no same-host GPU rank may copy any more), the device's own words; else ''."""
-
-    error: str
-    kind: ReadFailure
-    context_lost: str = ""
-
-
-class TransferHandle(Protocol):
-    """A rank's data transfer as the read executor holds it: a NIXL READ
-    (:class:`kvxferd.xfer.nixl.transfers.NixlTransfer`) or a batch of device copies
-    (:class:`kvxferd.xfer.samehost.devicemaps.PendingDeviceCopy`); the executor never asks which."""
-
-    def state(self) -> TransferState:
-        """DONE, PROC (still running) or ERR (then :meth:`failure` says why)."""
-
-    def failure(self) -> TransferFailure:
-        """Why it ended in ERR."""
-
-    def running(self) -> bool:
-        """Whether it may still write into the local blocks (an aborted READ UCX cannot stop)."""
-
-    def release(self) -> None:
-        """Let go of it (never raises)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,41 +59,84 @@ class RemoteEngine:
     host_errors: dict[int, str] = field(default_factory=dict)
 
 
+class AdmittedRead(NamedTuple):
+    """A request whose capabilities were checked against one connection's hold keys, and its plan on it
+    (None until planned). Made only by :func:`kvxferd.xfer.admission.admit`."""
+
+    remote: RemoteEngine
+    request: ReadRequest
+    planned: PlannedRead | None
+
+
+@dataclass(slots=True)
+class ReadTimes:
+    """A posted read's instants (``time.perf_counter``)."""
+
+    start_s: float  # when it arrived (or was posted)
+    posted_s: float = 0.0  # every rank's first transfer (board check or data) posted
+    transferred_s: float = 0.0  # the last rank's data in
+
+
+@dataclass(slots=True)
+class Drain:
+    """An aborted read waiting for transfers UCX cannot stop (their bytes land when they arrive)."""
+
+    until_s: float  # past it, the result says its blocks may still be written
+    unsettled: bool = False  # a data transfer still ran when the drain gave up
+    counted: bool = False  # counted in its connection's num_draining
+
+
 @dataclass(eq=False)
 class InFlightRead:
-    """A posted request; advance it with :meth:`ReadExecutor.poll`."""
+    """A posted request: one :class:`RankTransfer` per remote rank it reads; advance it with
+    :meth:`ReadExecutor.poll <kvxferd.xfer.reads.ReadExecutor.poll>`."""
 
-    planned: PlannedRead
-    remote: RemoteEngine
-    start_s: float
-    handles: dict[int, TransferHandle] = field(default_factory=dict)  # rank -> its transfer, still running
-    errors: dict[int, str] = field(default_factory=dict)  # rank -> why it failed
+    admitted: AdmittedRead  # planned on the connection it was posted on
+    ranks: dict[int, RankTransfer]  # remote rank -> its part
+    times: ReadTimes
     failure: ReadFailure = ReadFailure.NONE  # the first failure's kind
     result: ReadResult | None = None
-    # Board checks, two per rank: before its data READ is posted (the rank's read waits in ``admitting``
-    # meanwhile) and after it ended. Both look for the rank's hold tag.
-    tags: dict[int, int] = field(default_factory=dict)  # rank -> its hold's board tag (empty: not checked)
-    admitting: dict[int, RankRead] = field(default_factory=dict)  # rank -> its read, posted once the hold is seen
-    unchecked: list[int] = field(default_factory=list)  # ranks waiting for a free check slot
-    checks: dict[int, tuple[object, int]] = field(default_factory=dict)  # rank -> (check handle, slot)
-    stale_ranks: set[int] = field(default_factory=set)  # checked: the hold had ended (before: nothing copied)
-    # Ranks whose data READ or board check did not end within its post. Over shared memory UCX copies
-    # inside the post and the holder does nothing; over TCP the READ waits for the holder's progress
-    # (RDMA also ends later, without it: counted here too, the holder's safe side). The notice says so.
-    waited_ranks: set[int] = field(default_factory=set)
-    step: int = 0  # counts ranks whose data READ or check ended: a poller sees progress short of the end
-    posted_s: float = 0.0  # perf_counter when every rank's first transfer (board check or data) was posted
-    transferred_s: float = 0.0  # perf_counter when the last data READ ended
     notified: bool = False  # its notices went out (send_notices)
-    num_host_copies: int = 0  # ranks whose data was copied same-host, not read over NIXL
-    # Aborted transfers still in flight: UCX cannot stop a READ, its bytes land when they arrive. The
-    # result waits for them (reads.py, abort) until ``drain_until_s``; past it, ``unsettled``.
-    draining: dict[tuple[str, int], tuple[object, int | None]] = field(default_factory=dict)  # (what, rank) ->
-    drain_until_s: float = 0.0  # (handle, check slot or None)
-    drain_counted: bool = False  # counted in its remote's num_draining
-    unsettled: bool = False
+    drain: Drain | None = None  # aborted (abort): its transfers may still write
+    step: int = 0  # counts ranks whose transfer or check ended: a poller sees progress short of the end
+
+    @property
+    def remote(self) -> RemoteEngine:
+        return self.admitted.remote
+
+    @property
+    def planned(self) -> PlannedRead:
+        return self.admitted.planned
+
+    @property
+    def posted_s(self) -> float:
+        return self.times.posted_s
+
+    @property
+    def transferred_s(self) -> float:
+        return self.times.transferred_s
+
+    @property
+    def data_pending(self) -> bool:
+        """Some rank's data is not in yet (on its way, or waiting for its first check)."""
+        return any(r.phase < RankPhase.RECHECKING for r in self.ranks.values())
+
+    @property
+    def data_in_flight(self) -> bool:
+        """Some rank's data transfer runs."""
+        return any(r.phase is RankPhase.MOVING for r in self.ranks.values())
+
+    @property
+    def num_host_copies(self) -> int:
+        """Ranks whose data was copied same-host, not read over NIXL."""
+        return sum(r.copied_here for r in self.ranks.values())
+
+    @property
+    def errors(self) -> dict[int, str]:
+        """Each failed rank's reason."""
+        return {q: r.error for q, r in self.ranks.items() if r.error}
 
     def fail(self, q: int, error: str, failure: ReadFailure) -> None:
-        self.errors.setdefault(q, error)
+        self.ranks[q].fail(error, failure)
         if self.failure is ReadFailure.NONE:
             self.failure = failure

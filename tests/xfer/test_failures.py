@@ -15,7 +15,11 @@ from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.nixl.agent import NixlAgent, TransferState
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import UNSETTLED_ERROR, ReadExecutor
-from kvxferd.xfer.records import InFlightRead, ReadFailure, TransferFailure
+from kvxferd.xfer.handles import ReadFailure, TransferFailure
+from kvxferd.xfer.admission import admit
+from kvxferd.xfer.rankstate import RankPhase, RankTransfer
+from kvxferd.xfer.records import InFlightRead, ReadTimes
+from kvxferd.rig.reading import post, read, wait
 
 PREFILL_GROUPS, DECODE_GROUPS = model_groups("hybrid", ModelShape(num_layers=2))
 
@@ -77,16 +81,16 @@ def test_removed_remote_agent_fails_only_its_request(world):
     one, two = two_requests(np.random.default_rng(1))
     remote = executor.remote("broken")
     executor.agent.remove_remote(remote.agent_names[1])  # rank 1 of "broken" vanishes after the handshake
-    bad = executor.post("broken", one)  # rank 0's part is read, rank 1's fails
-    good = executor.post("healthy", two)
-    bad, good = executor.wait(bad), executor.wait(good)
+    bad = post(executor, "broken", one)  # rank 0's part is read, rank 1's fails
+    good = post(executor, "healthy", two)
+    bad, good = wait(executor, bad), wait(executor, good)
     assert not bad.ok and bad.failed_ranks == (1,) and "make_prepped_xfer" in bad.error
     assert [ids.tolist() for ids in bad.invalid_block_ids] == [sorted(ids.tolist()) for ids in one.local_block_ids]
     assert good.ok and good.num_bytes > 0
     assert check_ignoring(decode, two, ignore=one) == []
     # A new handshake with the peer brings the engine back.
     executor.connect(broken.caches, broken.metadata())
-    assert executor.read("broken", one).ok
+    assert read(executor, "broken", one).ok
 
 
 def test_invalid_block_id_is_refused_before_posting(world):
@@ -95,11 +99,11 @@ def test_invalid_block_id_is_refused_before_posting(world):
     bad = ReadRequest("bad", "bad@prefill", one.local_block_ids,
                       (np.array([10_000]),) + tuple(one.remote_block_ids[1:]), one.num_tokens)
     with pytest.raises(BlockIdError) as err:
-        executor.post("healthy", bad)
+        post(executor, "healthy", bad)
     assert err.value.field == "groups[0].remote_block_ids[0]"
     with pytest.raises(NotFoundError):
-        executor.post("nobody", one)
-    assert executor.read("healthy", one).ok
+        post(executor, "nobody", one)
+    assert read(executor, "healthy", one).ok
     assert check_buffers(decode, expected_buffers(decode.cache, PREFILL_GROUPS, one)) == []
 
 
@@ -122,11 +126,11 @@ def test_dead_peer_makes_the_transfer_report_an_error(world):
         cache, metadata = parent.recv()
         executor.connect([cache], [metadata])
         one, two = two_requests(np.random.default_rng(3))
-        assert executor.read("doomed", one).ok  # alive: works
+        assert read(executor, "doomed", one).ok  # alive: works
         os.kill(process.pid, signal.SIGKILL)
         process.join()
-        failed = executor.read("doomed", two, timeout_s=10)
-        good = executor.read("healthy", one)
+        failed = read(executor, "doomed", two, timeout_s=10)
+        good = read(executor, "healthy", one)
     finally:
         process.kill()
     assert not failed.ok and failed.failed_ranks == (0,)
@@ -156,7 +160,7 @@ def test_past_the_drain_deadline_the_result_says_its_blocks_may_be_written(world
     inflight = _unposted(executor, "stuck")
     released = []
     fake = StandInTransfer(lambda: True, released)  # a transfer that never ends: released when the drain gives up
-    inflight.handles[0] = fake
+    _running(inflight, fake)
     assert executor.abort(inflight, "deadline: test") is None
     assert executor.poll(inflight) is None and not released
     time.sleep(0.25)
@@ -169,7 +173,7 @@ def test_an_abort_without_drain_releases_at_once(world):
     healthy, _, decode, executor, _ = world
     inflight = _unposted(executor, "at-once")
     released = []
-    inflight.handles[0] = marker = StandInTransfer(lambda: True, released)
+    _running(inflight, marker := StandInTransfer(lambda: True, released))
     result = executor.abort(inflight, "the engine went away", drain=False)
     assert result is not None and not result.ok and marker in released and UNSETTLED_ERROR not in result.error
 
@@ -179,13 +183,15 @@ def _draining_read(executor, request_id, running):
     ``running["yes"]``."""
     released = []
     inflight = _unposted(executor, request_id)
-    inflight.handles[0] = marker = StandInTransfer(lambda: running["yes"], released)
+    _running(inflight, marker := StandInTransfer(lambda: running["yes"], released))
     return inflight, marker, released
 
 
 class StandInTransfer:
-    """A rank's transfer (xfer/records.py's TransferHandle) that runs while ``running()`` says so and
+    """A rank's transfer (xfer/handles.py's TransferHandle) that runs while ``running()`` says so and
     records its release."""
+
+    lands_in_blocks = True
 
     def __init__(self, running, released: list) -> None:
         self.running, self.released = running, released
@@ -203,8 +209,14 @@ class StandInTransfer:
 def _unposted(executor, request_id):
     """A read of ``healthy`` planned but never posted: its transfers are the stand-ins a test puts in."""
     request = random_request(request_id, PREFILL_GROUPS, DECODE_GROUPS, 50, np.random.default_rng(8))
-    remote = executor.remote("healthy")
-    return InFlightRead(remote.plan.plan_request(request), remote, time.perf_counter())
+    admitted = admit(executor.remote("healthy"), request)
+    ranks = {r.remote_rank: RankTransfer(r, 0) for r in admitted.planned.reads}
+    return InFlightRead(admitted, ranks, ReadTimes(time.perf_counter()))
+
+
+def _running(inflight, transfer):
+    """Rank 0's data is on its way, as ``transfer``."""
+    inflight.ranks[0].enter(RankPhase.MOVING, transfer)
 
 
 def test_an_aborted_read_ends_once_its_transfer_did_without_saying_unsettled(world):
@@ -230,7 +242,7 @@ def test_a_replaced_connection_stays_loaded_until_its_aborted_reads_drained(worl
     remote = inflight.remote
     assert executor.abort(inflight, "the remote engine was re-handshaked") is None
     executor.disconnect("healthy")
-    assert remote in executor._retired and remote.local_lists  # kept: the transfer may still run
+    assert remote in executor.connections.retired and remote.local_lists  # kept: the transfer may still run
     running["yes"] = False
     assert executor.poll(inflight) is not None
     assert not remote.local_lists and not remote.remote_lists  # released once it ended

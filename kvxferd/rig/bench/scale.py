@@ -36,6 +36,8 @@ from kvxferd.rig.verify.engines import allocate_engine
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
+from kvxferd.rig.reading import wait
+from kvxferd.xfer.admission import admit
 
 RANKS = (1, 2, 4, 8, 16)
 RATES = (300, 1000, 2000, 3000, 5000)
@@ -69,7 +71,7 @@ def ranks_row(prefill_tp: int, num_layers: int, blocks_per_request: int, rounds:
             plan_time = time.perf_counter() - start
             raw_time = read_all(raw)
             start = time.perf_counter()
-            result = executor.wait(executor.post_planned(remote, remote.plan.plan_request(request)))
+            result = wait(executor, executor.post(admit(remote, request)))
             daemon_time = time.perf_counter() - start
             if not result.ok:
                 raise RuntimeError(f"read from {prefill_tp} ranks failed: {result.error}")

@@ -31,6 +31,7 @@ from kvxferd.rig.verify.engines import allocate_engine
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
+from kvxferd.rig import reading
 
 
 def bulk(num_layers: int, num_blocks: int, blocks_per_request: int, rounds: int, scattered: bool, seed: int = 0) -> dict:
@@ -57,7 +58,7 @@ def bulk(num_layers: int, num_blocks: int, blocks_per_request: int, rounds: int,
             raw_read(raw, raw_local, raw_remote, raw_ids, b"raw")
             raw_time = time.perf_counter() - start
             start = time.perf_counter()
-            result = executor.read("bench-prefill", request)
+            result = reading.read(executor, "bench-prefill", request)
             plan_time = time.perf_counter() - start
             if not result.ok:
                 raise RuntimeError(f"plan read failed: {result.error}")

@@ -23,6 +23,7 @@ from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor
 from kvxferd.xfer.records import ReadResult
+from kvxferd.rig.reading import post, wait
 
 
 HOLD_LEASE_S = 60.0
@@ -90,8 +91,8 @@ class LocalCluster(DecodeChecks):
             self.hold(request)
         if not request.remote_capabilities:  # those of the last hold of its remote request, if any
             request = dataclasses.replace(request, remote_capabilities=self.capabilities.get(request.remote_request_id, ()))
-        inflight = [executor.post(self.prefill_id, request) for executor in self.executors]
-        return [executor.wait(f, timeout_s) for executor, f in zip(self.executors, inflight)]
+        inflight = [post(executor, self.prefill_id, request) for executor in self.executors]
+        return [wait(executor, f, timeout_s) for executor, f in zip(self.executors, inflight)]
 
     def close(self) -> None:
         """Stop the holder thread, then drop plans and registrations (agents last)."""

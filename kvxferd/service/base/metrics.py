@@ -27,7 +27,7 @@ from kvxferd.plan.leases import HoldEndKind
 from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
 from kvxferd.service.base.metricsserver import MetricsServer
 from kvxferd.xfer.holder import NoticeEvent
-from kvxferd.xfer.records import ReadFailure
+from kvxferd.xfer.handles import ReadFailure
 
 FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)
 READS_SOCKET_METHOD = "ReadsSocket"  # the reads socket (net/readsock.py) in kvxferd_rpc_errors

@@ -60,14 +60,15 @@ from kvxferd.errors import KvxferError, PermissionDeniedError
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
+from kvxferd.xfer.admission import admit
 from kvxferd.xfer.nixl.agent import NixlError
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.osutil.osthreads import name_this_thread
-from kvxferd.xfer.reads import POLL_MIN_S
-from kvxferd.xfer.records import ReadFailure
+from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.osutil.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")
+READ_POLL_MIN_S = 20e-6  # first sleep while this daemon's own reads are in flight; doubles up to:
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
 HOLD_POLL_S = 1e-3  # sleep while holding requests for a reader whose READs need our progress
 NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alone (only their notices wait)
@@ -155,7 +156,7 @@ class DataPlane:
             if self._start(read):
                 inflight = read.inflight
                 wait_until_s = time.perf_counter() + INLINE_CHECK_WAIT_S
-                while inflight.result is None and not inflight.handles and time.perf_counter() < wait_until_s:
+                while inflight.result is None and not inflight.data_in_flight and time.perf_counter() < wait_until_s:
                     executor.poll(inflight, notify=False)  # the data is in, its checks not yet: a few µs (bench floors)
                 if inflight.result is None:
                     self._reads.append(read)  # list.append is atomic; this thread polls it from now on
@@ -233,14 +234,14 @@ class DataPlane:
     # ---- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         name_this_thread()
-        sleep_s = POLL_MIN_S
+        sleep_s = READ_POLL_MIN_S
         while not self._stop.is_set():
             busy = self._run_commands()
             busy |= self._advance_reads()
             busy |= self._poll_notifications()
             self._flush_finished()
             if busy:
-                sleep_s = POLL_MIN_S
+                sleep_s = READ_POLL_MIN_S
             elif self._reads:
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
             elif any(slot.holder.wants_progress() for slot in self._slots):
@@ -293,14 +294,14 @@ class DataPlane:
 
     @staticmethod
     def _start(read: Read) -> bool:
-        """Plan a read handed over unplanned, then post it on the engine's current link (either thread);
-        False when it ended instead, with nothing posted. Bad ids are refused (``read.refusal``) before
-        any I/O. A read whose deadline passed before it could be posted fails as DEADLINE (the engine was
-        promised an answer by then; under a backlog this sheds what nobody waits for any more); a remote
-        that is gone, REMOTE_GONE."""
-        if read.planned is None:
+        """Admit a read handed over unplanned (or unsealed), then post it on the engine's current link
+        (either thread); False when it ended instead, with nothing posted. Bad ids and capabilities that
+        do not seal its hold are refused (``read.refusal``) before any I/O. A read whose deadline passed
+        before it could be posted fails as DEADLINE (the engine was promised an answer by then; under a
+        backlog this sheds what nobody waits for any more); a remote that is gone, REMOTE_GONE."""
+        if read.admitted is None or read.admitted.planned is None:
             try:
-                read.planned = read.remote.plan.plan_request(read.request)
+                read.admitted = admit(read.remote, read.request, read.admitted)
             except KvxferError as err:
                 read.end_unposted(str(err), ReadFailure.REFUSED, refusal=err)
                 return False
@@ -309,14 +310,15 @@ class DataPlane:
             read.end_unposted("deadline: it passed before the read could be posted", ReadFailure.DEADLINE)
             return False
         try:
-            read.remote, read.planned, read.inflight = read.slot.executor.post_current(
-                read.remote, read.planned, read.received_s, notify=False, sealed_for=read.sealed_for)
-        except PermissionDeniedError as err:  # not sealed by the holders it would read from: refused
+            read.inflight = read.slot.executor.post(read.admitted, read.received_s, notify=False)
+        except PermissionDeniedError as err:  # admitted again on a new link: not sealed by its holders
             read.end_unposted(str(err), ReadFailure.REFUSED, refusal=err)
             return False
         except KvxferError as err:
             read.end_unposted(str(err), ReadFailure.REMOTE_GONE)
             return False
+        read.admitted = read.inflight.admitted  # the link it runs on (a re-handshake replaces it)
+        read.remote = read.admitted.remote
         read.posted_s = read.inflight.posted_s  # before the first poll, which may see the transfer end
         read.state = ReadState.POSTED
         return True
@@ -328,7 +330,7 @@ class DataPlane:
             step = read.inflight.step
             result = read.slot.executor.poll(read.inflight, notify=False)
             busy |= read.inflight.step != step  # a rank's data came in: its check is posted, poll again soon
-            if result is None and now >= read.deadline_s and not read.inflight.drain_until_s:
+            if result is None and now >= read.deadline_s and read.inflight.drain is None:
                 result = read.slot.executor.abort(read.inflight, "deadline: the transfer or its board check did "
                                                   "not end in time", ReadFailure.DEADLINE)
             if result is not None:

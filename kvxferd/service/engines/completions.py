@@ -147,15 +147,18 @@ class CompletionFeed:
         if self._current is not None:
             self._current.set()
 
-    def put_direct(self, completion: pb.Completion) -> bool:
+    def put_direct(self, completion: pb.Completion, taken: Callable[[], None] | None = None) -> bool:
         """Number, queue and write a completion to the current stream's sink now (any thread), when that
         sink has sent everything queued before and has room; False (nothing done) otherwise: then
-        :meth:`put` it on the loop. Deregistering closes the feed to this path."""
+        :meth:`put` it on the loop. ``taken`` runs once it is sure to go, before the write (the engine
+        may answer it at once). Deregistering closes the feed to this path."""
         with self._lock:
             sink = self._sink
             if (sink is None or not sink.direct or self.closed or self._has_unsent(self._sink_sent_seq)
                     or not sink.writable):
                 return False
+            if taken is not None:
+                taken()
             self._append(completion)
             self._sink_sent_seq = completion.seq
             if not sink.send([completion]):  # the sink is gone: queued, the next stream sends it

@@ -37,7 +37,8 @@ from kvxferd.service.engines.completions import CompletionFeed
 from kvxferd.service.base.status import status_code
 from kvxferd.wire.messages import ids_to_pb
 from kvxferd.xfer.backend import ReadBackend
-from kvxferd.xfer.records import InFlightRead, ReadFailure, ReadResult, RemoteEngine
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, RemoteEngine
 
 
 class ReadOwner(Protocol):
@@ -67,10 +68,11 @@ class Read:
     remote: RemoteEngine | None  # the link's connection it was accepted on (replaced by a re-handshake)
     received_s: float  # when its RPC or batch arrived
     deadline_s: float
-    planned: PlannedRead | None = None  # None until planned (a batch's large read: on the data-plane thread)
-    # The connection whose hold keys its capabilities were checked against at submit; None: not checked
-    # yet (sealed by a registration the link learns at its re-handshake), and then it renews no hold.
-    sealed_for: RemoteEngine | None = None
+    # Sealed (its capabilities checked against a connection's hold keys) and planned there: by the loop
+    # (xfer/admission.py), or, a large read, sealed there and planned on the data-plane thread. None:
+    # sealed by a registration the link learns at its re-handshake: admitted when posted, and until
+    # then it renews no hold.
+    admitted: AdmittedRead | None = None
     state: ReadState = ReadState.ACCEPTED
     inflight: InFlightRead | None = None  # the backend's transfer, once posted
     result: ReadResult | None = None
@@ -86,9 +88,13 @@ class Read:
         return self.request.request_id
 
     @property
+    def planned(self) -> PlannedRead | None:
+        return self.admitted.planned if self.admitted is not None else None
+
+    @property
     def verified(self) -> bool:
-        """Its capabilities were checked at submit: only then does its wait keep the holders' leases."""
-        return self.sealed_for is not None
+        """Its capabilities were checked: only then does its wait keep the holders' leases."""
+        return self.admitted is not None
 
     # ---- advanced by the side that posted it ---------------------------------------
     def end(self, result: ReadResult, failure: ReadFailure) -> None:
@@ -121,16 +127,18 @@ class Read:
         """
         if self.state is ReadState.DELIVERED:
             return True
-        if self.result.ok and self.refusal is None:
-            self.state = ReadState.DELIVERED  # before the write: the engine may reuse the id at once
-            if self.slot.completions.put_direct(self.completion()):
-                return True
-            self.state = ReadState.ENDED
+        # DELIVERED before the write: the engine may reuse the id as soon as it reads the completion.
+        if self.result.ok and self.refusal is None and self.slot.completions.put_direct(self.completion(),
+                                                                                     self._delivered):
+            return True
         if not queue:
             return False
         self.slot.completions.put(self.completion())
-        self.state = ReadState.DELIVERED
+        self._delivered()
         return True
+
+    def _delivered(self) -> None:
+        self.state = ReadState.DELIVERED
 
     # ---- what the engine and the metrics see ---------------------------------------
     @property

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvxferd.errors import (InvalidArgumentError, KvxferError, NotFoundError, PermissionDeniedError,
                             ResourceExhaustedError, UnavailableError)
-from kvxferd.plan.capability import check_read_capabilities, sealed_by_other_keys
+from kvxferd.plan.capability import sealed_by_other_keys
 from kvxferd.service.base import audit
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -40,7 +40,8 @@ from kvxferd.service.dataplane.thread import INLINE_MAX_BYTES
 from kvxferd.service.engines.read import Read, ReadState, refused_completion
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
-from kvxferd.xfer.records import ReadFailure
+from kvxferd.xfer.admission import admit
+from kvxferd.xfer.handles import ReadFailure
 
 if TYPE_CHECKING:
     from kvxferd.service.base.config import DaemonConfig
@@ -105,34 +106,29 @@ class ReadPath:
         # Planning costs the loop 0.1-0.3 ms on cold caches. Two daemons woken by one engine step often land
         # on one core: the second waits for the first's loop, not for its copy (docs/benchmarks.md).
         plan_there = link.ready and link.remote.plan.max_read_bytes(request) > self._inline_left
-        # bad ids fail here, before anything is posted (or there, as a refusal)
-        planned = None if plan_there else link.remote.plan.plan_request(request)
-        # Only blocks the holders sealed for this request: refused here (after the ids, whose errors
-        # name them), with nothing posted; the executor checks again against the link it posts on.
-        # Capabilities of a holder registration this link does not know (a restarted holder, or made
-        # up) are refused too, and the link is probed soon: a real restart is picked up by that probe.
-        # A link being re-handshaken may be about to learn a new key: such a read is checked when it is
-        # posted, on the new link, and renews no hold while it waits (it is not verified yet).
+        # Admitted here (xfer/admission.py): bad ids fail first, naming them; then only blocks the holders
+        # sealed for this request pass, with nothing posted. A large read is sealed here and planned there
+        # (bad ids: a refusal). Capabilities of a holder registration this link does not know (a restarted
+        # holder, or made up) are refused too, and the link is probed soon: a real restart is picked up by
+        # that probe. A link being re-handshaken may be about to learn a new key: such a read is admitted
+        # when it is posted, on the new link, and renews no hold while it waits (it is not verified yet).
         verified = not sealed_by_other_keys(link.remote.hold_keys, request.remote_capabilities)
         try:
-            if verified:
-                check_read_capabilities(link.remote.hold_keys, request.remote_request_id, request.remote_block_ids,
-                                        request.remote_capabilities)
-            elif link.ready:
+            if not verified and link.ready:
                 daemon.probe_soon(slot, link)
                 raise PermissionDeniedError("remote_capabilities", "sealed by a registration of the remote engine "
                                             "that this daemon's handshake does not know (a restarted holder is "
                                             "picked up within a second)")
+            admitted = admit(link.remote, request, plan=not plan_there) if verified else None
         except PermissionDeniedError as err:  # a forged or guessed capability: counted per engine in the audit log
             audit.capability_refused(slot.engine_id, remote_engine_id, request.remote_request_id, str(err))
             raise
-        read = slot.reads[request.request_id] = Read(
-            slot, remote_engine_id, request, link.remote, received_s, deadline_at_s, planned,
-            sealed_for=link.remote if verified else None)
+        read = slot.reads[request.request_id] = Read(slot, remote_engine_id, request, link.remote, received_s,
+                                                     deadline_at_s, admitted)
         if plan_there:
             daemon.dataplane.submit(read)
-        elif link.ready and planned.num_bytes <= self._inline_left:
-            self._inline_left -= planned.num_bytes
+        elif link.ready and admitted is not None and admitted.planned.num_bytes <= self._inline_left:
+            self._inline_left -= admitted.planned.num_bytes
             if daemon.dataplane.post_now(read):  # small: posted here, most often ended here too
                 self.done([read])
                 # After the loop's next step, which writes the completion (the engine does not wait for them).
@@ -189,8 +185,7 @@ class ReadPath:
         try:
             await asyncio.wait_for(self.daemon.peers.handshake(read.slot, link.remote_engine_id),
                                    max(0.0, read.deadline_s - time.perf_counter()))
-            read.remote = link.remote
-            read.planned = link.remote.plan.plan_request(read.request)
+            read.remote = link.remote  # admitted there when it is posted
         except asyncio.TimeoutError:
             self._fail(read, "deadline: the re-handshake did not finish in time", ReadFailure.DEADLINE)
             return

@@ -24,7 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvxferd.plan.board import BUCKET_BYTES, SLOTS_PER_BUCKET, bucket_pair, check_num_buckets, tag_in
+from kvxferd.xfer.handles import ReadFailure, TransferFailure
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.nixl.transfers import nixl_failure
 
 CHECK_AREA_KEY = "board-checks"
 PROBE_TAG = 1  # a probe reads some bucket pair; which one does not matter
@@ -63,7 +65,7 @@ class CheckArea:
     def post(self, remote_list, num_buckets: int, tag: int, owner: object = None):
         """Post the check of ``tag`` on a board prepared as ``remote_list``: None when every slot is taken,
         or ``owner`` (a remote engine) holds its share already (try again once a check ended);
-        ``(handle, slot, state)`` when posted. Raises :class:`NixlError` (the slot given back)."""
+        ``(check, state)`` when posted. Raises :class:`NixlError` (the slot given back)."""
         if owner is not None:
             if self._num_owned.get(owner, 0) >= self.max_per_owner:
                 return None
@@ -88,7 +90,7 @@ class CheckArea:
             self._disown(self._owner_of.pop(slot, None))
             self._free.append(slot)
             raise
-        return handle, slot, state
+        return BoardCheck(self, handle, slot, ended=state is not TransferState.PROC), state
 
     def _disown(self, owner: object) -> None:
         if owner is not None:
@@ -137,6 +139,42 @@ class CheckArea:
         self.agent.deregister(CHECK_AREA_KEY)
 
 
+class BoardCheck:
+    """A posted check (a :class:`kvxferd.xfer.handles.TransferHandle`): its two buckets land in one slot of
+    the area. Released, it gives the slot back, or, while its READ may still run, quarantines it."""
+
+    __slots__ = ("area", "handle", "slot", "_ended", "_failure")
+    lands_in_blocks = False  # in the check area: an abandoned check never writes an engine's blocks
+
+    def __init__(self, area: CheckArea, handle, slot: int, *, ended: bool) -> None:
+        self.area, self.handle, self.slot, self._ended = area, handle, slot, ended
+        self._failure = TransferFailure("board check: reading the holder's hold board failed", ReadFailure.TRANSFER)
+
+    def state(self) -> TransferState:
+        try:
+            state = self.area.agent.state(self.handle)
+        except NixlError as err:
+            self._failure = TransferFailure(str(err), nixl_failure(err))
+            state = TransferState.ERR
+        self._ended = state is not TransferState.PROC
+        return state
+
+    def failure(self) -> TransferFailure:
+        return self._failure
+
+    def running(self) -> bool:
+        if not self._ended:
+            self._ended = not self.area.agent.running(self.handle)
+        return not self._ended
+
+    def found(self, tag: int) -> bool:
+        """Whether the board showed ``tag`` (once the check is DONE)."""
+        return self.area.found(self.slot, tag)
+
+    def release(self) -> None:
+        self.area.end(self.handle, self.slot, maybe_running=not self._ended)
+
+
 class BoardProbe:
     """One READ of every remote rank's board (two buckets), posted when a connection is made.
 
@@ -149,7 +187,7 @@ class BoardProbe:
         """``boards``: remote rank -> (its prepared board list, its number of buckets)."""
         self.area = area
         self.waiting = dict(boards)  # not posted yet (no free slot)
-        self.running: dict[int, tuple[object, int]] = {}  # rank -> (handle, slot)
+        self.running: dict[int, BoardCheck] = {}
         self.errors: dict[int, str] = {}
 
     def poll(self) -> dict[int, str] | None:
@@ -164,18 +202,14 @@ class BoardProbe:
             if posted is None:
                 break  # every slot taken by reads' checks: the next poll tries again
             del self.waiting[q]
-            self.running[q] = posted[:2]
-        for q, (handle, _slot) in list(self.running.items()):
-            try:
-                state = self.area.agent.state(handle)
-            except NixlError as err:
-                self.errors[q] = str(err)
-                state = TransferState.ERR
+            self.running[q] = posted[0]
+        for q, check in list(self.running.items()):
+            state = check.state()
             if state is TransferState.PROC:
                 continue
             if state is TransferState.ERR:
-                self.errors.setdefault(q, "the READ of its hold board ended with an error")
-            self._end(q)
+                self.errors[q] = check.failure().error
+            self.running.pop(q).release()
         return None if self.waiting or self.running else dict(self.errors)
 
     def abort(self, reason: str) -> None:
@@ -183,9 +217,8 @@ class BoardProbe:
         their slots wait in quarantine until those READs end."""
         for q in [*self.waiting, *self.running]:
             self.errors.setdefault(q, reason)
-            if q in self.running:
-                self._end(q, maybe_running=True)
+        for check in self.running.values():
+            check.running()  # ended meanwhile: its slot is free at once, else quarantined
+            check.release()
+        self.running.clear()
         self.waiting.clear()
-
-    def _end(self, q: int, *, maybe_running: bool = False) -> None:
-        self.area.end(*self.running.pop(q), maybe_running=maybe_running)

@@ -1,21 +1,10 @@
-"""One rank's data transfer in a read, whatever moves it, behind one small protocol
-(:class:`kvxferd.xfer.records.TransferHandle`).
-
-A rank's bytes move as a NIXL READ (:class:`NixlTransfer`) or, from a
-same-host GPU rank, as a batch of device copies
-(:class:`kvxferd.xfer.samehost.devicemaps.PendingDeviceCopy`); a same-host copy of
-host memory ends inside its call and needs no handle. The executor polls,
-fails, drains and releases both the same way and never asks which::
-
-    posted ──► state(): PROC ... ──► DONE ──────────────► release()
-                                └──► ERR ──► failure() ──► release()
-    aborted ──► running()? (an abandoned READ may still write) ──► release()
-"""
+"""A rank's data moved by NIXL: one posted READ (or, for a push, WRITE) behind
+:class:`kvxferd.xfer.handles.TransferHandle`, and how a NIXL error becomes a :class:`ReadFailure`."""
 
 from __future__ import annotations
 
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
-from kvxferd.xfer.records import ReadFailure, TransferFailure
+from kvxferd.xfer.handles import ReadFailure, TransferFailure
 
 
 def nixl_failure(err: NixlError) -> ReadFailure:
@@ -28,6 +17,7 @@ class NixlTransfer:
     """A posted NIXL READ of one rank."""
 
     __slots__ = ("agent", "handle", "_failure")
+    lands_in_blocks = True
 
     def __init__(self, agent: NixlAgent, handle) -> None:
         self.agent, self.handle = agent, handle

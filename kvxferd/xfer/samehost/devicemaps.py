@@ -32,12 +32,14 @@ from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import DeviceShare, EngineCache
 from kvxferd.xfer.nixl.agent import TransferState
 from kvxferd.xfer.samehost.hostmaps import HostRank, MappedSource, empty_source
-from kvxferd.xfer.records import ReadFailure, TransferFailure
+from kvxferd.xfer.handles import ReadFailure, TransferFailure
 
 
 class PendingDeviceCopy:
     """One rank's batch of device copies, in a read's handles beside NIXL transfers (a
-    :class:`kvxferd.xfer.nixl.transfers.TransferHandle`): polled for its state."""
+    :class:`kvxferd.xfer.handles.TransferHandle`): polled for its state."""
+
+    lands_in_blocks = True
 
     def __init__(self, event: CopyEvent) -> None:
         self.event = event

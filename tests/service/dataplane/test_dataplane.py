@@ -10,6 +10,7 @@ notice agents as in a daemon); the decode rank gets a daemon slot and a running 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -28,7 +29,8 @@ from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer import holder as holder_module
 from kvxferd.xfer.holder import Holder, NoticeEvent, Reader
-from kvxferd.xfer.records import ReadFailure
+from kvxferd.xfer.admission import admit
+from kvxferd.xfer.handles import ReadFailure
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def _read(cluster, slot, request_id: str, seed: int) -> Read:
                                           np.random.default_rng(seed)), 60)
     remote = slot.executor.remote(cluster.prefill_id)
     now = time.perf_counter()
-    return Read(slot, cluster.prefill_id, request, remote, now, now + 10, remote.plan.plan_request(request))
+    return Read(slot, cluster.prefill_id, request, remote, now, now + 10, admit(remote, request))
 
 
 def _consumed(cluster, read: Read) -> bool:
@@ -97,10 +99,9 @@ def test_a_read_handed_over_unplanned_is_planned_on_the_thread_and_bad_ids_are_r
     cluster.reset_decode()
     good, bad = _read(cluster, slot, "unplanned", 5), _read(cluster, slot, "unplanned-bad", 6)
     request = bad.request
-    bad.request = type(request)(request.request_id, request.remote_request_id,
-                                tuple(ids + 10_000 for ids in request.local_block_ids), request.remote_block_ids)
+    bad.request = dataclasses.replace(request, local_block_ids=tuple(ids + 10_000 for ids in request.local_block_ids))
     for read in (good, bad):
-        read.planned = None
+        read.admitted = admit(read.remote, read.request, plan=False)  # sealed on the loop, planned there
         dataplane.submit(read)
     ended = {d.result.request_id: d for d in (done.get(timeout=10), done.get(timeout=10))}
     assert ended["unplanned"].result.ok and ended["unplanned"].refusal is None and ended["unplanned"].stages_s[0] > 0
@@ -168,13 +169,12 @@ def test_a_read_that_does_not_end_within_its_post_is_handed_over(plane):
 def test_a_read_of_a_gone_remote_fails_at_once_on_either_path(plane):
     cluster, slot, dataplane, done = plane
     read = _read(cluster, slot, "gone", 4)
-    read.remote = type(read.remote)(read.remote.plan, read.remote.agent_names, {}, {})  # not the current link
-    real_remotes = slot.executor._remotes
-    slot.executor._remotes = {}
+    real_remotes = slot.executor.connections.current
+    slot.executor.connections.current = {}
     try:
         assert dataplane.post_now(read)
     finally:
-        slot.executor._remotes = real_remotes
+        slot.executor.connections.current = real_remotes
     assert not read.result.ok and read.failure is ReadFailure.REMOTE_GONE and read.inflight is None
     assert sum(len(ids) for ids in read.result.invalid_block_ids) > 0 and dataplane.num_reads == 0
     with cluster.holders[0].lock:

@@ -20,7 +20,8 @@ import grpc
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.service.dataplane.thread import INLINE_MAX_BYTES
 from kvxferd.service.engines.read import ReadState
-from kvxferd.xfer.records import ReadFailure, ReadResult
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.records import ReadResult
 from kvxferd.service.reads.path import ReadPath
 from kvxferd.rig.verify.engines import paper_cache
 

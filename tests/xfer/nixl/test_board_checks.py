@@ -23,7 +23,8 @@ from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.nixl.checks import NUM_CHECK_SLOTS
 from kvxferd.xfer.holder import NoticeEvent
-from kvxferd.xfer.records import ReadFailure
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.rig.reading import post, wait
 
 
 @pytest.fixture(scope="module", params=["nixl", "same-host"])
@@ -104,15 +105,15 @@ def test_a_hold_that_ends_during_the_copy_fails_the_read_as_stale(cluster, monke
     holder may reuse the blocks meanwhile) leaves the read failed, every rank's blocks invalid."""
     executor = cluster.executors[0]
     request = cluster.hold(_request(cluster, "ends-during", 5), 60)
-    post_read = executor._post_read
+    move = executor.mover.move
 
-    def release_then_read(inflight, read):
-        holder = cluster.holders[read.remote_rank]
+    def release_then_read(remote, q, rank_read):
+        holder = cluster.holders[q]
         with holder.lock:
             holder.holds.release(request.remote_request_id)
-        post_read(inflight, read)
+        return move(remote, q, rank_read)
 
-    monkeypatch.setattr(executor, "_post_read", release_then_read)
+    monkeypatch.setattr(executor.mover, "move", release_then_read)
     (result,) = cluster.read(request, hold=False)
     _every_rank_stale(cluster, result, request)
 
@@ -124,8 +125,8 @@ def test_checks_wait_for_a_free_slot_and_all_end(cluster):
     taken = [checks._free.pop() for _ in range(checks.num_free - 1)]
     try:
         requests = [cluster.hold(_request(cluster, f"queued-{n}", 10 + n), 60) for n in range(8)]
-        inflight = [executor.post(cluster.prefill_id, request) for request in requests]
-        results = [executor.wait(f, 10) for f in inflight]
+        inflight = [post(executor, cluster.prefill_id, request) for request in requests]
+        results = [wait(executor, f, 10) for f in inflight]
         assert [r.error for r in results] == [None] * 8 and checks.num_free == 1
     finally:
         checks._free.extend(taken)
@@ -228,15 +229,16 @@ def test_one_remote_engine_takes_at_most_its_share_of_check_slots(cluster):
         assert all(posted) and checks.post(board, buckets, 1, "stalled") is None  # its share is taken
         posted.append(checks.post(board, buckets, 1, "healthy"))  # another remote engine is not held up
         assert posted[-1] is not None
-        checks.end(*posted.pop(0)[:2])
+        first, _state = posted.pop(0)
+        checks.end(first.handle, first.slot)
         posted.append(checks.post(board, buckets, 1, "stalled"))  # a slot of its own came back
         assert posted[-1] is not None
         # Reads of one remote engine beyond its share wait for their own slots and all end.
         requests = [cluster.hold(_request(cluster, f"share-{n}", 40 + n), 60) for n in range(6)]
-        results = [executor.wait(executor.post(cluster.prefill_id, r), 10) for r in requests]
+        results = [wait(executor, post(executor, cluster.prefill_id, r), 10) for r in requests]
         assert [r.error for r in results] == [None] * 6
     finally:
-        for handle, slot, _state in posted:
-            checks.end(handle, slot)
+        for check, _state in posted:
+            checks.end(check.handle, check.slot)
         checks.max_per_owner = NUM_CHECK_SLOTS // 4
     assert checks.num_free == NUM_CHECK_SLOTS and not checks._num_owned

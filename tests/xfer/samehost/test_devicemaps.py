@@ -25,8 +25,9 @@ from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.samehost import devicemaps, ranks as samehostranks
 from kvxferd.xfer.samehost.devicemaps import PendingDeviceCopy, map_device_source
-from kvxferd.xfer.records import ReadFailure
+from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.samehost.ranks import SameHostOpener
+from kvxferd.rig.reading import post, wait
 from tests.cuda.fake_driver import FakeDriver
 
 GROUPS = model_groups("gqa", ModelShape())
@@ -90,9 +91,9 @@ def _request(request_id: str, seed: int):
 def _post_until_copying(cluster, request):
     """Post ``request`` and poll until both ranks' batches run (their boards showed the hold)."""
     executor = cluster.executors[0]
-    inflight = executor.post(cluster.prefill_id, request)
+    inflight = post(executor, cluster.prefill_id, request)
     deadline = time.monotonic() + 10
-    while sum(isinstance(h, PendingDeviceCopy) for h in inflight.handles.values()) < 2:  # test-side: which kind
+    while sum(isinstance(r.handle, PendingDeviceCopy) for r in inflight.ranks.values()) < 2:  # test-side: which kind
         assert executor.poll(inflight) is None and time.monotonic() < deadline
         time.sleep(1e-3)
     return inflight
@@ -136,7 +137,7 @@ def test_the_hold_ending_while_the_batch_runs_makes_the_read_stale(cluster, monk
     for holder in cluster.holders:
         with holder.lock:
             holder.holds.release(request.remote_request_id)
-    result = cluster.executors[0].wait(inflight, 10)
+    result = wait(cluster.executors[0], inflight, 10)
     assert not result.ok and result.failure is ReadFailure.STALE
     assert sum(len(ids) for ids in result.invalid_block_ids) == sum(len(ids) for ids in request.local_block_ids)
     opener.close()
@@ -150,7 +151,7 @@ def test_a_device_fault_fails_the_read_and_sends_every_gpu_rank_back_to_nixl(clu
     inflight = _post_until_copying(cluster, request)
     driver.event_code = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context is poisoned
     executor = cluster.executors[0]
-    result = executor.wait(inflight, 10)
+    result = wait(executor, inflight, 10)
     assert not result.ok and result.failure is ReadFailure.TRANSFER and "device reported an error" in result.error
     assert sum(len(ids) for ids in result.invalid_block_ids) == sum(len(ids) for ids in request.local_block_ids)
     remote = executor.remote(cluster.prefill_id)
@@ -186,7 +187,7 @@ def test_a_deadline_under_a_running_copy_waits_for_it_before_the_read_ends(clust
     driver = FakeDriver(lag=10**9)
     opener = _use_device_ranks(cluster, driver, monkeypatch)
     inflight = _post_until_copying(cluster, cluster.hold(_request("device-deadline", 4)))
-    result = cluster.executors[0].wait(inflight, 0.05)
+    result = wait(cluster.executors[0], inflight, 0.05)
     assert not result.ok and result.failure is ReadFailure.DEADLINE
     assert driver.calls.count("cuEventSynchronize") == 2 + 2 and not driver.pending  # (2 check copies at connect)
     opener.close()

@@ -12,7 +12,7 @@ from kvxferd.errors import TransferError
 from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.samehost.hostmaps import map_host_source
-from kvxferd.xfer.records import ReadFailure
+from kvxferd.xfer.handles import ReadFailure
 
 GROUPS = model_groups("gqa", ModelShape())
 
