@@ -142,3 +142,11 @@ def test_no_import_cycle_in_the_package():
         done.add(module)
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_the_rig_has_one_engines_daemons_and_hosts_module():
+    """Issue #54: verify, bench, soak and demo share the rig's engine processes, daemons and namespace hosts
+    (``rig/engines.py``, ``rig/daemons.py``, ``rig/hosts.py``) instead of keeping one each."""
+    rig = ROOT / "rig"
+    for name in ("engines.py", "daemons.py", "hosts.py"):
+        assert sorted(p.relative_to(rig).as_posix() for p in rig.rglob(name)) == [name]

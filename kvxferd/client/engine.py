@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from kvxferd.client.control import ControlSession
 from kvxferd.client.session import Held, LostRead, ReadSession
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
@@ -105,6 +106,7 @@ class EngineClient:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.reads = ReadSession(self)  # reads, completions and socket holds of the current registration
+        self._control: ControlSession | None = None  # holds of a registration another process made
         self._register_request: pb.RegisterRequest | None = None  # what re-registering sends again
         self._fd_source: Callable[[], str] | None = None  # passes the fds again; returns their token
         self._register_lock = threading.Lock()
@@ -199,6 +201,8 @@ class EngineClient:
         """Stop heartbeats and the stream, close the channel (does not deregister)."""
         self._stop.set()
         self.reads.close()
+        if self._control is not None:
+            self._control.close()
         self._raw_channel.close()
 
     # ---- reads ----------------------------------------------------------------------
@@ -236,6 +240,9 @@ class EngineClient:
         :meth:`hold` does). Several daemons' holds are then in flight at once (a TP engine's ranks)."""
         request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
                                  lease_s=lease_s)
+        control = self.control_session()
+        if control is not None:
+            return control.hold_started(request)
         held = self.reads.hold(request)
         if held is not None:
             return lambda: held
@@ -247,12 +254,34 @@ class EngineClient:
         return answer
 
     def renew(self, request_ids: Sequence[str], *, lease_s: float = 0.0) -> list[str]:
+        """Extend holds; the ids the daemon does not hold (on the control session when there is one)."""
+        control = self.control_session()
+        if control is not None:
+            return control.renew(request_ids, lease_s)
         reply = self.stub.RenewLease(pb.RenewLeaseRequest(engine_id=self.engine_id, request_ids=list(request_ids),
                                                           lease_s=lease_s), timeout=self.timeout_s)
         return list(reply.unknown_request_ids)
 
     def release(self, request_id: str) -> None:
+        """End a hold now. On a control session this returns once it is sent (the daemon takes it before
+        anything sent later, a new hold of the same id too); else it waits for the ``Release`` call."""
+        control = self.control_session()
+        if control is not None:
+            control.release(request_id)
+            return
         self.stub.Release(pb.ReleaseRequest(engine_id=self.engine_id, request_id=request_id), timeout=self.timeout_s)
+
+    def control_session(self) -> ControlSession | None:
+        """The control session of a client that holds for a registration another process made (vLLM's
+        scheduler: ``engine_id`` and ``session`` set, never registered here), when the daemon offers a
+        reads socket; None otherwise (a registered client holds on its own session)."""
+        if self.incarnations or not ControlSession.available(self.reads_socket_path):
+            return None
+        if self._control is None:
+            self._control = ControlSession(self.reads_socket_path, self.engine_id, self.session,
+                                           timeout_s=self.timeout_s, max_frame_bytes=self.max_message_bytes,
+                                           daemon_uid=self.daemon_uid)
+        return self._control
 
     def missed_events(self, after_seq: int) -> pb.MissedEventsReply:
         return self.stub.MissedEvents(pb.MissedEventsRequest(engine_id=self.engine_id, after_seq=after_seq),

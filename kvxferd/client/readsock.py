@@ -47,12 +47,14 @@ class ReadsSocketStream:
     """
 
     def __init__(self, path: str, first: pb.ReadBatch, *, timeout_s: float, max_frame_bytes: int,
-                 on_holds=lambda answers: None, daemon_uid: int | None = None) -> None:
-        """``on_holds``: called on the reader thread with each frame's answers to ``ReadBatch.holds``.
+                 on_holds=lambda answers: None, on_renewals=lambda answers: None, daemon_uid: int | None = None) -> None:
+        """``on_holds``, ``on_renewals``: called on the reader thread with each frame's answers to
+        ``ReadBatch.holds`` and ``ReadBatch.renewals``.
         ``daemon_uid``: who must listen (default: this process's uid); anyone else gets nothing, not
         even the first batch and its session: :class:`PermissionDeniedError`."""
         expected_uid = daemon_uid_or_own(daemon_uid)
-        self.path, self.max_frame_bytes, self.on_holds = path, max_frame_bytes, on_holds
+        self.path, self.max_frame_bytes = path, max_frame_bytes
+        self.on_holds, self.on_renewals = on_holds, on_renewals
         self._send_lock = threading.Lock()
         self._cancelled = False
         self._error: ReadsSocketError | None = None
@@ -128,9 +130,11 @@ class ReadsSocketStream:
                 raise ReadsSocketError(grpc.StatusCode.INTERNAL, f"reads socket {self.path}: bad frame: {err}") from None
             for batch in batches:
                 if batch.end_code:
-                    raise ReadsSocketError(_STATUS.get(batch.end_code, grpc.StatusCode.UNKNOWN), batch.end_message)
+                    raise ReadsSocketError(status_of(batch.end_code), batch.end_message)
                 if batch.holds:
                     self.on_holds(batch.holds)
+                if batch.renewals:
+                    self.on_renewals(batch.renewals)
                 if batch.completions:
                     yield batch
 
@@ -139,4 +143,9 @@ def hold_error(answer: pb.HoldAnswer) -> ReadsSocketError | None:
     """The error of a refused hold, as its Hold call would have raised it (None when held)."""
     if not answer.code:
         return None
-    return ReadsSocketError(_STATUS.get(answer.code, grpc.StatusCode.UNKNOWN), answer.error)
+    return ReadsSocketError(status_of(answer.code), answer.error)
+
+
+def status_of(code: int) -> grpc.StatusCode:
+    """The gRPC status code a frame names by number (UNKNOWN for one gRPC does not have)."""
+    return _STATUS.get(code, grpc.StatusCode.UNKNOWN)

@@ -192,7 +192,7 @@ class Daemon:
             if config.reads_socket:
                 self._reads_socket = ReadSocketServer(
                     self, reads_path, allowed_uids=frozenset(config.allowed_uids), group=gid,
-                    max_frame_bytes=config.max_message_bytes, max_sessions=2 * config.max_engines,
+                    max_frame_bytes=config.max_message_bytes, max_sessions=3 * config.max_engines,
                     hello_timeout_s=config.fd_recv_timeout_s)
                 await self._reads_socket.start()
             elif os.path.exists(reads_path):  # a killed daemon's: clients would try it

@@ -27,7 +27,7 @@ from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
 from kvxferd.client.fdsend import send_fds
 from kvxferd.wire.names import fd_socket_path  # noqa: E402
 from kvxferd.client.gpu import export_ipc  # noqa: E402
-from kvxferd.rig.verify.engines import allocate_engine, verify_decode  # noqa: E402
+from kvxferd.rig.verify.buffers import allocate_engine, verify_decode  # noqa: E402
 from kvxferd.rig.verify.gpu import GpuEngine  # noqa: E402
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request  # noqa: E402
 from kvxferd.wire.messages import engine_to_pb  # noqa: E402

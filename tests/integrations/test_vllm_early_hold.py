@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 import time
 
+import grpc
 import pytest
 import torch
 
+from kvxferd.client.readsock import ReadsSocketError
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.integrations.vllm.scheduler import SentHold, SchedulerSide
 from tests.integrations.connector_pair import connector_pair, eventually, read_held
@@ -164,3 +166,38 @@ def test_a_step_slower_than_the_lease_keeps_its_early_hold(pair):
     assert eventually(lambda: daemon.metric("kvxferd_leases_expired_total") == expired_before + 1)
     delay, params = scheduler.hold("unrenewed", ([5, 6],), 64)
     assert delay and sent == ["long-step", "unrenewed", "unrenewed"], params
+
+
+class _RecordingStub:
+    """Stands in for a client's gRPC stub: records every call it is asked for, and refuses it."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        raise ReadsSocketError(grpc.StatusCode.UNAVAILABLE, f"a gRPC call: {name}")  # as a failed call raises
+
+
+def test_the_scheduler_makes_no_grpc_call_on_a_requests_path(pair):
+    """Issue #54: holds (early and at the end), their answers, renewals and releases go over a control
+    session of the daemon's reads socket; no gRPC call waits on a request's path."""
+    scheduler, daemon = pair["scheduler"], pair["daemon"]
+    client = scheduler._client(scheduler.ranks[0])
+    calls: list[str] = []
+    client.stub = _RecordingStub(calls)
+    scheduler.prefill_allocated("quiet", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("quiet", ([3, 4],), 0, 64)  # sent early
+    assert scheduler._renew(["quiet"]) == set()  # the early holds' thread renews it
+    delay, params = scheduler.hold("quiet", ([3, 5],), 64)  # other blocks: released and held anew
+    assert delay and "error" not in params, params
+    read_held(scheduler, pair["prefill"], pair["decode"], params, [7, 8])
+    scheduler.prefill_allocated("dropped", REMOTE_DECODE, 64, max_tokens=1)
+    assert scheduler.prefill_scheduled("dropped", ([5, 6],), 0, 64)
+    scheduler.drop_early("dropped")  # aborted: let go
+    assert eventually(lambda: daemon.metric("kvxferd_holds_pending") == 0)
+    assert calls == [] and client.control_session() is not None
+    # Negative control: without the reads socket the same client holds over gRPC, and the stub sees it.
+    client.reads_socket_path, client._control = None, None
+    delay, params = scheduler.hold("grpc", ([9, 10],), 64)
+    assert calls == ["Hold"] and not delay, params

@@ -7,7 +7,7 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError, TpConfigError
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest, expected_readers, notifying_readers
-from kvxferd.rig.verify.engines import allocate_engine, check_buffers, expected_buffers
+from kvxferd.rig.verify.buffers import allocate_engine, check_buffers, expected_buffers
 from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups, random_request
 from kvxferd.plan.descriptors import expand_rows
 from kvxferd.rig.verify.simulate import apply_planned_read

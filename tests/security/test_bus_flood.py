@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 
 GROUPS = model_groups("gqa", ModelShape())

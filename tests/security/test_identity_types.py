@@ -20,7 +20,7 @@ import pytest
 from kvxferd.client import DaemonProcess
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.nixl.agent import NixlAgent

@@ -21,7 +21,7 @@ from kvxferd.plan.notifications import ReadNotice
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.net.bus import NotifyBus
 from kvxferd.rig.soak.forged import holder_info, send
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.names import topic
 from kvxferd.xfer.nixl.agent import NixlAgent

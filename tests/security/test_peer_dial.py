@@ -29,7 +29,7 @@ import threading
 import grpc
 import pytest
 
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups
 from tests.security.conftest import SPIFFE, tls_args
 
@@ -153,7 +153,7 @@ subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 subprocess.run(["ip", "addr", "add", "198.18.77.1/32", "dev", "lo"], check=True)  # this namespace's own address
 sys.path.insert(0, sys.argv[1])
 import grpc
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups
 from tests.security.test_peer_dial import Attacker
 attacker = Attacker("--host", "198.18.77.1")

@@ -17,7 +17,7 @@ from kvxferd.rig.bench.raw import RawReader
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.rig.verify.certs import DevCA
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from tests.security.conftest import SPIFFE, tls_args

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from kvxferd.client import DaemonProcess
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from tests.security.conftest import SPIFFE, tls_args
 

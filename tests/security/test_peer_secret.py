@@ -24,7 +24,7 @@ import pytest
 from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups
 from kvxferd.wire.challenge import CHALLENGE_KEY, Nonces, call_token, new_nonce
 from kvxferd.wire.peerauth import PEER_TOKEN_KEY, default_peer_secret_file, peer_channel, read_peer_secret

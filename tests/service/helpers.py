@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import socket
 import time
 
 import grpc
@@ -14,8 +15,9 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.wire.challenge import ChallengeBook, secret_proof
+from kvxferd.wire.frames import FrameReader, encode_frame
 from kvxferd.wire.peerauth import default_peer_secret_file, peer_channel, read_peer_secret
-from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.verify.buffers import allocate_engine
 from kvxferd.rig.verify.models import ModelShape, model_groups
 
 GQA_GROUPS = model_groups("gqa", ModelShape())  # (prefill, decode) groups of the Reads tests' clusters
@@ -127,3 +129,30 @@ def status(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         call()
     return err.value.code(), err.value.details()
+
+
+def frame(message) -> bytes:
+    """One reads-socket frame of ``message``."""
+    return encode_frame(message.SerializeToString())
+
+
+def raw_session(path: str, raw_frames: list[bytes], timeout_s: float = 10.0) -> tuple[list[pb.CompletionBatch], int, str]:
+    """Send raw frames on a new reads-socket connection, then read until the daemon closes it (or
+    ``timeout_s`` passes without a frame): every batch before the end frame, and the end frame's code and
+    message (0 and "" if there was none)."""
+    batches, frames = [], FrameReader(1 << 24)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout_s)
+        conn.connect(path)
+        for raw in raw_frames:
+            conn.sendall(raw)
+        try:
+            while data := conn.recv(1 << 16):
+                for payload in frames.feed(data):
+                    batch = pb.CompletionBatch.FromString(payload)
+                    if batch.end_code:
+                        return batches, batch.end_code, batch.end_message
+                    batches.append(batch)
+        except TimeoutError:
+            pass  # still open: what came so far
+    return batches, 0, ""

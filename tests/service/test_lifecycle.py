@@ -10,7 +10,7 @@ from kvxferd.client import EngineClient
 from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 
@@ -229,8 +229,8 @@ def test_a_deregistered_engines_nixl_agent_goes_at_once(workdir):
     """Found by the soak (no_leaks): each deregistered engine's NIXL agent (UCX worker, sockets, shared
     memory: about 9 fds) lived until some later full garbage collection, so restarts piled them up."""
     from kvxferd.client import DaemonProcess, SharedArena, engine_rank_pb
-    from kvxferd.rig.soak.daemons import usage
-    from kvxferd.rig.verify.engines import allocate_engine
+    from kvxferd.rig.daemons import usage
+    from kvxferd.rig.verify.buffers import allocate_engine
 
     prefill_groups, decode_groups = _groups()
     daemons = DaemonProcess.start_many(["agents-p", "agents-d"], socket_dir=workdir)

@@ -30,7 +30,7 @@ from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan import board, capability, notifications
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire import challenge, peerauth, samehost
 

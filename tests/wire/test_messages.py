@@ -6,7 +6,7 @@ import pytest
 from kvxferd.errors import BlockIdError, InvalidArgumentError, LayoutMismatchError, NotFoundError, TransferError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.base.status import status_code
-from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.verify.buffers import allocate_engine
 from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups
 from kvxferd.wire.messages import (engine_from_pb, engine_to_pb, peer_memory_from_pb, read_request_from_spec,
                                    read_spec_to_pb)

@@ -9,7 +9,7 @@ from kvxferd.plan.groups import DeviceShare, HostShare
 from kvxferd.wire import samehost
 from kvxferd.wire.challenge import Nonces, new_nonce
 from kvxferd.wire.messages import engine_to_pb, peer_memory_from_pb
-from kvxferd.rig.verify.engines import paper_cache
+from kvxferd.rig.verify.buffers import paper_cache
 from kvxferd.rig.verify.models import ModelShape, model_groups
 
 SECRET, OTHER_SECRET = b"s" * 32, b"t" * 32

@@ -10,7 +10,7 @@ import pytest
 
 from kvxferd.errors import BlockIdError, NotFoundError
 from kvxferd.plan.engine import ReadRequest
-from kvxferd.rig.verify.engines import allocate_engine, check_buffers, expected_buffers
+from kvxferd.rig.verify.buffers import allocate_engine, check_buffers, expected_buffers
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.nixl.agent import NixlAgent, TransferState
 from kvxferd.rig.verify.holderthread import HolderThread

@@ -272,30 +272,48 @@ class ReadSpec(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReadBatch(_message.Message):
-    __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds")
+    __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds", "control", "renewals", "releases")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     reads: _containers.RepeatedCompositeFieldContainer[ReadSpec]
     ack_seq: int
     session: str
     holds: _containers.RepeatedCompositeFieldContainer[HoldRequest]
-    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ..., session: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldRequest, _Mapping]]] = ...) -> None: ...
+    control: bool
+    renewals: _containers.RepeatedCompositeFieldContainer[RenewLeaseRequest]
+    releases: _containers.RepeatedCompositeFieldContainer[ReleaseRequest]
+    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ..., session: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldRequest, _Mapping]]] = ..., control: _Optional[bool] = ..., renewals: _Optional[_Iterable[_Union[RenewLeaseRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ...) -> None: ...
 
 class CompletionBatch(_message.Message):
-    __slots__ = ("completions", "end_code", "end_message", "holds")
+    __slots__ = ("completions", "end_code", "end_message", "holds", "renewals")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     END_CODE_FIELD_NUMBER: _ClassVar[int]
     END_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     end_code: int
     end_message: str
     holds: _containers.RepeatedCompositeFieldContainer[HoldAnswer]
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., end_code: _Optional[int] = ..., end_message: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldAnswer, _Mapping]]] = ...) -> None: ...
+    renewals: _containers.RepeatedCompositeFieldContainer[LeaseAnswer]
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., end_code: _Optional[int] = ..., end_message: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldAnswer, _Mapping]]] = ..., renewals: _Optional[_Iterable[_Union[LeaseAnswer, _Mapping]]] = ...) -> None: ...
+
+class LeaseAnswer(_message.Message):
+    __slots__ = ("unknown_request_ids", "code", "error")
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    code: int
+    error: str
+    def __init__(self, unknown_request_ids: _Optional[_Iterable[str]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HoldAnswer(_message.Message):
     __slots__ = ("request_id", "incarnation", "code", "error", "capability")

@@ -56,7 +56,7 @@ def one_path(workdir: str, *, rounds: int, bulk_layers: int, bulk_blocks: int,
              num_requests_300: int, num_requests_1000: int, idle_s: float, rate_layers: int = 2,
              rate_blocks: int = 2, reads_socket: bool = True, same_host: bool = False, tls=None) -> dict:
     """Every figure of one engine path, with the flat keys the targets name; ``tls``: a :class:`Tls`, or a
-    :class:`kvxferd.rig.bench.hosts.HostsPlacement` (the daemons on namespace hosts, mutual TLS)."""
+    :class:`kvxferd.rig.hosts.BenchHosts` (the daemons on namespace hosts, mutual TLS)."""
     path = dict(reads_socket=reads_socket, same_host=same_host)
     b = bulk(workdir, bulk_layers, bulk_blocks, rounds, tls, **path)
     o300 = overhead(workdir, rate_layers, rate_blocks, 300.0, num_requests_300, tls, idle_s=idle_s, **path)
@@ -94,10 +94,10 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
 
 def _across_hosts(sizes: dict) -> dict:
     """The socket path with the daemons on two network namespaces, raw NIXL across the same link."""
-    from kvxferd.rig.bench.hosts import HostsPlacement
+    from kvxferd.rig.hosts import BenchHosts
 
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
-        placement = HostsPlacement(workdir)
+        placement = BenchHosts(workdir)
         try:
             return {**one_path(workdir, tls=placement, **sizes), "hosts": True}
         finally:

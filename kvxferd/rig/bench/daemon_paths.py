@@ -19,7 +19,7 @@ from kvxferd.rig.bench.common import full_attention_groups, percentiles_us
 from kvxferd.rig.bench.raw import RawReader
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.rig.verify.certs import DevCA
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 
 
 class RawPath:

@@ -312,7 +312,7 @@ def _engine_client_trips(channel: grpc.Channel, repeat: int, gap_s: float) -> di
 def planning(repeat: int = 300) -> dict:
     """``plan_request`` for a small request, back to back and spaced out."""
     from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
-    from kvxferd.rig.verify.engines import allocate_engine
+    from kvxferd.rig.verify.buffers import allocate_engine
 
     groups = full_attention_groups(2, 8)
     plan = EngineTransferPlan(allocate_engine("fd", groups, 1, 0, tagged=False).cache,

@@ -58,7 +58,7 @@ from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
-from kvxferd.rig.verify.engines import verify_decode
+from kvxferd.rig.verify.buffers import verify_decode
 from kvxferd.rig.verify.gpu import GpuEngine, cuda_missing
 from kvxferd.rig.verify.process import EngineProcess
 from kvxferd.xfer.nixl.agent import NixlAgent

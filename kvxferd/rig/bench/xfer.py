@@ -27,7 +27,7 @@ from kvxferd.rig.bench.raw import prepare_raw, raw_read
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.engine import EngineTransferPlan, ReadRequest
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
-from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.verify.buffers import allocate_engine
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.reads import ReadExecutor

@@ -14,11 +14,11 @@ from tqdm import tqdm
 from kvxferd.client import DaemonProcess
 from kvxferd.rig.demo import shm
 from kvxferd.rig.demo import summary as figures
-from kvxferd.rig.demo.engines import DecodeEngine, PrefillEngine
-from kvxferd.rig.demo.hosts import DemoHosts
+from kvxferd.rig.engines import DecodeEngine, PrefillEngine
+from kvxferd.rig.hosts import DemoHosts
 from kvxferd.errors import KvxferError
 from kvxferd.tp.shards import check_tp
-from kvxferd.rig.verify.engines import check_pairing
+from kvxferd.rig.verify.buffers import check_pairing
 from kvxferd.rig.verify.hosts.policy import MAX_HOSTS, HostsUnavailable
 from kvxferd.rig.verify.models import DECODE_LAYOUTS, MODELS, ModelShape, model_groups, random_request
 from kvxferd.rig.verify.process import EngineFailed, EngineProcess

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from kvxferd.rig.verify.engines import arena_layout
+from kvxferd.rig.verify.buffers import arena_layout
 from kvxferd.rig.verify.models import ModelShape, model_groups
 
 SHM_DIR = "/dev/shm"
@@ -24,7 +24,7 @@ MIB = 1 << 20
 
 
 def engine_bytes(groups, tp_size: int) -> int:
-    """Shared memory of one engine, every TP rank: the arenas :func:`kvxferd.rig.verify.engines.allocate_engine` asks for."""
+    """Shared memory of one engine, every TP rank: the arenas :func:`kvxferd.rig.verify.buffers.allocate_engine` asks for."""
     return sum(arena_layout(groups, tp_size, rank)[2] for rank in range(tp_size))
 
 

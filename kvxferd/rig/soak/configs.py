@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.errors import KvxferError
-from kvxferd.rig.verify.engines import check_pairing
+from kvxferd.rig.verify.buffers import check_pairing
 from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups, random_request
 
 MAX_TP = 4

@@ -24,10 +24,10 @@ import numpy as np
 from kvxferd.plan.capability import CAPABILITY_BYTES
 from kvxferd.rig.soak import badinput
 from kvxferd.rig.soak.configs import SoakConfig, draw_config
-from kvxferd.rig.soak.daemons import DaemonLife, DaemonSet, leaks, measure
-from kvxferd.rig.soak.engines import SoakDecode, SoakPrefill
+from kvxferd.rig.daemons import DaemonLife, DaemonSet, leaks, measure
+from kvxferd.rig.engines import SoakDecode, SoakPrefill
 from kvxferd.rig.soak.faults import NET_KINDS, FaultPlan
-from kvxferd.rig.soak.hosts import SoakHosts
+from kvxferd.rig.hosts import SoakHosts
 from kvxferd.rig.soak.netfaults import WINDOW_S, NetworkFaults
 from kvxferd.rig.soak.forged import NoticeForger
 from kvxferd.rig.soak.holds import HoldLedger
@@ -87,7 +87,7 @@ class Soak:
         factory, groups = (SoakPrefill, prefill_groups) if role == "prefill" else (SoakDecode, decode_groups)
         engine = EngineProcess(role, self._engine_id(role), groups, [life.daemon.engine_target for life in lives],
                                factory=factory, lease_s=ENGINE_LEASE_S, start_timeout_s=90,
-                               **(self.hosts.engine_options(role) if self.hosts else {}))
+                               **(self.hosts.role_options(role) if self.hosts else {}))
         self._arenas[role] = engine.call("arena_names")
         return engine
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from kvxferd.plan.engine import ReadRequest, expected_readers
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.client.shm import SharedArena
-from kvxferd.rig.verify.engines import DecodeChecks, allocate_engine, shared_engine
+from kvxferd.rig.verify.buffers import DecodeChecks, allocate_engine, shared_engine
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.rig.verify.holderthread import HolderThread

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvxferd.plan.groups import CacheGroup, EngineCache, RegionMemory
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.rig.verify.engines import EngineBuffers, allocate_engine
+from kvxferd.rig.verify.buffers import EngineBuffers, allocate_engine
 from kvxferd.wire.messages import engine_to_pb
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from kvxferd.layout.spans import SpanPairs
 from kvxferd.plan.descriptors import expand_rows
 from kvxferd.plan.engine import PlannedRead
-from kvxferd.rig.verify.engines import EngineBuffers
+from kvxferd.rig.verify.buffers import EngineBuffers
 from kvxferd.rig.verify.oracle import apply_span_copies
 
 

@@ -1,4 +1,5 @@
-"""Placing a hold: the checks and the bookkeeping of one ``Hold``, for the gRPC call and the reads socket.
+"""Holds: the checks and the bookkeeping of ``Hold``, ``RenewLease`` and ``Release``, for the gRPC calls and the
+reads socket.
 
 A hold keeps a request's blocks for its readers until they report (CONSUMED),
 its lease runs out or it is released (EXPIRED); see :mod:`kvxferd.plan.leases`.
@@ -30,6 +31,9 @@ class HoldingParts(Protocol):
 
     def wake_maintenance(self) -> None:
         """A first hold arrived: leave the idle maintenance tick now."""
+
+    def publish(self, slot: "EngineSlot", end) -> None:
+        """Publish a hold's end on the notify bus."""
 
 
 def check_block_ids(lists, slot: "EngineSlot", field: str) -> tuple[np.ndarray, ...]:
@@ -65,3 +69,17 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
         daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         daemon.wake_maintenance()  # and from the idle tick to the lease tick
     return capability
+
+
+def renew_holds(daemon: HoldingParts, slot: "EngineSlot", request: pb.RenewLeaseRequest) -> list[str]:
+    """Extend ``slot``'s holds of ``request.request_ids`` (event-loop thread); the ids it does not hold."""
+    lease_s = lease_seconds(daemon, request.lease_s)
+    with slot.lock:
+        return slot.holds.renew(request.request_ids, lease_s, time.monotonic())
+
+
+def release_hold(daemon: HoldingParts, slot: "EngineSlot", request_id: str) -> None:
+    """End ``slot``'s hold of ``request_id`` now (``EXPIRED``, reason "released"), if it has one."""
+    with slot.lock:
+        end = slot.holds.release(request_id)
+    daemon.publish(slot, end)

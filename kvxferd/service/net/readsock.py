@@ -11,9 +11,16 @@ engine socket cost tens of µs (``wire/frames.py`` has the framing)::
     ReadBatch{reads, ack_seq} ───────────►  ReadPath.take_batch (as the gRPC stream)
     ReadBatch{holds} ────────────────────►  place_hold, each (as the Hold call)
                                   ◄───────  CompletionBatch{holds: one answer per hold}, at once
+    ReadBatch{renewals, releases} ───────►  RenewLease, Release, each (renewals answered, in order)
                                   ◄───────  CompletionBatch{completions} (the engine's feed; an ok
                                             read's own frame, written by the data-plane thread)
                                   ◄───────  CompletionBatch{end_code, end_message}, then close
+
+A first batch with ``control`` opens a control session (vLLM's scheduler
+process, :mod:`kvxferd.client.control`): holds, renewals and releases of the
+registration, no reads; it never takes the registration's completions, so
+it runs beside the engine's own session, and it follows the registration
+by its session (a re-registration that kept the session keeps it going).
 
 One session per connection, the same rules as the gRPC stream: the first
 batch must come within ``hello_timeout_s``; a frame over
@@ -42,7 +49,7 @@ from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedE
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH
 from kvxferd.service.net.framewriter import FrameWriter
-from kvxferd.service.engines.holding import place_hold
+from kvxferd.service.engines.holding import place_hold, release_hold, renew_holds
 from kvxferd.service.base import audit
 from kvxferd.service.base.localsock import credentials_allowed, restrict_socket, socket_umask
 from kvxferd.wire.owner import peer_credentials
@@ -98,6 +105,7 @@ class ReadSession(asyncio.Protocol):
         self.slot = None
         self.pid = self.uid = -1  # the client's, from SO_PEERCRED
         self.hello_engine_id = ""
+        self.control: pb.ReadBatch | None = None  # a control session's first batch (its engine and session)
         self.ended = False
         self._sender: asyncio.Task | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -136,9 +144,19 @@ class ReadSession(asyncio.Protocol):
                     raise InvalidArgumentError("frame", "not a ReadBatch") from None
                 if self.slot is None:
                     self._open(batch)
-                self.daemon.reads.take_batch(self.slot, batch, received_s)  # the batch's own rules first
+                elif batch.control:
+                    raise InvalidArgumentError("control", "only a session's first batch opens a control session")
+                if self.control is None:
+                    self.daemon.reads.take_batch(self.slot, batch, received_s)  # the batch's own rules first
+                else:
+                    self._control_batch(batch)
+                self._check_count(len(batch.holds) + len(batch.renewals) + len(batch.releases))
                 if batch.holds:
                     self._hold(batch.holds)
+                if batch.renewals:
+                    self._renew(batch.renewals)
+                if batch.releases:
+                    self._release(batch.releases)
         except Exception as err:  # ends this session only, with the status an engine would get on gRPC
             self._end_with(err)
 
@@ -172,18 +190,35 @@ class ReadSession(asyncio.Protocol):
         check_id(batch.engine_id, "engine_id")
         self.slot = self.daemon.registry.session_slot(batch.engine_id, batch.session)
         self._hello_timer.cancel()
-        self._sender = self.daemon.spawn(self._send())
+        if batch.control:
+            self.control = pb.ReadBatch(engine_id=batch.engine_id, session=batch.session)
+        else:
+            self._sender = self.daemon.spawn(self._send())
+
+    def _control_batch(self, batch: pb.ReadBatch) -> None:
+        """A control session's batch: no reads, no acks; its registration as it is now (replaced by one
+        with the same session, it goes on; gone, or another session's, the session ends)."""
+        if batch.reads or batch.ack_seq:
+            raise InvalidArgumentError("reads", "a control session carries holds, renewals and releases only")
+        self.slot = self.daemon.registry.session_slot(self.control.engine_id, self.control.session)
+        if self.slot.closing:
+            raise UnavailableError("engine_id", f"the registration of {self.slot.engine_id!r} ended")
+
+    def _check_count(self, count: int) -> None:
+        limit = self.daemon.config.max_reads_per_batch
+        if count > limit:
+            raise InvalidArgumentError("holds", f"{count} holds, renewals and releases in one batch, the limit is "
+                                                f"{limit} (max_reads_per_batch)")
+
+    def _check_engine(self, engine_id: str) -> None:
+        if engine_id and engine_id != self.slot.engine_id:
+            raise InvalidArgumentError("engine_id", f"this session belongs to {self.slot.engine_id!r}")
 
     def _hold(self, holds) -> None:
         """Place each hold (as the Hold call would) and answer them all in one frame, at once."""
-        limit = self.daemon.config.max_reads_per_batch
-        if len(holds) > limit:
-            raise InvalidArgumentError("holds", f"{len(holds)} holds in one batch, the limit is {limit} "
-                                                "(max_reads_per_batch)")
         answers = []
         for request in holds:
-            if request.engine_id and request.engine_id != self.slot.engine_id:
-                raise InvalidArgumentError("engine_id", f"this session belongs to {self.slot.engine_id!r}")
+            self._check_engine(request.engine_id)
             try:
                 capability = place_hold(self.daemon, self.slot, request)
                 answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=self.slot.incarnation,
@@ -193,6 +228,28 @@ class ReadSession(asyncio.Protocol):
                 self.daemon.metrics.rpc_errors.labels("Hold", code.name).inc()
                 answers.append(pb.HoldAnswer(request_id=request.request_id, code=code.value[0], error=str(err)))
         self.writer.write(encode_frame(pb.CompletionBatch(holds=answers).SerializeToString()))
+
+    def _renew(self, renewals) -> None:
+        """Renew each (as the RenewLease call would) and answer them all in one frame, in order."""
+        answers = []
+        for request in renewals:
+            self._check_engine(request.engine_id)
+            try:
+                answers.append(pb.LeaseAnswer(unknown_request_ids=renew_holds(self.daemon, self.slot, request)))
+            except KvxferError as err:
+                code = status_code(err)
+                self.daemon.metrics.rpc_errors.labels("RenewLease", code.name).inc()
+                answers.append(pb.LeaseAnswer(code=code.value[0], error=str(err)))
+        self.writer.write(encode_frame(pb.CompletionBatch(renewals=answers).SerializeToString()))
+
+    def _release(self, releases) -> None:
+        """End each hold (as the Release call would); not answered: a refused one is counted."""
+        for request in releases:
+            self._check_engine(request.engine_id)
+            try:
+                release_hold(self.daemon, self.slot, request.request_id)
+            except KvxferError as err:
+                self.daemon.metrics.rpc_errors.labels("Release", status_code(err).name).inc()
 
     # CompletionSink (the feed writes completions through these, on the loop or the data-plane thread)
     direct = True

@@ -32,7 +32,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.base import audit
 from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH
-from kvxferd.service.engines.holding import lease_seconds, place_hold
+from kvxferd.service.engines.holding import place_hold, release_hold, renew_holds
 from kvxferd.service.base.status import error_status
 from kvxferd.service.peers.proof import ChallengeSigner
 from kvxferd.service.peers.tls import authorize_peer
@@ -181,14 +181,12 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
 
     @rpc
     async def RenewLease(self, request, context):
-        return _renew(self.daemon, self._slot(request.engine_id, context), request)
+        return pb.RenewLeaseReply(unknown_request_ids=renew_holds(self.daemon, self._slot(request.engine_id, context),
+                                                                  request))
 
     @rpc
     async def Release(self, request, context):
-        slot = self._slot(request.engine_id, context)
-        with slot.lock:
-            end = slot.holds.release(request.request_id)
-        self.daemon.publish(slot, end)
+        release_hold(self.daemon, self._slot(request.engine_id, context), request.request_id)
         return pb.ReleaseReply()
 
     @rpc
@@ -196,13 +194,6 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         check_id(request.engine_id, "engine_id")
         self._slot(request.engine_id, context)
         return self.daemon.bus.missed(request.engine_id, request.after_seq)
-
-
-def _renew(daemon: "DaemonParts", slot, request: pb.RenewLeaseRequest) -> pb.RenewLeaseReply:
-    lease_s = lease_seconds(daemon, request.lease_s)
-    with slot.lock:
-        unknown = slot.holds.renew(request.request_ids, lease_s, time.monotonic())
-    return pb.RenewLeaseReply(unknown_request_ids=unknown)
 
 
 class PeerServicer(peer_grpc.PeerServiceServicer):
@@ -324,4 +315,5 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
     @rpc
     async def RenewLeases(self, request, context):
         self._authorize(context)
-        return _renew(self.daemon, self.daemon.registry.slot(request.engine_id), request)
+        return pb.RenewLeaseReply(unknown_request_ids=renew_holds(self.daemon,
+                                                                  self.daemon.registry.slot(request.engine_id), request))

@@ -9,7 +9,7 @@ import pytest
 from kvxferd import cli
 from kvxferd.client import DaemonProcess
 from kvxferd.rig.demo import shm
-from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.verify.buffers import allocate_engine
 from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups
 
 MIB = 1 << 20

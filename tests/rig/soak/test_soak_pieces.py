@@ -78,7 +78,7 @@ def test_holds_of_a_killed_daemon_are_lost_and_its_new_life_starts_a_new_sequenc
 
 
 def test_leaks_compare_one_life_and_always_flag_engine_memory_left():
-    from kvxferd.rig.soak.daemons import LEAK_SLACK, leaks
+    from kvxferd.rig.daemons import LEAK_SLACK, leaks
 
     start = {"pid": 1, "fds": 30, "threads": 15, "rss_bytes": 100 << 20, "other_shm_mappings": 0, "engine_shm": [],
              "engines_registered": 0}

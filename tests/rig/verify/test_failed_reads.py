@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxferd.rig.verify.engines import allocate_engine, blocks_mask, check_failed_read, expected_buffers
+from kvxferd.rig.verify.buffers import allocate_engine, blocks_mask, check_failed_read, expected_buffers
 from kvxferd.rig.verify.models import MODELS, ModelShape, model_groups, random_request
 from kvxferd.rig.verify.oracle import BlockSource, expected_region
 from kvxferd.rig.verify.physical import SENTINEL

@@ -20,8 +20,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvxferd.rig.verify.daemons import DaemonCluster
-from kvxferd.rig.verify.engines import allocate_engine
+from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.rig.verify.buffers import allocate_engine
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.messages import engine_to_pb
 

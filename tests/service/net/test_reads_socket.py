@@ -15,9 +15,9 @@ from kvxferd.client import DaemonProcess, EngineClient
 from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.rig.verify.daemons import DaemonCluster
-from kvxferd.wire.frames import HEADER, FrameReader, encode_frame, reads_socket_path
-from tests.service.helpers import GQA_GROUPS as GROUPS, engine_pb, two_block_request
+from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.wire.frames import HEADER, encode_frame, reads_socket_path
+from tests.service.helpers import GQA_GROUPS as GROUPS, engine_pb, frame, raw_session, two_block_request
 
 C = grpc.StatusCode
 MAX_READS, MAX_BATCH, HELLO_S = 8, 10, 0.5
@@ -46,23 +46,11 @@ def _session(cluster, raw_frames: list[bytes], timeout_s: float = 10.0,
              path: str | None = None) -> tuple[list[pb.Completion], int, str]:
     """Send raw frames on a new connection, then read until the daemon closes it: the completions, and the
     end frame's code and message (0 and "" if it closed without one)."""
-    completions, frames = [], FrameReader(1 << 24)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(timeout_s)
-        conn.connect(path or _path(cluster))
-        for frame in raw_frames:
-            conn.sendall(frame)
-        while data := conn.recv(1 << 16):
-            for payload in frames.feed(data):
-                batch = pb.CompletionBatch.FromString(payload)
-                if batch.end_code:
-                    return completions, batch.end_code, batch.end_message
-                completions += batch.completions
-    return completions, 0, ""
+    batches, code, message = raw_session(path or _path(cluster), raw_frames, timeout_s)
+    return [c for batch in batches for c in batch.completions], code, message
 
 
-def _frame(message) -> bytes:
-    return encode_frame(message.SerializeToString())
+_frame = frame
 
 
 def test_a_local_engine_reads_over_the_socket_byte_exact(cluster):

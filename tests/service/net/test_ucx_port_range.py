@@ -8,7 +8,7 @@ import pytest
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.service.base.config import load_config
 from kvxferd.service.net.exposure import ucx_environment
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from tests.service.helpers import GQA_GROUPS, two_block_request
 
 

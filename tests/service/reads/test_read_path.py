@@ -23,7 +23,7 @@ from kvxferd.service.engines.read import ReadState
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.records import ReadResult
 from kvxferd.service.reads.path import ReadPath
-from kvxferd.rig.verify.engines import paper_cache
+from kvxferd.rig.verify.buffers import paper_cache
 
 
 class _DataPlane:

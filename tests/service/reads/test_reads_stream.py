@@ -14,7 +14,7 @@ from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from tests.service.helpers import GQA_GROUPS as GROUPS, two_block_request
 
 C = grpc.StatusCode

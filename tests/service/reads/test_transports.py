@@ -26,7 +26,7 @@ import pytest
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.rig.verify.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.wire.messages import ids_from_pb
 from tests.service.helpers import CODES, GQA_GROUPS as GROUPS, ProxyPeer, two_block_request
 

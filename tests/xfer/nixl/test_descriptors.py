@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvxferd.plan.engine import EngineTransferPlan
-from kvxferd.rig.verify.engines import allocate_engine, check_buffers, expected_buffers
+from kvxferd.rig.verify.buffers import allocate_engine, check_buffers, expected_buffers
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.rig.verify.holderthread import HolderThread

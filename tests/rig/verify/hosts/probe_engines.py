@@ -2,7 +2,7 @@
 
 import hashlib
 
-from kvxferd.rig.soak.engines import SoakDecode
+from kvxferd.rig.engines import SoakDecode
 
 
 class FingerprintDecode(SoakDecode):

@@ -18,7 +18,7 @@ import pytest
 
 from kvxferd.rig.verify.certs import DevCA
 from kvxferd.rig.verify.hosts import policy
-from kvxferd.rig.verify.hosts.daemons import ChartPorts, Pki, start_host_daemons
+from kvxferd.rig.daemons import ChartPorts, Pki, start_host_daemons
 from kvxferd.rig.verify.hosts.fabric import BENCHMARK_RANGE, Fabric, unavailable
 
 REASON = unavailable()

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from kvxferd.rig.soak.engines import SoakPrefill
-from kvxferd.rig.soak.hosts import SoakHosts
+from kvxferd.rig.engines import SoakPrefill
+from kvxferd.rig.hosts import SoakHosts
 from kvxferd.rig.verify.hosts.fabric import unavailable
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.rig.verify.process import EngineProcess
@@ -42,9 +42,9 @@ def partitioned_read(tmp_path, abort_drain_s: float) -> tuple[dict, list[str], l
         groups, _ = model_groups("gqa", ModelShape(num_layers=8, num_kv_heads=8, head_size=128, num_blocks=256))
         prefill_daemon, decode_daemon = hosts.daemons.prefill[0].daemon, hosts.daemons.decode[0].daemon
         prefill = EngineProcess("prefill", "late-prefill", groups, [prefill_daemon.engine_target],
-                                factory=SoakPrefill, lease_s=30, **hosts.engine_options("prefill"))
+                                factory=SoakPrefill, lease_s=30, **hosts.role_options("prefill"))
         decode = EngineProcess("decode", "late-decode", groups, [decode_daemon.engine_target],
-                               factory=FingerprintDecode, lease_s=30, **hosts.engine_options("decode"))
+                               factory=FingerprintDecode, lease_s=30, **hosts.role_options("decode"))
         assert decode.call("handshake", "late-prefill", [prefill_daemon.peer_address]) == ["ok"]
         request = random_request("late-r", groups, groups, 2000, np.random.default_rng(3))
         answers = prefill.call("hold", request.remote_request_id, request.remote_block_ids, 30.0)
