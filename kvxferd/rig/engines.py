@@ -76,6 +76,14 @@ class EngineRanks:
             self.close()
             raise
 
+    def submit(self, request: ReadRequest, remote_engine_id: str, deadline_s: float) -> None:
+        """``request`` as a batch of one on every rank's session."""
+        for client in self.clients:
+            client.reads.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
+                                                        request.local_block_ids, request.remote_block_ids,
+                                                        num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
+                                                        remote_capabilities=request.remote_capabilities)])
+
     def _allocate(self, num_bytes: int):
         self.arenas.append(SharedArena(num_bytes))
         return self.arenas[-1].array
@@ -186,11 +194,7 @@ class DecodeEngine(EngineRanks):
         for engine in self.ranks:
             engine.reset()
         start, submitted_unix_s = time.perf_counter(), time.time()
-        for client in self.clients:
-            client.reads.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
-                                                  request.local_block_ids, request.remote_block_ids,
-                                                  num_tokens=request.num_tokens or 0, deadline_s=timeout_s,
-                                                  remote_capabilities=request.remote_capabilities)])
+        self.submit(request, remote_engine_id, timeout_s)
         delivered = [client.reads.wait_completion_timed(request.request_id, timeout_s + 5) for client in self.clients]
         latency_s = time.perf_counter() - start
         completions = [completion for completion, _ in delivered]
@@ -362,11 +366,7 @@ class SoakDecode(SoakRanks):
         for engine in self.ranks:
             engine.reset()
         start, start_wall = time.monotonic(), time.time()
-        for client in self.clients:
-            client.reads.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
-                                                  request.local_block_ids, request.remote_block_ids,
-                                                  num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
-                                                  remote_capabilities=request.remote_capabilities)])
+        self.submit(request, remote_engine_id, deadline_s)
         ranks = []
         for rank, client in enumerate(self.clients):
             try:

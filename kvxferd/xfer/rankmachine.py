@@ -71,14 +71,7 @@ class RankMachine:
     def advance(self, inflight: InFlightRead) -> bool:
         """One round over every rank; True once each has ended."""
         self._poll_checks(inflight)
-        for q, rank in inflight.ranks.items():
-            if rank.phase is not RankPhase.MOVING or rank.handle is None:
-                continue
-            state = rank.handle.state()
-            if state is TransferState.PROC:
-                continue
-            inflight.step += 1
-            transfer = rank.take_handle()
+        for q, rank, transfer, state in self._ended(inflight, (RankPhase.MOVING,)):
             if state is TransferState.ERR:
                 failure = transfer.failure()
                 inflight.fail(q, failure.error, failure.kind)
@@ -118,6 +111,19 @@ class RankMachine:
         return not left
 
     # ---- internals ---------------------------------------------------------
+    @staticmethod
+    def _ended(inflight: InFlightRead, phases: tuple[RankPhase, ...]):
+        """Each rank in ``phases`` whose transfer or check ended, as (rank id, rank, its handle, its
+        state); the rank holds no handle after (the caller releases it)."""
+        for q, rank in inflight.ranks.items():
+            if rank.handle is None or rank.phase not in phases:
+                continue
+            state = rank.handle.state()
+            if state is TransferState.PROC:
+                continue
+            inflight.step += 1
+            yield q, rank, rank.take_handle(), state
+
     def _move(self, inflight: InFlightRead, q: int, rank: RankTransfer) -> None:
         posted = self.mover.move(inflight.remote, q, rank.move)
         if posted.failure is not None:
@@ -159,14 +165,7 @@ class RankMachine:
         """Post waiting checks, then settle the ended ones: a rank seen held before its data posts it; a
         rank whose hold is gone is stale (before its data: nothing of it was copied)."""
         self._post_checks(inflight)
-        for q, rank in inflight.ranks.items():
-            if rank.handle is None or rank.phase not in (RankPhase.CHECKING, RankPhase.RECHECKING):
-                continue
-            state = rank.handle.state()
-            if state is TransferState.PROC:
-                continue
-            inflight.step += 1
-            check = rank.take_handle()
+        for q, rank, check, state in self._ended(inflight, (RankPhase.CHECKING, RankPhase.RECHECKING)):
             if state is TransferState.ERR:
                 inflight.fail(q, check.failure().error, check.failure().kind)
             elif not check.found(rank.tag):
