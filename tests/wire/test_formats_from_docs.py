@@ -329,3 +329,52 @@ def test_a_read_both_malformed_and_unsealed_gets_the_refusal_the_docs_give(clust
         assert submit(request.local_block_ids, forged, "unsealed") == grpc.StatusCode.PERMISSION_DENIED.value[0]
         assert submit(bad_local, real, "malformed") == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         cluster.prefill_clients[0].release(request.remote_request_id)
+
+
+class _EnvelopePeer(peer_grpc.PeerServiceServicer):
+    """A peer written from the docs: proves itself as a daemon of the host would (the docs' challenge
+    proof), and answers every engine info with ``compatibility_hash`` and an empty payload."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret, self.address, self.compatibility_hash = secret, "", ""
+
+    def Challenge(self, request, context):
+        s = secrets.token_bytes(16)
+        return pb.ChallengeReply(protocol_version=PROTOCOL_VERSION, server_nonce=s,
+                                 proof=docs_challenge_proof(self.secret, self.address, request.client_nonce, s))
+
+    def GetEngineInfo(self, request, context):
+        return pb.EngineInfoReply(protocol_version=PROTOCOL_VERSION, compatibility_hash=self.compatibility_hash,
+                                  payload=b"")
+
+
+@pytest.mark.daemons
+def test_a_peer_reply_is_judged_by_its_envelope_before_its_payload(cluster, peer):
+    """Issue 61, item 2: another model's hash with an empty payload is FAILED_PRECONDITION naming the hash
+    (the envelope first), where the right hash with the same empty payload gets the payload's refusal."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    address, stub, secret = peer
+    c, s = challenge_of(stub, secret, address)
+    real = stub.GetEngineInfo(pb.EngineInfoRequest(
+        engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0, reader_engine_id="docs-reader",
+        reader_tp_rank=0, reader_tp_size=1, reader_agent_metadata=agent_metadata("docs-reader-notices")),
+        metadata=docs_call_metadata(secret, address, c, s), timeout=10).compatibility_hash
+    fake = _EnvelopePeer(secret)
+    server = grpc.server(ThreadPoolExecutor(2))
+    peer_grpc.add_PeerServiceServicer_to_server(fake, server)
+    fake.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        seen = {}
+        for name, hash_ in (("another model", flip(real, 3)), ("this model", real)):
+            fake.compatibility_hash = hash_
+            with pytest.raises(grpc.RpcError) as refused:
+                cluster.decode_clients[0].handshake(f"envelope-{name.split()[0]}", [fake.address])
+            seen[name] = (refused.value.code(), refused.value.details())
+    finally:
+        server.stop(None)
+    assert seen["another model"][0] == grpc.StatusCode.FAILED_PRECONDITION, seen
+    assert "compatibility_hash" in seen["another model"][1], seen
+    # The control: the same empty payload under the right hash passes the envelope and is refused for itself.
+    assert seen["this model"][0] == grpc.StatusCode.INVALID_ARGUMENT and "compatibility_hash" not in seen["this model"][1]

@@ -236,3 +236,20 @@ def test_a_remote_engine_without_a_handshake_is_refused_not_found(cluster, decod
     _refused(outcome, C.NOT_FOUND)
     assert "nobody" in outcome.error, outcome.error
     assert cluster.decode_untouched()
+
+
+def test_the_retired_unary_calls_are_unimplemented_for_a_raw_client(cluster):
+    """Issue 61, item 1 (engine protocol 2): ``WatchCompletions`` and ``SubmitRead`` are gone, so no
+    completion stream can end OK when its registration ends; a client that still calls them hears
+    UNIMPLEMENTED. Raw calls by method path, bytes in and out: no kvxferd code on the client's side."""
+    target = cluster.decode_daemons[0].engine_target
+    with grpc.insecure_channel(target) as channel:
+        codes = {}
+        for method in ("SubmitRead", "WatchCompletions", "Heartbeat"):
+            call = channel.unary_unary(f"/kvxfer.v1.EngineService/{method}", request_serializer=None,
+                                       response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"", timeout=10)
+            codes[method] = err.value.code()
+    assert codes["SubmitRead"] == codes["WatchCompletions"] == C.UNIMPLEMENTED
+    assert codes["Heartbeat"] != C.UNIMPLEMENTED  # the control: a live method answers (here, without a session)
