@@ -10,6 +10,11 @@ Prefill (a request that came with ``do_remote_decode``)::
                             ─► delay_free=True + kv_transfer_params (engine id, peer addresses,
                             block ids, token count, lease expiry)
 
+Holds, renewals and releases go on one control session per rank's daemon (the
+reads socket, :mod:`kvxferd.client.control`): no gRPC call waits on a request's
+path; a release returns once sent, and the daemon takes it before a new hold
+of the same id sent after it.
+
 An early hold gives nothing away: only ``request_finished``'s params carry its
 capability, so no reader can use it before the prompt is computed. A hold
 released here was never handed over, and the workers ignore its EXPIRED, so it
