@@ -17,9 +17,11 @@ daemon instead of making gRPC calls on a request's path::
 
 Nothing here blocks but a wait the caller asks for: a hold's answer
 (:meth:`ControlSession.hold_started` returns the wait), a renewal's (the
-early holds' own thread). A session that breaks fails what waits on it with
-``UNAVAILABLE`` (a hold's outcome is then unknown, as after a broken call)
-and the next call opens a new one.
+early holds' own thread). A session that ends fails what waits on it with the
+code it ended with (``UNAVAILABLE`` when the connection broke; ``NOT_FOUND``
+or ``UNAUTHENTICATED`` when the registration is gone or not this session's),
+a hold's outcome then unknown, as after a broken call; the next call opens a
+new session.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class ControlSession:
                                        on_renewals=self._renewal_answers, daemon_uid=self.daemon_uid)
         except PermissionDeniedError as err:  # another user listens there: nothing was sent
             return ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        except OSError as err:  # no socket to be had (too many open files, say)
+            return ReadsSocketError(grpc.StatusCode.UNAVAILABLE, f"reads socket {self.path}: {err}")
         if not stream.connected:
             try:
                 next(iter(stream))

@@ -107,6 +107,7 @@ class EngineClient:
         self._threads: list[threading.Thread] = []
         self.reads = ReadSession(self)  # reads, completions and socket holds of the current registration
         self._control: ControlSession | None = None  # holds of a registration another process made
+        self._control_lock = threading.Lock()
         self._register_request: pb.RegisterRequest | None = None  # what re-registering sends again
         self._fd_source: Callable[[], str] | None = None  # passes the fds again; returns their token
         self._register_lock = threading.Lock()
@@ -201,8 +202,9 @@ class EngineClient:
         """Stop heartbeats and the stream, close the channel (does not deregister)."""
         self._stop.set()
         self.reads.close()
-        if self._control is not None:
-            self._control.close()
+        with self._control_lock:
+            if self._control is not None:
+                self._control.close()
         self._raw_channel.close()
 
     # ---- reads ----------------------------------------------------------------------
@@ -277,11 +279,14 @@ class EngineClient:
         reads socket; None otherwise (a registered client holds on its own session)."""
         if self.incarnations or not ControlSession.available(self.reads_socket_path):
             return None
-        if self._control is None:
-            self._control = ControlSession(self.reads_socket_path, self.engine_id, self.session,
-                                           timeout_s=self.timeout_s, max_frame_bytes=self.max_message_bytes,
-                                           daemon_uid=self.daemon_uid)
-        return self._control
+        with self._control_lock:
+            if self._control is None:
+                self._control = ControlSession(self.reads_socket_path, self.engine_id, self.session,
+                                               timeout_s=self.timeout_s, max_frame_bytes=self.max_message_bytes,
+                                               daemon_uid=self.daemon_uid)
+                if self._stop.is_set():  # closed meanwhile: nothing is sent on it
+                    self._control.close()
+            return self._control
 
     def missed_events(self, after_seq: int) -> pb.MissedEventsReply:
         return self.stub.MissedEvents(pb.MissedEventsRequest(engine_id=self.engine_id, after_seq=after_seq),

@@ -27,7 +27,7 @@ def admit(remote: RemoteEngine, request: ReadRequest, earlier: AdmittedRead | No
           plan: bool = True) -> AdmittedRead:
     """``request`` planned (unless ``plan`` is False) and sealed on ``remote``; what ``earlier`` did on
     this same connection is not done again. Raises typed errors (bad ids first), nothing posted."""
-    same = earlier is not None and earlier.remote is remote
+    same = earlier is not None and earlier.remote is remote and earlier.request is request
     planned = earlier.planned if same else None
     if planned is None and plan:
         planned = remote.plan.plan_request(request)  # ids first: their errors name them
@@ -35,3 +35,9 @@ def admit(remote: RemoteEngine, request: ReadRequest, earlier: AdmittedRead | No
         check_read_capabilities(remote.hold_keys, request.remote_request_id, request.remote_block_ids,
                                 request.remote_capabilities)
     return AdmittedRead(remote, request, planned)
+
+
+def check_ids(remote: RemoteEngine, request: ReadRequest) -> None:
+    """Refuse ``request``'s bad block ids (typed errors naming them), sealing nothing: for a read refused
+    for another reason right after, which must name its ids first (docs: the order of a read's checks)."""
+    remote.plan.plan_request(request)

@@ -220,6 +220,8 @@ class ReadExecutor:
 
     def _finish(self, inflight: InFlightRead) -> ReadResult:
         planned, remote, errors = inflight.planned, inflight.remote, inflight.errors
+        if not inflight.times.transferred_s:  # aborted: its transfers ended (or were given up) by now
+            inflight.times.transferred_s = time.perf_counter()
         unsettled = inflight.drain is not None and inflight.drain.unsettled
         failed = tuple(sorted(errors))
         invalid = planned.invalid_block_ids(failed) if failed else tuple(np.zeros(0, np.int64) for _ in planned.units)

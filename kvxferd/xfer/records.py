@@ -134,7 +134,7 @@ class InFlightRead:
     @property
     def errors(self) -> dict[int, str]:
         """Each failed rank's reason."""
-        return {q: r.error for q, r in self.ranks.items() if r.error}
+        return {q: r.error for q, r in self.ranks.items() if r.phase in (RankPhase.DRAINING, RankPhase.FAILED)}
 
     def fail(self, q: int, error: str, failure: ReadFailure) -> None:
         self.ranks[q].fail(error, failure)

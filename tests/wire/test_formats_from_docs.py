@@ -326,6 +326,9 @@ def test_a_read_both_malformed_and_unsealed_gets_the_refusal_the_docs_give(clust
             return client.reads.wait_completion(args[0], 10).refused_code
         assert submit(bad_local, forged, "both") == (
             grpc.StatusCode.INVALID_ARGUMENT if name == "small" else grpc.StatusCode.PERMISSION_DENIED).value[0]
+        # A capability under a key id the link does not know (a restarted holder, or made up): the same order.
+        assert submit(bad_local, flip(real, 0), "both-unknown-key") == (
+            grpc.StatusCode.INVALID_ARGUMENT if name == "small" else grpc.StatusCode.PERMISSION_DENIED).value[0]
         assert submit(request.local_block_ids, forged, "unsealed") == grpc.StatusCode.PERMISSION_DENIED.value[0]
         assert submit(bad_local, real, "malformed") == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         cluster.prefill_clients[0].release(request.remote_request_id)

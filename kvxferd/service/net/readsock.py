@@ -150,7 +150,7 @@ class ReadSession(asyncio.Protocol):
                     self.daemon.reads.take_batch(self.slot, batch, received_s)  # the batch's own rules first
                 else:
                     self._control_batch(batch)
-                self._check_count(len(batch.holds) + len(batch.renewals) + len(batch.releases))
+                self._check_calls(batch)
                 if batch.holds:
                     self._hold(batch.holds)
                 if batch.renewals:
@@ -204,21 +204,25 @@ class ReadSession(asyncio.Protocol):
         if self.slot.closing:
             raise UnavailableError("engine_id", f"the registration of {self.slot.engine_id!r} ended")
 
-    def _check_count(self, count: int) -> None:
+    def _check_calls(self, batch: pb.ReadBatch) -> None:
+        """A batch's holds, renewals and releases, before any is done: within ``max_reads_per_batch``, all
+        of this session's engine, and a session that reads its answers (a buffer full of unread answers
+        ends it: nothing unbounded is kept for a client that does not read)."""
+        calls = [*batch.holds, *batch.renewals, *batch.releases]
         limit = self.daemon.config.max_reads_per_batch
-        if count > limit:
-            raise InvalidArgumentError("holds", f"{count} holds, renewals and releases in one batch, the limit is "
-                                                f"{limit} (max_reads_per_batch)")
-
-    def _check_engine(self, engine_id: str) -> None:
-        if engine_id and engine_id != self.slot.engine_id:
-            raise InvalidArgumentError("engine_id", f"this session belongs to {self.slot.engine_id!r}")
+        if len(calls) > limit:
+            raise InvalidArgumentError("holds", f"{len(calls)} holds, renewals and releases in one batch, the "
+                                                f"limit is {limit} (max_reads_per_batch)")
+        for call in calls:
+            if call.engine_id and call.engine_id != self.slot.engine_id:
+                raise InvalidArgumentError("engine_id", f"this session belongs to {self.slot.engine_id!r}")
+        if (batch.holds or batch.renewals) and not self.writer.writable:
+            raise ResourceExhaustedError("holds", "the session does not read the answers to its holds")
 
     def _hold(self, holds) -> None:
         """Place each hold (as the Hold call would) and answer them all in one frame, at once."""
         answers = []
         for request in holds:
-            self._check_engine(request.engine_id)
             try:
                 capability = place_hold(self.daemon, self.slot, request)
                 answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=self.slot.incarnation,
@@ -233,7 +237,6 @@ class ReadSession(asyncio.Protocol):
         """Renew each (as the RenewLease call would) and answer them all in one frame, in order."""
         answers = []
         for request in renewals:
-            self._check_engine(request.engine_id)
             try:
                 answers.append(pb.LeaseAnswer(unknown_request_ids=renew_holds(self.daemon, self.slot, request)))
             except KvxferError as err:
@@ -245,7 +248,6 @@ class ReadSession(asyncio.Protocol):
     def _release(self, releases) -> None:
         """End each hold (as the Release call would); not answered: a refused one is counted."""
         for request in releases:
-            self._check_engine(request.engine_id)
             try:
                 release_hold(self.daemon, self.slot, request.request_id)
             except KvxferError as err:

@@ -40,7 +40,7 @@ from kvxferd.service.dataplane.thread import INLINE_MAX_BYTES
 from kvxferd.service.engines.read import Read, ReadState, refused_completion
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
-from kvxferd.xfer.admission import admit
+from kvxferd.xfer.admission import admit, check_ids
 from kvxferd.xfer.handles import ReadFailure
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ class ReadPath:
         verified = not sealed_by_other_keys(link.remote.hold_keys, request.remote_capabilities)
         try:
             if not verified and link.ready:
+                if not plan_there:
+                    check_ids(link.remote, request)  # bad ids first, as for any read planned here
                 daemon.probe_soon(slot, link)
                 raise PermissionDeniedError("remote_capabilities", "sealed by a registration of the remote engine "
                                             "that this daemon's handshake does not know (a restarted holder is "

@@ -109,6 +109,12 @@ def test_what_a_control_session_must_not_carry_ends_it_with_a_status(cluster):
         answers, end_code, message = raw_session(_path(cluster), [frame(b) for b in batches])
         assert end_code == code.value[0] and text in message, (code, message)
         assert not any(batch.completions for batch in answers)  # a control session gets no completions
+    # A batch with one call of another engine does nothing of the rest: its good hold was never placed.
+    good = pb.HoldRequest(request_id="ctl-partial", block_ids=[pb.BlockIds(ids=[5])] * len(GROUPS[0]), lease_s=30)
+    mixed = pb.ReadBatch(holds=[good], releases=[pb.ReleaseRequest(engine_id="someone-else", request_id="x")])
+    _, end_code, _ = raw_session(_path(cluster), [frame(hello), frame(mixed)])
+    assert end_code == C.INVALID_ARGUMENT.value[0]
+    assert worker.renew(["ctl-partial"], lease_s=30) == ["ctl-partial"]
     # Negative control: a control session that only holds is answered and not ended; the engine's session lives.
     hold = pb.HoldRequest(request_id="ctl-raw", block_ids=[pb.BlockIds(ids=[5])] * len(GROUPS[0]), lease_s=1)
     answers, end_code, _ = raw_session(_path(cluster), [frame(hello), frame(pb.ReadBatch(holds=[hold]))], timeout_s=1)
