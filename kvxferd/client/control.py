@@ -40,6 +40,17 @@ from kvxferd.client.session import Held
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 
 
+class _Waiting:
+    """What waits for answers on one stream: holds by request id, renewals in order."""
+
+    def __init__(self) -> None:
+        self.holds: dict[str, collections.deque[Future]] = {}
+        self.renewals: collections.deque[Future] = collections.deque()
+
+    def all(self) -> list[Future]:
+        return [f for answers in self.holds.values() for f in answers] + list(self.renewals)
+
+
 class ControlSession:
     """One control session with one daemon, for one registration (``engine_id``, ``session``)."""
 
@@ -47,10 +58,9 @@ class ControlSession:
                  daemon_uid: int | None = None) -> None:
         self.path, self.engine_id, self.session = path, engine_id, session
         self.timeout_s, self.max_frame_bytes, self.daemon_uid = timeout_s, max_frame_bytes, daemon_uid
-        self._lock = threading.Lock()  # the stream and everything waiting on it
+        self._lock = threading.Lock()  # the stream and what waits on it
         self._stream: ReadsSocketStream | None = None
-        self._holds: dict[str, collections.deque[Future]] = {}  # request id -> its holds' answers, in order
-        self._renewals: collections.deque[Future] = collections.deque()
+        self._waiting = _Waiting()  # the current stream's
         self._closed = False
 
     @staticmethod
@@ -63,8 +73,9 @@ class ControlSession:
         """Send a hold; a function that waits for its answer and raises as the ``Hold`` call would."""
         answer: Future = Future()
         with self._lock:
-            self._holds.setdefault(request.request_id, collections.deque()).append(answer)
-            self._send(pb.ReadBatch(holds=[request]), answer)
+            if self._ready(answer):
+                self._waiting.holds.setdefault(request.request_id, collections.deque()).append(answer)
+                self._stream.put(pb.ReadBatch(holds=[request]))
 
         def wait() -> Held:
             reply = self._result(answer, f"the hold of {request.request_id!r}")
@@ -77,19 +88,21 @@ class ControlSession:
         """Renew holds and wait for the answer: the ids the daemon does not know."""
         answer: Future = Future()
         with self._lock:
-            self._renewals.append(answer)
-            self._send(pb.ReadBatch(renewals=[pb.RenewLeaseRequest(engine_id=self.engine_id,
-                                                                   request_ids=list(request_ids), lease_s=lease_s)]),
-                       answer)
+            if self._ready(answer):
+                self._waiting.renewals.append(answer)
+                self._stream.put(pb.ReadBatch(renewals=[pb.RenewLeaseRequest(
+                    engine_id=self.engine_id, request_ids=list(request_ids), lease_s=lease_s)]))
         reply = self._result(answer, "a lease renewal")
         if reply.code:
             raise ReadsSocketError(status_of(reply.code), reply.error)
         return list(reply.unknown_request_ids)
 
     def release(self, request_id: str) -> None:
-        """Send a release (no answer; a broken session drops it and the hold runs out on its lease)."""
+        """Send a release (no answer; a session that breaks drops it and the hold runs out on its lease)."""
         with self._lock:
-            self._send(pb.ReadBatch(releases=[pb.ReleaseRequest(engine_id=self.engine_id, request_id=request_id)]))
+            if self._ready(Future()):
+                self._stream.put(pb.ReadBatch(releases=[pb.ReleaseRequest(engine_id=self.engine_id,
+                                                                         request_id=request_id)]))
 
     def close(self) -> None:
         with self._lock:
@@ -98,25 +111,29 @@ class ControlSession:
                 self._stream.cancel()
 
     # ---- the stream -------------------------------------------------------------------
-    def _send(self, batch: pb.ReadBatch, waiter: Future | None = None) -> None:
-        """Send on the current stream, opening one when there is none (call with the lock held)."""
+    def _ready(self, waiter: Future) -> bool:
+        """A usable stream (a new one when the last broke), with the lock held; else ``waiter`` fails."""
+        if self._stream is not None and not self._stream.usable:
+            self._stream = None  # broken: its reader fails what waited on it
         if self._closed:
             error = ReadsSocketError(grpc.StatusCode.CANCELLED, "the control session was closed")
-        elif self._stream is None and (error := self._open()) is not None:
-            pass
+        elif self._stream is None:
+            error = self._open()
         else:
-            self._stream.put(batch)
-            return
-        if waiter is not None:
-            self._forget(waiter)
+            error = None
+        if error is not None:
             waiter.set_exception(error)
+        return error is None
 
     def _open(self) -> ReadsSocketError | None:
+        waiting = _Waiting()
         first = pb.ReadBatch(engine_id=self.engine_id, session=self.session, control=True)
         try:
             stream = ReadsSocketStream(self.path, first, timeout_s=self.timeout_s,
-                                       max_frame_bytes=self.max_frame_bytes, on_holds=self._hold_answers,
-                                       on_renewals=self._renewal_answers, daemon_uid=self.daemon_uid)
+                                       max_frame_bytes=self.max_frame_bytes,
+                                       on_holds=lambda answers: self._hold_answers(waiting, answers),
+                                       on_renewals=lambda answers: self._renewal_answers(waiting, answers),
+                                       daemon_uid=self.daemon_uid)
         except PermissionDeniedError as err:  # another user listens there: nothing was sent
             return ReadsSocketError(grpc.StatusCode.PERMISSION_DENIED, str(err))
         except OSError as err:  # no socket to be had (too many open files, say)
@@ -126,54 +143,50 @@ class ControlSession:
                 next(iter(stream))
             except ReadsSocketError as err:
                 return err
-        self._stream = stream
-        threading.Thread(target=self._watch, args=(stream,), name="kvxferd-control", daemon=True).start()
+        self._stream, self._waiting = stream, waiting
+        threading.Thread(target=self._watch, args=(stream, waiting), name="kvxferd-control", daemon=True).start()
         return None
 
-    def _watch(self, stream: ReadsSocketStream) -> None:
-        """The reader thread: answers arrive through the callbacks; the stream's end fails what waits."""
+    def _watch(self, stream: ReadsSocketStream, waiting: _Waiting) -> None:
+        """The reader thread of one stream: answers arrive through the callbacks; its end fails what still
+        waits on it (a refusal as the daemon said it; a broken connection: the outcome unknown)."""
         try:
             for _ in stream:
                 pass  # a control session gets no completions
             error = ReadsSocketError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the control session")
         except grpc.RpcError as err:
             error = err
+        if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            error = ReadsSocketError(error.code(), f"the control session ended before the answer (it may or may "
+                                                   f"not have been done): {error.details()}")
         with self._lock:
             if self._stream is stream:
                 self._stream = None
-            waiting = [f for answers in self._holds.values() for f in answers] + list(self._renewals)
-            self._holds.clear()
-            self._renewals.clear()
-        for answer in waiting:
+            left = waiting.all()
+            waiting.holds.clear()
+            waiting.renewals.clear()
+        for answer in left:
             if not answer.done():
-                answer.set_exception(ReadsSocketError(error.code(), f"the control session ended before the answer "
-                                                                   f"(it may or may not have been done): {error.details()}"))
+                answer.set_exception(error)
 
-    def _hold_answers(self, answers) -> None:
+    def _hold_answers(self, waiting: _Waiting, answers) -> None:
         matched = []
         with self._lock:
             for answer in answers:
-                waiting = self._holds.get(answer.request_id)
-                matched.append(waiting.popleft() if waiting else None)
-                if waiting is not None and not waiting:
-                    del self._holds[answer.request_id]
+                queue = waiting.holds.get(answer.request_id)
+                matched.append(queue.popleft() if queue else None)
+                if queue is not None and not queue:
+                    del waiting.holds[answer.request_id]
         for future, answer in zip(matched, answers):
             if future is not None and not future.done():
                 future.set_result(answer)
 
-    def _renewal_answers(self, answers) -> None:
+    def _renewal_answers(self, waiting: _Waiting, answers) -> None:
         with self._lock:
-            futures = [self._renewals.popleft() for _ in answers if self._renewals]
+            futures = [waiting.renewals.popleft() for _ in answers if waiting.renewals]
         for future, answer in zip(futures, answers):
             if not future.done():
                 future.set_result(answer)
-
-    def _forget(self, waiter: Future) -> None:
-        for answers in self._holds.values():
-            if waiter in answers:
-                answers.remove(waiter)
-        if waiter in self._renewals:
-            self._renewals.remove(waiter)
 
     def _result(self, answer: Future, what: str):
         try:

@@ -280,6 +280,10 @@ class EngineClient:
         if self.incarnations or not ControlSession.available(self.reads_socket_path):
             return None
         with self._control_lock:
+            if self._control is not None and (self._control.engine_id, self._control.session) != (self.engine_id,
+                                                                                                 self.session):
+                self._control.close()  # another registration's now (the scheduler learnt a new session)
+                self._control = None
             if self._control is None:
                 self._control = ControlSession(self.reads_socket_path, self.engine_id, self.session,
                                                timeout_s=self.timeout_s, max_frame_bytes=self.max_message_bytes,

@@ -76,6 +76,11 @@ class ReadsSocketStream:
         """The connection was made and the first batch sent (else iterating raises why)."""
         return self._error is None
 
+    @property
+    def usable(self) -> bool:
+        """Nothing has broken or cancelled it yet (as far as this side knows)."""
+        return self._error is None and not self._cancelled
+
     def put(self, batch: pb.ReadBatch | None) -> None:
         """Send ``batch`` (None: nothing; the session ends with :meth:`cancel`)."""
         if batch is None or self._error is not None or self._cancelled:

@@ -189,6 +189,7 @@ class DaemonCluster(DecodeChecks):
             arena.close()
 
 
+@dataclass
 class DaemonLife:
     """One rank's daemon and what happened to it."""
 

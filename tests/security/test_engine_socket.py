@@ -99,7 +99,7 @@ def test_calls_need_the_engines_session(daemon, arenas):
         calls = {
             "Heartbeat": lambda: intruder.stub.Heartbeat(pb.HeartbeatRequest(engine_id="tenant-a")),
             "Hold": lambda: intruder.hold("r", [[1, 2]]),
-            "Release": lambda: intruder.release("r"),
+            "Release": lambda: intruder.stub.Release(pb.ReleaseRequest(engine_id="tenant-a", request_id="r")),
             "RenewLease": lambda: intruder.renew(["r"]),
             "MissedEvents": lambda: intruder.missed_events(0),
             "Handshake": lambda: intruder.handshake("x", ["127.0.0.1:1"]),
@@ -112,7 +112,12 @@ def test_calls_need_the_engines_session(daemon, arenas):
         intruder.session = "forged" + owner.session[6:]
         assert status(calls["Hold"])[0] == C.UNAUTHENTICATED
         owner.hold("r", [[1, 2]])  # the owner is unaffected
+        # A release on a control session is not answered: the intruder's does nothing (the hold lives on).
+        intruder.release("r")
+        assert status(lambda: intruder.renew(["r"]))[0] == C.UNAUTHENTICATED  # its session was ended
+        assert owner.renew(["r"], lease_s=30) == []
         owner.release("r")
+        assert owner.renew(["r"], lease_s=30) == ["r"]  # the control: a release of the owner's ends it
     finally:
         owner.deregister()
         owner.close()
