@@ -150,13 +150,14 @@ class ReadSession(asyncio.Protocol):
                     self.daemon.reads.take_batch(self.slot, batch, received_s)  # the batch's own rules first
                 else:
                     self._control_batch(batch)
-                self._check_calls(batch)
-                if batch.holds:
-                    self._hold(batch.holds)
-                if batch.renewals:
-                    self._renew(batch.renewals)
-                if batch.releases:
-                    self._release(batch.releases)
+                if batch.holds or batch.renewals or batch.releases:  # most batches carry reads only
+                    self._check_calls(batch)
+                    if batch.holds:
+                        self._hold(batch.holds)
+                    if batch.renewals:
+                        self._renew(batch.renewals)
+                    if batch.releases:
+                        self._release(batch.releases)
         except Exception as err:  # ends this session only, with the status an engine would get on gRPC
             self._end_with(err)
 
