@@ -40,12 +40,14 @@ TICK = 0.125  # of the lease: how often the thread looks
 
 @dataclass(frozen=True)
 class SentHold:
-    """A hold sent on every rank: its blocks, when its current lease began (monotonic; ``-inf`` once a
-    rank said it no longer holds it), and each rank's answer to come."""
+    """A hold sent on every rank: its blocks, when its current lease began (monotonic, for its age;
+    ``-inf`` once a rank said it no longer holds it; and the wall clock read at the same moment, for the
+    expiry readers are told), and each rank's answer to come."""
 
     blocks: tuple[tuple[int, ...], ...]
     sent_s: float
     answers: tuple[Callable[[], Held], ...]
+    sent_unix_s: float = 0.0
 
 
 class EarlyHolds:
@@ -106,7 +108,7 @@ class EarlyHolds:
                 self._renew_due(due)
 
     def _renew_due(self, due: dict[str, SentHold]) -> None:
-        started_s = time.monotonic()  # the daemons' new leases run from after this
+        started_s, started_unix_s = time.monotonic(), time.time()  # the daemons' new leases run from after this
         try:
             unknown = set(self._renew(list(due)))
         except Exception as err:  # noqa: BLE001 - the thread must live on; the holds fall back on their leases
@@ -116,5 +118,6 @@ class EarlyHolds:
             for request_id, sent in due.items():
                 if self._holds.get(request_id) is sent:  # not taken or replaced meanwhile
                     lease_from_s = -math.inf if request_id in unknown else started_s
-                    self._holds[request_id] = dataclasses.replace(sent, sent_s=lease_from_s)
+                    self._holds[request_id] = dataclasses.replace(sent, sent_s=lease_from_s,
+                                                                  sent_unix_s=started_unix_s)
             self.num_renewals += len(due) - len(unknown)

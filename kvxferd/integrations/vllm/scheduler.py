@@ -198,14 +198,16 @@ class SchedulerSide:
     def _send(self, request_id: str, blocks) -> SentHold:
         """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
         rank, issue #41); never raises: a rank that could not even be asked answers with its error."""
-        sent_s = time.monotonic()  # before the calls: the daemons' leases start after this
+        # Before the calls: the daemons' leases start after this. Both clocks read here, each for its use
+        # (a wall time rebuilt from monotonic ages drifts by rounding: issue #54's runs saw 1.4 µs).
+        sent_s, sent_unix_s = time.monotonic(), time.time()
         answers = []
         for rank in self.ranks:
             try:
                 answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s))
             except (grpc.RpcError, KvxferError) as err:
                 answers.append(functools.partial(_raise, err))
-        return SentHold(blocks, sent_s, tuple(answers))
+        return SentHold(blocks, sent_s, tuple(answers), sent_unix_s)
 
     def _let_go(self, request_id: str, sent: SentHold) -> None:
         """Release ``sent`` on the ranks that held it (waits for their answers)."""
@@ -253,7 +255,7 @@ class SchedulerSide:
             sent = None
         if sent is None:
             sent = self._send(request_id, blocks)
-        held_since_s = time.time() - (time.monotonic() - sent.sent_s)
+        held_since_s = sent.sent_unix_s
         held: list[RankDaemon] = []
         incarnations: list[str] = []
         capabilities: list[str] = []
