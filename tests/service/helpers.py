@@ -136,10 +136,11 @@ def frame(message) -> bytes:
     return encode_frame(message.SerializeToString())
 
 
-def raw_session(path: str, raw_frames: list[bytes], timeout_s: float = 10.0) -> tuple[list[pb.CompletionBatch], int, str]:
-    """Send raw frames on a new reads-socket connection, then read until the daemon closes it (or
-    ``timeout_s`` passes without a frame): every batch before the end frame, and the end frame's code and
-    message (0 and "" if there was none)."""
+def raw_session(path: str, raw_frames: list[bytes], timeout_s: float = 10.0,
+                num_batches: int | None = None) -> tuple[list[pb.CompletionBatch], int, str]:
+    """Send raw frames on a new reads-socket connection, then read until the daemon closes it, ``num_batches``
+    batches came, or ``timeout_s`` passes without a frame: every batch before the end frame, and the end
+    frame's code and message (0 and "" if there was none)."""
     batches, frames = [], FrameReader(1 << 24)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout_s)
@@ -153,6 +154,8 @@ def raw_session(path: str, raw_frames: list[bytes], timeout_s: float = 10.0) -> 
                     if batch.end_code:
                         return batches, batch.end_code, batch.end_message
                     batches.append(batch)
+                    if num_batches is not None and len(batches) >= num_batches:
+                        return batches, 0, ""
         except TimeoutError:
             pass  # still open: what came so far
     return batches, 0, ""

@@ -117,6 +117,6 @@ def test_what_a_control_session_must_not_carry_ends_it_with_a_status(cluster):
     assert worker.renew(["ctl-partial"], lease_s=30) == ["ctl-partial"]
     # Negative control: a control session that only holds is answered and not ended; the engine's session lives.
     hold = pb.HoldRequest(request_id="ctl-raw", block_ids=[pb.BlockIds(ids=[5])] * len(GROUPS[0]), lease_s=1)
-    answers, end_code, _ = raw_session(_path(cluster), [frame(hello), frame(pb.ReadBatch(holds=[hold]))], timeout_s=1)
+    answers, end_code, _ = raw_session(_path(cluster), [frame(hello), frame(pb.ReadBatch(holds=[hold]))], num_batches=1)
     assert end_code == 0 and answers[0].holds[0].code == 0 and len(answers[0].holds[0].capability) == 16
     assert worker.reads.stream_error is None
