@@ -12,6 +12,7 @@
     kvxferd bench holds     hold bookkeeping from 10 to 100,000 outstanding holds
     kvxferd bench scale     cost per read from 1 to 16 remote ranks, and offered rate up to saturation
     kvxferd bench floors    what each step of a read costs alone (wake-up, thread hop, NIXL notice, gRPC)
+    kvxferd bench processes what a control plane and data-plane workers cost apart (a question, an fd, a start)
     kvxferd bench gpu       GPU caches (CUDA IPC, NIXL VRAM): through the daemons vs raw NIXL; needs a GPU
 """
 
@@ -45,6 +46,7 @@ BENCH_SUITES = {  # suite -> (module, help)
     "daemon": ("kvxferd.rig.bench.daemon", "through the daemons vs raw NIXL; per-request overhead"),
     "holds": ("kvxferd.rig.bench.holds", "hold bookkeeping from 10 to 100,000 holds"),
     "floors": ("kvxferd.rig.bench.floors", "what each step of a read costs alone"),
+    "processes": ("kvxferd.rig.bench.processes", "what a control plane and data-plane workers cost apart"),
     "scale": ("kvxferd.rig.bench.scale", "1 to 16 remote ranks per read; offered rate to saturation"),
     "gpu": ("kvxferd.rig.bench.gpu", "GPU caches: through the daemons vs raw NIXL (needs a GPU)"),
 }
