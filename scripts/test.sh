@@ -16,7 +16,8 @@ if [ "${1:-}" = "--fast" ]; then
     exec .venv/bin/python -m pytest -n "${KVXFERD_TEST_WORKERS:-2}" --dist loadfile -m "not slow and not image and not vllm and not daemons" \
         tests/layout tests/tp tests/plan tests/wire tests/xfer tests/cuda tests/test_purity.py tests/test_docs.py \
         tests/service/base/test_config.py tests/service/base/test_identity_match.py tests/service/engines/test_completions.py \
-        tests/service/engines/test_memory.py tests/service/dataplane tests/service/net/test_framewriter.py "$@"
+        tests/service/engines/test_memory.py tests/service/dataplane tests/service/net/test_framewriter.py \
+        tests/worker tests/service/workers "$@"
 fi
 scripts/bootstrap.sh
 scripts/bootstrap.sh --vllm

@@ -38,11 +38,14 @@ ALLOWED = {
     "xfer": {"errors", "layout", "tp", "plan", "cuda", "xfer"},
     "wire": {"errors", "layout", "tp", "plan", "proto", "wire"},
     "service": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "cuda", "service"},
+    # A data-plane worker (issue 55): NIXL execution and the wire formats, never the daemon's services (no
+    # gRPC server, TLS or configuration of the control plane's enters its address space).
+    "worker": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "cuda", "worker"},
     # The engine SDK shares only the wire package with the daemon, never the daemon's own modules.
     "client": {"errors", "layout", "tp", "plan", "proto", "wire", "cuda", "client"},
     # The rig (verify, bench, soak, demo, vllm): proves and measures the product, which never imports it.
     "rig": {"errors", "layout", "tp", "plan", "xfer", "proto", "wire", "cuda", "service", "client", "integrations",
-            "rig"},
+            "worker", "rig"},
     # A connector is an engine: the engine SDK and the wire format, never the daemon (issue 36).
     "integrations": {"errors", "layout", "proto", "wire", "client", "integrations"},
 }
@@ -85,7 +88,7 @@ def test_only_the_vllm_connector_imports_vllm():
 # above (TYPE_CHECKING imports included). A lower layer that needs something of a higher one asks for
 # it through a small protocol (engines/registry.py's SlotThread, engines/holding.py's HoldingParts,
 # reads/path.py's ReadPathParts). Top-level modules (daemon.py, reference.py) sit above them all.
-SERVICE_LAYERS = ["base", "engines", "dataplane", "peers", "reads", "net"]
+SERVICE_LAYERS = ["base", "workers", "engines", "dataplane", "peers", "reads", "net"]
 
 
 def _kvxferd_imports(path: pathlib.Path) -> list[str]:

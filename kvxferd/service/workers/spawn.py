@@ -1,0 +1,35 @@
+"""Starting a worker so that nothing of the control plane's comes with it (docs/dataplane.md).
+
+A fork would copy the control plane's heap, and with it the TLS keys, the
+host secret and every session it holds. A worker is a fresh interpreter
+(``exec``) that inherits one descriptor, its channel, and only the
+environment UCX, NIXL, CUDA and Python need: a variable of the daemon's own
+(``KVXFERD_*``: its configuration) or of anything else stays behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+
+# Variables a worker keeps: by prefix, and by exact name.
+KEPT_PREFIXES = ("UCX_", "NIXL_", "CUDA_", "NVIDIA_", "LC_")
+KEPT_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH", "LANG", "TZ", "TMPDIR", "HOME", "PYTHONPATH", "PYTHONHOME",
+                        "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE"})
+
+
+def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of ``environ`` a worker gets."""
+    return {name: value for name, value in environ.items()
+            if name in KEPT_NAMES or name.startswith(KEPT_PREFIXES)}
+
+
+def spawn_worker(channel_fd: int, *, environ: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """``python -m kvxferd.worker`` with ``channel_fd`` as its one inherited descriptor (besides stdio: stdin
+    from /dev/null, stdout and stderr the control plane's, for its log lines)."""
+    return subprocess.Popen([sys.executable, "-m", "kvxferd.worker", "--channel-fd", str(channel_fd),
+                             "--parent-pid", str(os.getpid())],
+                            stdin=subprocess.DEVNULL, pass_fds=(channel_fd,), close_fds=True,
+                            env=worker_environment(os.environ if environ is None else environ))

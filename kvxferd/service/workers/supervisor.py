@@ -1,0 +1,230 @@
+"""One engine rank's worker, kept running: started clean, watched, started again when it dies.
+
+::
+
+    supervisor thread                               worker (generation g)
+    ─────────────────                               ─────────────────────
+    socketpair, exec ─────────────────────────────► python -m kvxferd.worker
+    map {name-w<g>, regions} + the kept fds ──────► mmap, NIXL agent, register
+                      ◄──────────────────────────── mapped {metadata, addresses}   -> WorkerUp
+                      ◄──────────────────────────── notices (checked: workerchannel.notices_of)
+    end of file (it died: SIGSEGV, UCX abort, OOM) -> WorkerDeath, seen at once;
+    after restart_delay_s: generation g+1 with the same fds (the engine's memory is not asked for again)
+
+The supervisor keeps its own duplicate of every region's fd, so a new
+worker maps the same pages. Everything a worker sends is untrusted (it may
+be owned through its metadata): a message out of protocol kills it, and
+the next generation starts. The one thread spawns every generation, so
+``PR_SET_PDEATHSIG`` (the worker dies with the thread that started it)
+ties workers to the supervisor, not to whichever thread called :meth:`start`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvxferd.errors import InvalidArgumentError, UnavailableError
+from kvxferd.service.workers.spawn import spawn_worker
+from kvxferd.wire import workerchannel as channel
+
+log = logging.getLogger("kvxferd.workers")
+MAP_TIMEOUT_S = 60.0  # exec, import NIXL, map, register: about 2 s here (kvxferd bench processes)
+STOP_TIMEOUT_S = 5.0
+MAX_RESTARTS = 5  # within RESTART_WINDOW_S; past it the supervisor gives up (the engine must register again)
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class Region:
+    """One piece of an engine's memory to map: ``num_bytes`` of ``fd`` from ``offset``."""
+
+    fd: int
+    num_bytes: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerUp:
+    """A generation that mapped its regions."""
+
+    generation: int
+    pid: int
+    metadata: bytes = field(repr=False)
+    addresses: tuple[int, ...]
+    start_s: float  # from exec to its answer
+
+
+@dataclass(frozen=True)
+class WorkerDeath:
+    """A generation that ended, and how."""
+
+    generation: int
+    pid: int
+    returncode: int  # negative: the signal that killed it
+    noticed_s: float  # time.monotonic() when the supervisor saw its channel end
+
+
+class WorkerSupervisor:
+    """Keeps one worker for ``name``'s ``regions``; :meth:`start`, then :attr:`current`, :meth:`stop`."""
+
+    def __init__(self, name: str, regions: Sequence[Region], *, poll_interval_s: float = 1e-3,
+                 restart_delay_s: float = 0.0, max_restarts: int = MAX_RESTARTS,
+                 on_notices: Callable[[int, list[tuple[str, bytes]]], None] | None = None,
+                 on_death: Callable[[WorkerDeath], None] | None = None) -> None:
+        if not regions:
+            raise InvalidArgumentError("regions", "a worker maps at least one region")
+        self.name, self.poll_interval_s = name, poll_interval_s
+        self.restart_delay_s, self.max_restarts = restart_delay_s, max_restarts
+        self._regions = [Region(os.dup(r.fd), r.num_bytes, r.offset) for r in regions]  # ours until stop()
+        self._on_notices, self._on_death = on_notices, on_death
+        self._changed = threading.Condition()
+        self._current: WorkerUp | None = None
+        self.deaths: list[WorkerDeath] = []
+        self.failure = ""  # set when the supervisor gave up
+        self._stopping = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kvxferd-worker-{name}", daemon=True)
+
+    # ---- API --------------------------------------------------------------
+    def start(self, timeout_s: float = MAP_TIMEOUT_S) -> WorkerUp:
+        """Start the first generation; it once it mapped, else :class:`UnavailableError` (and stopped)."""
+        self._thread.start()
+        try:
+            return self.wait_up(1, timeout_s)
+        except UnavailableError:
+            self.stop()
+            raise
+
+    @property
+    def current(self) -> WorkerUp | None:
+        """The generation serving now (None between a death and the next start)."""
+        with self._changed:
+            return self._current
+
+    def wait_up(self, generation: int, timeout_s: float) -> WorkerUp:
+        """The first generation at least ``generation`` once it is up."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._current is None or self._current.generation < generation:
+                left = deadline - time.monotonic()
+                if self.failure or self._stopping.is_set() or left <= 0:
+                    raise UnavailableError("worker", f"worker {self.name!r} generation {generation} is not up: "
+                                                     f"{self.failure or 'not within %.0f s' % timeout_s}")
+                self._changed.wait(left)
+            return self._current
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop the worker (asked, then killed) and the supervisor; close the kept fds."""
+        self._stopping.set()
+        sock = self._sock
+        if sock is not None:
+            try:
+                channel.send(sock, {"op": "stop"})
+            except (channel.ChannelClosed, OSError):
+                pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s + 1.0)
+        channel.close_all([r.fd for r in self._regions])
+        self._regions = []
+
+    # ---- the thread -------------------------------------------------------
+    def _run(self) -> None:
+        generation, recent = 0, []
+        while not self._stopping.is_set():
+            generation += 1
+            death, refused = self._serve(generation)
+            self.deaths.append(death)
+            if refused:  # it never came up: the same fds would fail the same way again
+                self.failure = refused
+            with self._changed:
+                self._current = None
+                self._changed.notify_all()
+            if self._on_death is not None:
+                self._on_death(death)
+            if self._stopping.is_set() or self.failure:
+                break
+            log.warning("worker %s generation %d (pid %d) ended with %d; starting another", self.name,
+                        generation, death.pid, death.returncode)
+            recent = [t for t in recent if death.noticed_s - t < RESTART_WINDOW_S] + [death.noticed_s]
+            if len(recent) > self.max_restarts:
+                self.failure = f"{len(recent)} worker deaths within {RESTART_WINDOW_S:.0f} s"
+                log.error("worker %s: %s; not starting another", self.name, self.failure)
+                with self._changed:
+                    self._changed.notify_all()
+                break
+            self._stopping.wait(self.restart_delay_s)
+
+    def _serve(self, generation: int) -> tuple[WorkerDeath, str]:
+        """Run one generation until it ends; and why it never came up ("" if it did)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        start = time.monotonic()
+        process = spawn_worker(theirs.fileno())
+        theirs.close()
+        self._sock, refused = ours, ""
+        try:
+            channel.send(ours, {"op": "map", "name": f"{self.name}-w{generation}", "poll_interval_s": self.poll_interval_s,
+                                "regions": [{"num_bytes": r.num_bytes, "offset": r.offset} for r in self._regions]},
+                         [r.fd for r in self._regions])
+            self._until_mapped(ours, generation, process.pid, start)
+            while True:
+                message, fds = channel.receive(ours)
+                channel.close_all(fds)  # a worker never hands fds back
+                self._take(message, generation)
+        except channel.ChannelClosed:
+            pass
+        except (InvalidArgumentError, UnavailableError) as err:  # out of protocol, or never came up
+            log.error("worker %s generation %d: %s; killing it", self.name, generation, err.message)
+            process.kill()
+            refused = "" if self.current is not None else err.message
+        noticed_s = time.monotonic()
+        self._sock = None
+        ours.close()
+        try:
+            returncode = process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # it closed its channel but lives on: ours to end
+            process.kill()
+            returncode = process.wait()
+        return WorkerDeath(generation, process.pid, returncode, noticed_s), refused
+
+    def _until_mapped(self, sock: socket.socket, generation: int, pid: int, start: float) -> None:
+        deadline = start + MAP_TIMEOUT_S
+        while True:
+            if not select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise UnavailableError("worker", f"no answer to map within {MAP_TIMEOUT_S:.0f} s")
+            message, fds = channel.receive(sock)
+            channel.close_all(fds)
+            if message["op"] == "error":
+                raise UnavailableError("worker", f"it could not map: {str(message.get('message'))[:500]}")
+            if message["op"] != "mapped":
+                raise InvalidArgumentError("message", f"{message['op'][:32]!r} before mapped")
+            metadata, addresses = message.get("metadata"), message.get("addresses")
+            if not (isinstance(metadata, str) and isinstance(addresses, list) and len(addresses) == len(self._regions)
+                    and all(isinstance(a, int) for a in addresses)):
+                raise InvalidArgumentError("mapped", "metadata (hex) and one address per region")
+            try:
+                up = WorkerUp(generation, pid, bytes.fromhex(metadata), tuple(addresses), time.monotonic() - start)
+            except ValueError:
+                raise InvalidArgumentError("mapped", "metadata that is not hex") from None
+            with self._changed:
+                self._current = up
+                self._changed.notify_all()
+            return
+
+    def _take(self, message: dict, generation: int) -> None:
+        op = message["op"]
+        if op == "notices":
+            pairs = channel.notices_of(message)
+            if self._on_notices is not None:
+                self._on_notices(generation, pairs)
+        elif op in ("error", "pong"):
+            log.warning("worker %s: %s %s", self.name, op, str(message.get("message", ""))[:500])
+        else:
+            raise InvalidArgumentError("message", f"unexpected op {op[:32]!r} from a worker")

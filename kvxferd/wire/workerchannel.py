@@ -1,0 +1,99 @@
+"""The channel between the control plane and one data-plane worker (issue #55, docs/dataplane.md).
+
+A ``SOCK_SEQPACKET`` socket pair: message boundaries kept by the kernel, a
+peer's death seen as end of file. One message is a JSON object with an
+``op``, at most :data:`MAX_MESSAGE_BYTES`, with up to :data:`MAX_FDS` file
+descriptors beside it (``SCM_RIGHTS``)::
+
+    control plane ──► worker                      worker ──► control plane
+    map    {name, regions: [{num_bytes, offset}],  mapped   {metadata (hex), addresses}
+            poll_interval_s} + one fd per region
+    ping   {}                                      pong     {}
+    stop   {}                                      notices  {notices: [[sender, hex]]} (one-way)
+                                                   error    {message}
+
+Neither side trusts the other's bytes further than this module's checks:
+a worker may be owned by whoever holds its NIXL metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+from kvxferd.errors import InvalidArgumentError
+
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_FDS = 256  # regions of one engine rank's cache, each with its own fd at most
+MAX_NOTICES = 256  # per notices message
+MAX_NOTICE_BYTES = 1024  # a read notice is < 300 bytes (plan/notifications.py)
+
+
+class ChannelClosed(Exception):
+    """The other side is gone (end of file, reset)."""
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one message (and ``fds``) whole."""
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise InvalidArgumentError("message", f"{len(data)} bytes, the worker channel carries {MAX_MESSAGE_BYTES}")
+    try:
+        if fds:
+            socket.send_fds(sock, [data], list(fds))
+        else:
+            sock.send(data)
+    except (BrokenPipeError, ConnectionResetError) as err:
+        raise ChannelClosed(str(err)) from None
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One message and the fds that came with it; :class:`ChannelClosed` at end of file. A message that
+    is not a JSON object with a string ``op`` is :class:`InvalidArgumentError` (its fds closed)."""
+    try:
+        data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + 1, MAX_FDS)
+    except ConnectionResetError as err:
+        raise ChannelClosed(str(err)) from None
+    if not data and not fds:
+        raise ChannelClosed("end of file")
+    try:
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE_BYTES:
+            raise InvalidArgumentError("message", "longer than the worker channel carries, or too many fds")
+        try:
+            message = json.loads(data)
+        except ValueError:
+            raise InvalidArgumentError("message", "not JSON") from None
+        if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+            raise InvalidArgumentError("message", "not an object with a string op")
+    except InvalidArgumentError:
+        close_all(fds)
+        raise
+    return message, fds
+
+
+def close_all(fds: list[int]) -> None:
+    """Close fds that came with a message nobody will use."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def notices_of(message: dict[str, Any]) -> list[tuple[str, bytes]]:
+    """The ``(sender agent name, notice bytes)`` pairs of a worker's ``notices`` message, checked."""
+    notices = message.get("notices")
+    if not isinstance(notices, list) or len(notices) > MAX_NOTICES:
+        raise InvalidArgumentError("notices", f"a list of at most {MAX_NOTICES}")
+    pairs = []
+    for entry in notices:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], str) and len(entry[0]) <= 256 and len(entry[1]) <= 2 * MAX_NOTICE_BYTES):
+            raise InvalidArgumentError("notices", "each a [sender, hex] pair within bounds")
+        try:
+            pairs.append((entry[0], bytes.fromhex(entry[1])))
+        except ValueError:
+            raise InvalidArgumentError("notices", "a notice that is not hex") from None
+    return pairs

@@ -1,0 +1,3 @@
+from kvxferd.worker.serve import main
+
+raise SystemExit(main())

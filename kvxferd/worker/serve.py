@@ -1,0 +1,138 @@
+"""``python -m kvxferd.worker --channel-fd N --parent-pid P``: the worker's loop.
+
+::
+
+    select(channel, poll interval) ──► a command: map / ping / stop (docs: wire/workerchannel.py)
+    every poll interval (once mapped) ──► the agent's progress (UCX over TCP serves a READ only
+                                           while its target makes progress) and its notices,
+                                           sent to the control plane as they came, unchecked
+                                           here: the control plane decides what counts
+
+A command the worker cannot carry out is answered ``error``; the worker
+lives on. It dies with its parent (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import mmap
+import os
+import select
+import signal
+import socket
+import sys
+
+import numpy as np
+
+from kvxferd.errors import KvxferError
+from kvxferd.wire import workerchannel as channel
+from kvxferd.xfer.nixl.agent import NixlAgent, quiet_nixl_logging
+
+log = logging.getLogger("kvxferd.worker")
+MAX_NAME_CHARS = 128
+MIN_POLL_S, MAX_POLL_S = 1e-4, 1.0
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that started it ends; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("PR_SET_PDEATHSIG refused (errno %d): this worker may outlive its control plane",
+                    ctypes.get_errno())
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        raise SystemExit(1)
+
+
+class Worker:
+    """What one worker holds: its mappings and agent, once mapped."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.agent: NixlAgent | None = None
+        self.mappings: list[mmap.mmap] = []
+        self.arrays: list[np.ndarray] = []  # the registered views of the mappings
+        self.poll_interval_s: float | None = None  # None: nothing to poll until mapped
+
+    def map(self, message: dict, fds: list[int]) -> dict:
+        """Map each region's fd, register every region with a new agent; the agent's metadata."""
+        if self.agent is not None:
+            raise ValueError("this worker has mapped its cache already (one engine rank per worker)")
+        name, regions, interval = message.get("name"), message.get("regions"), message.get("poll_interval_s")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+            raise ValueError(f"name: a string of 1 to {MAX_NAME_CHARS} characters")
+        if not isinstance(regions, list) or len(regions) != len(fds) or not regions:
+            raise ValueError(f"regions: one per fd passed ({len(fds)} fds)")
+        if not isinstance(interval, (int, float)) or not MIN_POLL_S <= interval <= MAX_POLL_S:
+            raise ValueError(f"poll_interval_s: between {MIN_POLL_S} and {MAX_POLL_S}")
+        arrays = []
+        for region, fd in zip(regions, fds):
+            num_bytes, offset = region.get("num_bytes"), region.get("offset", 0)
+            if not (isinstance(num_bytes, int) and isinstance(offset, int) and num_bytes > 0 and offset >= 0
+                    and offset % mmap.ALLOCATIONGRANULARITY == 0):
+                raise ValueError("a region: num_bytes > 0, offset >= 0 on a page boundary")
+            mapping = mmap.mmap(fd, num_bytes, offset=offset)  # beyond the file's end: an error, not a SIGBUS later
+            self.mappings.append(mapping)
+            arrays.append(np.frombuffer(mapping, dtype=np.uint8))
+        agent = NixlAgent(name)
+        for n, array in enumerate(arrays):
+            agent.register_array(f"region-{n}", array)
+        self.agent, self.poll_interval_s, self.arrays = agent, float(interval), arrays
+        return {"op": "mapped", "metadata": agent.metadata().hex(), "addresses": [a.ctypes.data for a in arrays]}
+
+    def handle(self, message: dict, fds: list[int]) -> dict | None:
+        """Carry out one command; its answer (None: stop)."""
+        op = message["op"]
+        try:
+            if op == "map":
+                return self.map(message, fds)
+            if op == "ping":
+                return {"op": "pong"}
+            if op == "stop":
+                return None
+            return {"op": "error", "message": f"unknown op {op[:32]!r}"}
+        except (ValueError, OSError, KvxferError) as err:
+            return {"op": "error", "message": str(getattr(err, "message", None) or err)[:1000]}
+        finally:
+            channel.close_all(fds)  # mapped regions keep their mapping without the fd
+
+    def progress(self) -> None:
+        """Let UCX move what peers asked of this agent; send the notices that came meanwhile."""
+        notices = [(sender, data.hex()) for sender, data in self.agent.new_messages()
+                   if len(data) <= channel.MAX_NOTICE_BYTES]
+        for start in range(0, len(notices), channel.MAX_NOTICES):
+            channel.send(self.sock, {"op": "notices", "notices": notices[start:start + channel.MAX_NOTICES]})
+
+    def run(self) -> int:
+        while True:
+            readable, _, _ = select.select([self.sock], [], [], self.poll_interval_s)
+            if readable:
+                try:
+                    message, fds = channel.receive(self.sock)
+                except channel.ChannelClosed:
+                    return 0  # the control plane is gone
+                except KvxferError as err:
+                    channel.send(self.sock, {"op": "error", "message": err.message})
+                    continue
+                answer = self.handle(message, fds)
+                if answer is None:
+                    return 0
+                channel.send(self.sock, answer)
+            if self.agent is not None:
+                self.progress()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvxferd.worker", description=__doc__)
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="kvxferd-worker %(levelname)s %(message)s")
+    quiet_nixl_logging()
+    try:
+        return Worker(socket.socket(fileno=args.channel_fd)).run()
+    except channel.ChannelClosed:
+        return 0

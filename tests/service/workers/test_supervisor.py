@@ -1,0 +1,150 @@
+"""Workers started by the supervisor: they serve the cache they are handed, hold none of the control
+plane's secrets (searched with the H1 harness; a fork is the control that finds them), and one killed by a
+READ of an unmapped address is followed by a new one that serves the same bytes (real NIXL over UCX/TCP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvxferd.errors import UnavailableError
+from kvxferd.rig.attack.reach import NixlReach, search_process_memory
+from kvxferd.service.workers.supervisor import Region, WorkerSupervisor
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+
+CACHE_BYTES = 1 << 20
+RESTART_BOUND_S = 30.0  # a new generation serves within this (about 2 s here: kvxferd bench processes)
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    """An engine's cache as a memfd with random bytes, and this process's mapping of it."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # as across hosts without RDMA: the lane H1 is about
+    fd = os.memfd_create("kvx-test-cache")
+    os.ftruncate(fd, CACHE_BYTES)
+    view = np.frombuffer(memoryview(__import__("mmap").mmap(fd, CACHE_BYTES)), dtype=np.uint8)
+    view[:] = np.random.default_rng(7).integers(0, 256, CACHE_BYTES, dtype=np.uint8)
+    yield fd, view
+    os.close(fd)
+
+
+@pytest.fixture
+def supervisor(cache):
+    notices = []
+    supervisor = WorkerSupervisor("kvx-test", [Region(cache[0], CACHE_BYTES)],
+                                  on_notices=lambda generation, pairs: notices.extend(pairs))
+    supervisor.notices = notices
+    yield supervisor
+    supervisor.stop()
+
+
+def read_cache(metadata: bytes, address: int, num_bytes: int) -> np.ndarray:
+    """READ a worker's registered cache as an honest peer does (metadata as given)."""
+    agent = NixlAgent(f"kvx-test-reader-{time.monotonic_ns()}")
+    into = np.zeros(num_bytes, dtype=np.uint8)
+    try:
+        agent.register_array("into", into)
+        name = agent.add_remote(metadata)
+        local = agent.prep_local(np.array([[into.ctypes.data, num_bytes, 0, num_bytes, 1]], dtype=np.uint64), "DRAM")
+        remote = agent.prep_remote(name, np.array([[address, num_bytes, 0, num_bytes, 1]], dtype=np.uint64), "DRAM")
+        handle = agent.make_read(local, np.array([0], np.int32), remote, np.array([0], np.int32), b"")
+        state, deadline = agent.post(handle), time.monotonic() + 20
+        while state is TransferState.PROC and time.monotonic() < deadline:
+            state = agent.state(handle)
+        assert state is TransferState.DONE
+        agent.release(handle)
+        return into.copy()
+    finally:
+        agent.close()
+
+
+def test_a_worker_serves_the_cache_it_was_handed(supervisor, cache):
+    up = supervisor.start()
+    assert up.generation == 1 and up.pid != os.getpid() and up.start_s > 0
+    assert np.array_equal(read_cache(up.metadata, up.addresses[0], CACHE_BYTES), cache[1])
+    cache[1][:4096] = 0xAB  # the engine writes its memory: the worker maps the same pages
+    assert (read_cache(up.metadata, up.addresses[0], 4096) == 0xAB).all()
+
+
+def test_a_worker_holds_none_of_its_supervisors_secrets(supervisor, monkeypatch):
+    secret = b"kvx-cp-secret-" + os.urandom(24).hex().encode()  # in this (the control plane's) heap
+    monkeypatch.setenv("KVXFERD_TEST_TOKEN", secret.decode())  # and environment
+    up = supervisor.start()
+    needles = {"secret": secret}
+    assert search_process_memory(os.getpid(), needles)["secret"], "the control: the secret is in the supervisor"
+    reach = NixlReach(up.metadata)
+    try:
+        through_nixl, num_read = reach.search(up.pid, needles)
+    finally:
+        reach.close()
+    assert num_read > 1 << 20 and through_nixl["secret"] == []  # the widened READs reached its heap and found none
+    assert search_process_memory(up.pid, needles)["secret"] == []
+    with open(f"/proc/{up.pid}/environ", "rb") as environ:
+        assert b"KVXFERD_TEST_TOKEN" not in environ.read()
+    child = os.fork()  # the negative control: a forked worker would carry the secret
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert search_process_memory(child, needles)["secret"]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+def test_a_worker_killed_through_its_metadata_is_replaced_and_serves_again(supervisor, cache):
+    first = supervisor.start()
+    reach = NixlReach(first.metadata)
+    try:
+        killed_s = time.monotonic()
+        state, _ = reach.read(0x10000, 4096, timeout_s=10.0)  # unmapped in the worker: its UCX faults
+    except NixlError:
+        state = TransferState.ERR
+    finally:
+        reach.close()
+    assert state is TransferState.ERR
+    second = supervisor.wait_up(2, RESTART_BOUND_S)
+    death = supervisor.deaths[0]
+    assert (death.generation, death.pid, death.returncode) == (1, first.pid, -signal.SIGSEGV)
+    assert death.noticed_s - killed_s < 5.0
+    assert second.pid != first.pid and second.metadata != first.metadata
+    assert np.array_equal(read_cache(second.metadata, second.addresses[0], CACHE_BYTES), cache[1])
+
+
+def test_notices_sent_to_a_worker_reach_the_supervisor(supervisor):
+    up = supervisor.start()
+    sender = NixlAgent("kvx-test-notifier")
+    try:
+        name = sender.add_remote(up.metadata)
+        sender.notify(name, b"notice-1")
+        deadline = time.monotonic() + 10
+        while not supervisor.notices and time.monotonic() < deadline:
+            sender.poll_notifications()
+            time.sleep(0.005)
+    finally:
+        sender.close()
+    assert supervisor.notices == [("kvx-test-notifier", b"notice-1")]
+
+
+def test_a_worker_that_cannot_map_is_an_error_not_a_hang(cache):
+    supervisor = WorkerSupervisor("kvx-test-big", [Region(cache[0], CACHE_BYTES * 4)])  # past the memfd's end
+    with pytest.raises(UnavailableError, match="could not map"):
+        supervisor.start(timeout_s=60)
+    assert supervisor.current is None
+
+
+def test_the_supervisor_gives_up_on_a_worker_that_keeps_dying(cache):
+    supervisor = WorkerSupervisor("kvx-test-dying", [Region(cache[0], CACHE_BYTES)], max_restarts=1)
+    try:
+        for generation in (1, 2):
+            up = supervisor.wait_up(generation, 60) if generation > 1 else supervisor.start()
+            os.kill(up.pid, signal.SIGKILL)
+        with pytest.raises(UnavailableError, match="worker deaths"):
+            supervisor.wait_up(3, 60)
+        assert [d.returncode for d in supervisor.deaths] == [-signal.SIGKILL] * 2
+    finally:
+        supervisor.stop()
