@@ -86,6 +86,11 @@ def check_num_buckets(num_buckets: int, field: str = "num_buckets") -> int:
     return num_buckets
 
 
+def board_shape(num_buckets: int) -> tuple[int, int]:
+    """The board's words: one row of ``SLOTS_PER_BUCKET`` u64 tags per bucket."""
+    return (num_buckets, SLOTS_PER_BUCKET)
+
+
 def tag_in(buckets: np.ndarray, tag: int) -> bool:
     """Whether ``tag`` is in the buckets a reader read (any shape of uint64 words)."""
     return bool((buckets == np.uint64(tag)).any())
@@ -94,9 +99,16 @@ def tag_in(buckets: np.ndarray, tag: int) -> bool:
 class HoldBoard:
     """The board of one holder rank (not thread-safe: the hold table's lock guards it)."""
 
-    def __init__(self, num_buckets: int) -> None:
+    def __init__(self, num_buckets: int, words: np.ndarray | None = None) -> None:
+        """``words``: memory of the caller's to keep the board in (zeros, :func:`board_shape`), e.g. pages a
+        data-plane worker registers with NIXL (docs/dataplane.md); else the board allocates its own."""
         self.num_buckets = check_num_buckets(num_buckets)
-        self.words = np.zeros((num_buckets, SLOTS_PER_BUCKET), np.uint64)  # registered with NIXL as is
+        if words is None:
+            words = np.zeros(board_shape(num_buckets), np.uint64)
+        elif words.shape != board_shape(num_buckets) or words.dtype != np.uint64 or words.any():
+            raise InvalidArgumentError("words", f"a board of {num_buckets} buckets starts as zeros of shape "
+                                                f"{board_shape(num_buckets)}, uint64")
+        self.words = words  # registered with NIXL as is
         self.num_tags = 0
 
     @property

@@ -173,7 +173,8 @@ class Daemon:
                                      max_holds=config.max_holds_per_engine, max_hold_s=config.max_hold_s,
                                      abort_drain_s=config.abort_drain_s,
                                      populate_host_memory=config.populate_host_memory, shm_group=gid,
-                                     shm_uids=allowed_uids)
+                                     shm_uids=allowed_uids,
+                                     worker_poll_interval_s=config.poll_interval_s if config.dataplane_workers else None)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))

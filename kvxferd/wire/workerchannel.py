@@ -7,7 +7,8 @@ descriptors beside it (``SCM_RIGHTS``)::
 
     control plane ──► worker                      worker ──► control plane
     map    {name, regions: [{num_bytes, offset}],  mapped   {metadata (hex), addresses}
-            poll_interval_s} + one fd per region
+            poll_interval_s} + one fd per region    (each fd mapped whole, the region's bytes
+                                                    at offset registered: their addresses)
     ping   {}                                      pong     {}
     stop   {}                                      notices  {notices: [[sender, hex]]} (one-way)
                                                    error    {message}

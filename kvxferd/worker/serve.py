@@ -68,14 +68,16 @@ class Worker:
         if not isinstance(interval, (int, float)) or not MIN_POLL_S <= interval <= MAX_POLL_S:
             raise ValueError(f"poll_interval_s: between {MIN_POLL_S} and {MAX_POLL_S}")
         arrays = []
-        for region, fd in zip(regions, fds):
+        for region, fd in zip(regions, fds):  # each fd mapped whole; its region registered, nothing around it
             num_bytes, offset = region.get("num_bytes"), region.get("offset", 0)
-            if not (isinstance(num_bytes, int) and isinstance(offset, int) and num_bytes > 0 and offset >= 0
-                    and offset % mmap.ALLOCATIONGRANULARITY == 0):
-                raise ValueError("a region: num_bytes > 0, offset >= 0 on a page boundary")
-            mapping = mmap.mmap(fd, num_bytes, offset=offset)  # beyond the file's end: an error, not a SIGBUS later
+            if not (isinstance(num_bytes, int) and isinstance(offset, int) and num_bytes > 0 and offset >= 0):
+                raise ValueError("a region: num_bytes > 0 and offset >= 0")
+            size = os.fstat(fd).st_size
+            if offset + num_bytes > size:
+                raise ValueError(f"a region [{offset}, {offset + num_bytes}) past the end of its {size}-byte fd")
+            mapping = mmap.mmap(fd, size)
             self.mappings.append(mapping)
-            arrays.append(np.frombuffer(mapping, dtype=np.uint8))
+            arrays.append(np.frombuffer(mapping, dtype=np.uint8, count=num_bytes, offset=offset))
         agent = NixlAgent(name)
         for n, array in enumerate(arrays):
             agent.register_array(f"region-{n}", array)

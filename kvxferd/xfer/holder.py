@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.capability import HOLD_KEY_BYTES
@@ -120,12 +122,16 @@ class Holder:
     # event loop) and on_notice (the polling thread): single sets and pops, atomic under the GIL; one
     # entry per introduced reader at most (a reader introduced again replaces its own).
     progress_wanted: dict[tuple[str, int], float] = field(default_factory=dict)
+    # Pages a data-plane worker registers (docs/dataplane.md): the board lives there, and ``agent`` does
+    # not register it. None: the board is this process's own, registered with ``agent``.
+    board_words: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # A fresh key per registration: capabilities of a former registration's holds mean nothing here.
-        self.holds = HoldTable(secrets.token_bytes(HOLD_KEY_BYTES), HoldBoard(buckets_for(self.max_holds)),
-                               self.max_hold_s)
-        self.agent.register_array(BOARD_KEY, self.holds.board.words)
+        board = HoldBoard(buckets_for(self.max_holds), self.board_words)
+        self.holds = HoldTable(secrets.token_bytes(HOLD_KEY_BYTES), board, self.max_hold_s)
+        if self.board_words is None:
+            self.agent.register_array(BOARD_KEY, board.words)
 
     @property
     def hold_key(self) -> bytes:
@@ -139,7 +145,8 @@ class Holder:
 
     def close(self) -> None:
         """Deregister the board (its holds are ended by whoever ends them: :meth:`HoldTable.drop_all`)."""
-        self.agent.deregister(BOARD_KEY)
+        if self.board_words is None:
+            self.agent.deregister(BOARD_KEY)
 
     def introduce(self, key: tuple[str, int], reader: Reader, *, reads_here: bool = True,
                   limits: ReaderLimits = ReaderLimits(), now: float | None = None) -> Introduction:

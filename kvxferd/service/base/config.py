@@ -91,6 +91,9 @@ class DaemonConfig(BaseSettings):
     max_holds_per_engine: int = Field(100_000, ge=1, le=10_000_000, description="requests one engine rank may hold at "
                                       "once; sizes its hold board (16-32 bytes of registered memory per hold)")
     max_registered_bytes: int = Field(1 << 40, ge=1, description="bytes of engine memory registered on this daemon in all")
+    dataplane_workers: bool = Field(False, description="serve each host-memory engine rank's cache to peers from a "
+                                    "worker process that holds no secret, restarted when it dies (issue #55, "
+                                    "docs/dataplane.md; the daemon's own reads and GPU caches stay in-process)")
     populate_host_memory: bool = Field(True, description="fault in every page of a host-memory cache when it is "
                                        "registered (about 0.2 ms per MiB here), not in its first reads")
     max_readers_per_engine: int = Field(1024, ge=1, description="reader agents introduced to one engine rank at once")

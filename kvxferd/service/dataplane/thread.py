@@ -194,6 +194,10 @@ class DataPlane:
         self._wake.set()
         return future
 
+    def take_notices(self, slot: EngineSlot, notices: list[tuple[str, bytes]]) -> None:
+        """Notices a slot's data-plane worker received: counted on this thread like its own (any thread)."""
+        self.call(lambda: self._count_notices(slot, notices))
+
     # ---- commands (data-plane thread) ---------------------------------------------
     def add_slot(self, slot: EngineSlot) -> None:
         self._slots.append(slot)
@@ -366,11 +370,17 @@ class DataPlane:
             except NixlError as err:
                 log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
                 continue
-            for sender, message in messages:
-                busy = True
-                for end in slot.holder.on_notice(sender, message):
-                    self._hold_events.append((slot, end))
+            busy |= self._count_notices(slot, messages)
         return busy
+
+    def _count_notices(self, slot: EngineSlot, messages: list[tuple[str, bytes]]) -> bool:
+        """Hand each notice to the slot's holder; its hold events go out with this round's."""
+        if slot not in self._slots:
+            return False  # deregistered meanwhile: its holds ended already
+        for sender, message in messages:
+            for end in slot.holder.on_notice(sender, message):
+                self._hold_events.append((slot, end))
+        return bool(messages)
 
     def _notices_unseen(self) -> bool:
         """Some executor sent notices since this thread last counted them."""

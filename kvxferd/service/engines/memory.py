@@ -65,6 +65,8 @@ class MappedRegion:
     array: np.ndarray  # uint8 view of the region
     _mapping: mmap.mmap = field(repr=False)
     share: HostShare | None = None  # what a same-host reader opens the object by (its name, or our fd copy)
+    fd: int = -1  # a copy of the object's fd, kept for a data-plane worker to map (docs/dataplane.md)
+    fd_offset: int = 0  # where the region starts in it
 
     @property
     def memory(self) -> RegionMemory:
@@ -74,6 +76,9 @@ class MappedRegion:
         """Unmap (after NIXL deregistered it; no view may outlive this)."""
         self.array = np.zeros(0, dtype=np.uint8)
         self._mapping.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 _ACL_XATTR = "system.posix_acl_access"
@@ -152,8 +157,9 @@ def populate(regions: Sequence[object]) -> int:
 
 
 def map_shm(name: str, offset: int, num_bytes: int, field: str,
-            openers: ShmOpeners = ShmOpeners()) -> MappedRegion:
-    """Map ``num_bytes`` at ``offset`` of shared-memory object ``name``, if ``openers`` could open it themselves."""
+            openers: ShmOpeners = ShmOpeners(), *, keep_fd: bool = False) -> MappedRegion:
+    """Map ``num_bytes`` at ``offset`` of shared-memory object ``name``, if ``openers`` could open it themselves;
+    ``keep_fd``: the region keeps a copy of the object's fd (for a data-plane worker)."""
     path = shm_path(name, field)
     if offset < 0 or num_bytes <= 0:
         raise InvalidArgumentError(field, f"bad range: offset {offset}, {num_bytes} bytes")
@@ -174,6 +180,8 @@ def map_shm(name: str, offset: int, num_bytes: int, field: str,
         openers.check(fd, status, name, field)  # the object opened, not whatever the name means by now
         region = _map_open_fd(fd, name, offset, num_bytes, field)
         region.share = HostShare(name, offset, status.st_dev, status.st_ino)
+        if keep_fd:
+            region.fd, region.fd_offset = os.dup(fd), offset
         return region
     finally:
         os.close(fd)
@@ -198,12 +206,16 @@ class KeptFds:
                 os.close(self.copies.popitem()[1])
 
 
-def map_fd(fd: int, offset: int, num_bytes: int, field: str, kept: KeptFds | None = None) -> MappedRegion:
+def map_fd(fd: int, offset: int, num_bytes: int, field: str, kept: KeptFds | None = None, *,
+           keep_fd: bool = False) -> MappedRegion:
     """Map ``num_bytes`` at ``offset`` of a shared-memory fd the engine passed (the caller keeps ``fd``).
-    With ``kept``, a copy of the fd stays open and the region records it for same-host readers."""
+    With ``kept``, a copy of the fd stays open and the region records it for same-host readers;
+    ``keep_fd``: the region keeps a copy of its own (for a data-plane worker)."""
     if offset < 0 or num_bytes <= 0:
         raise InvalidArgumentError(field, f"bad range: offset {offset}, {num_bytes} bytes")
     region = _map_open_fd(fd, f"fd {fd}", offset, num_bytes, f"{field}.handle.shm_fd_index")
+    if keep_fd:
+        region.fd, region.fd_offset = os.dup(fd), offset
     if kept is not None:
         try:
             copy = kept.copy_of(fd)
@@ -234,10 +246,11 @@ def _map_open_fd(fd: int, name: str, offset: int, num_bytes: int, field: str) ->
 
 
 def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fds: Sequence[int] = (),
-                openers: ShmOpeners = ShmOpeners(), kept: KeptFds | None = None):
+                openers: ShmOpeners = ShmOpeners(), kept: KeptFds | None = None, *, keep_fd: bool = False):
     """Open one region of a Register request; returns an object with ``memory`` and ``close()``.
     ``openers``: who may have sent it (a ``shm_name`` is opened only for an object they could open);
-    ``kept``: where copies of passed shared-memory fds stay open for same-host readers."""
+    ``kept``: where copies of passed shared-memory fds stay open for same-host readers; ``keep_fd``: a host
+    region keeps a copy of its object's fd (:attr:`MappedRegion.fd`) for a data-plane worker."""
     source = region.handle.WhichOneof("source")
     want = {"shm_name": "DRAM", "shm_fd_index": "DRAM", "cuda_ipc_handle": "VRAM", "cuda_vmm_fd_index": "VRAM"}.get(source)
     if source is None:
@@ -246,12 +259,12 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
         raise InvalidArgumentError(f"{field}.handle.{source}", f"a {source} handle is {want} memory, the engine says {mem_type}")
     offset = region.handle.offset
     if source == "shm_name":
-        return map_shm(region.handle.shm_name, offset, num_bytes, field, openers)
+        return map_shm(region.handle.shm_name, offset, num_bytes, field, openers, keep_fd=keep_fd)
     if source == "shm_fd_index":
         index = region.handle.shm_fd_index
         if not 0 <= index < len(fds):
             raise InvalidArgumentError(f"{field}.handle.shm_fd_index", f"index {index}, {len(fds)} fds were sent")
-        return map_fd(fds[index], offset, num_bytes, field, kept)
+        return map_fd(fds[index], offset, num_bytes, field, kept, keep_fd=keep_fd)
     device_id = resolve_device(region.device_id, region.device_uuid, field)
     if source == "cuda_ipc_handle":
         return gpu.open_ipc(region.handle.cuda_ipc_handle, offset, num_bytes, device_id, field, region.device_uuid)

@@ -37,6 +37,8 @@ from kvxferd.service.engines.memory import KeptFds, ShmOpeners, open_region, pop
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.nixl.agent import NixlAgent, collect_agents
+from kvxferd.plan.board import buckets_for
+from kvxferd.service.engines.served import BoardMemory, WorkerServed
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.reads import ReadExecutor
 
@@ -66,6 +68,10 @@ class SlotThread(Protocol):
     def wake(self) -> None:
         """Poll faster now (a first hold); any thread."""
 
+    def take_notices(self, slot: EngineSlot, notices: list[tuple[str, bytes]]) -> None:
+        """Notices ``slot``'s data-plane worker received, as (sender agent, bytes): counted like the thread's
+        own (any thread)."""
+
 
 class Registry:
     """The engine slots of one daemon (event-loop side)."""
@@ -75,10 +81,12 @@ class Registry:
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
                  max_hold_s: float = float("inf"), abort_drain_s: float = 30.0,
                  populate_host_memory: bool = True, shm_group: int | None = None,
-                 shm_uids: frozenset[int] = frozenset()) -> None:
+                 shm_uids: frozenset[int] = frozenset(), worker_poll_interval_s: float | None = None) -> None:
         """``shm_group``: engine_socket_group, whose members may register too, and ``shm_uids``: allowed_uids,
-        who may too (see memory.ShmOpeners)."""
+        who may too (see memory.ShmOpeners); ``worker_poll_interval_s``: host-memory ranks are served to peers
+        by data-plane workers polling this often (None: by this process, as without dataplane_workers)."""
         self.dataplane = dataplane
+        self.worker_poll_interval_s = worker_poll_interval_s
         self.shm_group, self.shm_uids = shm_group, shm_uids
         self.populate_host_memory = populate_host_memory  # fault a host cache's pages in at registration
         self.max_holds = max_holds  # per engine rank: sizes its hold board
@@ -242,7 +250,8 @@ class Registry:
                 num_bytes = region.num_bytes or need
                 if num_bytes < need:
                     raise InvalidArgumentError(f"{field}.num_bytes", f"{num_bytes} bytes, the layout needs {need}")
-                mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers, kept)
+                mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers, kept,
+                                      keep_fd=self.worker_poll_interval_s is not None)
                 mapped.append(mapping)
                 regions.append(mapping.memory)
             memory.append(regions)
@@ -262,10 +271,22 @@ class Registry:
         agent = NixlAgent(name)
         executor = ReadExecutor(agent, cache)
         executor.abort_drain_s = self.abort_drain_s
-        holder = Holder(agent, self.max_holds, self.max_hold_s)
+        served = self.worker_poll_interval_s is not None and cache.mem_type == "DRAM"
+        board = BoardMemory.create(buckets_for(self.max_holds)) if served else None
+        holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=board.words if board else None)
         slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
         slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need
         slot.notices_metadata = executor.notices_metadata()
+        if board is not None:
+            region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
+            try:
+                slot.served = WorkerServed.start(f"{name}-w", region_fds, board,
+                                                 lambda notices: self.dataplane.take_notices(slot, notices),
+                                                 self.worker_poll_interval_s)
+            except BaseException:
+                board.close()
+                executor.close()
+                raise
         slot.heartbeat()
         return slot
 
@@ -286,6 +307,8 @@ class Registry:
             await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.remove_slot(slot, reason)))
         except KvxferError as err:
             log.error("deregistering NIXL memory failed", extra={"engine_id": slot.engine_id, "error": str(err)})
+        if slot.served is not None:  # its worker's registrations go with it, then the board
+            await asyncio.to_thread(slot.served.close)
         slot.close_memory()
         if self.slots.get(slot.engine_id) is slot:
             del self.slots[slot.engine_id]

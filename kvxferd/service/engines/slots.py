@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.leases import HoldTable
 from kvxferd.service.engines.completions import CompletionFeed
+from kvxferd.service.engines.served import WorkerServed
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.readers import ReaderTable
@@ -51,6 +53,7 @@ class EngineSlot:
     metadata: bytes = b""  # NIXL agent metadata after registration
     notices_metadata: bytes = b""  # of the executor's notice agent: how this rank introduces itself as a reader
     closing: bool = False
+    served: WorkerServed | None = None  # a data-plane worker serves this rank to peers (dataplane_workers)
 
     @property
     def engine_id(self) -> str:
@@ -70,6 +73,13 @@ class EngineSlot:
         """Introduced readers by (engine id, rank) and identity: written on the loop, read by the data-plane
         thread."""
         return self.holder.readers
+
+    def peer_view(self) -> tuple[bytes, EngineCache, BoardInfo]:
+        """What a peer is given to read this rank: agent metadata, the cache's addresses, the board's (a
+        worker's when one serves it: :mod:`kvxferd.service.engines.served`)."""
+        if self.served is None:
+            return self.metadata, self.cache, self.holder.board
+        return self.served.peer_view(self.cache, self.holder.board)
 
     def heartbeat(self) -> None:
         self.lease_expires_s = time.monotonic() + self.lease_s

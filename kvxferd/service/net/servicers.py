@@ -262,7 +262,8 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
                  if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
-        return encode_info(slot.incarnation, slot.metadata, slot.cache, slot.holder.board, same_host_proof=proof)
+        metadata, cache, board = slot.peer_view()
+        return encode_info(slot.incarnation, metadata, cache, board, same_host_proof=proof)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str, peer: str = "") -> None:
         """Record which NIXL agent this reader's notices come from, by the name its metadata carries.

@@ -44,7 +44,7 @@ RESTART_WINDOW_S = 60.0
 
 @dataclass(frozen=True)
 class Region:
-    """One piece of an engine's memory to map: ``num_bytes`` of ``fd`` from ``offset``."""
+    """One piece of an engine's memory to serve: ``num_bytes`` of ``fd`` from ``offset`` (any alignment)."""
 
     fd: int
     num_bytes: int

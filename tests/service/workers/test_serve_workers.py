@@ -1,0 +1,147 @@
+"""``kvxferd serve --dataplane-workers`` against real daemons (mutual TLS, UCX over TCP, real NIXL):
+peers read the prefill rank through its worker, byte-exact and CONSUMED; the metadata an allowed peer gets
+reaches none of the daemon's secrets (which the same search finds in the daemon itself); and a worker killed
+by a READ of an unmapped address is replaced while the daemon keeps its holds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.rig.attack.reach import NixlReach, search_process_memory
+from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+from tests.security.conftest import SPIFFE, tls_args
+
+pytestmark = pytest.mark.daemons
+GROUPS = model_groups("gqa", ModelShape())
+RESTART_BOUND_S = 30.0  # a killed worker's successor serves reads within this (about 2-3 s here)
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir, ca):
+    issued = ca.issue("kvxferd", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)
+    args = (*tls_args(ca, issued), "--peer-secret-file", f"{workdir}/peer.secret", "--dataplane-workers")
+    # The decode daemon reads over NIXL (never by opening the holder's memory itself); the prefill daemon
+    # keeps same-host reads on, so it holds the host secret the search must not find in its worker.
+    decode_over_nixl = lambda daemon_id: ("--no-same-host-reads",) if "-d" in daemon_id else ()  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UCX_TLS", "tcp")  # as across hosts without RDMA: the lane where H1 holds
+        with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="wk", daemon_args=args,
+                            args_of=decode_over_nixl) as c:
+            c.issued, c.secret_file = issued, f"{workdir}/peer.secret"
+            yield c
+
+
+def children(pid: int) -> list[int]:
+    """The data-plane workers ``pid`` started."""
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    workers = []
+    for kid in kids:
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                if b"kvxferd.worker" in f.read():
+                    workers.append(kid)
+        except FileNotFoundError:
+            pass
+    return workers
+
+
+def served_info(cluster, ca) -> pb.EngineInfo:
+    """The prefill rank's engine info as an allowed peer gets it."""
+    daemon, issued = cluster.prefill_daemons[0], cluster.issued
+    credentials = grpc.ssl_channel_credentials(ca.cert_path.read_bytes(), issued.key.read_bytes(), issued.cert.read_bytes())
+    reader = NixlAgent(f"wk-intro-{time.monotonic_ns()}")
+    try:
+        with grpc.secure_channel(daemon.peer_address, credentials,
+                                 options=[("grpc.ssl_target_name_override", "kvxferd-peer")]) as channel:
+            reply = peer_grpc.PeerServiceStub(channel).GetEngineInfo(pb.EngineInfoRequest(
+                engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0,
+                reader_engine_id="wk-attacker", reader_tp_rank=0, reader_tp_size=1,
+                reader_agent_metadata=reader.metadata()), timeout=10)
+    finally:
+        reader.close()
+    info = pb.EngineInfo()
+    info.ParseFromString(reply.payload)
+    return info
+
+
+def worker_of(cluster) -> int:
+    (pid,) = children(cluster.prefill_daemons[0].process.pid)
+    return pid
+
+
+def read_until_ok(cluster, request, timeout_s: float) -> float:
+    """Read ``request`` (held already) until a read ends ok; the seconds it took."""
+    start = time.monotonic()
+    while True:
+        completions = cluster.read(request, timeout_s=20, hold=False)
+        if all(c.ok for c in completions):
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, [c.error for c in completions]
+        time.sleep(0.2)
+
+
+def test_peers_read_through_the_worker_byte_exact(cluster, ca):
+    request = random_request("wk-ok", *GROUPS, 64, np.random.default_rng(0))
+    cluster.reset_decode()  # verify() checks the whole decode cache against one request
+    completions = cluster.read(request, timeout_s=20)
+    assert all(c.ok for c in completions), [c.error for c in completions]
+    assert cluster.verify(request) == ([], 0)
+    assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]  # notices came via the worker
+    info = served_info(cluster, ca)
+    assert b"-w" in info.agent_metadata[:200]  # the worker's agent, not the daemon's
+
+
+def test_the_metadata_a_peer_gets_reaches_no_secret_of_the_daemon(cluster, ca):
+    needles = {"tls_key": cluster.issued.key.read_bytes().splitlines()[2],
+               "host_secret": bytes.fromhex(open(cluster.secret_file).read().strip()),
+               "session": next(c for c in cluster.clients if c.engine_id == cluster.prefill_id).session.encode()}
+    in_daemon = search_process_memory(cluster.prefill_daemons[0].process.pid, needles)
+    assert all(in_daemon.values()), f"the control: the daemon holds each secret ({in_daemon})"
+    worker = worker_of(cluster)
+    reach = NixlReach(served_info(cluster, ca).agent_metadata)
+    try:
+        found, num_read = reach.search(worker, needles)
+    finally:
+        reach.close()
+    assert num_read > 1 << 20, "the widened READs reached the worker's memory"
+    assert found == {label: [] for label in needles}
+    assert search_process_memory(worker, needles) == {label: [] for label in needles}
+
+
+def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cluster, ca):
+    request = random_request("wk-crash", *GROUPS, 64, np.random.default_rng(1))
+    cluster.reset_decode()
+    cluster.hold(request)  # held before the crash; read after it
+    first = worker_of(cluster)
+    reach = NixlReach(served_info(cluster, ca).agent_metadata)
+    try:
+        state, _ = reach.read(0x10000, 4096, timeout_s=10.0)
+    except NixlError:
+        state = TransferState.ERR
+    finally:
+        reach.close()
+    assert state is TransferState.ERR
+    deadline = time.monotonic() + RESTART_BOUND_S
+    while first in children(cluster.prefill_daemons[0].process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first not in children(cluster.prefill_daemons[0].process.pid)
+    assert cluster.prefill_daemons[0].process.poll() is None  # the daemon lives on
+    took_s = read_until_ok(cluster, request, RESTART_BOUND_S)
+    assert worker_of(cluster) != first
+    assert cluster.verify(request) == ([], 0)
+    assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]  # the hold outlived it
+    print(f"a read after the worker's death was ok {took_s:.2f} s after it died")
