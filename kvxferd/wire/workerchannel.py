@@ -9,6 +9,7 @@ descriptors beside it (``SCM_RIGHTS``)::
     map    {name, regions: [{num_bytes, offset}],  mapped   {metadata (hex), addresses}
             poll_interval_s} + one fd per region    (each fd mapped whole, the region's bytes
                                                     at offset registered: their addresses)
+    pace   {poll_interval_s}                       (no answer)
     ping   {}                                      pong     {}
     stop   {}                                      notices  {notices: [[sender, hex]]} (one-way)
                                                    error    {message}

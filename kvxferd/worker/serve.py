@@ -2,8 +2,9 @@
 
 ::
 
-    select(channel, poll interval) ──► a command: map / ping / stop (docs: wire/workerchannel.py)
-    every poll interval (once mapped) ──► the agent's progress (UCX over TCP serves a READ only
+    select(channel, poll interval) ──► a command: map / pace / ping / stop (docs: wire/workerchannel.py)
+    every poll interval (once mapped; ──► the agent's progress
+      the control plane paces it) (UCX over TCP serves a READ only
                                            while its target makes progress) and its notices,
                                            sent to the control plane as they came, unchecked
                                            here: the control plane decides what counts
@@ -84,6 +85,15 @@ class Worker:
         self.agent, self.poll_interval_s, self.arrays = agent, float(interval), arrays
         return {"op": "mapped", "metadata": agent.metadata().hex(), "addresses": [a.ctypes.data for a in arrays]}
 
+    def pace(self, message: dict) -> dict:
+        """Poll this often from now on: the control plane knows when peers need this agent's progress."""
+        interval = message.get("poll_interval_s")
+        if not isinstance(interval, (int, float)) or not MIN_POLL_S <= interval <= MAX_POLL_S:
+            raise ValueError(f"poll_interval_s: between {MIN_POLL_S} and {MAX_POLL_S}")
+        if self.agent is not None:
+            self.poll_interval_s = float(interval)
+        return {}  # nothing to answer
+
     def handle(self, message: dict, fds: list[int]) -> dict | None:
         """Carry out one command; its answer (None: stop)."""
         op = message["op"]
@@ -92,6 +102,8 @@ class Worker:
                 return self.map(message, fds)
             if op == "ping":
                 return {"op": "pong"}
+            if op == "pace":
+                return self.pace(message)
             if op == "stop":
                 return None
             return {"op": "error", "message": f"unknown op {op[:32]!r}"}
@@ -121,7 +133,8 @@ class Worker:
                 answer = self.handle(message, fds)
                 if answer is None:
                     return 0
-                channel.send(self.sock, answer)
+                if answer:
+                    channel.send(self.sock, answer)
             if self.agent is not None:
                 self.progress()
 

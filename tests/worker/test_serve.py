@@ -49,6 +49,9 @@ def test_bad_commands_are_answered_and_the_worker_lives_on(worker, tmp_path):
         good = ask(sock, {"op": "map", "name": "kvx-test-w", "poll_interval_s": 1e-3,
                           "regions": [{"num_bytes": 1000, "offset": 7}]}, [fd])  # any offset: the fd is mapped whole
         assert good["op"] == "mapped" and len(good["addresses"]) == 1 and good["addresses"][0] % 4096 == 7
+        assert ask(sock, {"op": "pace", "poll_interval_s": 5.0})["op"] == "error"  # beyond the bounds
+        channel.send(sock, {"op": "pace", "poll_interval_s": 0.5})  # taken without an answer:
+        assert ask(sock, {"op": "ping"}) == {"op": "pong"}  # the next answer is the ping's
         again = ask(sock, {"op": "map", "name": "kvx-test-w2", "poll_interval_s": 1e-3,
                            "regions": [{"num_bytes": 1 << 16}]}, [fd])
         assert again["op"] == "error" and "one engine rank per worker" in again["message"]

@@ -244,6 +244,7 @@ class DataPlane:
             busy |= self._advance_reads()
             busy |= self._poll_notifications()
             self._flush_finished()
+            self._pace_workers()
             if busy:
                 sleep_s = READ_POLL_MIN_S
             elif self._reads:
@@ -261,6 +262,14 @@ class DataPlane:
                 sleep_s = self.interval_s if self._notices_unseen() else IDLE_POLL_S if self._slots else None
             self._wake.wait(sleep_s)
             self._idle = False
+
+    def _pace_workers(self) -> None:
+        """Tell each data-plane worker how often its agent must make progress, by the rules this thread
+        polls its own agents by (the module doc); sent only when it changes."""
+        for slot in self._slots:
+            if slot.served is not None:
+                slot.served.pace(self.interval_s if slot.holder.wants_progress() else
+                                 max(self.interval_s, self.notice_interval_s) if len(slot.holds) else IDLE_POLL_S)
 
     def _run_commands(self) -> bool:
         busy = False

@@ -121,6 +121,19 @@ class WorkerSupervisor:
                 self._changed.wait(left)
             return self._current
 
+    def pace(self, poll_interval_s: float) -> None:
+        """Have the worker poll its agent this often (this generation and the next ones); a no-op when
+        unchanged, so a caller may say it every round."""
+        if poll_interval_s == self.poll_interval_s:
+            return
+        self.poll_interval_s = poll_interval_s
+        sock = self._sock
+        if sock is not None:
+            try:
+                channel.send(sock, {"op": "pace", "poll_interval_s": poll_interval_s})
+            except (channel.ChannelClosed, OSError):
+                pass  # it died: the next generation starts at this pace
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop the worker (asked, then killed) and the supervisor; close the kept fds."""
         self._stopping.set()
