@@ -23,6 +23,7 @@ class FakeDriver:
 
     def __init__(self, lag: int = 2) -> None:
         self.lag = lag
+        self.paused = False  # True: every event query answers NOT_READY (and counts nothing down)
         self.calls: list[str] = []
         self._thread = threading.local()  # CUDA's current context is per thread
         self.pending: list[tuple[int, list[tuple[int, int, int]]]] = []  # (event, copies) in stream order
@@ -116,6 +117,8 @@ class FakeDriver:
         assert self.current is not None, "no context current on this thread"
         if self.event_code:
             return self.event_code
+        if self.paused:  # a test that must see copies in flight: none ends, however often it is asked
+            return CUDA_ERROR_NOT_READY
         if self.events[event.value] > 0:
             self.events[event.value] -= 1
             return CUDA_ERROR_NOT_READY

@@ -88,14 +88,20 @@ def _request(request_id: str, seed: int):
     return random_request(request_id, *GROUPS, 48, np.random.default_rng(seed))
 
 
-def _post_until_copying(cluster, request):
-    """Post ``request`` and poll until both ranks' batches run (their boards showed the hold)."""
+def _post_until_copying(cluster, request, driver):
+    """Post ``request`` and poll until both ranks' batches run (their boards showed the hold). The played
+    device holds every batch meanwhile: with a lag alone, a loaded machine's late second board check let
+    the first batch end first, and the read was over before both were seen in flight."""
     executor = cluster.executors[0]
-    inflight = post(executor, cluster.prefill_id, request)
-    deadline = time.monotonic() + 10
-    while sum(isinstance(r.handle, PendingDeviceCopy) for r in inflight.ranks.values()) < 2:  # test-side: which kind
-        assert executor.poll(inflight) is None and time.monotonic() < deadline
-        time.sleep(1e-3)
+    driver.paused = True
+    try:
+        inflight = post(executor, cluster.prefill_id, request)
+        deadline = time.monotonic() + 10
+        while sum(isinstance(r.handle, PendingDeviceCopy) for r in inflight.ranks.values()) < 2:  # test-side: which kind
+            assert executor.poll(inflight) is None and time.monotonic() < deadline
+            time.sleep(1e-3)
+    finally:
+        driver.paused = False
     return inflight
 
 
@@ -133,7 +139,7 @@ def test_the_hold_ending_while_the_batch_runs_makes_the_read_stale(cluster, monk
     driver = FakeDriver(lag=20)
     opener = _use_device_ranks(cluster, driver, monkeypatch)
     request = cluster.hold(_request("device-stale", 6))
-    inflight = _post_until_copying(cluster, request)
+    inflight = _post_until_copying(cluster, request, driver)
     for holder in cluster.holders:
         with holder.lock:
             holder.holds.release(request.remote_request_id)
@@ -148,7 +154,7 @@ def test_a_device_fault_fails_the_read_and_sends_every_gpu_rank_back_to_nixl(clu
     driver = FakeDriver(lag=2)
     opener = _use_device_ranks(cluster, driver, monkeypatch)
     request = cluster.hold(_request("device-error", 3))
-    inflight = _post_until_copying(cluster, request)
+    inflight = _post_until_copying(cluster, request, driver)
     driver.event_code = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context is poisoned
     executor = cluster.executors[0]
     result = wait(executor, inflight, 10)
@@ -186,7 +192,7 @@ def test_a_deadline_under_a_running_copy_waits_for_it_before_the_read_ends(clust
     read ends (blocks reusable) only after the copier waited for it."""
     driver = FakeDriver(lag=10**9)
     opener = _use_device_ranks(cluster, driver, monkeypatch)
-    inflight = _post_until_copying(cluster, cluster.hold(_request("device-deadline", 4)))
+    inflight = _post_until_copying(cluster, cluster.hold(_request("device-deadline", 4)), driver)
     result = wait(cluster.executors[0], inflight, 0.05)
     assert not result.ok and result.failure is ReadFailure.DEADLINE
     assert driver.calls.count("cuEventSynchronize") == 2 + 2 and not driver.pending  # (2 check copies at connect)
@@ -200,7 +206,7 @@ def test_releasing_the_holders_memory_drains_the_stream_before_any_allocation_cl
     opener = _use_device_ranks(cluster, driver, monkeypatch, log)
     assert [entry for entry in log if entry[0] == "open"] == [("open", 0, LOCAL_GPU), ("open", 1, LOCAL_GPU)]
     executor = cluster.executors[0]
-    _post_until_copying(cluster, cluster.hold(_request("in-flight", 9)))  # two batches still on the stream
+    _post_until_copying(cluster, cluster.hold(_request("in-flight", 9)), driver)  # two batches still on the stream
     assert len(driver.pending) == 2
     executor.release_host_memory(executor.remote(cluster.prefill_id), "the holder changed")
     assert [entry for entry in log if entry[0] == "close"] == [("close", 0, 0), ("close", 1, 0)]  # none pending
