@@ -6,10 +6,13 @@ peer's death seen as end of file. One message is a JSON object with an
 descriptors beside it (``SCM_RIGHTS``)::
 
     control plane ──► worker                      worker ──► control plane
-    map    {name, regions: [{num_bytes, offset}],  mapped   {metadata (hex), addresses}
-            poll_interval_s} + one fd per region    (each fd mapped whole, the region's bytes
-                                                    at offset registered: their addresses)
+    map    {name, regions: [{file, offset,         mapped   {metadata (hex), addresses}
+            num_bytes}], poll_interval_s}           (each file mapped whole and read-only, each
+            + one fd per file                       region's bytes registered: their addresses)
+                                                    {.., notices_metadata (hex)}: its notice agent
     pace   {poll_interval_s}                       (no answer)
+    load   {metadata (hex)}: a holder, for notices (no answer; error if NIXL refuses it)
+    unload {agent}  connect {agent}  notify {agent, data (hex)}   (no answer)
     ping   {}                                      pong     {}
     stop   {}                                      notices  {notices: [[sender, hex]]} (one-way)
                                                    error    {message}
@@ -28,7 +31,7 @@ from typing import Any
 from kvxferd.errors import InvalidArgumentError
 
 MAX_MESSAGE_BYTES = 1 << 20
-MAX_FDS = 256  # regions of one engine rank's cache, each with its own fd at most
+MAX_FDS = 253  # the kernel's SCM_MAX_FD: regions of one engine rank's cache (and its board), an fd each
 MAX_NOTICES = 256  # per notices message
 MAX_NOTICE_BYTES = 1024  # a read notice is < 300 bytes (plan/notifications.py)
 
@@ -37,16 +40,19 @@ class ChannelClosed(Exception):
     """The other side is gone (end of file, reset)."""
 
 
-def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
-    """Send one message (and ``fds``) whole."""
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (), *,
+         block: bool = True) -> None:
+    """Send one message (and ``fds``) whole; ``block=False``: :class:`BlockingIOError` when the other side
+    has not read what was sent before (its buffer is full)."""
     data = json.dumps(message, separators=(",", ":")).encode()
     if len(data) > MAX_MESSAGE_BYTES:
         raise InvalidArgumentError("message", f"{len(data)} bytes, the worker channel carries {MAX_MESSAGE_BYTES}")
     try:
+        flags = 0 if block else socket.MSG_DONTWAIT
         if fds:
-            socket.send_fds(sock, [data], list(fds))
+            socket.send_fds(sock, [data], list(fds), flags)
         else:
-            sock.send(data)
+            sock.send(data, flags)
     except (BrokenPipeError, ConnectionResetError) as err:
         raise ChannelClosed(str(err)) from None
 

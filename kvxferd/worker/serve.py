@@ -24,6 +24,7 @@ import select
 import signal
 import socket
 import sys
+import time
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from kvxferd.xfer.nixl.agent import NixlAgent, quiet_nixl_logging
 log = logging.getLogger("kvxferd.worker")
 MAX_NAME_CHARS = 128
 MIN_POLL_S, MAX_POLL_S = 1e-4, 1.0
+NOTICE_PROGRESS_S, NOTICE_POLL_S = 0.05, 0.01  # after a notice: polled every 10 ms for 50 ms (as the daemon's)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -56,34 +58,63 @@ class Worker:
         self.mappings: list[mmap.mmap] = []
         self.arrays: list[np.ndarray] = []  # the registered views of the mappings
         self.poll_interval_s: float | None = None  # None: nothing to poll until mapped
+        self.notices: NixlAgent | None = None  # sends the engine's read notices to holders (its reader side)
+        self.notices_until = 0.0  # time.monotonic() until which notices just sent are polled on fast
 
     def map(self, message: dict, fds: list[int]) -> dict:
-        """Map each region's fd, register every region with a new agent; the agent's metadata."""
+        """Map each file, register every region of them with a new agent; the agents' metadata."""
         if self.agent is not None:
             raise ValueError("this worker has mapped its cache already (one engine rank per worker)")
         name, regions, interval = message.get("name"), message.get("regions"), message.get("poll_interval_s")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
             raise ValueError(f"name: a string of 1 to {MAX_NAME_CHARS} characters")
-        if not isinstance(regions, list) or len(regions) != len(fds) or not regions:
-            raise ValueError(f"regions: one per fd passed ({len(fds)} fds)")
+        if not isinstance(regions, list) or not regions or not fds:
+            raise ValueError("regions: at least one, and the fds they name")
         if not isinstance(interval, (int, float)) or not MIN_POLL_S <= interval <= MAX_POLL_S:
             raise ValueError(f"poll_interval_s: between {MIN_POLL_S} and {MAX_POLL_S}")
+        # Each file mapped whole, read-only: peers only READ a holder, and a WRITE faults here.
+        mappings = [mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ) for fd in fds]
         arrays = []
-        for region, fd in zip(regions, fds):  # each fd mapped whole; its region registered, nothing around it
-            num_bytes, offset = region.get("num_bytes"), region.get("offset", 0)
-            if not (isinstance(num_bytes, int) and isinstance(offset, int) and num_bytes > 0 and offset >= 0):
-                raise ValueError("a region: num_bytes > 0 and offset >= 0")
-            size = os.fstat(fd).st_size
-            if offset + num_bytes > size:
-                raise ValueError(f"a region [{offset}, {offset + num_bytes}) past the end of its {size}-byte fd")
-            mapping = mmap.mmap(fd, size)
-            self.mappings.append(mapping)
-            arrays.append(np.frombuffer(mapping, dtype=np.uint8, count=num_bytes, offset=offset))
+        for region in regions:  # each region registered, nothing around it
+            index, num_bytes, offset = ((region.get("file"), region.get("num_bytes"), region.get("offset", 0))
+                                        if isinstance(region, dict) else (None, None, None))
+            if not all(isinstance(v, int) for v in (index, num_bytes, offset)) or not 0 <= index < len(fds) \
+                    or num_bytes <= 0 or offset < 0:
+                raise ValueError("a region: a file index, num_bytes > 0 and offset >= 0")
+            if offset + num_bytes > len(mappings[index]):
+                raise ValueError(f"a region [{offset}, {offset + num_bytes}) past the end of its "
+                                 f"{len(mappings[index])}-byte file")
+            arrays.append(np.frombuffer(mappings[index], dtype=np.uint8, count=num_bytes, offset=offset))
+        self.mappings = mappings
         agent = NixlAgent(name)
         for n, array in enumerate(arrays):
             agent.register_array(f"region-{n}", array)
         self.agent, self.poll_interval_s, self.arrays = agent, float(interval), arrays
-        return {"op": "mapped", "metadata": agent.metadata().hex(), "addresses": [a.ctypes.data for a in arrays]}
+        self.notices = NixlAgent(f"{name}.notices")
+        return {"op": "mapped", "metadata": agent.metadata().hex(), "addresses": [a.ctypes.data for a in arrays],
+                "notices_metadata": self.notices.metadata().hex()}
+
+    def notice_op(self, op: str, message: dict) -> dict:
+        """Load or unload a holder's metadata on the notice agent, connect to it, or send it a notice."""
+        if self.notices is None:
+            raise ValueError(f"{op} before map")
+        if op == "load":
+            self.notices.add_remote(bytes.fromhex(str(message.get("metadata"))), "metadata")
+            return {}
+        agent = message.get("agent")
+        if not isinstance(agent, str):
+            raise ValueError(f"{op}: agent must be a name")
+        if op == "unload":
+            self.notices.remove_remote(agent)
+        elif op == "connect":
+            self.notices.connect_to(agent)
+        else:
+            data = bytes.fromhex(str(message.get("data")))
+            if len(data) > channel.MAX_NOTICE_BYTES:
+                raise ValueError(f"a notice of {len(data)} bytes")
+            self.notices.notify(agent, data)
+        self.notices_until = time.monotonic() + NOTICE_PROGRESS_S  # UCX sends it on while the agent is polled
+        return {}
 
     def pace(self, message: dict) -> dict:
         """Poll this often from now on: the control plane knows when peers need this agent's progress."""
@@ -104,10 +135,12 @@ class Worker:
                 return {"op": "pong"}
             if op == "pace":
                 return self.pace(message)
+            if op in ("load", "unload", "connect", "notify"):
+                return self.notice_op(op, message)
             if op == "stop":
                 return None
             return {"op": "error", "message": f"unknown op {op[:32]!r}"}
-        except (ValueError, OSError, KvxferError) as err:
+        except (ValueError, TypeError, OSError, KvxferError) as err:
             return {"op": "error", "message": str(getattr(err, "message", None) or err)[:1000]}
         finally:
             channel.close_all(fds)  # mapped regions keep their mapping without the fd
@@ -116,12 +149,16 @@ class Worker:
         """Let UCX move what peers asked of this agent; send the notices that came meanwhile."""
         notices = [(sender, data.hex()) for sender, data in self.agent.new_messages()
                    if len(data) <= channel.MAX_NOTICE_BYTES]
+        self.notices.poll_notifications()  # receives nothing: sends the notices on
         for start in range(0, len(notices), channel.MAX_NOTICES):
             channel.send(self.sock, {"op": "notices", "notices": notices[start:start + channel.MAX_NOTICES]})
 
     def run(self) -> int:
         while True:
-            readable, _, _ = select.select([self.sock], [], [], self.poll_interval_s)
+            timeout = self.poll_interval_s
+            if timeout is not None and time.monotonic() < self.notices_until:
+                timeout = min(timeout, NOTICE_POLL_S)
+            readable, _, _ = select.select([self.sock], [], [], timeout)
             if readable:
                 try:
                     message, fds = channel.receive(self.sock)

@@ -63,13 +63,16 @@ class ReadExecutor:
     post-and-poll) keeps it.
     """
 
-    def __init__(self, agent: NixlAgent, cache: EngineCache) -> None:
+    def __init__(self, agent: NixlAgent, cache: EngineCache, notices: NixlAgent | None = None) -> None:
+        """``notices``: the agent the notices go out from (anything with a NixlAgent's add_remote, remove_remote,
+        connect_to, notify, poll_notifications, metadata and close: a data-plane worker's, docs/dataplane.md);
+        by default a second agent of this process."""
         self.agent = agent
         self.cache = cache
         self.lock = threading.RLock()
         agent.register(cache)
         self.checks = CheckArea(agent)
-        self.notices = NixlAgent(f"{agent.name}.notices")
+        self.notices = notices if notices is not None else NixlAgent(f"{agent.name}.notices")
         self.connections = Connections(agent, self.notices, cache, self.checks)
         self.mover = ReadMover(agent, lambda: self.connections.current.values())
         self.machine = RankMachine(self.checks, self.mover)

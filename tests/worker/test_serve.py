@@ -39,21 +39,25 @@ def test_bad_commands_are_answered_and_the_worker_lives_on(worker, tmp_path):
     fd = os.memfd_create("kvx-test")
     os.ftruncate(fd, 1 << 16)
     try:
-        bad = [{"name": "w", "poll_interval_s": 1e-3, "regions": []},  # fewer regions than fds
-               {"name": "", "poll_interval_s": 1e-3, "regions": [{"num_bytes": 4096}]},
-               {"name": "w", "poll_interval_s": 0, "regions": [{"num_bytes": 4096}]},
-               {"name": "w", "poll_interval_s": 1e-3, "regions": [{"num_bytes": 4096, "offset": -1}]},
-               {"name": "w", "poll_interval_s": 1e-3, "regions": [{"num_bytes": 1 << 20}]}]  # past the end
+        bad = [{"name": "w", "poll_interval_s": 1e-3, "regions": []},
+               {"name": "", "poll_interval_s": 1e-3, "regions": [{"file": 0, "num_bytes": 4096}]},
+               {"name": "w", "poll_interval_s": 0, "regions": [{"file": 0, "num_bytes": 4096}]},
+               {"name": "w", "poll_interval_s": 1e-3, "regions": [{"file": 1, "num_bytes": 4096}]},  # no such file
+               {"name": "w", "poll_interval_s": 1e-3, "regions": [{"file": 0, "num_bytes": 4096, "offset": -1}]},
+               {"name": "w", "poll_interval_s": 1e-3, "regions": ["x"]},
+               {"name": "w", "poll_interval_s": 1e-3, "regions": [{"file": 0, "num_bytes": 1 << 20}]}]  # past the end
         for message in bad:
             assert ask(sock, {"op": "map", **message}, [fd])["op"] == "error", message
         good = ask(sock, {"op": "map", "name": "kvx-test-w", "poll_interval_s": 1e-3,
-                          "regions": [{"num_bytes": 1000, "offset": 7}]}, [fd])  # any offset: the fd is mapped whole
-        assert good["op"] == "mapped" and len(good["addresses"]) == 1 and good["addresses"][0] % 4096 == 7
+                          "regions": [{"file": 0, "num_bytes": 1000, "offset": 7},
+                                      {"file": 0, "num_bytes": 1000, "offset": 8192}]}, [fd])  # one file, two regions
+        assert good["op"] == "mapped" and [a % 4096 for a in good["addresses"]] == [7, 0]
+        assert good["addresses"][1] - good["addresses"][0] == 8192 - 7  # one mapping of the file
         assert ask(sock, {"op": "pace", "poll_interval_s": 5.0})["op"] == "error"  # beyond the bounds
         channel.send(sock, {"op": "pace", "poll_interval_s": 0.5})  # taken without an answer:
         assert ask(sock, {"op": "ping"}) == {"op": "pong"}  # the next answer is the ping's
         again = ask(sock, {"op": "map", "name": "kvx-test-w2", "poll_interval_s": 1e-3,
-                           "regions": [{"num_bytes": 1 << 16}]}, [fd])
+                           "regions": [{"file": 0, "num_bytes": 1 << 16}]}, [fd])
         assert again["op"] == "error" and "one engine rank per worker" in again["message"]
     finally:
         os.close(fd)

@@ -75,6 +75,7 @@ NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alo
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
+MAX_COMMANDS = 4096  # commands waiting for the thread past which a worker's notices are dropped
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
 INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
 
@@ -195,7 +196,12 @@ class DataPlane:
         return future
 
     def take_notices(self, slot: EngineSlot, notices: list[tuple[str, bytes]]) -> None:
-        """Notices a slot's data-plane worker received: counted on this thread like its own (any thread)."""
+        """Notices a slot's data-plane worker received: counted on this thread like its own (any thread).
+        Past MAX_COMMANDS waiting (a worker flooding the thread every engine shares) they are dropped."""
+        if len(self._commands) >= MAX_COMMANDS:
+            for _ in notices:
+                slot.holder.counts.add(NoticeEvent.BAD)
+            return
         self.call(lambda: self._count_notices(slot, notices))
 
     # ---- commands (data-plane thread) ---------------------------------------------

@@ -219,7 +219,8 @@ class Registry:
                 log.info("engine re-registered: dropping the old registration", extra={"engine_id": cache.engine_id})
                 await self._deregister(old, "engine re-registered")
             incarnation = uuid.uuid4().hex
-            slot = await asyncio.to_thread(self._new_slot, cache, incarnation, mapped, lease_s)
+            slot = await asyncio.to_thread(self._new_slot, cache, incarnation, mapped, lease_s,
+                                           asyncio.get_running_loop())
             slot.num_bytes, slot.session = num_bytes, kept or secrets.token_urlsafe(SESSION_BYTES)
             slot.allowed_readers = frozenset(message.allowed_reader_engine_ids)
         except BaseException:
@@ -266,29 +267,41 @@ class Registry:
                                                           "duration_s": round(time.perf_counter() - start, 4)})
         return memory
 
-    def _new_slot(self, cache, incarnation: str, mapped: list, lease_s: float) -> EngineSlot:
+    def _new_slot(self, cache, incarnation: str, mapped: list, lease_s: float,
+                  loop: asyncio.AbstractEventLoop | None = None) -> EngineSlot:
         name = f"{self.daemon_id}.{cache.engine_id}.{cache.tp_rank}.{incarnation[:12]}"
         agent = NixlAgent(name)
-        executor = ReadExecutor(agent, cache)
+        served = None
+        if self.worker_poll_interval_s is not None and cache.mem_type == "DRAM":
+            region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
+            served = WorkerServed(f"{name}-w", region_fds, BoardMemory.create(buckets_for(self.max_holds)),
+                                  lambda notices: self.dataplane.take_notices(slot, notices),
+                                  self.worker_poll_interval_s)
+        executor = ReadExecutor(agent, cache, served.notices if served else None)
         executor.abort_drain_s = self.abort_drain_s
-        served = self.worker_poll_interval_s is not None and cache.mem_type == "DRAM"
-        board = BoardMemory.create(buckets_for(self.max_holds)) if served else None
-        holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=board.words if board else None)
+        holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=served.board.words if served else None)
         slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
         slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need
-        slot.notices_metadata = executor.notices_metadata()
-        if board is not None:
-            region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
+        if served is not None:
+            served.on_generation = lambda up: self._worker_up(slot, up, loop)
             try:
-                slot.served = WorkerServed.start(f"{name}-w", region_fds, board,
-                                                 lambda notices: self.dataplane.take_notices(slot, notices),
-                                                 self.worker_poll_interval_s)
+                served.start()
             except BaseException:
-                board.close()
+                served.close()
                 executor.close()
                 raise
+            slot.served = served
+        slot.notices_metadata = executor.notices_metadata()
         slot.heartbeat()
         return slot
+
+    @staticmethod
+    def _worker_up(slot: EngineSlot, up, loop: asyncio.AbstractEventLoop | None) -> None:
+        """A new generation of the slot's worker (supervisor thread): holders know this rank's readers by the
+        last one's notice agent, so every link handshakes again, introducing the new one."""
+        slot.notices_metadata = up.notices_metadata
+        if up.generation > 1 and loop is not None:
+            loop.call_soon_threadsafe(lambda: [setattr(link, "stale", True) for link in slot.links.values()])
 
     async def deregister(self, slot: EngineSlot, reason: str) -> None:
         """Take a registration down (idempotent)."""

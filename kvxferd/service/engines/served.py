@@ -12,6 +12,7 @@ that agent's metadata to a holder's readers::
     board memfd: HoldTable writes tags ───────► the same pages, registered
     Holder.on_notice on the data-plane thread ◄─ notices its agent received
     peer_view(): metadata, cache, board ◄─────── mapped {metadata, addresses}
+    the executor's notices (WorkerNotices) ────► its notice agent: what holders are introduced to
 
 A worker that dies is replaced with the same fds (the supervisor): the
 board's tags and the hold table stay here, so no hold is lost; readers whose
@@ -22,8 +23,10 @@ worker's metadata (its agent name carries the generation).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +34,8 @@ import numpy as np
 from kvxferd.errors import UnavailableError
 from kvxferd.plan.board import BoardInfo, board_shape
 from kvxferd.plan.groups import EngineCache
-from kvxferd.service.workers.supervisor import Region, WorkerSupervisor
+from kvxferd.service.workers.notices import WorkerNotices
+from kvxferd.service.workers.supervisor import Region, WorkerSupervisor, WorkerUp
 
 
 @dataclass(eq=False)
@@ -44,11 +48,14 @@ class BoardMemory:
 
     @classmethod
     def create(cls, num_buckets: int) -> "BoardMemory":
+        """A sealed memfd (it can neither shrink nor grow: a worker that tried would otherwise make this
+        process's next tag write fault) holding a zeroed board."""
         shape = board_shape(num_buckets)
         num_bytes = int(np.prod(shape)) * 8
-        fd = os.memfd_create("kvxferd-hold-board", os.MFD_CLOEXEC)
+        fd = os.memfd_create("kvxferd-hold-board", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, num_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mapping = mmap.mmap(fd, num_bytes)
         except OSError:
             os.close(fd)
@@ -56,9 +63,10 @@ class BoardMemory:
         return cls(fd, mapping, np.frombuffer(mapping, dtype=np.uint64).reshape(shape))
 
     def close(self) -> None:
-        self.words = np.zeros(0, dtype=np.uint64)
-        self.mapping.close()
-        os.close(self.fd)
+        """Close the fd; the pages go with the last view of them (the hold table's board holds one)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def rebased(cache: EngineCache, addresses: list[int] | tuple[int, ...]) -> EngineCache:
@@ -68,25 +76,29 @@ def rebased(cache: EngineCache, addresses: list[int] | tuple[int, ...]) -> Engin
     return dataclasses.replace(cache, memory=memory)
 
 
-@dataclass(eq=False)
 class WorkerServed:
-    """The worker serving one engine rank, and the board it shares with it."""
+    """The worker serving one engine rank, the board it shares with it, and its notice agent."""
 
-    supervisor: WorkerSupervisor
-    board: BoardMemory
-    num_regions: int
-
-    @classmethod
-    def start(cls, name: str, region_fds: list[tuple[int, int, int]], board: BoardMemory,
-              on_notices, poll_interval_s: float) -> "WorkerServed":
-        """Start the worker for ``region_fds`` (fd, offset, num_bytes per region, in the cache's order) and
-        ``board``; blocks until it mapped them (about 2 s)."""
+    def __init__(self, name: str, region_fds: list[tuple[int, int, int]], board: BoardMemory,
+                 on_notices: Callable[[list[tuple[str, bytes]]], None], poll_interval_s: float) -> None:
+        """A worker for ``region_fds`` (fd, offset, num_bytes per region, in the cache's order) and ``board``,
+        not started yet (:meth:`start`); ``on_generation`` (set before it) hears of each new generation."""
         regions = [Region(fd, num_bytes, offset) for fd, offset, num_bytes in region_fds]
         regions.append(Region(board.fd, board.words.nbytes))
-        supervisor = WorkerSupervisor(name, regions, poll_interval_s=poll_interval_s,
-                                      on_notices=lambda generation, pairs: on_notices(pairs))
-        supervisor.start()
-        return cls(supervisor, board, len(region_fds))
+        self.board, self.num_regions = board, len(region_fds)
+        self.on_generation: Callable[[WorkerUp], None] | None = None
+        self.supervisor = WorkerSupervisor(name, regions, poll_interval_s=poll_interval_s, on_up=self._up,
+                                           on_notices=lambda generation, pairs: on_notices(pairs))
+        self.notices = WorkerNotices(self.supervisor)  # the executor's notice agent (the engine as a reader)
+
+    def start(self) -> None:
+        """Start the first generation; blocks until it mapped everything (about 2 s)."""
+        self.supervisor.start()
+
+    def _up(self, up: WorkerUp) -> None:
+        self.notices.reload(up)
+        if self.on_generation is not None:
+            self.on_generation(up)
 
     def peer_view(self, cache: EngineCache, board: BoardInfo) -> tuple[bytes, EngineCache, BoardInfo]:
         """What a peer is given: the worker's metadata, cache addresses and board address."""
@@ -104,5 +116,8 @@ class WorkerServed:
 
     def close(self) -> None:
         """Stop the worker (its registrations go with it), then let go of the board."""
+        self.notices.close()
         self.supervisor.stop()
+        self.supervisor.forget_callbacks()  # they close over the slot: no cycle keeps its board mapped
+        self.on_generation = None
         self.board.close()

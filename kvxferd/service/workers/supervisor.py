@@ -60,6 +60,7 @@ class WorkerUp:
     metadata: bytes = field(repr=False)
     addresses: tuple[int, ...]
     start_s: float  # from exec to its answer
+    notices_metadata: bytes = field(default=b"", repr=False)  # its notice agent's (the engine as a reader)
 
 
 @dataclass(frozen=True)
@@ -72,25 +73,51 @@ class WorkerDeath:
     noticed_s: float  # time.monotonic() when the supervisor saw its channel end
 
 
+def read_only_copy(fd: int) -> int:
+    """``fd``'s file opened again read-only: a worker can neither write it nor change its size (a shrunk
+    object would fault whoever maps it here, the engine included)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
 class WorkerSupervisor:
     """Keeps one worker for ``name``'s ``regions``; :meth:`start`, then :attr:`current`, :meth:`stop`."""
 
     def __init__(self, name: str, regions: Sequence[Region], *, poll_interval_s: float = 1e-3,
                  restart_delay_s: float = 0.0, max_restarts: int = MAX_RESTARTS,
                  on_notices: Callable[[int, list[tuple[str, bytes]]], None] | None = None,
-                 on_death: Callable[[WorkerDeath], None] | None = None) -> None:
+                 on_death: Callable[[WorkerDeath], None] | None = None,
+                 on_up: Callable[[WorkerUp], None] | None = None) -> None:
+        """``on_up``: each generation once it mapped, on the supervisor's thread before anything it sends is
+        read (e.g. to load again what the last generation had loaded)."""
         if not regions:
             raise InvalidArgumentError("regions", "a worker maps at least one region")
         self.name, self.poll_interval_s = name, poll_interval_s
         self.restart_delay_s, self.max_restarts = restart_delay_s, max_restarts
-        self._regions = [Region(os.dup(r.fd), r.num_bytes, r.offset) for r in regions]  # ours until stop()
-        self._on_notices, self._on_death = on_notices, on_death
+        # One read-only copy per file (vLLM's layers share one object): ours until stop(). Regions name theirs.
+        self._files: list[int] = []
+        self._regions: list[tuple[int, int, int]] = []  # (file index, offset, num_bytes)
+        known: dict[tuple[int, int], int] = {}
+        try:
+            for r in regions:
+                status = os.fstat(r.fd)
+                key = (status.st_dev, status.st_ino)
+                if key not in known:
+                    if len(self._files) == channel.MAX_FDS:
+                        raise InvalidArgumentError("regions", f"more than {channel.MAX_FDS} files to map")
+                    known[key] = len(self._files)
+                    self._files.append(read_only_copy(r.fd))
+                self._regions.append((known[key], r.offset, r.num_bytes))
+        except BaseException:
+            channel.close_all(self._files)
+            raise
+        self._on_notices, self._on_death, self._on_up = on_notices, on_death, on_up
         self._changed = threading.Condition()
         self._current: WorkerUp | None = None
         self.deaths: list[WorkerDeath] = []
         self.failure = ""  # set when the supervisor gave up
         self._stopping = threading.Event()
-        self._sock: socket.socket | None = None
+        self._sock: socket.socket | None = None  # the current generation's channel and process (thread's)
+        self._process: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvxferd-worker-{name}", daemon=True)
 
     # ---- API --------------------------------------------------------------
@@ -121,32 +148,46 @@ class WorkerSupervisor:
                 self._changed.wait(left)
             return self._current
 
+    def send(self, message: dict) -> bool:
+        """Send the current generation a command it does not answer, never blocking (the data-plane thread
+        calls this): a worker that stopped reading its channel is killed. False when none is up."""
+        sock, process = self._sock, self._process
+        if sock is None or self.current is None:
+            return False
+        try:
+            channel.send(sock, message, block=False)
+        except BlockingIOError:
+            log.error("worker %s stopped reading its channel; killing it", self.name)
+            if process is not None:
+                process.kill()
+            return False
+        except (channel.ChannelClosed, OSError):
+            return False
+        return True
+
     def pace(self, poll_interval_s: float) -> None:
         """Have the worker poll its agent this often (this generation and the next ones); a no-op when
         unchanged, so a caller may say it every round."""
-        if poll_interval_s == self.poll_interval_s:
-            return
-        self.poll_interval_s = poll_interval_s
-        sock = self._sock
-        if sock is not None:
-            try:
-                channel.send(sock, {"op": "pace", "poll_interval_s": poll_interval_s})
-            except (channel.ChannelClosed, OSError):
-                pass  # it died: the next generation starts at this pace
+        if poll_interval_s != self.poll_interval_s:
+            self.poll_interval_s = poll_interval_s
+            self.send({"op": "pace", "poll_interval_s": poll_interval_s})  # dead: the next one starts at it
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Stop the worker (asked, then killed) and the supervisor; close the kept fds."""
+        """Stop the worker (asked; killed after ``timeout_s``) and the supervisor; close the kept fds."""
         self._stopping.set()
-        sock = self._sock
-        if sock is not None:
-            try:
-                channel.send(sock, {"op": "stop"})
-            except (channel.ChannelClosed, OSError):
-                pass
+        self.send({"op": "stop"})
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s + 1.0)
-        channel.close_all([r.fd for r in self._regions])
-        self._regions = []
+            self._thread.join(timeout_s)
+            process = self._process
+            if self._thread.is_alive() and process is not None:  # it ignored the stop (or hangs): it goes now
+                process.kill()
+                self._thread.join(timeout_s)
+        channel.close_all(self._files)
+        self._files = []
+
+    def forget_callbacks(self) -> None:
+        """Drop the callbacks (after :meth:`stop`): what they refer to need not outlive the supervisor."""
+        self._on_notices = self._on_death = self._on_up = None
 
     # ---- the thread -------------------------------------------------------
     def _run(self) -> None:
@@ -179,13 +220,20 @@ class WorkerSupervisor:
         """Run one generation until it ends; and why it never came up ("" if it did)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         start = time.monotonic()
-        process = spawn_worker(theirs.fileno())
-        theirs.close()
-        self._sock, refused = ours, ""
         try:
+            process = spawn_worker(theirs.fileno())
+        except OSError as err:
+            ours.close()
+            return WorkerDeath(generation, 0, -1, time.monotonic()), f"it could not be started: {err}"
+        finally:
+            theirs.close()
+        self._process, self._sock, refused = process, ours, ""
+        try:
+            if self._stopping.is_set():  # stop() came before this generation's channel was published
+                raise channel.ChannelClosed("stopping")
             channel.send(ours, {"op": "map", "name": f"{self.name}-w{generation}", "poll_interval_s": self.poll_interval_s,
-                                "regions": [{"num_bytes": r.num_bytes, "offset": r.offset} for r in self._regions]},
-                         [r.fd for r in self._regions])
+                                "regions": [{"file": f, "offset": o, "num_bytes": n} for f, o, n in self._regions]},
+                         self._files)
             self._until_mapped(ours, generation, process.pid, start)
             while True:
                 message, fds = channel.receive(ours)
@@ -193,10 +241,11 @@ class WorkerSupervisor:
                 self._take(message, generation)
         except channel.ChannelClosed:
             pass
-        except (InvalidArgumentError, UnavailableError) as err:  # out of protocol, or never came up
-            log.error("worker %s generation %d: %s; killing it", self.name, generation, err.message)
+        except Exception as err:  # noqa: BLE001 - out of protocol, never came up, or a callback failed
+            message = getattr(err, "message", None) or f"{type(err).__name__}: {err}"
+            log.error("worker %s generation %d: %s; killing it", self.name, generation, message)
+            refused = "" if self.current is not None else message
             process.kill()
-            refused = "" if self.current is not None else err.message
         noticed_s = time.monotonic()
         self._sock = None
         ours.close()
@@ -223,12 +272,18 @@ class WorkerSupervisor:
                     and all(isinstance(a, int) for a in addresses)):
                 raise InvalidArgumentError("mapped", "metadata (hex) and one address per region")
             try:
-                up = WorkerUp(generation, pid, bytes.fromhex(metadata), tuple(addresses), time.monotonic() - start)
+                up = WorkerUp(generation, pid, bytes.fromhex(metadata), tuple(addresses), time.monotonic() - start,
+                              bytes.fromhex(str(message.get("notices_metadata", ""))))
             except ValueError:
                 raise InvalidArgumentError("mapped", "metadata that is not hex") from None
             with self._changed:
                 self._current = up
                 self._changed.notify_all()
+            if generation > 1:
+                log.warning("worker %s generation %d (pid %d) is up after %.2f s", self.name, generation, pid,
+                            up.start_s)
+            if self._on_up is not None:
+                self._on_up(up)
             return
 
     def _take(self, message: dict, generation: int) -> None:

@@ -19,7 +19,7 @@ from kvxferd.rig.attack.reach import NixlReach, search_process_memory
 from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
 from tests.security.conftest import SPIFFE, tls_args
 
 pytestmark = pytest.mark.daemons
@@ -78,8 +78,8 @@ def served_info(cluster, ca) -> pb.EngineInfo:
     return info
 
 
-def worker_of(cluster) -> int:
-    (pid,) = children(cluster.prefill_daemons[0].process.pid)
+def worker_of(cluster, daemon=None) -> int:
+    (pid,) = children((daemon or cluster.prefill_daemons[0]).process.pid)
     return pid
 
 
@@ -101,8 +101,6 @@ def test_peers_read_through_the_worker_byte_exact(cluster, ca):
     assert all(c.ok for c in completions), [c.error for c in completions]
     assert cluster.verify(request) == ([], 0)
     assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]  # notices came via the worker
-    info = served_info(cluster, ca)
-    assert b"-w" in info.agent_metadata[:200]  # the worker's agent, not the daemon's
 
 
 def test_the_metadata_a_peer_gets_reaches_no_secret_of_the_daemon(cluster, ca):
@@ -112,12 +110,13 @@ def test_the_metadata_a_peer_gets_reaches_no_secret_of_the_daemon(cluster, ca):
     in_daemon = search_process_memory(cluster.prefill_daemons[0].process.pid, needles)
     assert all(in_daemon.values()), f"the control: the daemon holds each secret ({in_daemon})"
     worker = worker_of(cluster)
-    reach = NixlReach(served_info(cluster, ca).agent_metadata)
+    metadata = served_info(cluster, ca).agent_metadata
+    reach = NixlReach(metadata)
     try:
-        found, num_read = reach.search(worker, needles)
+        found, num_read = reach.search(worker, {**needles, "own name": agent_name_of(metadata).encode()})
     finally:
         reach.close()
-    assert num_read > 1 << 20, "the widened READs reached the worker's memory"
+    assert found.pop("own name"), "the widened READs reached the worker's heap (its agent's name is there)"
     assert found == {label: [] for label in needles}
     assert search_process_memory(worker, needles) == {label: [] for label in needles}
 
@@ -145,3 +144,52 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
     assert cluster.verify(request) == ([], 0)
     assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]  # the hold outlived it
     print(f"a read after the worker's death was ok {took_s:.2f} s after it died")
+
+
+def test_a_readers_worker_that_dies_introduces_its_new_notice_agent(cluster):
+    """The decode daemon's notices go out from its worker's notice agent; a new generation has a new one,
+    which holders count only once it was introduced: every link of the reader handshakes again. Without
+    that, its notices would be dropped as foreign and the hold would end EXPIRED, not CONSUMED."""
+    decode = cluster.decode_daemons[0]
+    first = worker_of(cluster, decode)
+    os.kill(first, signal.SIGKILL)
+    # Up, not just started: a read that ends while no worker is up has its notices dropped (its hold ends
+    # EXPIRED at its lease; docs/dataplane.md).
+    deadline = time.monotonic() + RESTART_BOUND_S
+    while "generation 2 (pid" not in open(decode.log_path).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_of(cluster, decode) != first
+    request = random_request("wk-reader", *GROUPS, 64, np.random.default_rng(2))
+    cluster.reset_decode()
+    cluster.hold(request)
+    read_until_ok(cluster, request, RESTART_BOUND_S)
+    assert cluster.verify(request) == ([], 0)
+    assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
+
+
+def test_deregistering_a_served_engine_stops_its_worker_and_closes_its_files(tmp_path):
+    with DaemonCluster(*GROUPS, 1, 1, workdir=str(tmp_path), name="wd", daemon_args=("--dataplane-workers",)) as c:
+        daemon = c.prefill_daemons[0]
+        worker = worker_of(c)
+        assert board_fds(daemon.process.pid) == 3  # the board's, its mapping's own copy, the worker's read-only one
+        next(client for client in c.clients if client.engine_id == c.prefill_id).deregister()
+        deadline = time.monotonic() + 10
+        while (children(daemon.process.pid) or board_fds(daemon.process.pid) > 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The board's fd and the worker's copy are closed; the mapping's own copy goes with the last view of
+        # the board (the slot's hold table), when the slot is collected.
+        assert children(daemon.process.pid) == [] and board_fds(daemon.process.pid) <= 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker, 0)
+        assert daemon.process.poll() is None
+
+
+def board_fds(pid: int) -> int:
+    """How many of ``pid``'s descriptors are a hold board's memfd."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += "kvxferd-hold-board" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return count

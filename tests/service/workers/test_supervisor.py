@@ -14,7 +14,7 @@ import pytest
 from kvxferd.errors import UnavailableError
 from kvxferd.rig.attack.reach import NixlReach, search_process_memory
 from kvxferd.service.workers.supervisor import Region, WorkerSupervisor
-from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
 
 CACHE_BYTES = 1 << 20
 RESTART_BOUND_S = 30.0  # a new generation serves within this (about 2 s here: kvxferd bench processes)
@@ -76,12 +76,14 @@ def test_a_worker_holds_none_of_its_supervisors_secrets(supervisor, monkeypatch)
     up = supervisor.start()
     needles = {"secret": secret}
     assert search_process_memory(os.getpid(), needles)["secret"], "the control: the secret is in the supervisor"
+    needles["own name"] = agent_name_of(up.metadata).encode()
     reach = NixlReach(up.metadata)
     try:
         through_nixl, num_read = reach.search(up.pid, needles)
     finally:
         reach.close()
-    assert num_read > 1 << 20 and through_nixl["secret"] == []  # the widened READs reached its heap and found none
+    assert num_read > 1 << 20 and through_nixl["secret"] == []  # the widened READs found none, and
+    assert through_nixl["own name"], "would have: they found the worker's own agent name in its heap"
     assert search_process_memory(up.pid, needles)["secret"] == []
     with open(f"/proc/{up.pid}/environ", "rb") as environ:
         assert b"KVXFERD_TEST_TOKEN" not in environ.read()
@@ -145,6 +147,83 @@ def test_the_supervisor_gives_up_on_a_worker_that_keeps_dying(cache):
             os.kill(up.pid, signal.SIGKILL)
         with pytest.raises(UnavailableError, match="worker deaths"):
             supervisor.wait_up(3, 60)
+        assert [d.returncode for d in supervisor.deaths] == [-signal.SIGKILL] * 2
+    finally:
+        supervisor.stop()
+
+
+def test_peers_cannot_write_through_a_workers_metadata(supervisor, cache):
+    """The worker maps the engine's memory read-only: a NIXL WRITE there faults the worker, not the cache.
+    The control: the same WRITE into an agent of this process that registered its memory writable lands."""
+    up = supervisor.start()
+    before = cache[1].copy()
+    writer = NixlAgent("kvx-test-writer")
+    source = np.full(4096, 0x5A, dtype=np.uint8)
+    target = np.zeros(4096, dtype=np.uint8)
+    control = NixlAgent("kvx-test-target")
+    try:
+        writer.register_array("source", source)
+        control.register_array("target", target)
+        for metadata, address in ((control.metadata(), target.ctypes.data), (up.metadata, up.addresses[0])):
+            name = writer.add_remote(metadata)
+            local = writer.prep_local(np.array([[source.ctypes.data, 4096, 0, 4096, 1]], dtype=np.uint64), "DRAM")
+            remote = writer.prep_remote(name, np.array([[address, 4096, 0, 4096, 1]], dtype=np.uint64), "DRAM")
+            handle = writer.raw.make_prepped_xfer("WRITE", local, [0], remote, [0], b"")
+            try:
+                state, deadline = writer.post(handle), time.monotonic() + 10
+                while state is TransferState.PROC and time.monotonic() < deadline:
+                    control.poll_notifications()  # the control target makes progress in this process
+                    state = writer.state(handle)
+            except NixlError:
+                state = TransferState.ERR
+            if metadata is up.metadata:
+                assert state is TransferState.ERR
+            else:
+                assert state is TransferState.DONE and (target == 0x5A).all()
+    finally:
+        writer.close()
+        control.close()
+    assert np.array_equal(cache[1], before)
+    assert supervisor.wait_up(2, RESTART_BOUND_S).generation == 2
+    assert supervisor.deaths[0].returncode == -signal.SIGSEGV
+
+
+def test_a_worker_that_ignores_stop_is_killed(cache):
+    supervisor = WorkerSupervisor("kvx-test-frozen", [Region(cache[0], CACHE_BYTES)])
+    up = supervisor.start()
+    os.kill(up.pid, signal.SIGSTOP)  # reads nothing, answers nothing
+    start = time.monotonic()
+    supervisor.stop(timeout_s=1.0)
+    assert time.monotonic() - start < 5.0
+    assert supervisor.deaths[-1].returncode == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.kill(up.pid, 0)
+
+
+HOSTILE = """
+import json, socket, sys
+sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--channel-fd") + 1]))
+socket.recv_fds(sock, 1 << 20, 300)
+sock.send(json.dumps({"op": "mapped", "metadata": "00", "addresses": [1]}).encode())
+sock.send(json.dumps({"op": "mapped", "metadata": "00", "addresses": [1]}).encode())  # out of protocol now
+sock.recv(1)
+"""
+
+
+def test_a_worker_out_of_protocol_is_killed_and_replaced(cache, monkeypatch):
+    """What a worker sends is untrusted: a message it may not send after ``mapped`` ends that generation."""
+    import subprocess
+    import sys
+
+    from kvxferd.service.workers import supervisor as module
+
+    monkeypatch.setattr(module, "spawn_worker", lambda fd: subprocess.Popen(
+        [sys.executable, "-c", HOSTILE, "--channel-fd", str(fd)], pass_fds=(fd,)))
+    supervisor = WorkerSupervisor("kvx-test-hostile", [Region(cache[0], CACHE_BYTES)], max_restarts=1)
+    try:
+        supervisor.start()
+        with pytest.raises(UnavailableError, match="worker deaths"):
+            supervisor.wait_up(3, 30)
         assert [d.returncode for d in supervisor.deaths] == [-signal.SIGKILL] * 2
     finally:
         supervisor.stop()
