@@ -2,9 +2,10 @@
 
 With ``dataplane_workers`` on, what a peer's READs reach is a worker's
 agent, not the daemon's: ``GetEngineInfo`` hands out the worker's metadata,
-its addresses of the engine's regions and of the hold board. The daemon
-keeps its own agent for its reads (the engine as a reader) and never hands
-that agent's metadata to a holder's readers::
+its addresses of the engine's regions and of the hold board; and the
+engine's notices as a reader go out from the worker's notice agent, so what
+holders are introduced to reaches the worker too. The daemon keeps its own
+agent for its READs (the engine as a reader), whose metadata it hands to no one::
 
     daemon (control plane)                      worker of this engine rank
     ──────────────────────                      ──────────────────────────
