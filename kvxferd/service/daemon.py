@@ -174,9 +174,11 @@ class Daemon:
                                      abort_drain_s=config.abort_drain_s,
                                      populate_host_memory=config.populate_host_memory, shm_group=gid,
                                      shm_uids=allowed_uids,
-                                     worker_poll_interval_s=config.poll_interval_s if config.dataplane_workers else None)
+                                     worker_poll_interval_s=config.poll_interval_s if config.dataplane_workers else None,
+                                     on_worker_death=self.metrics.worker_deaths.inc)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
+            self.metrics.workers_given_up.set_function(self.registry.num_workers_given_up)
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
             engine_server = self._new_server(config.max_message_bytes)

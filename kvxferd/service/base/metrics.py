@@ -144,6 +144,12 @@ class Metrics:
                                   registry=r)
         self.loop_stalls = Counter("kvxferd_loop_stalls", "times the event loop woke over LOOP_STALL_S late "
                                    "(stopped, starved, or a blocking call on it)", registry=r)
+        self.worker_deaths = Counter("kvxferd_dataplane_worker_deaths", "data-plane workers that ended other than "
+                                     "at their engine's deregistration (dataplane_workers; each is started again)",
+                                     registry=r)
+        self.workers_given_up = Gauge("kvxferd_dataplane_workers_given_up", "engine ranks whose data-plane worker "
+                                      "died too often to start again (peers are refused until the engine "
+                                      "registers again)", registry=r)
         self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)
         self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
         self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)

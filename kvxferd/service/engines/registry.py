@@ -81,12 +81,14 @@ class Registry:
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
                  max_hold_s: float = float("inf"), abort_drain_s: float = 30.0,
                  populate_host_memory: bool = True, shm_group: int | None = None,
-                 shm_uids: frozenset[int] = frozenset(), worker_poll_interval_s: float | None = None) -> None:
+                 shm_uids: frozenset[int] = frozenset(), worker_poll_interval_s: float | None = None,
+                 on_worker_death: Callable[[], None] | None = None) -> None:
         """``shm_group``: engine_socket_group, whose members may register too, and ``shm_uids``: allowed_uids,
         who may too (see memory.ShmOpeners); ``worker_poll_interval_s``: host-memory ranks are served to peers
         by data-plane workers polling this often (None: by this process, as without dataplane_workers)."""
         self.dataplane = dataplane
         self.worker_poll_interval_s = worker_poll_interval_s
+        self.on_worker_death = on_worker_death  # a worker ended unasked (any thread)
         self.shm_group, self.shm_uids = shm_group, shm_uids
         self.populate_host_memory = populate_host_memory  # fault a host cache's pages in at registration
         self.max_holds = max_holds  # per engine rank: sizes its hold board
@@ -276,7 +278,7 @@ class Registry:
             region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
             served = WorkerServed(f"{name}-w", region_fds, BoardMemory.create(buckets_for(self.max_holds)),
                                   lambda notices: self.dataplane.take_notices(slot, notices),
-                                  self.worker_poll_interval_s)
+                                  self.worker_poll_interval_s, on_death=self.on_worker_death)
         executor = ReadExecutor(agent, cache, served.notices if served else None)
         executor.abort_drain_s = self.abort_drain_s
         holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=served.board.words if served else None)
@@ -363,6 +365,10 @@ class Registry:
                 ended = slot.holds.expire(now, max_ends=MAX_EXPIRIES_PER_TICK)
             for end in ended:
                 self.publish(slot, end)
+
+    def num_workers_given_up(self) -> int:
+        """Engine ranks whose data-plane worker is not started again (it died too often)."""
+        return sum(1 for slot in list(self.slots.values()) if slot.served is not None and slot.served.supervisor.failure)
 
     def num_holds(self) -> int:
         return sum(len(s.holds) for s in self.slots.values())

@@ -81,15 +81,18 @@ class WorkerServed:
     """The worker serving one engine rank, the board it shares with it, and its notice agent."""
 
     def __init__(self, name: str, region_fds: list[tuple[int, int, int]], board: BoardMemory,
-                 on_notices: Callable[[list[tuple[str, bytes]]], None], poll_interval_s: float) -> None:
+                 on_notices: Callable[[list[tuple[str, bytes]]], None], poll_interval_s: float, *,
+                 on_death: Callable[[], None] | None = None) -> None:
         """A worker for ``region_fds`` (fd, offset, num_bytes per region, in the cache's order) and ``board``,
         not started yet (:meth:`start`); ``on_generation`` (set before it) hears of each new generation."""
         regions = [Region(fd, num_bytes, offset) for fd, offset, num_bytes in region_fds]
         regions.append(Region(board.fd, board.words.nbytes))
         self.board, self.num_regions = board, len(region_fds)
         self.on_generation: Callable[[WorkerUp], None] | None = None
+        self.closing = False
         self.supervisor = WorkerSupervisor(name, regions, poll_interval_s=poll_interval_s, on_up=self._up,
-                                           on_notices=lambda generation, pairs: on_notices(pairs))
+                                           on_notices=lambda generation, pairs: on_notices(pairs),
+                                           on_death=lambda death: on_death and not self.closing and on_death())
         self.notices = WorkerNotices(self.supervisor)  # the executor's notice agent (the engine as a reader)
 
     def start(self) -> None:
@@ -117,6 +120,7 @@ class WorkerServed:
 
     def close(self) -> None:
         """Stop the worker (its registrations go with it), then let go of the board."""
+        self.closing = True  # its end from here on is asked for, not a death
         self.notices.close()
         self.supervisor.stop()
         self.supervisor.forget_callbacks()  # they close over the slot: no cycle keeps its board mapped

@@ -126,6 +126,7 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
     cluster.reset_decode()
     cluster.hold(request)  # held before the crash; read after it
     first = worker_of(cluster)
+    deaths = cluster.prefill_daemons[0].metric("kvxferd_dataplane_worker_deaths_total")
     reach = NixlReach(served_info(cluster, ca).agent_metadata)
     try:
         state, _ = reach.read(0x10000, 4096, timeout_s=10.0)
@@ -141,6 +142,7 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
     assert cluster.prefill_daemons[0].process.poll() is None  # the daemon lives on
     took_s = read_until_ok(cluster, request, RESTART_BOUND_S)
     assert worker_of(cluster) != first
+    assert cluster.prefill_daemons[0].metric("kvxferd_dataplane_worker_deaths_total") >= deaths + 1
     assert cluster.verify(request) == ([], 0)
     assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]  # the hold outlived it
     print(f"a read after the worker's death was ok {took_s:.2f} s after it died")
@@ -182,6 +184,7 @@ def test_deregistering_a_served_engine_stops_its_worker_and_closes_its_files(tmp
         with pytest.raises(ProcessLookupError):
             os.kill(worker, 0)
         assert daemon.process.poll() is None
+        assert daemon.metric("kvxferd_dataplane_worker_deaths_total") == 0  # asked to end: not a death
 
 
 def board_fds(pid: int) -> int:
