@@ -30,6 +30,7 @@ import numpy as np
 
 from kvxferd.errors import KvxferError
 from kvxferd.wire import workerchannel as channel
+from kvxferd.worker import sandbox
 from kvxferd.xfer.nixl.agent import NixlAgent, quiet_nixl_logging
 
 log = logging.getLogger("kvxferd.worker")
@@ -91,8 +92,9 @@ class Worker:
             agent.register_array(f"region-{n}", array)
         self.agent, self.poll_interval_s, self.arrays = agent, float(interval), arrays
         self.notices = NixlAgent(f"{name}.notices")
+        confined = sandbox.restrict()  # for good, now that its agents and mappings exist
         return {"op": "mapped", "metadata": agent.metadata().hex(), "addresses": [a.ctypes.data for a in arrays],
-                "notices_metadata": self.notices.metadata().hex()}
+                "notices_metadata": self.notices.metadata().hex(), "sandbox": confined}
 
     def notice_op(self, op: str, message: dict) -> dict:
         """Load or unload a holder's metadata on the notice agent, connect to it, or send it a notice."""

@@ -61,6 +61,7 @@ class WorkerUp:
     addresses: tuple[int, ...]
     start_s: float  # from exec to its answer
     notices_metadata: bytes = field(default=b"", repr=False)  # its notice agent's (the engine as a reader)
+    sandbox: str = ""  # how the worker confined itself ("landlock ABI n", or "off: why")
 
 
 @dataclass(frozen=True)
@@ -273,12 +274,15 @@ class WorkerSupervisor:
                 raise InvalidArgumentError("mapped", "metadata (hex) and one address per region")
             try:
                 up = WorkerUp(generation, pid, bytes.fromhex(metadata), tuple(addresses), time.monotonic() - start,
-                              bytes.fromhex(str(message.get("notices_metadata", ""))))
+                              bytes.fromhex(str(message.get("notices_metadata", ""))), str(message.get("sandbox"))[:200])
             except ValueError:
                 raise InvalidArgumentError("mapped", "metadata that is not hex") from None
             with self._changed:
                 self._current = up
                 self._changed.notify_all()
+            if not up.sandbox.startswith("landlock"):
+                log.warning("worker %s runs unconfined (%s): code running in it can open the daemon's files",
+                            self.name, up.sandbox)
             if generation > 1:
                 log.warning("worker %s generation %d (pid %d) is up after %.2f s", self.name, generation, pid,
                             up.start_s)
