@@ -31,7 +31,7 @@ import numpy as np
 from kvxferd.errors import KvxferError
 from kvxferd.wire import workerchannel as channel
 from kvxferd.worker import sandbox
-from kvxferd.xfer.nixl.agent import NixlAgent, quiet_nixl_logging
+from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of, quiet_nixl_logging
 
 log = logging.getLogger("kvxferd.worker")
 MAX_NAME_CHARS = 128
@@ -61,6 +61,7 @@ class Worker:
         self.poll_interval_s: float | None = None  # None: nothing to poll until mapped
         self.notices: NixlAgent | None = None  # sends the engine's read notices to holders (its reader side)
         self.notices_until = 0.0  # time.monotonic() until which notices just sent are polled on fast
+        self.loaded: set[str] = set()  # holders' agents the notice agent loaded
 
     def map(self, message: dict, fds: list[int]) -> dict:
         """Map each file, register every region of them with a new agent; the agents' metadata."""
@@ -100,14 +101,20 @@ class Worker:
         """Load or unload a holder's metadata on the notice agent, connect to it, or send it a notice."""
         if self.notices is None:
             raise ValueError(f"{op} before map")
-        if op == "load":
-            self.notices.add_remote(bytes.fromhex(str(message.get("metadata"))), "metadata")
+        if op == "load":  # once per name: the control plane counts references, and may load again
+            metadata = bytes.fromhex(str(message.get("metadata")))
+            name = agent_name_of(metadata, "metadata")
+            if name not in self.loaded:
+                self.notices.add_remote(metadata, "metadata")
+                self.loaded.add(name)
             return {}
         agent = message.get("agent")
         if not isinstance(agent, str):
             raise ValueError(f"{op}: agent must be a name")
         if op == "unload":
-            self.notices.remove_remote(agent)
+            if agent in self.loaded:
+                self.loaded.discard(agent)
+                self.notices.remove_remote(agent)
         elif op == "connect":
             self.notices.connect_to(agent)
         else:

@@ -75,7 +75,7 @@ NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alo
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
-MAX_COMMANDS = 4096  # commands waiting for the thread past which a worker's notices are dropped
+MAX_WORKER_NOTICES = 8192  # notices of one slot's worker waiting for the thread, past which they are dropped
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
 INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
 
@@ -113,6 +113,9 @@ class DataPlane:
         self._reads: list[Read] = []  # posted, owned by this thread until handed back ended
         self._commands: collections.deque[Read | _Call] = collections.deque()
         self._wake = Waker()
+        self._worker_notices_lock = threading.Lock()  # the two below: supervisors' threads and this one
+        self._worker_notices: dict[int, int] = {}  # id(slot) -> its worker's notices waiting for this thread
+        self._worker_notices_dropped: dict[int, int] = {}  # id(slot) -> dropped since this thread last looked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxferd-dataplane", daemon=True)
         # written by the loop / by this thread / by the loop (reads that ended within post_now) only
@@ -196,13 +199,24 @@ class DataPlane:
         return future
 
     def take_notices(self, slot: EngineSlot, notices: list[tuple[str, bytes]]) -> None:
-        """Notices a slot's data-plane worker received: counted on this thread like its own (any thread).
-        Past MAX_COMMANDS waiting (a worker flooding the thread every engine shares) they are dropped."""
-        if len(self._commands) >= MAX_COMMANDS:
-            for _ in notices:
-                slot.holder.counts.add(NoticeEvent.BAD)
-            return
-        self.call(lambda: self._count_notices(slot, notices))
+        """Notices a slot's data-plane worker received: counted on this thread like its own (its supervisor's
+        thread calls this). Past MAX_WORKER_NOTICES of one slot waiting (a worker flooding the thread every
+        engine shares) its notices are dropped, and counted as such on this thread."""
+        with self._worker_notices_lock:
+            waiting = self._worker_notices.get(id(slot), 0)
+            if waiting + len(notices) > MAX_WORKER_NOTICES:
+                self._worker_notices_dropped[id(slot)] = self._worker_notices_dropped.get(id(slot), 0) + len(notices)
+                return
+            self._worker_notices[id(slot)] = waiting + len(notices)
+        self.call(lambda: self._count_worker_notices(slot, notices))
+
+    def _count_worker_notices(self, slot: EngineSlot, notices: list[tuple[str, bytes]]) -> bool:
+        with self._worker_notices_lock:
+            self._worker_notices[id(slot)] -= len(notices)
+            dropped = self._worker_notices_dropped.pop(id(slot), 0)
+        for _ in range(dropped):
+            slot.holder.counts.add(NoticeEvent.BAD)
+        return self._count_notices(slot, notices)
 
     # ---- commands (data-plane thread) ---------------------------------------------
     def add_slot(self, slot: EngineSlot) -> None:

@@ -273,27 +273,34 @@ class Registry:
                   loop: asyncio.AbstractEventLoop | None = None) -> EngineSlot:
         name = f"{self.daemon_id}.{cache.engine_id}.{cache.tp_rank}.{incarnation[:12]}"
         agent = NixlAgent(name)
-        served = None
-        if self.worker_poll_interval_s is not None and cache.mem_type == "DRAM":
-            region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
-            served = WorkerServed(f"{name}-w", region_fds, BoardMemory.create(buckets_for(self.max_holds)),
-                                  lambda notices: self.dataplane.take_notices(slot, notices),
-                                  self.worker_poll_interval_s, on_death=self.on_worker_death)
-        executor = ReadExecutor(agent, cache, served.notices if served else None)
-        executor.abort_drain_s = self.abort_drain_s
-        holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=served.board.words if served else None)
-        slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
-        slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need
-        if served is not None:
-            served.on_generation = lambda up: self._worker_up(slot, up, loop)
-            try:
+        served = executor = None
+        try:
+            if self.worker_poll_interval_s is not None and cache.mem_type == "DRAM":
+                region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
+                board = BoardMemory.create(buckets_for(self.max_holds))
+                try:
+                    served = WorkerServed(f"{name}-w", region_fds, board,
+                                          lambda notices: self.dataplane.take_notices(slot, notices),
+                                          self.worker_poll_interval_s, on_death=self.on_worker_death)
+                except BaseException:
+                    board.close()
+                    raise
+            executor = ReadExecutor(agent, cache, served.notices if served else None)
+            executor.abort_drain_s = self.abort_drain_s
+            holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=served.board.words if served else None)
+            slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
+            slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need
+            if served is not None:
+                served.on_generation = lambda up: self._worker_up(slot, up, loop)
                 served.start()
-            except BaseException:
-                served.close()
+                slot.served = served
+            slot.notices_metadata = executor.notices_metadata()
+        except BaseException:
+            if served is not None:
+                served.close()  # the worker (if it started), its files and the board
+            if executor is not None:
                 executor.close()
-                raise
-            slot.served = served
-        slot.notices_metadata = executor.notices_metadata()
+            raise
         slot.heartbeat()
         return slot
 

@@ -122,7 +122,7 @@ class WorkerServed:
         """Stop the worker (its registrations go with it), then let go of the board."""
         self.closing = True  # its end from here on is asked for, not a death
         self.notices.close()
-        self.supervisor.stop()
+        self.supervisor.stop()  # also before it started: closes its read-only copies
         self.supervisor.forget_callbacks()  # they close over the slot: no cycle keeps its board mapped
         self.on_generation = None
         self.board.close()

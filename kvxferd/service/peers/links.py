@@ -236,6 +236,7 @@ class Peers:
 
     async def _handshake(self, slot: EngineSlot, link: RemoteLink, addresses: tuple[str, ...]) -> None:
         start = time.perf_counter()
+        introduced = slot.notices_metadata  # a data-plane worker's new generation replaces it meanwhile: stale
         try:
             infos = await asyncio.gather(*(self._engine_info(slot, link, q, a, len(addresses))
                                            for q, a in enumerate(addresses)))
@@ -257,7 +258,7 @@ class Peers:
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
             link.addresses = addresses  # the remote connected to: a failed probe leaves the link stale
             probe_s = await self._probe(slot, link.remote, addresses)
-            link.incarnations, link.stale = incarnations, False
+            link.incarnations, link.stale = incarnations, slot.notices_metadata is not introduced
             self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)
             log.info("handshake done", extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id,
                                               "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4),

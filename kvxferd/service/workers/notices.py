@@ -17,7 +17,9 @@ Nothing waits for an answer: the daemon's own agent loaded the same
 metadata first (``Connections.connect``), so the worker's load cannot fail
 for the bytes; a worker that refuses anyway says so in an ``error`` line,
 and those holders' holds end ``EXPIRED`` instead of ``CONSUMED``. A new
-generation gets every holder still referenced loaded again (:meth:`reload`).
+generation gets every holder still referenced loaded again (:meth:`reload`,
+before the generation is published; the worker loads a name once, however
+often it is told, and the references are counted here).
 """
 
 from __future__ import annotations
@@ -85,8 +87,9 @@ class WorkerNotices:
     def reload(self, up: WorkerUp) -> None:
         """A new generation: load every holder still referenced again (on the supervisor's thread)."""
         with self._lock:
-            for metadata, _ in self._remotes.values():
+            for name, (metadata, _) in self._remotes.items():
                 self.supervisor.send({"op": "load", "metadata": metadata.hex()})
+                self.supervisor.send({"op": "connect", "agent": name})  # now, not on its first notice
 
     def close(self) -> None:
         with self._lock:

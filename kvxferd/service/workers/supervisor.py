@@ -34,10 +34,13 @@ from dataclasses import dataclass, field
 from kvxferd.errors import InvalidArgumentError, UnavailableError
 from kvxferd.service.workers.spawn import spawn_worker
 from kvxferd.wire import workerchannel as channel
+from kvxferd.xfer.nixl.agent import agent_name_of
 
 log = logging.getLogger("kvxferd.workers")
 MAP_TIMEOUT_S = 60.0  # exec, import NIXL, map, register: about 2 s here (kvxferd bench processes)
 STOP_TIMEOUT_S = 5.0
+CHANNEL_BUFFER_BYTES = 4 << 20  # each way: a new generation's reload of every holder's metadata fits
+FULL_CHANNEL_S = 5.0  # a worker whose channel stays full this long has stopped reading it: killed
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S; past it the supervisor gives up (the engine must register again)
 RESTART_WINDOW_S = 60.0
 
@@ -76,8 +79,14 @@ class WorkerDeath:
 
 def read_only_copy(fd: int) -> int:
     """``fd``'s file opened again read-only: a worker can neither write it nor change its size (a shrunk
-    object would fault whoever maps it here, the engine included)."""
-    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    object would fault whoever maps it here, the engine included). Reopening checks permissions again: a
+    file this user may not open itself (another user's, passed as an fd) is shared as passed, with a warning."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except PermissionError:
+        log.warning("a region's file cannot be reopened read-only by the daemon's user: its worker gets the "
+                    "engine's own descriptor (it could change the file's size)")
+        return os.dup(fd)
 
 
 class WorkerSupervisor:
@@ -119,6 +128,7 @@ class WorkerSupervisor:
         self._stopping = threading.Event()
         self._sock: socket.socket | None = None  # the current generation's channel and process (thread's)
         self._process: subprocess.Popen | None = None
+        self._full_since_s: float | None = None  # when a send first found the channel full (None: it is not)
         self._thread = threading.Thread(target=self._run, name=f"kvxferd-worker-{name}", daemon=True)
 
     # ---- API --------------------------------------------------------------
@@ -151,19 +161,25 @@ class WorkerSupervisor:
 
     def send(self, message: dict) -> bool:
         """Send the current generation a command it does not answer, never blocking (the data-plane thread
-        calls this): a worker that stopped reading its channel is killed. False when none is up."""
+        calls this); the worker takes commands in order, so one sent before it mapped waits for that.
+        A full channel drops the message; one full for FULL_CHANNEL_S (the worker stopped reading) kills
+        the worker. False when it was not sent."""
         sock, process = self._sock, self._process
-        if sock is None or self.current is None:
+        if sock is None:
             return False
         try:
             channel.send(sock, message, block=False)
         except BlockingIOError:
-            log.error("worker %s stopped reading its channel; killing it", self.name)
-            if process is not None:
+            now = time.monotonic()
+            if self._full_since_s is None:
+                self._full_since_s = now
+            elif now - self._full_since_s > FULL_CHANNEL_S and process is not None:
+                log.error("worker %s has read nothing for %.0f s; killing it", self.name, now - self._full_since_s)
                 process.kill()
             return False
         except (channel.ChannelClosed, OSError):
             return False
+        self._full_since_s = None
         return True
 
     def pace(self, poll_interval_s: float) -> None:
@@ -192,6 +208,19 @@ class WorkerSupervisor:
 
     # ---- the thread -------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._generations()
+        except Exception as err:  # noqa: BLE001 - a supervisor that stops says why; peers get UNAVAILABLE
+            self.failure = f"the supervisor failed: {type(err).__name__}: {err}"
+            log.exception("worker %s: %s", self.name, self.failure)
+            process = self._process
+            if process is not None:
+                process.kill()
+            with self._changed:
+                self._current = None
+                self._changed.notify_all()
+
+    def _generations(self) -> None:
         generation, recent = 0, []
         while not self._stopping.is_set():
             generation += 1
@@ -220,6 +249,9 @@ class WorkerSupervisor:
     def _serve(self, generation: int) -> tuple[WorkerDeath, str]:
         """Run one generation until it ends; and why it never came up ("" if it did)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for end in (ours, theirs):
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHANNEL_BUFFER_BYTES)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CHANNEL_BUFFER_BYTES)
         start = time.monotonic()
         try:
             process = spawn_worker(theirs.fileno())
@@ -268,15 +300,9 @@ class WorkerSupervisor:
                 raise UnavailableError("worker", f"it could not map: {str(message.get('message'))[:500]}")
             if message["op"] != "mapped":
                 raise InvalidArgumentError("message", f"{message['op'][:32]!r} before mapped")
-            metadata, addresses = message.get("metadata"), message.get("addresses")
-            if not (isinstance(metadata, str) and isinstance(addresses, list) and len(addresses) == len(self._regions)
-                    and all(isinstance(a, int) for a in addresses)):
-                raise InvalidArgumentError("mapped", "metadata (hex) and one address per region")
-            try:
-                up = WorkerUp(generation, pid, bytes.fromhex(metadata), tuple(addresses), time.monotonic() - start,
-                              bytes.fromhex(str(message.get("notices_metadata", ""))), str(message.get("sandbox"))[:200])
-            except ValueError:
-                raise InvalidArgumentError("mapped", "metadata that is not hex") from None
+            up = self._checked_up(message, generation, pid, start)
+            if self._on_up is not None:  # before anyone else may send this generation anything
+                self._on_up(up)
             with self._changed:
                 self._current = up
                 self._changed.notify_all()
@@ -286,9 +312,24 @@ class WorkerSupervisor:
             if generation > 1:
                 log.warning("worker %s generation %d (pid %d) is up after %.2f s", self.name, generation, pid,
                             up.start_s)
-            if self._on_up is not None:
-                self._on_up(up)
             return
+
+    def _checked_up(self, message: dict, generation: int, pid: int, start: float) -> WorkerUp:
+        """The ``mapped`` answer, believed only as far as it can be checked: the agents it was told to make
+        (a worker naming another's agent would have peers refuse that one), one address per region."""
+        addresses, name = message.get("addresses"), f"{self.name}-w{generation}"
+        if not (isinstance(addresses, list) and len(addresses) == len(self._regions)
+                and all(isinstance(a, int) and 0 < a < 1 << 64 for a in addresses)):
+            raise InvalidArgumentError("mapped", "one address (a u64) per region")
+        try:
+            metadata = bytes.fromhex(str(message.get("metadata")))
+            notices = bytes.fromhex(str(message.get("notices_metadata")))
+        except ValueError:
+            raise InvalidArgumentError("mapped", "metadata that is not hex") from None
+        if agent_name_of(metadata) != name or agent_name_of(notices) != f"{name}.notices":
+            raise InvalidArgumentError("mapped", f"agents not named {name!r} and {name + '.notices'!r}")
+        return WorkerUp(generation, pid, metadata, tuple(addresses), time.monotonic() - start, notices,
+                        str(message.get("sandbox"))[:200])
 
     def _take(self, message: dict, generation: int) -> None:
         op = message["op"]

@@ -160,6 +160,7 @@ def test_a_readers_worker_that_dies_introduces_its_new_notice_agent(cluster):
     deadline = time.monotonic() + RESTART_BOUND_S
     while "generation 2 (pid" not in open(decode.log_path).read() and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert "generation 2 (pid" in open(decode.log_path).read()
     assert worker_of(cluster, decode) != first
     request = random_request("wk-reader", *GROUPS, 64, np.random.default_rng(2))
     cluster.reset_decode()

@@ -202,9 +202,13 @@ def test_a_worker_that_ignores_stop_is_killed(cache):
 
 HOSTILE = """
 import json, socket, sys
+from kvxferd.xfer.nixl.agent import NixlAgent
 sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--channel-fd") + 1]))
-socket.recv_fds(sock, 1 << 20, 300)
-sock.send(json.dumps({"op": "mapped", "metadata": "00", "addresses": [1]}).encode())
+data, _, _, _ = socket.recv_fds(sock, 1 << 20, 300)
+name = json.loads(data)["name"]
+agents = NixlAgent(name), NixlAgent(name + ".notices")  # a proper answer first
+sock.send(json.dumps({"op": "mapped", "metadata": agents[0].metadata().hex(), "addresses": [4096],
+                      "notices_metadata": agents[1].metadata().hex(), "sandbox": "none"}).encode())
 sock.send(json.dumps({"op": "mapped", "metadata": "00", "addresses": [1]}).encode())  # out of protocol now
 sock.recv(1)
 """
@@ -227,3 +231,29 @@ def test_a_worker_out_of_protocol_is_killed_and_replaced(cache, monkeypatch):
         assert [d.returncode for d in supervisor.deaths] == [-signal.SIGKILL] * 2
     finally:
         supervisor.stop()
+
+
+IMPOSTOR = """
+import json, socket, sys
+from kvxferd.xfer.nixl.agent import NixlAgent
+sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--channel-fd") + 1]))
+socket.recv_fds(sock, 1 << 20, 300)
+agents = NixlAgent("another-engines-agent"), NixlAgent("another-engines-agent.notices")
+sock.send(json.dumps({"op": "mapped", "metadata": agents[0].metadata().hex(), "addresses": [4096],
+                      "notices_metadata": agents[1].metadata().hex(), "sandbox": "none"}).encode())
+sock.recv(1)
+"""
+
+
+def test_a_worker_answering_with_another_agents_name_is_refused(cache, monkeypatch):
+    """Peers refuse a second agent under a name they know: a worker may not claim one it was not given."""
+    import subprocess
+    import sys
+
+    from kvxferd.service.workers import supervisor as module
+
+    monkeypatch.setattr(module, "spawn_worker", lambda fd: subprocess.Popen(
+        [sys.executable, "-c", IMPOSTOR, "--channel-fd", str(fd)], pass_fds=(fd,)))
+    supervisor = WorkerSupervisor("kvx-test-impostor", [Region(cache[0], CACHE_BYTES)])
+    with pytest.raises(UnavailableError, match="agents not named"):
+        supervisor.start(timeout_s=30)
