@@ -275,6 +275,25 @@ class DaemonSet:
             life.daemon.terminate()
 
 
+def dataplane_workers(pid: int) -> list[int]:
+    """The live data-plane workers (``dataplane_workers``) daemon ``pid`` started."""
+    workers = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                kids = [int(k) for k in children.read().split()]
+        except FileNotFoundError:
+            continue
+        for kid in kids:
+            try:
+                with open(f"/proc/{kid}/cmdline", "rb") as cmdline:
+                    if b"kvxferd.worker" in cmdline.read():
+                        workers.append(kid)
+            except FileNotFoundError:
+                pass
+    return workers
+
+
 def usage(pid: int) -> dict[str, int]:
     """What one process holds: open fds, threads, resident bytes, and its shared-memory mappings: engine
     arenas (``psm_*``, which must be gone once no engine is registered) and the rest (UCX's own segments)."""

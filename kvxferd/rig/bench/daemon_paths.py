@@ -15,6 +15,7 @@ import time
 import grpc
 import numpy as np
 
+from kvxferd.rig.daemons import dataplane_workers
 from kvxferd.rig.bench.common import full_attention_groups, percentiles_us
 from kvxferd.rig.bench.raw import RawReader
 from kvxferd.plan.engine import ReadRequest
@@ -181,7 +182,15 @@ def _idle_cpu_percent(pids: dict, idle_s: float) -> dict:
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    """User + system CPU seconds of a daemon and of its data-plane workers (``dataplane_workers``), summed."""
+    return sum(_own_cpu_s(p) for p in (pid, *dataplane_workers(pid)))
+
+
+def _own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (Linux); 0 for one that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

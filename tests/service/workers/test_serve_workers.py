@@ -16,7 +16,7 @@ import pytest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.rig.attack.reach import NixlReach, search_process_memory
-from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.rig.daemons import DaemonCluster, dataplane_workers
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
@@ -42,23 +42,6 @@ def cluster(workdir, ca):
             yield c
 
 
-def children(pid: int) -> list[int]:
-    """The data-plane workers ``pid`` started."""
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(k) for k in f.read().split()]
-    workers = []
-    for kid in kids:
-        try:
-            with open(f"/proc/{kid}/cmdline", "rb") as f:
-                if b"kvxferd.worker" in f.read():
-                    workers.append(kid)
-        except FileNotFoundError:
-            pass
-    return workers
-
-
 def served_info(cluster, ca) -> pb.EngineInfo:
     """The prefill rank's engine info as an allowed peer gets it."""
     daemon, issued = cluster.prefill_daemons[0], cluster.issued
@@ -79,7 +62,7 @@ def served_info(cluster, ca) -> pb.EngineInfo:
 
 
 def worker_of(cluster, daemon=None) -> int:
-    (pid,) = children((daemon or cluster.prefill_daemons[0]).process.pid)
+    (pid,) = dataplane_workers((daemon or cluster.prefill_daemons[0]).process.pid)
     return pid
 
 
@@ -136,9 +119,9 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
         reach.close()
     assert state is TransferState.ERR
     deadline = time.monotonic() + RESTART_BOUND_S
-    while first in children(cluster.prefill_daemons[0].process.pid) and time.monotonic() < deadline:
+    while first in dataplane_workers(cluster.prefill_daemons[0].process.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert first not in children(cluster.prefill_daemons[0].process.pid)
+    assert first not in dataplane_workers(cluster.prefill_daemons[0].process.pid)
     assert cluster.prefill_daemons[0].process.poll() is None  # the daemon lives on
     took_s = read_until_ok(cluster, request, RESTART_BOUND_S)
     assert worker_of(cluster) != first
@@ -177,11 +160,11 @@ def test_deregistering_a_served_engine_stops_its_worker_and_closes_its_files(tmp
         assert board_fds(daemon.process.pid) == 3  # the board's, its mapping's own copy, the worker's read-only one
         next(client for client in c.clients if client.engine_id == c.prefill_id).deregister()
         deadline = time.monotonic() + 10
-        while (children(daemon.process.pid) or board_fds(daemon.process.pid) > 1) and time.monotonic() < deadline:
+        while (dataplane_workers(daemon.process.pid) or board_fds(daemon.process.pid) > 1) and time.monotonic() < deadline:
             time.sleep(0.05)
         # The board's fd and the worker's copy are closed; the mapping's own copy goes with the last view of
         # the board (the slot's hold table), when the slot is collected.
-        assert children(daemon.process.pid) == [] and board_fds(daemon.process.pid) <= 1
+        assert dataplane_workers(daemon.process.pid) == [] and board_fds(daemon.process.pid) <= 1
         with pytest.raises(ProcessLookupError):
             os.kill(worker, 0)
         assert daemon.process.poll() is None
