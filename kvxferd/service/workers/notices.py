@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import threading
 
-from kvxferd.errors import InvalidArgumentError, UnavailableError
+from kvxferd.errors import UnavailableError
 from kvxferd.service.workers.supervisor import WorkerSupervisor, WorkerUp
-from kvxferd.xfer.nixl.agent import agent_name_of
+from kvxferd.xfer.nixl.agent import RemoteRefs, agent_name_of
 
 
 class WorkerNotices:
@@ -37,7 +37,7 @@ class WorkerNotices:
     def __init__(self, supervisor: WorkerSupervisor) -> None:
         self.supervisor = supervisor
         self._lock = threading.Lock()
-        self._remotes: dict[str, tuple[bytes, int]] = {}  # agent name -> (metadata, references)
+        self._remotes = RemoteRefs()
 
     @property
     def name(self) -> str:
@@ -53,26 +53,14 @@ class WorkerNotices:
         """Load a holder's metadata in the worker (counted per agent name, as NixlAgent.add_remote)."""
         name = agent_name_of(metadata, field)
         with self._lock:
-            known = self._remotes.get(name)
-            if known is not None:
-                if known[0] != metadata:
-                    raise InvalidArgumentError(field, f"agent {name!r} is already connected with other metadata")
-                self._remotes[name] = (metadata, known[1] + 1)
-                return name
-            self._remotes[name] = (metadata, 1)
-            self.supervisor.send({"op": "load", "metadata": metadata.hex()})
+            if self._remotes.add(name, metadata, field):
+                self.supervisor.send({"op": "load", "metadata": metadata.hex()})
         return name
 
     def remove_remote(self, name: str) -> None:
         with self._lock:
-            known = self._remotes.get(name)
-            if known is None:
-                return
-            if known[1] > 1:
-                self._remotes[name] = (known[0], known[1] - 1)
-                return
-            del self._remotes[name]
-            self.supervisor.send({"op": "unload", "agent": name})
+            if self._remotes.remove(name):
+                self.supervisor.send({"op": "unload", "agent": name})
 
     def connect_to(self, agent_name: str) -> None:
         self.supervisor.send({"op": "connect", "agent": agent_name})
@@ -87,7 +75,7 @@ class WorkerNotices:
     def reload(self, up: WorkerUp) -> None:
         """A new generation: load every holder still referenced again (on the supervisor's thread)."""
         with self._lock:
-            for name, (metadata, _) in self._remotes.items():
+            for name, metadata in self._remotes.metadata().items():
                 self.supervisor.send({"op": "load", "metadata": metadata.hex()})
                 self.supervisor.send({"op": "connect", "agent": name})  # now, not on its first notice
 

@@ -104,6 +104,50 @@ def collect_agents() -> None:
     gc.collect()
 
 
+class RemoteRefs:
+    """Remote agents loaded, counted per name (the caller's lock guards it): the first reference loads a
+    name, the last unloads it, and a name is never taken again with other bytes (NIXL replaces a known
+    agent in place, so a truncated copy would break every link that uses it)."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, tuple[bytes, int]] = {}  # agent name -> (metadata, references)
+
+    def add(self, name: str, metadata: bytes, field: str) -> bool:
+        """Count one reference; True for the first (the caller loads it, and :meth:`forget` s it if that fails)."""
+        known = self._loaded.get(name)
+        if known is not None:
+            if known[0] != metadata:
+                raise InvalidArgumentError(field, f"agent {name!r} is already connected with other metadata")
+            self._loaded[name] = (metadata, known[1] + 1)
+            return False
+        self._loaded[name] = (metadata, 1)
+        return True
+
+    def remove(self, name: str) -> bool:
+        """Drop one reference; True for the last (the caller unloads it). An unknown name is a no-op."""
+        known = self._loaded.get(name)
+        if known is None:
+            return False
+        if known[1] > 1:
+            self._loaded[name] = (known[0], known[1] - 1)
+            return False
+        del self._loaded[name]
+        return True
+
+    def forget(self, name: str) -> None:
+        self._loaded.pop(name, None)
+
+    def metadata(self) -> dict[str, bytes]:
+        """Each loaded name's metadata."""
+        return {name: metadata for name, (metadata, _) in self._loaded.items()}
+
+    def clear(self) -> None:
+        self._loaded.clear()
+
+    def __len__(self) -> int:
+        return len(self._loaded)
+
+
 class NixlAgent:
     """One named NIXL agent over UCX; a thin, typed wrapper."""
 
@@ -118,7 +162,7 @@ class NixlAgent:
         self.name = name
         self._nixl = self._call("create_agent", nixl_agent, name, config)
         self._registrations: dict[str, object] = {}
-        self._remotes: dict[str, tuple[bytes, int]] = {}  # agent name -> (metadata, references)
+        self._remotes = RemoteRefs()
         self._remotes_lock = threading.Lock()
 
     @property
@@ -201,37 +245,30 @@ class NixlAgent:
         if name == self.name:
             raise InvalidArgumentError(field, f"agent {name!r} is this agent itself")
         with self._remotes_lock:
-            known = self._remotes.get(name)
-            if known is not None:
-                if known[0] != metadata:
-                    raise InvalidArgumentError(field, f"agent {name!r} is already connected with other metadata")
-                self._remotes[name] = (metadata, known[1] + 1)
+            if not self._remotes.add(name, metadata, field):
                 return name
             try:
-                loaded = self._call("add_remote_agent", self._agent.add_remote_agent, metadata)
-            except NixlError as err:
-                with contextlib.suppress(*self._errors):  # a half-loaded new name: drop it
-                    self._agent.remove_remote_agent(name)
-                raise InvalidArgumentError(field, f"NIXL cannot load agent {name!r}: {err.message}") from None
-            loaded = loaded.decode(errors="replace") if isinstance(loaded, bytes) else loaded
-            if loaded != name:  # never seen; if NIXL ever disagrees with the header, keep nothing of it
-                with contextlib.suppress(*self._errors):
-                    self._agent.remove_remote_agent(loaded)
-                raise InvalidArgumentError(field, f"NIXL loaded {loaded!r}, the metadata names {name!r}")
-            self._remotes[name] = (metadata, 1)
+                try:
+                    loaded = self._call("add_remote_agent", self._agent.add_remote_agent, metadata)
+                except NixlError as err:
+                    with contextlib.suppress(*self._errors):  # a half-loaded new name: drop it
+                        self._agent.remove_remote_agent(name)
+                    raise InvalidArgumentError(field, f"NIXL cannot load agent {name!r}: {err.message}") from None
+                loaded = loaded.decode(errors="replace") if isinstance(loaded, bytes) else loaded
+                if loaded != name:  # never seen; if NIXL ever disagrees with the header, keep nothing of it
+                    with contextlib.suppress(*self._errors):
+                        self._agent.remove_remote_agent(loaded)
+                    raise InvalidArgumentError(field, f"NIXL loaded {loaded!r}, the metadata names {name!r}")
+            except BaseException:
+                self._remotes.forget(name)
+                raise
         return name
 
     def remove_remote(self, name: str) -> None:
         """Drop one reference to a loaded agent; the last one unloads it from NIXL."""
         with self._remotes_lock:
-            known = self._remotes.get(name)
-            if known is None:
-                return
-            if known[1] > 1:
-                self._remotes[name] = (known[0], known[1] - 1)
-                return
-            del self._remotes[name]
-            self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
+            if self._remotes.remove(name):
+                self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
 
     def num_remotes(self) -> int:
         """Remote agents loaded now (each counted once)."""
