@@ -357,7 +357,12 @@ class Daemon:
                 await self._probe_link(slot, link)
 
     async def _probe_link(self, slot: EngineSlot, link: RemoteLink) -> None:
-        """One GetIncarnation per remote rank; a changed or unreachable one makes the link re-handshake."""
+        """One GetIncarnation per remote rank; a changed or unreachable one makes the link re-handshake. A
+        link whose re-handshake failed (its holder restarting: a daemon, or a data-plane worker) is tried
+        again each probe, so it heals before the next read rather than costing that read a handshake."""
+        if link.stale and link.remote is not None and link.pending is None and link.failed_rehandshakes:
+            self.spawn(self._rehandshake(slot, link))
+            return
         if link.ready and not await self.peers.probe(slot, link):
             link.stale = True
             # A holder gone or restarted: do not keep its engine's shared memory mapped (and alive) here.
@@ -379,8 +384,11 @@ class Daemon:
         try:
             await self.peers.handshake(slot, link.remote_engine_id)
         except KvxferError as err:
-            log.warning("re-handshake failed; retried on the next read",
-                        extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id, "error": str(err)})
+            link.failed_rehandshakes += 1
+            log.log(logging.WARNING if link.failed_rehandshakes == 1 else logging.DEBUG,
+                    "re-handshake failed; retried by the next probe or read",
+                    extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id, "error": str(err),
+                           "failures_in_a_row": link.failed_rehandshakes})
 
     # ---- stop -----------------------------------------------------------------------
     def request_stop(self) -> None:

@@ -18,7 +18,11 @@ agent for its READs (the engine as a reader), whose metadata it hands to no one:
 A worker that dies is replaced with the same fds (the supervisor): the
 board's tags and the hold table stay here, so no hold is lost; readers whose
 READs it was serving fail them and handshake again, getting the new
-worker's metadata (its agent name carries the generation).
+worker's metadata (its agent name carries the generation). Peers see the
+generation in the incarnation they are given (``<incarnation>.w<generation>``,
+:meth:`EngineSlot.peer_incarnation`), so every reader's probe (every
+``peer_check_s``) notices a new worker and handshakes again before its next
+read, not after that read failed.
 """
 
 from __future__ import annotations
@@ -104,14 +108,20 @@ class WorkerServed:
         if self.on_generation is not None:
             self.on_generation(up)
 
-    def peer_view(self, cache: EngineCache, board: BoardInfo) -> tuple[bytes, EngineCache, BoardInfo]:
-        """What a peer is given: the worker's metadata, cache addresses and board address."""
+    def peer_view(self, cache: EngineCache, board: BoardInfo) -> tuple[int, bytes, EngineCache, BoardInfo]:
+        """What a peer is given: the worker's generation, metadata, cache addresses and board address."""
         up = self.supervisor.current
         if up is None:
             raise UnavailableError("engine_id", f"the data-plane worker of {cache.engine_id!r} is restarting: "
                                                 "handshake again shortly")
-        return (up.metadata, rebased(cache, up.addresses[:self.num_regions]),
+        return (up.generation, up.metadata, rebased(cache, up.addresses[:self.num_regions]),
                 dataclasses.replace(board, address=up.addresses[self.num_regions]))
+
+    @property
+    def generation(self) -> int:
+        """The generation serving now (0 while none is up)."""
+        up = self.supervisor.current
+        return 0 if up is None else up.generation
 
     def pace(self, poll_interval_s: float) -> None:
         """How often the worker makes progress: fast while a reader's READs need it (UCX over TCP), slowly

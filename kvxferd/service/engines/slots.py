@@ -74,12 +74,19 @@ class EngineSlot:
         thread."""
         return self.holder.readers
 
-    def peer_view(self) -> tuple[bytes, EngineCache, BoardInfo]:
-        """What a peer is given to read this rank: agent metadata, the cache's addresses, the board's (a
-        worker's when one serves it: :mod:`kvxferd.service.engines.served`)."""
+    def peer_view(self) -> tuple[str, bytes, EngineCache, BoardInfo]:
+        """What a peer is given to read this rank: its incarnation, agent metadata, the cache's addresses, the
+        board's (a worker's when one serves it: :mod:`kvxferd.service.engines.served`)."""
         if self.served is None:
-            return self.metadata, self.cache, self.holder.board
-        return self.served.peer_view(self.cache, self.holder.board)
+            return self.incarnation, self.metadata, self.cache, self.holder.board
+        generation, *view = self.served.peer_view(self.cache, self.holder.board)
+        return (f"{self.incarnation}.w{generation}", *view)
+
+    def peer_incarnation(self) -> str:
+        """The incarnation peers compare (``GetIncarnation``): the registration's, and with a worker its
+        generation too, so a new worker makes every reader handshake again. The engine's own (Register,
+        Hold) stays the registration's: holds outlive a worker."""
+        return self.incarnation if self.served is None else f"{self.incarnation}.w{self.served.generation}"
 
     def heartbeat(self) -> None:
         self.lease_expires_s = time.monotonic() + self.lease_s

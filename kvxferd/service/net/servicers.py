@@ -262,8 +262,8 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
                  if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
-        metadata, cache, board = slot.peer_view()
-        return encode_info(slot.incarnation, metadata, cache, board, same_host_proof=proof)
+        incarnation, metadata, cache, board = slot.peer_view()
+        return encode_info(incarnation, metadata, cache, board, same_host_proof=proof)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str, peer: str = "") -> None:
         """Record which NIXL agent this reader's notices come from, by the name its metadata carries.
@@ -311,7 +311,7 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         # its place was given to another reader (it then introduces it again before its notices are dropped).
         known = bool(request.reader_engine_id) and slot.readers.refresh(
             (request.reader_engine_id, request.reader_tp_rank), identity)
-        return pb.IncarnationReply(incarnation=slot.incarnation, reader_known=known)
+        return pb.IncarnationReply(incarnation=slot.peer_incarnation(), reader_known=known)
 
     @rpc
     async def RenewLeases(self, request, context):

@@ -131,6 +131,40 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
     print(f"a read after the worker's death was ok {took_s:.2f} s after it died")
 
 
+def wait_for_generation(daemon, generation: int) -> None:
+    needle = f"generation {generation} (pid"
+    deadline = time.monotonic() + RESTART_BOUND_S
+    while needle not in open(daemon.log_path).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert needle in open(daemon.log_path).read()
+
+
+def test_readers_notice_a_new_holder_worker_by_its_incarnation_before_they_read(cluster, ca):
+    """The incarnation peers are given names the worker's generation: the readers' probes (every
+    peer_check_s, 2 s) see a new worker and handshake again, so the first read after it is ok. Without the
+    generation in it that read goes to the dead worker's agent and fails."""
+    prefill, decode = cluster.prefill_daemons[0], cluster.decode_daemons[0]
+    before = served_info(cluster, ca).incarnation
+    generation = 1 + open(prefill.log_path).read().count(") is up after")  # one engine rank: one worker
+    first = worker_of(cluster)
+    handshakes = open(decode.log_path).read().count('"handshake done"')
+    os.kill(first, signal.SIGKILL)
+    wait_for_generation(prefill, generation + 1)
+    # A probe may come while no worker is up (its re-handshake is then refused): the next probe tries again.
+    deadline = time.monotonic() + RESTART_BOUND_S
+    while open(decode.log_path).read().count('"handshake done"') == handshakes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open(decode.log_path).read().count('"handshake done"') > handshakes, "no probe saw the new worker"
+    request = random_request("wk-probed", *GROUPS, 64, np.random.default_rng(3))
+    cluster.reset_decode()
+    completions = cluster.read(request, timeout_s=20)
+    assert all(c.ok for c in completions), [c.error for c in completions]  # the first read, not a retry
+    assert cluster.verify(request) == ([], 0)
+    registration = next(c for c in cluster.clients if c.engine_id == cluster.prefill_id).incarnation
+    assert (before, served_info(cluster, ca).incarnation) == (f"{registration}.w{generation}",
+                                                               f"{registration}.w{generation + 1}")
+
+
 def test_a_readers_worker_that_dies_introduces_its_new_notice_agent(cluster):
     """The decode daemon's notices go out from its worker's notice agent; a new generation has a new one,
     which holders count only once it was introduced: every link of the reader handshakes again. Without
@@ -140,10 +174,7 @@ def test_a_readers_worker_that_dies_introduces_its_new_notice_agent(cluster):
     os.kill(first, signal.SIGKILL)
     # Up, not just started: a read that ends while no worker is up has its notices dropped (its hold ends
     # EXPIRED at its lease; docs/dataplane.md).
-    deadline = time.monotonic() + RESTART_BOUND_S
-    while "generation 2 (pid" not in open(decode.log_path).read() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "generation 2 (pid" in open(decode.log_path).read()
+    wait_for_generation(decode, 2)
     assert worker_of(cluster, decode) != first
     request = random_request("wk-reader", *GROUPS, 64, np.random.default_rng(2))
     cluster.reset_decode()
