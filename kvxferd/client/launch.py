@@ -137,9 +137,13 @@ class DaemonProcess:
 
     def _lost_a_port(self) -> bool:
         """Whether the last start failed because one of its ports was taken meanwhile."""
+        return "Address already in use" in self.log_text()
+
+    def log_text(self) -> str:
+        """What this start of the daemon logged so far (a restart appends to the same file)."""
         with open(self.log_path, "rb") as log:
             log.seek(self._log_start)
-            return b"Address already in use" in log.read()
+            return log.read().decode(errors="replace")
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of this daemon's Prometheus metrics (``labels`` as exported, e.g. ``kind="uid"``); 0 if absent."""

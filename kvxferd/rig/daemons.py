@@ -301,6 +301,7 @@ def usage(pid: int) -> dict[str, int]:
         fields = dict(line.split(":", 1) for line in status if ":" in line)
     kinds: dict[str, int] = {}
     fds = os.listdir(f"/proc/{pid}/fd")
+    engine_fds = 0  # engine arenas held open (data-plane workers are handed them), not only mapped
     for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -308,18 +309,21 @@ def usage(pid: int) -> dict[str, int]:
             continue
         kind = target.split(":", 1)[0] if ":" in target else ("/dev/shm" if target.startswith("/dev/shm") else "file")
         kinds[kind] = kinds.get(kind, 0) + 1
+        engine_fds += target.startswith("/dev/shm/psm_")
     with open(f"/proc/{pid}/maps") as maps:
         shm = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
     engine_shm = sorted(name for name in shm if "/dev/shm/psm_" in name)
-    return {"fds": len(fds), "engine_shm": engine_shm,
+    return {"fds": len(fds), "engine_shm": engine_shm, "engine_shm_fds": engine_fds,
             "other_shm_mappings": len(shm) - len(engine_shm), "fd_kinds": kinds,
             "threads": int(fields["Threads"]), "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024}
 
 
 def measure(life: DaemonLife) -> dict:
-    """What a daemon holds now, with its pid (a new pid is a new life) and its registered engines."""
+    """What a daemon holds now, with its pid (a new pid is a new life), its registered engines and its
+    data-plane workers (one per registered engine rank, with ``--dataplane-workers``)."""
     pid = life.daemon.process.pid
-    return {"pid": pid, **usage(pid), "engines_registered": life.daemon.metric("kvxferd_engines_registered")}
+    return {"pid": pid, **usage(pid), "engines_registered": life.daemon.metric("kvxferd_engines_registered"),
+            "dataplane_workers": len(dataplane_workers(pid))}
 
 
 # What a surviving daemon may grow by between the first pairing and the end of the run: peer channels
@@ -330,9 +334,10 @@ LEAK_SLACK = {"fds": 16, "threads": 4, "rss_bytes": 64 << 20, "other_shm_mapping
 def leaks(start: dict | None, end: dict) -> list[str]:
     """What a daemon holds at the end that it should not, with no engine registered."""
     problems = []
-    if end["engine_shm"] or end["engines_registered"]:
-        problems.append(f"engine memory {end['engine_shm']} and {end['engines_registered']:g} engines registered "
-                        f"with no engine left")
+    if end["engine_shm"] or end["engine_shm_fds"] or end["engines_registered"] or end["dataplane_workers"]:
+        problems.append(f"engine memory {end['engine_shm']} ({end['engine_shm_fds']} fds), "
+                        f"{end['engines_registered']:g} engines registered and {end['dataplane_workers']} data-plane "
+                        f"workers with no engine left")
     if start is not None and start["pid"] == end["pid"]:  # a killed daemon's new life has nothing to compare with
         problems += [f"{key} {start[key]} -> {end[key]} (allowed +{slack})"
                      for key, slack in LEAK_SLACK.items() if end[key] - start[key] > slack]

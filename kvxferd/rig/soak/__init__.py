@@ -19,7 +19,7 @@ import sys
 import traceback
 import tempfile
 
-from kvxferd.rig.soak.faults import KINDS, LOOPBACK_ONLY, NET_KINDS, default_kinds
+from kvxferd.rig.soak.faults import KINDS, LOOPBACK_ONLY, NET_KINDS, WORKER_KINDS, default_kinds
 from kvxferd.rig.soak.report import INVARIANTS, Report
 
 
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run on N network namespaces as hosts (root only; 2..8): prefill on h0, decode hosts "
                              "h1.. taking turns, mutual TLS, the chart's NetworkPolicy, and real network faults "
                              "(default: every daemon on loopback)")
+    parser.add_argument("--dataplane-workers", action="store_true",
+                        help="daemons serve peers through data-plane worker processes (kvxferd serve "
+                             "--dataplane-workers), and the kill_worker fault joins the others")
     parser.add_argument("--epoch-requests", type=int, default=40,
                         help="requests per pairing before the next is drawn (default 40)")
     parser.add_argument("--max-tp", type=int, default=4, choices=range(1, 5), metavar="{1..4}",
@@ -71,11 +74,16 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"kvxferd soak: --hosts must be 2..{MAX_HOSTS} (a prefill host and at least one decode host)",
               file=sys.stderr)
         return 2
-    args.faults = args.faults or ",".join(default_kinds(bool(args.hosts)))
+    args.faults = args.faults or ",".join(default_kinds(bool(args.hosts), args.dataplane_workers))
     kinds = set(args.faults.split(","))
-    unknown = sorted(kinds - set(KINDS) - set(NET_KINDS))
+    unknown = sorted(kinds - set(KINDS) - set(NET_KINDS) - set(WORKER_KINDS))
     if unknown:
-        print(f"kvxferd soak: unknown fault kinds {unknown}; known: {', '.join(KINDS + NET_KINDS)}", file=sys.stderr)
+        print(f"kvxferd soak: unknown fault kinds {unknown}; known: {', '.join(KINDS + NET_KINDS + WORKER_KINDS)}",
+              file=sys.stderr)
+        return 2
+    if kinds & set(WORKER_KINDS) and not args.dataplane_workers:
+        print("kvxferd soak: kill_worker needs --dataplane-workers (without them there is no worker to kill)",
+              file=sys.stderr)
         return 2
     misplaced = sorted(kinds & set(NET_KINDS if not args.hosts else LOOPBACK_ONLY))
     if misplaced:

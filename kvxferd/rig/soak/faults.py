@@ -24,6 +24,9 @@ bad_input           a burst of bad input on every listener of one daemon
 forged_notices      after the hold, a rogue NIXL agent sends one prefill rank
                     notices naming the real readers, and junk: every one must
                     be dropped, and the hold must live on until it is read
+kill_worker         (``--dataplane-workers`` only) kill -9 of one daemon's
+                    data-plane worker, either side: the daemon and its holds
+                    live on, a new worker serves (workers.py)
 ==================  ==========================================================
 
 With ``--hosts``, the network faults of netfaults.py join them (``link_down``,
@@ -39,17 +42,20 @@ KINDS = ("kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "ki
          "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input", "forged_notices")
 NET_KINDS = ("link_down", "loss", "delay", "reorder", "partition")  # --hosts only (netfaults.py)
 LOOPBACK_ONLY = ("bad_input", "forged_notices")
+WORKER_KINDS = ("kill_worker",)  # --dataplane-workers only (workers.py)
 
 
-def default_kinds(hosts: bool) -> tuple[str, ...]:
-    """Every kind a run on loopback (``hosts`` False) or on namespace hosts can inject."""
-    return tuple(k for k in KINDS if k not in LOOPBACK_ONLY) + NET_KINDS if hosts else KINDS
+def default_kinds(hosts: bool, workers: bool = False) -> tuple[str, ...]:
+    """Every kind a run on loopback (``hosts`` False) or on namespace hosts, with data-plane workers or
+    without, can inject."""
+    kinds = tuple(k for k in KINDS if k not in LOOPBACK_ONLY) + NET_KINDS if hosts else KINDS
+    return kinds + WORKER_KINDS if workers else kinds
 
 
 # Faults that act on a read in flight when drawn "mid"; the others always act before the hold
 # (early_release and forged_notices: after it, before the read).
 CAN_BE_MID = {"kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine",
-              "stop_short", "stop_long", "slow_read", "early_release"}
+              "stop_short", "stop_long", "slow_read", "early_release", "kill_worker"}
 
 
 class FaultPlan:

@@ -18,6 +18,8 @@ INVARIANTS = {
     "no_leaks": "a surviving daemon holds no more fds, threads or memory at the end than after the first "
                 "pairing, maps no shared memory and has no engine registered once the engines are gone",
     "daemon_alive": "daemons that were not killed never exit",
+    "workers_alive": "(--dataplane-workers) a data-plane worker dies only when the soak kills it (or its daemon), "
+                     "a new one serves within 30 s, and no daemon gives up on its workers",
     "bad_input_refused": "bad input is refused with a precise status, in time",
     "forged_notices_dropped": "a notice from an agent its reader did not introduce, or one that is not a notice, "
                               "is dropped and counted, and ends no hold",

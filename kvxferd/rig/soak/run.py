@@ -32,6 +32,7 @@ from kvxferd.rig.soak.netfaults import WINDOW_S, NetworkFaults
 from kvxferd.rig.soak.forged import NoticeForger
 from kvxferd.rig.soak.holds import HoldLedger
 from kvxferd.rig.soak.report import Report
+from kvxferd.rig.soak.workers import WorkerKills
 from kvxferd.rig.verify.process import EngineFailed, EngineProcess
 
 HOLD_LEASE_S = 3.0  # hold lease of a normal request
@@ -55,6 +56,9 @@ class Soak:
         self.faults = FaultPlan(self.rng, args.fault_rate, args.faults.split(","))
         # INFO: each registration and deregistration with its reason, for a failure's post-mortem (--logs)
         daemon_args = ("--log-level", "INFO", "--peer-check-s", "0.3")
+        self.workers = WorkerKills(report) if getattr(args, "dataplane_workers", False) else None
+        if self.workers is not None:
+            daemon_args += ("--dataplane-workers",)
         self.hosts = self.net = None
         if getattr(args, "hosts", 0):
             # A read aborted mid-transfer over TCP waits for it up to abort_drain_s: within the soak's wait.
@@ -190,6 +194,12 @@ class Soak:
                 self._hung.append((life.index, self.ledger.lives[life.index], time.monotonic()))
             self.report.log(f"  SIGSTOP {life.daemon.daemon_id} for {seconds:.2f} s")
             effect["life"] = life
+        elif kind == "kill_worker":
+            life = self._pick("prefill" if self.rng.random() < 0.5 else "decode")
+            worker = life and self.workers.kill(life, lambda n: int(self.rng.integers(n)))
+            if not worker:  # every daemon frozen, or its last worker's successor still starting
+                return self._skip(effect)
+            effect.update(life=life, worker=worker)
         elif kind == "early_release":
             self.prefill.call("release", request.remote_request_id)
         elif kind == "forged_notices":
@@ -261,6 +271,8 @@ class Soak:
                 self._handshake([life.index])
         elif kind in ("kill_prefill_engine", "kill_decode_engine"):
             self._restart_engine(effect["role"])
+        elif kind == "kill_worker":
+            self.workers.wait_back(effect["life"], effect["worker"])
 
     # ---- one request ---------------------------------------------------------------------------
     def one_request(self, n: int) -> None:
@@ -383,6 +395,8 @@ class Soak:
                 if time.monotonic() >= end_s:
                     break
             self._settle()
+            if self.workers is not None:
+                self.workers.check(self.daemons.all)
             self.end_epoch()
             if self.epoch == 1:
                 self._measure("start")

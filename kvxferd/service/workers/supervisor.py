@@ -10,6 +10,7 @@
                       ◄──────────────────────────── notices (checked: workerchannel.notices_of)
     end of file (it died: SIGSEGV, UCX abort, OOM) -> WorkerDeath, seen at once;
     after restart_delay_s: generation g+1 with the same fds (the engine's memory is not asked for again)
+    (a worker that keeps dying is started again after a growing pause: backoff_s, never given up on)
 
 The supervisor keeps its own duplicate of every region's fd, so a new
 worker maps the same pages. Everything a worker sends is untrusted (it may
@@ -41,8 +42,26 @@ MAP_TIMEOUT_S = 60.0  # exec, import NIXL, map, register: about 2 s here (kvxfer
 STOP_TIMEOUT_S = 5.0
 CHANNEL_BUFFER_BYTES = 4 << 20  # each way: a new generation's reload of every holder's metadata fits
 FULL_CHANNEL_S = 5.0  # a worker whose channel stays full this long has stopped reading it: killed
-MAX_RESTARTS = 5  # within RESTART_WINDOW_S; past it the supervisor gives up (the engine must register again)
+# A worker dies when a peer owns it through its metadata (a READ of an unmapped address), or UCX aborts.
+# Giving up would hand whoever can kill it a way to end the engine's service; restarting at once would
+# hand them a CPU sink (a start costs about 0.85 s of a core: kvxferd bench processes). So: FREE_RESTARTS
+# deaths within RESTART_WINDOW_S start again at once, each further one waits twice as long, up to
+# MAX_BACKOFF_S (then a start costs at most ~5 % of a core).
+FREE_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
+BACKOFF_BASE_S = 0.5
+MAX_BACKOFF_S = 16.0
+
+
+def backoff_s(num_recent_deaths: int, free_restarts: int = FREE_RESTARTS, base_s: float = BACKOFF_BASE_S,
+              max_s: float = MAX_BACKOFF_S) -> float:
+    """The pause before the next start after ``num_recent_deaths`` deaths within RESTART_WINDOW_S::
+
+        deaths  1..free   free+1   free+2   free+3  ...  capped
+        pause   0         base     2 base   4 base  ...  max_s
+    """
+    beyond = num_recent_deaths - free_restarts
+    return 0.0 if beyond <= 0 else min(max_s, base_s * 2.0 ** (beyond - 1))
 
 
 @dataclass(frozen=True)
@@ -93,7 +112,8 @@ class WorkerSupervisor:
     """Keeps one worker for ``name``'s ``regions``; :meth:`start`, then :attr:`current`, :meth:`stop`."""
 
     def __init__(self, name: str, regions: Sequence[Region], *, poll_interval_s: float = 1e-3,
-                 restart_delay_s: float = 0.0, max_restarts: int = MAX_RESTARTS,
+                 restart_delay_s: float = 0.0, free_restarts: int = FREE_RESTARTS,
+                 backoff_base_s: float = BACKOFF_BASE_S,
                  on_notices: Callable[[int, list[tuple[str, bytes]]], None] | None = None,
                  on_death: Callable[[WorkerDeath], None] | None = None,
                  on_up: Callable[[WorkerUp], None] | None = None) -> None:
@@ -102,7 +122,7 @@ class WorkerSupervisor:
         if not regions:
             raise InvalidArgumentError("regions", "a worker maps at least one region")
         self.name, self.poll_interval_s = name, poll_interval_s
-        self.restart_delay_s, self.max_restarts = restart_delay_s, max_restarts
+        self.restart_delay_s, self.free_restarts, self.backoff_base_s = restart_delay_s, free_restarts, backoff_base_s
         # One read-only copy per file (vLLM's layers share one object): ours until stop(). Regions name theirs.
         self._files: list[int] = []
         self._regions: list[tuple[int, int, int]] = []  # (file index, offset, num_bytes)
@@ -124,7 +144,7 @@ class WorkerSupervisor:
         self._changed = threading.Condition()
         self._current: WorkerUp | None = None
         self.deaths: list[WorkerDeath] = []
-        self.failure = ""  # set when the supervisor gave up
+        self.failure = ""  # set when the supervisor gave up: a generation could not map (the next would not)
         self._stopping = threading.Event()
         self._sock: socket.socket | None = None  # the current generation's channel and process (thread's)
         self._process: subprocess.Popen | None = None
@@ -238,13 +258,11 @@ class WorkerSupervisor:
             log.warning("worker %s generation %d (pid %d) ended with %d; starting another", self.name,
                         generation, death.pid, death.returncode)
             recent = [t for t in recent if death.noticed_s - t < RESTART_WINDOW_S] + [death.noticed_s]
-            if len(recent) > self.max_restarts:
-                self.failure = f"{len(recent)} worker deaths within {RESTART_WINDOW_S:.0f} s"
-                log.error("worker %s: %s; not starting another", self.name, self.failure)
-                with self._changed:
-                    self._changed.notify_all()
-                break
-            self._stopping.wait(self.restart_delay_s)
+            pause_s = self.restart_delay_s + backoff_s(len(recent), self.free_restarts, self.backoff_base_s)
+            if pause_s >= 1.0:
+                log.warning("worker %s: %d deaths within %.0f s; the next starts in %.1f s", self.name, len(recent),
+                            RESTART_WINDOW_S, pause_s)
+            self._stopping.wait(pause_s)
 
     def _serve(self, generation: int) -> tuple[WorkerDeath, str]:
         """Run one generation until it ends; and why it never came up ("" if it did)."""

@@ -81,13 +81,17 @@ def test_leaks_compare_one_life_and_always_flag_engine_memory_left():
     from kvxferd.rig.daemons import LEAK_SLACK, leaks
 
     start = {"pid": 1, "fds": 30, "threads": 15, "rss_bytes": 100 << 20, "other_shm_mappings": 0, "engine_shm": [],
-             "engines_registered": 0}
+             "engine_shm_fds": 0, "engines_registered": 0, "dataplane_workers": 0}
     assert leaks(start, dict(start)) == []
     grown = {**start, "fds": 30 + LEAK_SLACK["fds"] + 1}
     (problem,) = leaks(start, grown)
     assert problem.startswith("fds 30 -> 47")
     assert leaks(start, {**grown, "pid": 2}) == []  # killed and restarted since: a new life
     assert len(leaks(None, {**start, "engine_shm": ["/dev/shm/psm_1"], "engines_registered": 1})) == 1
+    # With data-plane workers: an arena held open (not mapped) or a worker left is engine memory left too.
+    for left in ({"engine_shm_fds": 1}, {"dataplane_workers": 1}):
+        (problem,) = leaks(start, {**start, **left})
+        assert "with no engine left" in problem
 
 
 def test_the_end_measure_waits_for_a_registration_whose_deregistration_failed(monkeypatch):
@@ -99,7 +103,7 @@ def test_the_end_measure_waits_for_a_registration_whose_deregistration_failed(mo
     run = importlib.import_module("kvxferd.rig.soak.run")
 
     clean = {"pid": 1, "fds": 30, "threads": 15, "rss_bytes": 1, "other_shm_mappings": 0, "engine_shm": [],
-             "engines_registered": 0}
+             "engine_shm_fds": 0, "engines_registered": 0, "dataplane_workers": 0}
     left = {**clean, "engine_shm": ["/dev/shm/psm_1"], "engines_registered": 1}
     for num_left, lapses in ((3, True), (10 ** 9, False)):
         calls = []

@@ -60,6 +60,17 @@ def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
     assert summary["read_outcomes"].get("failed", 0) + summary["read_outcomes"].get("lost", 0) > 0
 
 
+def test_a_short_soak_killing_data_plane_workers_breaks_no_invariant(tmp_path):
+    """--dataplane-workers: workers killed on both sides (with daemons and engines killed too) are replaced,
+    their daemons and holds live on, and each daemon counted exactly the deaths the soak caused."""
+    code, summary, stderr = _soak("--dataplane-workers", "--duration", "45", "--seed", "7", "--fault-rate", "0.5",
+                                  "--max-tp", "2", "--faults", "kill_worker,kill_prefill_daemon,kill_decode_engine",
+                                  timeout_s=600, logs=tmp_path)
+    _check(code, summary, tmp_path, stderr)
+    assert summary["faults"].get("kill_worker", 0) >= 3, summary["faults"]
+    assert summary["figures"]["worker_back_s"]["n"] >= 3, summary["figures"]  # replaced, each time
+
+
 def test_bad_arguments_exit_2():
     run = subprocess.run([sys.executable, "-m", "kvxferd", "soak", "--duration", "0"], capture_output=True, text=True,
                          timeout=60)
@@ -68,7 +79,7 @@ def test_bad_arguments_exit_2():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "meteor" in run.stderr
     for args, needle in ((("--faults", "loss"), "need --hosts"), (("--hosts", "3", "--faults", "bad_input"), "loopback"),
-                         (("--hosts", "1",), "--hosts must be 2..8")):
+                         (("--hosts", "1",), "--hosts must be 2..8"), (("--faults", "kill_worker"), "needs --dataplane-workers")):
         run = subprocess.run([sys.executable, "-m", "kvxferd", "soak", *args], capture_output=True, text=True,
                              timeout=60)
         assert run.returncode == 2 and needle in run.stderr, (args, run.stderr)

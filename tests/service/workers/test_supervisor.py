@@ -13,7 +13,7 @@ import pytest
 
 from kvxferd.errors import UnavailableError
 from kvxferd.rig.attack.reach import NixlReach, search_process_memory
-from kvxferd.service.workers.supervisor import Region, WorkerSupervisor
+from kvxferd.service.workers.supervisor import Region, WorkerSupervisor, backoff_s
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
 
 CACHE_BYTES = 1 << 20
@@ -139,15 +139,26 @@ def test_a_worker_that_cannot_map_is_an_error_not_a_hang(cache):
     assert supervisor.current is None
 
 
-def test_the_supervisor_gives_up_on_a_worker_that_keeps_dying(cache):
-    supervisor = WorkerSupervisor("kvx-test-dying", [Region(cache[0], CACHE_BYTES)], max_restarts=1)
+def test_the_backoff_starts_free_then_doubles_to_a_cap():
+    assert [backoff_s(n, free_restarts=2, base_s=0.5, max_s=3.0) for n in range(1, 8)] == [
+        0.0, 0.0, 0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def test_a_worker_that_keeps_dying_is_started_again_after_growing_pauses(cache, caplog):
+    """Never given up on (whoever can kill it must not end the engine's service that way), but a worker
+    that keeps dying waits longer each time (nor may they make the daemon burn a core on starts)."""
+    supervisor = WorkerSupervisor("kvx-test-dying", [Region(cache[0], CACHE_BYTES)], free_restarts=1,
+                                  backoff_base_s=1.0)
     try:
-        for generation in (1, 2):
-            up = supervisor.wait_up(generation, 60) if generation > 1 else supervisor.start()
+        up, waited_s = supervisor.start(), []
+        for generation in (2, 3, 4):
+            killed_s = time.monotonic()
             os.kill(up.pid, signal.SIGKILL)
-        with pytest.raises(UnavailableError, match="worker deaths"):
-            supervisor.wait_up(3, 60)
-        assert [d.returncode for d in supervisor.deaths] == [-signal.SIGKILL] * 2
+            up = supervisor.wait_up(generation, 60)
+            waited_s.append(time.monotonic() - killed_s)
+        assert [d.returncode for d in supervisor.deaths] == [-signal.SIGKILL] * 3 and not supervisor.failure
+        assert waited_s[1] >= 1.0 and waited_s[2] >= 2.0, waited_s  # the pauses (each start adds ~1 s)
+        assert "3 deaths within 60 s; the next starts in 2.0 s" in caplog.text
     finally:
         supervisor.stop()
 
@@ -223,12 +234,13 @@ def test_a_worker_out_of_protocol_is_killed_and_replaced(cache, monkeypatch):
 
     monkeypatch.setattr(module, "spawn_worker", lambda fd: subprocess.Popen(
         [sys.executable, "-c", HOSTILE, "--channel-fd", str(fd)], pass_fds=(fd,)))
-    supervisor = WorkerSupervisor("kvx-test-hostile", [Region(cache[0], CACHE_BYTES)], max_restarts=1)
+    supervisor = WorkerSupervisor("kvx-test-hostile", [Region(cache[0], CACHE_BYTES)])
     try:
         supervisor.start()
-        with pytest.raises(UnavailableError, match="worker deaths"):
-            supervisor.wait_up(3, 30)
-        assert [d.returncode for d in supervisor.deaths] == [-signal.SIGKILL] * 2
+        deadline = time.monotonic() + 30
+        while len(supervisor.deaths) < 2 and time.monotonic() < deadline:  # each generation breaks protocol
+            time.sleep(0.05)
+        assert [d.returncode for d in supervisor.deaths[:2]] == [-signal.SIGKILL] * 2
     finally:
         supervisor.stop()
 
