@@ -76,6 +76,7 @@ PROBE_ON_READ_S = 1.0  # reads naming an unknown holder registration probe the l
 # Full names (kvxfer.v1.*); importing the *_pb2 modules also puts their descriptors where reflection looks.
 SERVICES = tuple(module.DESCRIPTOR.services_by_name[name].full_name
                  for module, name in ((engine_service_pb2, "EngineService"), (peer_service_pb2, "PeerService")))
+PEER_SERVICE = SERVICES[1]
 
 
 class Daemon:
@@ -110,6 +111,7 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self._maintenance_due = asyncio.Event()  # an idle daemon's slow tick, cut short by a new hold
+        self._workers_given_up = False  # PeerService health says NOT_SERVING while true (_peer_health)
         self._metrics_server = None
         self.peer_token_address = ""  # the address peer tokens must name
         self._fd_inbox: FdInbox | None = None
@@ -329,8 +331,22 @@ class Daemon:
                 if now - last_probe >= self.config.peer_check_s:
                     last_probe = now
                     self.spawn(self._probe_peers())
+                await self._peer_health()
             except Exception:
                 log.exception("maintenance failed")
+
+    async def _peer_health(self) -> None:
+        """PeerService is NOT_SERVING while an engine rank has no data-plane worker and none can start (its
+        memory would not map again): the chart's readiness probe asks it, so peers stop being sent here
+        until that engine registers again. Checked each maintenance tick; said only when it changes."""
+        given_up = self.registry.num_workers_given_up()
+        if bool(given_up) != self._workers_given_up and not self._stopping.is_set():
+            self._workers_given_up = bool(given_up)
+            status = health_pb2.HealthCheckResponse
+            await _set_health(self._health, PEER_SERVICE, status.NOT_SERVING if given_up else status.SERVING)
+            log.log(logging.ERROR if given_up else logging.INFO, "peer service %s",
+                    "NOT_SERVING: a data-plane worker cannot start" if given_up else "SERVING again",
+                    extra={"engine_ranks_without_worker": given_up})
 
     def _note_stall(self, late_s: float) -> None:
         """A loop that wakes late delays every completion and reply: count it, and say how late."""

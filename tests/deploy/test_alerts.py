@@ -29,7 +29,8 @@ POD = {"namespace": NAMESPACE, "job": f"{NAMESPACE}/kvx-kvxferd-prefill", "pod":
 REQUIRED = {"daemon down": "KvxferdDaemonDown", "stale reads": "KvxferdStaleReads",
             "holds expiring instead of consumed": "KvxferdHoldsExpiring", "loop stalls": "KvxferdLoopStalls",
             "TLS reload failures": "KvxferdTLSReloadRefused", "TLS files unusable": "KvxferdTLSFilesUnusable", "notices dropped": "KvxferdNoticesDropped",
-            "transfer failure ratio": "KvxferdTransferFailures"}
+            "transfer failure ratio": "KvxferdTransferFailures", "worker deaths": "KvxferdDataplaneWorkerDeaths",
+            "a worker that cannot start": "KvxferdDataplaneWorkerCannotStart"}
 
 needs_promtool = pytest.mark.skipif(promtool() is None, reason="promtool not installed (scripts/system-deps.sh)")
 
@@ -75,7 +76,7 @@ def test_alerts_follow_their_values():
 def test_promtool_accepts_the_rules_and_refuses_a_broken_one(rule_file, tmp_path):
     checked = run_promtool("check", "rules", str(rule_file))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 10 rules found" in checked.stdout
+    assert "SUCCESS: 12 rules found" in checked.stdout
     broken = _rule_groups()
     broken["groups"][0]["rules"][1]["expr"] = "sum by (pod) (rate(kvxferd_read_bytes_total[5m]) >"
     (tmp_path / "broken.yaml").write_text(yaml.safe_dump(broken))
@@ -120,6 +121,13 @@ CASES = {
                            f"{P}: the TLS files on disk cannot be loaded"),
     "TLS files unusable for a moment": ([_series("kvxferd_tls_files_unusable", {}, "0x5 1 0x24")],
                                         "KvxferdTLSFilesUnusable", None),
+    "worker deaths": ([_series("kvxferd_dataplane_worker_deaths_total", {}, "0x10 1x20")],
+                      "KvxferdDataplaneWorkerDeaths", f"{P}: data-plane workers died"),
+    "no worker deaths": ([_series("kvxferd_dataplane_worker_deaths_total", {}, "0x30")],
+                         "KvxferdDataplaneWorkerDeaths", None),
+    "a worker that cannot start": ([_series("kvxferd_dataplane_workers_given_up", {}, "0x10 1x20")],
+                                   "KvxferdDataplaneWorkerCannotStart",
+                                   f"{P}: an engine rank's data-plane worker cannot start again"),
     "daemon down": ([_series("up", {}, "1x5 0x25")], "KvxferdDaemonDown",
                     f"kvxferd daemon {P}/{POD['container']} is not scraped"),
     "daemon up": ([_series("up", {}, "1x30")], "KvxferdDaemonDown", None),

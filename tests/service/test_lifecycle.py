@@ -1,5 +1,6 @@
 """Life-cycle of daemons and engines: disconnects, restarts, expiry, dead peers, SIGTERM."""
 
+import dataclasses
 import time
 
 import grpc
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvxferd.client import EngineClient
+from kvxferd.plan.capability import CAPABILITY_BYTES
 from kvxferd.wire.peerauth import peer_channel
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
@@ -175,6 +177,28 @@ def test_a_read_waiting_for_a_re_handshake_with_a_dead_peer_still_ends_by_its_de
         assert took_s < 0.5 + 0.4, took_s
         assert not completion.ok and completion.error.startswith("deadline"), completion.error
         assert sorted(completion.failed_ranks) == [0, 1]  # nothing was posted: every block is invalid
+        assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
+
+
+def test_a_read_whose_re_handshake_is_refused_names_every_block_invalid(workdir):
+    """The holder's engine is gone (deregistered: its daemon answers NOT_FOUND at once), the probe made
+    the link stale, and the read carries a capability of a registration the link does not know (the
+    soak's read after a hold its killed holder could not place: zeros), so it waits for the re-handshake
+    unplanned, and that handshake fails. Its completion must still name every local block invalid: an
+    engine trusts every block a failed read does not name. (It named none, found by the soak with
+    kill_prefill_daemon before the hold; the vLLM connector then failed the whole request, but an
+    engine that takes the list at its word would use unwritten blocks.)"""
+    with DaemonCluster(*_groups(), 2, 1, workdir=workdir, name="refusedhs",
+                       daemon_args=("--peer-check-s", "0.2")) as cluster:
+        request = _request("refused-handshake", 2)
+        first, _ = cluster.hold(request)
+        request = dataclasses.replace(request, remote_capabilities=(first, bytes(CAPABILITY_BYTES)))
+        cluster.prefill_clients[1].deregister()
+        time.sleep(1.0)  # a probe sees the engine gone: the link is stale, its re-handshake refused
+        cluster.submit(request, deadline_s=5.0)
+        (completion,) = cluster.completions(request, timeout_s=10)
+        assert not completion.ok and not completion.refused_code, completion
+        assert completion.error.startswith("handshake") and "NOT_FOUND" in completion.error, completion.error
         assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
 
 

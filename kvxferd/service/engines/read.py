@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
+
 from kvxferd.errors import KvxferError
 from kvxferd.plan.engine import PlannedRead, ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -106,10 +108,16 @@ class Read:
         self.state = ReadState.ENDED
 
     def end_unposted(self, error: str, failure: ReadFailure, refusal: KvxferError | None = None) -> None:
-        """Ended with nothing posted: every block it was planned to write is invalid (none when it was
-        refused before it was planned)."""
+        """Ended with nothing posted: every block it was planned to write is invalid; not planned yet (a
+        re-handshake that failed, a deadline before it), every local block it names. Only a refusal
+        names none: ``refused_code`` says nothing was written, and its ids may be what it was refused for."""
         everything = tuple(range(len(self.remote.agent_names))) if self.remote is not None else ()
-        invalid = self.planned.invalid_block_ids(everything) if self.planned is not None else ()
+        if self.planned is not None:
+            invalid = self.planned.invalid_block_ids(everything)
+        elif refusal is None:  # a failed read's invalid ids are all the engine trusts: never none
+            invalid = tuple(np.unique(np.asarray(ids, dtype=np.int64)) for ids in self.request.local_block_ids)
+        else:
+            invalid = ()
         self.refusal = refusal
         self.end(ReadResult(self.request_id, self.remote_engine_id, False, 0, 0, 0.0, invalid, everything, error),
                  failure)

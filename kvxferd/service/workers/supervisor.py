@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvxferd.errors import InvalidArgumentError, UnavailableError
+from kvxferd.service.workers.output import OutputRelay
 from kvxferd.service.workers.spawn import spawn_worker
 from kvxferd.wire import workerchannel as channel
 from kvxferd.xfer.nixl.agent import agent_name_of
@@ -279,6 +280,7 @@ class WorkerSupervisor:
         finally:
             theirs.close()
         self._process, self._sock, refused = process, ours, ""
+        relay = OutputRelay(process.stderr, f"{self.name}-w{generation}") if process.stderr is not None else None
         try:
             if self._stopping.is_set():  # stop() came before this generation's channel was published
                 raise channel.ChannelClosed("stopping")
@@ -305,6 +307,8 @@ class WorkerSupervisor:
         except subprocess.TimeoutExpired:  # it closed its channel but lives on: ours to end
             process.kill()
             returncode = process.wait()
+        if relay is not None:
+            relay.join(1.0)  # its last lines (a crash's) before the death is logged
         return WorkerDeath(generation, process.pid, returncode, noticed_s), refused
 
     def _until_mapped(self, sock: socket.socket, generation: int, pid: int, start: float) -> None:

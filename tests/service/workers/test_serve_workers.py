@@ -211,3 +211,34 @@ def board_fds(pid: int) -> int:
         except OSError:
             pass
     return count
+
+
+def test_a_rank_whose_worker_cannot_start_again_takes_the_peer_service_out_of_serving(tmp_path):
+    """A worker is started again after each death unless its memory will not map (the engine's file
+    shrank): then the PeerService health (the chart's readiness probe) says NOT_SERVING, the gauge counts
+    the rank, and both clear once that engine deregisters. The daemon itself ("") keeps serving."""
+    from kvxferd.client.health import check
+    from kvxferd.service.daemon import PEER_SERVICE
+
+    with DaemonCluster(*GROUPS, 1, 1, workdir=str(tmp_path), name="wg", daemon_args=("--dataplane-workers",)) as c:
+        daemon = c.prefill_daemons[0]
+        worker, target = worker_of(c), daemon.engine_target
+        assert check(target, PEER_SERVICE) == "SERVING"
+        with open(f"/proc/{worker}/maps") as maps:
+            mapped = maps.read()
+        (arena,) = [a for a in c.arenas if f"/dev/shm/{a.name}" in mapped]
+        os.truncate(f"/dev/shm/{arena.name}", 0)  # no generation can map it again
+        os.kill(worker, signal.SIGKILL)
+
+        def until(predicate, timeout_s: float = 20.0) -> bool:
+            deadline = time.monotonic() + timeout_s
+            while not predicate() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return predicate()
+
+        assert until(lambda: daemon.metric("kvxferd_dataplane_workers_given_up") == 1)
+        assert until(lambda: check(target, PEER_SERVICE) == "NOT_SERVING")
+        assert check(target) == "SERVING"  # its engines are still served: only peers are turned away
+        next(client for client in c.clients if client.engine_id == c.prefill_id).deregister()
+        assert until(lambda: check(target, PEER_SERVICE) == "SERVING")
+        assert daemon.metric("kvxferd_dataplane_workers_given_up") == 0 and daemon.process.poll() is None
