@@ -73,6 +73,7 @@ LOOP_STALL_S = 0.25  # the maintenance tick waking this late is logged and count
 IDLE_TICK_S = 1.0  # maintenance tick with nothing held and nothing read (idle CPU)
 TLS_CHECK_S = 1.0  # how often the TLS files are looked at between handshakes (three stats)
 PROBE_ON_READ_S = 1.0  # reads naming an unknown holder registration probe the link at most this often
+REHANDSHAKE_MAX_WAIT_S = 60.0  # a stale link's probe-driven re-handshakes back off to one this often
 # Full names (kvxfer.v1.*); importing the *_pb2 modules also puts their descriptors where reflection looks.
 SERVICES = tuple(module.DESCRIPTOR.services_by_name[name].full_name
                  for module, name in ((engine_service_pb2, "EngineService"), (peer_service_pb2, "PeerService")))
@@ -374,10 +375,13 @@ class Daemon:
 
     async def _probe_link(self, slot: EngineSlot, link: RemoteLink) -> None:
         """One GetIncarnation per remote rank; a changed or unreachable one makes the link re-handshake. A
-        link whose re-handshake failed (its holder restarting: a daemon, or a data-plane worker) is tried
-        again each probe, so it heals before the next read rather than costing that read a handshake."""
-        if link.stale and link.remote is not None and link.pending is None and link.failed_rehandshakes:
-            self.spawn(self._rehandshake(slot, link))
+        stale link (a failed read, a holder restarting: a daemon or a data-plane worker, this rank's own
+        worker replaced) is handshaken again here, so it heals before the next read rather than costing
+        that read a handshake; failures back off (peer_check_s doubling to REHANDSHAKE_MAX_WAIT_S), so a
+        holder gone for good costs a try a minute."""
+        if link.stale and link.remote is not None and link.pending is None:
+            if time.monotonic() >= link.retry_s:
+                self.spawn(self._rehandshake(slot, link))
             return
         if link.ready and not await self.peers.probe(slot, link):
             link.stale = True
@@ -401,6 +405,8 @@ class Daemon:
             await self.peers.handshake(slot, link.remote_engine_id)
         except KvxferError as err:
             link.failed_rehandshakes += 1
+            link.retry_s = time.monotonic() + min(REHANDSHAKE_MAX_WAIT_S, self.config.peer_check_s * 2.0 ** (
+                link.failed_rehandshakes - 1))
             log.log(logging.WARNING if link.failed_rehandshakes == 1 else logging.DEBUG,
                     "re-handshake failed; retried by the next probe or read",
                     extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id, "error": str(err),

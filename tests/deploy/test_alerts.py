@@ -121,7 +121,7 @@ CASES = {
                            f"{P}: the TLS files on disk cannot be loaded"),
     "TLS files unusable for a moment": ([_series("kvxferd_tls_files_unusable", {}, "0x5 1 0x24")],
                                         "KvxferdTLSFilesUnusable", None),
-    "worker deaths": ([_series("kvxferd_dataplane_worker_deaths_total", {}, "0x10 1x20")],
+    "worker deaths": ([_series("kvxferd_dataplane_worker_deaths_total", {}, "0x16 1x14")],
                       "KvxferdDataplaneWorkerDeaths", f"{P}: data-plane workers died"),
     "no worker deaths": ([_series("kvxferd_dataplane_worker_deaths_total", {}, "0x30")],
                          "KvxferdDataplaneWorkerDeaths", None),

@@ -66,6 +66,8 @@ def one_path(workdir: str, *, rounds: int, bulk_layers: int, bulk_blocks: int,
             "bulk_ratio": b["ratio"],
             "p50_overhead_us_300": o300["end_to_end"]["p50_us"] - o300["raw_nixl"]["p50_us"],
             "cpu_us_per_request_decode": cpu["decode daemon"], "cpu_us_per_request_prefill": cpu["prefill daemon"],
+            "workers_cpu_us_per_request_decode": o300["workers_cpu_us_per_request"]["decode daemon"],
+            "workers_cpu_us_per_request_prefill": o300["workers_cpu_us_per_request"]["prefill daemon"],
             "p99_ms_1000": o1000["end_to_end"]["p99_us"] / 1e3, "achieved_rate_1000": o1000["achieved_rate_per_s"],
             "idle_cpu_percent": max(o300["idle_cpu_percent"].values())}
 
@@ -176,6 +178,9 @@ def _format_one(f: dict) -> str:
                        ("end_to_end", "submit -> delivered (end to end)"), ("raw_nixl", "raw NIXL, same request alone")):
         lines.append(f"  {label:<34}{o[key]['p50_us']:>9.0f}{o[key]['p99_us']:>9.0f}")
     lines.append("  CPU per request: " + ", ".join(f"{name} {us:.0f} us" for name, us in o["cpu_us_per_request"].items()))
+    if any(o.get("workers_cpu_us_per_request", {}).values()):
+        lines.append("    of which data-plane workers: " + ", ".join(
+            f"{name} {us:.0f} us" for name, us in o["workers_cpu_us_per_request"].items()))
     if "overhead_1000" in f:
         h = f["overhead_1000"]
         lines.append(f"  at {h['rate_per_s']:.0f}/s offered (achieved {h['achieved_rate_per_s']:.0f}/s): end to end p50 "

@@ -136,6 +136,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         client = cluster.decode_clients[0]
         submitted_unix = {}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        workers_before = {name: _workers_cpu_s(pid) for name, pid in pids.items() if "daemon" in name}
         per_step = reads_per_step
         start, start_unix = time.perf_counter(), time.time()
         for n in range(0, num_requests, per_step):
@@ -163,13 +164,15 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             end_to_end_s.append(received_unix - submitted_unix[request.request_id])
             last_unix = max(last_unix, received_unix)
         cpu_us = {name: (_cpu_s(pid) - cpu_before[name]) / num_requests * 1e6 for name, pid in pids.items()}
+        workers_us = {name: (_workers_cpu_s(pids[name]) - before) / num_requests * 1e6
+                      for name, before in workers_before.items()}
     return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
             "reads_per_step": per_step, "completed_rate_per_s": (num_requests - failed) / max(last_unix - start_unix, 1e-9),
             "bytes_per_request": raw.num_bytes, "failed": failed,
             "submit_to_posted": percentiles_us(post_s), "completion_to_delivered": percentiles_us(deliver_s),
             **{f"daemon_{stage}": percentiles_us(values) for stage, values in stages_s.items()},
             "end_to_end": percentiles_us(end_to_end_s), "raw_nixl": percentiles_us(raw_s), "cpu_us_per_request": cpu_us,
-            "idle_cpu_percent": idle}
+            "workers_cpu_us_per_request": workers_us, "idle_cpu_percent": idle}
 
 
 def _idle_cpu_percent(pids: dict, idle_s: float) -> dict:
@@ -184,6 +187,12 @@ def _idle_cpu_percent(pids: dict, idle_s: float) -> dict:
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a daemon and of its data-plane workers (``dataplane_workers``), summed."""
     return sum(_own_cpu_s(p) for p in (pid, *dataplane_workers(pid)))
+
+
+def _workers_cpu_s(pid: int) -> float:
+    """The part of :func:`_cpu_s` spent in daemon ``pid``'s data-plane workers (0 without them). A worker
+    that died during the measure takes its CPU with it: the split is a floor."""
+    return sum(_own_cpu_s(p) for p in dataplane_workers(pid))
 
 
 def _own_cpu_s(pid: int) -> float:

@@ -198,7 +198,7 @@ class Soak:
             life = self._pick("prefill" if self.rng.random() < 0.5 else "decode")
             worker = life and self.workers.kill(life, lambda n: int(self.rng.integers(n)))
             if not worker:  # every daemon frozen, or its last worker's successor still starting
-                return self._skip(effect)
+                return self._skip(effect, "no worker up to kill")
             effect.update(life=life, worker=worker)
         elif kind == "early_release":
             self.prefill.call("release", request.remote_request_id)
@@ -251,8 +251,8 @@ class Soak:
         effect["forged_on"] = life
         return effect
 
-    def _skip(self, effect: dict) -> dict:
-        self.report.log("  skipped: every daemon it could strike is frozen")
+    def _skip(self, effect: dict, why: str = "every daemon it could strike is frozen") -> dict:
+        self.report.log(f"  skipped: {why}")
         self.report.count("faults_skipped")
         return {"kind": "skipped"}
 

@@ -31,35 +31,34 @@ class WorkerKills:
         self.report = report
         self.kills: collections.Counter = collections.Counter()  # daemon pid -> workers the soak killed
 
-    def kill(self, life: DaemonLife, pick) -> int | None:
-        """kill -9 one of ``life``'s workers (``pick(n)``: which of n); its pid, or None when none is up."""
+    def kill(self, life: DaemonLife, pick) -> tuple[int, int] | None:
+        """kill -9 one of ``life``'s workers (``pick(n)``: which of n); its pid and where the daemon's log
+        stood, or None when none is up (its last one's successor still starting, or it just ended)."""
         pid = life.daemon.process.pid
         workers = sorted(dataplane_workers(pid))
-        if not workers:  # the last one's successor is still starting
+        if not workers:
             return None
-        worker = workers[pick(len(workers))]
+        worker, log_at = workers[pick(len(workers))], len(life.daemon.log_text())
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
         self.report.log(f"  kill -9 worker {worker} of {life.daemon.daemon_id}")
-        os.kill(worker, signal.SIGKILL)
         self.kills[pid] += 1
-        return worker
+        return worker, log_at
 
-    def wait_back(self, life: DaemonLife, killed: int) -> None:
-        """A worker other than ``killed`` serves ``life`` again, within WORKER_BACK_S."""
-        pid, start = life.daemon.process.pid, time.monotonic()
+    def wait_back(self, life: DaemonLife, killed: tuple[int, int]) -> None:
+        """A worker other than the killed one serves ``life`` again (the supervisor logged its successor up,
+        after the kill), within WORKER_BACK_S."""
+        (worker, log_at), pid, start = killed, life.daemon.process.pid, time.monotonic()
         while time.monotonic() - start < WORKER_BACK_S:
             workers = dataplane_workers(pid)
-            if workers and killed not in workers and self._up(life):
+            if workers and worker not in workers and ") is up after" in life.daemon.log_text()[log_at:]:
                 self.report.figure("worker_back_s", time.monotonic() - start)
                 return
-            time.sleep(0.05)
+            time.sleep(0.2)
         self.report.violate("workers_alive", f"{life.daemon.daemon_id}: no new worker {WORKER_BACK_S:g} s after "
-                                             f"worker {killed} was killed")
-
-    @staticmethod
-    def _up(life: DaemonLife) -> bool:
-        """The supervisor answered the new worker's map (it logs each generation after the first)."""
-        text = life.daemon.log_text()
-        return text.count(") is up after") >= text.count(") ended with")
+                                             f"worker {worker} was killed")
 
     def check(self, lives: list[DaemonLife]) -> None:
         """Each live daemon counted exactly the worker deaths the soak caused in its life, and gave up on none."""

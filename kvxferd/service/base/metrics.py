@@ -148,8 +148,9 @@ class Metrics:
                                      "at their engine's deregistration (dataplane_workers; each is started again)",
                                      registry=r)
         self.workers_given_up = Gauge("kvxferd_dataplane_workers_given_up", "engine ranks whose data-plane worker "
-                                      "cannot start again (it could not map the engine's memory; peers are "
-                                      "refused until the engine registers again)", registry=r)
+                                      "cannot start again (it could not map the engine's memory, or broke "
+                                      "the protocol before it was up; peers are refused until the engine "
+                                      "registers again)", registry=r)
         self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)
         self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
         self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)

@@ -374,8 +374,9 @@ class Registry:
                 self.publish(slot, end)
 
     def num_workers_given_up(self) -> int:
-        """Engine ranks whose data-plane worker is not started again (a generation could not map: the next
-        would fail the same way). One that keeps dying is started again after a growing pause instead."""
+        """Engine ranks whose data-plane worker is not started again (a generation could not map, or broke
+        the protocol before it was up: the next would do the same). One that keeps dying is started again
+        after a growing pause instead."""
         return sum(1 for slot in list(self.slots.values()) if slot.served is not None and slot.served.supervisor.failure)
 
     def num_holds(self) -> int:

@@ -53,6 +53,7 @@ class RemoteLink:
     pending_addresses: tuple[str, ...] = ()
     checked_s: float = 0.0  # monotonic: the last probe a read's capability asked for (at most one a second)
     failed_rehandshakes: int = 0  # in a row, by the probes (the first is a warning, the rest debug lines)
+    retry_s: float = 0.0  # monotonic: the probes' next re-handshake of this stale link (backing off)
 
     @property
     def ready(self) -> bool:
@@ -260,7 +261,7 @@ class Peers:
             link.addresses = addresses  # the remote connected to: a failed probe leaves the link stale
             probe_s = await self._probe(slot, link.remote, addresses)
             link.incarnations, link.stale = incarnations, slot.notices_metadata is not introduced
-            link.failed_rehandshakes = 0
+            link.failed_rehandshakes, link.retry_s = 0, 0.0
             self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)
             log.info("handshake done", extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id,
                                               "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4),

@@ -45,23 +45,28 @@ CHANNEL_BUFFER_BYTES = 4 << 20  # each way: a new generation's reload of every h
 FULL_CHANNEL_S = 5.0  # a worker whose channel stays full this long has stopped reading it: killed
 # A worker dies when a peer owns it through its metadata (a READ of an unmapped address), or UCX aborts.
 # Giving up would hand whoever can kill it a way to end the engine's service; restarting at once would
-# hand them a CPU sink (a start costs about 0.85 s of a core: kvxferd bench processes). So: FREE_RESTARTS
-# deaths within RESTART_WINDOW_S start again at once, each further one waits twice as long, up to
-# MAX_BACKOFF_S (then a start costs at most ~5 % of a core).
+# hand them a CPU sink (a start costs about 0.85 s of a core: kvxferd bench processes). So: the first
+# FREE_RESTARTS deaths in a row start again at once, each further one waits twice as long, up to
+# MAX_BACKOFF_S (then a killer costs the daemon at most ~5 % of a core). A generation that lived
+# STABLE_S ends the streak.
 FREE_RESTARTS = 3
-RESTART_WINDOW_S = 60.0
+STABLE_S = 60.0
 BACKOFF_BASE_S = 0.5
 MAX_BACKOFF_S = 16.0
 
 
-def backoff_s(num_recent_deaths: int, free_restarts: int = FREE_RESTARTS, base_s: float = BACKOFF_BASE_S,
+class MapTimedOut(UnavailableError):
+    """No answer to ``map`` in time (a loaded machine, a hung start): the next generation may do better."""
+
+
+def backoff_s(num_deaths_in_a_row: int, free_restarts: int = FREE_RESTARTS, base_s: float = BACKOFF_BASE_S,
               max_s: float = MAX_BACKOFF_S) -> float:
-    """The pause before the next start after ``num_recent_deaths`` deaths within RESTART_WINDOW_S::
+    """The pause before the next start after ``num_deaths_in_a_row`` deaths, none after STABLE_S of life::
 
         deaths  1..free   free+1   free+2   free+3  ...  capped
         pause   0         base     2 base   4 base  ...  max_s
     """
-    beyond = num_recent_deaths - free_restarts
+    beyond = num_deaths_in_a_row - free_restarts
     return 0.0 if beyond <= 0 else min(max_s, base_s * 2.0 ** (beyond - 1))
 
 
@@ -242,9 +247,10 @@ class WorkerSupervisor:
                 self._changed.notify_all()
 
     def _generations(self) -> None:
-        generation, recent = 0, []
+        generation, streak = 0, 0
         while not self._stopping.is_set():
             generation += 1
+            started_s = time.monotonic()
             death, refused = self._serve(generation)
             self.deaths.append(death)
             if refused:  # it never came up: the same fds would fail the same way again
@@ -258,11 +264,10 @@ class WorkerSupervisor:
                 break
             log.warning("worker %s generation %d (pid %d) ended with %d; starting another", self.name,
                         generation, death.pid, death.returncode)
-            recent = [t for t in recent if death.noticed_s - t < RESTART_WINDOW_S] + [death.noticed_s]
-            pause_s = self.restart_delay_s + backoff_s(len(recent), self.free_restarts, self.backoff_base_s)
+            streak = 1 if death.noticed_s - started_s >= STABLE_S else streak + 1
+            pause_s = self.restart_delay_s + backoff_s(streak, self.free_restarts, self.backoff_base_s)
             if pause_s >= 1.0:
-                log.warning("worker %s: %d deaths within %.0f s; the next starts in %.1f s", self.name, len(recent),
-                            RESTART_WINDOW_S, pause_s)
+                log.warning("worker %s: %d deaths in a row; the next starts in %.1f s", self.name, streak, pause_s)
             self._stopping.wait(pause_s)
 
     def _serve(self, generation: int) -> tuple[WorkerDeath, str]:
@@ -274,14 +279,16 @@ class WorkerSupervisor:
         start = time.monotonic()
         try:
             process = spawn_worker(theirs.fileno())
-        except OSError as err:
+        except OSError as err:  # (EAGAIN, ENOMEM: maybe not next time) a death, backed off like any
             ours.close()
-            return WorkerDeath(generation, 0, -1, time.monotonic()), f"it could not be started: {err}"
+            log.error("worker %s generation %d could not be started: %s", self.name, generation, err)
+            return WorkerDeath(generation, 0, -1, time.monotonic()), ""
         finally:
             theirs.close()
-        self._process, self._sock, refused = process, ours, ""
-        relay = OutputRelay(process.stderr, f"{self.name}-w{generation}") if process.stderr is not None else None
+        self._process, self._sock, refused, relay = process, ours, "", None
         try:
+            if process.stderr is not None:
+                relay = OutputRelay(process.stderr, f"{self.name}-w{generation}")
             if self._stopping.is_set():  # stop() came before this generation's channel was published
                 raise channel.ChannelClosed("stopping")
             channel.send(ours, {"op": "map", "name": f"{self.name}-w{generation}", "poll_interval_s": self.poll_interval_s,
@@ -297,7 +304,8 @@ class WorkerSupervisor:
         except Exception as err:  # noqa: BLE001 - out of protocol, never came up, or a callback failed
             message = getattr(err, "message", None) or f"{type(err).__name__}: {err}"
             log.error("worker %s generation %d: %s; killing it", self.name, generation, message)
-            refused = "" if self.current is not None else message
+            # Never up, for what it answered (it cannot map, or out of protocol): the next would do the same.
+            refused = message if self.current is None and not isinstance(err, MapTimedOut) else ""
             process.kill()
         noticed_s = time.monotonic()
         self._sock = None
@@ -309,13 +317,15 @@ class WorkerSupervisor:
             returncode = process.wait()
         if relay is not None:
             relay.join(1.0)  # its last lines (a crash's) before the death is logged
+        elif process.stderr is not None:  # the relay could not start
+            process.stderr.close()
         return WorkerDeath(generation, process.pid, returncode, noticed_s), refused
 
     def _until_mapped(self, sock: socket.socket, generation: int, pid: int, start: float) -> None:
         deadline = start + MAP_TIMEOUT_S
         while True:
             if not select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise UnavailableError("worker", f"no answer to map within {MAP_TIMEOUT_S:.0f} s")
+                raise MapTimedOut("worker", f"no answer to map within {MAP_TIMEOUT_S:.0f} s")
             message, fds = channel.receive(sock)
             channel.close_all(fds)
             if message["op"] == "error":
