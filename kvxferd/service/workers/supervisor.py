@@ -285,15 +285,19 @@ class WorkerSupervisor:
             return WorkerDeath(generation, 0, -1, time.monotonic()), ""
         finally:
             theirs.close()
-        self._process, self._sock, refused, relay = process, ours, "", None
+        self._process, refused, relay = process, "", None
         try:
             if process.stderr is not None:
                 relay = OutputRelay(process.stderr, f"{self.name}-w{generation}")
-            if self._stopping.is_set():  # stop() came before this generation's channel was published
-                raise channel.ChannelClosed("stopping")
             channel.send(ours, {"op": "map", "name": f"{self.name}-w{generation}", "poll_interval_s": self.poll_interval_s,
                                 "regions": [{"file": f, "offset": o, "num_bytes": n} for f, o, n in self._regions]},
                          self._files)
+            # Published only now: a command another thread sends (a holder to load) must come after the
+            # map, or the worker answers it first and the generation fails as one that cannot map. What
+            # was not sent meanwhile is sent again by on_up (WorkerNotices.reload).
+            self._sock = ours
+            if self._stopping.is_set():  # stop() came before this generation's channel was published
+                raise channel.ChannelClosed("stopping")
             self._until_mapped(ours, generation, process.pid, start)
             while True:
                 message, fds = channel.receive(ours)

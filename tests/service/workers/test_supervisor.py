@@ -271,3 +271,28 @@ def test_a_worker_answering_with_another_agents_name_is_refused(cache, monkeypat
     supervisor = WorkerSupervisor("kvx-test-impostor", [Region(cache[0], CACHE_BYTES)])
     with pytest.raises(UnavailableError, match="agents not named"):
         supervisor.start(timeout_s=30)
+
+
+def test_a_command_sent_while_a_generation_starts_waits_for_its_map(cache, monkeypatch):
+    """Another thread may send (a holder to load) at any time; a new generation's channel takes nothing
+    before its map. Found by the soak: a load that went out first was answered "load before map", and
+    the generation failed as one that cannot map (given up for good)."""
+    from kvxferd.service.workers import supervisor as module
+
+    real = module.OutputRelay
+    holder = NixlAgent("kvx-test-early-holder")
+    supervisor = WorkerSupervisor("kvx-test-early", [Region(cache[0], CACHE_BYTES)])
+    sent = []
+
+    def relay_and_send(stream, name):  # runs between the spawn and the map
+        sent.append(supervisor.send({"op": "load", "metadata": holder.metadata().hex()}))
+        return real(stream, name)
+
+    monkeypatch.setattr(module, "OutputRelay", relay_and_send)
+    try:
+        up = supervisor.start(timeout_s=60)
+        assert up.generation == 1 and not supervisor.failure
+        assert sent == [False]  # not sent before the map (the control: sent first, the start fails)
+    finally:
+        supervisor.stop()
+        holder.close()
