@@ -63,14 +63,17 @@ def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
 def test_a_short_soak_killing_data_plane_workers_breaks_no_invariant(tmp_path):
     """--dataplane-workers: workers killed on both sides (and daemons killed, whose workers go with them) are
     replaced, their daemons and holds live on, and each daemon counted exactly the deaths the soak caused.
-    (A loaded CI machine gets through about ten requests in 45 s: two kinds, so each comes a few times.)"""
-    code, summary, stderr = _soak("--dataplane-workers", "--duration", "45", "--seed", "7", "--fault-rate", "0.9",
+    A loaded CI machine gets through only a dozen requests in a minute: two kinds at half the requests,
+    so some reads still end ok and some holds CONSUMED (_check), and each kind comes at least once."""
+    code, summary, stderr = _soak("--dataplane-workers", "--duration", "60", "--seed", "7", "--fault-rate", "0.5",
                                   "--max-tp", "2", "--faults", "kill_worker,kill_prefill_daemon",
                                   timeout_s=600, logs=tmp_path)
     _check(code, summary, tmp_path, stderr)
-    assert summary["faults"].get("kill_worker", 0) >= 2, summary["faults"]
-    # Each kill that found a worker to kill saw its successor up (else workers_alive would have failed).
-    assert summary["figures"]["worker_back_s"]["n"] >= 1, summary["figures"]
+    kills = summary["faults"].get("kill_worker", 0)
+    assert kills >= 1, summary["faults"]
+    # Each kill found no worker up (skipped) or saw the successor up in time (else workers_alive failed).
+    seen_back = summary["figures"].get("worker_back_s", {"n": 0})["n"]
+    assert seen_back + summary["counts"].get("faults_skipped", 0) >= kills, (summary["figures"], summary["counts"])
 
 
 def test_bad_arguments_exit_2():
