@@ -186,7 +186,7 @@ def _idle_cpu_percent(pids: dict, idle_s: float) -> dict:
 
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a daemon and of its data-plane workers (``dataplane_workers``), summed."""
-    return sum(_own_cpu_s(p) for p in (pid, *dataplane_workers(pid)))
+    return _own_cpu_s(pid) + _workers_cpu_s(pid)
 
 
 def _workers_cpu_s(pid: int) -> float:
