@@ -77,13 +77,17 @@ class EngineClient:
     def __init__(self, target: str, *, timeout_s: float = 30.0, max_message_bytes: int = 16 << 20,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
                  channel_options: Sequence[tuple[str, object]] = (), reads_socket: bool = True,
-                 daemon_uid: int | None = None) -> None:
+                 daemon_uid: int | None = None, register_timeout_s: float | None = None) -> None:
         """``target``: ``unix:PATH`` (the default daemon socket) or, with ``credentials`` (TLS) and
         ``token``, the daemon's ``engine_tcp`` address (``channel_options`` e.g. a TLS target name override).
         ``reads_socket``: a ``unix:`` target's reads go over the daemon's reads socket (the same
         batches without gRPC) when it offers one, else over the gRPC ``Reads`` stream.
         ``daemon_uid``: the uid the daemon of a ``unix:`` target runs as (default: this process's); a
-        socket of anyone else is refused before anything is sent (:class:`PermissionDeniedError`)."""
+        socket of anyone else is refused before anything is sent (:class:`PermissionDeniedError`).
+        ``register_timeout_s`` (default ``timeout_s``): Register maps and registers the cache (and with
+        data-plane workers starts one), so it may take longer than other calls. A caller that gives up
+        mid-way leaves a registration whose session it never learnt: the daemon finishes it and a retry
+        is refused ALREADY_EXISTS until its lease runs out."""
         self.target = target
         self.daemon_uid = daemon_uid_or_own(daemon_uid)
         self.socket_path = target.removeprefix("unix:") if target.startswith("unix:") else None
@@ -91,6 +95,7 @@ class EngineClient:
         self.reads_socket_path = (reads_socket_path(self.socket_path)
                                   if reads_socket and self.socket_path is not None else None)
         self.timeout_s = timeout_s
+        self.register_timeout_s = register_timeout_s if register_timeout_s is not None else timeout_s
         self.session, self.token = "", token
         options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
                    *channel_options]
@@ -145,7 +150,7 @@ class EngineClient:
         with self._register_lock:
             if num_registrations is not None and len(self.incarnations) != num_registrations:
                 return None
-            reply = self.stub.Register(request, timeout=self.timeout_s)
+            reply = self.stub.Register(request, timeout=self.register_timeout_s)
             self._registered(request.engine, reply, again)
         return reply
 

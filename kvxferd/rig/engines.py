@@ -296,7 +296,9 @@ class SoakRanks(EngineRanks):
             except grpc.RpcError:
                 old.close()
         while True:
-            client = EngineClient(self.targets[rank], timeout_s=RPC_TIMEOUT_S)
+            # Register alone waits longer: one that timed out would still register, and the retry would
+            # be refused (that session unknown) until its lease ran out.
+            client = EngineClient(self.targets[rank], timeout_s=RPC_TIMEOUT_S, register_timeout_s=REGISTER_WAIT_S)
             try:
                 client.register(self.rank_pb(rank), lease_s=self.lease_s)
                 self.clients[rank] = client

@@ -127,3 +127,31 @@ def test_a_heartbeat_does_not_replace_a_registration_made_while_it_was_out():
     client._stop.wait = lambda interval_s, calls=iter([False, True]): next(calls)
     client._heartbeat(0.0)
     assert client.stub.registrations == ["e"] and client.num_reregistrations == 1
+
+
+class TimedDaemon:
+    """Records the timeout each Register was sent with."""
+
+    def __init__(self) -> None:
+        self.timeouts_s: list[float] = []
+
+    def Register(self, request, timeout):  # noqa: N802 (the stub's name)
+        self.timeouts_s.append(timeout)
+        return pb.RegisterReply(session="s", incarnation="i")
+
+
+def test_register_waits_its_own_timeout_and_other_calls_theirs():
+    """CI's link-cut flake: a loaded machine took over 2 s to register (map, NIXL, a worker started); the
+    soak engine gave up after its 2 s RPC timeout, the daemon registered anyway, and every retry was refused
+    ALREADY_EXISTS until that lease ran out. Register has its own, longer timeout; re-registering too."""
+    client = EngineClient("unix:/nonexistent/kvxferd.sock", timeout_s=2.0, register_timeout_s=30.0)
+    client.reads.open = lambda: None
+    client.stub = TimedDaemon()
+    client._send_register(pb.RegisterRequest(engine=pb.EngineRank(engine_id="e")))
+    client._send_register(pb.RegisterRequest(engine=pb.EngineRank(engine_id="e")), again=True)
+    assert client.stub.timeouts_s == [30.0, 30.0]
+    plain = EngineClient("unix:/nonexistent/kvxferd.sock", timeout_s=2.0)  # control: the default is timeout_s
+    plain.reads.open = lambda: None
+    plain.stub = TimedDaemon()
+    plain._send_register(pb.RegisterRequest(engine=pb.EngineRank(engine_id="e")))
+    assert plain.stub.timeouts_s == [2.0]
