@@ -55,8 +55,10 @@ PANELS = [
         ("TLS reloads ({{pod}})", f"max by (pod) (kvxferd_tls_reloads_total{SEL})"),
         ("TLS certificates refused ({{pod}})", f"max by (pod) (kvxferd_tls_refused_total{SEL})"),
         ("TLS files unusable ({{pod}})", f"max by (pod) (kvxferd_tls_files_unusable{SEL})")]),
-    ("Data-plane workers: deaths / s and ranks given up", "short", [
+    ("Data-plane workers: deaths and replacements / s, ranks given up", "short", [
         ("deaths ({{pod}})", f"sum by (pod) (rate(kvxferd_dataplane_worker_deaths_total{SEL}{RATE}))"),
+        ("replaced: {{reason}}",
+         f"sum by (reason) (rate(kvxferd_dataplane_worker_replacements_total{SEL}{RATE}))"),
         ("ranks given up ({{pod}})", f"max by (pod) (kvxferd_dataplane_workers_given_up{SEL})")]),
     ("Daemons by version", "short", [
         ("kvxferd {{version}}, Python {{python}}, NIXL {{nixl}}",

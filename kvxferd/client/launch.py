@@ -139,11 +139,16 @@ class DaemonProcess:
         """Whether the last start failed because one of its ports was taken meanwhile."""
         return "Address already in use" in self.log_text()
 
-    def log_text(self) -> str:
-        """What this start of the daemon logged so far (a restart appends to the same file)."""
+    def log_text(self, since_byte: int = 0) -> str:
+        """What this start of the daemon logged so far (a restart appends to the same file), from
+        ``since_byte`` of it on (:meth:`log_bytes` taken earlier: only what came since)."""
         with open(self.log_path, "rb") as log:
-            log.seek(self._log_start)
+            log.seek(self._log_start + since_byte)
             return log.read().decode(errors="replace")
+
+    def log_bytes(self) -> int:
+        """How many bytes this start of the daemon logged so far."""
+        return os.path.getsize(self.log_path) - self._log_start
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of this daemon's Prometheus metrics (``labels`` as exported, e.g. ``kind="uid"``); 0 if absent."""

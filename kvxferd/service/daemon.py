@@ -44,6 +44,7 @@ from kvxferd.service.net.bus import NotifyBus
 from kvxferd.service.base.config import DaemonConfig
 from kvxferd.service.dataplane.thread import DataPlane
 from kvxferd.service.engines.registry import Registry
+from kvxferd.service.engines.served import WorkerOptions
 from kvxferd.service.net.exposure import insecure_listeners, refusal, ucx_environment
 from kvxferd.service.net.peerport import ConnectionCap, peer_server_options
 from kvxferd.service.engines.fdpass import FdInbox
@@ -59,6 +60,7 @@ from kvxferd.service.net.servicers import EngineServicer, PeerServicer
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.proof import check_own_chain
 from kvxferd.service.peers.tls import TlsFiles
+from kvxferd.service.workers.trust import CA_CHANGED, CaWatch
 from kvxferd.wire.peerauth import load_or_create_peer_secret
 from kvxferd.wire.names import default_runtime_dir
 from kvxferd.wire import serving
@@ -90,7 +92,8 @@ class Daemon:
                             allowed_ids=tuple(config.peer_allowed_ids)) if config.tls else None
         if self.tls is not None:
             check_own_chain(self.tls)  # as peers check it in their challenge: a CA they refuse stops us here
-            self.tls.on_reload = self.metrics.tls_reloads.inc
+            self._ca_watch = CaWatch(self.tls.current().ca)
+            self.tls.on_reload = self._tls_reloaded
             self.tls.on_refused = self.metrics.tls_refused.inc
             # The maintenance loop looks at the files every TLS_CHECK_S; refused_error stays set until they load.
             self.metrics.tls_files_unusable.set_function(lambda: 1.0 if self.tls.refused_error else 0.0)
@@ -177,8 +180,7 @@ class Daemon:
                                      abort_drain_s=config.abort_drain_s,
                                      populate_host_memory=config.populate_host_memory, shm_group=gid,
                                      shm_uids=allowed_uids,
-                                     worker_poll_interval_s=config.poll_interval_s if config.dataplane_workers else None,
-                                     on_worker_death=self.metrics.worker_deaths.inc)
+                                     workers=self._worker_options() if config.dataplane_workers else None)
             self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.workers_given_up.set_function(self.registry.num_workers_given_up)
@@ -329,12 +331,27 @@ class Daemon:
                 if self.tls is not None and now - last_tls_check >= TLS_CHECK_S:
                     last_tls_check = now  # a rotation is used, or refused loudly, without waiting for a handshake
                     self.tls.current()
+                    self.registry.check_trust(time.time())  # certificates metadata went to, near their expiry
                 if now - last_probe >= self.config.peer_check_s:
                     last_probe = now
                     self.spawn(self._probe_peers())
                 await self._peer_health()
             except Exception:
                 log.exception("maintenance failed")
+
+    def _worker_options(self) -> WorkerOptions:
+        config, replacements = self.config, self.metrics.worker_replacements
+        return WorkerOptions(config.poll_interval_s, config.worker_retire_grace_s, config.worker_replace_interval_s,
+                             on_death=self.metrics.worker_deaths.inc,
+                             on_replace=lambda reasons: [replacements.labels(r).inc() for r in reasons])
+
+    def _tls_reloaded(self, material) -> None:
+        """New TLS files (the thread that looked): counted; a new CA bundle ends trust in every peer the
+        workers' metadata went to (kvxferd.service.workers.trust)."""
+        self.metrics.tls_reloads.inc()
+        registry = getattr(self, "registry", None)
+        if self._ca_watch.changed(material.ca) and registry is not None:
+            registry.replace_workers(CA_CHANGED)
 
     async def _peer_health(self) -> None:
         """PeerService is NOT_SERVING while an engine rank has no data-plane worker and none can start (its

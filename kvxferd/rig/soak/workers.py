@@ -38,7 +38,7 @@ class WorkerKills:
         workers = sorted(dataplane_workers(pid))
         if not workers:
             return None
-        worker, log_at = workers[pick(len(workers))], len(life.daemon.log_text())
+        worker, log_at = workers[pick(len(workers))], life.daemon.log_bytes()
         try:
             os.kill(worker, signal.SIGKILL)
         except ProcessLookupError:
@@ -53,7 +53,7 @@ class WorkerKills:
         (worker, log_at), pid, start = killed, life.daemon.process.pid, time.monotonic()
         while time.monotonic() - start < WORKER_BACK_S:
             workers = dataplane_workers(pid)
-            if workers and worker not in workers and ") is up after" in life.daemon.log_text()[log_at:]:
+            if workers and worker not in workers and ") is up after" in life.daemon.log_text(log_at):
                 self.report.figure("worker_back_s", time.monotonic() - start)
                 return
             time.sleep(0.2)

@@ -94,6 +94,14 @@ class DaemonConfig(BaseSettings):
     dataplane_workers: bool = Field(False, description="serve each host-memory engine rank's cache to peers from a "
                                     "worker process that holds no secret, restarted when it dies (issue #55, "
                                     "docs/dataplane.md; the daemon's own reads and GPU caches stay in-process)")
+    worker_retire_grace_s: float = Field(10.0, ge=0, le=600, description="with dataplane_workers, how long a "
+                                         "replaced worker serves on after its successor is up, so readers "
+                                         "handshake again at their probe before its metadata stops working (s)")
+    worker_replace_interval_s: float = Field(30.0, ge=0, le=3600, description="with dataplane_workers, the least "
+                                             "time between two replacements of one rank's worker (when a CA, an "
+                                             "expiring certificate or an ended introduction ends trust in the "
+                                             "metadata peers were handed; each makes every reader handshake "
+                                             "again) (s)")
     populate_host_memory: bool = Field(True, description="fault in every page of a host-memory cache when it is "
                                        "registered (about 0.2 ms per MiB here), not in its first reads")
     max_readers_per_engine: int = Field(1024, ge=1, description="reader agents introduced to one engine rank at once")

@@ -38,6 +38,7 @@ DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
 # printable token, max_fd_tokens or a token in use, max_fds_waiting, a socket error, a bug.
 FD_REFUSALS = ("uid", "malformed", "tokens", "fds", "io", "error")
 BUS_REFUSALS = ("prefix", "flood", "limit")  # NotifyBus's refusals (net/bus.py, net/busguard.py)
+WORKER_REPLACE_REASONS = ("ca_changed", "certificate_expires", "introduction_ended")  # service/workers/trust.py
 # kvxferd_rpc_errors' methods: those of both gRPC services and the engine's read socket (READS_SOCKET_METHOD; its Hold frames count as "Hold").
 RPC_METHODS = tuple(method.name for module, service in ((engine_service_pb2, "EngineService"),
                                                          (peer_service_pb2, "PeerService"))
@@ -147,6 +148,10 @@ class Metrics:
         self.worker_deaths = Counter("kvxferd_dataplane_worker_deaths", "data-plane workers that ended other than "
                                      "at their engine's deregistration (dataplane_workers; each is started again)",
                                      registry=r)
+        self.worker_replacements = Counter("kvxferd_dataplane_worker_replacements", "data-plane workers replaced "
+                                           "because trust in the metadata peers were handed ended (reason: "
+                                           "ca_changed, certificate_expires, introduction_ended)", ["reason"],
+                                           registry=r)
         self.workers_given_up = Gauge("kvxferd_dataplane_workers_given_up", "engine ranks whose data-plane worker "
                                       "cannot start again (it could not map the engine's memory, or broke "
                                       "the protocol before it was up; peers are refused until the engine "
@@ -161,7 +166,8 @@ class Metrics:
         for metric, values in ((self.read_duration, OUTCOMES), (self.handshake_duration, OUTCOMES),
                                (self.read_failures, FAILURE_KINDS), (self.events, EVENT_KINDS),
                                (self.notices_dropped, DROPPED_NOTICES), (self.fd_socket_refused, FD_REFUSALS),
-                               (self.bus_subscriptions_refused, BUS_REFUSALS)):
+                               (self.bus_subscriptions_refused, BUS_REFUSALS),
+                               (self.worker_replacements, WORKER_REPLACE_REASONS)):
             for value in values:
                 metric.labels(value)
         for method in RPC_METHODS:

@@ -38,7 +38,8 @@ from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.nixl.agent import NixlAgent, collect_agents
 from kvxferd.plan.board import buckets_for
-from kvxferd.service.engines.served import BoardMemory, WorkerServed
+from kvxferd.service.engines.served import BoardMemory, WorkerOptions, WorkerServed
+from kvxferd.service.workers.trust import CERTIFICATE_EXPIRES
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.reads import ReadExecutor
 
@@ -50,6 +51,9 @@ MAX_EXPIRIES_PER_TICK = 8192  # per engine and maintenance tick (0.2 s): 40,000 
 # The maintenance tick comes at least every second (daemon.IDLE_TICK_S). A longer gap means this
 # daemon did not run (SIGSTOP, a paused VM or container, a starved host); see Registry.expire.
 PAUSE_S = 2.0
+# A worker whose metadata went to a certificate is replaced this long (plus its grace and the least time
+# between replacements) before that certificate expires: a start on a loaded machine, readers' probes.
+TRUST_LEAD_S = 60.0
 
 
 class SlotThread(Protocol):
@@ -81,14 +85,12 @@ class Registry:
                  max_engines: int = 64, max_registered_bytes: int = 1 << 40, max_holds: int = 100_000,
                  max_hold_s: float = float("inf"), abort_drain_s: float = 30.0,
                  populate_host_memory: bool = True, shm_group: int | None = None,
-                 shm_uids: frozenset[int] = frozenset(), worker_poll_interval_s: float | None = None,
-                 on_worker_death: Callable[[], None] | None = None) -> None:
+                 shm_uids: frozenset[int] = frozenset(), workers: WorkerOptions | None = None) -> None:
         """``shm_group``: engine_socket_group, whose members may register too, and ``shm_uids``: allowed_uids,
-        who may too (see memory.ShmOpeners); ``worker_poll_interval_s``: host-memory ranks are served to peers
-        by data-plane workers polling this often (None: by this process, as without dataplane_workers)."""
+        who may too (see memory.ShmOpeners); ``workers``: host-memory ranks are served to peers by data-plane
+        workers run so (None: by this process, as without dataplane_workers)."""
         self.dataplane = dataplane
-        self.worker_poll_interval_s = worker_poll_interval_s
-        self.on_worker_death = on_worker_death  # a worker ended unasked (any thread)
+        self.workers = workers
         self.shm_group, self.shm_uids = shm_group, shm_uids
         self.populate_host_memory = populate_host_memory  # fault a host cache's pages in at registration
         self.max_holds = max_holds  # per engine rank: sizes its hold board
@@ -254,7 +256,7 @@ class Registry:
                 if num_bytes < need:
                     raise InvalidArgumentError(f"{field}.num_bytes", f"{num_bytes} bytes, the layout needs {need}")
                 mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers, kept,
-                                      keep_fd=self.worker_poll_interval_s is not None)
+                                      keep_fd=self.workers is not None)
                 mapped.append(mapping)
                 regions.append(mapping.memory)
             memory.append(regions)
@@ -275,13 +277,12 @@ class Registry:
         agent = NixlAgent(name)
         served = executor = None
         try:
-            if self.worker_poll_interval_s is not None and cache.mem_type == "DRAM":
+            if self.workers is not None and cache.mem_type == "DRAM":
                 region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
                 board = BoardMemory.create(buckets_for(self.max_holds))
                 try:
                     served = WorkerServed(f"{name}-w", region_fds, board,
-                                          lambda notices: self.dataplane.take_notices(slot, notices),
-                                          self.worker_poll_interval_s, on_death=self.on_worker_death)
+                                          lambda notices: self.dataplane.take_notices(slot, notices), self.workers)
                 except BaseException:
                     board.close()
                     raise
@@ -372,6 +373,23 @@ class Registry:
                 ended = slot.holds.expire(now, max_ends=MAX_EXPIRIES_PER_TICK)
             for end in ended:
                 self.publish(slot, end)
+
+    def check_trust(self, now_s: float) -> None:
+        """Replace the worker of each rank whose metadata went to a certificate that expires soon (wall-clock
+        ``now_s``): the replacement, its start and the old one's grace fit before it (TRUST_LEAD_S)."""
+        if self.workers is None:
+            return
+        lead_s = self.workers.retire_grace_s + self.workers.replace_interval_s + TRUST_LEAD_S
+        for slot in list(self.slots.values()):
+            served = slot.served
+            if served is not None and served.handed.due(served.generation, now_s, lead_s):
+                served.replace(CERTIFICATE_EXPIRES)
+
+    def replace_workers(self, reason: str) -> None:
+        """Replace every rank's worker (any thread): trust ended in whomever their metadata went to."""
+        for slot in list(self.slots.values()):
+            if slot.served is not None:
+                slot.served.replace(reason)
 
     def num_workers_given_up(self) -> int:
         """Engine ranks whose data-plane worker is not started again (a generation could not map, or broke

@@ -39,8 +39,10 @@ import numpy as np
 from kvxferd.errors import UnavailableError
 from kvxferd.plan.board import BoardInfo, board_shape
 from kvxferd.plan.groups import EngineCache
+from kvxferd.service.workers.trust import HandedMetadata
 from kvxferd.service.workers.notices import WorkerNotices
-from kvxferd.service.workers.supervisor import Region, WorkerSupervisor, WorkerUp
+from kvxferd.service.workers.supervisor import (MIN_REPLACE_INTERVAL_S, RETIRE_GRACE_S, Region, WorkerSupervisor,
+                                                WorkerUp)
 
 
 @dataclass(eq=False)
@@ -81,12 +83,22 @@ def rebased(cache: EngineCache, addresses: list[int] | tuple[int, ...]) -> Engin
     return dataclasses.replace(cache, memory=memory)
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a daemon runs its data-plane workers (its configuration, and the counters it keeps)."""
+
+    poll_interval_s: float
+    retire_grace_s: float = RETIRE_GRACE_S
+    replace_interval_s: float = MIN_REPLACE_INTERVAL_S
+    on_death: Callable[[], None] | None = None  # a worker ended unasked (any thread)
+    on_replace: Callable[[tuple[str, ...]], None] | None = None  # a replacement started, for these reasons
+
+
 class WorkerServed:
     """The worker serving one engine rank, the board it shares with it, and its notice agent."""
 
     def __init__(self, name: str, region_fds: list[tuple[int, int, int]], board: BoardMemory,
-                 on_notices: Callable[[list[tuple[str, bytes]]], None], poll_interval_s: float, *,
-                 on_death: Callable[[], None] | None = None) -> None:
+                 on_notices: Callable[[list[tuple[str, bytes]]], None], options: WorkerOptions) -> None:
         """A worker for ``region_fds`` (fd, offset, num_bytes per region, in the cache's order) and ``board``,
         not started yet (:meth:`start`); ``on_generation`` (set before it) hears of each new generation."""
         regions = [Region(fd, num_bytes, offset) for fd, offset, num_bytes in region_fds]
@@ -94,9 +106,14 @@ class WorkerServed:
         self.board, self.num_regions = board, len(region_fds)
         self.on_generation: Callable[[WorkerUp], None] | None = None
         self.closing = False
-        self.supervisor = WorkerSupervisor(name, regions, poll_interval_s=poll_interval_s, on_up=self._up,
+        self.handed = HandedMetadata()  # until when the serving generation's metadata may be trusted
+        on_death, on_replace = options.on_death, options.on_replace
+        self.supervisor = WorkerSupervisor(name, regions, poll_interval_s=options.poll_interval_s, on_up=self._up,
+                                           retire_grace_s=options.retire_grace_s,
+                                           min_replace_interval_s=options.replace_interval_s,
                                            on_notices=lambda generation, pairs: on_notices(pairs),
-                                           on_death=lambda death: on_death and not self.closing and on_death())
+                                           on_death=lambda death: on_death and not self.closing and on_death(),
+                                           on_replace=lambda reasons: on_replace and on_replace(reasons))
         self.notices = WorkerNotices(self.supervisor)  # the executor's notice agent (the engine as a reader)
 
     def start(self) -> None:
@@ -116,6 +133,12 @@ class WorkerServed:
                                                 "handshake again shortly")
         return (up.generation, up.metadata, rebased(cache, up.addresses[:self.num_regions]),
                 dataclasses.replace(board, address=up.addresses[self.num_regions]))
+
+    def replace(self, reason: str) -> None:
+        """Trust in the metadata peers were handed ended (kvxferd.service.workers.trust): a new worker, make
+        before break; the old one stops ``retire_grace_s`` after the new one is up."""
+        if not self.closing:
+            self.supervisor.replace(reason)
 
     @property
     def generation(self) -> int:

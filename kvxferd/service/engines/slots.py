@@ -11,6 +11,7 @@ else belongs to one side as marked.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,12 +75,14 @@ class EngineSlot:
         thread."""
         return self.holder.readers
 
-    def peer_view(self) -> tuple[str, bytes, EngineCache, BoardInfo]:
+    def peer_view(self, trusted_until_s: float = math.inf) -> tuple[str, bytes, EngineCache, BoardInfo]:
         """What a peer is given to read this rank: its incarnation, agent metadata, the cache's addresses, the
-        board's (a worker's when one serves it: :mod:`kvxferd.service.engines.served`)."""
+        board's (a worker's when one serves it: :mod:`kvxferd.service.engines.served`). ``trusted_until_s``:
+        when the certificate of whom it is given to expires (a worker is replaced before then)."""
         if self.served is None:
             return self.incarnation, self.metadata, self.cache, self.holder.board
         generation, *view = self.served.peer_view(self.cache, self.holder.board)
+        self.served.handed.handed(generation, trusted_until_s)
         return (f"{self.incarnation}.w{generation}", *view)
 
     def peer_incarnation(self) -> str:

@@ -36,6 +36,7 @@ from kvxferd.service.engines.holding import place_hold, release_hold, renew_hold
 from kvxferd.service.base.status import error_status
 from kvxferd.service.peers.proof import ChallengeSigner
 from kvxferd.service.peers.tls import authorize_peer
+from kvxferd.service.workers.trust import INTRODUCTION_ENDED, peer_certificate_expiry_s
 from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, ChallengeBook, Nonces, secret_proof
 from kvxferd.wire.messages import MAX_TP_SIZE, check_id, check_peer_addresses
 from kvxferd.wire.names import SESSION_KEY
@@ -262,7 +263,7 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
                  if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
-        incarnation, metadata, cache, board = slot.peer_view()
+        incarnation, metadata, cache, board = slot.peer_view(peer_certificate_expiry_s(context))
         return encode_info(incarnation, metadata, cache, board, same_host_proof=proof)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str, peer: str = "") -> None:
@@ -301,6 +302,8 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
                                              reads_here=bool(notifying[request.reader_tp_rank]), limits=limits)
         if introduction.outcome is Introduced.REPLACED:  # not a plain OK: the old agent's notices count no more
             audit.reader_replaced(slot.engine_id, reader, identity, introduction.replaced_agent, name, peer)
+        if introduction.evicted and slot.served is not None:  # their metadata must reach nothing any more
+            slot.served.replace(INTRODUCTION_ENDED)
         self.daemon.dataplane.wake()  # to poll fast: its handshake's probe READs our board next
 
     @rpc

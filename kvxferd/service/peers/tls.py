@@ -60,7 +60,7 @@ class TlsFiles:
         self._stamp = None
         self._material: TlsMaterial | None = None
         self.num_reloads = 0
-        self.on_reload = None  # called (no arguments) after changed files were loaded
+        self.on_reload = None  # called with the new TlsMaterial after changed files were loaded (under the lock)
         self.on_refused = None  # called (no arguments) when changed files were refused
         self.refused_error = ""  # why the files were last refused
         if self.current() is None:
@@ -88,7 +88,7 @@ class TlsFiles:
                         self.num_reloads += 1
                         log.info("TLS files reloaded", extra={"generation": generation})
                         if self.on_reload is not None:
-                            self.on_reload()
+                            self.on_reload(self._material)
             except (OSError, InvalidArgumentError) as err:  # unreadable, or a rotation still half-written
                 self._refuse(str(err), counted=False)
             return self._material

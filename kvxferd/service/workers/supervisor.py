@@ -12,6 +12,11 @@
     after restart_delay_s: generation g+1 with the same fds (the engine's memory is not asked for again)
     (a worker that keeps dying is started again after a growing pause: backoff_s, never given up on)
 
+    replace(reason) (trust in metadata peers were handed ended: docs/dataplane.md), make before break:
+    generation g serves on ─────────────────────────────────────────► stop, retire_grace_s after g+1 is up
+    generation g+1: exec, map ──► up: sends and peer_view switch to it (peers re-handshake at their probe)
+    (at most one replacement per min_replace_interval_s; requests meanwhile are folded into the next)
+
 The supervisor keeps its own duplicate of every region's fd, so a new
 worker maps the same pages. Everything a worker sends is untrusted (it may
 be owned through its metadata): a message out of protocol kills it, and
@@ -22,6 +27,7 @@ ties workers to the supervisor, not to whichever thread called :meth:`start`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -34,13 +40,13 @@ from dataclasses import dataclass, field
 
 from kvxferd.errors import InvalidArgumentError, UnavailableError
 from kvxferd.service.workers.output import OutputRelay
+from kvxferd.service.workers.retire import STOP_TIMEOUT_S, Retiring, WorkerReplaced
 from kvxferd.service.workers.spawn import spawn_worker
 from kvxferd.wire import workerchannel as channel
 from kvxferd.xfer.nixl.agent import agent_name_of
 
 log = logging.getLogger("kvxferd.workers")
 MAP_TIMEOUT_S = 60.0  # exec, import NIXL, map, register: about 2 s here (kvxferd bench processes)
-STOP_TIMEOUT_S = 5.0
 CHANNEL_BUFFER_BYTES = 4 << 20  # each way: a new generation's reload of every holder's metadata fits
 FULL_CHANNEL_S = 5.0  # a worker whose channel stays full this long has stopped reading it: killed
 # A worker dies when a peer owns it through its metadata (a READ of an unmapped address), or UCX aborts.
@@ -53,6 +59,11 @@ FREE_RESTARTS = 3
 STABLE_S = 60.0
 BACKOFF_BASE_S = 0.5
 MAX_BACKOFF_S = 16.0
+# A replaced generation keeps serving this long after its successor is up: readers notice the new
+# incarnation at their next probe (peer_check_s) and re-handshake before their next read.
+RETIRE_GRACE_S = 10.0
+# Each replacement makes every reader of the rank handshake again: at most one per this interval.
+MIN_REPLACE_INTERVAL_S = 30.0
 
 
 class MapTimedOut(UnavailableError):
@@ -119,12 +130,15 @@ class WorkerSupervisor:
 
     def __init__(self, name: str, regions: Sequence[Region], *, poll_interval_s: float = 1e-3,
                  restart_delay_s: float = 0.0, free_restarts: int = FREE_RESTARTS,
-                 backoff_base_s: float = BACKOFF_BASE_S,
+                 backoff_base_s: float = BACKOFF_BASE_S, retire_grace_s: float = RETIRE_GRACE_S,
+                 min_replace_interval_s: float = MIN_REPLACE_INTERVAL_S,
                  on_notices: Callable[[int, list[tuple[str, bytes]]], None] | None = None,
                  on_death: Callable[[WorkerDeath], None] | None = None,
-                 on_up: Callable[[WorkerUp], None] | None = None) -> None:
-        """``on_up``: each generation once it mapped, on the supervisor's thread before anything it sends is
-        read (e.g. to load again what the last generation had loaded)."""
+                 on_up: Callable[[WorkerUp], None] | None = None,
+                 on_replace: Callable[[tuple[str, ...]], None] | None = None) -> None:
+        """``on_up``: each generation once it mapped, on the supervisor's thread, as the first thing sent
+        to it (e.g. to load again what the last generation had loaded). ``on_replace``: the reasons of each
+        replacement as it starts."""
         if not regions:
             raise InvalidArgumentError("regions", "a worker maps at least one region")
         self.name, self.poll_interval_s = name, poll_interval_s
@@ -146,15 +160,28 @@ class WorkerSupervisor:
         except BaseException:
             channel.close_all(self._files)
             raise
-        self._on_notices, self._on_death, self._on_up = on_notices, on_death, on_up
+        self._on_notices, self._on_death, self._on_up, self._on_replace = on_notices, on_death, on_up, on_replace
+        self.retire_grace_s, self.min_replace_interval_s = retire_grace_s, min_replace_interval_s
         self._changed = threading.Condition()
         self._current: WorkerUp | None = None
         self.deaths: list[WorkerDeath] = []
+        self.pauses_s: list[float] = []  # before each start after a death (backoff_s)
+        self.replaced: list[WorkerReplaced] = []
         self.failure = ""  # set when the supervisor gave up: a generation could not map (the next would not)
         self._stopping = threading.Event()
-        self._sock: socket.socket | None = None  # the current generation's channel and process (thread's)
-        self._process: subprocess.Popen | None = None
+        # The serving generation's (channel, process), published once it is up; sends go there. Held with
+        # _send_lock while a new one is published and its on_up sends: nothing overtakes those.
+        self._serving: tuple[socket.socket, subprocess.Popen] | None = None
+        self._send_lock = threading.RLock()
+        self._process: subprocess.Popen | None = None  # the newest one started (the thread's)
         self._full_since_s: float | None = None  # when a send first found the channel full (None: it is not)
+        self._replace_reasons: list[str] = []  # asked for and not started yet (under _changed)
+        self._last_replace_s = float("-inf")
+        self._retiring: list[Retiring] = []
+        self._successor_up = threading.Event()  # set when a generation after a replaced one is up
+        self._wake_r, self._wake_w = socket.socketpair()  # replace() and stop() wake the thread
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._run, name=f"kvxferd-worker-{name}", daemon=True)
 
     # ---- API --------------------------------------------------------------
@@ -186,27 +213,43 @@ class WorkerSupervisor:
             return self._current
 
     def send(self, message: dict) -> bool:
-        """Send the current generation a command it does not answer, never blocking (the data-plane thread
-        calls this); the worker takes commands in order, so one sent before it mapped waits for that.
-        A full channel drops the message; one full for FULL_CHANNEL_S (the worker stopped reading) kills
-        the worker. False when it was not sent."""
-        sock, process = self._sock, self._process
-        if sock is None:
-            return False
-        try:
-            channel.send(sock, message, block=False)
-        except BlockingIOError:
-            now = time.monotonic()
-            if self._full_since_s is None:
-                self._full_since_s = now
-            elif now - self._full_since_s > FULL_CHANNEL_S and process is not None:
-                log.error("worker %s has read nothing for %.0f s; killing it", self.name, now - self._full_since_s)
-                process.kill()
-            return False
-        except (channel.ChannelClosed, OSError):
-            return False
-        self._full_since_s = None
-        return True
+        """Send the serving generation a command it does not answer, never blocking on the worker (the
+        data-plane thread calls this). Between a death and the next generation nothing is sent (its
+        on_up sends what it must know). A full channel drops the message; one full for FULL_CHANNEL_S
+        (the worker stopped reading) kills the worker. False when it was not sent."""
+        with self._send_lock:
+            serving = self._serving
+            if serving is None:
+                return False
+            sock, process = serving
+            try:
+                channel.send(sock, message, block=False)
+            except BlockingIOError:
+                now = time.monotonic()
+                if self._full_since_s is None:
+                    self._full_since_s = now
+                elif now - self._full_since_s > FULL_CHANNEL_S:
+                    log.error("worker %s has read nothing for %.0f s; killing it", self.name, now - self._full_since_s)
+                    process.kill()
+                return False
+            except (channel.ChannelClosed, OSError):
+                return False
+            self._full_since_s = None
+            return True
+
+    def replace(self, reason: str) -> None:
+        """Replace the serving generation (make before break): a new one starts now, or once
+        ``min_replace_interval_s`` passed since the last replacement; requests meanwhile are folded into
+        it. The old one serves on until ``retire_grace_s`` after the new one is up, then it is stopped:
+        the metadata peers were handed for it then names an agent that is gone."""
+        with self._changed:
+            if reason not in self._replace_reasons:
+                self._replace_reasons.append(reason)
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # full: it is awake already; closed: stopped
+            self._wake_w.send(b"w")
 
     def pace(self, poll_interval_s: float) -> None:
         """Have the worker poll its agent this often (this generation and the next ones); a no-op when
@@ -219,18 +262,23 @@ class WorkerSupervisor:
         """Stop the worker (asked; killed after ``timeout_s``) and the supervisor; close the kept fds."""
         self._stopping.set()
         self.send({"op": "stop"})
+        self._wake()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
             process = self._process
             if self._thread.is_alive() and process is not None:  # it ignored the stop (or hangs): it goes now
                 process.kill()
                 self._thread.join(timeout_s)
+        for retiring in list(self._retiring):  # they saw _stopping: each sent its stop (killed after 5 s)
+            retiring.join(2 * timeout_s)
         channel.close_all(self._files)
         self._files = []
+        self._wake_r.close()
+        self._wake_w.close()
 
     def forget_callbacks(self) -> None:
         """Drop the callbacks (after :meth:`stop`): what they refer to need not outlive the supervisor."""
-        self._on_notices = self._on_death = self._on_up = None
+        self._on_notices = self._on_death = self._on_up = self._on_replace = None
 
     # ---- the thread -------------------------------------------------------
     def _run(self) -> None:
@@ -242,6 +290,8 @@ class WorkerSupervisor:
             process = self._process
             if process is not None:
                 process.kill()
+            with self._send_lock:
+                self._serving = None
             with self._changed:
                 self._current = None
                 self._changed.notify_all()
@@ -252,26 +302,38 @@ class WorkerSupervisor:
             generation += 1
             started_s = time.monotonic()
             death, refused = self._serve(generation)
-            self.deaths.append(death)
+            if death is None:  # replaced: it serves on (Retiring) while its successor starts, at once
+                continue
             if refused:  # it never came up: the same fds would fail the same way again
                 self.failure = refused
-            with self._changed:
-                self._current = None
-                self._changed.notify_all()
-            if self._on_death is not None:
-                self._on_death(death)
+            self._died(death)
             if self._stopping.is_set() or self.failure:
                 break
             log.warning("worker %s generation %d (pid %d) ended with %d; starting another", self.name,
                         generation, death.pid, death.returncode)
             streak = 1 if death.noticed_s - started_s >= STABLE_S else streak + 1
             pause_s = self.restart_delay_s + backoff_s(streak, self.free_restarts, self.backoff_base_s)
+            self.pauses_s.append(pause_s)
             if pause_s >= 1.0:
                 log.warning("worker %s: %d deaths in a row; the next starts in %.1f s", self.name, streak, pause_s)
             self._stopping.wait(pause_s)
 
-    def _serve(self, generation: int) -> tuple[WorkerDeath, str]:
-        """Run one generation until it ends; and why it never came up ("" if it did)."""
+    def _died(self, death: WorkerDeath) -> None:
+        """A generation ended unasked (or never came up): no longer serving; counted; on_death told."""
+        self.deaths.append(death)
+        with self._send_lock:
+            if self._serving is not None and self._serving[1].pid == death.pid:
+                self._serving = None
+        with self._changed:
+            if self._current is not None and self._current.generation == death.generation:
+                self._current = None
+            self._changed.notify_all()
+        if self._on_death is not None:
+            self._on_death(death)
+
+    def _serve(self, generation: int) -> tuple[WorkerDeath | None, str]:
+        """Run one generation until it ends: its death, and why it never came up ("" if it did); or until
+        it is replaced: (None, ""), it serves on as a :class:`Retiring` of its own."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for end in (ours, theirs):
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHANNEL_BUFFER_BYTES)
@@ -292,17 +354,10 @@ class WorkerSupervisor:
             channel.send(ours, {"op": "map", "name": f"{self.name}-w{generation}", "poll_interval_s": self.poll_interval_s,
                                 "regions": [{"file": f, "offset": o, "num_bytes": n} for f, o, n in self._regions]},
                          self._files)
-            # Published only now: a command another thread sends (a holder to load) must come after the
-            # map, or the worker answers it first and the generation fails as one that cannot map. What
-            # was not sent meanwhile is sent again by on_up (WorkerNotices.reload).
-            self._sock = ours
-            if self._stopping.is_set():  # stop() came before this generation's channel was published
-                raise channel.ChannelClosed("stopping")
-            self._until_mapped(ours, generation, process.pid, start)
-            while True:
-                message, fds = channel.receive(ours)
-                channel.close_all(fds)  # a worker never hands fds back
-                self._take(message, generation)
+            self._until_mapped(ours, process, generation, start, self.poll_interval_s)
+            reasons = self._serve_until_replaced(ours, generation)
+            self._retire(ours, process, relay, generation, reasons)
+            return None, ""
         except channel.ChannelClosed:
             pass
         except Exception as err:  # noqa: BLE001 - out of protocol, never came up, or a callback failed
@@ -312,7 +367,9 @@ class WorkerSupervisor:
             refused = message if self.current is None and not isinstance(err, MapTimedOut) else ""
             process.kill()
         noticed_s = time.monotonic()
-        self._sock = None
+        with self._send_lock:
+            if self._serving is not None and self._serving[0] is ours:
+                self._serving = None
         ours.close()
         try:
             returncode = process.wait(STOP_TIMEOUT_S)
@@ -325,30 +382,108 @@ class WorkerSupervisor:
             process.stderr.close()
         return WorkerDeath(generation, process.pid, returncode, noticed_s), refused
 
-    def _until_mapped(self, sock: socket.socket, generation: int, pid: int, start: float) -> None:
+    def _ready(self, sock: socket.socket, timeout_s: float | None) -> bool:
+        """Wait until ``sock`` has a message (True), the thread is woken, or ``timeout_s`` passed (False)."""
+        ready = select.select([sock, self._wake_r], [], [], None if timeout_s is None else max(0.0, timeout_s))[0]
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                self._wake_r.recv(4096)
+        return sock in ready
+
+    def _until_mapped(self, sock: socket.socket, process: subprocess.Popen, generation: int, start: float,
+                      paced_s: float) -> None:
         deadline = start + MAP_TIMEOUT_S
         while True:
-            if not select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise MapTimedOut("worker", f"no answer to map within {MAP_TIMEOUT_S:.0f} s")
+            ready = self._ready(sock, deadline - time.monotonic())
+            if self._stopping.is_set():  # nothing was sent to it but its map: it goes now
+                process.kill()
+                raise channel.ChannelClosed("stopping")
+            if not ready:
+                if time.monotonic() >= deadline:
+                    raise MapTimedOut("worker", f"no answer to map within {MAP_TIMEOUT_S:.0f} s")
+                continue
             message, fds = channel.receive(sock)
             channel.close_all(fds)
             if message["op"] == "error":
                 raise UnavailableError("worker", f"it could not map: {str(message.get('message'))[:500]}")
             if message["op"] != "mapped":
                 raise InvalidArgumentError("message", f"{message['op'][:32]!r} before mapped")
-            up = self._checked_up(message, generation, pid, start)
-            if self._on_up is not None:  # before anyone else may send this generation anything
-                self._on_up(up)
-            with self._changed:
-                self._current = up
-                self._changed.notify_all()
+            up = self._checked_up(message, generation, process.pid, start)
+            self._publish(sock, process, up, paced_s)
             if not up.sandbox.startswith("landlock"):
                 log.warning("worker %s runs unconfined (%s): code running in it can open the daemon's files",
                             self.name, up.sandbox)
             if generation > 1:
-                log.warning("worker %s generation %d (pid %d) is up after %.2f s", self.name, generation, pid,
-                            up.start_s)
+                log.warning("worker %s generation %d (pid %d) is up after %.2f s", self.name, generation,
+                            process.pid, up.start_s)
             return
+
+    def _publish(self, sock: socket.socket, process: subprocess.Popen, up: WorkerUp, paced_s: float) -> None:
+        """Make ``up`` the serving generation. Nothing was sent to it but its map: on_up's sends (what the
+        last generation had loaded) are the first, and no other thread's send overtakes them."""
+        with self._send_lock:
+            self._serving, self._full_since_s = (sock, process), None
+            with self._changed:
+                self._replace_reasons.clear()  # asked for before it was up: it is new
+            if self._on_up is not None:
+                self._on_up(up)
+            if self.poll_interval_s != paced_s:  # paced while it started
+                self.send({"op": "pace", "poll_interval_s": self.poll_interval_s})
+            with self._changed:
+                self._current = up
+                self._changed.notify_all()
+        for retiring in list(self._retiring):
+            retiring.successor_up.set()
+
+    def _serve_until_replaced(self, sock: socket.socket, generation: int) -> tuple[str, ...]:
+        """Take what the serving generation sends until a replacement is due (its reasons) or it ends
+        (:class:`channel.ChannelClosed`)."""
+        stop_sent = False
+        while True:
+            if self._stopping.is_set() and not stop_sent:  # stop() may have sent before it was published
+                stop_sent = True
+                with contextlib.suppress(BlockingIOError, channel.ChannelClosed, OSError):
+                    channel.send(sock, {"op": "stop"}, block=False)
+            wait_s = None
+            with self._changed:
+                if self._replace_reasons and not self._stopping.is_set():
+                    wait_s = self._last_replace_s + self.min_replace_interval_s - time.monotonic()
+                    if wait_s <= 0:
+                        reasons = tuple(self._replace_reasons)
+                        self._replace_reasons.clear()
+                        return reasons
+            if self._ready(sock, wait_s):
+                message, fds = channel.receive(sock)
+                channel.close_all(fds)  # a worker never hands fds back
+                self._take(message, generation)
+
+    def _retire(self, sock: socket.socket, process: subprocess.Popen, relay, generation: int,
+                reasons: tuple[str, ...]) -> None:
+        """Hand the serving generation to a thread of its own until its successor is up (and a grace)."""
+        self._last_replace_s = time.monotonic()
+        retiring = Retiring(self.name, generation, sock, process, relay, reasons,
+                            take=lambda message: self._take(message, generation), successor_up=threading.Event(),
+                            stopping=self._stopping, grace_s=self.retire_grace_s,
+                            max_wait_s=MAP_TIMEOUT_S + self.retire_grace_s, on_end=self._retired)
+        self._retiring.append(retiring)
+        retiring.start()
+        log.warning("worker %s generation %d (pid %d) is replaced (%s); it serves until %.0f s after its "
+                    "successor is up", self.name, generation, process.pid, ", ".join(reasons), self.retire_grace_s)
+        if self._on_replace is not None:
+            self._on_replace(reasons)
+
+    def _retired(self, retiring: Retiring, stop_sent: bool, returncode: int) -> None:
+        """A replaced generation is gone (its thread): stopped as asked, or it died before."""
+        with contextlib.suppress(ValueError):
+            self._retiring.remove(retiring)
+        if stop_sent:
+            self.replaced.append(WorkerReplaced(retiring.generation, retiring.process.pid, retiring.reasons,
+                                                time.monotonic()))
+            log.info("worker %s generation %d (pid %d) retired", self.name, retiring.generation, retiring.process.pid)
+        else:
+            log.warning("worker %s generation %d (pid %d, replaced) ended with %d before its stop", self.name,
+                        retiring.generation, retiring.process.pid, returncode)
+            self._died(WorkerDeath(retiring.generation, retiring.process.pid, returncode, time.monotonic()))
 
     def _checked_up(self, message: dict, generation: int, pid: int, start: float) -> WorkerUp:
         """The ``mapped`` answer, believed only as far as it can be checked: the agents it was told to make

@@ -134,9 +134,9 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
 def wait_for_generation(daemon, generation: int) -> None:
     needle = f"generation {generation} (pid"
     deadline = time.monotonic() + RESTART_BOUND_S
-    while needle not in open(daemon.log_path).read() and time.monotonic() < deadline:
+    while needle not in daemon.log_text() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert needle in open(daemon.log_path).read()
+    assert needle in daemon.log_text()
 
 
 def test_readers_notice_a_new_holder_worker_by_its_incarnation_before_they_read(cluster, ca):
@@ -145,16 +145,16 @@ def test_readers_notice_a_new_holder_worker_by_its_incarnation_before_they_read(
     generation in it that read goes to the dead worker's agent and fails."""
     prefill, decode = cluster.prefill_daemons[0], cluster.decode_daemons[0]
     before = served_info(cluster, ca).incarnation
-    generation = 1 + open(prefill.log_path).read().count(") is up after")  # one engine rank: one worker
+    generation = 1 + prefill.log_text().count(") is up after")  # one engine rank: one worker
     first = worker_of(cluster)
-    handshakes = open(decode.log_path).read().count('"handshake done"')
+    handshakes = decode.log_text().count('"handshake done"')
     os.kill(first, signal.SIGKILL)
     wait_for_generation(prefill, generation + 1)
     # A probe may come while no worker is up (its re-handshake is then refused): the next probe tries again.
     deadline = time.monotonic() + RESTART_BOUND_S
-    while open(decode.log_path).read().count('"handshake done"') == handshakes and time.monotonic() < deadline:
+    while decode.log_text().count('"handshake done"') == handshakes and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert open(decode.log_path).read().count('"handshake done"') > handshakes, "no probe saw the new worker"
+    assert decode.log_text().count('"handshake done"') > handshakes, "no probe saw the new worker"
     request = random_request("wk-probed", *GROUPS, 64, np.random.default_rng(3))
     cluster.reset_decode()
     completions = cluster.read(request, timeout_s=20)

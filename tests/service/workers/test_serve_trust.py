@@ -1,0 +1,149 @@
+"""Metadata that does not outlive trust (issue #55 item 3), against real daemons with mutual TLS and workers:
+when an introduction ends, when a certificate the metadata went to nears its expiry, and when the CA bundle
+changes, the rank's worker is replaced (make before break) and what a peer was handed before reaches nothing,
+while fresh metadata reads byte-exact and holds placed before end CONSUMED. The controls: a reader that
+introduces another agent of its own, and a long-lived certificate, replace nothing."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxferd.errors import KvxferError
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
+from kvxferd.rig.attack.reach import NixlReach
+from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.rig.verify.certs import DevCA
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+from tests.security.conftest import SPIFFE, tls_args
+
+pytestmark = pytest.mark.daemons
+GROUPS = model_groups("gqa", ModelShape())
+OTHER = "spiffe://kvxferd.test/ns/serving/sa/other-reader"  # an allowed identity of its own (its own reader quota)
+GRACE_S = 3.0  # each identity may introduce one reader (the daemons' own: the decode rank), idle after 1 s
+BOUND_S = 40.0  # a replacement's successor up, and the old one retired (about 2 s + the grace here)
+REPLACEMENTS = "kvxferd_dataplane_worker_replacements_total"
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir, ca):
+    issued = ca.issue("kvxferd", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)
+    args = (*tls_args(ca, issued, allowed=f"{SPIFFE},{OTHER}"), "--dataplane-workers",
+            "--worker-retire-grace-s", str(GRACE_S), "--worker-replace-interval-s", "0",
+            "--max-readers-per-identity", "1", "--reader-idle-s", "1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UCX_TLS", "tcp")
+        with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="tr", daemon_args=args) as c:
+            c.issued, c.other = issued, ca.issue("other", dns_names=("other-reader",), spiffe_id=OTHER)
+            yield c
+
+
+def engine_info(cluster, ca, issued, reader_engine_id: str) -> pb.EngineInfo:
+    """The prefill rank's engine info as the peer holding ``issued`` gets it, introducing a new agent."""
+    credentials = grpc.ssl_channel_credentials(ca.cert_path.read_bytes(), issued.key.read_bytes(),
+                                               issued.cert.read_bytes())
+    reader = NixlAgent(f"tr-intro-{time.monotonic_ns()}")
+    try:
+        with grpc.secure_channel(cluster.prefill_daemons[0].peer_address, credentials,
+                                 options=[("grpc.ssl_target_name_override", "kvxferd-peer")]) as channel:
+            reply = peer_grpc.PeerServiceStub(channel).GetEngineInfo(pb.EngineInfoRequest(
+                engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0,
+                reader_engine_id=reader_engine_id, reader_tp_rank=0, reader_tp_size=1,
+                reader_agent_metadata=reader.metadata()), timeout=10)
+    finally:
+        reader.close()
+    info = pb.EngineInfo()
+    info.ParseFromString(reply.payload)
+    return info
+
+
+def reaches(info: pb.EngineInfo) -> bool:
+    """Whether a READ of the hold board's first bucket through ``info``'s metadata is answered."""
+    try:
+        reach = NixlReach(info.agent_metadata)
+    except KvxferError:  # the agent is gone: UCX cannot connect
+        return False
+    try:
+        state, _ = reach.read(info.hold_board.address, 64, timeout_s=10.0)
+    except NixlError:
+        state = TransferState.ERR
+    finally:
+        reach.close()
+    return state is TransferState.DONE
+
+
+def replaced(daemon, reason: str) -> float:
+    return daemon.metric(REPLACEMENTS, f'reason="{reason}"')
+
+
+def wait_retired(daemon, num_retired: int) -> None:
+    """Until ``num_retired`` replaced generations were stopped (their successor up, the grace over)."""
+    deadline = time.monotonic() + BOUND_S
+    while daemon.log_text().count(") retired") < num_retired:
+        assert time.monotonic() < deadline, f"not {num_retired} retired: {daemon.tail()}"
+        time.sleep(0.1)
+
+
+def read_held(cluster, request) -> None:
+    """Read ``request`` (held before) until ok; then it must be byte-exact and its hold CONSUMED."""
+    deadline = time.monotonic() + BOUND_S
+    while not all(c.ok for c in cluster.read(request, timeout_s=20, hold=False)):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert cluster.verify(request) == ([], 0)
+    assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
+
+
+def test_an_ended_introduction_replaces_the_worker_and_its_old_metadata_reaches_nothing(cluster, ca):
+    prefill = cluster.prefill_daemons[0]
+    request = random_request("tr-intro", *GROUPS, 64, np.random.default_rng(1))
+    cluster.reset_decode()
+    cluster.hold(request)
+    first = engine_info(cluster, ca, cluster.other, "tr-reader-a")
+    assert reaches(first)  # the control: what was handed reaches the worker
+    engine_info(cluster, ca, cluster.other, "tr-reader-a")  # the same reader, another agent: no trust ended
+    time.sleep(1.5)  # reader-a idles past reader_idle_s
+    assert replaced(prefill, "introduction_ended") == 0 and prefill.log_text().count(") retired") == 0
+    engine_info(cluster, ca, cluster.other, "tr-reader-b")  # OTHER has room for one: reader-a is evicted
+    wait_retired(prefill, 1)
+    assert replaced(prefill, "introduction_ended") == 1
+    assert not reaches(first)  # reader-a's metadata names an agent that is gone
+    assert reaches(engine_info(cluster, ca, cluster.other, "tr-reader-b"))
+    read_held(cluster, request)  # the hold outlived its worker
+    assert prefill.metric("kvxferd_dataplane_worker_deaths_total") == 0  # replaced, not dead
+
+
+def test_metadata_handed_to_a_certificate_near_its_expiry_is_replaced_before_it(cluster, ca):
+    prefill = cluster.prefill_daemons[0]
+    retired = prefill.log_text().count(") retired")
+    long_lived = engine_info(cluster, ca, cluster.other, "tr-reader-b")
+    time.sleep(2.0)  # the control: a certificate valid for 30 days leaves the worker alone (checked every 1 s)
+    assert replaced(prefill, "certificate_expires") == 0 and prefill.log_text().count(") retired") == retired
+    short = ca.issue("short", dns_names=("other-reader",), spiffe_id=OTHER, valid_s=50)
+    handed = engine_info(cluster, ca, short, "tr-reader-b")  # its cert-manager renewed it: no trust ended yet
+    wait_retired(prefill, retired + 1)
+    assert replaced(prefill, "certificate_expires") == 1
+    assert not reaches(handed) and not reaches(long_lived)  # one worker: everyone's metadata goes with it
+    assert reaches(engine_info(cluster, ca, cluster.other, "tr-reader-b"))
+
+
+def test_a_new_ca_bundle_replaces_every_worker(cluster, ca, workdir):
+    prefill, decode = cluster.prefill_daemons[0], cluster.decode_daemons[0]
+    retired = {d: d.log_text().count(") retired") for d in (prefill, decode)}
+    request = random_request("tr-ca", *GROUPS, 64, np.random.default_rng(2))
+    cluster.reset_decode()
+    cluster.hold(request)
+    before = engine_info(cluster, ca, cluster.other, "tr-reader-b")
+    # The bundle gains a second CA (a CA rotation's first step): every peer is verified against new trust.
+    ca.cert_path.write_bytes(ca.cert_path.read_bytes() + DevCA(f"{workdir}/pki-next").cert_path.read_bytes())
+    for daemon in (prefill, decode):
+        wait_retired(daemon, retired[daemon] + 1)
+        assert replaced(daemon, "ca_changed") == 1
+    assert not reaches(before)
+    read_held(cluster, request)  # the reader's worker was replaced too: its new notice agent was introduced
