@@ -346,11 +346,11 @@ class Daemon:
                              on_replace=lambda reasons: [replacements.labels(r).inc() for r in reasons])
 
     def _tls_reloaded(self, material) -> None:
-        """New TLS files (the thread that looked): counted; a new CA bundle ends trust in every peer the
-        workers' metadata went to (kvxferd.service.workers.trust)."""
+        """New TLS files (the thread that looked): counted; a CA withdrawn from the bundle ends trust in
+        every peer the workers' metadata went to (kvxferd.service.workers.trust)."""
         self.metrics.tls_reloads.inc()
         registry = getattr(self, "registry", None)
-        if self._ca_watch.changed(material.ca) and registry is not None:
+        if self._ca_watch.withdrawn(material.ca) and registry is not None:
             registry.replace_workers(CA_CHANGED)
 
     async def _peer_health(self) -> None:

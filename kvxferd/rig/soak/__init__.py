@@ -19,7 +19,7 @@ import sys
 import traceback
 import tempfile
 
-from kvxferd.rig.soak.faults import KINDS, LOOPBACK_ONLY, NET_KINDS, WORKER_KINDS, default_kinds
+from kvxferd.rig.soak.faults import KINDS, LOOPBACK_ONLY, NET_KINDS, TLS_KINDS, WORKER_KINDS, default_kinds
 from kvxferd.rig.soak.report import INVARIANTS, Report
 
 
@@ -82,12 +82,12 @@ def run_args(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if kinds & set(WORKER_KINDS) and not args.dataplane_workers:
-        print("kvxferd soak: kill_worker needs --dataplane-workers (without them there is no worker to kill)",
-              file=sys.stderr)
+        print(f"kvxferd soak: {', '.join(sorted(kinds & set(WORKER_KINDS)))} needs --dataplane-workers (without "
+              "them there is no worker to kill or replace)", file=sys.stderr)
         return 2
-    misplaced = sorted(kinds & set(NET_KINDS if not args.hosts else LOOPBACK_ONLY))
+    misplaced = sorted(kinds & set(NET_KINDS + TLS_KINDS if not args.hosts else LOOPBACK_ONLY))
     if misplaced:
-        print(f"kvxferd soak: {', '.join(misplaced)} " + ("need --hosts (network faults act on real links)"
+        print(f"kvxferd soak: {', '.join(misplaced)} " + ("need --hosts (network faults act on real links; the hosts' daemons use TLS)"
               if not args.hosts else "run only on loopback (the driver does not sit on the hosts' links)"),
               file=sys.stderr)
         return 2

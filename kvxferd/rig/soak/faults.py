@@ -27,6 +27,9 @@ forged_notices      after the hold, a rogue NIXL agent sends one prefill rank
 kill_worker         (``--dataplane-workers`` only) kill -9 of one daemon's
                     data-plane worker, either side: the daemon and its holds
                     live on, a new worker serves (workers.py)
+rotate_ca           (``--hosts --dataplane-workers`` only) the CA bundle every
+                    daemon verifies peers with gains or loses a second CA:
+                    every daemon replaces its workers, make before break
 ==================  ==========================================================
 
 With ``--hosts``, the network faults of netfaults.py join them (``link_down``,
@@ -42,14 +45,16 @@ KINDS = ("kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "ki
          "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input", "forged_notices")
 NET_KINDS = ("link_down", "loss", "delay", "reorder", "partition")  # --hosts only (netfaults.py)
 LOOPBACK_ONLY = ("bad_input", "forged_notices")
-WORKER_KINDS = ("kill_worker",)  # --dataplane-workers only (workers.py)
+WORKER_KINDS = ("kill_worker", "rotate_ca")  # --dataplane-workers only (workers.py)
+TLS_KINDS = ("rotate_ca",)  # --hosts only: the namespace hosts' daemons use mutual TLS
 
 
 def default_kinds(hosts: bool, workers: bool = False) -> tuple[str, ...]:
     """Every kind a run on loopback (``hosts`` False) or on namespace hosts, with data-plane workers or
     without, can inject."""
     kinds = tuple(k for k in KINDS if k not in LOOPBACK_ONLY) + NET_KINDS if hosts else KINDS
-    return kinds + WORKER_KINDS if workers else kinds
+    kinds += WORKER_KINDS if workers else ()
+    return kinds if hosts else tuple(k for k in kinds if k not in TLS_KINDS)
 
 
 # Faults that act on a read in flight when drawn "mid"; the others always act before the hold

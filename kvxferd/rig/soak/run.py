@@ -32,7 +32,7 @@ from kvxferd.rig.soak.netfaults import WINDOW_S, NetworkFaults
 from kvxferd.rig.soak.forged import NoticeForger
 from kvxferd.rig.soak.holds import HoldLedger
 from kvxferd.rig.soak.report import Report
-from kvxferd.rig.soak.workers import WorkerKills
+from kvxferd.rig.soak.workers import CaRotations, WorkerKills
 from kvxferd.rig.verify.process import EngineFailed, EngineProcess
 
 HOLD_LEASE_S = 3.0  # hold lease of a normal request
@@ -57,8 +57,8 @@ class Soak:
         # INFO: each registration and deregistration with its reason, for a failure's post-mortem (--logs)
         daemon_args = ("--log-level", "INFO", "--peer-check-s", "0.3")
         self.workers = WorkerKills(report) if getattr(args, "dataplane_workers", False) else None
-        if self.workers is not None:
-            daemon_args += ("--dataplane-workers",)
+        if self.workers is not None:  # replaced (rotate_ca) at most every 3 s; readers probe every 0.3 s
+            daemon_args += ("--dataplane-workers", "--worker-retire-grace-s", "2", "--worker-replace-interval-s", "3")
         self.hosts = self.net = None
         if getattr(args, "hosts", 0):
             # A read aborted mid-transfer over TCP waits for it up to abort_drain_s: within the soak's wait.
@@ -67,9 +67,12 @@ class Soak:
             self.daemons = self.hosts.daemons
         else:
             self.daemons = DaemonSet.loopback(args.max_tp, args.max_tp, workdir, daemon_args)
+        self.rotations = None
         try:
             if self.hosts:
                 self.net = NetworkFaults(self.hosts.links, report, self.rng)
+                if self.workers is not None:
+                    self.rotations = CaRotations(report, str(self.hosts.pki.ca.cert_path), workdir)
             self.ledger = HoldLedger([life.daemon.addresses["notify"] for life in self.daemons.prefill],
                                      report.violate, netns=self.hosts.prefill_host.netns if self.hosts else None)
         except BaseException:
@@ -200,6 +203,8 @@ class Soak:
             if not worker:  # every daemon frozen, or its last worker's successor still starting
                 return self._skip(effect, "no worker up to kill")
             effect.update(life=life, worker=worker)
+        elif kind == "rotate_ca":
+            effect["expected"] = self.rotations.rotate(self.daemons.all)
         elif kind == "early_release":
             self.prefill.call("release", request.remote_request_id)
         elif kind == "forged_notices":
@@ -273,6 +278,8 @@ class Soak:
             self._restart_engine(effect["role"])
         elif kind == "kill_worker":
             self.workers.wait_back(effect["life"], effect["worker"])
+        elif kind == "rotate_ca":
+            self.rotations.wait_replaced(effect["expected"])
 
     # ---- one request ---------------------------------------------------------------------------
     def one_request(self, n: int) -> None:

@@ -379,11 +379,18 @@ class Registry:
         ``now_s``): the replacement, its start and the old one's grace fit before it (TRUST_LEAD_S)."""
         if self.workers is None:
             return
-        lead_s = self.workers.retire_grace_s + self.workers.replace_interval_s + TRUST_LEAD_S
+        lead_s = self.trust_lead_s
         for slot in list(self.slots.values()):
             served = slot.served
             if served is not None and served.handed.due(served.generation, now_s, lead_s):
                 served.replace(CERTIFICATE_EXPIRES)
+
+    @property
+    def trust_lead_s(self) -> float:
+        """How long before a certificate expires the workers its metadata went to are replaced (and from when
+        on it is handed no metadata): the grace, the least interval between replacements, TRUST_LEAD_S."""
+        return 0.0 if self.workers is None else (self.workers.retire_grace_s + self.workers.replace_interval_s
+                                                  + TRUST_LEAD_S)
 
     def replace_workers(self, reason: str) -> None:
         """Replace every rank's worker (any thread): trust ended in whomever their metadata went to."""

@@ -263,7 +263,12 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
                  if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
-        incarnation, metadata, cache, board = slot.peer_view(peer_certificate_expiry_s(context))
+        expiry_s = peer_certificate_expiry_s(context)
+        if slot.served is not None and expiry_s - time.time() < self.daemon.registry.trust_lead_s:
+            raise UnavailableError("peer", f"the caller's certificate expires in {expiry_s - time.time():.0f} s: "
+                                           f"a data-plane worker's metadata goes only to certificates valid for "
+                                           f"{self.daemon.registry.trust_lead_s:.0f} s more (renew it)")
+        incarnation, metadata, cache, board = slot.peer_view(expiry_s)
         return encode_info(incarnation, metadata, cache, board, same_host_proof=proof)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str, peer: str = "") -> None:
@@ -302,7 +307,8 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
                                              reads_here=bool(notifying[request.reader_tp_rank]), limits=limits)
         if introduction.outcome is Introduced.REPLACED:  # not a plain OK: the old agent's notices count no more
             audit.reader_replaced(slot.engine_id, reader, identity, introduction.replaced_agent, name, peer)
-        if introduction.evicted and slot.served is not None:  # their metadata must reach nothing any more
+        # An identity whose last introduction here was evicted: the metadata it was given must reach nothing.
+        if slot.served is not None and any(slot.readers.count(who) == 0 for who, *_ in introduction.evicted):
             slot.served.replace(INTRODUCTION_ENDED)
         self.daemon.dataplane.wake()  # to poll fast: its handshake's probe READs our board next
 

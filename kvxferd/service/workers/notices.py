@@ -18,13 +18,11 @@ metadata first (``Connections.connect``), so the worker's load cannot fail
 for the bytes; a worker that refuses anyway says so in an ``error`` line,
 and those holders' holds end ``EXPIRED`` instead of ``CONSUMED``. A new
 generation gets every holder still referenced loaded again (:meth:`reload`,
-before the generation is published; the worker loads a name once, however
+as it is published, under the supervisor's ``up_lock``; the worker loads a name once, however
 often it is told, and the references are counted here).
 """
 
 from __future__ import annotations
-
-import threading
 
 from kvxferd.errors import UnavailableError
 from kvxferd.service.workers.supervisor import WorkerSupervisor, WorkerUp
@@ -36,7 +34,9 @@ class WorkerNotices:
 
     def __init__(self, supervisor: WorkerSupervisor) -> None:
         self.supervisor = supervisor
-        self._lock = threading.Lock()
+        # The supervisor's: a new generation is published and reloaded under it, so no load, unload or
+        # notice goes to it before the loads of reload (a notice for an agent not loaded would be lost).
+        self._lock = supervisor.up_lock
         self._remotes = RemoteRefs()
 
     @property
@@ -63,17 +63,20 @@ class WorkerNotices:
                 self.supervisor.send({"op": "unload", "agent": name})
 
     def connect_to(self, agent_name: str) -> None:
-        self.supervisor.send({"op": "connect", "agent": agent_name})
+        with self._lock:
+            self.supervisor.send({"op": "connect", "agent": agent_name})
 
     def notify(self, agent_name: str, message: bytes) -> None:
-        self.supervisor.send({"op": "notify", "agent": agent_name, "data": message.hex()})
+        with self._lock:
+            self.supervisor.send({"op": "notify", "agent": agent_name, "data": message.hex()})
 
     def poll_notifications(self) -> dict:
         """Nothing to do here: the worker polls its notice agent after each notice."""
         return {}
 
     def reload(self, up: WorkerUp) -> None:
-        """A new generation: load every holder still referenced again (on the supervisor's thread)."""
+        """A new generation: load every holder still referenced again (on the supervisor's thread, which
+        holds the lock already: it published the generation under it)."""
         with self._lock:
             for name, metadata in self._remotes.metadata().items():
                 self.supervisor.send({"op": "load", "metadata": metadata.hex()})

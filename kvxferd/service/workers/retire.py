@@ -102,4 +102,5 @@ class Retiring:
             returncode = self.process.wait()
         if self.relay is not None:
             self.relay.join(1.0)
-        self.on_end(self, stop_sent, returncode)
+        # stop() ends the supervisor's thread, and with it (PR_SET_PDEATHSIG) the worker: asked for too.
+        self.on_end(self, stop_sent or self.stopping.is_set(), returncode)

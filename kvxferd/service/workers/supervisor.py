@@ -169,16 +169,17 @@ class WorkerSupervisor:
         self.replaced: list[WorkerReplaced] = []
         self.failure = ""  # set when the supervisor gave up: a generation could not map (the next would not)
         self._stopping = threading.Event()
-        # The serving generation's (channel, process), published once it is up; sends go there. Held with
-        # _send_lock while a new one is published and its on_up sends: nothing overtakes those.
+        # The serving generation's (channel, process), published once it is up; sends go there (_send_lock).
         self._serving: tuple[socket.socket, subprocess.Popen] | None = None
-        self._send_lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        # Held while a generation is published and its on_up sends: a sender that holds it too (WorkerNotices)
+        # is never overtaken by, nor overtakes, those. Order: up_lock, then _send_lock.
+        self.up_lock = threading.RLock()
         self._process: subprocess.Popen | None = None  # the newest one started (the thread's)
         self._full_since_s: float | None = None  # when a send first found the channel full (None: it is not)
         self._replace_reasons: list[str] = []  # asked for and not started yet (under _changed)
         self._last_replace_s = float("-inf")
         self._retiring: list[Retiring] = []
-        self._successor_up = threading.Event()  # set when a generation after a replaced one is up
         self._wake_r, self._wake_w = socket.socketpair()  # replace() and stop() wake the thread
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -321,15 +322,19 @@ class WorkerSupervisor:
     def _died(self, death: WorkerDeath) -> None:
         """A generation ended unasked (or never came up): no longer serving; counted; on_death told."""
         self.deaths.append(death)
-        with self._send_lock:
-            if self._serving is not None and self._serving[1].pid == death.pid:
-                self._serving = None
-        with self._changed:
-            if self._current is not None and self._current.generation == death.generation:
-                self._current = None
-            self._changed.notify_all()
+        self._gone(death.generation, death.pid)
         if self._on_death is not None:
             self._on_death(death)
+
+    def _gone(self, generation: int, pid: int) -> None:
+        """Generation ``generation`` ended: if it was still the serving one, none is (until the next is up)."""
+        with self._send_lock:
+            if self._serving is not None and self._serving[1].pid == pid:
+                self._serving = None
+        with self._changed:
+            if self._current is not None and self._current.generation == generation:
+                self._current = None
+            self._changed.notify_all()
 
     def _serve(self, generation: int) -> tuple[WorkerDeath | None, str]:
         """Run one generation until it ends: its death, and why it never came up ("" if it did); or until
@@ -347,7 +352,7 @@ class WorkerSupervisor:
             return WorkerDeath(generation, 0, -1, time.monotonic()), ""
         finally:
             theirs.close()
-        self._process, refused, relay = process, "", None
+        self._process, refused, relay, up = process, "", None, False
         try:
             if process.stderr is not None:
                 relay = OutputRelay(process.stderr, f"{self.name}-w{generation}")
@@ -355,6 +360,7 @@ class WorkerSupervisor:
                                 "regions": [{"file": f, "offset": o, "num_bytes": n} for f, o, n in self._regions]},
                          self._files)
             self._until_mapped(ours, process, generation, start, self.poll_interval_s)
+            up = True
             reasons = self._serve_until_replaced(ours, generation)
             self._retire(ours, process, relay, generation, reasons)
             return None, ""
@@ -364,7 +370,7 @@ class WorkerSupervisor:
             message = getattr(err, "message", None) or f"{type(err).__name__}: {err}"
             log.error("worker %s generation %d: %s; killing it", self.name, generation, message)
             # Never up, for what it answered (it cannot map, or out of protocol): the next would do the same.
-            refused = message if self.current is None and not isinstance(err, MapTimedOut) else ""
+            refused = message if not up and not isinstance(err, MapTimedOut) else ""
             process.kill()
         noticed_s = time.monotonic()
         with self._send_lock:
@@ -421,8 +427,9 @@ class WorkerSupervisor:
     def _publish(self, sock: socket.socket, process: subprocess.Popen, up: WorkerUp, paced_s: float) -> None:
         """Make ``up`` the serving generation. Nothing was sent to it but its map: on_up's sends (what the
         last generation had loaded) are the first, and no other thread's send overtakes them."""
-        with self._send_lock:
-            self._serving, self._full_since_s = (sock, process), None
+        with self.up_lock:
+            with self._send_lock:
+                self._serving, self._full_since_s = (sock, process), None
             with self._changed:
                 self._replace_reasons.clear()  # asked for before it was up: it is new
             if self._on_up is not None:
@@ -470,7 +477,10 @@ class WorkerSupervisor:
         log.warning("worker %s generation %d (pid %d) is replaced (%s); it serves until %.0f s after its "
                     "successor is up", self.name, generation, process.pid, ", ".join(reasons), self.retire_grace_s)
         if self._on_replace is not None:
-            self._on_replace(reasons)
+            try:
+                self._on_replace(reasons)
+            except Exception:  # noqa: BLE001 - a counter; the old generation is the Retiring's now, whatever
+                log.exception("worker %s: on_replace failed", self.name)
 
     def _retired(self, retiring: Retiring, stop_sent: bool, returncode: int) -> None:
         """A replaced generation is gone (its thread): stopped as asked, or it died before."""
@@ -479,6 +489,8 @@ class WorkerSupervisor:
         if stop_sent:
             self.replaced.append(WorkerReplaced(retiring.generation, retiring.process.pid, retiring.reasons,
                                                 time.monotonic()))
+            # Its successor never came up in time (MAP_TIMEOUT_S): the rank has no worker until one does.
+            self._gone(retiring.generation, retiring.process.pid)
             log.info("worker %s generation %d (pid %d) retired", self.name, retiring.generation, retiring.process.pid)
         else:
             log.warning("worker %s generation %d (pid %d, replaced) ended with %d before its stop", self.name,

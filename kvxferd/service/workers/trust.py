@@ -6,14 +6,19 @@ gone. So with ``dataplane_workers`` an engine rank's worker is replaced (make
 before break: :meth:`WorkerSupervisor.replace`) when trust in anyone who was
 handed its metadata ends::
 
-    tls_ca changed (a CA rotated or withdrawn)       ──► every served rank   CA_CHANGED
-    a certificate it was handed to nears its expiry  ──► that rank           CERTIFICATE_EXPIRES
-    an introduction ended (its reader was evicted)   ──► that rank           INTRODUCTION_ENDED
+    tls_ca withdrew a CA (the last step of a rotation) ──► every served rank   CA_CHANGED
+    a certificate it was handed to nears its expiry    ──► that rank           CERTIFICATE_EXPIRES
+    an identity's last introduction here was evicted   ──► that rank           INTRODUCTION_ENDED
+
+A certificate that expires within the lead (the replacement, a start and the
+grace) is handed no metadata at all: otherwise each replacement would hand
+the next generation to it again, and be due again at once.
 
 A certificate rotated by cert-manager stays valid (TLS accepts it) until it
 expires: metadata handed to it lives that long and no longer. A reader that
-introduces another agent of its own (it restarted) ends no trust: the same
-identity holds a live introduction, and may ask for the metadata again.
+introduces another agent of its own (it restarted), or whose own idle entry
+made room for its next, ends no trust: the same identity holds a live
+introduction here, and may ask for the metadata again.
 The peer allow-list is fixed for a daemon's life (a new one starts new workers).
 """
 
@@ -24,6 +29,7 @@ import math
 import threading
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from kvxferd.service.base.metrics import WORKER_REPLACE_REASONS
 
@@ -77,14 +83,23 @@ class HandedMetadata:
             return self._trusted_until_s
 
 
+def bundle_certificates(bundle: bytes) -> frozenset[bytes]:
+    """The certificates of a PEM bundle, as DER (order, comments and spacing do not count); the raw bytes
+    as the one member of a bundle that does not parse (TlsFiles refuses such files anyway)."""
+    try:
+        return frozenset(c.public_bytes(serialization.Encoding.DER) for c in x509.load_pem_x509_certificates(bundle))
+    except ValueError:
+        return frozenset((bundle,))
+
+
 class CaWatch:
-    """Says when the CA bundle peers are verified with differs from the last one seen."""
+    """Says when a CA bundle withdraws a CA the last one had: only that ends trust (a CA added to the
+    bundle, a rotation's first step, trusts more peers; none of them was handed anything yet)."""
 
     def __init__(self, ca: bytes) -> None:
-        self._ca = ca
+        self._cas = bundle_certificates(ca)
 
-    def changed(self, ca: bytes) -> bool:
-        if ca == self._ca:
-            return False
-        self._ca = ca
-        return True
+    def withdrawn(self, ca: bytes) -> bool:
+        cas = bundle_certificates(ca)
+        gone, self._cas = bool(self._cas - cas), cas
+        return gone

@@ -84,7 +84,8 @@ def test_bad_arguments_exit_2():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "meteor" in run.stderr
     for args, needle in ((("--faults", "loss"), "need --hosts"), (("--hosts", "3", "--faults", "bad_input"), "loopback"),
-                         (("--hosts", "1",), "--hosts must be 2..8"), (("--faults", "kill_worker"), "needs --dataplane-workers")):
+                         (("--hosts", "1",), "--hosts must be 2..8"), (("--faults", "kill_worker"), "needs --dataplane-workers"),
+                         (("--dataplane-workers", "--faults", "rotate_ca"), "need --hosts")):
         run = subprocess.run([sys.executable, "-m", "kvxferd", "soak", *args], capture_output=True, text=True,
                              timeout=60)
         assert run.returncode == 2 and needle in run.stderr, (args, run.stderr)
@@ -112,6 +113,19 @@ def test_a_short_soak_across_namespace_hosts_with_network_faults_breaks_no_invar
     assert summary["read_outcomes"]["ok"] > 0 and summary["holds"]["CONSUMED"] > 0
     recovered = {name.removesuffix("_recovered_s") for name in summary["figures"] if name.endswith("_recovered_s")}
     assert recovered, summary["figures"]  # reads came back after the faults
+
+
+@pytest.mark.slow  # six daemons, their workers and two engines for 60 s: on request
+@pytest.mark.skipif(NETNS_REASON is not None, reason=f"namespace hosts: {NETNS_REASON}")
+def test_a_short_soak_rotating_the_ca_under_workers_breaks_no_invariant(tmp_path):
+    """--hosts --dataplane-workers: the CA bundle changes under every daemon (rotate_ca) while reads run;
+    each daemon replaces its workers (make before break), counts no death, and reads stay byte-exact."""
+    code, summary, stderr = _soak("--hosts", "3", "--dataplane-workers", "--duration", "60", "--seed", "8",
+                                  "--fault-rate", "0.5", "--max-tp", "2", "--faults", "rotate_ca,kill_worker",
+                                  timeout_s=600, logs=tmp_path)
+    assert summary["violations"] == [] and code == 0, _post_mortem(summary, tmp_path, stderr)
+    assert summary["faults"].get("rotate_ca", 0) >= 1 and summary["figures"]["workers_replaced_s"]["n"] >= 1
+    assert summary["read_outcomes"]["ok"] > 0 and summary["holds"]["CONSUMED"] > 0
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """Metadata that does not outlive trust (issue #55 item 3), against real daemons with mutual TLS and workers:
-when an introduction ends, when a certificate the metadata went to nears its expiry, and when the CA bundle
-changes, the rank's worker is replaced (make before break) and what a peer was handed before reaches nothing,
-while fresh metadata reads byte-exact and holds placed before end CONSUMED. The controls: a reader that
-introduces another agent of its own, and a long-lived certificate, replace nothing."""
+when an identity's last introduction ends, when a certificate the metadata went to nears its expiry, and when
+the CA bundle withdraws a CA, the rank's worker is replaced (make before break) and what a peer was handed
+before reaches nothing, while fresh metadata reads byte-exact and holds placed before end CONSUMED. The
+controls: a reader that introduces another agent of its own, a long-lived certificate and a CA added to the
+bundle replace nothing; a certificate about to expire is handed no metadata."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from tests.security.conftest import SPIFFE, tls_args
 
 pytestmark = pytest.mark.daemons
 GROUPS = model_groups("gqa", ModelShape())
-OTHER = "spiffe://kvxferd.test/ns/serving/sa/other-reader"  # an allowed identity of its own (its own reader quota)
-GRACE_S = 3.0  # each identity may introduce one reader (the daemons' own: the decode rank), idle after 1 s
+OTHER = "spiffe://kvxferd.test/ns/serving/sa/other-reader"  # allowed identities of their own
+THIRD = "spiffe://kvxferd.test/ns/serving/sa/third-reader"
+GRACE_S = 3.0
+IDLE_S = 3.0  # two readers per rank (the decode rank's, kept active by its probes, and one more)
+LEAD_S = GRACE_S + 0.0 + 60.0  # replaced this long before a certificate expires (registry.TRUST_LEAD_S)
 BOUND_S = 40.0  # a replacement's successor up, and the old one retired (about 2 s + the grace here)
 REPLACEMENTS = "kvxferd_dataplane_worker_replacements_total"
 
@@ -34,13 +38,14 @@ REPLACEMENTS = "kvxferd_dataplane_worker_replacements_total"
 @pytest.fixture(scope="module")
 def cluster(workdir, ca):
     issued = ca.issue("kvxferd", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)
-    args = (*tls_args(ca, issued, allowed=f"{SPIFFE},{OTHER}"), "--dataplane-workers",
+    args = (*tls_args(ca, issued, allowed=f"{SPIFFE},{OTHER},{THIRD}"), "--dataplane-workers",
             "--worker-retire-grace-s", str(GRACE_S), "--worker-replace-interval-s", "0",
-            "--max-readers-per-identity", "1", "--reader-idle-s", "1")
+            "--max-readers-per-engine", "2", "--reader-idle-s", str(IDLE_S), "--peer-check-s", "0.5")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("UCX_TLS", "tcp")
         with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="tr", daemon_args=args) as c:
-            c.issued, c.other = issued, ca.issue("other", dns_names=("other-reader",), spiffe_id=OTHER)
+            c.other = ca.issue("other", dns_names=("other-reader",), spiffe_id=OTHER)
+            c.third = ca.issue("third", dns_names=("third-reader",), spiffe_id=THIRD)
             yield c
 
 
@@ -100,7 +105,7 @@ def read_held(cluster, request) -> None:
     assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
 
 
-def test_an_ended_introduction_replaces_the_worker_and_its_old_metadata_reaches_nothing(cluster, ca):
+def test_an_identitys_ended_introduction_replaces_the_worker_and_its_old_metadata_reaches_nothing(cluster, ca):
     prefill = cluster.prefill_daemons[0]
     request = random_request("tr-intro", *GROUPS, 64, np.random.default_rng(1))
     cluster.reset_decode()
@@ -108,13 +113,13 @@ def test_an_ended_introduction_replaces_the_worker_and_its_old_metadata_reaches_
     first = engine_info(cluster, ca, cluster.other, "tr-reader-a")
     assert reaches(first)  # the control: what was handed reaches the worker
     engine_info(cluster, ca, cluster.other, "tr-reader-a")  # the same reader, another agent: no trust ended
-    time.sleep(1.5)  # reader-a idles past reader_idle_s
+    time.sleep(IDLE_S + 0.5)  # reader-a idles past reader_idle_s
     assert replaced(prefill, "introduction_ended") == 0 and prefill.log_text().count(") retired") == 0
-    engine_info(cluster, ca, cluster.other, "tr-reader-b")  # OTHER has room for one: reader-a is evicted
+    engine_info(cluster, ca, cluster.third, "tr-reader-c")  # the rank is full: OTHER's only reader is evicted
     wait_retired(prefill, 1)
     assert replaced(prefill, "introduction_ended") == 1
-    assert not reaches(first)  # reader-a's metadata names an agent that is gone
-    assert reaches(engine_info(cluster, ca, cluster.other, "tr-reader-b"))
+    assert not reaches(first)  # what OTHER was handed names an agent that is gone
+    assert reaches(engine_info(cluster, ca, cluster.third, "tr-reader-c"))
     read_held(cluster, request)  # the hold outlived its worker
     assert prefill.metric("kvxferd_dataplane_worker_deaths_total") == 0  # replaced, not dead
 
@@ -122,26 +127,34 @@ def test_an_ended_introduction_replaces_the_worker_and_its_old_metadata_reaches_
 def test_metadata_handed_to_a_certificate_near_its_expiry_is_replaced_before_it(cluster, ca):
     prefill = cluster.prefill_daemons[0]
     retired = prefill.log_text().count(") retired")
-    long_lived = engine_info(cluster, ca, cluster.other, "tr-reader-b")
+    long_lived = engine_info(cluster, ca, cluster.third, "tr-reader-c")
     time.sleep(2.0)  # the control: a certificate valid for 30 days leaves the worker alone (checked every 1 s)
     assert replaced(prefill, "certificate_expires") == 0 and prefill.log_text().count(") retired") == retired
-    short = ca.issue("short", dns_names=("other-reader",), spiffe_id=OTHER, valid_s=50)
-    handed = engine_info(cluster, ca, short, "tr-reader-b")  # its cert-manager renewed it: no trust ended yet
+    too_short = ca.issue("too-short", dns_names=("third-reader",), spiffe_id=THIRD, valid_s=LEAD_S - 10)
+    with pytest.raises(grpc.RpcError) as refused:  # it would be due at once, and again after each replacement
+        engine_info(cluster, ca, too_short, "tr-reader-c")
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "renew it" in refused.value.details()
+    short = ca.issue("short", dns_names=("third-reader",), spiffe_id=THIRD, valid_s=LEAD_S + 8)
+    handed = engine_info(cluster, ca, short, "tr-reader-c")  # renewed late: due about 8 s from now
     wait_retired(prefill, retired + 1)
     assert replaced(prefill, "certificate_expires") == 1
     assert not reaches(handed) and not reaches(long_lived)  # one worker: everyone's metadata goes with it
-    assert reaches(engine_info(cluster, ca, cluster.other, "tr-reader-b"))
+    assert reaches(engine_info(cluster, ca, cluster.third, "tr-reader-c"))
 
 
-def test_a_new_ca_bundle_replaces_every_worker(cluster, ca, workdir):
+def test_a_ca_withdrawn_from_the_bundle_replaces_every_worker(cluster, ca, workdir):
     prefill, decode = cluster.prefill_daemons[0], cluster.decode_daemons[0]
     retired = {d: d.log_text().count(") retired") for d in (prefill, decode)}
     request = random_request("tr-ca", *GROUPS, 64, np.random.default_rng(2))
     cluster.reset_decode()
     cluster.hold(request)
-    before = engine_info(cluster, ca, cluster.other, "tr-reader-b")
-    # The bundle gains a second CA (a CA rotation's first step): every peer is verified against new trust.
-    ca.cert_path.write_bytes(ca.cert_path.read_bytes() + DevCA(f"{workdir}/pki-next").cert_path.read_bytes())
+    before = engine_info(cluster, ca, cluster.third, "tr-reader-c")
+    bundle = ca.cert_path.read_bytes()
+    # A rotation's first step adds the next CA: it ends no trust (the control: nothing is replaced) ...
+    ca.cert_path.write_bytes(bundle + DevCA(f"{workdir}/pki-next").cert_path.read_bytes())
+    time.sleep(3.0)  # the files are looked at every 1 s
+    assert "TLS files reloaded" in prefill.log_text() and replaced(prefill, "ca_changed") == 0
+    ca.cert_path.write_bytes(bundle)  # ... withdrawing it does: whoever it vouched for may hold metadata
     for daemon in (prefill, decode):
         wait_retired(daemon, retired[daemon] + 1)
         assert replaced(daemon, "ca_changed") == 1

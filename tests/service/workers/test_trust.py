@@ -38,8 +38,11 @@ def test_a_certificates_expiry_is_read_from_it(tmp_path):
     assert certificate_expiry_s(b"not a certificate") == math.inf
 
 
-def test_the_ca_watch_says_changed_once_per_new_bundle():
-    watch = CaWatch(b"ca-1")
-    assert not watch.changed(b"ca-1")
-    assert watch.changed(b"ca-1" + b"ca-2") and not watch.changed(b"ca-1" + b"ca-2")
-    assert watch.changed(b"ca-1")  # back to the old bundle: a change too
+def test_the_ca_watch_says_withdrawn_only_when_a_ca_left_the_bundle(tmp_path):
+    first, second = (DevCA(str(tmp_path / name)).cert_path.read_bytes() for name in ("a", "b"))
+    watch = CaWatch(first)
+    assert not watch.withdrawn(first) and not watch.withdrawn(b"\n" + first + b"\n")  # the same certificate
+    assert not watch.withdrawn(first + second)  # one added: nobody it vouches for was handed anything yet
+    assert not watch.withdrawn(second + first)  # reordered
+    assert watch.withdrawn(second)  # the first withdrawn
+    assert watch.withdrawn(b"not a bundle") and not watch.withdrawn(b"not a bundle")
