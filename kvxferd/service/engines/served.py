@@ -39,10 +39,10 @@ import numpy as np
 from kvxferd.errors import UnavailableError
 from kvxferd.plan.board import BoardInfo, board_shape
 from kvxferd.plan.groups import EngineCache
-from kvxferd.service.workers.trust import HandedMetadata
+from kvxferd.service.workers.generation import Region, WorkerUp
 from kvxferd.service.workers.notices import WorkerNotices
-from kvxferd.service.workers.supervisor import (MIN_REPLACE_INTERVAL_S, RETIRE_GRACE_S, Region, WorkerSupervisor,
-                                                WorkerUp)
+from kvxferd.service.workers.supervisor import MIN_REPLACE_INTERVAL_S, RETIRE_GRACE_S, WorkerSupervisor
+from kvxferd.service.workers.trust import HandedMetadata
 
 
 @dataclass(eq=False)

@@ -25,7 +25,8 @@ often it is told, and the references are counted here).
 from __future__ import annotations
 
 from kvxferd.errors import UnavailableError
-from kvxferd.service.workers.supervisor import WorkerSupervisor, WorkerUp
+from kvxferd.service.workers.generation import WorkerUp
+from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.xfer.nixl.agent import RemoteRefs, agent_name_of
 
 

@@ -36,9 +36,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from kvxferd.errors import InvalidArgumentError, UnavailableError
+from kvxferd.service.workers.generation import (BACKOFF_BASE_S, FREE_RESTARTS, STABLE_S, Region, WorkerDeath,
+                                                WorkerUp, backoff_s, read_only_copy)
 from kvxferd.service.workers.output import OutputRelay
 from kvxferd.service.workers.retire import STOP_TIMEOUT_S, Retiring, WorkerReplaced
 from kvxferd.service.workers.spawn import spawn_worker
@@ -49,16 +50,6 @@ log = logging.getLogger("kvxferd.workers")
 MAP_TIMEOUT_S = 60.0  # exec, import NIXL, map, register: about 2 s here (kvxferd bench processes)
 CHANNEL_BUFFER_BYTES = 4 << 20  # each way: a new generation's reload of every holder's metadata fits
 FULL_CHANNEL_S = 5.0  # a worker whose channel stays full this long has stopped reading it: killed
-# A worker dies when a peer owns it through its metadata (a READ of an unmapped address), or UCX aborts.
-# Giving up would hand whoever can kill it a way to end the engine's service; restarting at once would
-# hand them a CPU sink (a start costs about 0.85 s of a core: kvxferd bench processes). So: the first
-# FREE_RESTARTS deaths in a row start again at once, each further one waits twice as long, up to
-# MAX_BACKOFF_S (then a killer costs the daemon at most ~5 % of a core). A generation that lived
-# STABLE_S ends the streak.
-FREE_RESTARTS = 3
-STABLE_S = 60.0
-BACKOFF_BASE_S = 0.5
-MAX_BACKOFF_S = 16.0
 # A replaced generation keeps serving this long after its successor is up: readers notice the new
 # incarnation at their next probe (peer_check_s) and re-handshake before their next read.
 RETIRE_GRACE_S = 10.0
@@ -68,61 +59,6 @@ MIN_REPLACE_INTERVAL_S = 30.0
 
 class MapTimedOut(UnavailableError):
     """No answer to ``map`` in time (a loaded machine, a hung start): the next generation may do better."""
-
-
-def backoff_s(num_deaths_in_a_row: int, free_restarts: int = FREE_RESTARTS, base_s: float = BACKOFF_BASE_S,
-              max_s: float = MAX_BACKOFF_S) -> float:
-    """The pause before the next start after ``num_deaths_in_a_row`` deaths, none after STABLE_S of life::
-
-        deaths  1..free   free+1   free+2   free+3  ...  capped
-        pause   0         base     2 base   4 base  ...  max_s
-    """
-    beyond = num_deaths_in_a_row - free_restarts
-    return 0.0 if beyond <= 0 else min(max_s, base_s * 2.0 ** (beyond - 1))
-
-
-@dataclass(frozen=True)
-class Region:
-    """One piece of an engine's memory to serve: ``num_bytes`` of ``fd`` from ``offset`` (any alignment)."""
-
-    fd: int
-    num_bytes: int
-    offset: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerUp:
-    """A generation that mapped its regions."""
-
-    generation: int
-    pid: int
-    metadata: bytes = field(repr=False)
-    addresses: tuple[int, ...]
-    start_s: float  # from exec to its answer
-    notices_metadata: bytes = field(default=b"", repr=False)  # its notice agent's (the engine as a reader)
-    sandbox: str = ""  # how the worker confined itself ("landlock ABI n", or "off: why")
-
-
-@dataclass(frozen=True)
-class WorkerDeath:
-    """A generation that ended, and how."""
-
-    generation: int
-    pid: int
-    returncode: int  # negative: the signal that killed it
-    noticed_s: float  # time.monotonic() when the supervisor saw its channel end
-
-
-def read_only_copy(fd: int) -> int:
-    """``fd``'s file opened again read-only: a worker can neither write it nor change its size (a shrunk
-    object would fault whoever maps it here, the engine included). Reopening checks permissions again: a
-    file this user may not open itself (another user's, passed as an fd) is shared as passed, with a warning."""
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except PermissionError:
-        log.warning("a region's file cannot be reopened read-only by the daemon's user: its worker gets the "
-                    "engine's own descriptor (it could change the file's size)")
-        return os.dup(fd)
 
 
 class WorkerSupervisor:

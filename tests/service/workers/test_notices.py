@@ -11,7 +11,8 @@ import time
 import pytest
 
 from kvxferd.service.workers.notices import WorkerNotices
-from kvxferd.service.workers.supervisor import Region, WorkerSupervisor
+from kvxferd.service.workers.generation import Region
+from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of
 
 

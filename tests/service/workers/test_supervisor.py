@@ -13,7 +13,8 @@ import pytest
 
 from kvxferd.errors import KvxferError, UnavailableError
 from kvxferd.rig.attack.reach import NixlReach, search_process_memory
-from kvxferd.service.workers.supervisor import Region, WorkerSupervisor, backoff_s
+from kvxferd.service.workers.generation import Region, backoff_s
+from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
 
 CACHE_BYTES = 1 << 20
