@@ -187,7 +187,7 @@ class Daemon:
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
             engine_server = self._new_server(config.max_message_bytes)
-            peer_cap = ConnectionCap(config.max_peer_connections_per_source,
+            self._peer_cap = peer_cap = ConnectionCap(config.max_peer_connections_per_source,
                                      on_shut=self.metrics.peer_connections_closed.inc)
             peer_server = self._new_server(min(config.max_peer_request_bytes, config.max_message_bytes),
                                            peer_server_options(), interceptors=(peer_cap,))
@@ -349,8 +349,16 @@ class Daemon:
         """New TLS files (the thread that looked): counted; a CA withdrawn from the bundle ends trust in
         every peer the workers' metadata went to (kvxferd.service.workers.trust)."""
         self.metrics.tls_reloads.inc()
-        registry = getattr(self, "registry", None)
+        registry, peer_cap = getattr(self, "registry", None), getattr(self, "_peer_cap", None)
         if self._ca_watch.withdrawn(material.ca) and registry is not None:
+            # Connected peers were checked against the old bundle: each connects again and is checked anew.
+            try:
+                closed = peer_cap.shut_all() if peer_cap is not None else 0
+            except OSError as err:  # the kernel's table cannot be asked: the connections idle out (60 s)
+                log.warning("a CA was withdrawn; peer connections could not be closed", extra={"error": str(err)})
+            else:
+                log.warning("a CA was withdrawn from tls_ca; peer connections closed, workers replaced",
+                            extra={"closed": closed})
             registry.replace_workers(CA_CHANGED)
 
     async def _peer_health(self) -> None:

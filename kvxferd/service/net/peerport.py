@@ -139,6 +139,17 @@ class ConnectionCap(grpc.aio.ServerInterceptor):
             _trim_heap()
         return shut
 
+    def shut_all(self) -> int:
+        """Shut down every connection on the port (blocking); how many. For a CA withdrawn from the bundle:
+        a connection's peer was checked against the old one at its TLS handshake, so each peer must
+        connect again (gRPC channels do by themselves) and prove its certificate anew."""
+        if not self.port:
+            return 0
+        if not self.families:
+            self.families = listener_families(self.port)
+        connections = tcp_connections(self.port, families=self.families)
+        return shut_down_own_sockets({c.inode for c in connections if c.state == TCP_ESTABLISHED})
+
     async def run(self, port: int) -> None:
         """Check ``port`` every ``CAP_CHECK_S``, or sooner when a call arrives, off the event loop, until
         cancelled. Where the kernel cannot be asked, say so once and stop (no cap then)."""

@@ -49,20 +49,29 @@ def cluster(workdir, ca):
             yield c
 
 
-def engine_info(cluster, ca, issued, reader_engine_id: str) -> pb.EngineInfo:
-    """The prefill rank's engine info as the peer holding ``issued`` gets it, introducing a new agent."""
+def peer_channel(cluster, ca, issued) -> grpc.Channel:
+    """A channel to the prefill daemon's peer port as the peer holding ``issued``."""
     credentials = grpc.ssl_channel_credentials(ca.cert_path.read_bytes(), issued.key.read_bytes(),
                                                issued.cert.read_bytes())
+    return grpc.secure_channel(cluster.prefill_daemons[0].peer_address, credentials,
+                               options=[("grpc.ssl_target_name_override", "kvxferd-peer")])
+
+
+def engine_info(cluster, ca, issued, reader_engine_id: str, channel: grpc.Channel | None = None) -> pb.EngineInfo:
+    """The prefill rank's engine info as the peer holding ``issued`` gets it (on ``channel``, else a new
+    one), introducing a new agent."""
     reader = NixlAgent(f"tr-intro-{time.monotonic_ns()}")
+    own = channel is None
+    channel = peer_channel(cluster, ca, issued) if own else channel
     try:
-        with grpc.secure_channel(cluster.prefill_daemons[0].peer_address, credentials,
-                                 options=[("grpc.ssl_target_name_override", "kvxferd-peer")]) as channel:
-            reply = peer_grpc.PeerServiceStub(channel).GetEngineInfo(pb.EngineInfoRequest(
-                engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0,
-                reader_engine_id=reader_engine_id, reader_tp_rank=0, reader_tp_size=1,
-                reader_agent_metadata=reader.metadata()), timeout=10)
+        reply = peer_grpc.PeerServiceStub(channel).GetEngineInfo(pb.EngineInfoRequest(
+            engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION, tp_rank=0,
+            reader_engine_id=reader_engine_id, reader_tp_rank=0, reader_tp_size=1,
+            reader_agent_metadata=reader.metadata()), timeout=10)
     finally:
         reader.close()
+        if own:
+            channel.close()
     info = pb.EngineInfo()
     info.ParseFromString(reply.payload)
     return info
@@ -149,14 +158,25 @@ def test_a_ca_withdrawn_from_the_bundle_replaces_every_worker(cluster, ca, workd
     cluster.reset_decode()
     cluster.hold(request)
     before = engine_info(cluster, ca, cluster.third, "tr-reader-c")
-    bundle = ca.cert_path.read_bytes()
+    bundle, next_ca = ca.cert_path.read_bytes(), DevCA(f"{workdir}/pki-next", name="kvxferd next CA")
     # A rotation's first step adds the next CA: it ends no trust (the control: nothing is replaced) ...
-    ca.cert_path.write_bytes(bundle + DevCA(f"{workdir}/pki-next").cert_path.read_bytes())
+    ca.cert_path.write_bytes(bundle + next_ca.cert_path.read_bytes())
     time.sleep(3.0)  # the files are looked at every 1 s
     assert "TLS files reloaded" in prefill.log_text() and replaced(prefill, "ca_changed") == 0
-    ca.cert_path.write_bytes(bundle)  # ... withdrawing it does: whoever it vouched for may hold metadata
-    for daemon in (prefill, decode):
-        wait_retired(daemon, retired[daemon] + 1)
-        assert replaced(daemon, "ca_changed") == 1
+    # A peer whose certificate only the next CA vouches for connects, and stays connected.
+    vouched = next_ca.issue("third-next", dns_names=("third-reader",), spiffe_id=THIRD)
+    connected = peer_channel(cluster, ca, vouched)
+    try:
+        assert reaches(engine_info(cluster, ca, vouched, "tr-reader-c", connected))  # the control: it is trusted
+        ca.cert_path.write_bytes(bundle)  # ... withdrawing it ends trust: its peers may hold metadata
+        for daemon in (prefill, decode):
+            wait_retired(daemon, retired[daemon] + 1)
+            assert replaced(daemon, "ca_changed") == 1
+        # Its connection was closed with the withdrawal: on the same channel it gets no new metadata
+        # (the TLS handshake of its new connection refuses its certificate).
+        with pytest.raises(grpc.RpcError):
+            engine_info(cluster, ca, vouched, "tr-reader-c", connected)
+    finally:
+        connected.close()
     assert not reaches(before)
     read_held(cluster, request)  # the reader's worker was replaced too: its new notice agent was introduced
