@@ -258,16 +258,16 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         if request.tp_rank != slot.cache.tp_rank:
             raise InvalidArgumentError("tp_rank", f"this daemon serves rank {slot.cache.tp_rank} of "
                                                   f"{request.engine_id!r}, not {request.tp_rank}")
+        expiry_s = peer_certificate_expiry_s(context)  # refused before it is introduced: it takes no place
+        if slot.served is not None and expiry_s - time.time() < self.daemon.registry.trust_lead_s:
+            raise UnavailableError("peer", f"the caller's certificate expires in {expiry_s - time.time():.0f} s: "
+                                           f"a data-plane worker's metadata goes only to certificates valid for "
+                                           f"{self.daemon.registry.trust_lead_s:.0f} s more (renew it)")
         await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
                  if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
-        expiry_s = peer_certificate_expiry_s(context)
-        if slot.served is not None and expiry_s - time.time() < self.daemon.registry.trust_lead_s:
-            raise UnavailableError("peer", f"the caller's certificate expires in {expiry_s - time.time():.0f} s: "
-                                           f"a data-plane worker's metadata goes only to certificates valid for "
-                                           f"{self.daemon.registry.trust_lead_s:.0f} s more (renew it)")
         incarnation, metadata, cache, board = slot.peer_view(expiry_s)
         return encode_info(incarnation, metadata, cache, board, same_host_proof=proof)
 
