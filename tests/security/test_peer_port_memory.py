@@ -282,6 +282,8 @@ def test_oversized_requests_leave_nothing_behind(setup):
 def test_held_requests_are_bounded_per_source(setup):
     """64 connections x 32 streams each sending all but the end of a 1 MiB request (under the limit), held."""
     grown_mib, kept_mib = _run_attack(setup, connections=64, streams=32, message_bytes=MIB - 64, hold_s=4.0)
-    bound_mib = 2 * MAX_PER_SOURCE * PEER_HTTP2_STREAMS
+    # The connections past the cap hold memory until the cap's next look shuts them: 64-68 MiB on an idle
+    # machine, 141 once on a loaded CI machine (2026-11-29), against 1.3-1.9 GiB without the cap.
+    bound_mib = 3 * MAX_PER_SOURCE * PEER_HTTP2_STREAMS
     assert grown_mib < bound_mib, f"the daemon grew {grown_mib:.0f} MiB for unauthenticated held requests"
     _read_works(setup.cluster, "held-after")
