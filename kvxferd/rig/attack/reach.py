@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxferd.errors import KvxferError
 from kvxferd.rig.attack.metadata import widened
-from kvxferd.xfer.nixl.agent import NixlAgent, TransferState
+from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
 
 CHUNK_BYTES = 64 << 20  # one READ at most this long
 READ_TIMEOUT_S = 30.0
@@ -127,3 +128,24 @@ class NixlReach:
 
     def close(self) -> None:
         self.agent.close()
+
+
+def read_state(metadata: bytes, address: int, num_bytes: int, timeout_s: float = 10.0) -> TransferState:
+    """One READ of ``num_bytes`` at ``address`` through ``metadata`` (widened) by an agent of its own: its
+    end state, ERR when the target died under it (NIXL says the remote disconnected)."""
+    reach = NixlReach(metadata)
+    try:
+        return reach.read(address, num_bytes, timeout_s)[0]
+    except NixlError:
+        return TransferState.ERR
+    finally:
+        reach.close()
+
+
+def reaches(metadata: bytes, address: int, num_bytes: int = 64) -> bool:
+    """Whether the agent ``metadata`` names still answers a READ; loading it fails once that agent is gone
+    (UCX cannot connect)."""
+    try:
+        return read_state(metadata, address, num_bytes) is TransferState.DONE
+    except KvxferError:
+        return False

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvxferd.rig.attack.metadata import MetadataFormatError, registered_ranges, widened
-from kvxferd.rig.attack.reach import NixlReach, data_mappings, search_process_memory
+from kvxferd.rig.attack.reach import NixlReach, data_mappings, read_state, search_process_memory
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
 
 TARGET = """
@@ -102,12 +102,5 @@ def test_the_process_memory_search_finds_what_is_there_and_nothing_else(target):
 
 def test_a_read_of_an_unmapped_address_kills_the_target(target):
     process, metadata, _, _ = target
-    reach = NixlReach(metadata)
-    try:
-        state, _ = reach.read(0x10000, 4096, timeout_s=10.0)
-    except NixlError:  # the target died under the READ: NIXL says the remote disconnected
-        state = TransferState.ERR
-    finally:
-        reach.close()
-    assert state is TransferState.ERR
+    assert read_state(metadata, 0x10000, 4096) is TransferState.ERR  # the target died under the READ
     assert process.wait(timeout=10) == -signal.SIGSEGV

@@ -13,15 +13,14 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxferd.errors import KvxferError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.rig.attack.reach import NixlReach
+from kvxferd.rig.attack.reach import reaches
 from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.certs import DevCA
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState
+from kvxferd.xfer.nixl.agent import NixlAgent
 from tests.security.conftest import SPIFFE, tls_args
 
 pytestmark = pytest.mark.daemons
@@ -77,19 +76,9 @@ def engine_info(cluster, ca, issued, reader_engine_id: str, channel: grpc.Channe
     return info
 
 
-def reaches(info: pb.EngineInfo) -> bool:
-    """Whether a READ of the hold board's first bucket through ``info``'s metadata is answered."""
-    try:
-        reach = NixlReach(info.agent_metadata)
-    except KvxferError:  # the agent is gone: UCX cannot connect
-        return False
-    try:
-        state, _ = reach.read(info.hold_board.address, 64, timeout_s=10.0)
-    except NixlError:
-        state = TransferState.ERR
-    finally:
-        reach.close()
-    return state is TransferState.DONE
+def answers(info: pb.EngineInfo) -> bool:
+    """Whether the hold board's first bucket is read through ``info``'s metadata."""
+    return reaches(info.agent_metadata, info.hold_board.address)
 
 
 def replaced(daemon, reason: str) -> float:
@@ -120,15 +109,15 @@ def test_an_identitys_ended_introduction_replaces_the_worker_and_its_old_metadat
     cluster.reset_decode()
     cluster.hold(request)
     first = engine_info(cluster, ca, cluster.other, "tr-reader-a")
-    assert reaches(first)  # the control: what was handed reaches the worker
+    assert answers(first)  # the control: what was handed reaches the worker
     engine_info(cluster, ca, cluster.other, "tr-reader-a")  # the same reader, another agent: no trust ended
     time.sleep(IDLE_S + 0.5)  # reader-a idles past reader_idle_s
     assert replaced(prefill, "introduction_ended") == 0 and prefill.log_text().count(") retired") == 0
     engine_info(cluster, ca, cluster.third, "tr-reader-c")  # the rank is full: OTHER's only reader is evicted
     wait_retired(prefill, 1)
     assert replaced(prefill, "introduction_ended") == 1
-    assert not reaches(first)  # what OTHER was handed names an agent that is gone
-    assert reaches(engine_info(cluster, ca, cluster.third, "tr-reader-c"))
+    assert not answers(first)  # what OTHER was handed names an agent that is gone
+    assert answers(engine_info(cluster, ca, cluster.third, "tr-reader-c"))
     read_held(cluster, request)  # the hold outlived its worker
     assert prefill.metric("kvxferd_dataplane_worker_deaths_total") == 0  # replaced, not dead
 
@@ -147,8 +136,8 @@ def test_metadata_handed_to_a_certificate_near_its_expiry_is_replaced_before_it(
     handed = engine_info(cluster, ca, short, "tr-reader-c")  # renewed late: due about 8 s from now
     wait_retired(prefill, retired + 1)
     assert replaced(prefill, "certificate_expires") == 1
-    assert not reaches(handed) and not reaches(long_lived)  # one worker: everyone's metadata goes with it
-    assert reaches(engine_info(cluster, ca, cluster.third, "tr-reader-c"))
+    assert not answers(handed) and not answers(long_lived)  # one worker: everyone's metadata goes with it
+    assert answers(engine_info(cluster, ca, cluster.third, "tr-reader-c"))
 
 
 def test_a_ca_withdrawn_from_the_bundle_replaces_every_worker(cluster, ca, workdir):
@@ -167,7 +156,7 @@ def test_a_ca_withdrawn_from_the_bundle_replaces_every_worker(cluster, ca, workd
     vouched = next_ca.issue("third-next", dns_names=("third-reader",), spiffe_id=THIRD)
     connected = peer_channel(cluster, ca, vouched)
     try:
-        assert reaches(engine_info(cluster, ca, vouched, "tr-reader-c", connected))  # the control: it is trusted
+        assert answers(engine_info(cluster, ca, vouched, "tr-reader-c", connected))  # the control: it is trusted
         ca.cert_path.write_bytes(bundle)  # ... withdrawing it ends trust: its peers may hold metadata
         for daemon in (prefill, decode):
             wait_retired(daemon, retired[daemon] + 1)
@@ -178,5 +167,5 @@ def test_a_ca_withdrawn_from_the_bundle_replaces_every_worker(cluster, ca, workd
             engine_info(cluster, ca, vouched, "tr-reader-c", connected)
     finally:
         connected.close()
-    assert not reaches(before)
+    assert not answers(before)
     read_held(cluster, request)  # the reader's worker was replaced too: its new notice agent was introduced

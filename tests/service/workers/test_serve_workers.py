@@ -15,11 +15,11 @@ import pytest
 
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
-from kvxferd.rig.attack.reach import NixlReach, search_process_memory
+from kvxferd.rig.attack.reach import NixlReach, read_state, search_process_memory
 from kvxferd.rig.daemons import DaemonCluster, dataplane_workers
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
-from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
+from kvxferd.xfer.nixl.agent import NixlAgent, TransferState, agent_name_of
 from tests.security.conftest import SPIFFE, tls_args
 
 pytestmark = pytest.mark.daemons
@@ -110,14 +110,7 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
     cluster.hold(request)  # held before the crash; read after it
     first = worker_of(cluster)
     deaths = cluster.prefill_daemons[0].metric("kvxferd_dataplane_worker_deaths_total")
-    reach = NixlReach(served_info(cluster, ca).agent_metadata)
-    try:
-        state, _ = reach.read(0x10000, 4096, timeout_s=10.0)
-    except NixlError:
-        state = TransferState.ERR
-    finally:
-        reach.close()
-    assert state is TransferState.ERR
+    assert read_state(served_info(cluster, ca).agent_metadata, 0x10000, 4096) is TransferState.ERR
     deadline = time.monotonic() + RESTART_BOUND_S
     while first in dataplane_workers(cluster.prefill_daemons[0].process.pid) and time.monotonic() < deadline:
         time.sleep(0.05)

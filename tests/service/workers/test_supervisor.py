@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from kvxferd.errors import KvxferError, UnavailableError
-from kvxferd.rig.attack.reach import NixlReach, search_process_memory
+from kvxferd.errors import UnavailableError
+from kvxferd.rig.attack.reach import NixlReach, reaches, read_state, search_process_memory
 from kvxferd.service.workers.generation import Region, backoff_s
 from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
@@ -101,15 +101,8 @@ def test_a_worker_holds_none_of_its_supervisors_secrets(supervisor, monkeypatch)
 
 def test_a_worker_killed_through_its_metadata_is_replaced_and_serves_again(supervisor, cache):
     first = supervisor.start()
-    reach = NixlReach(first.metadata)
-    try:
-        killed_s = time.monotonic()
-        state, _ = reach.read(0x10000, 4096, timeout_s=10.0)  # unmapped in the worker: its UCX faults
-    except NixlError:
-        state = TransferState.ERR
-    finally:
-        reach.close()
-    assert state is TransferState.ERR
+    killed_s = time.monotonic()
+    assert read_state(first.metadata, 0x10000, 4096) is TransferState.ERR  # unmapped in the worker: its UCX faults
     second = supervisor.wait_up(2, RESTART_BOUND_S)
     death = supervisor.deaths[0]
     assert (death.generation, death.pid, death.returncode) == (1, first.pid, -signal.SIGSEGV)
@@ -298,22 +291,6 @@ def test_a_command_sent_while_a_generation_starts_waits_for_its_map(cache, monke
     finally:
         supervisor.stop()
         holder.close()
-
-
-def reaches(metadata: bytes, address: int) -> bool:
-    """Whether a READ through ``metadata`` still gets an answer (the agent it names is alive). Loading it
-    fails once that agent is gone (UCX: connection refused)."""
-    try:
-        reach = NixlReach(metadata)
-    except KvxferError:
-        return False
-    try:
-        state, _ = reach.read(address, 4096, timeout_s=10.0)
-    except NixlError:
-        state = TransferState.ERR
-    finally:
-        reach.close()
-    return state is TransferState.DONE
 
 
 def wait_for(predicate, timeout_s: float) -> bool:
