@@ -107,13 +107,13 @@ class WorkerServed:
         self.on_generation: Callable[[WorkerUp], None] | None = None
         self.closing = False
         self.handed = HandedMetadata()  # until when the serving generation's metadata may be trusted
-        on_death, on_replace = options.on_death, options.on_replace
+        on_death = options.on_death
         self.supervisor = WorkerSupervisor(name, regions, poll_interval_s=options.poll_interval_s, on_up=self._up,
                                            retire_grace_s=options.retire_grace_s,
                                            min_replace_interval_s=options.replace_interval_s,
                                            on_notices=lambda generation, pairs: on_notices(pairs),
                                            on_death=lambda death: on_death and not self.closing and on_death(),
-                                           on_replace=lambda reasons: on_replace and on_replace(reasons))
+                                           on_replace=options.on_replace)
         self.notices = WorkerNotices(self.supervisor)  # the executor's notice agent (the engine as a reader)
 
     def start(self) -> None:

@@ -102,11 +102,8 @@ class ConnectionCap(grpc.aio.ServerInterceptor):
     def over_cap(self) -> set[int]:
         """The inodes of the connections past the cap (blocking: the kernel's table is walked). The newest go:
         those first seen at the latest look (inode numbers are not in creation order across CPUs)."""
-        if not self.families:
-            self.families = listener_families(self.port)
         self._looks += 1
-        # Established only: a connection shut down at an earlier look lingers half-closed until gRPC lets go.
-        connections = [c for c in tcp_connections(self.port, families=self.families) if c.state == TCP_ESTABLISHED]
+        connections = self._established()
         self._seen = {c.inode: self._seen.get(c.inode) or (self._looks, self._source(c)) for c in connections}
         by_source: dict[object, list[TcpConnection]] = collections.defaultdict(list)
         for connection in connections:
@@ -139,16 +136,18 @@ class ConnectionCap(grpc.aio.ServerInterceptor):
             _trim_heap()
         return shut
 
+    def _established(self) -> list[TcpConnection]:
+        """The port's established connections (blocking: the kernel's table is walked). Established only: a
+        connection shut down at an earlier look lingers half-closed until gRPC lets go."""
+        if not self.families:
+            self.families = listener_families(self.port)
+        return [c for c in tcp_connections(self.port, families=self.families) if c.state == TCP_ESTABLISHED]
+
     def shut_all(self) -> int:
         """Shut down every connection on the port (blocking); how many. For a CA withdrawn from the bundle:
         a connection's peer was checked against the old one at its TLS handshake, so each peer must
         connect again (gRPC channels do by themselves) and prove its certificate anew."""
-        if not self.port:
-            return 0
-        if not self.families:
-            self.families = listener_families(self.port)
-        connections = tcp_connections(self.port, families=self.families)
-        return shut_down_own_sockets({c.inode for c in connections if c.state == TCP_ESTABLISHED})
+        return shut_down_own_sockets({c.inode for c in self._established()}) if self.port else 0
 
     async def run(self, port: int) -> None:
         """Check ``port`` every ``CAP_CHECK_S``, or sooner when a call arrives, off the event loop, until
