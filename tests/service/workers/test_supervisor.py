@@ -18,7 +18,8 @@ from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError, TransferState, agent_name_of
 
 CACHE_BYTES = 1 << 20
-RESTART_BOUND_S = 30.0  # a new generation serves within this (about 2 s here: kvxferd bench processes)
+RESTART_BOUND_S = 30.0
+GRACE_S = 15.0  # a replaced generation's grace where the test works with it meanwhile  # a new generation serves within this (about 2 s here: kvxferd bench processes)
 
 
 @pytest.fixture
@@ -307,7 +308,8 @@ def test_a_replaced_worker_serves_until_its_successor_is_up_and_a_grace_then_its
     its successor starts and for ``retire_grace_s`` after; then it is stopped (not a death), and what a
     peer was handed for it reaches nothing while the successor serves the same bytes."""
     notices = []
-    supervisor = WorkerSupervisor("kvx-test-replace", [Region(cache[0], CACHE_BYTES)], retire_grace_s=4.0,
+    # The grace covers a notice's delivery on a loaded machine (milliseconds when idle).
+    supervisor = WorkerSupervisor("kvx-test-replace", [Region(cache[0], CACHE_BYTES)], retire_grace_s=GRACE_S,
                                   min_replace_interval_s=0.0,
                                   on_notices=lambda generation, pairs: notices.extend((generation, p) for p in pairs))
     try:
@@ -328,7 +330,7 @@ def test_a_replaced_worker_serves_until_its_successor_is_up_and_a_grace_then_its
             assert wait_for(arrived, 10.0), notices
         finally:
             sender.close()
-        assert wait_for(lambda: supervisor.replaced, 4.0 + 15.0)
+        assert wait_for(lambda: supervisor.replaced, GRACE_S + 15.0)
         (replaced,) = supervisor.replaced
         assert (replaced.generation, replaced.pid, replaced.reasons) == (1, first.pid, ("test: trust ended",))
         assert supervisor.deaths == [] and supervisor.current.generation == 2
