@@ -12,7 +12,8 @@ descriptors beside it (``SCM_RIGHTS``)::
                                                     {.., notices_metadata (hex)}: its notice agent
     pace   {poll_interval_s}                       (no answer)
     load   {metadata (hex)}: a holder, for notices (no answer; error if NIXL refuses it)
-    unload {agent}  connect {agent}  notify {agent, data (hex)}   (no answer)
+    unload {agent}  connect {agent}                (no answer)
+    notify {notices: [[agent, hex]]}               (no answer; a batch, at most MAX_NOTICES)
     ping   {}                                      pong     {}
     stop   {}                                      notices  {notices: [[sender, hex]]} (one-way)
                                                    error    {message}
@@ -23,9 +24,11 @@ a worker may be owned by whoever holds its NIXL metadata.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
+import threading
 from typing import Any
 
 from kvxferd.errors import InvalidArgumentError
@@ -60,10 +63,13 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[in
 def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One message and the fds that came with it; :class:`ChannelClosed` at end of file. A message that
     is not a JSON object with a string ``op`` is :class:`InvalidArgumentError` (its fds closed)."""
+    buffer = _receive_buffer()
     try:
-        data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + 1, MAX_FDS)
+        num_bytes, ancillary, flags, _ = sock.recvmsg_into([buffer], _FDS_SPACE)
     except ConnectionResetError as err:
         raise ChannelClosed(str(err)) from None
+    fds = _fds_of(ancillary)
+    data = bytes(memoryview(buffer)[:num_bytes])
     if not data and not fds:
         raise ChannelClosed("end of file")
     try:
@@ -81,6 +87,28 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return message, fds
 
 
+_FDS_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_buffers = threading.local()
+
+
+def _receive_buffer() -> bytearray:
+    """This thread's receive buffer, made once: ``socket.recv_fds`` maps and unmaps a fresh 1 MiB buffer
+    on every call, a fifth of a worker's CPU at 300 notices a second (docs/benchmarks.md)."""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = bytearray(MAX_MESSAGE_BYTES + 1)
+    return buffer
+
+
+def _fds_of(ancillary: list) -> list[int]:
+    """The fds of ``SCM_RIGHTS`` ancillary data (as ``socket.recv_fds`` reads them)."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    return list(fds)
+
+
 def close_all(fds: list[int]) -> None:
     """Close fds that came with a message nobody will use."""
     for fd in fds:
@@ -91,7 +119,8 @@ def close_all(fds: list[int]) -> None:
 
 
 def notices_of(message: dict[str, Any]) -> list[tuple[str, bytes]]:
-    """The ``(sender agent name, notice bytes)`` pairs of a worker's ``notices`` message, checked."""
+    """The ``(agent name, notice bytes)`` pairs of a ``notices`` message (a worker's: their senders) or a
+    ``notify`` batch (the control plane's: their receivers), checked."""
     notices = message.get("notices")
     if not isinstance(notices, list) or len(notices) > MAX_NOTICES:
         raise InvalidArgumentError("notices", f"a list of at most {MAX_NOTICES}")

@@ -108,6 +108,17 @@ class Worker:
                 self.notices.add_remote(metadata, "metadata")
                 self.loaded.add(name)
             return {}
+        if op == "notify":  # a batch, in order; one the notice agent refuses (its holder gone) skips only it
+            refused = []
+            for agent, data in channel.notices_of(message):
+                try:
+                    self.notices.notify(agent, data)
+                except KvxferError as err:
+                    refused.append(f"{agent[:MAX_NAME_CHARS]}: {str(getattr(err, 'message', err))[:200]}")
+            self.notices_until = time.monotonic() + NOTICE_PROGRESS_S  # UCX sends them on while polled
+            if refused:
+                return {"op": "error", "message": f"{len(refused)} notices not sent: " + "; ".join(refused[:3])}
+            return {}
         agent = message.get("agent")
         if not isinstance(agent, str):
             raise ValueError(f"{op}: agent must be a name")
@@ -117,11 +128,6 @@ class Worker:
                 self.notices.remove_remote(agent)
         elif op == "connect":
             self.notices.connect_to(agent)
-        else:
-            data = bytes.fromhex(str(message.get("data")))
-            if len(data) > channel.MAX_NOTICE_BYTES:
-                raise ValueError(f"a notice of {len(data)} bytes")
-            self.notices.notify(agent, data)
         self.notices_until = time.monotonic() + NOTICE_PROGRESS_S  # UCX sends it on while the agent is polled
         return {}
 

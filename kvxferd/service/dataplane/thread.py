@@ -269,9 +269,11 @@ class DataPlane:
                 sleep_s = READ_POLL_MIN_S
             elif self._reads:
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
-            elif any(slot.holder.wants_progress() for slot in self._slots):
+            # A slot a data-plane worker serves is polled there, paced by _pace_workers; its notices come
+            # as commands (take_notices), which wake this thread: its holds need no polling here.
+            elif any(slot.served is None and slot.holder.wants_progress() for slot in self._slots):
                 sleep_s = self.interval_s
-            elif any(len(slot.holds) for slot in self._slots):
+            elif any(slot.served is None and len(slot.holds) for slot in self._slots):
                 sleep_s = max(self.interval_s, self.notice_interval_s)
             elif self._notices_active:
                 sleep_s = max(self.interval_s, NOTICE_POLL_S)

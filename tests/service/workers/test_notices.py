@@ -1,6 +1,7 @@
 """The executor's notice agent in the worker (WorkerNotices): a holder hears the notices from the worker's
 notice agent; references are counted here (the last removal unloads, and a notice then reaches nobody);
-a new generation loads every holder still referenced again and its notices go on."""
+a new generation loads every holder still referenced again and its notices go on. Notices are batched:
+sent at the first poll after the oldest waited NOTICE_BATCH_S, in order, one message for many."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from kvxferd.service.workers.notices import WorkerNotices
+from kvxferd.service.workers.notices import NOTICE_BATCH_S, WorkerNotices
 from kvxferd.service.workers.generation import Region
 from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of
@@ -30,12 +31,14 @@ def notices():
     os.close(fd)
 
 
-def heard(holder: NixlAgent, wait_s: float) -> list[tuple[str, bytes]]:
-    """What the holder heard within ``wait_s`` (it polls, as a holder does)."""
+def heard(holder: NixlAgent, wait_s: float, proxy: WorkerNotices, count: int = 1) -> list[tuple[str, bytes]]:
+    """What the holder heard within ``wait_s``, once ``count`` came (it polls, as a holder does; the
+    proxy is polled as the daemon's executor and data-plane thread poll it)."""
     got, deadline = [], time.monotonic() + wait_s
     while time.monotonic() < deadline:
+        proxy.poll_notifications()
         got += holder.new_messages()
-        if got:
+        if len(got) >= count:
             return got
         time.sleep(0.005)
     return got
@@ -48,13 +51,13 @@ def test_notices_come_from_the_workers_notice_agent_and_stop_at_the_last_removal
     proxy.connect_to(name)
     sender = agent_name_of(proxy.metadata())
     proxy.notify(name, b"n1")
-    assert heard(holder, 10) == [(sender, b"n1")]
+    assert heard(holder, 10, proxy) == [(sender, b"n1")]
     proxy.remove_remote(name)  # one reference left: still loaded
     proxy.notify(name, b"n2")
-    assert heard(holder, 10) == [(sender, b"n2")]
+    assert heard(holder, 10, proxy) == [(sender, b"n2")]
     proxy.remove_remote(name)  # the last: unloaded in the worker
     proxy.notify(name, b"n3")
-    assert heard(holder, 1.0) == []
+    assert heard(holder, 1.0, proxy) == []
 
 
 def test_a_new_generation_loads_every_referenced_holder_again(notices):
@@ -64,5 +67,42 @@ def test_a_new_generation_loads_every_referenced_holder_again(notices):
     os.kill(first.pid, signal.SIGKILL)
     second = proxy.supervisor.wait_up(2, 30)
     proxy.notify(name, b"after")
-    assert heard(holder, 10) == [(agent_name_of(second.notices_metadata), b"after")]
+    assert heard(holder, 10, proxy) == [(agent_name_of(second.notices_metadata), b"after")]
     assert agent_name_of(second.notices_metadata) != agent_name_of(first.notices_metadata)
+
+
+def test_notices_wait_for_each_other_and_go_as_one_batch_in_order(notices):
+    proxy, holder = notices
+    name = proxy.add_remote(holder.metadata())
+    proxy.connect_to(name)
+    sender = agent_name_of(proxy.metadata())
+    messages = []
+    send = proxy.supervisor.send
+    proxy.supervisor.send = lambda message: messages.append(message) or send(message)
+    for n in range(5):
+        proxy.notify(name, b"n%d" % n)
+        proxy.poll_notifications()  # as the executor polls after each read's notices: too soon to send
+    assert [m for m in messages if m["op"] == "notify"] == []  # the control: nothing left before the wait
+    time.sleep(NOTICE_BATCH_S)
+    assert heard(holder, 10, proxy, count=5) == [(sender, b"n%d" % n) for n in range(5)]
+    (batch,) = [m for m in messages if m["op"] == "notify"]
+    assert len(batch["notices"]) == 5
+
+
+def test_the_last_removal_sends_the_batch_before_it_unloads(notices):
+    proxy, holder = notices
+    name = proxy.add_remote(holder.metadata())
+    proxy.connect_to(name)
+    proxy.notify(name, b"before-unload")
+    proxy.remove_remote(name)  # unloaded in the worker: the notice queued for it went first
+    assert heard(holder, 10, proxy) == [(agent_name_of(proxy.metadata()), b"before-unload")]
+
+
+def test_a_refused_notice_in_a_batch_skips_only_itself(notices):
+    proxy, holder = notices
+    name = proxy.add_remote(holder.metadata())
+    proxy.connect_to(name)
+    proxy.notify("kvx-test-nobody", b"lost")  # an agent the worker never loaded
+    proxy.notify(name, b"kept")
+    time.sleep(NOTICE_BATCH_S)
+    assert heard(holder, 10, proxy) == [(agent_name_of(proxy.metadata()), b"kept")]
