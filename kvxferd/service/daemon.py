@@ -284,14 +284,16 @@ class Daemon:
 
     def publish(self, slot: EngineSlot, end: HoldEnd) -> None:
         """Publish a hold event on the bus (event-loop thread)."""
-        self.bus.publish(slot.engine_id, end.kind.value, end.request_id, end.block_ids, end.reason)
-        self.metrics.events.labels(end.kind.value).inc()
-        if end.kind is EXPIRED and end.reason == "lease":
-            self.metrics.leases_expired.inc()
+        self._publish_all([(slot, end)])
 
     def _publish_all(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
-        for slot, end in events:
-            self.publish(slot, end)
+        """A round's hold events on the bus, in order, then counted."""
+        self.bus.publish_many([(slot.engine_id, end.kind.value, end.request_id, end.block_ids, end.reason)
+                               for slot, end in events])
+        for _, end in events:
+            self.metrics.events.labels(end.kind.value).inc()
+            if end.kind is EXPIRED and end.reason == "lease":
+                self.metrics.leases_expired.inc()
 
     def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
         self._loop.call_soon_threadsafe(self._publish_all, events)

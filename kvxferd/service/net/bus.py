@@ -229,6 +229,11 @@ class NotifyBus:
         if self._loop is None:  # nobody else drains the monitor (a bus without a loop: tests, tools)
             self._connections_changed()
         for _ in range(MAX_SUBSCRIPTIONS_PER_WAKE):
+            # Asked first: a recv that finds nothing raises zmq.Again, and publish() looks twice per event
+            # (about a tenth of a holder's CPU per read at 300/s, docs/benchmarks.md). Asking reads the
+            # socket's pending commands too, as a recv would (what re-arms its edge-triggered fd).
+            if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 message = self._socket.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -285,18 +290,28 @@ class NotifyBus:
 
     def publish(self, engine_id: str, kind: str, request_id: str, block_ids=(), reason: str = "") -> pb.NotifyEvent:
         """Number, remember and send one event."""
+        (event,) = self.publish_many([(engine_id, kind, request_id, block_ids, reason)])
+        return event
+
+    def publish_many(self, events: list[tuple[str, str, str, object, str]]) -> list[pb.NotifyEvent]:
+        """:meth:`publish` for each ``(engine_id, kind, request_id, block_ids, reason)`` in order; pending
+        subscriptions are applied before the first and after the last, not around each."""
+        self.apply_subscriptions()  # pending ones first: a subscriber that just joined gets these events
+        sent = [self._send(*event) for event in events]
+        self.apply_subscriptions()  # the socket's fd is edge-triggered: a send may have swallowed the wake-up
+        return sent
+
+    def _send(self, engine_id: str, kind: str, request_id: str, block_ids, reason: str) -> pb.NotifyEvent:
         seq = self._last_seq.get(engine_id, 0) + 1
         self._last_seq[engine_id] = seq
         event = pb.NotifyEvent(seq=seq, engine_id=engine_id, request_id=request_id,
                                kind=pb.NotifyEvent.Kind.Value(kind), block_ids=ids_to_pb(block_ids), reason=reason)
         history = self._history.setdefault(engine_id, collections.deque(maxlen=self._history_size))
         history.append(event)
-        self.apply_subscriptions()  # pending ones first: a subscriber that just joined gets this event
         try:
             self._socket.send_multipart([topic(engine_id), event.SerializeToString()], flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # over the high-water mark: kept in the history
-        self.apply_subscriptions()  # the socket's fd is edge-triggered: a send may have swallowed the wake-up
         return event
 
     def last_seq(self, engine_id: str) -> int:
