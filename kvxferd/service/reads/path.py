@@ -75,6 +75,8 @@ class ReadPath:
     def __init__(self, daemon: ReadPathParts) -> None:
         self.daemon = daemon
         self._inline_left = INLINE_MAX_BYTES  # bytes the current batch may still post on the loop
+        # Each read observes one of these: looked up once (labels() takes a lock and a dict walk per call).
+        self._durations = {ok: daemon.metrics.read_duration.labels("ok" if ok else "failed") for ok in (True, False)}
 
     def begin_batch(self) -> None:
         """A new ``Reads`` batch: it may post up to INLINE_MAX_BYTES on the
@@ -220,7 +222,7 @@ class ReadPath:
             if read.refusal is not None:  # refused with nothing posted (planned on the data-plane thread)
                 m.read_failures.labels(ReadFailure.REFUSED.value).inc()
                 continue
-            m.read_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
+            self._durations[result.ok].observe(result.duration_s)
             if read.post_s:
                 m.read_post.observe(read.post_s)
             m.read_descriptors.observe(result.num_descriptors)
