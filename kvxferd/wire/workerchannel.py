@@ -35,8 +35,9 @@ from kvxferd.errors import InvalidArgumentError
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 253  # the kernel's SCM_MAX_FD: regions of one engine rank's cache (and its board), an fd each
-MAX_NOTICES = 256  # per notices message
-MAX_NOTICE_BYTES = 1024  # a read notice is < 300 bytes (plan/notifications.py)
+MAX_NOTICES = 256  # per notices or notify message
+MAX_NOTICE_BYTES = 4096  # a read notice: a 28-byte header, a capability, two ids of up to 256 characters (UTF-8)
+MAX_NAME_CHARS = 1024  # an agent name (xfer/nixl/agent.py's MAX_AGENT_NAME_BYTES)
 
 
 class ChannelClosed(Exception):
@@ -124,13 +125,28 @@ def notices_of(message: dict[str, Any]) -> list[tuple[str, bytes]]:
     notices = message.get("notices")
     if not isinstance(notices, list) or len(notices) > MAX_NOTICES:
         raise InvalidArgumentError("notices", f"a list of at most {MAX_NOTICES}")
-    pairs = []
-    for entry in notices:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                and isinstance(entry[1], str) and len(entry[0]) <= 256 and len(entry[1]) <= 2 * MAX_NOTICE_BYTES):
-            raise InvalidArgumentError("notices", "each a [sender, hex] pair within bounds")
-        try:
-            pairs.append((entry[0], bytes.fromhex(entry[1])))
-        except ValueError:
-            raise InvalidArgumentError("notices", "a notice that is not hex") from None
+    pairs = [_pair(entry) for entry in notices]
+    if None in pairs:
+        raise InvalidArgumentError("notices", "each a [name, hex] pair within bounds")
     return pairs
+
+
+def notify_entries(message: dict[str, Any]) -> tuple[list[tuple[str, bytes]], int]:
+    """The pairs of a ``notify`` batch, and how many entries were skipped as out of bounds: one bad
+    notice costs only itself (its hold ends EXPIRED), not the other holders' notices beside it."""
+    notices = message.get("notices")
+    if not isinstance(notices, list) or len(notices) > MAX_NOTICES:
+        raise InvalidArgumentError("notices", f"a list of at most {MAX_NOTICES}")
+    pairs = [_pair(entry) for entry in notices]
+    return [p for p in pairs if p is not None], pairs.count(None)
+
+
+def _pair(entry: Any) -> tuple[str, bytes] | None:
+    """``[name, hex]`` within bounds as ``(name, bytes)``; None otherwise."""
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], str)
+            and len(entry[0]) <= MAX_NAME_CHARS and len(entry[1]) <= 2 * MAX_NOTICE_BYTES):
+        return None
+    try:
+        return entry[0], bytes.fromhex(entry[1])
+    except ValueError:
+        return None

@@ -109,8 +109,9 @@ class Worker:
                 self.loaded.add(name)
             return {}
         if op == "notify":  # a batch, in order; one the notice agent refuses (its holder gone) skips only it
-            refused = []
-            for agent, data in channel.notices_of(message):
+            entries, num_bad = channel.notify_entries(message)
+            refused = [f"{num_bad} out of bounds"] if num_bad else []
+            for agent, data in entries:
                 try:
                     self.notices.notify(agent, data)
                 except KvxferError as err:

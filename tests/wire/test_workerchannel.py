@@ -86,6 +86,18 @@ def test_end_of_file_is_channel_closed(pair):
 def test_notices_are_bounded_and_shaped():
     assert channel.notices_of({"op": "notices", "notices": [["agent", "6869"]]}) == [("agent", b"hi")]
     for bad in (None, "x", [["a"]], [[1, "00"]], [["a", "zz"]], [["a", "00" * (channel.MAX_NOTICE_BYTES + 1)]],
-                [["a" * 300, "00"]], [["a", "00"]] * (channel.MAX_NOTICES + 1)):
+                [["a" * (channel.MAX_NAME_CHARS + 1), "00"]], [["a", "00"]] * (channel.MAX_NOTICES + 1)):
         with pytest.raises(InvalidArgumentError):
             channel.notices_of({"op": "notices", "notices": bad})
+
+
+def test_a_notify_batch_skips_only_its_bad_entries():
+    name = "h" * channel.MAX_NAME_CHARS  # a long agent name is a name (a holder's engine id may be 256 characters)
+    good = [[name, "6869"], ["b", "00" * channel.MAX_NOTICE_BYTES]]
+    bad = [["a", "zz"], [1, "00"], ["a" * (channel.MAX_NAME_CHARS + 1), "00"],
+           ["a", "00" * (channel.MAX_NOTICE_BYTES + 1)]]
+    assert channel.notify_entries({"op": "notify", "notices": bad[:2] + good + bad[2:]}) == (
+        [(name, b"hi"), ("b", bytes(channel.MAX_NOTICE_BYTES))], 4)
+    for shape in (None, [["a", "00"]] * (channel.MAX_NOTICES + 1)):
+        with pytest.raises(InvalidArgumentError):
+            channel.notify_entries({"op": "notify", "notices": shape})

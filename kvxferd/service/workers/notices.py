@@ -22,6 +22,14 @@ read's notices, the data-plane thread every NOTICE_POLL_S while notices are
 recent), so a hold ends CONSUMED at most about two of those polls later; an
 unload sends the batch first (its notices name that agent).
 
+A notice goes out from the notice agent its holder was introduced to: the
+generation current when the holder was last added (each handshake adds it).
+After a replacement that is the retiring generation, which serves its grace
+until the reader's probe has handshaken again and re-introduced the new one;
+notices the new agent sent meanwhile were dropped by the holder (not from the
+agent it knows), their holds ending ``EXPIRED``. A generation that died
+cannot send them: they go from the current one (dropped the same way).
+
 Nothing waits for an answer: the daemon's own agent loaded the same
 metadata first (``Connections.connect``), so the worker's load cannot fail
 for the bytes; a worker that refuses anyway says so in an ``error`` line,
@@ -54,6 +62,7 @@ class WorkerNotices:
         self._lock = supervisor.up_lock
         self._remotes = RemoteRefs()
         self._pending: list[list[str]] = []  # [agent name, notice hex], in the order they were sent
+        self._introduced: dict[str, int] = {}  # holder agent name -> the generation current when last added
         self._pending_since_s = 0.0  # time.monotonic() of the oldest pending notice
 
     @property
@@ -72,12 +81,14 @@ class WorkerNotices:
         with self._lock:
             if self._remotes.add(name, metadata, field):
                 self.supervisor.send({"op": "load", "metadata": metadata.hex()})
+            self._introduced[name] = self.supervisor.serving_generation  # a handshake introduced this one
         return name
 
     def remove_remote(self, name: str) -> None:
         with self._lock:
             if self._remotes.remove(name):
                 self._flush()  # its notices before it is unloaded
+                self._introduced.pop(name, None)
                 self.supervisor.send({"op": "unload", "agent": name})
 
     def connect_to(self, agent_name: str) -> None:
@@ -96,17 +107,28 @@ class WorkerNotices:
     def poll_notifications(self) -> dict:
         """Send the batch once its oldest notice has waited NOTICE_BATCH_S (the worker polls its notice
         agent after each batch); nothing is received here."""
+        if not self._pending:  # read without the lock: a notice queued meanwhile waits for the next poll
+            return {}
         with self._lock:
             if self._pending and time.monotonic() - self._pending_since_s >= NOTICE_BATCH_S:
                 self._flush()
         return {}
 
     def _flush(self) -> None:
-        """The pending notices to the worker in one message (under the lock). Lost if no generation
-        serves (those holds end EXPIRED, as for any notice a dead worker had not sent)."""
-        if self._pending:
-            pending, self._pending = self._pending, []
-            self.supervisor.send({"op": "notify", "notices": pending})
+        """The pending notices in one message per generation they go from (under the lock), in order. Lost
+        if no generation serves (those holds end EXPIRED, as for any notice a dead worker had not sent)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        serving = self.supervisor.serving_generation
+        by_generation: dict[int, list[list[str]]] = {}
+        for notice in pending:
+            by_generation.setdefault(self._introduced.get(notice[0], serving), []).append(notice)
+        for generation, notices in by_generation.items():
+            for part in _within_message(notices):
+                message = {"op": "notify", "notices": part}
+                if generation == serving or not self.supervisor.send_to(generation, message):
+                    self.supervisor.send(message)  # introduced to a generation that is gone: the current one
 
     def reload(self, up: WorkerUp) -> None:
         """A new generation: load every holder still referenced again (on the supervisor's thread, which
@@ -119,4 +141,19 @@ class WorkerNotices:
     def close(self) -> None:
         with self._lock:
             self._pending = []
+            self._introduced.clear()
             self._remotes.clear()
+
+
+def _within_message(notices: list[list[str]]):
+    """``notices`` in parts that each fit one channel message (JSON may write a name's character as 6)."""
+    part, part_bytes = [], 0
+    for notice in notices:
+        num_bytes = 6 * len(notice[0]) + len(notice[1]) + 16
+        if part and part_bytes + num_bytes > channel.MAX_MESSAGE_BYTES // 2:
+            yield part
+            part, part_bytes = [], 0
+        part.append(notice)
+        part_bytes += num_bytes
+    if part:
+        yield part

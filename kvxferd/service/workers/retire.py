@@ -54,9 +54,23 @@ class Retiring:
         self.reasons, self.take, self.successor_up, self.stopping = reasons, take, successor_up, stopping
         self.grace_s, self.max_wait_s, self.on_end = grace_s, max_wait_s, on_end
         self.thread = threading.Thread(target=self._run, name=f"kvxferd-retire-{name}-w{generation}", daemon=True)
+        self._send_lock = threading.Lock()  # the stop and the close against send() from other threads
+        self._stop_sent = False
 
     def start(self) -> None:
         self.thread.start()
+
+    def send(self, message: dict) -> bool:
+        """A command it does not answer (a reader's notices, while holders know its notice agent), never
+        blocking; False once its stop was sent (or its channel is full or gone)."""
+        with self._send_lock:
+            if self._stop_sent:
+                return False
+            try:
+                channel.send(self.sock, message, block=False)
+            except (BlockingIOError, channel.ChannelClosed, OSError):
+                return False
+            return True
 
     def join(self, timeout_s: float) -> None:
         self.thread.join(timeout_s)
@@ -77,8 +91,10 @@ class Retiring:
                     up_s = now
                 if not stop_sent and now >= self._stop_at(started_s, now, up_s):
                     stop_sent, end_by_s = True, now + STOP_TIMEOUT_S
-                    with contextlib.suppress(BlockingIOError):  # full: it reads nothing; killed at end_by_s
-                        channel.send(self.sock, {"op": "stop"}, block=False)
+                    with self._send_lock:
+                        self._stop_sent = True
+                        with contextlib.suppress(BlockingIOError):  # full: it reads nothing; killed at end_by_s
+                            channel.send(self.sock, {"op": "stop"}, block=False)
                 if end_by_s is not None and now >= end_by_s:
                     log.error("worker %s generation %d ignored its stop; killing it", self.name, self.generation)
                     self.process.kill()
@@ -94,7 +110,9 @@ class Retiring:
             log.error("worker %s generation %d (replaced): %s; killing it", self.name, self.generation,
                       getattr(err, "message", None) or f"{type(err).__name__}: {err}")
             self.process.kill()
-        self.sock.close()
+        with self._send_lock:
+            self._stop_sent = True
+            self.sock.close()
         try:
             returncode = self.process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:

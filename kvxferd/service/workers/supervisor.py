@@ -107,6 +107,7 @@ class WorkerSupervisor:
         self._stopping = threading.Event()
         # The serving generation's (channel, process), published once it is up; sends go there (_send_lock).
         self._serving: tuple[socket.socket, subprocess.Popen] | None = None
+        self._serving_generation = 0  # the generation number of _serving (0: none yet)
         self._send_lock = threading.Lock()
         # Held while a generation is published and its on_up sends: a sender that holds it too (WorkerNotices)
         # is never overtaken by, nor overtakes, those. Order: up_lock, then _send_lock.
@@ -173,6 +174,24 @@ class WorkerSupervisor:
                 return False
             self._full_since_s = None
             return True
+
+    @property
+    def serving_generation(self) -> int:
+        """The generation sends go to now (0 before the first is up)."""
+        with self._send_lock:
+            return self._serving_generation if self._serving is not None else 0
+
+    def send_to(self, generation: int, message: dict) -> bool:
+        """:meth:`send` to ``generation`` while it serves, or while it retires (a replaced generation serves
+        its grace: what peers were introduced to still works); False when it is neither."""
+        with self._send_lock:
+            serving = self._serving is not None and self._serving_generation == generation
+        if serving:
+            return self.send(message)
+        for retiring in list(self._retiring):
+            if retiring.generation == generation:
+                return retiring.send(message)
+        return False
 
     def replace(self, reason: str) -> None:
         """Replace the serving generation (make before break): a new one starts now, or once
@@ -366,6 +385,7 @@ class WorkerSupervisor:
         with self.up_lock:
             with self._send_lock:
                 self._serving, self._full_since_s = (sock, process), None
+                self._serving_generation = up.generation
             with self._changed:
                 self._replace_reasons.clear()  # asked for before it was up: it is new
             if self._on_up is not None:

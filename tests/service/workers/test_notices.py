@@ -5,6 +5,7 @@ sent at the first poll after the oldest waited NOTICE_BATCH_S, in order, one mes
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -17,11 +18,15 @@ from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of
 
 
+GRACE_S = 15.0  # a replaced generation serves this long after its successor is up (the test works meanwhile)
+
+
 @pytest.fixture
 def notices():
     fd = os.memfd_create("kvx-test-cache")
     os.ftruncate(fd, 1 << 16)
-    supervisor = WorkerSupervisor("kvx-test-nw", [Region(fd, 1 << 16)], on_up=lambda up: proxy.reload(up))
+    supervisor = WorkerSupervisor("kvx-test-nw", [Region(fd, 1 << 16)], on_up=lambda up: proxy.reload(up),
+                                  retire_grace_s=GRACE_S, min_replace_interval_s=0.0)
     proxy = WorkerNotices(supervisor)
     supervisor.start()
     holder = NixlAgent("kvx-test-holder")
@@ -106,3 +111,32 @@ def test_a_refused_notice_in_a_batch_skips_only_itself(notices):
     proxy.notify(name, b"kept")
     time.sleep(NOTICE_BATCH_S)
     assert heard(holder, 10, proxy) == [(agent_name_of(proxy.metadata()), b"kept")]
+
+
+def test_after_a_replacement_notices_go_from_the_agent_each_holder_was_introduced_to(notices):
+    proxy, holder = notices
+    name = proxy.add_remote(holder.metadata())  # the handshake before: introduced to generation 1
+    proxy.connect_to(name)
+    first = proxy.supervisor.current
+    proxy.supervisor.replace("test: trust ended")
+    second = proxy.supervisor.wait_up(2, 30)
+    old_agent, new_agent = agent_name_of(first.notices_metadata), agent_name_of(second.notices_metadata)
+    proxy.notify(name, b"during-grace")
+    time.sleep(NOTICE_BATCH_S)
+    # The holder knows generation 1's agent only: from there (the control: generation 2's would be dropped).
+    assert heard(holder, 10, proxy) == [(old_agent, b"during-grace")]
+    proxy.add_remote(holder.metadata())  # the reader's next handshake introduces generation 2
+    proxy.notify(name, b"after-handshake")
+    time.sleep(NOTICE_BATCH_S)
+    assert heard(holder, 10, proxy) == [(new_agent, b"after-handshake")]
+
+
+def test_batches_are_cut_to_fit_the_channel():
+    from kvxferd.service.workers.notices import _within_message
+    from kvxferd.wire import workerchannel as channel
+
+    notices = [["h" * channel.MAX_NAME_CHARS, "00" * channel.MAX_NOTICE_BYTES]] * channel.MAX_NOTICES
+    parts = list(_within_message(notices))
+    assert len(parts) > 1 and [n for part in parts for n in part] == notices  # the control: one would not fit
+    assert all(len(json.dumps({"op": "notify", "notices": part})) <= channel.MAX_MESSAGE_BYTES for part in parts)
+    assert len(json.dumps({"op": "notify", "notices": notices})) > channel.MAX_MESSAGE_BYTES
