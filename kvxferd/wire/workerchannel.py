@@ -122,11 +122,8 @@ def close_all(fds: list[int]) -> None:
 def notices_of(message: dict[str, Any]) -> list[tuple[str, bytes]]:
     """The ``(agent name, notice bytes)`` pairs of a ``notices`` message (a worker's: their senders) or a
     ``notify`` batch (the control plane's: their receivers), checked."""
-    notices = message.get("notices")
-    if not isinstance(notices, list) or len(notices) > MAX_NOTICES:
-        raise InvalidArgumentError("notices", f"a list of at most {MAX_NOTICES}")
-    pairs = [_pair(entry) for entry in notices]
-    if None in pairs:
+    pairs, num_bad = notify_entries(message)
+    if num_bad:
         raise InvalidArgumentError("notices", "each a [name, hex] pair within bounds")
     return pairs
 

@@ -110,15 +110,16 @@ class Worker:
             return {}
         if op == "notify":  # a batch, in order; one the notice agent refuses (its holder gone) skips only it
             entries, num_bad = channel.notify_entries(message)
-            refused = [f"{num_bad} out of bounds"] if num_bad else []
+            refused = []
             for agent, data in entries:
                 try:
                     self.notices.notify(agent, data)
                 except KvxferError as err:
                     refused.append(f"{agent[:MAX_NAME_CHARS]}: {str(getattr(err, 'message', err))[:200]}")
             self.notices_until = time.monotonic() + NOTICE_PROGRESS_S  # UCX sends them on while polled
-            if refused:
-                return {"op": "error", "message": f"{len(refused)} notices not sent: " + "; ".join(refused[:3])}
+            if num_bad or refused:
+                why = ([f"{num_bad} out of bounds"] if num_bad else []) + refused[:3]
+                return {"op": "error", "message": f"{num_bad + len(refused)} notices not sent: " + "; ".join(why)}
             return {}
         agent = message.get("agent")
         if not isinstance(agent, str):
