@@ -9,9 +9,11 @@ import json
 import os
 import signal
 import time
+import types
 
 import pytest
 
+from kvxferd.service.workers import notices as notices_module
 from kvxferd.service.workers.notices import NOTICE_BATCH_S, WorkerNotices
 from kvxferd.service.workers.generation import Region
 from kvxferd.service.workers.supervisor import WorkerSupervisor
@@ -76,7 +78,7 @@ def test_a_new_generation_loads_every_referenced_holder_again(notices):
     assert agent_name_of(second.notices_metadata) != agent_name_of(first.notices_metadata)
 
 
-def test_notices_wait_for_each_other_and_go_as_one_batch_in_order(notices):
+def test_notices_wait_for_each_other_and_go_as_one_batch_in_order(notices, monkeypatch):
     proxy, holder = notices
     name = proxy.add_remote(holder.metadata())
     proxy.connect_to(name)
@@ -84,11 +86,13 @@ def test_notices_wait_for_each_other_and_go_as_one_batch_in_order(notices):
     messages = []
     send = proxy.supervisor.send
     proxy.supervisor.send = lambda message: messages.append(message) or send(message)
+    now_s = [0.0]  # the batch's clock, stopped: a slow machine's polls are not "later"
+    monkeypatch.setattr(notices_module, "time", types.SimpleNamespace(monotonic=lambda: now_s[0]))
     for n in range(5):
         proxy.notify(name, b"n%d" % n)
         proxy.poll_notifications()  # as the executor polls after each read's notices: too soon to send
     assert [m for m in messages if m["op"] == "notify"] == []  # the control: nothing left before the wait
-    time.sleep(NOTICE_BATCH_S)
+    now_s[0] += NOTICE_BATCH_S
     assert heard(holder, 10, proxy, count=5) == [(sender, b"n%d" % n) for n in range(5)]
     (batch,) = [m for m in messages if m["op"] == "notify"]
     assert len(batch["notices"]) == 5
