@@ -275,8 +275,14 @@ class DaemonSet:
             life.daemon.terminate()
 
 
-def dataplane_workers(pid: int) -> list[int]:
-    """The live data-plane workers (``dataplane_workers``) daemon ``pid`` started."""
+def _role_of(words: list[bytes]) -> str:
+    """A worker's role, from its command line (``--role``; holder when absent)."""
+    return words[words.index(b"--role") + 1].decode() if b"--role" in words[:-1] else "holder"
+
+
+def dataplane_workers(pid: int, role: str | None = None) -> list[int]:
+    """The live data-plane workers (``dataplane_workers``) daemon ``pid`` started (``role``: holder or
+    reader only)."""
     workers = []
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -287,7 +293,8 @@ def dataplane_workers(pid: int) -> list[int]:
         for kid in kids:
             try:
                 with open(f"/proc/{kid}/cmdline", "rb") as cmdline:
-                    if b"kvxferd.worker" in cmdline.read():
+                    words = cmdline.read().split(b"\0")
+                    if b"kvxferd.worker" in words and (role is None or _role_of(words) == role):
                         workers.append(kid)
             except FileNotFoundError:
                 pass

@@ -31,6 +31,7 @@ import numpy as np
 from kvxferd.errors import KvxferError
 from kvxferd.wire import workerchannel as channel
 from kvxferd.worker import sandbox
+from kvxferd.worker.reads import READER_OPS, ReaderRole, cache_of
 from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of, quiet_nixl_logging
 
 log = logging.getLogger("kvxferd.worker")
@@ -38,6 +39,7 @@ MAX_NAME_CHARS = 128
 MIN_POLL_S, MAX_POLL_S = 1e-4, 1.0
 NOTICE_PROGRESS_S, NOTICE_POLL_S = 0.05, 0.01  # after a notice: polled every 10 ms for 50 ms (as the daemon's)
 _PR_SET_PDEATHSIG = 1
+READ_POLL_MIN_S, READ_POLL_MAX_S = 20e-6, 100e-6  # a reader's sleeps while its reads are in flight
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -53,8 +55,8 @@ def die_with_parent(parent_pid: int) -> None:
 class Worker:
     """What one worker holds: its mappings and agent, once mapped."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, role: str = "holder") -> None:
+        self.sock, self.role = sock, role
         self.agent: NixlAgent | None = None
         self.mappings: list[mmap.mmap] = []
         self.arrays: list[np.ndarray] = []  # the registered views of the mappings
@@ -62,10 +64,11 @@ class Worker:
         self.notices: NixlAgent | None = None  # sends the engine's read notices to holders (its reader side)
         self.notices_until = 0.0  # time.monotonic() until which notices just sent are polled on fast
         self.loaded: set[str] = set()  # holders' agents the notice agent loaded
+        self.reader: ReaderRole | None = None  # the engine's reads, when this worker reads (worker/reads.py)
 
     def map(self, message: dict, fds: list[int]) -> dict:
         """Map each file, register every region of them with a new agent; the agents' metadata."""
-        if self.agent is not None:
+        if self.agent is not None or self.reader is not None:
             raise ValueError("this worker has mapped its cache already (one engine rank per worker)")
         name, regions, interval = message.get("name"), message.get("regions"), message.get("poll_interval_s")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
@@ -74,8 +77,13 @@ class Worker:
             raise ValueError("regions: at least one, and the fds they name")
         if not isinstance(interval, (int, float)) or not MIN_POLL_S <= interval <= MAX_POLL_S:
             raise ValueError(f"poll_interval_s: between {MIN_POLL_S} and {MAX_POLL_S}")
-        # Each file mapped whole, read-only: peers only READ a holder, and a WRITE faults here.
-        mappings = [mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ) for fd in fds]
+        reader = message.get("role", "holder") == "reader"
+        if message.get("role", "holder") != self.role:
+            raise ValueError(f"this worker was started as a {self.role}")
+        # Each file mapped whole. A holder's read-only: peers only READ a holder, and a WRITE faults here. A
+        # reader's read-write (its READs land there), and its agent's metadata goes to no one.
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if reader else mmap.PROT_READ
+        mappings = [mmap.mmap(fd, os.fstat(fd).st_size, prot=prot) for fd in fds]
         arrays = []
         for region in regions:  # each region registered, nothing around it
             index, num_bytes, offset = ((region.get("file"), region.get("num_bytes"), region.get("offset", 0))
@@ -88,6 +96,12 @@ class Worker:
                                  f"{len(mappings[index])}-byte file")
             arrays.append(np.frombuffer(mappings[index], dtype=np.uint8, count=num_bytes, offset=offset))
         self.mappings = mappings
+        if reader:
+            self.reader = ReaderRole(name, cache_of(message, arrays))
+            self.poll_interval_s, self.arrays = float(interval), arrays
+            confined = sandbox.restrict()
+            return {"op": "mapped", "metadata": self.reader.executor.agent.metadata().hex(),
+                    "addresses": [a.ctypes.data for a in arrays], "sandbox": confined}
         agent = NixlAgent(name)
         for n, array in enumerate(arrays):
             agent.register_array(f"region-{n}", array)
@@ -152,18 +166,26 @@ class Worker:
                 return {"op": "pong"}
             if op == "pace":
                 return self.pace(message)
+            if self.reader is not None and op in READER_OPS:
+                return self.reader.handle(op, message) or {}
             if op in ("load", "unload", "connect", "notify"):
                 return self.notice_op(op, message)
             if op == "stop":
                 return None
             return {"op": "error", "message": f"unknown op {op[:32]!r}"}
-        except (ValueError, TypeError, OSError, KvxferError) as err:
-            return {"op": "error", "message": str(getattr(err, "message", None) or err)[:1000]}
+        except (ValueError, TypeError, KeyError, OSError, KvxferError) as err:
+            answer = {"op": "error", "message": str(getattr(err, "message", None) or err)[:1000]}
+            if isinstance(message.get("id"), int):  # the control plane waits for this command's answer
+                answer["id"] = message["id"]
+            return answer
         finally:
             channel.close_all(fds)  # mapped regions keep their mapping without the fd
 
     def progress(self) -> None:
         """Let UCX move what peers asked of this agent; send the notices that came meanwhile."""
+        if self.reader is not None:
+            self.reader.progress(self.sock)
+            return
         notices = [(sender, data.hex()) for sender, data in self.agent.new_messages()
                    if len(data) <= channel.MAX_NOTICE_BYTES]
         self.notices.poll_notifications()  # receives nothing: sends the notices on
@@ -171,9 +193,13 @@ class Worker:
             channel.send(self.sock, {"op": "notices", "notices": notices[start:start + channel.MAX_NOTICES]})
 
     def run(self) -> int:
+        spin_s = READ_POLL_MIN_S / 2
         while True:
             timeout = self.poll_interval_s
-            if timeout is not None and time.monotonic() < self.notices_until:
+            if self.reader is not None:  # reads in flight: spin (20 µs doubling to 100 µs), else wait
+                spin_s = min(2 * spin_s, READ_POLL_MAX_S) if self.reader.busy else READ_POLL_MIN_S
+                timeout = spin_s if self.reader.busy else None
+            elif timeout is not None and time.monotonic() < self.notices_until:
                 timeout = min(timeout, NOTICE_POLL_S)
             readable, _, _ = select.select([self.sock], [], [], timeout)
             if readable:
@@ -189,7 +215,7 @@ class Worker:
                     return 0
                 if answer:
                     channel.send(self.sock, answer)
-            if self.agent is not None:
+            if self.agent is not None or self.reader is not None:
                 self.progress()
 
 
@@ -197,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvxferd.worker", description=__doc__)
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--role", choices=("holder", "reader"), default="holder")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="kvxferd-worker %(levelname)s %(message)s")
     quiet_nixl_logging()
     try:
-        return Worker(socket.socket(fileno=args.channel_fd)).run()
+        return Worker(socket.socket(fileno=args.channel_fd), args.role).run()
     except channel.ChannelClosed:
         return 0

@@ -45,6 +45,9 @@ class ReadBackend(Protocol):
     lock: threading.RLock
     num_notices_sent: int  # grows with every batch of notices sent: the data plane then makes progress
     abort_drain_s: float  # how long an aborted read waits for transfers that cannot be stopped (abort)
+    # True: its reads end on another thread, which wakes the poller (no polling needed meanwhile, and a post
+    # never ends within itself); False: poll() is what advances them.
+    wakes_when_done: bool
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
                 boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:

@@ -63,6 +63,8 @@ class ReadExecutor:
     post-and-poll) keeps it.
     """
 
+    wakes_when_done = False  # poll() advances its reads
+
     def __init__(self, agent: NixlAgent, cache: EngineCache, notices: NixlAgent | None = None) -> None:
         """``notices``: the agent the notices go out from (anything with a NixlAgent's add_remote, remove_remote,
         connect_to, notify, poll_notifications, metadata and close: a data-plane worker's, docs/dataplane.md);

@@ -76,6 +76,7 @@ NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last not
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 MAX_WORKER_NOTICES = 8192  # notices of one slot's worker waiting for the thread, past which they are dropped
+WOKEN_READ_POLL_S = 5e-3  # reads in flight that wake this thread when they end: how late a deadline is seen
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
 INLINE_CHECK_WAIT_S = 50e-6  # how long post_now polls for board checks before handing a read over
 
@@ -159,7 +160,8 @@ class DataPlane:
         with executor.lock:
             if self._start(read):
                 inflight = read.inflight
-                wait_until_s = time.perf_counter() + INLINE_CHECK_WAIT_S
+                # A backend whose reads end elsewhere (a reader worker) never ends one within the post.
+                wait_until_s = time.perf_counter() + (0.0 if executor.wakes_when_done else INLINE_CHECK_WAIT_S)
                 while inflight.result is None and not inflight.data_in_flight and time.perf_counter() < wait_until_s:
                     executor.poll(inflight, notify=False)  # the data is in, its checks not yet: a few µs (bench floors)
                 if inflight.result is None:
@@ -267,8 +269,12 @@ class DataPlane:
             self._pace_workers()
             if busy:
                 sleep_s = READ_POLL_MIN_S
-            elif self._reads:
+            elif self._reads and not all(read.slot.executor.wakes_when_done for read in self._reads):
                 sleep_s = min(sleep_s * 2, READ_POLL_MAX_S)
+            elif self._reads:  # each ends on another thread, which wakes this one: only deadlines to watch
+                sleep_s = WOKEN_READ_POLL_S
+                if any(slot.served is None and slot.holder.wants_progress() for slot in self._slots):
+                    sleep_s = self.interval_s
             # A slot a data-plane worker serves is polled there, paced by _pace_workers; its notices come
             # as commands (take_notices), which wake this thread: its holds need no polling here.
             elif any(slot.served is None and slot.holder.wants_progress() for slot in self._slots):

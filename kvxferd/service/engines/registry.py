@@ -38,7 +38,8 @@ from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
 from kvxferd.xfer.nixl.agent import NixlAgent, collect_agents
 from kvxferd.plan.board import buckets_for
-from kvxferd.service.engines.served import BoardMemory, WorkerOptions, WorkerServed
+from kvxferd.service.workers.readbackend import WorkerReadBackend
+from kvxferd.service.engines.served import AgentlessSlot, BoardMemory, WorkerOptions, WorkerServed
 from kvxferd.service.workers.trust import CERTIFICATE_EXPIRES
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.reads import ReadExecutor
@@ -274,10 +275,13 @@ class Registry:
     def _new_slot(self, cache, incarnation: str, mapped: list, lease_s: float,
                   loop: asyncio.AbstractEventLoop | None = None) -> EngineSlot:
         name = f"{self.daemon_id}.{cache.engine_id}.{cache.tp_rank}.{incarnation[:12]}"
-        agent = NixlAgent(name)
+        served_here = self.workers is not None and cache.mem_type == "DRAM"
+        # Served by workers: no NIXL agent in this process (each listens on TCP, and over TCP an agent's
+        # process is open to whoever speaks UCX to it); the slot's agent is a name only.
+        agent = AgentlessSlot(name) if served_here else NixlAgent(name)
         served = executor = None
         try:
-            if self.workers is not None and cache.mem_type == "DRAM":
+            if served_here:
                 region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
                 board = BoardMemory.create(buckets_for(self.max_holds))
                 try:
@@ -286,7 +290,14 @@ class Registry:
                 except BaseException:
                     board.close()
                     raise
-            executor = ReadExecutor(agent, cache, served.notices if served else None)
+            reader = None
+            if served is not None:  # its READs posted by a worker too
+                reader = WorkerReadBackend(f"{name}-r", region_fds, cache, served.notices,
+                                           poll_interval_s=self.workers.poll_interval_s, wake=self.dataplane.wake,
+                                           on_death=self.workers.on_death)
+                reader.begin()  # maps while the holder worker does
+                served.reader = reader
+            executor = reader if reader is not None else ReadExecutor(agent, cache)
             executor.abort_drain_s = self.abort_drain_s
             holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=served.board.words if served else None)
             slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
@@ -294,6 +305,7 @@ class Registry:
             if served is not None:
                 served.on_generation = lambda up: self._worker_up(slot, up, loop)
                 served.start()
+                reader.start()
                 slot.served = served
             slot.notices_metadata = executor.notices_metadata()
         except BaseException:
@@ -402,7 +414,7 @@ class Registry:
         """Engine ranks whose data-plane worker is not started again (a generation could not map, or broke
         the protocol before it was up: the next would do the same). One that keeps dying is started again
         after a growing pause instead."""
-        return sum(1 for slot in list(self.slots.values()) if slot.served is not None and slot.served.supervisor.failure)
+        return sum(1 for slot in list(self.slots.values()) if slot.served is not None and slot.served.failure)
 
     def num_holds(self) -> int:
         return sum(len(s.holds) for s in self.slots.values())

@@ -4,8 +4,9 @@ With ``dataplane_workers`` on, what a peer's READs reach is a worker's
 agent, not the daemon's: ``GetEngineInfo`` hands out the worker's metadata,
 its addresses of the engine's regions and of the hold board; and the
 engine's notices as a reader go out from the worker's notice agent, so what
-holders are introduced to reaches the worker too. The daemon keeps its own
-agent for its READs (the engine as a reader), whose metadata it hands to no one::
+holders are introduced to reaches the worker too. The engine's own READs are
+posted by a second worker, its reader (:mod:`kvxferd.service.workers.readbackend`):
+the daemon keeps no NIXL agent for such a rank (:class:`AgentlessSlot`)::
 
     daemon (control plane)                      worker of this engine rank
     ──────────────────────                      ──────────────────────────
@@ -43,6 +44,23 @@ from kvxferd.service.workers.generation import Region, WorkerUp
 from kvxferd.service.workers.notices import WorkerNotices
 from kvxferd.service.workers.supervisor import MIN_REPLACE_INTERVAL_S, RETIRE_GRACE_S, WorkerSupervisor
 from kvxferd.service.workers.trust import HandedMetadata
+
+
+@dataclass(frozen=True)
+class AgentlessSlot:
+    """The slot's agent where workers serve and read for it: a name, and nothing of NIXL in this process
+    (nothing arrives, nothing is registered, no metadata is handed out)."""
+
+    name: str
+
+    def new_messages(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(eq=False)
@@ -115,6 +133,13 @@ class WorkerServed:
                                            on_death=lambda death: on_death and not self.closing and on_death(),
                                            on_replace=options.on_replace)
         self.notices = WorkerNotices(self.supervisor)  # the executor's notice agent (the engine as a reader)
+        self.reader = None  # the rank's reader worker (WorkerReadBackend), the slot's executor: it closes it
+
+    @property
+    def failure(self) -> str:
+        """Why a supervisor of this rank's workers gave up ("": none did)."""
+        reader = self.reader
+        return self.supervisor.failure or (reader.supervisor.failure if reader is not None else "")
 
     def start(self) -> None:
         """Start the first generation; blocks until it mapped everything (about 2 s)."""

@@ -26,12 +26,14 @@ def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
             if name in KEPT_NAMES or name.startswith(KEPT_PREFIXES)}
 
 
-def spawn_worker(channel_fd: int, *, environ: Mapping[str, str] | None = None) -> subprocess.Popen:
+def spawn_worker(channel_fd: int, *, role: str = "holder",
+                 environ: Mapping[str, str] | None = None) -> subprocess.Popen:
     """``python -m kvxferd.worker`` with ``channel_fd`` as its one inherited descriptor (besides stdio: stdin
     and stdout /dev/null, so it cannot write the daemon's ready line; stderr a pipe, for NIXL's and its own
-    log lines, which the supervisor relays as data: :mod:`kvxferd.service.workers.output`)."""
+    log lines, which the supervisor relays as data: :mod:`kvxferd.service.workers.output`). ``role`` (holder or
+    reader) shows in its command line, and it maps nothing of the other role."""
     return subprocess.Popen([sys.executable, "-m", "kvxferd.worker", "--channel-fd", str(channel_fd),
-                             "--parent-pid", str(os.getpid())],
+                             "--parent-pid", str(os.getpid()), "--role", role],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             pass_fds=(channel_fd,), close_fds=True,
                             env=worker_environment(os.environ if environ is None else environ))

@@ -57,6 +57,9 @@ RETIRE_GRACE_S = 10.0
 MIN_REPLACE_INTERVAL_S = 30.0
 
 
+READER_ANSWERS = frozenset({"connected", "probed", "ended"})
+
+
 class MapTimedOut(UnavailableError):
     """No answer to ``map`` in time (a loaded machine, a hung start): the next generation may do better."""
 
@@ -71,10 +74,17 @@ class WorkerSupervisor:
                  on_notices: Callable[[int, list[tuple[str, bytes]]], None] | None = None,
                  on_death: Callable[[WorkerDeath], None] | None = None,
                  on_up: Callable[[WorkerUp], None] | None = None,
-                 on_replace: Callable[[tuple[str, ...]], None] | None = None) -> None:
+                 on_replace: Callable[[tuple[str, ...]], None] | None = None,
+                 reader: dict | None = None,
+                 on_answer: Callable[[int, dict], None] | None = None) -> None:
         """``on_up``: each generation once it mapped, on the supervisor's thread, as the first thing sent
         to it (e.g. to load again what the last generation had loaded). ``on_replace``: the reasons of each
-        replacement as it starts."""
+        replacement as it starts.
+
+        ``reader``: a worker that posts the engine's READs (worker/reads.py) instead of serving them: what
+        its ``map`` adds (the cache's description); it maps the engine's files read-write, and each of its
+        answers (``connected``, ``probed``, ``ended``, an ``error`` naming a command's id) goes to
+        ``on_answer`` with its generation."""
         if not regions:
             raise InvalidArgumentError("regions", "a worker maps at least one region")
         self.name, self.poll_interval_s = name, poll_interval_s
@@ -91,12 +101,13 @@ class WorkerSupervisor:
                     if len(self._files) == channel.MAX_FDS:
                         raise InvalidArgumentError("regions", f"more than {channel.MAX_FDS} files to map")
                     known[key] = len(self._files)
-                    self._files.append(read_only_copy(r.fd))
+                    self._files.append(read_only_copy(r.fd) if reader is None else os.dup(r.fd))
                 self._regions.append((known[key], r.offset, r.num_bytes))
         except BaseException:
             channel.close_all(self._files)
             raise
         self._on_notices, self._on_death, self._on_up, self._on_replace = on_notices, on_death, on_up, on_replace
+        self._reader, self._on_answer = reader, on_answer
         self.retire_grace_s, self.min_replace_interval_s = retire_grace_s, min_replace_interval_s
         self._changed = threading.Condition()
         self._current: WorkerUp | None = None
@@ -123,9 +134,14 @@ class WorkerSupervisor:
         self._thread = threading.Thread(target=self._run, name=f"kvxferd-worker-{name}", daemon=True)
 
     # ---- API --------------------------------------------------------------
+    def begin(self) -> None:
+        """Start the first generation without waiting for it (:meth:`start` waits)."""
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
+
     def start(self, timeout_s: float = MAP_TIMEOUT_S) -> WorkerUp:
         """Start the first generation; it once it mapped, else :class:`UnavailableError` (and stopped)."""
-        self._thread.start()
+        self.begin()
         try:
             return self.wait_up(1, timeout_s)
         except UnavailableError:
@@ -234,7 +250,7 @@ class WorkerSupervisor:
 
     def forget_callbacks(self) -> None:
         """Drop the callbacks (after :meth:`stop`): what they refer to need not outlive the supervisor."""
-        self._on_notices = self._on_death = self._on_up = self._on_replace = None
+        self._on_notices = self._on_death = self._on_up = self._on_replace = self._on_answer = None
 
     # ---- the thread -------------------------------------------------------
     def _run(self) -> None:
@@ -300,7 +316,8 @@ class WorkerSupervisor:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CHANNEL_BUFFER_BYTES)
         start = time.monotonic()
         try:
-            process = spawn_worker(theirs.fileno())
+            fd = theirs.fileno()
+            process = spawn_worker(fd) if self._reader is None else spawn_worker(fd, role="reader")
         except OSError as err:  # (EAGAIN, ENOMEM: maybe not next time) a death, backed off like any
             ours.close()
             log.error("worker %s generation %d could not be started: %s", self.name, generation, err)
@@ -312,7 +329,8 @@ class WorkerSupervisor:
             if process.stderr is not None:
                 relay = OutputRelay(process.stderr, f"{self.name}-w{generation}")
             channel.send(ours, {"op": "map", "name": f"{self.name}-w{generation}", "poll_interval_s": self.poll_interval_s,
-                                "regions": [{"file": f, "offset": o, "num_bytes": n} for f, o, n in self._regions]},
+                                "regions": [{"file": f, "offset": o, "num_bytes": n} for f, o, n in self._regions],
+                                **({"role": "reader", **self._reader} if self._reader is not None else {})},
                          self._files)
             self._until_mapped(ours, process, generation, start, self.poll_interval_s)
             up = True
@@ -462,17 +480,20 @@ class WorkerSupervisor:
             raise InvalidArgumentError("mapped", "one address (a u64) per region")
         try:
             metadata = bytes.fromhex(str(message.get("metadata")))
-            notices = bytes.fromhex(str(message.get("notices_metadata")))
+            notices = bytes.fromhex(str(message.get("notices_metadata"))) if self._reader is None else b""
         except ValueError:
             raise InvalidArgumentError("mapped", "metadata that is not hex") from None
-        if agent_name_of(metadata) != name or agent_name_of(notices) != f"{name}.notices":
+        if agent_name_of(metadata) != name or (self._reader is None and agent_name_of(notices) != f"{name}.notices"):
             raise InvalidArgumentError("mapped", f"agents not named {name!r} and {name + '.notices'!r}")
         return WorkerUp(generation, pid, metadata, tuple(addresses), time.monotonic() - start, notices,
                         str(message.get("sandbox"))[:200])
 
     def _take(self, message: dict, generation: int) -> None:
         op = message["op"]
-        if op == "notices":
+        if self._reader is not None and (op in READER_ANSWERS or op == "error" and "id" in message):
+            if self._on_answer is not None:
+                self._on_answer(generation, message)
+        elif op == "notices":
             pairs = channel.notices_of(message)
             if self._on_notices is not None:
                 self._on_notices(generation, pairs)

@@ -55,7 +55,7 @@ def test_a_link_cut_mid_reply_and_the_workers_abort_leave_the_holder_and_its_hol
         assert decode.call("handshake", "cut-prefill", [holder.peer_address]) == ["ok"]
         rng = np.random.default_rng(5)
         cut, kept = (held(prefill, random_request(name, groups, groups, 1900, rng)) for name in ("cut", "kept"))
-        (worker,) = dataplane_workers(holder.process.pid)
+        (worker,) = dataplane_workers(holder.process.pid, "holder")
         consumed = holder.metric("kvxferd_notify_events_total", CONSUMED)
 
         hosts.links.delay(hosts.decode_host, SLOW_LINK_S)

@@ -62,7 +62,7 @@ def served_info(cluster, ca) -> pb.EngineInfo:
 
 
 def worker_of(cluster, daemon=None) -> int:
-    (pid,) = dataplane_workers((daemon or cluster.prefill_daemons[0]).process.pid)
+    (pid,) = dataplane_workers((daemon or cluster.prefill_daemons[0]).process.pid, "holder")
     return pid
 
 
@@ -104,6 +104,77 @@ def test_the_metadata_a_peer_gets_reaches_no_secret_of_the_daemon(cluster, ca):
     assert search_process_memory(worker, needles) == {label: [] for label in needles}
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports ``pid`` listens on (its sockets, from /proc/<pid>/net and its fds)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_the_engines_own_reads_run_in_a_reader_worker_and_the_daemon_keeps_no_nixl_agent(cluster):
+    """The decode daemon's READs are posted by a reader worker: the worker holds none of the daemon's
+    secrets (found in the daemon: the control), and the daemon listens on its own ports only, where every
+    NIXL agent in it would listen on TCP for UCX (two ports each here: the control, a daemon without
+    workers, is below)."""
+    decode = cluster.decode_daemons[0]
+    # (The decode daemon reads over NIXL only, so it never loads the host secret: not searched for.)
+    needles = {"tls_key": cluster.issued.key.read_bytes().splitlines()[2],
+               "session": next(c for c in cluster.clients if c.engine_id == cluster.decode_id).session.encode()}
+    assert all(search_process_memory(decode.process.pid, needles).values()), "the control: the daemon holds each"
+    (reader,) = dataplane_workers(decode.process.pid, "reader")
+    assert search_process_memory(reader, needles) == {label: [] for label in needles}
+    own = {int(address.rsplit(":", 1)[1].split("/")[0]) for name, address in decode.addresses.items()
+           if name != "engine"}
+    assert listening_ports(decode.process.pid) <= own, (listening_ports(decode.process.pid), own)
+    assert listening_ports(reader) - own, "the reader worker's agent listens (UCX over TCP): it is where NIXL is"
+
+
+def test_a_daemon_without_workers_listens_for_ucx_itself(tmp_path):
+    """The control of the test above: without workers the daemon's own agents listen beside its ports."""
+    with DaemonCluster(*GROUPS, 1, 1, workdir=str(tmp_path), name="wn") as c:
+        daemon = c.decode_daemons[0]
+        own = {int(address.rsplit(":", 1)[1].split("/")[0]) for name, address in daemon.addresses.items()
+               if name != "engine"}
+        assert listening_ports(daemon.process.pid) - own
+
+
+def test_a_reader_worker_that_dies_fails_its_reads_whole_and_the_next_generation_reads(cluster):
+    """The reader worker killed: reads sent meanwhile fail with every block invalid (the engine
+    recomputes), nothing is lost on the holder's side, and once the next generation is up the link
+    handshakes again and reads byte-exact, the hold ending CONSUMED."""
+    decode = cluster.decode_daemons[0]
+    (first,) = dataplane_workers(decode.process.pid, "reader")
+    deaths = decode.metric("kvxferd_dataplane_worker_deaths_total")
+    os.kill(first, signal.SIGKILL)
+    request = random_request("wk-reader-dies", *GROUPS, 64, np.random.default_rng(4))
+    cluster.reset_decode()
+    completions = cluster.read(request, timeout_s=20)
+    for c in completions:  # sent while no reader worker is up: failed whole (or ok once the next one is)
+        assert c.ok or sorted(np.concatenate([b.ids for b in c.invalid_block_ids]).tolist()) == sorted(
+            np.concatenate([np.asarray(ids) for ids in request.local_block_ids]).tolist()), c
+    took_s = read_until_ok(cluster, request, RESTART_BOUND_S)
+    (second,) = dataplane_workers(decode.process.pid, "reader")
+    assert second != first and decode.process.poll() is None
+    assert decode.metric("kvxferd_dataplane_worker_deaths_total") == deaths + 1
+    assert cluster.verify(request) == ([], 0)
+    assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
+    print(f"the first ok read after the reader worker died: {took_s:.2f} s; first try: "
+          f"{[c.ok for c in completions]}")
+
+
 def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cluster, ca):
     request = random_request("wk-crash", *GROUPS, 64, np.random.default_rng(1))
     cluster.reset_decode()
@@ -112,9 +183,9 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
     deaths = cluster.prefill_daemons[0].metric("kvxferd_dataplane_worker_deaths_total")
     assert read_state(served_info(cluster, ca).agent_metadata, 0x10000, 4096) is TransferState.ERR
     deadline = time.monotonic() + RESTART_BOUND_S
-    while first in dataplane_workers(cluster.prefill_daemons[0].process.pid) and time.monotonic() < deadline:
+    while first in dataplane_workers(cluster.prefill_daemons[0].process.pid, "holder") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert first not in dataplane_workers(cluster.prefill_daemons[0].process.pid)
+    assert first not in dataplane_workers(cluster.prefill_daemons[0].process.pid, "holder")
     assert cluster.prefill_daemons[0].process.poll() is None  # the daemon lives on
     took_s = read_until_ok(cluster, request, RESTART_BOUND_S)
     assert worker_of(cluster) != first
@@ -125,7 +196,7 @@ def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cl
 
 
 def wait_for_generation(daemon, generation: int) -> None:
-    needle = f"generation {generation} (pid"
+    needle = f"-w generation {generation} (pid"  # the holder worker's (a reader worker's name ends -r)
     deadline = time.monotonic() + RESTART_BOUND_S
     while needle not in daemon.log_text() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,0 +1,422 @@
+"""An engine rank's reads posted by a worker of their own (issue #55): the daemon holds no agent for them.
+
+::
+
+    data-plane thread / event loop              supervisor thread          reader worker
+    ──────────────────────────────              ─────────────────          ─────────────────────
+    connect: plan here (the loop admits       ─ connect {id, ...} ────────► connected {id}: its
+      and seals with it), the holders loaded                                 connection (plans,
+      on the notice agent (WorkerNotices)     ◄── _answer ────────────────  lists, boards)
+    post: admitted here, sent once ─────────── post {id, request} ───────► admitted there, posted,
+      (never blocks; a full or dead channel:                                polled, board-checked
+      REMOTE_GONE, the read is not posted)
+    poll: its result once ``ended`` came      ◄── _answer: ended {id, ...} ─ (the notices its read
+      (the thread is woken: no spinning)          result built here          would send, with it)
+    send_notices ──► WorkerNotices (the holder worker's notice agent: what holders were introduced to)
+
+What a worker says is checked as untrusted: a result names only ranks of
+the read's plan, and its invalid block ids are computed here from them;
+its notices go only to the holders of the read's connection. A worker that
+dies fails every read it had (every block of the plan invalid: the engine
+recomputes) and every connection (the next read re-handshakes, on the next
+generation). See docs/dataplane.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxferd.errors import InvalidArgumentError, NotFoundError, TransferError, UnavailableError
+from kvxferd.plan.board import BoardInfo
+from kvxferd.plan.capability import HOLD_KEY_BYTES
+from kvxferd.plan.engine import EngineTransferPlan
+from kvxferd.plan.groups import EngineCache
+from kvxferd.plan.notifications import HELLO
+from kvxferd.service.workers.generation import Region, WorkerDeath
+from kvxferd.service.workers.notices import WorkerNotices
+from kvxferd.service.workers.supervisor import WorkerSupervisor
+from kvxferd.wire import workerchannel as channel
+from kvxferd.wire.messages import engine_to_pb, pack_ids
+from kvxferd.xfer.admission import admit
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.nixl.agent import agent_name_of
+from kvxferd.xfer.reads import ABORT_DRAIN_S
+from kvxferd.xfer.records import AdmittedRead, Drain, InFlightRead, ReadResult, ReadTimes, RemoteEngine
+
+log = logging.getLogger("kvxferd.workers")
+CONNECT_TIMEOUT_S = 10.0  # a worker's answer to connect (loading T agents, preparing lists: milliseconds)
+FAILURES = {f.value: f for f in ReadFailure}
+
+
+@dataclass(eq=False)
+class _Probe:
+    """A connection's probe as the handshake sees it (``waiting``/``running``: its ranks, for a timeout)."""
+
+    ticket: int
+    waiting: set[int]
+    running: set[int] = field(default_factory=set)
+
+
+class WorkerReadBackend:
+    """A :class:`kvxferd.xfer.backend.ReadBackend` whose NIXL work runs in a reader worker."""
+
+    wakes_when_done = True  # a result arrives on another thread, which wakes the data plane: no polling
+
+    def __init__(self, name: str, region_fds: Sequence[tuple[int, int, int]], cache: EngineCache,
+                 notices: WorkerNotices, *, poll_interval_s: float, wake: Callable[[], None],
+                 on_death: Callable[[], None] | None = None) -> None:
+        """``region_fds``: (fd, offset, num_bytes) of each of ``cache``'s regions, in its order; ``notices``: the
+        engine's notice agent (its holder worker's); ``wake``: wakes whoever polls (the data-plane thread)."""
+        if len(region_fds) != sum(len(m) for m in cache.memory):
+            raise InvalidArgumentError("regions", "a reader worker maps every region of the cache from its fd")
+        self.cache, self.notices, self._wake, self._on_death = cache, notices, wake, on_death
+        self.lock = threading.RLock()
+        self._closing = False
+        self.num_notices_sent = 0
+        self.abort_drain_s = ABORT_DRAIN_S
+        self._state = threading.Condition()  # the tables below: this class's callers and the supervisor's thread
+        self._tickets = itertools.count(1)
+        self._answers: dict[int, dict | None] = {}  # ticket -> answer (None: waited for, not come yet)
+        self._reads: dict[int, InFlightRead] = {}
+        self._pending_notices: dict[int, list[tuple[str, bytes]]] = {}  # id(inflight) -> its notices
+        self.current: dict[str, RemoteEngine] = {}
+        self._probes: dict[int, _Probe] = {}  # id(remote) -> its probe
+        described = engine_to_pb(cache, with_addresses=False).SerializeToString().hex()
+        self.supervisor = WorkerSupervisor(name, [Region(fd, n, offset) for fd, offset, n in region_fds],
+                                           poll_interval_s=poll_interval_s, reader={"cache": described},
+                                           on_answer=self._answer, on_death=self._died)
+
+    def begin(self) -> None:
+        """Start the worker without waiting for it (:meth:`start` waits)."""
+        self.supervisor.begin()
+
+    def start(self) -> None:
+        """Start the worker; blocks until it mapped the cache (about 1-2 s)."""
+        self.supervisor.start()
+
+    # ---- connections ------------------------------------------------------------
+    def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
+                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
+        """Plan here, connect in the worker (its answer awaited), load the holders on the notice agent."""
+        plan = EngineTransferPlan(self.cache, remotes)
+        if len(metadata) != len(remotes):
+            raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata for {len(remotes)} remote ranks")
+        if boards is not None and (len(boards) != len(remotes) or any(len(b.hold_key) != HOLD_KEY_BYTES
+                                                                      for b in boards)):
+            raise InvalidArgumentError("boards", "a hold board, with its hold key, per remote rank")
+        names = tuple(agent_name_of(m, f"metadata[{q}]") for q, m in enumerate(metadata))
+        with self.lock:
+            self.disconnect(plan.remote_engine_id)
+            answer = self._ask({"op": "connect", "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
+                                                             .SerializeToString().hex() for c in remotes],
+                                "metadata": [m.hex() for m in metadata], "same_host": same_host,
+                                "boards": None if boards is None else [
+                                    {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex()}
+                                    for b in boards]})
+            remote = RemoteEngine(plan, names, {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()),
+                                  hold_keys=tuple(b.hold_key for b in boards or ()))
+            remote.host_ranks = {q: None for q in _ints(answer.get("host_ranks"), len(names))}
+            errors = answer.get("host_errors")
+            remote.host_errors = {int(q): str(e)[:300] for q, e in errors.items() if str(q).isdigit()
+                                  and int(q) < len(names)} if isinstance(errors, dict) else {}
+            loaded = 0
+            try:
+                for q, m in enumerate(metadata):  # the engine's notices go out from its holder worker
+                    self.notices.add_remote(m, f"metadata[{q}]")
+                    loaded += 1
+                    self.notices.connect_to(names[q])
+            except BaseException:
+                self._unload(names[:loaded])
+                self.supervisor.send({"op": "disconnect", "engine_id": plan.remote_engine_id})
+                raise
+            with self._state:
+                self.current[plan.remote_engine_id] = remote
+            return remote
+
+    def disconnect(self, engine_id: str) -> None:
+        with self.lock:
+            with self._state:
+                remote = self.current.pop(engine_id, None)
+            if remote is not None:
+                self._probes.pop(id(remote), None)
+                self._unload(remote.agent_names)
+                self.supervisor.send({"op": "disconnect", "engine_id": engine_id})
+
+    def _unload(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                self.notices.remove_remote(name)
+            except Exception:  # noqa: BLE001 - already gone with its generation
+                pass
+
+    def remote(self, engine_id: str) -> RemoteEngine:
+        with self._state:
+            remote = self.current.get(engine_id)
+        if remote is None:
+            raise NotFoundError("remote_engine_id", f"no connected remote engine {engine_id!r}")
+        return remote
+
+    def is_current(self, remote: RemoteEngine) -> bool:
+        with self._state:
+            return self.current.get(remote.plan.remote_engine_id) is remote
+
+    def release_host_memory(self, remote: RemoteEngine, reason: str) -> None:
+        with self.lock:
+            if self.is_current(remote) and remote.host_ranks:
+                remote.host_ranks.clear()
+                self.supervisor.send({"op": "release_host", "engine_id": remote.plan.remote_engine_id,
+                                      "reason": reason[:200]})
+
+    def start_probe(self, remote: RemoteEngine) -> _Probe:
+        """The holders' HELLO from the notice agent, and the worker's READ of every board."""
+        with self.lock:
+            probe = self._probes.get(id(remote))
+            if probe is None:
+                for q in remote.plan.notify_ranks:
+                    try:
+                        self.notices.notify(remote.agent_names[q], HELLO)
+                    except Exception:  # noqa: BLE001 - the probe's READ says whether it is reachable
+                        pass
+                self.num_notices_sent += 1
+                ticket = next(self._tickets)
+                with self._state:
+                    self._answers[ticket] = None
+                probe = self._probes[id(remote)] = _Probe(ticket, set(range(len(remote.agent_names))))
+                if not self.supervisor.send({"op": "probe", "id": ticket, "engine_id": remote.plan.remote_engine_id}):
+                    self._answer(0, {"op": "probed", "id": ticket, "errors": {"0": "the reader worker is not up"}})
+            return probe
+
+    def poll_probe(self, remote: RemoteEngine) -> dict[int, str] | None:
+        if not self.is_current(remote):
+            raise TransferError("remote_engine_id", "the connection was released while it was probed")
+        probe = self._probes.get(id(remote))
+        if probe is None:
+            return {}
+        with self._state:
+            answer = self._answers.get(probe.ticket)
+            if answer is None:
+                return None
+            del self._answers[probe.ticket]
+        self._probes.pop(id(remote), None)
+        if answer["op"] == "error":
+            return {0: str(answer.get("message"))[:500]}
+        errors = answer.get("errors")
+        return {int(q): str(e)[:500] for q, e in errors.items() if str(q).isdigit()} if isinstance(errors, dict) \
+            else {0: "a probe answer out of protocol"}
+
+    def abort_probe(self, remote: RemoteEngine, reason: str) -> None:
+        probe = self._probes.pop(id(remote), None)
+        if probe is not None:
+            with self._state:
+                self._answers.pop(probe.ticket, None)
+
+    # ---- reads ---------------------------------------------------------------------
+    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True) -> InFlightRead:
+        """Send an admitted read to the worker; typed errors, nothing posted, when the remote is not
+        connected (or was lost with a worker) or the worker cannot take it now."""
+        with self.lock:
+            current = self.remote(admitted.remote.plan.remote_engine_id)
+            if current is not admitted.remote or admitted.planned is None:
+                admitted = admit(current, admitted.request, admitted)
+            request = admitted.request
+            local, local_sizes = pack_ids(request.local_block_ids)
+            remote_ids, remote_sizes = pack_ids(request.remote_block_ids)
+            ticket = next(self._tickets)
+            inflight = InFlightRead(admitted, {}, ReadTimes(time.perf_counter() if start_s is None else start_s))
+            inflight.ticket = ticket
+            with self._state:
+                self._reads[ticket] = inflight
+            sent = self.supervisor.send({"op": "post", "id": ticket, "engine_id": current.plan.remote_engine_id,
+                                         "request": {"request_id": request.request_id,
+                                                     "remote_request_id": request.remote_request_id,
+                                                     "local": local.hex(), "local_sizes": local_sizes,
+                                                     "remote": remote_ids.hex(), "remote_sizes": remote_sizes,
+                                                     "num_tokens": request.num_tokens or 0,
+                                                     "caps": [c.hex() for c in request.remote_capabilities]}})
+            if not sent:
+                with self._state:
+                    self._reads.pop(ticket, None)
+                raise UnavailableError("worker", "the reader worker is restarting or not reading its channel")
+            inflight.times.posted_s = time.perf_counter()
+            return inflight
+
+    def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
+        with self.lock:
+            if inflight.result is None and inflight.drain is not None and time.perf_counter() > inflight.drain.until_s:
+                # Aborted, and the worker never said it ended: given up on (its blocks may still be written).
+                self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads),
+                          "the reader worker did not end an aborted read", ReadFailure.ABORTED, unsettled=True)
+            if notify and inflight.result is not None:
+                self.send_notices(inflight)
+            return inflight.result
+
+    def abort(self, inflight: InFlightRead, reason: str, failure: ReadFailure = ReadFailure.ABORTED, *,
+              drain: bool = True) -> ReadResult | None:
+        """Ask the worker to fail it; with ``drain`` its result comes from the worker (None until then),
+        without it is failed here at once (the memory is about to go; the worker stops with it)."""
+        with self.lock:
+            if inflight.result is None:
+                message = {"op": "abort", "id": inflight.ticket, "reason": reason[:200], "failure": failure.value,
+                           "drain": drain}
+                if drain and self.supervisor.send(message):
+                    if inflight.drain is None:
+                        inflight.drain = Drain(time.perf_counter() + self.abort_drain_s + 1.0)
+                    return None
+                if not drain:
+                    self.supervisor.send(message)
+                # Not sent: a dead worker writes nothing more; one that does not read its channel is killed.
+                self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads), reason,
+                          failure)
+            return self.poll(inflight, notify=True)
+
+    def send_notices(self, inflight: InFlightRead) -> None:
+        """Send the notices the worker's read made, from the engine's notice agent, once."""
+        with self.lock:
+            if inflight.result is None or inflight.notified:
+                return
+            inflight.notified = True
+            with self._state:
+                notices = self._pending_notices.pop(id(inflight), [])
+            for agent, data in notices:
+                try:
+                    self.notices.notify(agent, data)
+                except Exception:  # noqa: BLE001 - the holder went away: its hold expires there
+                    pass
+            self.num_notices_sent += 1
+
+    def progress_notices(self) -> None:
+        with self.lock:
+            self.notices.poll_notifications()
+
+    def notices_metadata(self) -> bytes:
+        return self.notices.metadata()
+
+    def close(self) -> None:
+        """Stop the worker (its agent and connections go with it) and unload the holders from the notice agent."""
+        self._closing = True  # the worker's end from here on is asked for, not a death
+        with self.lock:
+            with self._state:
+                remotes, self.current = list(self.current.values()), {}
+            for remote in remotes:
+                self._unload(remote.agent_names)
+            self.supervisor.stop()
+            self.supervisor.forget_callbacks()
+            with self._state:
+                reads = list(self._reads.values())
+            for inflight in reads:
+                self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads),
+                          "the engine's reads were closed", ReadFailure.ABORTED)
+
+    # ---- the supervisor's thread ---------------------------------------------------------
+    def _ask(self, message: dict) -> dict:
+        """Send a command and wait for its answer (connect); typed errors for an error, a death or silence."""
+        ticket = next(self._tickets)
+        with self._state:
+            self._answers[ticket] = None
+        try:
+            # Not waited for: the caller is the data-plane thread, which every engine's reads share.
+            if self.supervisor.current is None or not self.supervisor.send({**message, "id": ticket}):
+                raise UnavailableError("worker", "the reader worker is restarting")
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
+            with self._state:
+                while self._answers.get(ticket) is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise UnavailableError("worker", f"no answer from the reader worker in {CONNECT_TIMEOUT_S:g} s")
+                    self._state.wait(left)
+                answer = self._answers[ticket]
+        finally:
+            with self._state:
+                self._answers.pop(ticket, None)
+        if answer["op"] == "error":
+            raise TransferError("peer", f"the reader worker could not connect: {str(answer.get('message'))[:500]}")
+        return answer
+
+    def _answer(self, generation: int, message: dict) -> None:
+        """An answer of the worker (its supervisor's thread): checked, then handed to whoever waits."""
+        ticket = message.get("id")
+        if not isinstance(ticket, int):
+            raise InvalidArgumentError("id", "an answer names its command's id")
+        if message["op"] != "ended":
+            with self._state:
+                if ticket in self._answers:
+                    self._answers[ticket] = message
+                    self._state.notify_all()
+                    return
+                inflight = self._reads.get(ticket) if message["op"] == "error" else None
+            if inflight is not None:  # the worker refused a post (its connection is gone): nothing was read
+                self._end(inflight, ticket, tuple(r.remote_rank for r in inflight.planned.reads),
+                          f"the reader worker refused it: {str(message.get('message'))[:500]}", ReadFailure.REMOTE_GONE)
+            return
+        with self._state:
+            inflight = self._reads.get(ticket)
+        if inflight is None:
+            return  # failed here already (an abort without drain, a close)
+        planned = inflight.planned
+        ranks = {r.remote_rank for r in planned.reads}
+        failed = tuple(sorted({q for q in _ints(message.get("failed_ranks"), max(ranks, default=0) + 1) if q in ranks}))
+        failure = FAILURES.get(str(message.get("failure")), ReadFailure.TRANSFER)
+        if failure is not ReadFailure.NONE and not failed:
+            failed = tuple(sorted(ranks))  # a failure that names no rank: trust none of them
+        transfer_s = message.get("transfer_s")
+        if isinstance(transfer_s, (int, float)) and 0 <= transfer_s < 3600:
+            inflight.times.transferred_s = inflight.times.posted_s + transfer_s
+        copies = message.get("host_copies")
+        inflight.copied_elsewhere = copies if isinstance(copies, int) and 0 <= copies <= len(ranks) else 0
+        holders = set(inflight.remote.agent_names)
+        with self._state:
+            self._pending_notices[id(inflight)] = [p for p in channel.notify_entries(
+                {"notices": message.get("notices", [])})[0] if p[0] in holders]
+        self._end(inflight, ticket, failed, str(message.get("error") or "")[:2000] or None,
+                  failure if failed else ReadFailure.NONE, unsettled=bool(message.get("unsettled")))
+
+    def _end(self, inflight: InFlightRead, ticket: int, failed: tuple[int, ...], error: str | None,
+             failure: ReadFailure, *, unsettled: bool = False) -> None:
+        """Its result, computed here from the ranks that failed (any thread)."""
+        with self._state:
+            if self._reads.pop(ticket, None) is None and inflight.result is not None:
+                return
+            planned = inflight.planned
+            invalid = (planned.invalid_block_ids(failed) if failed
+                       else tuple(np.zeros(0, np.int64) for _ in planned.units))
+            if not inflight.times.transferred_s:
+                inflight.times.transferred_s = time.perf_counter()
+            inflight.failure = failure
+            inflight.result = ReadResult(
+                planned.request.request_id, inflight.remote.plan.remote_engine_id, not failed,
+                sum(r.num_bytes for r in planned.reads if r.remote_rank not in failed),
+                sum(r.num_descriptors for r in planned.reads), time.perf_counter() - inflight.times.start_s,
+                invalid, failed, error if failed else None, failure, unsettled)
+        self._wake()
+
+    def _died(self, death: WorkerDeath) -> None:
+        """The worker ended: every read it had fails whole, every connection is gone (a re-handshake
+        connects the next generation), and whoever waits for an answer gets an error."""
+        why = f"the reader worker died ({'signal %d' % -death.returncode if death.returncode < 0 else 'exit %d' % death.returncode})"
+        with self._state:
+            reads = list(self._reads.items())
+            self.current = {}
+            for ticket, answer in self._answers.items():
+                if answer is None:
+                    self._answers[ticket] = {"op": "error", "id": ticket, "message": why}
+            self._state.notify_all()
+        for ticket, inflight in reads:
+            self._end(inflight, ticket, tuple(r.remote_rank for r in inflight.planned.reads), why, ReadFailure.TRANSFER)
+        if not self._closing:
+            log.warning("%s: %d reads failed", why, len(reads))
+        if self._on_death is not None and not self._closing:
+            self._on_death()
+
+
+def _ints(values, bound: int) -> list[int]:
+    """The ints of a worker's list within [0, bound); anything else dropped."""
+    if not isinstance(values, list):
+        return []
+    return [v for v in values[:bound] if isinstance(v, int) and 0 <= v < bound]

@@ -1,0 +1,218 @@
+"""The reader role of a data-plane worker: the engine's READs posted and polled here, not in the daemon.
+
+::
+
+    control plane (WorkerReadBackend)            reader worker (this module)
+    ─────────────────────────────────            ──────────────────────────────────────────
+    map {role: reader, cache, regions} + fds ──► the engine's regions mapped read-write, one agent
+                                                 registering them (its metadata goes to no one)
+    connect {id, remotes, metadata, boards} ───► a ReadExecutor connection (plans, prepared lists)
+                                             ◄── connected {id} / error {id, message}
+    probe {id, engine_id} ─────────────────────► the connection's first READs (its boards)
+                                             ◄── probed {id, errors}
+    post {id, engine_id, request} ─────────────► admitted on its connection, posted, polled
+                                             ◄── ended {id, failed_ranks, error, failure,
+                                                        unsettled, transfer_s, host_copies, notices}
+    abort {id, reason, failure, drain}           (its ended follows)
+    disconnect / release_host {engine_id}
+
+Notices are not sent from here: the holders were introduced to the notice
+agent of the engine's holder worker, so the notices a read's executor would
+send travel back with its ``ended`` and the control plane sends them on
+(:class:`NoticeCollector`). Whoever owns this worker through a holder's
+connection reaches this engine's cache and its connections: nothing of the
+daemon, and no other tenant's memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvxferd.errors import InvalidArgumentError, KvxferError
+from kvxferd.plan.board import BoardInfo
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.groups import EngineCache, RegionMemory
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.wire import workerchannel as channel
+from kvxferd.wire.messages import engine_from_pb, peer_memory_from_pb, unpack_ids
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.nixl.agent import NixlAgent
+from kvxferd.xfer.reads import ReadExecutor
+from kvxferd.xfer.records import AdmittedRead, InFlightRead
+
+MAX_READS = 4096  # reads one worker keeps in flight (the daemon's max_reads_per_engine is below it)
+FAILURES = {f.value: f for f in ReadFailure}
+READER_OPS = frozenset({"connect", "probe", "post", "abort", "disconnect", "release_host"})
+
+
+class NoticeCollector:
+    """Stands in for the executor's notice agent: keeps what it would send, for the control plane."""
+
+    def __init__(self) -> None:
+        self.pending: list[list[str]] = []
+
+    def notify(self, agent_name: str, message: bytes) -> None:
+        self.pending.append([agent_name, message.hex()])
+
+    def take(self) -> list[list[str]]:
+        pending, self.pending = self.pending, []
+        return pending
+
+    # The control plane loads holders and connects to them on the notice agent itself.
+    def add_remote(self, metadata: bytes, field: str = "agent_metadata") -> str:
+        return ""
+
+    def remove_remote(self, name: str) -> None:
+        pass
+
+    def connect_to(self, agent_name: str) -> None:
+        pass
+
+    def poll_notifications(self) -> dict:
+        return {}
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+def cache_of(message: dict, arrays: list) -> EngineCache:
+    """The engine's cache as the control plane describes it (``cache``: an EngineRank, hex), its regions at
+    the addresses this worker mapped them at, in order."""
+    try:
+        described = pb.EngineRank.FromString(bytes.fromhex(str(message.get("cache"))))
+    except ValueError:
+        raise InvalidArgumentError("cache", "an EngineRank message, hex") from None
+    counts = [len(g.regions) for g in described.groups]
+    if sum(counts) != len(arrays):
+        raise InvalidArgumentError("cache", f"{sum(counts)} regions described, {len(arrays)} mapped")
+    memory, start = [], 0
+    for count in counts:
+        memory.append([RegionMemory(a.ctypes.data, a.nbytes) for a in arrays[start:start + count]])
+        start += count
+    return engine_from_pb(described, memory)
+
+
+def _request(message: dict) -> ReadRequest:
+    r = message.get("request")
+    if not isinstance(r, dict):
+        raise InvalidArgumentError("request", "an object")
+    caps = r.get("caps", [])
+    if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
+        raise InvalidArgumentError("request.caps", "a list of hex strings")
+    local = unpack_ids(bytes.fromhex(str(r.get("local", ""))), list(r.get("local_sizes", [])), "local_block_ids")
+    remote = unpack_ids(bytes.fromhex(str(r.get("remote", ""))), list(r.get("remote_sizes", [])), "remote_block_ids")
+    tokens = r.get("num_tokens")
+    return ReadRequest(str(r.get("request_id")), str(r.get("remote_request_id")), local, remote,
+                       tokens if isinstance(tokens, int) and tokens > 0 else None,
+                       tuple(bytes.fromhex(c) for c in caps))
+
+
+def _int(message: dict, key: str) -> int:
+    value = message.get(key)
+    if not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(key, "a non-negative integer")
+    return value
+
+
+class ReaderRole:
+    """One engine rank's reads, in this worker (see the module doc)."""
+
+    def __init__(self, name: str, cache: EngineCache) -> None:
+        self.notices = NoticeCollector()
+        self.executor = ReadExecutor(NixlAgent(name), cache, self.notices)
+        self.reads: dict[int, tuple[InFlightRead, float]] = {}  # id -> (posted read, when it came)
+        self.probes: dict[int, Any] = {}  # id -> the connection being probed
+
+    @property
+    def busy(self) -> bool:
+        """Reads or probes in flight: poll again soon."""
+        return bool(self.reads or self.probes)
+
+    def handle(self, op: str, message: dict) -> dict | None:
+        """Carry out a reader command; an answer to send now, or None. Raises on a bad command."""
+        ex = self.executor
+        if op == "connect":
+            n = _int(message, "id")
+            remotes = [engine_from_pb_hex(h) for h in _list(message, "remotes")]
+            metadata = [bytes.fromhex(str(h)) for h in _list(message, "metadata")]
+            boards = message.get("boards")
+            board_infos = None if boards is None else [
+                BoardInfo(int(b["address"]), int(b["num_buckets"]), bytes.fromhex(str(b["hold_key"])))
+                for b in boards]
+            remote = ex.connect(remotes, metadata, board_infos, same_host=bool(message.get("same_host")))
+            return {"op": "connected", "id": n, "host_ranks": sorted(remote.host_ranks),
+                    "host_errors": {str(q): e[:300] for q, e in remote.host_errors.items()}}
+        if op == "probe":
+            n = _int(message, "id")
+            remote = ex.remote(str(message.get("engine_id")))
+            ex.start_probe(remote)
+            self.probes[n] = remote
+            return None
+        if op == "post":
+            n = _int(message, "id")
+            if len(self.reads) >= MAX_READS:
+                raise InvalidArgumentError("post", f"{MAX_READS} reads in flight")
+            remote = ex.remote(str(message.get("engine_id")))
+            inflight = ex.post(AdmittedRead(remote, _request(message), None), notify=True)
+            self.reads[n] = (inflight, time.perf_counter())
+            return None
+        if op == "abort":
+            entry = self.reads.get(_int(message, "id"))
+            if entry is not None:
+                failure = FAILURES.get(str(message.get("failure")), ReadFailure.ABORTED)
+                ex.abort(entry[0], str(message.get("reason"))[:500], failure, drain=bool(message.get("drain", True)))
+            return None
+        if op in ("disconnect", "release_host"):
+            engine_id = str(message.get("engine_id"))
+            if op == "disconnect":
+                ex.disconnect(engine_id)
+            elif ex.connections.current.get(engine_id) is not None:
+                ex.release_host_memory(ex.remote(engine_id), str(message.get("reason"))[:500])
+            return None
+        raise InvalidArgumentError("op", f"unknown op {op[:32]!r}")
+
+    def progress(self, sock) -> None:
+        """Advance every read and probe; send what ended."""
+        ex = self.executor
+        for n, remote in list(self.probes.items()):
+            try:
+                errors = ex.poll_probe(remote)
+            except KvxferError as err:
+                errors = {0: err.message}
+            if errors is not None:
+                del self.probes[n]
+                channel.send(sock, {"op": "probed", "id": n, "errors": {str(q): e[:500] for q, e in errors.items()}})
+        for n, (inflight, came_s) in list(self.reads.items()):
+            result = ex.poll(inflight, notify=True)
+            if result is None:
+                continue
+            del self.reads[n]
+            transfer_s = inflight.transferred_s - inflight.posted_s if inflight.transferred_s else 0.0
+            notices = self.notices.take()
+            channel.send(sock, {"op": "ended", "id": n, "failed_ranks": list(result.failed_ranks),
+                                "error": (result.error or "")[:2000], "failure": result.failure.value,
+                                "unsettled": result.unsettled, "transfer_s": transfer_s,
+                                "host_copies": inflight.num_host_copies, "notices": notices[:channel.MAX_NOTICES]})
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def engine_from_pb_hex(text: Any) -> EngineCache:
+    """A remote rank's cache (an EngineRank with addresses, hex), its memory as described."""
+    try:
+        described = pb.EngineRank.FromString(bytes.fromhex(str(text)))
+    except ValueError:
+        raise InvalidArgumentError("remotes", "EngineRank messages, hex") from None
+    return engine_from_pb(described, peer_memory_from_pb(described))
+
+
+def _list(message: dict, key: str) -> list:
+    value = message.get(key)
+    if not isinstance(value, list):
+        raise InvalidArgumentError(key, "a list")
+    return value

@@ -1,0 +1,130 @@
+"""The reader worker behind :class:`WorkerReadBackend`, without a daemon: a real worker process, real NIXL
+(a holder agent in this process), the decode cache in shared memory the worker maps read-write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvxferd.client.shm import SharedArena
+from kvxferd.plan.notifications import ReadNotice
+from kvxferd.rig.verify.buffers import allocate_engine, verify_decode
+from kvxferd.rig.verify.holderthread import HolderThread
+from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
+from kvxferd.service.workers.readbackend import WorkerReadBackend
+from kvxferd.xfer.admission import admit
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.nixl.agent import NixlAgent
+
+PREFILL_GROUPS, DECODE_GROUPS = model_groups("gqa", ModelShape())
+
+
+@pytest.fixture
+def rig():
+    """A tagged prefill rank (this process's agent), a decode rank in shared memory, a backend reading it."""
+    prefill = allocate_engine("rb-p", PREFILL_GROUPS, 1, 0, tagged=True)
+    holder = NixlAgent(f"rb-holder-{os.getpid()}")
+    holder.register(prefill.cache)
+    notices = NixlAgent(f"rb-notices-{os.getpid()}")  # stands in for the holder worker's notice agent
+    num_bytes = allocate_engine("rb-d", DECODE_GROUPS, 1, 0, tagged=False).arena.nbytes
+    arena = SharedArena(num_bytes)
+    decode = allocate_engine("rb-d", DECODE_GROUPS, 1, 0, tagged=False, allocate=arena.allocate)
+    fd = os.open(f"/dev/shm/{arena.name}", os.O_RDWR)
+    base = arena.array.ctypes.data
+    region_fds = [(fd, r.address - base, r.num_bytes) for regions in decode.cache.memory for r in regions]
+    woken = threading.Event()
+    backend = WorkerReadBackend("rb-d", region_fds, decode.cache, notices, poll_interval_s=1e-3, wake=woken.set)
+    backend.start()
+    try:
+        with HolderThread([holder, notices]):
+            yield prefill, holder, decode, backend, woken
+    finally:
+        backend.close()
+        notices.close()
+        holder.close()
+        os.close(fd)
+        arena.close()
+
+
+def read(backend, request, timeout_s: float = 20.0):
+    remote = backend.remote("rb-p")
+    inflight = backend.post(admit(remote, request), notify=False)
+    deadline = time.monotonic() + timeout_s
+    while (result := backend.poll(inflight, notify=False)) is None:
+        assert time.monotonic() < deadline, "no result"
+        time.sleep(0.001)
+    return inflight, result
+
+
+def test_reads_land_byte_exact_and_their_notices_come_back_for_the_notice_agent(rig):
+    prefill, holder, decode, backend, woken = rig
+    remote = backend.connect([prefill.cache], [holder.metadata()])
+    assert remote.agent_names == (holder.name,)
+    request = random_request("rb-1", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(0))
+    inflight, result = read(backend, request)
+    assert result.ok and result.num_bytes > 0 and woken.is_set()
+    assert verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+    sent = []
+    backend.notices.notify = lambda agent, data: sent.append((agent, ReadNotice.decode(data)))
+    backend.send_notices(inflight)
+    backend.send_notices(inflight)  # once only
+    assert [(a, n.request_id, n.ok) for a, n in sent] == [(holder.name, request.remote_request_id, True)]
+
+
+def test_the_negative_control_a_read_the_worker_cannot_post_fails_whole(rig):
+    """The worker lost the connection behind the backend's back: the read fails (REMOTE_GONE, the link goes
+    stale), every block invalid, and the oracle sees the bytes that were not read (it can fail)."""
+    prefill, holder, decode, backend, _ = rig
+    backend.connect([prefill.cache], [holder.metadata()])
+    assert backend.supervisor.send({"op": "disconnect", "engine_id": "rb-p"})
+    request = random_request("rb-2", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(1))
+    _, result = read(backend, request)
+    assert not result.ok and result.failed_ranks == (0,) and result.failure is ReadFailure.REMOTE_GONE
+    assert "refused" in result.error
+    assert [sorted(ids.tolist()) for ids in result.invalid_block_ids] == \
+        [sorted(set(np.asarray(ids).tolist())) for ids in request.local_block_ids]
+    assert verify_decode([decode], PREFILL_GROUPS, request)[1] > 0
+
+
+def test_what_a_worker_says_is_checked(rig):
+    """A result naming no rank but a failure fails every rank; ranks outside the plan are ignored; notices
+    for agents outside the connection are dropped."""
+    prefill, holder, decode, backend, _ = rig
+    remote = backend.connect([prefill.cache], [holder.metadata()])
+    request = random_request("rb-3", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(2))
+    backend.supervisor.send = lambda message: True  # the worker never hears of it: this test answers
+    inflight = backend.post(admit(remote, request), notify=False)
+    backend._answer(1, {"op": "ended", "id": inflight.ticket, "failed_ranks": [7], "failure": "transfer",
+                        "error": "x", "notices": [["someone-else", "00"], [holder.name, "00"]]})
+    assert not inflight.result.ok and inflight.result.failed_ranks == (0,)
+    assert inflight.result.invalid_block_ids[0].size > 0
+    sent = []
+    backend.notices.notify = lambda agent, data: sent.append(agent)
+    backend.send_notices(inflight)
+    assert sent == [holder.name]
+
+
+def test_a_dead_worker_fails_every_read_and_connection_and_the_next_generation_connects(rig):
+    prefill, holder, decode, backend, _ = rig
+    remote = backend.connect([prefill.cache], [holder.metadata()])
+    request = random_request("rb-4", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(3))
+    real_send = backend.supervisor.send
+    backend.supervisor.send = lambda message: message["op"] == "post" or real_send(message)  # stays in flight
+    inflight = backend.post(admit(remote, request), notify=False)
+    backend.supervisor.send = real_send
+    os.kill(backend.supervisor.current.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while inflight.result is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inflight.result is not None and not inflight.result.ok
+    assert inflight.result.failure is ReadFailure.TRANSFER and "died" in inflight.result.error
+    assert not backend.is_current(remote)
+    backend.supervisor.wait_up(2, 30)
+    backend.connect([prefill.cache], [holder.metadata()])
+    _, result = read(backend, request)
+    assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
