@@ -344,7 +344,7 @@ class Daemon:
     def _worker_options(self) -> WorkerOptions:
         config, replacements = self.config, self.metrics.worker_replacements
         return WorkerOptions(config.poll_interval_s, config.worker_retire_grace_s, config.worker_replace_interval_s,
-                             on_death=self.metrics.worker_deaths.inc,
+                             on_death=self.metrics.worker_deaths.inc, readers=config.dataplane_reader_workers,
                              on_replace=lambda reasons: [replacements.labels(r).inc() for r in reasons])
 
     def _tls_reloaded(self, material) -> None:

@@ -33,6 +33,7 @@ from kvxferd.errors import InvalidArgumentError, KvxferError
 from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import EngineCache, RegionMemory
+from kvxferd.plan.notifications import HELLO
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire import workerchannel as channel
 from kvxferd.wire.messages import engine_from_pb, peer_memory_from_pb, unpack_ids
@@ -41,9 +42,10 @@ from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
 from kvxferd.xfer.records import AdmittedRead, InFlightRead
 
-MAX_READS = 4096  # reads one worker keeps in flight (the daemon's max_reads_per_engine is below it)
+MAX_READS = 1 << 17  # reads one worker keeps in flight (a bound on its memory; the daemon's own limit,
+                     # max_reads_per_engine, is 8192 by default)
 FAILURES = {f.value: f for f in ReadFailure}
-READER_OPS = frozenset({"connect", "probe", "post", "abort", "disconnect", "release_host"})
+READER_OPS = frozenset({"connect", "probe", "abort_probe", "post", "abort", "disconnect", "release_host"})
 
 
 class NoticeCollector:
@@ -53,7 +55,8 @@ class NoticeCollector:
         self.pending: list[list[str]] = []
 
     def notify(self, agent_name: str, message: bytes) -> None:
-        self.pending.append([agent_name, message.hex()])
+        if message != HELLO:  # a probe's: the control plane sends those itself
+            self.pending.append([agent_name, message.hex()])
 
     def take(self) -> list[list[str]]:
         pending, self.pending = self.pending, []
@@ -125,6 +128,7 @@ class ReaderRole:
         self.notices = NoticeCollector()
         self.executor = ReadExecutor(NixlAgent(name), cache, self.notices)
         self.reads: dict[int, tuple[InFlightRead, float]] = {}  # id -> (posted read, when it came)
+        self.notices_of: dict[int, list[list[str]]] = {}  # id -> notices its abort sent (it ends at the next poll)
         self.probes: dict[int, Any] = {}  # id -> the connection being probed
 
     @property
@@ -152,6 +156,12 @@ class ReaderRole:
             ex.start_probe(remote)
             self.probes[n] = remote
             return None
+        if op == "abort_probe":
+            for n, remote in list(self.probes.items()):
+                if remote.plan.remote_engine_id == str(message.get("engine_id")):
+                    ex.abort_probe(remote, "the handshake ended")
+                    del self.probes[n]
+            return None
         if op == "post":
             n = _int(message, "id")
             if len(self.reads) >= MAX_READS:
@@ -161,10 +171,16 @@ class ReaderRole:
             self.reads[n] = (inflight, time.perf_counter())
             return None
         if op == "abort":
-            entry = self.reads.get(_int(message, "id"))
+            n = _int(message, "id")
+            entry = self.reads.get(n)
             if entry is not None:
                 failure = FAILURES.get(str(message.get("failure")), ReadFailure.ABORTED)
+                drain_s = message.get("drain_s")
+                if isinstance(drain_s, (int, float)) and 0 <= drain_s <= 600:
+                    ex.abort_drain_s = float(drain_s)
+                self.notices.take()  # (none: every read's are taken as it ends)
                 ex.abort(entry[0], str(message.get("reason"))[:500], failure, drain=bool(message.get("drain", True)))
+                self.notices_of[n] = self.notices.take()
             return None
         if op in ("disconnect", "release_host"):
             engine_id = str(message.get("engine_id"))
@@ -187,12 +203,13 @@ class ReaderRole:
                 del self.probes[n]
                 channel.send(sock, {"op": "probed", "id": n, "errors": {str(q): e[:500] for q, e in errors.items()}})
         for n, (inflight, came_s) in list(self.reads.items()):
+            self.notices.take()  # (none: every read's are taken as it ends)
             result = ex.poll(inflight, notify=True)
             if result is None:
                 continue
             del self.reads[n]
             transfer_s = inflight.transferred_s - inflight.posted_s if inflight.transferred_s else 0.0
-            notices = self.notices.take()
+            notices = self.notices_of.pop(n, []) + self.notices.take()
             channel.send(sock, {"op": "ended", "id": n, "failed_ranks": list(result.failed_ranks),
                                 "error": (result.error or "")[:2000], "failure": result.failure.value,
                                 "unsettled": result.unsettled, "transfer_s": transfer_s,

@@ -40,6 +40,7 @@ MIN_POLL_S, MAX_POLL_S = 1e-4, 1.0
 NOTICE_PROGRESS_S, NOTICE_POLL_S = 0.05, 0.01  # after a notice: polled every 10 ms for 50 ms (as the daemon's)
 _PR_SET_PDEATHSIG = 1
 READ_POLL_MIN_S, READ_POLL_MAX_S = 20e-6, 100e-6  # a reader's sleeps while its reads are in flight
+MAX_COMMANDS_PER_PASS = 64  # commands taken before the agents' progress (a burst of posts does not wait)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -202,7 +203,9 @@ class Worker:
             elif timeout is not None and time.monotonic() < self.notices_until:
                 timeout = min(timeout, NOTICE_POLL_S)
             readable, _, _ = select.select([self.sock], [], [], timeout)
-            if readable:
+            for n in range(MAX_COMMANDS_PER_PASS if readable else 0):  # what came meanwhile, then progress
+                if n and not select.select([self.sock], [], [], 0)[0]:
+                    break
                 try:
                     message, fds = channel.receive(self.sock)
                 except channel.ChannelClosed:

@@ -101,6 +101,7 @@ class InFlightRead:
     step: int = 0  # counts ranks whose transfer or check ended: a poller sees progress short of the end
     ticket: int = 0  # a backend's own number for it (a reader worker's: service/workers/readbackend.py)
     copied_elsewhere: int = 0  # ranks copied same-host by a backend whose ranks are not kept here
+    worker_notices: tuple = ()  # (holder agent, notice) a reader worker's read made, for send_notices
 
     @property
     def remote(self) -> RemoteEngine:

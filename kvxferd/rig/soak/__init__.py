@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataplane-workers", action="store_true",
                         help="daemons serve peers through data-plane worker processes (kvxferd serve "
                              "--dataplane-workers), and the kill_worker fault joins the others")
+    parser.add_argument("--dataplane-reader-workers", action="store_true",
+                        help="with --dataplane-workers: each rank's own READs from a reader worker too "
+                             "(kvxferd serve --dataplane-reader-workers); kill_worker picks either kind")
     parser.add_argument("--epoch-requests", type=int, default=40,
                         help="requests per pairing before the next is drawn (default 40)")
     parser.add_argument("--max-tp", type=int, default=4, choices=range(1, 5), metavar="{1..4}",

@@ -59,6 +59,8 @@ class Soak:
         self.workers = WorkerKills(report) if getattr(args, "dataplane_workers", False) else None
         if self.workers is not None:  # replaced (rotate_ca) at most every 3 s; readers probe every 0.3 s
             daemon_args += ("--dataplane-workers", "--worker-retire-grace-s", "2", "--worker-replace-interval-s", "3")
+            if getattr(args, "dataplane_reader_workers", False):
+                daemon_args += ("--dataplane-reader-workers",)
         self.hosts = self.net = None
         if getattr(args, "hosts", 0):
             # A read aborted mid-transfer over TCP waits for it up to abort_drain_s: within the soak's wait.

@@ -93,7 +93,12 @@ class DaemonConfig(BaseSettings):
     max_registered_bytes: int = Field(1 << 40, ge=1, description="bytes of engine memory registered on this daemon in all")
     dataplane_workers: bool = Field(False, description="serve each host-memory engine rank's cache to peers from a "
                                     "worker process that holds no secret, restarted when it dies (issue #55, "
-                                    "docs/dataplane.md; the daemon's own reads and GPU caches stay in-process)")
+                                    "docs/dataplane.md; GPU caches stay in-process, and the rank's own reads unless "
+                                    "dataplane_reader_workers)")
+    dataplane_reader_workers: bool = Field(False, description="with dataplane_workers, also post each such rank's "
+                                           "own READs from a worker of its own (a reader worker: no NIXL agent "
+                                           "left in the daemon; each read crosses to it and back, measured in "
+                                           "docs/benchmarks.md)")
     worker_retire_grace_s: float = Field(10.0, ge=0, le=600, description="with dataplane_workers, how long a "
                                          "replaced worker serves on after its successor is up, so readers "
                                          "handshake again at their probe before its metadata stops working (s)")

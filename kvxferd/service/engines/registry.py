@@ -276,9 +276,9 @@ class Registry:
                   loop: asyncio.AbstractEventLoop | None = None) -> EngineSlot:
         name = f"{self.daemon_id}.{cache.engine_id}.{cache.tp_rank}.{incarnation[:12]}"
         served_here = self.workers is not None and cache.mem_type == "DRAM"
-        # Served by workers: no NIXL agent in this process (each listens on TCP, and over TCP an agent's
-        # process is open to whoever speaks UCX to it); the slot's agent is a name only.
-        agent = AgentlessSlot(name) if served_here else NixlAgent(name)
+        # Served and read by workers: no NIXL agent in this process (each listens on TCP, and over TCP an
+        # agent's process is open to whoever speaks UCX to it); the slot's agent is a name only.
+        agent = AgentlessSlot(name) if served_here and self.workers.readers else NixlAgent(name)
         served = executor = None
         try:
             if served_here:
@@ -291,13 +291,14 @@ class Registry:
                     board.close()
                     raise
             reader = None
-            if served is not None:  # its READs posted by a worker too
+            if served is not None and self.workers.readers:  # its READs posted by a worker too
                 reader = WorkerReadBackend(f"{name}-r", region_fds, cache, served.notices,
                                            poll_interval_s=self.workers.poll_interval_s, wake=self.dataplane.wake,
-                                           on_death=self.workers.on_death)
+                                           on_death=self.workers.on_death,
+                                           on_lost=lambda: self._reader_lost(slot, loop))
                 reader.begin()  # maps while the holder worker does
                 served.reader = reader
-            executor = reader if reader is not None else ReadExecutor(agent, cache)
+            executor = reader if reader is not None else ReadExecutor(agent, cache, served.notices if served else None)
             executor.abort_drain_s = self.abort_drain_s
             holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=served.board.words if served else None)
             slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
@@ -305,7 +306,8 @@ class Registry:
             if served is not None:
                 served.on_generation = lambda up: self._worker_up(slot, up, loop)
                 served.start()
-                reader.start()
+                if reader is not None:
+                    reader.start()
                 slot.served = served
             slot.notices_metadata = executor.notices_metadata()
         except BaseException:
@@ -316,6 +318,13 @@ class Registry:
             raise
         slot.heartbeat()
         return slot
+
+    @staticmethod
+    def _reader_lost(slot: EngineSlot, loop: asyncio.AbstractEventLoop | None) -> None:
+        """The slot's reader worker died with its connections (supervisor thread): every link handshakes
+        again before its next read, with the next generation (not after that read failed)."""
+        if loop is not None:
+            loop.call_soon_threadsafe(lambda: [setattr(link, "stale", True) for link in slot.links.values()])
 
     @staticmethod
     def _worker_up(slot: EngineSlot, up, loop: asyncio.AbstractEventLoop | None) -> None:

@@ -110,6 +110,7 @@ class WorkerOptions:
     replace_interval_s: float = MIN_REPLACE_INTERVAL_S
     on_death: Callable[[], None] | None = None  # a worker ended unasked (any thread)
     on_replace: Callable[[tuple[str, ...]], None] | None = None  # a replacement started, for these reasons
+    readers: bool = False  # the rank's own READs from a reader worker too (dataplane_reader_workers)
 
 
 class WorkerServed:

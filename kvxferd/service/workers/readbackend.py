@@ -42,6 +42,7 @@ from kvxferd.plan.notifications import HELLO
 from kvxferd.service.workers.generation import Region, WorkerDeath
 from kvxferd.service.workers.notices import WorkerNotices
 from kvxferd.service.workers.supervisor import WorkerSupervisor
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire import workerchannel as channel
 from kvxferd.wire.messages import engine_to_pb, pack_ids
 from kvxferd.xfer.admission import admit
@@ -51,7 +52,9 @@ from kvxferd.xfer.reads import ABORT_DRAIN_S
 from kvxferd.xfer.records import AdmittedRead, Drain, InFlightRead, ReadResult, ReadTimes, RemoteEngine
 
 log = logging.getLogger("kvxferd.workers")
-CONNECT_TIMEOUT_S = 10.0  # a worker's answer to connect (loading T agents, preparing lists: milliseconds)
+# A worker's answer to connect (loading T agents, preparing lists: milliseconds). The data-plane thread waits
+# for it, as it waits for an in-process connect: a worker that does not answer stalls it this long.
+CONNECT_TIMEOUT_S = 5.0
 FAILURES = {f.value: f for f in ReadFailure}
 
 
@@ -71,12 +74,13 @@ class WorkerReadBackend:
 
     def __init__(self, name: str, region_fds: Sequence[tuple[int, int, int]], cache: EngineCache,
                  notices: WorkerNotices, *, poll_interval_s: float, wake: Callable[[], None],
-                 on_death: Callable[[], None] | None = None) -> None:
+                 on_death: Callable[[], None] | None = None, on_lost: Callable[[], None] | None = None) -> None:
         """``region_fds``: (fd, offset, num_bytes) of each of ``cache``'s regions, in its order; ``notices``: the
-        engine's notice agent (its holder worker's); ``wake``: wakes whoever polls (the data-plane thread)."""
+        engine's notice agent (its holder worker's); ``wake``: wakes whoever polls (the data-plane thread);
+        ``on_lost``: the worker died with every connection (the caller's links must handshake again)."""
         if len(region_fds) != sum(len(m) for m in cache.memory):
             raise InvalidArgumentError("regions", "a reader worker maps every region of the cache from its fd")
-        self.cache, self.notices, self._wake, self._on_death = cache, notices, wake, on_death
+        self.cache, self.notices, self._wake, self._on_death, self._on_lost = cache, notices, wake, on_death, on_lost
         self.lock = threading.RLock()
         self._closing = False
         self.num_notices_sent = 0
@@ -85,7 +89,6 @@ class WorkerReadBackend:
         self._tickets = itertools.count(1)
         self._answers: dict[int, dict | None] = {}  # ticket -> answer (None: waited for, not come yet)
         self._reads: dict[int, InFlightRead] = {}
-        self._pending_notices: dict[int, list[tuple[str, bytes]]] = {}  # id(inflight) -> its notices
         self.current: dict[str, RemoteEngine] = {}
         self._probes: dict[int, _Probe] = {}  # id(remote) -> its probe
         described = engine_to_pb(cache, with_addresses=False).SerializeToString().hex()
@@ -112,33 +115,34 @@ class WorkerReadBackend:
                                                                       for b in boards)):
             raise InvalidArgumentError("boards", "a hold board, with its hold key, per remote rank")
         names = tuple(agent_name_of(m, f"metadata[{q}]") for q, m in enumerate(metadata))
-        with self.lock:
-            self.disconnect(plan.remote_engine_id)
-            answer = self._ask({"op": "connect", "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
-                                                             .SerializeToString().hex() for c in remotes],
-                                "metadata": [m.hex() for m in metadata], "same_host": same_host,
-                                "boards": None if boards is None else [
-                                    {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex()}
-                                    for b in boards]})
-            remote = RemoteEngine(plan, names, {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()),
-                                  hold_keys=tuple(b.hold_key for b in boards or ()))
-            remote.host_ranks = {q: None for q in _ints(answer.get("host_ranks"), len(names))}
-            errors = answer.get("host_errors")
-            remote.host_errors = {int(q): str(e)[:300] for q, e in errors.items() if str(q).isdigit()
-                                  and int(q) < len(names)} if isinstance(errors, dict) else {}
-            loaded = 0
-            try:
-                for q, m in enumerate(metadata):  # the engine's notices go out from its holder worker
-                    self.notices.add_remote(m, f"metadata[{q}]")
-                    loaded += 1
-                    self.notices.connect_to(names[q])
-            except BaseException:
-                self._unload(names[:loaded])
-                self.supervisor.send({"op": "disconnect", "engine_id": plan.remote_engine_id})
-                raise
-            with self._state:
-                self.current[plan.remote_engine_id] = remote
-            return remote
+        self.disconnect(plan.remote_engine_id)
+        # The handshake holds self.lock across this (links.py: no read posted between failing the old
+        # connection's reads and the swap), so the loop's small reads wait for the worker's answer too:
+        # milliseconds, at most CONNECT_TIMEOUT_S from a worker that does not answer.
+        answer = self._ask({"op": "connect", "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
+                                                         .SerializeToString().hex() for c in remotes],
+                            "metadata": [m.hex() for m in metadata], "same_host": same_host,
+                            "boards": None if boards is None else [
+                                {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex()}
+                                for b in boards]})
+        remote = RemoteEngine(plan, names, {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()),
+                              hold_keys=tuple(b.hold_key for b in boards or ()))
+        remote.host_ranks = {q: None for q in _ints(answer.get("host_ranks"), len(names))}
+        errors = answer.get("host_errors")
+        remote.host_errors = {q: str(errors[k])[:300] for k, q in _ranks(errors, len(names))}
+        loaded = 0
+        try:
+            for q, m in enumerate(metadata):  # the engine's notices go out from its holder worker
+                self.notices.add_remote(m, f"metadata[{q}]")
+                loaded += 1
+                self.notices.connect_to(names[q])
+        except BaseException:
+            self._unload(names[:loaded])
+            self.supervisor.send({"op": "disconnect", "engine_id": plan.remote_engine_id})
+            raise
+        with self.lock, self._state:
+            self.current[plan.remote_engine_id] = remote
+        return remote
 
     def disconnect(self, engine_id: str) -> None:
         with self.lock:
@@ -208,14 +212,17 @@ class WorkerReadBackend:
         if answer["op"] == "error":
             return {0: str(answer.get("message"))[:500]}
         errors = answer.get("errors")
-        return {int(q): str(e)[:500] for q, e in errors.items() if str(q).isdigit()} if isinstance(errors, dict) \
-            else {0: "a probe answer out of protocol"}
+        if not isinstance(errors, dict) or len(_ranks(errors, len(remote.agent_names))) != len(errors):
+            return {0: "a probe answer out of protocol"}
+        return {q: str(errors[k])[:500] for k, q in _ranks(errors, len(remote.agent_names))}
 
     def abort_probe(self, remote: RemoteEngine, reason: str) -> None:
         probe = self._probes.pop(id(remote), None)
         if probe is not None:
             with self._state:
-                self._answers.pop(probe.ticket, None)
+                answered = self._answers.pop(probe.ticket, None) is not None
+            if not answered:
+                self.supervisor.send({"op": "abort_probe", "engine_id": remote.plan.remote_engine_id})
 
     # ---- reads ---------------------------------------------------------------------
     def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True) -> InFlightRead:
@@ -233,18 +240,23 @@ class WorkerReadBackend:
             inflight.ticket = ticket
             with self._state:
                 self._reads[ticket] = inflight
-            sent = self.supervisor.send({"op": "post", "id": ticket, "engine_id": current.plan.remote_engine_id,
+            inflight.times.posted_s = time.perf_counter()
+            message = {"op": "post", "id": ticket, "engine_id": current.plan.remote_engine_id,
                                          "request": {"request_id": request.request_id,
                                                      "remote_request_id": request.remote_request_id,
                                                      "local": local.hex(), "local_sizes": local_sizes,
                                                      "remote": remote_ids.hex(), "remote_sizes": remote_sizes,
                                                      "num_tokens": request.num_tokens or 0,
-                                                     "caps": [c.hex() for c in request.remote_capabilities]}})
+                                                     "caps": [c.hex() for c in request.remote_capabilities]}}
+            try:
+                sent = self.supervisor.send(message)
+            except InvalidArgumentError:  # more block ids than one channel message carries (about 65 000)
+                sent = False
             if not sent:
                 with self._state:
                     self._reads.pop(ticket, None)
-                raise UnavailableError("worker", "the reader worker is restarting or not reading its channel")
-            inflight.times.posted_s = time.perf_counter()
+                raise UnavailableError("worker", "the reader worker is restarting, not reading its channel, or "
+                                                 "the read names more block ids than its channel carries")
             return inflight
 
     def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
@@ -252,7 +264,9 @@ class WorkerReadBackend:
             if inflight.result is None and inflight.drain is not None and time.perf_counter() > inflight.drain.until_s:
                 # Aborted, and the worker never said it ended: given up on (its blocks may still be written).
                 self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads),
-                          "the reader worker did not end an aborted read", ReadFailure.ABORTED, unsettled=True)
+                          "the reader worker did not end an aborted read",
+                          inflight.failure if inflight.failure is not ReadFailure.NONE else ReadFailure.ABORTED,
+                          unsettled=True)
             if notify and inflight.result is not None:
                 self.send_notices(inflight)
             return inflight.result
@@ -263,17 +277,20 @@ class WorkerReadBackend:
         without it is failed here at once (the memory is about to go; the worker stops with it)."""
         with self.lock:
             if inflight.result is None:
+                if inflight.failure is ReadFailure.NONE:
+                    inflight.failure = failure  # what the drain's end reports, should the worker never answer
                 message = {"op": "abort", "id": inflight.ticket, "reason": reason[:200], "failure": failure.value,
-                           "drain": drain}
+                           "drain": drain, "drain_s": self.abort_drain_s}
                 if drain and self.supervisor.send(message):
                     if inflight.drain is None:
                         inflight.drain = Drain(time.perf_counter() + self.abort_drain_s + 1.0)
                     return None
                 if not drain:
                     self.supervisor.send(message)
-                # Not sent: a dead worker writes nothing more; one that does not read its channel is killed.
+                # Not sent to a live worker (its channel full): its READ may still land: unsettled. A dead
+                # worker writes nothing more.
                 self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads), reason,
-                          failure)
+                          failure, unsettled=drain and self.supervisor.current is not None)
             return self.poll(inflight, notify=True)
 
     def send_notices(self, inflight: InFlightRead) -> None:
@@ -282,8 +299,7 @@ class WorkerReadBackend:
             if inflight.result is None or inflight.notified:
                 return
             inflight.notified = True
-            with self._state:
-                notices = self._pending_notices.pop(id(inflight), [])
+            notices, inflight.worker_notices = inflight.worker_notices, ()
             for agent, data in notices:
                 try:
                     self.notices.notify(agent, data)
@@ -306,13 +322,18 @@ class WorkerReadBackend:
                 remotes, self.current = list(self.current.values()), {}
             for remote in remotes:
                 self._unload(remote.agent_names)
-            self.supervisor.stop()
-            self.supervisor.forget_callbacks()
+            self.supervisor.send({"op": "stop"})
+            # Joined on a thread of its own: the caller (the data-plane thread) is every engine's.
+            threading.Thread(target=self._stop_worker, name=f"kvxferd-stop-{self.supervisor.name}", daemon=True).start()
             with self._state:
                 reads = list(self._reads.values())
             for inflight in reads:
                 self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads),
                           "the engine's reads were closed", ReadFailure.ABORTED)
+
+    def _stop_worker(self) -> None:
+        self.supervisor.stop()
+        self.supervisor.forget_callbacks()
 
     # ---- the supervisor's thread ---------------------------------------------------------
     def _ask(self, message: dict) -> dict:
@@ -321,7 +342,7 @@ class WorkerReadBackend:
         with self._state:
             self._answers[ticket] = None
         try:
-            # Not waited for: the caller is the data-plane thread, which every engine's reads share.
+            # A worker that is not up is not waited for (the next handshake tries again).
             if self.supervisor.current is None or not self.supervisor.send({**message, "id": ticket}):
                 raise UnavailableError("worker", "the reader worker is restarting")
             deadline = time.monotonic() + CONNECT_TIMEOUT_S
@@ -332,6 +353,9 @@ class WorkerReadBackend:
                         raise UnavailableError("worker", f"no answer from the reader worker in {CONNECT_TIMEOUT_S:g} s")
                     self._state.wait(left)
                 answer = self._answers[ticket]
+        except BaseException:
+            self.supervisor.send({"op": "disconnect", "engine_id": plan_engine_id(message)})  # a late answer's
+            raise
         finally:
             with self._state:
                 self._answers.pop(ticket, None)
@@ -365,24 +389,26 @@ class WorkerReadBackend:
         failure = FAILURES.get(str(message.get("failure")), ReadFailure.TRANSFER)
         if failure is not ReadFailure.NONE and not failed:
             failed = tuple(sorted(ranks))  # a failure that names no rank: trust none of them
+        if failed and failure is ReadFailure.NONE:
+            failure = ReadFailure.TRANSFER
         transfer_s = message.get("transfer_s")
         if isinstance(transfer_s, (int, float)) and 0 <= transfer_s < 3600:
             inflight.times.transferred_s = inflight.times.posted_s + transfer_s
         copies = message.get("host_copies")
         inflight.copied_elsewhere = copies if isinstance(copies, int) and 0 <= copies <= len(ranks) else 0
         holders = set(inflight.remote.agent_names)
-        with self._state:
-            self._pending_notices[id(inflight)] = [p for p in channel.notify_entries(
-                {"notices": message.get("notices", [])})[0] if p[0] in holders]
+        notices = [p for p in channel.notify_entries({"notices": message.get("notices", [])})[0] if p[0] in holders]
         self._end(inflight, ticket, failed, str(message.get("error") or "")[:2000] or None,
-                  failure if failed else ReadFailure.NONE, unsettled=bool(message.get("unsettled")))
+                  failure if failed else ReadFailure.NONE, unsettled=bool(message.get("unsettled")), notices=notices)
 
     def _end(self, inflight: InFlightRead, ticket: int, failed: tuple[int, ...], error: str | None,
-             failure: ReadFailure, *, unsettled: bool = False) -> None:
-        """Its result, computed here from the ranks that failed (any thread)."""
+             failure: ReadFailure, *, unsettled: bool = False, notices: list[tuple[str, bytes]] = ()) -> None:
+        """Its result, computed here from the ranks that failed, and the notices to send for it (any thread;
+        the first to end it wins)."""
         with self._state:
             if self._reads.pop(ticket, None) is None and inflight.result is not None:
                 return
+            inflight.worker_notices = tuple(notices)
             planned = inflight.planned
             invalid = (planned.invalid_block_ids(failed) if failed
                        else tuple(np.zeros(0, np.int64) for _ in planned.units))
@@ -402,17 +428,36 @@ class WorkerReadBackend:
         why = f"the reader worker died ({'signal %d' % -death.returncode if death.returncode < 0 else 'exit %d' % death.returncode})"
         with self._state:
             reads = list(self._reads.items())
-            self.current = {}
+            remotes, self.current = list(self.current.values()), {}
             for ticket, answer in self._answers.items():
                 if answer is None:
                     self._answers[ticket] = {"op": "error", "id": ticket, "message": why}
             self._state.notify_all()
         for ticket, inflight in reads:
             self._end(inflight, ticket, tuple(r.remote_rank for r in inflight.planned.reads), why, ReadFailure.TRANSFER)
+        for remote in remotes:  # the holders its connections had loaded on the notice agent
+            self._unload(remote.agent_names)
+        if self._on_lost is not None and not self._closing:
+            self._on_lost()
         if not self._closing:
             log.warning("%s: %d reads failed", why, len(reads))
         if self._on_death is not None and not self._closing:
             self._on_death()
+
+
+def plan_engine_id(message: dict) -> str:
+    """The remote engine a connect message names (for the disconnect that follows a failed one)."""
+    try:
+        return pb.EngineRank.FromString(bytes.fromhex(message["remotes"][0])).engine_id
+    except (KeyError, IndexError, ValueError):
+        return ""
+
+
+def _ranks(mapping, bound: int) -> list[tuple[str, int]]:
+    """The keys of a worker's ``{"rank": ...}`` that are ranks in [0, bound), with their ranks."""
+    if not isinstance(mapping, dict):
+        return []
+    return [(k, int(k)) for k in mapping if isinstance(k, str) and k.isascii() and k.isdecimal() and int(k) < bound]
 
 
 def _ints(values, bound: int) -> list[int]:

@@ -30,7 +30,8 @@ RESTART_BOUND_S = 30.0  # a killed worker's successor serves reads within this (
 @pytest.fixture(scope="module")
 def cluster(workdir, ca):
     issued = ca.issue("kvxferd", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)
-    args = (*tls_args(ca, issued), "--peer-secret-file", f"{workdir}/peer.secret", "--dataplane-workers")
+    args = (*tls_args(ca, issued), "--peer-secret-file", f"{workdir}/peer.secret", "--dataplane-workers",
+            "--dataplane-reader-workers")
     # The decode daemon reads over NIXL (never by opening the holder's memory itself); the prefill daemon
     # keeps same-host reads on, so it holds the host secret the search must not find in its worker.
     decode_over_nixl = lambda daemon_id: ("--no-same-host-reads",) if "-d" in daemon_id else ()  # noqa: E731
@@ -173,6 +174,18 @@ def test_a_reader_worker_that_dies_fails_its_reads_whole_and_the_next_generation
     assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED]
     print(f"the first ok read after the reader worker died: {took_s:.2f} s; first try: "
           f"{[c.ok for c in completions]}")
+    # Once its successor is up, the first read is ok: the death marked every link stale, so that read
+    # handshakes with the new generation first (not: fails on a connection that died with the worker).
+    log_at = decode.log_bytes()
+    os.kill(second, signal.SIGKILL)
+    deadline = time.monotonic() + RESTART_BOUND_S
+    while "-r generation 3 (pid" not in decode.log_text(log_at) and time.monotonic() < deadline:  # up
+        time.sleep(0.05)
+    again = random_request("wk-reader-again", *GROUPS, 64, np.random.default_rng(5))
+    cluster.reset_decode()
+    completions = cluster.read(again, timeout_s=20)
+    assert all(c.ok for c in completions), [c.error for c in completions]
+    assert cluster.verify(again) == ([], 0)
 
 
 def test_a_worker_killed_through_its_metadata_is_replaced_and_no_hold_is_lost(cluster, ca):
