@@ -18,6 +18,11 @@ descriptors beside it (``SCM_RIGHTS``)::
     stop   {}                                      notices  {notices: [[sender, hex]]} (one-way)
                                                    error    {message}
 
+A reader worker (``map`` with ``role: reader`` and the cache's description: its files mapped
+read-write) takes the commands of :mod:`kvxferd.worker.reads` instead of ``load`` .. ``notify``:
+``connect {id, ..}`` (answered ``connected``/``error`` with that id), ``probe``, ``abort_probe``,
+``post {id, request}`` (answered ``ended {id, ..}``), ``abort``, ``disconnect``, ``release_host``.
+
 Neither side trusts the other's bytes further than this module's checks:
 a worker may be owned by whoever holds its NIXL metadata.
 """

@@ -61,11 +61,13 @@ def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
 
 
 def test_a_short_soak_killing_data_plane_workers_breaks_no_invariant(tmp_path):
-    """--dataplane-workers: workers killed on both sides (and daemons killed, whose workers go with them) are
-    replaced, their daemons and holds live on, and each daemon counted exactly the deaths the soak caused.
+    """--dataplane-workers --dataplane-reader-workers: workers of either kind killed on both sides (and daemons
+    killed, whose workers go with them) are replaced, their daemons and holds live on, and each daemon
+    counted exactly the deaths the soak caused.
     A loaded CI machine gets through only a dozen requests in a minute: two kinds at half the requests,
     so some reads still end ok and some holds CONSUMED (_check), and each kind comes at least once."""
-    code, summary, stderr = _soak("--dataplane-workers", "--duration", "60", "--seed", "7", "--fault-rate", "0.5",
+    code, summary, stderr = _soak("--dataplane-workers", "--dataplane-reader-workers", "--duration", "60",
+                                  "--seed", "7", "--fault-rate", "0.5",
                                   "--max-tp", "2", "--faults", "kill_worker,kill_prefill_daemon",
                                   timeout_s=600, logs=tmp_path)
     _check(code, summary, tmp_path, stderr)
