@@ -167,8 +167,10 @@ class ReaderRole:
             if len(self.reads) >= MAX_READS:
                 raise InvalidArgumentError("post", f"{MAX_READS} reads in flight")
             remote = ex.remote(str(message.get("engine_id")))
+            self.notices.take()  # (none: every read's are taken as it ends)
             inflight = ex.post(AdmittedRead(remote, _request(message), None), notify=True)
             self.reads[n] = (inflight, time.perf_counter())
+            self.notices_of[n] = self.notices.take()  # a read that ended within its post sent them there
             return None
         if op == "abort":
             n = _int(message, "id")

@@ -274,7 +274,7 @@ class DataPlane:
             elif self._reads:  # each ends on another thread, which wakes this one: only deadlines to watch
                 sleep_s = WOKEN_READ_POLL_S
                 if any(slot.served is None and slot.holder.wants_progress() for slot in self._slots):
-                    sleep_s = self.interval_s
+                    sleep_s = min(WOKEN_READ_POLL_S, self.interval_s)
             # A slot a data-plane worker serves is polled there, paced by _pace_workers; its notices come
             # as commands (take_notices), which wake this thread: its holds need no polling here.
             elif any(slot.served is None and slot.holder.wants_progress() for slot in self._slots):

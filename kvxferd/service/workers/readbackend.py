@@ -322,8 +322,8 @@ class WorkerReadBackend:
                 remotes, self.current = list(self.current.values()), {}
             for remote in remotes:
                 self._unload(remote.agent_names)
-            self.supervisor.send({"op": "stop"})
-            # Joined on a thread of its own: the caller (the data-plane thread) is every engine's.
+            # Stopped and joined on a thread of its own (stop() sends the stop, once it marked the worker's
+            # end as asked for): the caller, the data-plane thread, is every engine's.
             threading.Thread(target=self._stop_worker, name=f"kvxferd-stop-{self.supervisor.name}", daemon=True).start()
             with self._state:
                 reads = list(self._reads.values())

@@ -128,3 +128,46 @@ def test_a_dead_worker_fails_every_read_and_connection_and_the_next_generation_c
     backend.connect([prefill.cache], [holder.metadata()])
     _, result = read(backend, request)
     assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+
+
+def test_a_read_that_ends_within_its_post_keeps_its_notices():
+    """The worker side alone: notices its executor sent inside ``post`` (a read that ended there) go with
+    that read's ``ended``; leftovers of anything else (a probe's HELLO) do not."""
+    import json
+    import socket
+
+    from kvxferd.plan.notifications import HELLO
+    from kvxferd.wire.messages import pack_ids
+    from kvxferd.worker.reads import NoticeCollector, ReaderRole
+    from kvxferd.xfer.records import ReadResult
+
+    class EndsAtOnce:
+        def __init__(self, notices):
+            self.notices, self.result = notices, ReadResult("r", "p", True, 8, 1, 0.0, ())
+
+        def remote(self, engine_id):
+            return object()
+
+        def post(self, admitted, notify=True):
+            self.notices.notify("holder-a", b"notice of r")
+            return type("Posted", (), {"transferred_s": 0.0, "posted_s": 0.0, "num_host_copies": 0})()
+
+        def poll(self, inflight, notify=True):
+            return self.result
+
+    role = ReaderRole.__new__(ReaderRole)
+    role.notices, role.reads, role.notices_of, role.probes = NoticeCollector(), {}, {}, {}
+    role.executor = EndsAtOnce(role.notices)
+    role.notices.notify("holder-b", HELLO)  # a probe's: the control plane sends those
+    role.notices.notify("holder-c", b"someone else's")  # a leftover: must not ride on this read
+    ids, sizes = pack_ids([[1]])
+    role.handle("post", {"id": 3, "engine_id": "p", "request": {
+        "request_id": "r", "remote_request_id": "r", "local": ids.hex(), "local_sizes": sizes,
+        "remote": ids.hex(), "remote_sizes": sizes, "caps": []}})
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    role.progress(ours)
+    ended = json.loads(theirs.recv(1 << 16))
+    assert ended["op"] == "ended" and ended["id"] == 3
+    assert ended["notices"] == [["holder-a", b"notice of r".hex()]]
+    ours.close()
+    theirs.close()
