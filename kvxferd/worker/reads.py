@@ -40,7 +40,8 @@ from kvxferd.wire.messages import engine_from_pb, peer_memory_from_pb, unpack_id
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
-from kvxferd.xfer.records import AdmittedRead, InFlightRead
+from kvxferd.xfer.admission import admit
+from kvxferd.xfer.records import InFlightRead
 
 MAX_READS = 1 << 17  # reads one worker keeps in flight (a bound on its memory; the daemon's own limit,
                      # max_reads_per_engine, is 8192 by default)
@@ -168,7 +169,7 @@ class ReaderRole:
                 raise InvalidArgumentError("post", f"{MAX_READS} reads in flight")
             remote = ex.remote(str(message.get("engine_id")))
             self.notices.take()  # (none: every read's are taken as it ends)
-            inflight = ex.post(AdmittedRead(remote, _request(message), None), notify=True)
+            inflight = ex.post(admit(remote, _request(message)), notify=True)
             self.reads[n] = (inflight, time.perf_counter())
             self.notices_of[n] = self.notices.take()  # a read that ended within its post sent them there
             return None

@@ -99,9 +99,6 @@ class InFlightRead:
     notified: bool = False  # its notices went out (send_notices)
     drain: Drain | None = None  # aborted (abort): its transfers may still write
     step: int = 0  # counts ranks whose transfer or check ended: a poller sees progress short of the end
-    ticket: int = 0  # a backend's own number for it (a reader worker's: service/workers/readbackend.py)
-    copied_elsewhere: int = 0  # ranks copied same-host by a backend whose ranks are not kept here
-    worker_notices: tuple = ()  # (holder agent, notice) a reader worker's read made, for send_notices
 
     @property
     def remote(self) -> RemoteEngine:
@@ -132,7 +129,7 @@ class InFlightRead:
     @property
     def num_host_copies(self) -> int:
         """Ranks whose data was copied same-host, not read over NIXL."""
-        return self.copied_elsewhere + sum(r.copied_here for r in self.ranks.values())
+        return sum(r.copied_here for r in self.ranks.values())
 
     @property
     def errors(self) -> dict[int, str]:

@@ -59,6 +59,20 @@ FAILURES = {f.value: f for f in ReadFailure}
 
 
 @dataclass(eq=False)
+class WorkerRead(InFlightRead):
+    """A read the reader worker posts (its ranks are kept there): its number on the channel, the ranks it
+    copied same-host, and the notices it made, sent on by :meth:`WorkerReadBackend.send_notices`."""
+
+    ticket: int = 0
+    copied_elsewhere: int = 0
+    worker_notices: tuple = ()
+
+    @property
+    def num_host_copies(self) -> int:
+        return self.copied_elsewhere
+
+
+@dataclass(eq=False)
 class _Probe:
     """A connection's probe as the handshake sees it (``waiting``/``running``: its ranks, for a timeout)."""
 
@@ -236,8 +250,8 @@ class WorkerReadBackend:
             local, local_sizes = pack_ids(request.local_block_ids)
             remote_ids, remote_sizes = pack_ids(request.remote_block_ids)
             ticket = next(self._tickets)
-            inflight = InFlightRead(admitted, {}, ReadTimes(time.perf_counter() if start_s is None else start_s))
-            inflight.ticket = ticket
+            inflight = WorkerRead(admitted, {}, ReadTimes(time.perf_counter() if start_s is None else start_s),
+                                  ticket=ticket)
             with self._state:
                 self._reads[ticket] = inflight
             inflight.times.posted_s = time.perf_counter()
@@ -401,7 +415,7 @@ class WorkerReadBackend:
         self._end(inflight, ticket, failed, str(message.get("error") or "")[:2000] or None,
                   failure if failed else ReadFailure.NONE, unsettled=bool(message.get("unsettled")), notices=notices)
 
-    def _end(self, inflight: InFlightRead, ticket: int, failed: tuple[int, ...], error: str | None,
+    def _end(self, inflight: WorkerRead, ticket: int, failed: tuple[int, ...], error: str | None,
              failure: ReadFailure, *, unsettled: bool = False, notices: list[tuple[str, bytes]] = ()) -> None:
         """Its result, computed here from the ranks that failed, and the notices to send for it (any thread;
         the first to end it wins)."""

@@ -130,7 +130,7 @@ def test_a_dead_worker_fails_every_read_and_connection_and_the_next_generation_c
     assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
 
 
-def test_a_read_that_ends_within_its_post_keeps_its_notices():
+def test_a_read_that_ends_within_its_post_keeps_its_notices(monkeypatch):
     """The worker side alone: notices its executor sent inside ``post`` (a read that ended there) go with
     that read's ``ended``; leftovers of anything else (a probe's HELLO) do not."""
     import json
@@ -138,8 +138,11 @@ def test_a_read_that_ends_within_its_post_keeps_its_notices():
 
     from kvxferd.plan.notifications import HELLO
     from kvxferd.wire.messages import pack_ids
+    from kvxferd.worker import reads
     from kvxferd.worker.reads import NoticeCollector, ReaderRole
     from kvxferd.xfer.records import ReadResult
+
+    monkeypatch.setattr(reads, "admit", lambda remote, request: (remote, request))  # no plan: a stand-in executor
 
     class EndsAtOnce:
         def __init__(self, notices):
