@@ -42,7 +42,6 @@ from kvxferd.plan.notifications import HELLO
 from kvxferd.service.workers.generation import Region, WorkerDeath
 from kvxferd.service.workers.notices import WorkerNotices
 from kvxferd.service.workers.supervisor import WorkerSupervisor
-from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire import workerchannel as channel
 from kvxferd.wire.messages import engine_to_pb, pack_ids
 from kvxferd.xfer.admission import admit
@@ -133,7 +132,7 @@ class WorkerReadBackend:
         # The handshake holds self.lock across this (links.py: no read posted between failing the old
         # connection's reads and the swap), so the loop's small reads wait for the worker's answer too:
         # milliseconds, at most CONNECT_TIMEOUT_S from a worker that does not answer.
-        answer = self._ask({"op": "connect", "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
+        answer = self._ask({"op": "connect", "engine_id": plan.remote_engine_id, "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
                                                          .SerializeToString().hex() for c in remotes],
                             "metadata": [m.hex() for m in metadata], "same_host": same_host,
                             "boards": None if boards is None else [
@@ -277,10 +276,9 @@ class WorkerReadBackend:
         with self.lock:
             if inflight.result is None and inflight.drain is not None and time.perf_counter() > inflight.drain.until_s:
                 # Aborted, and the worker never said it ended: given up on (its blocks may still be written).
-                self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads),
-                          "the reader worker did not end an aborted read",
-                          inflight.failure if inflight.failure is not ReadFailure.NONE else ReadFailure.ABORTED,
-                          unsettled=True)
+                self._fail_whole(inflight, "the reader worker did not end an aborted read",
+                                 inflight.failure if inflight.failure is not ReadFailure.NONE else ReadFailure.ABORTED,
+                                 unsettled=True)
             if notify and inflight.result is not None:
                 self.send_notices(inflight)
             return inflight.result
@@ -303,8 +301,7 @@ class WorkerReadBackend:
                     self.supervisor.send(message)
                 # Not sent to a live worker (its channel full): its READ may still land: unsettled. A dead
                 # worker writes nothing more.
-                self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads), reason,
-                          failure, unsettled=drain and self.supervisor.current is not None)
+                self._fail_whole(inflight, reason, failure, unsettled=drain and self.supervisor.current is not None)
             return self.poll(inflight, notify=True)
 
     def send_notices(self, inflight: InFlightRead) -> None:
@@ -342,8 +339,7 @@ class WorkerReadBackend:
             with self._state:
                 reads = list(self._reads.values())
             for inflight in reads:
-                self._end(inflight, inflight.ticket, tuple(r.remote_rank for r in inflight.planned.reads),
-                          "the engine's reads were closed", ReadFailure.ABORTED)
+                self._fail_whole(inflight, "the engine's reads were closed", ReadFailure.ABORTED)
 
     def _stop_worker(self) -> None:
         self.supervisor.stop()
@@ -351,7 +347,9 @@ class WorkerReadBackend:
 
     # ---- the supervisor's thread ---------------------------------------------------------
     def _ask(self, message: dict) -> dict:
-        """Send a command and wait for its answer (connect); typed errors for an error, a death or silence."""
+        """Send a command and wait for its answer (connect); typed errors for an error, a death or silence.
+        One that failed is followed by a ``disconnect`` of its ``engine_id``: a late answer's connection
+        would otherwise stay in the worker."""
         ticket = next(self._tickets)
         with self._state:
             self._answers[ticket] = None
@@ -368,7 +366,7 @@ class WorkerReadBackend:
                     self._state.wait(left)
                 answer = self._answers[ticket]
         except BaseException:
-            self.supervisor.send({"op": "disconnect", "engine_id": plan_engine_id(message)})  # a late answer's
+            self.supervisor.send({"op": "disconnect", "engine_id": message["engine_id"]})
             raise
         finally:
             with self._state:
@@ -390,8 +388,8 @@ class WorkerReadBackend:
                     return
                 inflight = self._reads.get(ticket) if message["op"] == "error" else None
             if inflight is not None:  # the worker refused a post (its connection is gone): nothing was read
-                self._end(inflight, ticket, tuple(r.remote_rank for r in inflight.planned.reads),
-                          f"the reader worker refused it: {str(message.get('message'))[:500]}", ReadFailure.REMOTE_GONE)
+                self._fail_whole(inflight, f"the reader worker refused it: {str(message.get('message'))[:500]}",
+                                 ReadFailure.REMOTE_GONE)
             return
         with self._state:
             inflight = self._reads.get(ticket)
@@ -412,15 +410,19 @@ class WorkerReadBackend:
         inflight.copied_elsewhere = copies if isinstance(copies, int) and 0 <= copies <= len(ranks) else 0
         holders = set(inflight.remote.agent_names)
         notices = [p for p in channel.notify_entries({"notices": message.get("notices", [])})[0] if p[0] in holders]
-        self._end(inflight, ticket, failed, str(message.get("error") or "")[:2000] or None,
+        self._end(inflight, failed, str(message.get("error") or "")[:2000] or None,
                   failure if failed else ReadFailure.NONE, unsettled=bool(message.get("unsettled")), notices=notices)
 
-    def _end(self, inflight: WorkerRead, ticket: int, failed: tuple[int, ...], error: str | None,
-             failure: ReadFailure, *, unsettled: bool = False, notices: list[tuple[str, bytes]] = ()) -> None:
+    def _fail_whole(self, inflight: WorkerRead, error: str, failure: ReadFailure, *, unsettled: bool = False) -> None:
+        """End it failed on every rank of its plan: every block it was to write is invalid."""
+        self._end(inflight, tuple(r.remote_rank for r in inflight.planned.reads), error, failure, unsettled=unsettled)
+
+    def _end(self, inflight: WorkerRead, failed: tuple[int, ...], error: str | None, failure: ReadFailure, *,
+             unsettled: bool = False, notices: list[tuple[str, bytes]] = ()) -> None:
         """Its result, computed here from the ranks that failed, and the notices to send for it (any thread;
         the first to end it wins)."""
         with self._state:
-            if self._reads.pop(ticket, None) is None and inflight.result is not None:
+            if self._reads.pop(inflight.ticket, None) is None and inflight.result is not None:
                 return
             inflight.worker_notices = tuple(notices)
             planned = inflight.planned
@@ -441,14 +443,14 @@ class WorkerReadBackend:
         connects the next generation), and whoever waits for an answer gets an error."""
         why = f"the reader worker died ({'signal %d' % -death.returncode if death.returncode < 0 else 'exit %d' % death.returncode})"
         with self._state:
-            reads = list(self._reads.items())
+            reads = list(self._reads.values())
             remotes, self.current = list(self.current.values()), {}
             for ticket, answer in self._answers.items():
                 if answer is None:
                     self._answers[ticket] = {"op": "error", "id": ticket, "message": why}
             self._state.notify_all()
-        for ticket, inflight in reads:
-            self._end(inflight, ticket, tuple(r.remote_rank for r in inflight.planned.reads), why, ReadFailure.TRANSFER)
+        for inflight in reads:
+            self._fail_whole(inflight, why, ReadFailure.TRANSFER)
         for remote in remotes:  # the holders its connections had loaded on the notice agent
             self._unload(remote.agent_names)
         if self._on_lost is not None and not self._closing:
@@ -457,14 +459,6 @@ class WorkerReadBackend:
             log.warning("%s: %d reads failed", why, len(reads))
         if self._on_death is not None and not self._closing:
             self._on_death()
-
-
-def plan_engine_id(message: dict) -> str:
-    """The remote engine a connect message names (for the disconnect that follows a failed one)."""
-    try:
-        return pb.EngineRank.FromString(bytes.fromhex(message["remotes"][0])).engine_id
-    except (KeyError, IndexError, ValueError):
-        return ""
 
 
 def _ranks(mapping, bound: int) -> list[tuple[str, int]]:
