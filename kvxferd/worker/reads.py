@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from kvxferd.errors import InvalidArgumentError, KvxferError
 from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.engine import ReadRequest
@@ -86,10 +88,7 @@ class NoticeCollector:
 def cache_of(message: dict, arrays: list) -> EngineCache:
     """The engine's cache as the control plane describes it (``cache``: an EngineRank, hex), its regions at
     the addresses this worker mapped them at, in order."""
-    try:
-        described = pb.EngineRank.FromString(bytes.fromhex(str(message.get("cache"))))
-    except ValueError:
-        raise InvalidArgumentError("cache", "an EngineRank message, hex") from None
+    described = _engine_rank(message.get("cache"), "cache")
     counts = [len(g.regions) for g in described.groups]
     if sum(counts) != len(arrays):
         raise InvalidArgumentError("cache", f"{sum(counts)} regions described, {len(arrays)} mapped")
@@ -224,11 +223,16 @@ class ReaderRole:
 
 def engine_from_pb_hex(text: Any) -> EngineCache:
     """A remote rank's cache (an EngineRank with addresses, hex), its memory as described."""
-    try:
-        described = pb.EngineRank.FromString(bytes.fromhex(str(text)))
-    except ValueError:
-        raise InvalidArgumentError("remotes", "EngineRank messages, hex") from None
+    described = _engine_rank(text, "remotes")
     return engine_from_pb(described, peer_memory_from_pb(described))
+
+
+def _engine_rank(text: Any, field: str) -> pb.EngineRank:
+    """An ``EngineRank`` message sent as hex; :class:`InvalidArgumentError` naming ``field`` if it is not one."""
+    try:
+        return pb.EngineRank.FromString(bytes.fromhex(str(text)))
+    except (ValueError, DecodeError):
+        raise InvalidArgumentError(field, "an EngineRank message, hex") from None
 
 
 def _list(message: dict, key: str) -> list:
