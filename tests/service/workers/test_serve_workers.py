@@ -21,6 +21,7 @@ from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION
 from kvxferd.xfer.nixl.agent import NixlAgent, TransferState, agent_name_of
 from tests.security.conftest import SPIFFE, tls_args
+from tests.sockets import listening_sockets
 
 pytestmark = pytest.mark.daemons
 GROUPS = model_groups("gqa", ModelShape())
@@ -106,23 +107,14 @@ def test_the_metadata_a_peer_gets_reaches_no_secret_of_the_daemon(cluster, ca):
 
 
 def listening_ports(pid: int) -> set[int]:
-    """The TCP ports ``pid`` listens on (its sockets, from /proc/<pid>/net and its fds)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    """The TCP ports ``pid`` listens on."""
+    return {port for _, port in listening_sockets(pid)}
+
+
+def own_ports(daemon) -> set[int]:
+    """The TCP ports a daemon was told to listen on (peer, notify, metrics; its engine socket is a path)."""
+    return {int(address.rsplit(":", 1)[1].split("/")[0]) for name, address in daemon.addresses.items()
+            if name != "engine"}
 
 
 def test_the_engines_own_reads_run_in_a_reader_worker_and_the_daemon_keeps_no_nixl_agent(cluster):
@@ -137,8 +129,7 @@ def test_the_engines_own_reads_run_in_a_reader_worker_and_the_daemon_keeps_no_ni
     assert all(search_process_memory(decode.process.pid, needles).values()), "the control: the daemon holds each"
     (reader,) = dataplane_workers(decode.process.pid, "reader")
     assert search_process_memory(reader, needles) == {label: [] for label in needles}
-    own = {int(address.rsplit(":", 1)[1].split("/")[0]) for name, address in decode.addresses.items()
-           if name != "engine"}
+    own = own_ports(decode)
     assert listening_ports(decode.process.pid) <= own, (listening_ports(decode.process.pid), own)
     assert listening_ports(reader) - own, "the reader worker's agent listens (UCX over TCP): it is where NIXL is"
 
@@ -147,9 +138,7 @@ def test_a_daemon_without_workers_listens_for_ucx_itself(tmp_path):
     """The control of the test above: without workers the daemon's own agents listen beside its ports."""
     with DaemonCluster(*GROUPS, 1, 1, workdir=str(tmp_path), name="wn") as c:
         daemon = c.decode_daemons[0]
-        own = {int(address.rsplit(":", 1)[1].split("/")[0]) for name, address in daemon.addresses.items()
-               if name != "engine"}
-        assert listening_ports(daemon.process.pid) - own
+        assert listening_ports(daemon.process.pid) - own_ports(daemon)
 
 
 def test_a_reader_worker_that_dies_fails_its_reads_whole_and_the_next_generation_reads(cluster):
