@@ -6,7 +6,8 @@
     ─────────────────────────────────            ──────────────────────────────────────────
     map {role: reader, cache, regions} + fds ──► the engine's regions mapped read-write, one agent
                                                  registering them (its metadata goes to no one)
-    connect {id, remotes, metadata, boards} ───► a ReadExecutor connection (plans, prepared lists)
+    connect {id, remotes, metadata, boards,  ──► a ReadExecutor connection (plans, prepared lists);
+             objects} + their fds                same-host objects passed by fd: the daemon's fds
                                              ◄── connected {id} / error {id, message}
     probe {id, engine_id} ─────────────────────► the connection's first READs (its boards)
                                              ◄── probed {id, errors}
@@ -27,6 +28,7 @@ daemon, and no other tenant's memory.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -136,8 +138,9 @@ class ReaderRole:
         """Reads or probes in flight: poll again soon."""
         return bool(self.reads or self.probes)
 
-    def handle(self, op: str, message: dict) -> dict | None:
-        """Carry out a reader command; an answer to send now, or None. Raises on a bad command."""
+    def handle(self, op: str, message: dict, fds: Sequence[int] = ()) -> dict | None:
+        """Carry out a reader command; an answer to send now, or None. Raises on a bad command. ``fds``: those
+        that came with it (the caller closes them)."""
         ex = self.executor
         if op == "connect":
             n = _int(message, "id")
@@ -147,7 +150,8 @@ class ReaderRole:
             board_infos = None if boards is None else [
                 BoardInfo(int(b["address"]), int(b["num_buckets"]), bytes.fromhex(str(b["hold_key"])))
                 for b in boards]
-            remote = ex.connect(remotes, metadata, board_infos, same_host=bool(message.get("same_host")))
+            remote = ex.connect(remotes, metadata, board_infos, same_host=bool(message.get("same_host")),
+                                opened=_opened_objects(message.get("objects"), fds))
             return {"op": "connected", "id": n, "host_ranks": sorted(remote.host_ranks),
                     "host_errors": {str(q): e[:300] for q, e in remote.host_errors.items()}}
         if op == "probe":
@@ -225,6 +229,22 @@ def engine_from_pb_hex(text: Any) -> EngineCache:
     """A remote rank's cache (an EngineRank with addresses, hex), its memory as described."""
     described = _engine_rank(text, "remotes")
     return engine_from_pb(described, peer_memory_from_pb(described))
+
+
+def _opened_objects(objects: Any, fds: Sequence[int]) -> dict[tuple[int, int], int | str] | None:
+    """The same-host objects the daemon opened for this worker: ``[device, inode, fd index or why not]``
+    each (:func:`~kvxferd.xfer.samehost.hostmaps.open_passed_objects`); None when it sent none."""
+    if objects is None:
+        return None
+    if not isinstance(objects, list) or len(objects) > channel.MAX_FDS:
+        raise InvalidArgumentError("objects", f"a list of at most {channel.MAX_FDS}")
+    opened: dict[tuple[int, int], int | str] = {}
+    for entry in objects:
+        if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) for v in entry[:2])
+                and (isinstance(entry[2], str) or isinstance(entry[2], int) and 0 <= entry[2] < len(fds))):
+            raise InvalidArgumentError("objects", "[device, inode, fd index or reason] each")
+        opened[(entry[0], entry[1])] = fds[entry[2]] if isinstance(entry[2], int) else entry[2][:300]
+    return opened
 
 
 def _engine_rank(text: Any, field: str) -> pb.EngineRank:

@@ -168,7 +168,7 @@ class Worker:
             if op == "pace":
                 return self.pace(message)
             if self.reader is not None and op in READER_OPS:
-                return self.reader.handle(op, message) or {}
+                return self.reader.handle(op, message, fds) or {}
             if op in ("load", "unload", "connect", "notify"):
                 return self.notice_op(op, message)
             if op == "stop":

@@ -37,6 +37,7 @@ from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.groups import EngineCache
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, RemoteEngine
+from kvxferd.xfer.samehost.hostmaps import OpenedObjects
 
 
 class ReadBackend(Protocol):
@@ -50,9 +51,11 @@ class ReadBackend(Protocol):
     wakes_when_done: bool
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
-                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
+                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False,
+                opened: OpenedObjects | None = None) -> RemoteEngine:
         """Prepare reads from a remote engine (a cache, agent metadata and hold board per rank); ``same_host``:
-        the ranks proved they share this host, and those that named their shared memory are copied from."""
+        the ranks proved they share this host, and those that named their shared memory are copied from;
+        ``opened``: the objects engines passed by fd, opened by the caller (it keeps and closes them)."""
 
     def disconnect(self, engine_id: str) -> None:
         """Forget a remote engine and release what :meth:`connect` prepared."""

@@ -26,6 +26,7 @@ from kvxferd.plan.notifications import HELLO
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError
 from kvxferd.xfer.nixl.checks import BoardProbe, CheckArea, board_rows
 from kvxferd.xfer.records import RemoteEngine
+from kvxferd.xfer.samehost.hostmaps import OpenedObjects
 from kvxferd.xfer.samehost.ranks import SameHostOpener, drop_all
 
 
@@ -39,7 +40,8 @@ class Connections:
         self.retired: list[RemoteEngine] = []  # replaced connections with aborted transfers still running
 
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
-                boards: Sequence[BoardInfo] | None, same_host: bool) -> RemoteEngine:
+                boards: Sequence[BoardInfo] | None, same_host: bool,
+                opened: OpenedObjects | None = None) -> RemoteEngine:
         """See :meth:`kvxferd.xfer.reads.ReadExecutor.connect`. A bad peer leaves nothing behind."""
         plan = EngineTransferPlan(self.cache, remotes)
         if len(metadata) != len(remotes):
@@ -70,7 +72,7 @@ class Connections:
                         names[q], board_rows(boards[q].address, boards[q].num_buckets), "DRAM")
                 if same_host:
                     try:
-                        remote.host_ranks[q] = self.same_host.open(remotes[q], rank_plan)
+                        remote.host_ranks[q] = self.same_host.open(remotes[q], rank_plan, opened)
                     except TransferError as err:
                         remote.host_errors[q] = err.message
         except BaseException:

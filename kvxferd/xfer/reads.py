@@ -42,6 +42,7 @@ from kvxferd.xfer.nixl.checks import BoardProbe, CheckArea
 from kvxferd.xfer.rankmachine import RankMachine
 from kvxferd.xfer.rankstate import RankTransfer
 from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, ReadTimes, RemoteEngine
+from kvxferd.xfer.samehost.hostmaps import OpenedObjects
 from kvxferd.xfer.samehost.ranks import drop_all
 
 ABORT_DRAIN_S = 30.0  # how long an aborted read's result waits for transfers UCX cannot stop (abort)
@@ -88,7 +89,8 @@ class ReadExecutor:
 
     # ---- connections ---------------------------------------------------------
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
-                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
+                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False,
+                opened: OpenedObjects | None = None) -> RemoteEngine:
         """Plan and prepare reads from a remote engine (one cache, metadata and hold board per rank).
 
         Without ``boards`` nothing is checked: reads of memory nobody holds
@@ -98,10 +100,11 @@ class ReadExecutor:
 
         ``same_host``: the remote ranks proved they share this host; each whose
         cache names its memory (shared-memory objects, CUDA IPC handles) is
-        opened here and read by copying (:mod:`kvxferd.xfer.samehost`), the others over NIXL.
+        opened here and read by copying (:mod:`kvxferd.xfer.samehost`), the others over NIXL. ``opened``:
+        objects passed by fd that another process opened for this one (a reader worker's daemon).
         """
         with self.lock:
-            return self.connections.connect(remotes, metadata, boards, same_host)
+            return self.connections.connect(remotes, metadata, boards, same_host, opened)
 
     def disconnect(self, engine_id: str) -> None:
         """Forget a remote engine: release its lists and its agents (once no aborted read of it still has a

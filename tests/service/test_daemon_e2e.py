@@ -46,18 +46,22 @@ def test_reads_through_daemons_are_byte_exact(workdir, model, prefill_tp, decode
             assert subscriber.next(timeout_s=0.3) is None and subscriber.last_seq == len(requests)
 
 
-@pytest.mark.parametrize("same_host,by_fd", [(True, False), (True, True), (False, False)],
-                         ids=["same-host", "same-host-fd", "nixl"])
-def test_a_same_host_holder_is_copied_from_byte_exact_and_only_when_both_allow_it(workdir, same_host, by_fd):
+@pytest.mark.parametrize("same_host,by_fd,workers", [(True, False, False), (True, True, False), (False, False, False),
+                                                     (True, True, True)],
+                         ids=["same-host", "same-host-fd", "nixl", "same-host-fd-reader-workers"])
+def test_a_same_host_holder_is_copied_from_byte_exact_and_only_when_both_allow_it(workdir, same_host, by_fd, workers):
     """Issue #37: the decode daemons prove they share the prefill daemons' host and copy from the prefill
     engines' shared memory themselves; board checks, CONSUMED and the stages as over NIXL. Engines that pass
     their memory as an fd (``by_fd``, as the vLLM connector does) are opened through the holder's copy of
-    the fd. With the reader's ``--no-same-host-reads`` (the control) every byte comes over NIXL, as exact."""
+    the fd; with reader workers (issue #55), whose sandbox keeps them out of /proc/<holder>/fd, the daemon
+    opens it and hands the worker the fd. With the reader's ``--no-same-host-reads`` (the control) every
+    byte comes over NIXL, as exact."""
     prefill_groups, decode_groups = model_groups("gqa", ModelShape(prefill_block_size=32))
     rng = np.random.default_rng(11)
     request = random_request("same-host", prefill_groups, decode_groups, 70, rng)
-    args = () if same_host else ("--no-same-host-reads",)
-    with DaemonCluster(prefill_groups, decode_groups, 2, 1, workdir=workdir, name=f"sh-{same_host}-{by_fd}",
+    args = (() if same_host else ("--no-same-host-reads",)) + \
+        (("--dataplane-workers", "--dataplane-reader-workers") if workers else ())
+    with DaemonCluster(prefill_groups, decode_groups, 2, 1, workdir=workdir, name=f"sh-{same_host}-{by_fd}-{workers}",
                        daemon_args=args, by_fd=by_fd) as cluster:
         cluster.reset_decode()
         completions = cluster.read(request)

@@ -49,6 +49,7 @@ from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.agent import agent_name_of
 from kvxferd.xfer.reads import ABORT_DRAIN_S
 from kvxferd.xfer.records import AdmittedRead, Drain, InFlightRead, ReadResult, ReadTimes, RemoteEngine
+from kvxferd.xfer.samehost.hostmaps import OpenedObjects, close_opened, open_passed_objects
 
 log = logging.getLogger("kvxferd.workers")
 # A worker's answer to connect (loading T agents, preparing lists: milliseconds). The data-plane thread waits
@@ -119,7 +120,8 @@ class WorkerReadBackend:
 
     # ---- connections ------------------------------------------------------------
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],
-                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False) -> RemoteEngine:
+                boards: Sequence[BoardInfo] | None = None, *, same_host: bool = False,
+                opened: OpenedObjects | None = None) -> RemoteEngine:
         """Plan here, connect in the worker (its answer awaited), load the holders on the notice agent."""
         plan = EngineTransferPlan(self.cache, remotes)
         if len(metadata) != len(remotes):
@@ -129,15 +131,26 @@ class WorkerReadBackend:
             raise InvalidArgumentError("boards", "a hold board, with its hold key, per remote rank")
         names = tuple(agent_name_of(m, f"metadata[{q}]") for q, m in enumerate(metadata))
         self.disconnect(plan.remote_engine_id)
+        # Objects the holders' engines passed by fd lie behind /proc/<holder>/fd, which the worker's
+        # sandbox keeps it out of: opened (and checked) here, handed over with the command.
+        ours = opened is None and same_host
+        if ours:
+            opened = open_passed_objects(remotes)
+        objects, fds = _objects_message(opened if same_host else None)
         # The handshake holds self.lock across this (links.py: no read posted between failing the old
         # connection's reads and the swap), so the loop's small reads wait for the worker's answer too:
         # milliseconds, at most CONNECT_TIMEOUT_S from a worker that does not answer.
-        answer = self._ask({"op": "connect", "engine_id": plan.remote_engine_id, "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
-                                                         .SerializeToString().hex() for c in remotes],
-                            "metadata": [m.hex() for m in metadata], "same_host": same_host,
-                            "boards": None if boards is None else [
-                                {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex()}
-                                for b in boards]})
+        try:
+            answer = self._ask({"op": "connect", "engine_id": plan.remote_engine_id,
+                                "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
+                                            .SerializeToString().hex() for c in remotes],
+                                "metadata": [m.hex() for m in metadata], "same_host": same_host, "objects": objects,
+                                "boards": None if boards is None else [
+                                    {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex()}
+                                    for b in boards]}, fds)
+        finally:
+            if ours and opened:
+                close_opened(opened)
         remote = RemoteEngine(plan, names, {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()),
                               hold_keys=tuple(b.hold_key for b in boards or ()))
         remote.host_ranks = {q: None for q in _ints(answer.get("host_ranks"), len(names))}
@@ -346,7 +359,7 @@ class WorkerReadBackend:
         self.supervisor.forget_callbacks()
 
     # ---- the supervisor's thread ---------------------------------------------------------
-    def _ask(self, message: dict) -> dict:
+    def _ask(self, message: dict, fds: Sequence[int] = ()) -> dict:
         """Send a command and wait for its answer (connect); typed errors for an error, a death or silence.
         One that failed is followed by a ``disconnect`` of its ``engine_id``: a late answer's connection
         would otherwise stay in the worker."""
@@ -355,7 +368,7 @@ class WorkerReadBackend:
             self._answers[ticket] = None
         try:
             # A worker that is not up is not waited for (the next handshake tries again).
-            if self.supervisor.current is None or not self.supervisor.send({**message, "id": ticket}):
+            if self.supervisor.current is None or not self.supervisor.send({**message, "id": ticket}, fds):
                 raise UnavailableError("worker", "the reader worker is restarting")
             deadline = time.monotonic() + CONNECT_TIMEOUT_S
             with self._state:
@@ -473,3 +486,18 @@ def _ints(values, bound: int) -> list[int]:
     if not isinstance(values, list):
         return []
     return [v for v in values[:bound] if isinstance(v, int) and 0 <= v < bound]
+
+
+def _objects_message(opened: OpenedObjects | None) -> tuple[list | None, list[int]]:
+    """The ``objects`` of a connect command (``[device, inode, fd index or why not]`` each) and its fds; an
+    object beyond what one message carries is sent as a reason (its rank reads over NIXL)."""
+    if opened is None:
+        return None, []
+    objects, fds = [], []
+    for (device, inode), given in opened.items():
+        if isinstance(given, int) and len(fds) < channel.MAX_FDS:
+            objects.append([device, inode, len(fds)])
+            fds.append(given)
+        else:
+            objects.append([device, inode, given if isinstance(given, str) else "more objects than one command carries"])
+    return objects[:channel.MAX_FDS], fds

@@ -166,9 +166,9 @@ class WorkerSupervisor:
                 self._changed.wait(left)
             return self._current
 
-    def send(self, message: dict) -> bool:
-        """Send the serving generation a command it does not answer, never blocking on the worker (the
-        data-plane thread calls this). Between a death and the next generation nothing is sent (its
+    def send(self, message: dict, fds: Sequence[int] = ()) -> bool:
+        """Send the serving generation a command (and ``fds``, which stay the caller's), never blocking on
+        the worker (the data-plane thread calls this). Between a death and the next generation nothing is sent (its
         on_up sends what it must know). A full channel drops the message; one full for FULL_CHANNEL_S
         (the worker stopped reading) kills the worker. False when it was not sent."""
         with self._send_lock:
@@ -177,7 +177,7 @@ class WorkerSupervisor:
                 return False
             sock, process = serving
             try:
-                channel.send(sock, message, block=False)
+                channel.send(sock, message, fds, block=False)
             except BlockingIOError:
                 now = time.monotonic()
                 if self._full_since_s is None:

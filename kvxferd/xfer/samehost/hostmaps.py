@@ -25,7 +25,7 @@ import ctypes
 import mmap
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,9 +99,17 @@ def empty_source() -> MappedSource:
     return MappedSource(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR) -> MappedSource:
+# What another process opened for this one, by object identity (st_dev, st_ino): the fd, or why it could not.
+OpenedObjects = Mapping[tuple[int, int], "int | str"]
+
+
+def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedObjects | None = None) -> MappedSource:
     """Map every region's shared-memory object of a remote rank read-only. Raises :class:`TransferError` when
-    a region has no object, an object is gone or is another one now, or a region does not lie inside it."""
+    a region has no object, an object is gone or is another one now, or a region does not lie inside it.
+
+    ``opened``: the objects engines passed by fd, already opened by another process for this one
+    (:func:`open_passed_objects`; a sandboxed reader worker cannot reach ``/proc/<holder>/fd``); they are
+    checked here as if opened here, and the caller keeps and closes those fds."""
     regions = [region for memory in cache.memory for region in memory]
     if cache.mem_type != "DRAM" or not regions or any(not isinstance(r.share, HostShare) for r in regions):
         raise TransferError("same_host", "not every region is host memory in a shared-memory object it names")
@@ -113,7 +121,7 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR) -> MappedSource:
         for share in {r.share for r in regions}:
             identity = (share.device, share.inode)
             if identity not in mapped:
-                mapped[identity] = _map(share, shm_dir, source.closers)
+                mapped[identity] = _map(share, shm_dir, source.closers, opened)
         placed = []
         for region in regions:
             base, size = mapped[(region.share.device, region.share.inode)]
@@ -139,12 +147,42 @@ def _fs_type(fd: int) -> int:
     return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
 
 
-def _open_passed(share: HostShare, identity: tuple[int, int], name: str) -> int:
+def open_passed_objects(remotes: Sequence[EngineCache]) -> dict[tuple[int, int], int | str]:
+    """Every shared-memory object the holders' engines passed by fd, opened here read-only for a process
+    that cannot open it itself (a reader worker, sandboxed): by identity, its fd or why it could not be
+    opened (then that rank reads over NIXL, saying so). Checked as :func:`map_host_source` checks it; the
+    caller closes the fds."""
+    opened: dict[tuple[int, int], int | str] = {}
+    try:
+        for share in {r.share for cache in remotes if cache.mem_type == "DRAM"
+                      for memory in cache.memory for r in memory}:
+            identity = (share.device, share.inode) if isinstance(share, HostShare) and not share.name else None
+            if identity is None or identity in opened:
+                continue
+            try:
+                opened[identity] = open_passed(share)
+            except TransferError as err:
+                opened[identity] = err.message
+    except BaseException:
+        close_opened(opened)
+        raise
+    return opened
+
+
+def close_opened(opened: OpenedObjects) -> None:
+    """Close the fds of :func:`open_passed_objects`."""
+    for fd in opened.values():
+        if isinstance(fd, int):
+            os.close(fd)
+
+
+def open_passed(share: HostShare) -> int:
     """The holder's copy of an fd its engine passed, opened read-only here. Nothing is opened for reading
     before it is known to be the object the holder mapped: the process must be this user's (its /proc
     directory held open, so a reused pid cannot stand in), the link is followed with ``O_PATH`` (no
     driver's open runs), and the file must be a regular file in shared memory with the holder's
     ``st_dev``/``st_ino``; then it is reopened from that ``O_PATH`` fd."""
+    identity, name = (share.device, share.inode), share.path
     try:
         proc = os.open(f"/proc/{int(share.holder_pid)}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -176,12 +214,13 @@ def _open_passed(share: HostShare, identity: tuple[int, int], name: str) -> int:
         os.close(handle)
 
 
-def _map(share: HostShare, shm_dir: str, closers: list) -> tuple[int, int]:
+def _map(share: HostShare, shm_dir: str, closers: list, opened: OpenedObjects | None) -> tuple[int, int]:
     """Map one object read-only (its unmapping appended to ``closers``); its base address here and its size.
 
     A name is opened under ``shm_dir`` and never through a symlink. An object the engine passed as an fd
     is opened through the holder's copy of it, ``/proc/<pid>/fd/<fd>``: a link the kernel follows to the
-    open file itself (the same user and PID namespace only), checked below like a name."""
+    open file itself (the same user and PID namespace only), checked below like a name; or, when another
+    process opened it for this one, a duplicate of the fd in ``opened``."""
     identity, name = (share.device, share.inode), share.name or share.path
     if share.name:
         bare = name[1:] if name.startswith("/") else name
@@ -191,8 +230,13 @@ def _map(share: HostShare, shm_dir: str, closers: list) -> tuple[int, int]:
             fd = os.open(os.path.join(shm_dir, bare), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError as err:  # another IPC namespace, no permission, gone
             raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
+    elif opened is not None:
+        given = opened.get(identity, "the daemon did not open it for this process")
+        if isinstance(given, str):
+            raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {given}")
+        fd = os.dup(given)
     else:
-        fd = _open_passed(share, identity, name)
+        fd = open_passed(share)
     try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or (status.st_dev, status.st_ino) != identity:

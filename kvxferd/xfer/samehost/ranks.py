@@ -15,7 +15,7 @@ from kvxferd.errors import KvxferError, TransferError
 from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import EngineCache
 from kvxferd.xfer.samehost.devicemaps import device_rank, map_device_source
-from kvxferd.xfer.samehost.hostmaps import HostRank, map_host_source
+from kvxferd.xfer.samehost.hostmaps import HostRank, OpenedObjects, map_host_source
 
 
 class SameHostOpener:
@@ -25,13 +25,14 @@ class SameHostOpener:
         self.cache = cache
         self.device_copier: BatchCopier | None = None  # made at the first GPU connection
 
-    def open(self, remote: EngineCache, rank_plan: RankPlan) -> HostRank:
+    def open(self, remote: EngineCache, rank_plan: RankPlan, opened: OpenedObjects | None = None) -> HostRank:
         """A remote rank's memory, opened for copies (same kind of memory as the local cache); raises
-        :class:`TransferError` saying why it is read over NIXL instead."""
+        :class:`TransferError` saying why it is read over NIXL instead. ``opened``: see
+        :func:`~kvxferd.xfer.samehost.hostmaps.map_host_source`."""
         if remote.mem_type != self.cache.mem_type:
             raise TransferError("same_host", f"{remote.mem_type} memory is read into {self.cache.mem_type} over NIXL")
         if self.cache.mem_type == "DRAM":
-            return HostRank.of(map_host_source(remote), rank_plan)
+            return HostRank.of(map_host_source(remote, opened=opened), rank_plan)
         if self.device_copier is None:
             try:
                 self.device_copier = BatchCopier(self.cache.memory[0][0].device_id)

@@ -51,8 +51,8 @@ def rig():
         arena.close()
 
 
-def read(backend, request, timeout_s: float = 20.0):
-    remote = backend.remote("rb-p")
+def read(backend, request, timeout_s: float = 20.0, engine_id: str = "rb-p"):
+    remote = backend.remote(engine_id)
     inflight = backend.post(admit(remote, request), notify=False)
     deadline = time.monotonic() + timeout_s
     while (result := backend.poll(inflight, notify=False)) is None:
@@ -174,3 +174,49 @@ def test_a_read_that_ends_within_its_post_keeps_its_notices(monkeypatch):
     assert ended["notices"] == [["holder-a", b"notice of r".hex()]]
     ours.close()
     theirs.close()
+
+
+@pytest.mark.parametrize("by_fd", [True, False], ids=["passed-fd", "shm-name"])
+def test_a_same_host_holder_is_copied_by_the_reader_worker_even_when_its_engine_passed_an_fd(rig, by_fd):
+    """Same-host reads from a sandboxed reader worker (issue #55 on #37): an object the holder names by
+    ``/dev/shm`` name the worker opens itself; one its engine passed as an fd lies behind
+    ``/proc/<holder>/fd``, which the sandbox keeps the worker out of, so the daemon opens it and hands the
+    worker the fd. Either way the rank is copied, not read over NIXL, and lands byte-exact. The control:
+    without the daemon's fd the worker cannot open it (the rank goes to NIXL, saying why)."""
+    import dataclasses
+
+    from kvxferd.rig.verify.buffers import shared_engine
+    from kvxferd.service.workers import readbackend
+
+    _, holder, decode, backend, _ = rig
+    num_bytes = allocate_engine("rb-p", PREFILL_GROUPS, 1, 0, tagged=False).arena.nbytes
+    arena = SharedArena(num_bytes)
+    shared = shared_engine(allocate_engine("rb-s", PREFILL_GROUPS, 1, 0, tagged=True, allocate=arena.allocate), arena)
+    fd = os.open(f"/dev/shm/{arena.name}", os.O_RDONLY)  # the holder's copy of the engine's fd
+    cache = shared.cache
+    if by_fd:
+        cache = dataclasses.replace(cache, memory=tuple(
+            tuple(dataclasses.replace(r, share=dataclasses.replace(r.share, name="", holder_pid=os.getpid(),
+                                                                   holder_fd=fd)) for r in regions)
+            for regions in cache.memory))
+    holder.register(cache)
+    try:
+        remote = backend.connect([cache], [holder.metadata()], same_host=True)
+        assert remote.host_errors == {} and list(remote.host_ranks) == [0]
+        request = random_request("rb-sh", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(5))
+        _, result = read(backend, request, engine_id="rb-s")
+        assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+        if by_fd:
+            original = readbackend.open_passed_objects
+            readbackend.open_passed_objects = lambda remotes: None  # the daemon opens nothing for it
+            try:
+                remote = backend.connect([cache], [holder.metadata()], same_host=True)
+            finally:
+                readbackend.open_passed_objects = original
+            assert remote.host_ranks == {} and ("cannot open" in remote.host_errors[0]
+                                                or "not one of this user's" in remote.host_errors[0]), remote.host_errors
+    finally:
+        backend.disconnect("rb-s")
+        holder.deregister("rb-s")
+        os.close(fd)
+        arena.close()
