@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError
+from kvxferd.plan.groups import HostShare
 
 SLOTS_PER_BUCKET = 8
 BUCKET_BYTES = SLOTS_PER_BUCKET * 8  # one cache line: a READ of one bucket never tears a slot
@@ -56,6 +57,9 @@ class BoardInfo:
     # Seals the capabilities of the holds listed on this board (kvxferd.plan.capability): a reader
     # checks a read's capability with it before posting. b"": not announced (refused by readers).
     hold_key: bytes = field(default=b"", repr=False)
+    # The memfd the board lies in, for a proven same-host reader to map and check holds itself (issue
+    # #37; kvxferd.xfer.boardmemory); None: checked with NIXL READs only.
+    share: HostShare | None = None
 
 
 def hold_tag(capability: bytes) -> int:

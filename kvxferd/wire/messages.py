@@ -209,17 +209,22 @@ def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool 
                                         device_id=region.device_id)
             share = region.share if with_shares else None
             if isinstance(share, HostShare):
-                if share.name:
-                    added.handle.shm_name = share.name
-                else:
-                    added.handle.shm_fd_index = 0  # names the kind: the fd is the holder's, below
-                    added.handle.holder_pid, added.handle.holder_fd = share.holder_pid, share.holder_fd
-                added.handle.offset = share.offset
-                added.handle.shm_device, added.handle.shm_inode = share.device, share.inode
+                host_share_to_pb(share, added.handle)
             elif isinstance(share, DeviceShare):
                 added.handle.cuda_ipc_handle, added.handle.offset = share.ipc_handle, share.offset
                 added.device_uuid = share.device_uuid
     return out
+
+
+def host_share_to_pb(share: HostShare, handle: pb.MemoryHandle) -> None:
+    """Fill ``handle`` with a shared-memory object as a same-host reader opens it (:func:`share_from_pb`)."""
+    if share.name:
+        handle.shm_name = share.name
+    else:
+        handle.shm_fd_index = 0  # names the kind: the fd is the holder's, below
+        handle.holder_pid, handle.holder_fd = share.holder_pid, share.holder_fd
+    handle.offset = share.offset
+    handle.shm_device, handle.shm_inode = share.device, share.inode
 
 
 def ids_from_pb(lists: Sequence[pb.BlockIds]) -> tuple[np.ndarray, ...]:

@@ -78,13 +78,16 @@ def holder_proof(secret: bytes, address: str, request_token: str) -> str:
     return _token(secret, _HOLDER, f"{boot}/{address}/{request_token}", Nonces(b"", b""))
 
 
+def holder_proved(secret: bytes, address: str, request_token: str, proof: str) -> bool:
+    """Whether the holder dialed at ``address`` proved this host (``proof`` over the reader's token)."""
+    expected = holder_proof(secret, address, request_token)
+    return bool(expected) and tokens_match(expected, proof)
+
+
 def shares_from(cache: EngineCache, secret: bytes, address: str, request_token: str, proof: str) -> EngineCache:
     """``cache`` as a reader may map it: with its shared-memory names only when the holder it dialed at
     ``address`` proved this host (``proof``); else without any."""
-    expected = holder_proof(secret, address, request_token)
-    if expected and tokens_match(expected, proof):
-        return cache
-    return without_shares(cache)
+    return cache if holder_proved(secret, address, request_token, proof) else without_shares(cache)
 
 
 def without_shares(cache: EngineCache) -> EngineCache:

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 from kvxferd.errors import InvalidArgumentError, KvxferError
 from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.engine import ReadRequest
-from kvxferd.plan.groups import EngineCache, RegionMemory
+from kvxferd.plan.groups import EngineCache, HostShare, RegionMemory
 from kvxferd.plan.notifications import HELLO
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire import workerchannel as channel
@@ -148,7 +148,8 @@ class ReaderRole:
             metadata = [bytes.fromhex(str(h)) for h in _list(message, "metadata")]
             boards = message.get("boards")
             board_infos = None if boards is None else [
-                BoardInfo(int(b["address"]), int(b["num_buckets"]), bytes.fromhex(str(b["hold_key"])))
+                BoardInfo(int(b["address"]), int(b["num_buckets"]), bytes.fromhex(str(b["hold_key"])),
+                          _board_share(b.get("share")))
                 for b in boards]
             remote = ex.connect(remotes, metadata, board_infos, same_host=bool(message.get("same_host")),
                                 opened=_opened_objects(message.get("objects"), fds))
@@ -229,6 +230,16 @@ def engine_from_pb_hex(text: Any) -> EngineCache:
     """A remote rank's cache (an EngineRank with addresses, hex), its memory as described."""
     described = _engine_rank(text, "remotes")
     return engine_from_pb(described, peer_memory_from_pb(described))
+
+
+def _board_share(fields: Any) -> HostShare | None:
+    """A board's memfd as the daemon sent it (``HostShare`` fields in order), or None."""
+    if fields is None:
+        return None
+    if not (isinstance(fields, list) and len(fields) == 6 and isinstance(fields[0], str)
+            and all(isinstance(v, int) for v in fields[1:])):
+        raise InvalidArgumentError("boards", "a board's share: [name, offset, device, inode, holder_pid, holder_fd]")
+    return HostShare(*fields)
 
 
 def _opened_objects(objects: Any, fds: Sequence[int]) -> dict[tuple[int, int], int | str] | None:

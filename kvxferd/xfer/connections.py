@@ -72,7 +72,8 @@ class Connections:
                         names[q], board_rows(boards[q].address, boards[q].num_buckets), "DRAM")
                 if same_host:
                     try:
-                        remote.host_ranks[q] = self.same_host.open(remotes[q], rank_plan, opened)
+                        remote.host_ranks[q] = self.same_host.open(remotes[q], rank_plan, opened,
+                                                                     None if boards is None else boards[q])
                     except TransferError as err:
                         remote.host_errors[q] = err.message
         except BaseException:

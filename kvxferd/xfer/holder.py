@@ -46,13 +46,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.leases import FAILED, HoldEnd, HoldTable
 from kvxferd.plan.notifications import HELLO, ReadNotice
+from kvxferd.xfer.boardmemory import BoardMemory
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.readers import Introduction, Reader, ReaderLimits, ReaderTable
 
@@ -122,15 +121,20 @@ class Holder:
     # event loop) and on_notice (the polling thread): single sets and pops, atomic under the GIL; one
     # entry per introduced reader at most (a reader introduced again replaces its own).
     progress_wanted: dict[tuple[str, int], float] = field(default_factory=dict)
-    # Pages a data-plane worker registers (docs/dataplane.md): the board lives there, and ``agent`` does
-    # not register it. None: the board is this process's own, registered with ``agent``.
-    board_words: np.ndarray | None = field(default=None, repr=False)
+    # The board's pages (a memfd a same-host reader may map: kvxferd.xfer.boardmemory). Given: the
+    # giver's, which it closes (a data-plane worker's, docs/dataplane.md); None: made here, and ours.
+    board_memory: BoardMemory | None = field(default=None, repr=False)
+    board_registered_elsewhere: bool = False  # a data-plane worker registers it, not ``agent``
 
     def __post_init__(self) -> None:
+        self._owns_board = self.board_memory is None
+        if self.board_memory is None:
+            self.board_memory = BoardMemory.create(buckets_for(self.max_holds))
         # A fresh key per registration: capabilities of a former registration's holds mean nothing here.
-        board = HoldBoard(buckets_for(self.max_holds), self.board_words)
+        board = HoldBoard(buckets_for(self.max_holds), self.board_memory.words)
         self.holds = HoldTable(secrets.token_bytes(HOLD_KEY_BYTES), board, self.max_hold_s)
-        if self.board_words is None:
+        self._board_share = self.board_memory.share()
+        if not self.board_registered_elsewhere:
             self.agent.register_array(BOARD_KEY, board.words)
 
     @property
@@ -140,13 +144,16 @@ class Holder:
 
     @property
     def board(self) -> BoardInfo:
+        """The board as readers learn it (its share goes only to proven same-host readers: encode_info)."""
         words = self.holds.board.words
-        return BoardInfo(words.ctypes.data, len(words), self.holds.hold_key)
+        return BoardInfo(words.ctypes.data, len(words), self.holds.hold_key, self._board_share)
 
     def close(self) -> None:
         """Deregister the board (its holds are ended by whoever ends them: :meth:`HoldTable.drop_all`)."""
-        if self.board_words is None:
+        if not self.board_registered_elsewhere:
             self.agent.deregister(BOARD_KEY)
+        if self._owns_board:
+            self.board_memory.close()
 
     def introduce(self, key: tuple[str, int], reader: Reader, *, reads_here: bool = True,
                   limits: ReaderLimits = ReaderLimits(), now: float | None = None) -> Introduction:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, Protocol
 
+from kvxferd.errors import TransferError
 from kvxferd.plan.engine import RankRead
 from kvxferd.xfer.handles import ReadFailure, TransferFailure, TransferHandle
 from kvxferd.xfer.nixl.agent import NixlError, TransferState
@@ -27,6 +28,7 @@ from kvxferd.xfer.nixl.checks import CheckArea
 from kvxferd.xfer.nixl.transfers import nixl_failure
 from kvxferd.xfer.rankstate import RankPhase, RankTransfer
 from kvxferd.xfer.records import Drain, InFlightRead, RemoteEngine
+from kvxferd.xfer.samehost.boards import LoadedCheck
 
 STALE_ERROR = ("stale read: the hold had ended (lease expired or released) before the read was checked "
                "against the holder's board")
@@ -146,6 +148,10 @@ class RankMachine:
         for q, rank in inflight.ranks.items():
             if not rank.needs_check:
                 continue
+            host_rank = remote.host_ranks.get(q)
+            if host_rank is not None and host_rank.board is not None:  # same host: look at the mapped board
+                self._check_mapped(inflight, q, rank, host_rank.board)
+                continue
             try:
                 posted = self.checks.post(remote.board_lists[q], remote.board_buckets[q], rank.tag, remote)
             except NixlError as err:
@@ -160,6 +166,18 @@ class RankMachine:
                 continue
             rank.enter(RankPhase.CHECKING if rank.phase is RankPhase.ADMITTING else RankPhase.RECHECKING, check,
                        waited=state is TransferState.PROC)
+
+    @staticmethod
+    def _check_mapped(inflight: InFlightRead, q: int, rank, board) -> None:
+        """A check on a same-host holder's board mapped here: it ends within its post (settled by
+        :meth:`_poll_checks` like a READ that ended at once)."""
+        try:
+            seen = board.holds(rank.tag)
+        except TransferError as err:
+            inflight.fail(q, f"board check: {err.message}", ReadFailure.TRANSFER)
+            return
+        rank.enter(RankPhase.CHECKING if rank.phase is RankPhase.ADMITTING else RankPhase.RECHECKING,
+                   LoadedCheck(seen), waited=False)
 
     def _poll_checks(self, inflight: InFlightRead) -> None:
         """Post waiting checks, then settle the ended ones: a rank seen held before its data posts it; a

@@ -5,6 +5,8 @@ rank through the decode daemons, checks every decode byte against the
 oracle, and requires exactly one CONSUMED event per prefill rank.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -109,6 +111,11 @@ def test_a_holder_names_its_shared_memory_only_to_a_reader_that_proves_this_host
                         lambda n: same_host_token(secret, address, type(n)(b"c" * 16, n.server))):
             message, _ = info(refused)
             assert names(message) == {""} and message.same_host_proof == ""
+            assert not message.hold_board.HasField("share")  # nor the board's memfd
         message, token = info(lambda n: same_host_token(secret, address, n))
         assert names(message) == {cluster.arenas[0].name}
         assert message.same_host_proof == holder_proof(secret, address, token)
+        share = message.hold_board.share  # the board's memfd, held open by the holder daemon
+        assert share.WhichOneof("source") == "shm_fd_index" and share.holder_pid == cluster.prefill_daemons[0].process.pid
+        status = os.stat(f"/proc/{share.holder_pid}/fd/{share.holder_fd}")
+        assert (status.st_dev, status.st_ino) == (share.shm_device, share.shm_inode)

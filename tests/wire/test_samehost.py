@@ -121,3 +121,28 @@ def test_a_reader_keeps_names_only_from_a_holder_that_proved_this_host_too():
         assert all(r.share is None for regions in stripped.memory for r in regions)
         assert [[r.address for r in regions] for regions in stripped.memory] == [[r.address for r in regions]
                                                                                  for regions in cache.memory]
+
+
+def test_a_holders_board_share_goes_to_a_proven_reader_only_and_must_be_host_memory():
+    """The board's memfd (kvxferd.xfer.boardmemory) travels like the regions' shares: only with a proof,
+    decoded as sent, and a GPU handle in its place is refused."""
+    from kvxferd.plan.board import BoardInfo
+    from kvxferd.proto.v1 import kvxfer_pb2 as pb
+    from kvxferd.wire.peerinfo import decode_info, encode_info
+
+    cache = _shared_cache(by_fd=True)
+    board = BoardInfo(1 << 20, 64, b"k" * 32, HostShare("", 0, 5, 99, 4242, 23))
+    assert decode_info(encode_info("i", b"m", cache, board), cache).board.share is None  # no proof: no share
+    decoded = decode_info(encode_info("i", b"m", cache, board, same_host_proof="p" * 64), cache).board
+    assert decoded == board
+    reply = encode_info("i", b"m", cache, board, same_host_proof="p" * 64)
+    info = pb.EngineInfo.FromString(reply.payload)
+    info.hold_board.share.cuda_ipc_handle = b"\x01" * 64
+    reply.payload = info.SerializeToString()
+    with pytest.raises(InvalidArgumentError):
+        decode_info(reply, cache)
+    info.hold_board.share.shm_fd_index = 0
+    info.hold_board.share.holder_pid = 0  # names no process
+    reply.payload = info.SerializeToString()
+    with pytest.raises(InvalidArgumentError, match="hold_board.share"):
+        decode_info(reply, cache)

@@ -468,12 +468,14 @@ class EngineInfo(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ..., hold_key: _Optional[bytes] = ..., same_host_proof: _Optional[str] = ...) -> None: ...
 
 class HoldBoard(_message.Message):
-    __slots__ = ("address", "num_buckets")
+    __slots__ = ("address", "num_buckets", "share")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     address: int
     num_buckets: int
-    def __init__(self, address: _Optional[int] = ..., num_buckets: _Optional[int] = ...) -> None: ...
+    share: MemoryHandle
+    def __init__(self, address: _Optional[int] = ..., num_buckets: _Optional[int] = ..., share: _Optional[_Union[MemoryHandle, _Mapping]] = ...) -> None: ...
 
 class ChallengeRequest(_message.Message):
     __slots__ = ("protocol_version", "client_nonce")

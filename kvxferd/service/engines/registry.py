@@ -39,7 +39,8 @@ from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, group
 from kvxferd.xfer.nixl.agent import NixlAgent, collect_agents
 from kvxferd.plan.board import buckets_for
 from kvxferd.service.workers.readbackend import WorkerReadBackend
-from kvxferd.service.engines.served import AgentlessSlot, BoardMemory, WorkerOptions, WorkerServed
+from kvxferd.service.engines.served import AgentlessSlot, WorkerOptions, WorkerServed
+from kvxferd.xfer.boardmemory import BoardMemory
 from kvxferd.service.workers.trust import CERTIFICATE_EXPIRES
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.reads import ReadExecutor
@@ -279,7 +280,7 @@ class Registry:
         # Served and read by workers: no NIXL agent in this process (each listens on TCP, and over TCP an
         # agent's process is open to whoever speaks UCX to it); the slot's agent is a name only.
         agent = AgentlessSlot(name) if served_here and self.workers.readers else NixlAgent(name)
-        served = executor = None
+        served = executor = holder = None
         try:
             if served_here:
                 region_fds = [(m.fd, m.fd_offset, m.array.nbytes) for m in mapped if getattr(m, "fd", -1) >= 0]
@@ -300,7 +301,8 @@ class Registry:
                 served.reader = reader
             executor = reader if reader is not None else ReadExecutor(agent, cache, served.notices if served else None)
             executor.abort_drain_s = self.abort_drain_s
-            holder = Holder(agent, self.max_holds, self.max_hold_s, board_words=served.board.words if served else None)
+            holder = Holder(agent, self.max_holds, self.max_hold_s, board_memory=served.board if served else None,
+                            board_registered_elsewhere=served is not None)
             slot = EngineSlot(cache, incarnation, agent, executor, mapped, lease_s, 0.0, holder)
             slot.metadata = agent.metadata()  # after registration (cache and board): carries the keys peers need
             if served is not None:
@@ -311,6 +313,8 @@ class Registry:
                 slot.served = served
             slot.notices_metadata = executor.notices_metadata()
         except BaseException:
+            if holder is not None:
+                holder.close()  # its board's registration (and memfd, when its own)
             if served is not None:
                 served.close()  # the worker (if it started), its files and the board
             if executor is not None:

@@ -29,21 +29,17 @@ read, not after that read failed.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import mmap
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from kvxferd.errors import UnavailableError
-from kvxferd.plan.board import BoardInfo, board_shape
+from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.groups import EngineCache
 from kvxferd.service.workers.generation import Region, WorkerUp
 from kvxferd.service.workers.notices import WorkerNotices
 from kvxferd.service.workers.supervisor import MIN_REPLACE_INTERVAL_S, RETIRE_GRACE_S, WorkerSupervisor
 from kvxferd.service.workers.trust import HandedMetadata
+from kvxferd.xfer.boardmemory import BoardMemory
 
 
 @dataclass(frozen=True)
@@ -61,37 +57,6 @@ class AgentlessSlot:
 
     def close(self) -> None:
         pass
-
-
-@dataclass(eq=False)
-class BoardMemory:
-    """A hold board's words in a memfd: written here, registered by the worker, kept across its deaths."""
-
-    fd: int
-    mapping: mmap.mmap = field(repr=False)
-    words: np.ndarray = field(repr=False)
-
-    @classmethod
-    def create(cls, num_buckets: int) -> "BoardMemory":
-        """A sealed memfd (it can neither shrink nor grow: a worker that tried would otherwise make this
-        process's next tag write fault) holding a zeroed board."""
-        shape = board_shape(num_buckets)
-        num_bytes = int(np.prod(shape)) * 8
-        fd = os.memfd_create("kvxferd-hold-board", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, num_bytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            mapping = mmap.mmap(fd, num_bytes)
-        except OSError:
-            os.close(fd)
-            raise
-        return cls(fd, mapping, np.frombuffer(mapping, dtype=np.uint64).reshape(shape))
-
-    def close(self) -> None:
-        """Close the fd; the pages go with the last view of them (the hold table's board holds one)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def rebased(cache: EngineCache, addresses: list[int] | tuple[int, ...]) -> EngineCache:

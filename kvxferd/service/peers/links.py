@@ -35,7 +35,7 @@ from kvxferd.service.peers.proof import check_signed_proof
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, Nonces, new_nonce, proof_matches
 from kvxferd.wire.peerauth import refuse_listener, secret_call_metadata
-from kvxferd.wire.samehost import same_host_token, shares_from, without_shares
+from kvxferd.wire.samehost import holder_proved, same_host_token, without_shares
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.records import RemoteEngine
 
@@ -327,11 +327,13 @@ class Peers:
         if (info.cache.tp_rank, info.cache.tp_size) != (q, tp_size):
             raise InvalidArgumentError(field, f"{address} serves rank {info.cache.tp_rank}/{info.cache.tp_size}, "
                                               f"expected {q}/{tp_size}")
-        # Names of shared memory count only from a holder that proved this host too: the engine chose the
-        # address, and a listener of another user must not get the daemon to map what it names.
-        cache = (shares_from(info.cache, secret, address, request.same_host_token, info.same_host_proof)
-                 if secret is not None else without_shares(info.cache))
-        return dataclasses.replace(info, cache=cache)
+        # Names of shared memory (the cache's, the board's) count only from a holder that proved this host
+        # too: the engine chose the address, and a listener of another user must not get the daemon to map
+        # what it names.
+        if secret is not None and holder_proved(secret, address, request.same_host_token, info.same_host_proof):
+            return info
+        return dataclasses.replace(info, cache=without_shares(info.cache),
+                                   board=dataclasses.replace(info.board, share=None))
 
     async def probe(self, slot: EngineSlot, link: RemoteLink) -> bool:
         """True when every remote rank still runs the incarnation we planned for and still knows this rank as

@@ -24,6 +24,7 @@ generation). See docs/dataplane.md.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -135,7 +136,7 @@ class WorkerReadBackend:
         # sandbox keeps it out of: opened (and checked) here, handed over with the command.
         ours = opened is None and same_host
         if ours:
-            opened = open_passed_objects(remotes)
+            opened = open_passed_objects(remotes, boards or ())
         objects, fds = _objects_message(opened if same_host else None)
         # The handshake holds self.lock across this (links.py: no read posted between failing the old
         # connection's reads and the swap), so the loop's small reads wait for the worker's answer too:
@@ -146,7 +147,8 @@ class WorkerReadBackend:
                                             .SerializeToString().hex() for c in remotes],
                                 "metadata": [m.hex() for m in metadata], "same_host": same_host, "objects": objects,
                                 "boards": None if boards is None else [
-                                    {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex()}
+                                    {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex(),
+                                     "share": None if b.share is None else list(dataclasses.astuple(b.share))}
                                     for b in boards]}, fds)
         finally:
             if ours and opened:

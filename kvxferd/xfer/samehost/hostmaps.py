@@ -121,7 +121,7 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedOb
         for share in {r.share for r in regions}:
             identity = (share.device, share.inode)
             if identity not in mapped:
-                mapped[identity] = _map(share, shm_dir, source.closers, opened)
+                mapped[identity] = map_object(share, shm_dir, source.closers, opened)
         placed = []
         for region in regions:
             base, size = mapped[(region.share.device, region.share.inode)]
@@ -147,15 +147,15 @@ def _fs_type(fd: int) -> int:
     return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
 
 
-def open_passed_objects(remotes: Sequence[EngineCache]) -> dict[tuple[int, int], int | str]:
-    """Every shared-memory object the holders' engines passed by fd, opened here read-only for a process
-    that cannot open it itself (a reader worker, sandboxed): by identity, its fd or why it could not be
-    opened (then that rank reads over NIXL, saying so). Checked as :func:`map_host_source` checks it; the
-    caller closes the fds."""
+def open_passed_objects(remotes: Sequence[EngineCache], boards: Sequence = ()) -> dict[tuple[int, int], int | str]:
+    """Every shared-memory object the holders named by their fd (their engines' regions, their hold
+    ``boards``), opened here read-only for a process that cannot open it itself (a reader worker,
+    sandboxed): by identity, its fd or why it could not be opened (then that rank reads, or its board is
+    checked, over NIXL). Checked as :func:`map_host_source` checks it; the caller closes the fds."""
     opened: dict[tuple[int, int], int | str] = {}
+    shares = {r.share for cache in remotes if cache.mem_type == "DRAM" for memory in cache.memory for r in memory}
     try:
-        for share in {r.share for cache in remotes if cache.mem_type == "DRAM"
-                      for memory in cache.memory for r in memory}:
+        for share in shares | {b.share for b in boards if b is not None}:
             identity = (share.device, share.inode) if isinstance(share, HostShare) and not share.name else None
             if identity is None or identity in opened:
                 continue
@@ -214,7 +214,7 @@ def open_passed(share: HostShare) -> int:
         os.close(handle)
 
 
-def _map(share: HostShare, shm_dir: str, closers: list, opened: OpenedObjects | None) -> tuple[int, int]:
+def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObjects | None) -> tuple[int, int]:
     """Map one object read-only (its unmapping appended to ``closers``); its base address here and its size.
 
     A name is opened under ``shm_dir`` and never through a symlink. An object the engine passed as an fd
@@ -277,6 +277,7 @@ class HostRank:
     # device copy the executor polls (GPU memory: kvxferd.xfer.samehost.devicemaps).
     copier: Callable[[np.ndarray, np.ndarray, np.ndarray], object] = copy_spans
     on_device: bool = False  # GPU memory, copied by batches on the device
+    board: object = None  # the holder's board mapped here (kvxferd.xfer.samehost.boards), or None: NIXL checks
 
     @classmethod
     def of(cls, source: MappedSource, rank_plan: RankPlan, copier=copy_spans, *, on_device: bool = False) -> "HostRank":

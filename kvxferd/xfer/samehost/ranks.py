@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from kvxferd.cuda.copies import BatchCopier
 from kvxferd.errors import KvxferError, TransferError
+from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import EngineCache
+from kvxferd.xfer.samehost.boards import map_board
 from kvxferd.xfer.samehost.devicemaps import device_rank, map_device_source
 from kvxferd.xfer.samehost.hostmaps import HostRank, OpenedObjects, map_host_source
 
@@ -25,10 +27,23 @@ class SameHostOpener:
         self.cache = cache
         self.device_copier: BatchCopier | None = None  # made at the first GPU connection
 
-    def open(self, remote: EngineCache, rank_plan: RankPlan, opened: OpenedObjects | None = None) -> HostRank:
-        """A remote rank's memory, opened for copies (same kind of memory as the local cache); raises
-        :class:`TransferError` saying why it is read over NIXL instead. ``opened``: see
+    def open(self, remote: EngineCache, rank_plan: RankPlan, opened: OpenedObjects | None = None,
+             board: BoardInfo | None = None) -> HostRank:
+        """A remote rank's memory, opened for copies (same kind of memory as the local cache), and its
+        ``board`` mapped when the holder named its memory (else its checks stay NIXL READs); raises
+        :class:`TransferError` saying why the rank is read over NIXL instead. ``opened``: see
         :func:`~kvxferd.xfer.samehost.hostmaps.map_host_source`."""
+        rank = self._open(remote, rank_plan, opened)
+        if board is not None and board.share is not None:
+            try:
+                rank.board = map_board(board, opened)
+            except TransferError:
+                pass  # checked over NIXL, as before the holder named it
+            else:
+                rank.source.closers.append(rank.board.close)  # unmapped with the rank's memory
+        return rank
+
+    def _open(self, remote: EngineCache, rank_plan: RankPlan, opened: OpenedObjects | None) -> HostRank:
         if remote.mem_type != self.cache.mem_type:
             raise TransferError("same_host", f"{remote.mem_type} memory is read into {self.cache.mem_type} over NIXL")
         if self.cache.mem_type == "DRAM":

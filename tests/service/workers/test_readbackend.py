@@ -208,7 +208,7 @@ def test_a_same_host_holder_is_copied_by_the_reader_worker_even_when_its_engine_
         assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
         if by_fd:
             original = readbackend.open_passed_objects
-            readbackend.open_passed_objects = lambda remotes: None  # the daemon opens nothing for it
+            readbackend.open_passed_objects = lambda remotes, boards: None  # the daemon opens nothing for it
             try:
                 remote = backend.connect([cache], [holder.metadata()], same_host=True)
             finally:
