@@ -11,7 +11,8 @@
                                              ◄── connected {id} / error {id, message}
     probe {id, engine_id} ─────────────────────► the connection's first READs (its boards)
                                              ◄── probed {id, errors}
-    post {id, engine_id, request} ─────────────► admitted on its connection, posted, polled
+    post {id, engine_id, request,  ────────────► admitted on its connection, posted, polled (past its
+          deadline_in_s}                         deadline and DEADLINE_GRACE_S: aborted here, DEADLINE)
                                              ◄── ended {id, failed_ranks, error, failure,
                                                         unsettled, transfer_s, host_copies, notices}
     abort {id, reason, failure, drain}           (its ended follows)
@@ -50,6 +51,8 @@ from kvxferd.xfer.records import InFlightRead
 MAX_READS = 1 << 17  # reads one worker keeps in flight (a bound on its memory; the daemon's own limit,
                      # max_reads_per_engine, is 8192 by default)
 FAILURES = {f.value: f for f in ReadFailure}
+DEADLINE_GRACE_S = 1.0  # past its deadline a read waits this long for the daemon's abort, then ends here
+MAX_DEADLINE_S = 24 * 3600.0  # a deadline_in_s beyond this (either way) is not one: the read keeps none
 READER_OPS = frozenset({"connect", "probe", "abort_probe", "post", "abort", "disconnect", "release_host"})
 
 
@@ -174,7 +177,7 @@ class ReaderRole:
             remote = ex.remote(str(message.get("engine_id")))
             self.notices.take()  # (none: every read's are taken as it ends)
             inflight = ex.post(admit(remote, _request(message)), notify=True)
-            self.reads[n] = (inflight, time.perf_counter())
+            self.reads[n] = (inflight, _ends_by_s(message.get("deadline_in_s")))
             self.notices_of[n] = self.notices.take()  # a read that ended within its post sent them there
             return None
         if op == "abort":
@@ -209,8 +212,13 @@ class ReaderRole:
             if errors is not None:
                 del self.probes[n]
                 channel.send(sock, {"op": "probed", "id": n, "errors": {str(q): e[:500] for q, e in errors.items()}})
-        for n, (inflight, came_s) in list(self.reads.items()):
+        now = time.perf_counter()
+        for n, (inflight, ends_by_s) in list(self.reads.items()):
             self.notices.take()  # (none: every read's are taken as it ends)
+            if now >= ends_by_s and inflight.drain is None:  # the daemon's abort did not come: end it here
+                ex.abort(inflight, "deadline: the reader worker ended the read (its daemon's abort did not come)",
+                         ReadFailure.DEADLINE, drain=True)
+                self.notices_of.setdefault(n, []).extend(self.notices.take())
             result = ex.poll(inflight, notify=True)
             if result is None:
                 continue
@@ -240,6 +248,15 @@ def _board_share(fields: Any) -> HostShare | None:
             and all(isinstance(v, int) for v in fields[1:])):
         raise InvalidArgumentError("boards", "a board's share: [name, offset, device, inode, holder_pid, holder_fd]")
     return HostShare(*fields)
+
+
+def _ends_by_s(deadline_in_s: Any) -> float:
+    """When this worker ends a read itself: DEADLINE_GRACE_S after the deadline its daemon sent (whose abort
+    normally comes first); never, for a read sent without one."""
+    if isinstance(deadline_in_s, (int, float)) and not isinstance(deadline_in_s, bool) \
+            and -MAX_DEADLINE_S <= deadline_in_s <= MAX_DEADLINE_S:
+        return time.perf_counter() + deadline_in_s + DEADLINE_GRACE_S
+    return float("inf")
 
 
 def _opened_objects(objects: Any, fds: Sequence[int]) -> dict[tuple[int, int], int | str] | None:

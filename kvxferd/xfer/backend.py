@@ -75,9 +75,12 @@ class ReadBackend(Protocol):
     def abort_probe(self, remote: RemoteEngine, reason: str) -> None:
         """Stop a probe still running."""
 
-    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True) -> InFlightRead:
+    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True,
+             deadline_in_s: float | None = None) -> InFlightRead:
         """Post a read (:func:`kvxferd.xfer.admission.admit`) on the remote engine's current connection,
-        admitted again there when it was admitted on another; typed errors, nothing posted."""
+        admitted again there when it was admitted on another; typed errors, nothing posted. The caller
+        enforces the read's deadline (:meth:`abort`); ``deadline_in_s``, when it comes, is for a backend
+        whose reads run in another process, to end them there should that abort not arrive."""
 
     def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
         """Advance a posted read; its result once every rank's transfer and board check ended."""

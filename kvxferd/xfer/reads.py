@@ -155,11 +155,13 @@ class ReadExecutor:
             self.notices.close()
 
     # ---- reads ---------------------------------------------------------------
-    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True) -> InFlightRead:
+    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True,
+             deadline_in_s: float | None = None) -> InFlightRead:
         """Post a read admitted on a connection to its remote engine; a read admitted before a
         re-handshake (or not planned yet) is admitted on the current one. Typed errors, nothing
         posted, when it is refused or the remote engine is gone. ``notify``: as in :meth:`poll` (the
-        post polls once). The posted read's ``admitted`` says on which connection it runs."""
+        post polls once). The posted read's ``admitted`` says on which connection it runs. Its deadline
+        is the caller's to enforce (``deadline_in_s`` is not needed here: :meth:`abort` runs in this process)."""
         with self.lock:
             current = self.connections.remote(admitted.remote.plan.remote_engine_id)
             if current is not admitted.remote or admitted.planned is None:

@@ -351,7 +351,8 @@ class DataPlane:
             read.end_unposted("deadline: it passed before the read could be posted", ReadFailure.DEADLINE)
             return False
         try:
-            read.inflight = read.slot.executor.post(read.admitted, read.received_s, notify=False)
+            read.inflight = read.slot.executor.post(read.admitted, read.received_s, notify=False,
+                                                    deadline_in_s=read.deadline_s - time.perf_counter())
         except PermissionDeniedError as err:  # admitted again on a new link: not sealed by its holders
             read.end_unposted(str(err), ReadFailure.REFUSED, refusal=err)
             return False

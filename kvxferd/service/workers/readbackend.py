@@ -253,9 +253,11 @@ class WorkerReadBackend:
                 self.supervisor.send({"op": "abort_probe", "engine_id": remote.plan.remote_engine_id})
 
     # ---- reads ---------------------------------------------------------------------
-    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True) -> InFlightRead:
+    def post(self, admitted: AdmittedRead, start_s: float | None = None, *, notify: bool = True,
+             deadline_in_s: float | None = None) -> InFlightRead:
         """Send an admitted read to the worker; typed errors, nothing posted, when the remote is not
-        connected (or was lost with a worker) or the worker cannot take it now."""
+        connected (or was lost with a worker) or the worker cannot take it now. ``deadline_in_s``: the
+        worker ends the read itself a little after it, should the abort sent then not reach it."""
         with self.lock:
             current = self.remote(admitted.remote.plan.remote_engine_id)
             if current is not admitted.remote or admitted.planned is None:
@@ -270,6 +272,7 @@ class WorkerReadBackend:
                 self._reads[ticket] = inflight
             inflight.times.posted_s = time.perf_counter()
             message = {"op": "post", "id": ticket, "engine_id": current.plan.remote_engine_id,
+                       "deadline_in_s": deadline_in_s,
                                          "request": {"request_id": request.request_id,
                                                      "remote_request_id": request.remote_request_id,
                                                      "local": local.hex(), "local_sizes": local_sizes,

@@ -220,3 +220,41 @@ def test_a_same_host_holder_is_copied_by_the_reader_worker_even_when_its_engine_
         holder.deregister("rb-s")
         os.close(fd)
         arena.close()
+
+
+def test_a_read_whose_abort_never_comes_is_ended_by_the_worker_past_its_deadline(rig):
+    """The daemon fails a read at its deadline and sends the worker an abort; should that abort not arrive
+    (the channel full), the worker ends the read itself DEADLINE_GRACE_S later (DEADLINE), so it holds
+    nothing for ever. The holder here makes no progress, so the READ cannot end by itself (UCX's TCP
+    lane: the sandbox keeps the worker off cross-memory attach); the control: a read sent without a
+    deadline is still in flight then."""
+    from kvxferd.worker.reads import DEADLINE_GRACE_S
+
+    _, _, decode, backend, _ = rig
+    still = NixlAgent(f"rb-still-{os.getpid()}")  # a holder nobody polls
+    prefill = allocate_engine("rb-h", PREFILL_GROUPS, 1, 0, tagged=True)
+    still.register(prefill.cache)
+    try:
+        remote = backend.connect([prefill.cache], [still.metadata()])
+        request = random_request("rb-dl", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(6))
+        without = backend.post(admit(remote, request), notify=False)
+        timed = backend.post(admit(remote, request), notify=False, deadline_in_s=0.1)
+        deadline = time.monotonic() + 0.1 + DEADLINE_GRACE_S + 0.5
+        while time.monotonic() < deadline:
+            backend.poll(timed, notify=False)
+            time.sleep(0.01)
+        assert backend.poll(without, notify=False) is None  # the control: no deadline, still in flight
+        assert timed.result is None  # aborted there, draining: its transfer cannot be stopped
+        with HolderThread([still]):  # the holder answers: the drained READs end, and the worker says so
+            ends_by = time.monotonic() + 20
+            while (result := backend.poll(timed, notify=False)) is None and time.monotonic() < ends_by:
+                time.sleep(0.01)
+            assert result is not None and not result.ok and result.failure is ReadFailure.DEADLINE
+            assert "the reader worker ended the read" in result.error
+            while backend.poll(without, notify=False) is None and time.monotonic() < ends_by:
+                time.sleep(0.01)
+            assert without.result.ok
+    finally:
+        backend.disconnect("rb-h")
+        still.deregister("rb-h")
+        still.close()
