@@ -296,7 +296,8 @@ class Registry:
                 reader = WorkerReadBackend(f"{name}-r", region_fds, cache, served.notices,
                                            poll_interval_s=self.workers.poll_interval_s, wake=self.dataplane.wake,
                                            on_death=self.workers.on_death,
-                                           on_lost=lambda: self._reader_lost(slot, loop))
+                                           on_lost=lambda: self._reader_lost(slot, loop),
+                                           on_replace=self.workers.on_replace)
                 reader.begin()  # maps while the holder worker does
                 served.reader = reader
             executor = reader if reader is not None else ReadExecutor(agent, cache, served.notices if served else None)
@@ -325,8 +326,8 @@ class Registry:
 
     @staticmethod
     def _reader_lost(slot: EngineSlot, loop: asyncio.AbstractEventLoop | None) -> None:
-        """The slot's reader worker died with its connections (supervisor thread): every link handshakes
-        again before its next read, with the next generation (not after that read failed)."""
+        """The slot's reader worker lost its connections, dying or replaced (supervisor thread): every link
+        handshakes again before its next read, with the next generation (not after that read failed)."""
         if loop is not None:
             loop.call_soon_threadsafe(lambda: [setattr(link, "stale", True) for link in slot.links.values()])
 
@@ -418,10 +419,13 @@ class Registry:
                                                   + TRUST_LEAD_S)
 
     def replace_workers(self, reason: str) -> None:
-        """Replace every rank's worker (any thread): trust ended in whomever their metadata went to."""
+        """Replace every rank's workers (any thread): trust ended in whomever their metadata went to, and
+        in the holders its reader worker connected to (they learned that worker's address)."""
         for slot in list(self.slots.values()):
             if slot.served is not None:
                 slot.served.replace(reason)
+                if slot.served.reader is not None:
+                    slot.served.reader.replace(reason)
 
     def num_workers_given_up(self) -> int:
         """Engine ranks whose data-plane worker is not started again (a generation could not map, or broke

@@ -89,10 +89,12 @@ class WorkerReadBackend:
 
     def __init__(self, name: str, region_fds: Sequence[tuple[int, int, int]], cache: EngineCache,
                  notices: WorkerNotices, *, poll_interval_s: float, wake: Callable[[], None],
-                 on_death: Callable[[], None] | None = None, on_lost: Callable[[], None] | None = None) -> None:
+                 on_death: Callable[[], None] | None = None, on_lost: Callable[[], None] | None = None,
+                 on_replace: Callable[[tuple[str, ...]], None] | None = None) -> None:
         """``region_fds``: (fd, offset, num_bytes) of each of ``cache``'s regions, in its order; ``notices``: the
         engine's notice agent (its holder worker's); ``wake``: wakes whoever polls (the data-plane thread);
-        ``on_lost``: the worker died with every connection (the caller's links must handshake again)."""
+        ``on_lost``: the worker's connections are gone (it died, or was replaced: the caller's links must
+        handshake again); ``on_replace``: a replacement started, for these reasons."""
         if len(region_fds) != sum(len(m) for m in cache.memory):
             raise InvalidArgumentError("regions", "a reader worker maps every region of the cache from its fd")
         self.cache, self.notices, self._wake, self._on_death, self._on_lost = cache, notices, wake, on_death, on_lost
@@ -109,7 +111,8 @@ class WorkerReadBackend:
         described = engine_to_pb(cache, with_addresses=False).SerializeToString().hex()
         self.supervisor = WorkerSupervisor(name, [Region(fd, n, offset) for fd, offset, n in region_fds],
                                            poll_interval_s=poll_interval_s, reader={"cache": described},
-                                           on_answer=self._answer, on_death=self._died)
+                                           on_answer=self._answer, on_death=self._died, on_up=self._up,
+                                           on_replace=on_replace)
 
     def begin(self) -> None:
         """Start the worker without waiting for it (:meth:`start` waits)."""
@@ -118,6 +121,24 @@ class WorkerReadBackend:
     def start(self) -> None:
         """Start the worker; blocks until it mapped the cache (about 1-2 s)."""
         self.supervisor.start()
+
+    def replace(self, reason: str) -> None:
+        """Trust in the holders this worker connected to ended (a CA withdrawn): each learned its UCX address
+        when it connected, and its agent listens on TCP. A new worker, make before break: reads in flight
+        end on the old one, which stops after its grace; connections do not carry over (:meth:`_up`)."""
+        if not self._closing:
+            self.supervisor.replace(reason)
+
+    def _up(self, up) -> None:
+        """A generation mapped (the supervisor's thread, before anything is sent to it). After a replacement
+        the connections are the old generation's: gone from here, and every link handshakes again, with
+        this one, before its next read. (After a death :meth:`_died` did this already.)"""
+        with self._state:
+            remotes, self.current = list(self.current.values()), {}
+        for remote in remotes:
+            self._unload(remote.agent_names)
+        if remotes and self._on_lost is not None and not self._closing:
+            self._on_lost()
 
     # ---- connections ------------------------------------------------------------
     def connect(self, remotes: Sequence[EngineCache], metadata: Sequence[bytes],

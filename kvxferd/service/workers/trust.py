@@ -7,6 +7,7 @@ before break: :meth:`WorkerSupervisor.replace`) when trust in anyone who was
 handed its metadata ends::
 
     tls_ca withdrew a CA (the last step of a rotation) ──► every served rank   CA_CHANGED
+                                                           (its reader worker too: holders know its address)
     a certificate it was handed to nears its expiry    ──► that rank           CERTIFICATE_EXPIRES
     an identity's last introduction here was evicted   ──► that rank           INTRODUCTION_ENDED
 

@@ -258,3 +258,39 @@ def test_a_read_whose_abort_never_comes_is_ended_by_the_worker_past_its_deadline
         backend.disconnect("rb-h")
         still.deregister("rb-h")
         still.close()
+
+
+def test_a_replaced_reader_worker_hands_over_make_before_break_and_its_links_handshake_again(rig):
+    """Trust in the holders ended (a CA withdrawn: Registry.replace_workers): they learned the reader worker's
+    UCX address, so a new worker starts. A read in flight ends on the old one; the connections do not carry
+    over (the links are told to handshake again); the new worker reads byte-exact; the old one is stopped
+    after its grace."""
+    prefill, holder, decode, backend, _ = rig
+    lost = []
+    backend._on_lost = lambda: lost.append(1)
+    backend.supervisor.retire_grace_s = 0.5
+    old = backend.supervisor.current
+    remote = backend.connect([prefill.cache], [holder.metadata()])
+    request = random_request("rb-rp", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(7))
+    inflight = backend.post(admit(remote, request), notify=False)
+    backend.replace("ca_changed")
+    new = backend.supervisor.wait_up(old.generation + 1, 30)
+    assert new.pid != old.pid and lost == [1] and not backend.is_current(remote)
+    deadline = time.monotonic() + 20
+    while backend.poll(inflight, notify=False) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inflight.result.ok  # ended where it was posted
+    backend.connect([prefill.cache], [holder.metadata()])  # the handshake the links were told to make
+    from kvxferd.rig.verify.buffers import SENTINEL
+    decode.arena[...] = SENTINEL  # what the first read wrote is gone: the new worker must write it again
+    _, result = read(backend, request)
+    assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+    while time.monotonic() < deadline:
+        try:
+            os.kill(old.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the replaced worker was not stopped after its grace")
+    assert [r.reasons for r in backend.supervisor.replaced] == [("ca_changed",)]

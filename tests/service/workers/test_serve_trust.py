@@ -1,6 +1,7 @@
 """Metadata that does not outlive trust (issue #55 item 3), against real daemons with mutual TLS and workers:
 when an identity's last introduction ends, when a certificate the metadata went to nears its expiry, and when
-the CA bundle withdraws a CA, the rank's worker is replaced (make before break) and what a peer was handed
+the CA bundle withdraws a CA, the rank's worker is replaced (make before break; on a withdrawal its reader
+worker too, whose address the holders it connected to learned) and what a peer was handed
 before reaches nothing, while fresh metadata reads byte-exact and holds placed before end CONSUMED. The
 controls: a reader that introduces another agent of its own, a long-lived certificate and a CA added to the
 bundle replace nothing; a certificate about to expire is handed no metadata."""
@@ -38,7 +39,7 @@ REPLACEMENTS = "kvxferd_dataplane_worker_replacements_total"
 def cluster(workdir, ca):
     issued = ca.issue("kvxferd", dns_names=("kvxferd-peer",), spiffe_id=SPIFFE)
     args = (*tls_args(ca, issued, allowed=f"{SPIFFE},{OTHER},{THIRD}"), "--dataplane-workers",
-            "--worker-retire-grace-s", str(GRACE_S), "--worker-replace-interval-s", "0",
+            "--dataplane-reader-workers", "--worker-retire-grace-s", str(GRACE_S), "--worker-replace-interval-s", "0",
             "--max-readers-per-engine", "2", "--reader-idle-s", str(IDLE_S), "--peer-check-s", "0.5")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("UCX_TLS", "tcp")
@@ -164,9 +165,9 @@ def test_a_ca_withdrawn_from_the_bundle_replaces_every_worker(cluster, ca, workd
     try:
         assert answers(engine_info(cluster, ca, vouched, "tr-reader-c", connected))  # the control: it is trusted
         ca.cert_path.write_bytes(bundle)  # ... withdrawing it ends trust: its peers may hold metadata
-        for daemon in (prefill, decode):
-            wait_retired(daemon, retired[daemon] + 1)
-            assert replaced(daemon, "ca_changed") == 1
+        for daemon in (prefill, decode):  # each rank's two workers: its holder's and its reader's (the
+            wait_retired(daemon, retired[daemon] + 2)  # holders it connected to learned that one's address)
+            assert replaced(daemon, "ca_changed") == 2
         # Its connection was closed with the withdrawal: on the same channel it gets no new metadata
         # (the TLS handshake of its new connection refuses its certificate).
         with pytest.raises(grpc.RpcError):
