@@ -13,6 +13,7 @@
                                              ◄── probed {id, errors}
     post {id, engine_id, request,  ────────────► admitted on its connection, posted, polled (past its
           deadline_in_s}                         deadline and DEADLINE_GRACE_S: aborted here, DEADLINE)
+          (+ a memfd of its ids, when long)
                                              ◄── ended {id, failed_ranks, error, failure,
                                                         unsettled, transfer_s, host_copies, notices}
     abort {id, reason, failure, drain}           (its ended follows)
@@ -28,6 +29,7 @@ daemon, and no other tenant's memory.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +50,7 @@ from kvxferd.xfer.reads import ReadExecutor
 from kvxferd.xfer.admission import admit
 from kvxferd.xfer.records import InFlightRead
 
+MAX_IDS_BYTES = 64 << 20  # a read's packed block ids sent in a memfd: 8 M ids (the engine's messages: 16 MiB)
 MAX_READS = 1 << 17  # reads one worker keeps in flight (a bound on its memory; the daemon's own limit,
                      # max_reads_per_engine, is 8192 by default)
 FAILURES = {f.value: f for f in ReadFailure}
@@ -104,15 +107,26 @@ def cache_of(message: dict, arrays: list) -> EngineCache:
     return engine_from_pb(described, memory)
 
 
-def _request(message: dict) -> ReadRequest:
+def _request(message: dict, fds: Sequence[int] = ()) -> ReadRequest:
+    """The read a ``post`` carries (readbackend.request_message): its ids in hex, or in the memfd it sent."""
     r = message.get("request")
     if not isinstance(r, dict):
         raise InvalidArgumentError("request", "an object")
     caps = r.get("caps", [])
     if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
         raise InvalidArgumentError("request.caps", "a list of hex strings")
-    local = unpack_ids(bytes.fromhex(str(r.get("local", ""))), list(r.get("local_sizes", [])), "local_block_ids")
-    remote = unpack_ids(bytes.fromhex(str(r.get("remote", ""))), list(r.get("remote_sizes", [])), "remote_block_ids")
+    if "ids_fd" in r:
+        local_bytes, remote_bytes = _int(r, "local_bytes"), _int(r, "remote_bytes")
+        if r["ids_fd"] != 0 or len(fds) != 1 or local_bytes + remote_bytes > MAX_IDS_BYTES:
+            raise InvalidArgumentError("request.ids_fd", f"one memfd of at most {MAX_IDS_BYTES} bytes of ids")
+        packed = os.pread(fds[0], local_bytes + remote_bytes, 0)
+        if len(packed) != local_bytes + remote_bytes:
+            raise InvalidArgumentError("request.ids_fd", f"{len(packed)} bytes of ids, said {local_bytes + remote_bytes}")
+        local_packed, remote_packed = packed[:local_bytes], packed[local_bytes:]
+    else:
+        local_packed, remote_packed = bytes.fromhex(str(r.get("local", ""))), bytes.fromhex(str(r.get("remote", "")))
+    local = unpack_ids(local_packed, list(r.get("local_sizes", [])), "local_block_ids")
+    remote = unpack_ids(remote_packed, list(r.get("remote_sizes", [])), "remote_block_ids")
     tokens = r.get("num_tokens")
     return ReadRequest(str(r.get("request_id")), str(r.get("remote_request_id")), local, remote,
                        tokens if isinstance(tokens, int) and tokens > 0 else None,
@@ -176,7 +190,7 @@ class ReaderRole:
                 raise InvalidArgumentError("post", f"{MAX_READS} reads in flight")
             remote = ex.remote(str(message.get("engine_id")))
             self.notices.take()  # (none: every read's are taken as it ends)
-            inflight = ex.post(admit(remote, _request(message)), notify=True)
+            inflight = ex.post(admit(remote, _request(message, fds)), notify=True)
             self.reads[n] = (inflight, _ends_by_s(message.get("deadline_in_s")))
             self.notices_of[n] = self.notices.take()  # a read that ended within its post sent them there
             return None

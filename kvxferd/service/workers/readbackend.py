@@ -25,7 +25,9 @@ generation). See docs/dataplane.md.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
+import os
 import logging
 import threading
 import time
@@ -52,6 +54,7 @@ from kvxferd.xfer.reads import ABORT_DRAIN_S
 from kvxferd.xfer.records import AdmittedRead, Drain, InFlightRead, ReadResult, ReadTimes, RemoteEngine
 from kvxferd.xfer.samehost.hostmaps import OpenedObjects, close_opened, open_passed_objects
 
+INLINE_IDS_BYTES = 256 << 10  # a read's packed block ids up to this go in the message (hex), beyond in a memfd
 log = logging.getLogger("kvxferd.workers")
 # A worker's answer to connect (loading T agents, preparing lists: milliseconds). The data-plane thread waits
 # for it, as it waits for an in-process connect: a worker that does not answer stalls it this long.
@@ -284,31 +287,23 @@ class WorkerReadBackend:
             if current is not admitted.remote or admitted.planned is None:
                 admitted = admit(current, admitted.request, admitted)
             request = admitted.request
-            local, local_sizes = pack_ids(request.local_block_ids)
-            remote_ids, remote_sizes = pack_ids(request.remote_block_ids)
             ticket = next(self._tickets)
             inflight = WorkerRead(admitted, {}, ReadTimes(time.perf_counter() if start_s is None else start_s),
                                   ticket=ticket)
             with self._state:
                 self._reads[ticket] = inflight
             inflight.times.posted_s = time.perf_counter()
+            described, fds = request_message(request)
             message = {"op": "post", "id": ticket, "engine_id": current.plan.remote_engine_id,
-                       "deadline_in_s": deadline_in_s,
-                                         "request": {"request_id": request.request_id,
-                                                     "remote_request_id": request.remote_request_id,
-                                                     "local": local.hex(), "local_sizes": local_sizes,
-                                                     "remote": remote_ids.hex(), "remote_sizes": remote_sizes,
-                                                     "num_tokens": request.num_tokens or 0,
-                                                     "caps": [c.hex() for c in request.remote_capabilities]}}
+                       "deadline_in_s": deadline_in_s, "request": described}
             try:
-                sent = self.supervisor.send(message)
-            except InvalidArgumentError:  # more block ids than one channel message carries (about 65 000)
-                sent = False
+                sent = self.supervisor.send(message, fds)
+            finally:
+                channel.close_all(fds)
             if not sent:
                 with self._state:
                     self._reads.pop(ticket, None)
-                raise UnavailableError("worker", "the reader worker is restarting, not reading its channel, or "
-                                                 "the read names more block ids than its channel carries")
+                raise UnavailableError("worker", "the reader worker is restarting or not reading its channel")
             return inflight
 
     def poll(self, inflight: InFlightRead, *, notify: bool = True) -> ReadResult | None:
@@ -512,6 +507,29 @@ def _ints(values, bound: int) -> list[int]:
     if not isinstance(values, list):
         return []
     return [v for v in values[:bound] if isinstance(v, int) and 0 <= v < bound]
+
+
+def request_message(request) -> tuple[dict, list[int]]:
+    """A read as a ``post`` carries it, and the fds that go with it: block ids packed (int32), in hex up to
+    INLINE_IDS_BYTES, beyond that (a long context: one message carries about 65 000 ids in hex) in a
+    sealed memfd sent along (``ids_fd``; the worker reads at most MAX_IDS_BYTES from it)."""
+    local, local_sizes = pack_ids(request.local_block_ids)
+    remote, remote_sizes = pack_ids(request.remote_block_ids)
+    described = {"request_id": request.request_id, "remote_request_id": request.remote_request_id,
+                 "local_sizes": local_sizes, "remote_sizes": remote_sizes, "num_tokens": request.num_tokens or 0,
+                 "caps": [c.hex() for c in request.remote_capabilities]}
+    if len(local) + len(remote) <= INLINE_IDS_BYTES:
+        return {**described, "local": local.hex(), "remote": remote.hex()}, []
+    fd = os.memfd_create("kvxferd-read-ids", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        data, written = memoryview(local + remote), 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    except BaseException:
+        os.close(fd)
+        raise
+    return {**described, "ids_fd": 0, "local_bytes": len(local), "remote_bytes": len(remote)}, [fd]
 
 
 def _objects_message(opened: OpenedObjects | None) -> tuple[list | None, list[int]]:

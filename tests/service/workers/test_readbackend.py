@@ -97,7 +97,7 @@ def test_what_a_worker_says_is_checked(rig):
     prefill, holder, decode, backend, _ = rig
     remote = backend.connect([prefill.cache], [holder.metadata()])
     request = random_request("rb-3", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(2))
-    backend.supervisor.send = lambda message: True  # the worker never hears of it: this test answers
+    backend.supervisor.send = lambda message, fds=(): True  # the worker never hears of it: this test answers
     inflight = backend.post(admit(remote, request), notify=False)
     backend._answer(1, {"op": "ended", "id": inflight.ticket, "failed_ranks": [7], "failure": "transfer",
                         "error": "x", "notices": [["someone-else", "00"], [holder.name, "00"]]})
@@ -114,7 +114,7 @@ def test_a_dead_worker_fails_every_read_and_connection_and_the_next_generation_c
     remote = backend.connect([prefill.cache], [holder.metadata()])
     request = random_request("rb-4", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(3))
     real_send = backend.supervisor.send
-    backend.supervisor.send = lambda message: message["op"] == "post" or real_send(message)  # stays in flight
+    backend.supervisor.send = lambda message, fds=(): message["op"] == "post" or real_send(message)  # in flight
     inflight = backend.post(admit(remote, request), notify=False)
     backend.supervisor.send = real_send
     os.kill(backend.supervisor.current.pid, signal.SIGKILL)
@@ -294,3 +294,33 @@ def test_a_replaced_reader_worker_hands_over_make_before_break_and_its_links_han
     else:
         pytest.fail("the replaced worker was not stopped after its grace")
     assert [r.reasons for r in backend.supervisor.replaced] == [("ca_changed",)]
+
+
+def test_a_read_with_more_ids_than_a_message_carries_sends_them_in_a_memfd(rig, monkeypatch):
+    """Block ids beyond INLINE_IDS_BYTES (a long context: about 65 000 ids fill a message in hex) travel in a
+    sealed memfd beside the post; forced here for a small read, which lands byte-exact. The worker takes
+    one memfd of at most MAX_IDS_BYTES whose size matches what the post says, nothing else."""
+    from kvxferd.errors import InvalidArgumentError
+    from kvxferd.service.workers import readbackend
+    from kvxferd.worker.reads import MAX_IDS_BYTES, _request
+
+    prefill, holder, decode, backend, _ = rig
+    remote = backend.connect([prefill.cache], [holder.metadata()])
+    request = random_request("rb-fd", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(8))
+    monkeypatch.setattr(readbackend, "INLINE_IDS_BYTES", 0)
+    described, fds = readbackend.request_message(request)
+    try:
+        assert "ids_fd" in described and "local" not in described and len(fds) == 1
+        parsed = _request({"request": described}, fds)
+        assert [ids.tolist() for ids in parsed.remote_block_ids] == [np.asarray(i).tolist() for i in request.remote_block_ids]
+        for bad, bad_fds in (({**described, "ids_fd": 1}, fds), (described, []), (described, fds + fds),
+                             ({**described, "remote_bytes": MAX_IDS_BYTES}, fds),
+                             ({**described, "remote_bytes": described["remote_bytes"] + 4}, fds)):
+            with pytest.raises(InvalidArgumentError):
+                _request({"request": bad}, bad_fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    _, result = read(backend, request)
+    assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+    del remote
