@@ -32,6 +32,7 @@ import functools
 from kvxferd.plan.groups import EngineCache
 from kvxferd.wire.challenge import Nonces, bound_mac
 from kvxferd.wire.peerauth import tokens_match
+from kvxferd.wire.peerinfo import PeerInfo
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -84,10 +85,14 @@ def holder_proved(secret: bytes, address: str, request_token: str, proof: str) -
     return bool(expected) and tokens_match(expected, proof)
 
 
-def shares_from(cache: EngineCache, secret: bytes, address: str, request_token: str, proof: str) -> EngineCache:
-    """``cache`` as a reader may map it: with its shared-memory names only when the holder it dialed at
-    ``address`` proved this host (``proof``); else without any."""
-    return cache if holder_proved(secret, address, request_token, proof) else without_shares(cache)
+def shares_from(info: PeerInfo, secret: bytes | None, address: str, request_token: str) -> PeerInfo:
+    """``info`` as a reader may use it: what its cache's regions and its hold board lie in only when the
+    holder it dialed at ``address`` proved this host (``info.same_host_proof``, over the reader's own
+    token, with this host's ``secret``); else nothing of it. The engine chose the address: a listener of
+    another user must not get the daemon to map what it names."""
+    if secret is not None and holder_proved(secret, address, request_token, info.same_host_proof):
+        return info
+    return dataclasses.replace(info, cache=without_shares(info.cache), board=dataclasses.replace(info.board, share=None))
 
 
 def without_shares(cache: EngineCache) -> EngineCache:

@@ -7,7 +7,8 @@
     map {role: reader, cache, regions} + fds ──► the engine's regions mapped read-write, one agent
                                                  registering them (its metadata goes to no one)
     connect {id, remotes, metadata, boards,  ──► a ReadExecutor connection (plans, prepared lists);
-             objects} + their fds                same-host objects passed by fd: the daemon's fds
+             opened} + their fds                 same-host objects by the holder's fd, holders' pidfds:
+                                                 the daemon's (xfer/samehost/opened.py)
                                              ◄── connected {id} / error {id, message}
     probe {id, engine_id} ─────────────────────► the connection's first READs (its boards)
                                              ◄── probed {id, errors}
@@ -49,6 +50,7 @@ from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
 from kvxferd.xfer.admission import admit
 from kvxferd.xfer.records import InFlightRead
+from kvxferd.xfer.samehost.opened import OpenedObjects
 
 MAX_IDS_BYTES = 64 << 20  # a read's packed block ids sent in a memfd: 8 M ids (the engine's messages: 16 MiB)
 MAX_READS = 1 << 17  # reads one worker keeps in flight (a bound on its memory; the daemon's own limit,
@@ -146,7 +148,7 @@ class ReaderRole:
     def __init__(self, name: str, cache: EngineCache) -> None:
         self.notices = NoticeCollector()
         self.executor = ReadExecutor(NixlAgent(name), cache, self.notices)
-        self.reads: dict[int, tuple[InFlightRead, float]] = {}  # id -> (posted read, when it came)
+        self.reads: dict[int, tuple[InFlightRead, float]] = {}  # id -> (posted read, when this worker ends it itself)
         self.notices_of: dict[int, list[list[str]]] = {}  # id -> notices its abort sent (it ends at the next poll)
         self.probes: dict[int, Any] = {}  # id -> the connection being probed
 
@@ -169,9 +171,10 @@ class ReaderRole:
                           _board_share(b.get("share")))
                 for b in boards]
             remote = ex.connect(remotes, metadata, board_infos, same_host=bool(message.get("same_host")),
-                                opened=_opened_objects(message.get("objects"), fds))
+                                opened=OpenedObjects.of_message(message.get("opened"), fds))
             return {"op": "connected", "id": n, "host_ranks": sorted(remote.host_ranks),
-                    "host_errors": {str(q): e[:300] for q, e in remote.host_errors.items()}}
+                    "host_errors": {str(q): e[:300] for q, e in remote.host_errors.items()},
+                    "board_errors": {str(q): e[:300] for q, e in remote.board_errors.items()}}
         if op == "probe":
             n = _int(message, "id")
             remote = ex.remote(str(message.get("engine_id")))
@@ -271,22 +274,6 @@ def _ends_by_s(deadline_in_s: Any) -> float:
             and -MAX_DEADLINE_S <= deadline_in_s <= MAX_DEADLINE_S:
         return time.perf_counter() + deadline_in_s + DEADLINE_GRACE_S
     return float("inf")
-
-
-def _opened_objects(objects: Any, fds: Sequence[int]) -> dict[tuple[int, int], int | str] | None:
-    """The same-host objects the daemon opened for this worker: ``[device, inode, fd index or why not]``
-    each (:func:`~kvxferd.xfer.samehost.hostmaps.open_passed_objects`); None when it sent none."""
-    if objects is None:
-        return None
-    if not isinstance(objects, list) or len(objects) > channel.MAX_FDS:
-        raise InvalidArgumentError("objects", f"a list of at most {channel.MAX_FDS}")
-    opened: dict[tuple[int, int], int | str] = {}
-    for entry in objects:
-        if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) for v in entry[:2])
-                and (isinstance(entry[2], str) or isinstance(entry[2], int) and 0 <= entry[2] < len(fds))):
-            raise InvalidArgumentError("objects", "[device, inode, fd index or reason] each")
-        opened[(entry[0], entry[1])] = fds[entry[2]] if isinstance(entry[2], int) else entry[2][:300]
-    return opened
 
 
 def _engine_rank(text: Any, field: str) -> pb.EngineRank:

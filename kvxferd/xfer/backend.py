@@ -37,7 +37,7 @@ from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.groups import EngineCache
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, RemoteEngine
-from kvxferd.xfer.samehost.hostmaps import OpenedObjects
+from kvxferd.xfer.samehost.opened import OpenedObjects
 
 
 class ReadBackend(Protocol):

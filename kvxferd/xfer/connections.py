@@ -26,7 +26,7 @@ from kvxferd.plan.notifications import HELLO
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError
 from kvxferd.xfer.nixl.checks import BoardProbe, CheckArea, board_rows
 from kvxferd.xfer.records import RemoteEngine
-from kvxferd.xfer.samehost.hostmaps import OpenedObjects
+from kvxferd.xfer.samehost.opened import OpenedObjects
 from kvxferd.xfer.samehost.ranks import SameHostOpener, drop_all
 
 
@@ -72,10 +72,13 @@ class Connections:
                         names[q], board_rows(boards[q].address, boards[q].num_buckets), "DRAM")
                 if same_host:
                     try:
-                        remote.host_ranks[q] = self.same_host.open(remotes[q], rank_plan, opened,
-                                                                     None if boards is None else boards[q])
+                        remote.host_ranks[q], board_error = self.same_host.open(
+                            remotes[q], rank_plan, opened, None if boards is None else boards[q])
                     except TransferError as err:
                         remote.host_errors[q] = err.message
+                    else:
+                        if board_error:
+                            remote.board_errors[q] = board_error
         except BaseException:
             self._unload(remote, num_notice_remotes)
             raise

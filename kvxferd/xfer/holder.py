@@ -133,9 +133,14 @@ class Holder:
         # A fresh key per registration: capabilities of a former registration's holds mean nothing here.
         board = HoldBoard(buckets_for(self.max_holds), self.board_memory.words)
         self.holds = HoldTable(secrets.token_bytes(HOLD_KEY_BYTES), board, self.max_hold_s)
-        self._board_share = self.board_memory.share()
-        if not self.board_registered_elsewhere:
-            self.agent.register_array(BOARD_KEY, board.words)
+        try:
+            self._board_share = self.board_memory.share()
+            if not self.board_registered_elsewhere:
+                self.agent.register_array(BOARD_KEY, board.words)
+        except BaseException:
+            if self._owns_board:
+                self.board_memory.close()
+            raise
 
     @property
     def hold_key(self) -> bytes:

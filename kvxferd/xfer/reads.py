@@ -42,7 +42,7 @@ from kvxferd.xfer.nixl.checks import BoardProbe, CheckArea
 from kvxferd.xfer.rankmachine import RankMachine
 from kvxferd.xfer.rankstate import RankTransfer
 from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, ReadTimes, RemoteEngine
-from kvxferd.xfer.samehost.hostmaps import OpenedObjects
+from kvxferd.xfer.samehost.opened import OpenedObjects
 from kvxferd.xfer.samehost.ranks import drop_all
 
 ABORT_DRAIN_S = 30.0  # how long an aborted read's result waits for transfers UCX cannot stop (abort)

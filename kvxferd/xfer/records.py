@@ -57,6 +57,8 @@ class RemoteEngine:
     # not be opened reads over NIXL (why: host_errors).
     host_ranks: dict[int, HostRank] = field(default_factory=dict)
     host_errors: dict[int, str] = field(default_factory=dict)
+    # Same-host ranks whose hold board is not mapped here, and why: their checks are NIXL READs of it.
+    board_errors: dict[int, str] = field(default_factory=dict)
 
 
 class AdmittedRead(NamedTuple):

@@ -106,22 +106,30 @@ def test_a_gpu_share_never_shows_its_handle_in_a_log_line():
 def test_a_reader_keeps_names_only_from_a_holder_that_proved_this_host_too():
     """An engine names the addresses its daemon dials: a listener without the host's secret (another user's)
     must not get the daemon to map an object it names. Only the holder's proof over the reader's own token
-    keeps the names."""
+    keeps the names: the regions' and the hold board's."""
+    import dataclasses
+
+    from kvxferd.plan.board import BoardInfo
+    from kvxferd.wire.peerinfo import PeerInfo
+
     cache = _shared_cache()
     token = samehost.same_host_token(SECRET, ADDRESS, NONCES)
     proof = samehost.holder_proof(SECRET, ADDRESS, token)
-    kept = samehost.shares_from(cache, SECRET, ADDRESS, token, proof)
-    assert kept is cache
-    for bad_proof, address, request_token in (("", ADDRESS, token), ("0" * 64, ADDRESS, token),
-                                               (samehost.holder_proof(OTHER_SECRET, ADDRESS, token), ADDRESS, token),
-                                               (proof, "127.0.0.1:7002", token),  # another listener's answer
-                                               (proof, ADDRESS, samehost.same_host_token(SECRET, "x:1", NONCES)),
-                                               ("é" * 64, ADDRESS, token), (proof, ADDRESS, "")):
-        stripped = samehost.shares_from(cache, SECRET, address, request_token, bad_proof)
-        assert all(r.share is None for regions in stripped.memory for r in regions)
-        assert [[r.address for r in regions] for regions in stripped.memory] == [[r.address for r in regions]
-                                                                                 for regions in cache.memory]
-
+    info = PeerInfo("i", b"m", cache, BoardInfo(1 << 20, 64, b"k" * 32, HostShare("", 0, 5, 78, 4242, 18)), proof)
+    assert samehost.shares_from(info, SECRET, ADDRESS, token) is info
+    for bad_proof, address, request_token, secret in (
+            ("", ADDRESS, token, SECRET), ("0" * 64, ADDRESS, token, SECRET),
+            (samehost.holder_proof(OTHER_SECRET, ADDRESS, token), ADDRESS, token, SECRET),
+            (proof, "127.0.0.1:7002", token, SECRET),  # another listener's answer
+            (proof, ADDRESS, samehost.same_host_token(SECRET, "x:1", NONCES), SECRET),
+            ("é" * 64, ADDRESS, token, SECRET), (proof, ADDRESS, "", SECRET),
+            (proof, ADDRESS, token, None)):  # a reader without the host's secret proves nothing either
+        stripped = samehost.shares_from(dataclasses.replace(info, same_host_proof=bad_proof), secret, address,
+                                        request_token)
+        assert all(r.share is None for regions in stripped.cache.memory for r in regions)
+        assert stripped.board.share is None and stripped.board.address == info.board.address
+        assert [[r.address for r in regions] for regions in stripped.cache.memory] == [[r.address for r in regions]
+                                                                                       for regions in cache.memory]
 
 def test_a_holders_board_share_goes_to_a_proven_reader_only_and_must_be_host_memory():
     """The board's memfd (kvxferd.xfer.boardmemory) travels like the regions' shares: only with a proof,

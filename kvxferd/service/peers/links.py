@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import time
@@ -35,7 +34,7 @@ from kvxferd.service.peers.proof import check_signed_proof
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, Nonces, new_nonce, proof_matches
 from kvxferd.wire.peerauth import refuse_listener, secret_call_metadata
-from kvxferd.wire.samehost import holder_proved, same_host_token, without_shares
+from kvxferd.wire.samehost import same_host_token, shares_from
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.records import RemoteEngine
 
@@ -268,7 +267,8 @@ class Peers:
                                               "probe_s": round(probe_s, 4),
                                               "same_host_ranks": sorted(link.remote.host_ranks),
                                               "same_host_errors": {str(q): e for q, e in link.remote.host_errors.items()
-                                                                   if same_host}})
+                                                                   if same_host},
+                                              "board_errors": {str(q): e for q, e in link.remote.board_errors.items()}})
         except BaseException:
             self.metrics.handshake_duration.labels("failed").observe(time.perf_counter() - start)
             if addresses == link.addresses:
@@ -327,13 +327,7 @@ class Peers:
         if (info.cache.tp_rank, info.cache.tp_size) != (q, tp_size):
             raise InvalidArgumentError(field, f"{address} serves rank {info.cache.tp_rank}/{info.cache.tp_size}, "
                                               f"expected {q}/{tp_size}")
-        # Names of shared memory (the cache's, the board's) count only from a holder that proved this host
-        # too: the engine chose the address, and a listener of another user must not get the daemon to map
-        # what it names.
-        if secret is not None and holder_proved(secret, address, request.same_host_token, info.same_host_proof):
-            return info
-        return dataclasses.replace(info, cache=without_shares(info.cache),
-                                   board=dataclasses.replace(info.board, share=None))
+        return shares_from(info, secret, address, request.same_host_token)  # (only a holder that proved this host)
 
     async def probe(self, slot: EngineSlot, link: RemoteLink) -> bool:
         """True when every remote rank still runs the incarnation we planned for and still knows this rank as

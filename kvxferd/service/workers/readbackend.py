@@ -52,7 +52,7 @@ from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.agent import agent_name_of
 from kvxferd.xfer.reads import ABORT_DRAIN_S
 from kvxferd.xfer.records import AdmittedRead, Drain, InFlightRead, ReadResult, ReadTimes, RemoteEngine
-from kvxferd.xfer.samehost.hostmaps import OpenedObjects, close_opened, open_passed_objects
+from kvxferd.xfer.samehost.opened import OpenedObjects, open_passed_objects
 
 INLINE_IDS_BYTES = 256 << 10  # a read's packed block ids up to this go in the message (hex), beyond in a memfd
 log = logging.getLogger("kvxferd.workers")
@@ -161,7 +161,7 @@ class WorkerReadBackend:
         ours = opened is None and same_host
         if ours:
             opened = open_passed_objects(remotes, boards or ())
-        objects, fds = _objects_message(opened if same_host else None)
+        objects, fds = opened.message() if same_host and opened is not None else (None, [])
         # The handshake holds self.lock across this (links.py: no read posted between failing the old
         # connection's reads and the swap), so the loop's small reads wait for the worker's answer too:
         # milliseconds, at most CONNECT_TIMEOUT_S from a worker that does not answer.
@@ -169,19 +169,21 @@ class WorkerReadBackend:
             answer = self._ask({"op": "connect", "engine_id": plan.remote_engine_id,
                                 "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
                                             .SerializeToString().hex() for c in remotes],
-                                "metadata": [m.hex() for m in metadata], "same_host": same_host, "objects": objects,
+                                "metadata": [m.hex() for m in metadata], "same_host": same_host, "opened": objects,
                                 "boards": None if boards is None else [
                                     {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex(),
                                      "share": None if b.share is None else list(dataclasses.astuple(b.share))}
                                     for b in boards]}, fds)
         finally:
-            if ours and opened:
-                close_opened(opened)
+            if ours and opened is not None:
+                opened.close()
         remote = RemoteEngine(plan, names, {}, {}, board_buckets=tuple(b.num_buckets for b in boards or ()),
                               hold_keys=tuple(b.hold_key for b in boards or ()))
         remote.host_ranks = {q: None for q in _ints(answer.get("host_ranks"), len(names))}
         errors = answer.get("host_errors")
         remote.host_errors = {q: str(errors[k])[:300] for k, q in _ranks(errors, len(names))}
+        errors = answer.get("board_errors")
+        remote.board_errors = {q: str(errors[k])[:300] for k, q in _ranks(errors, len(names)) if q in remote.host_ranks}
         loaded = 0
         try:
             for q, m in enumerate(metadata):  # the engine's notices go out from its holder worker
@@ -530,18 +532,3 @@ def request_message(request) -> tuple[dict, list[int]]:
         os.close(fd)
         raise
     return {**described, "ids_fd": 0, "local_bytes": len(local), "remote_bytes": len(remote)}, [fd]
-
-
-def _objects_message(opened: OpenedObjects | None) -> tuple[list | None, list[int]]:
-    """The ``objects`` of a connect command (``[device, inode, fd index or why not]`` each) and its fds; an
-    object beyond what one message carries is sent as a reason (its rank reads over NIXL)."""
-    if opened is None:
-        return None, []
-    objects, fds = [], []
-    for (device, inode), given in opened.items():
-        if isinstance(given, int) and len(fds) < channel.MAX_FDS:
-            objects.append([device, inode, len(fds)])
-            fds.append(given)
-        else:
-            objects.append([device, inode, given if isinstance(given, str) else "more objects than one command carries"])
-    return objects[:channel.MAX_FDS], fds

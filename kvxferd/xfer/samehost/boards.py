@@ -14,12 +14,22 @@ by looking at its two buckets::
 
 The holder removes a tag before it lets its blocks go, so a tag seen after
 the copy ended means the blocks were held through it: the same argument as
-a READ posted after the data READ ended.
+a READ posted after the data READ ended. Two things a READ would have said
+are checked here instead. A holder that exited leaves its board's pages
+mapped here with every tag frozen (a READ of a dead agent fails): each check
+reads the tag, then polls the holder's pidfd, and a gone holder fails the
+check. And the board must be a memfd sealed against shrinking: these are
+plain loads, and a page taken away under them would be SIGBUS, not EFAULT.
+(Ordering: the loads follow the copy's syscall, or the device event that
+ended it, in program order; this relies on the syscall boundary, as x86's
+TSO gives and arm64's exception return is taken to give.)
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import select
 
 import numpy as np
 
@@ -28,26 +38,33 @@ from kvxferd.plan.board import SLOTS_PER_BUCKET, BoardInfo, bucket_pair, check_n
 from kvxferd.plan.groups import HostShare
 from kvxferd.xfer.handles import ReadFailure, TransferFailure
 from kvxferd.xfer.nixl.agent import TransferState
-from kvxferd.xfer.samehost.hostmaps import SHM_DIR, OpenedObjects, map_object
+from kvxferd.xfer.samehost.hostmaps import SHM_DIR, map_object
+from kvxferd.xfer.samehost.opened import OpenedObjects, holder_pidfd
 
 
 class MappedBoard:
-    """One holder rank's board as mapped here. Not thread-safe: its executor's lock guards checks and close
-    (a check after close raises instead of touching unmapped pages)."""
+    """One holder rank's board as mapped here, and its holder's pidfd. Not thread-safe: its executor's lock
+    guards checks and close (a check after close raises instead of touching unmapped pages)."""
 
-    def __init__(self, base: int, num_buckets: int, closers: list) -> None:
+    def __init__(self, base: int, num_buckets: int, pidfd: int, closers: list) -> None:
         self.num_buckets = num_buckets
         # A view at the mapping's address (no export of the mmap, so close can unmap it: hence the flag).
         self._words = np.ctypeslib.as_array((ctypes.c_uint64 * (num_buckets * SLOTS_PER_BUCKET)).from_address(base))
         self._words = self._words.reshape(num_buckets, SLOTS_PER_BUCKET)
-        self._closers = closers
+        self._holder = select.poll()
+        self._holder.register(pidfd, select.POLLIN)
+        self._closers = [*closers, lambda: os.close(pidfd)]
         self.closed = False
 
     def holds(self, tag: int) -> bool:
-        """Whether ``tag`` is on the board now; raises :class:`TransferError` once unmapped."""
+        """Whether ``tag`` is on the board now; raises :class:`TransferError` once unmapped, or when the holder
+        exited (its board's tags say nothing any more)."""
         if self.closed:
             raise TransferError("same_host", "the holder's board was unmapped (its connection was released)")
-        return tag_in(self._words[list(bucket_pair(tag, self.num_buckets))], tag)
+        seen = tag_in(self._words[list(bucket_pair(tag, self.num_buckets))], tag)
+        if self._holder.poll(0):  # after the load: the holder lived when the tag was read
+            raise TransferError("same_host", "the holder's daemon exited: its board says nothing any more")
+        return seen
 
     def close(self) -> None:
         self.closed = True
@@ -58,20 +75,26 @@ class MappedBoard:
 
 
 def map_board(board: BoardInfo, opened: OpenedObjects | None = None, shm_dir: str = SHM_DIR) -> MappedBoard:
-    """Map a holder's board read-only from the object it named (checked like a region's: the holder's
-    object, in shared memory, large enough). Raises :class:`TransferError` (its checks stay NIXL READs)."""
+    """Map a holder's board read-only from the memfd it named by its own fd (checked like a region's object,
+    and sealed against shrinking), with its holder's pidfd (``opened``'s, else opened here). Raises
+    :class:`TransferError` (its checks stay NIXL READs)."""
     share = board.share
-    if not isinstance(share, HostShare):
-        raise TransferError("same_host", "the holder named no shared memory for its board")
+    if not isinstance(share, HostShare) or share.name:
+        raise TransferError("same_host", "the holder named no memfd of its own for its board")
     num_bytes = check_num_buckets(board.num_buckets) * SLOTS_PER_BUCKET * 8
+    pidfd = opened.pidfd(share.holder_pid) if opened is not None else holder_pidfd(share.holder_pid)
     closers: list = []
-    base, size = map_object(share, shm_dir, closers, opened)
-    if share.offset % 8 or share.offset + num_bytes > size:
+    try:
+        base, size = map_object(share, shm_dir, closers, opened, sealed=True)
+        if share.offset % 8 or share.offset + num_bytes > size:
+            raise TransferError("same_host", f"a board of {num_bytes} bytes does not lie inside the {size} bytes "
+                                             f"the holder named for it (offset {share.offset})")
+    except BaseException:
         for closer in closers:
             closer()
-        raise TransferError("same_host", f"a board of {num_bytes} bytes does not lie inside the {size} bytes the "
-                                         f"holder named for it (offset {share.offset})")
-    return MappedBoard(base + share.offset, board.num_buckets, closers)
+        os.close(pidfd)
+        raise
+    return MappedBoard(base + share.offset, board.num_buckets, pidfd, closers)
 
 
 class LoadedCheck:

@@ -13,19 +13,20 @@ reader's own registered cache::
     remote descriptor at a      ──────────► a - A_r + M + o_r   (checked: inside region r)
 
 Everything else of a read stays as over NIXL: the board checks before and
-after the copy (still NIXL READs of the holder's board), the notices, the
-deadline. Nothing the holder sent can make the reader read outside the
+after the copy (loads from the holder's board, mapped too when the holder
+named it: kvxferd.xfer.samehost.boards; else NIXL READs of it), the notices,
+the deadline. Nothing the holder sent can make the reader read outside the
 objects it mapped: every source span must lie inside one announced region,
 and every region inside its object.
 """
 
 from __future__ import annotations
 
-import ctypes
+import fcntl
 import mmap
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +36,7 @@ from kvxferd.plan.descriptors import RowIndex, expand_rows
 from kvxferd.plan.engine import RankPlan, RankRead
 from kvxferd.plan.groups import EngineCache, HostShare, RegionMemory
 from kvxferd.xfer.samehost.hostcopy import available as hostcopy_available, copy_spans
+from kvxferd.xfer.samehost.opened import OpenedObjects, open_passed
 
 SHM_DIR = "/dev/shm"
 MAX_ADDRESS = 1 << 57  # above any user-space address (5-level paging): int64 arithmetic cannot wrap
@@ -99,17 +101,13 @@ def empty_source() -> MappedSource:
     return MappedSource(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-# What another process opened for this one, by object identity (st_dev, st_ino): the fd, or why it could not.
-OpenedObjects = Mapping[tuple[int, int], "int | str"]
-
-
 def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedObjects | None = None) -> MappedSource:
     """Map every region's shared-memory object of a remote rank read-only. Raises :class:`TransferError` when
     a region has no object, an object is gone or is another one now, or a region does not lie inside it.
 
     ``opened``: the objects engines passed by fd, already opened by another process for this one
-    (:func:`open_passed_objects`; a sandboxed reader worker cannot reach ``/proc/<holder>/fd``); they are
-    checked here as if opened here, and the caller keeps and closes those fds."""
+    (:func:`~kvxferd.xfer.samehost.opened.open_passed_objects`; a sandboxed reader worker cannot reach
+    ``/proc/<holder>/fd``); they are checked here as if opened here, and the caller keeps and closes them."""
     regions = [region for memory in cache.memory for region in memory]
     if cache.mem_type != "DRAM" or not regions or any(not isinstance(r.share, HostShare) for r in regions):
         raise TransferError("same_host", "not every region is host memory in a shared-memory object it names")
@@ -133,94 +131,16 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedOb
     return source
 
 
-# Where shared memory lives: tmpfs (/dev/shm, and memfds) and hugetlbfs. A passed fd naming anything else
-# (a file on disk, a device) is refused before it is opened for reading.
-SHM_FS_TYPES = frozenset({0x01021994, 0x958458F6})
-STATFS_BYTES = 256  # room for struct statfs, whose first member is f_type
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _fs_type(fd: int) -> int:
-    buffer = ctypes.create_string_buffer(STATFS_BYTES)
-    if _libc.fstatfs(fd, buffer) != 0:
-        return -1
-    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
-
-
-def open_passed_objects(remotes: Sequence[EngineCache], boards: Sequence = ()) -> dict[tuple[int, int], int | str]:
-    """Every shared-memory object the holders named by their fd (their engines' regions, their hold
-    ``boards``), opened here read-only for a process that cannot open it itself (a reader worker,
-    sandboxed): by identity, its fd or why it could not be opened (then that rank reads, or its board is
-    checked, over NIXL). Checked as :func:`map_host_source` checks it; the caller closes the fds."""
-    opened: dict[tuple[int, int], int | str] = {}
-    shares = {r.share for cache in remotes if cache.mem_type == "DRAM" for memory in cache.memory for r in memory}
-    try:
-        for share in shares | {b.share for b in boards if b is not None}:
-            identity = (share.device, share.inode) if isinstance(share, HostShare) and not share.name else None
-            if identity is None or identity in opened:
-                continue
-            try:
-                opened[identity] = open_passed(share)
-            except TransferError as err:
-                opened[identity] = err.message
-    except BaseException:
-        close_opened(opened)
-        raise
-    return opened
-
-
-def close_opened(opened: OpenedObjects) -> None:
-    """Close the fds of :func:`open_passed_objects`."""
-    for fd in opened.values():
-        if isinstance(fd, int):
-            os.close(fd)
-
-
-def open_passed(share: HostShare) -> int:
-    """The holder's copy of an fd its engine passed, opened read-only here. Nothing is opened for reading
-    before it is known to be the object the holder mapped: the process must be this user's (its /proc
-    directory held open, so a reused pid cannot stand in), the link is followed with ``O_PATH`` (no
-    driver's open runs), and the file must be a regular file in shared memory with the holder's
-    ``st_dev``/``st_ino``; then it is reopened from that ``O_PATH`` fd."""
-    identity, name = (share.device, share.inode), share.path
-    try:
-        proc = os.open(f"/proc/{int(share.holder_pid)}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        proc = -1
-    try:
-        # Only a process of this user: a root reader must not open another user's files for a holder.
-        if proc < 0 or os.fstat(proc).st_uid != os.geteuid():
-            raise TransferError("same_host", f"process {share.holder_pid} is not one of this user's (another PID "
-                                             "namespace, or gone)")
-        try:
-            handle = os.open(f"fd/{int(share.holder_fd)}", os.O_PATH | os.O_CLOEXEC, dir_fd=proc)
-        except OSError as err:
-            raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
-    finally:
-        if proc >= 0:
-            os.close(proc)
-    try:
-        status = os.fstat(handle)
-        if not stat.S_ISREG(status.st_mode) or _fs_type(handle) not in SHM_FS_TYPES:
-            raise TransferError("same_host", f"{name!r} is not a shared-memory object (a regular file on tmpfs or "
-                                             "hugetlbfs)")
-        if (status.st_dev, status.st_ino) != identity:
-            raise TransferError("same_host", f"shared-memory object {name!r} is not the one the holder mapped")
-        try:
-            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-        except OSError as err:  # its mode does not let this user read it (an engine of another user)
-            raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
-    finally:
-        os.close(handle)
-
-
-def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObjects | None) -> tuple[int, int]:
+def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObjects | None, *,
+               sealed: bool = False) -> tuple[int, int]:
     """Map one object read-only (its unmapping appended to ``closers``); its base address here and its size.
 
     A name is opened under ``shm_dir`` and never through a symlink. An object the engine passed as an fd
     is opened through the holder's copy of it, ``/proc/<pid>/fd/<fd>``: a link the kernel follows to the
     open file itself (the same user and PID namespace only), checked below like a name; or, when another
-    process opened it for this one, a duplicate of the fd in ``opened``."""
+    process opened it for this one, a duplicate of the fd in ``opened``. ``sealed``: only an object that
+    can no longer shrink (a memfd sealed so): what is read with plain loads, not in the kernel, must not
+    lose its pages under the reader (SIGBUS)."""
     identity, name = (share.device, share.inode), share.name or share.path
     if share.name:
         bare = name[1:] if name.startswith("/") else name
@@ -231,10 +151,7 @@ def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObje
         except OSError as err:  # another IPC namespace, no permission, gone
             raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
     elif opened is not None:
-        given = opened.get(identity, "the daemon did not open it for this process")
-        if isinstance(given, str):
-            raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {given}")
-        fd = os.dup(given)
+        fd = opened.object_fd(identity, name)
     else:
         fd = open_passed(share)
     try:
@@ -243,6 +160,8 @@ def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObje
             raise TransferError("same_host", f"shared-memory object {name!r} is not the one the holder mapped")
         if not status.st_size:
             raise TransferError("same_host", f"shared-memory object {name!r} is empty")
+        if sealed and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise TransferError("same_host", f"shared-memory object {name!r} is not sealed against shrinking")
         mapping = mmap.mmap(fd, status.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
     except OSError as err:
         raise TransferError("same_host", f"cannot map shared-memory object {name!r}: {err.strerror}") from None

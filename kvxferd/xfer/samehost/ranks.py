@@ -17,7 +17,8 @@ from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import EngineCache
 from kvxferd.xfer.samehost.boards import map_board
 from kvxferd.xfer.samehost.devicemaps import device_rank, map_device_source
-from kvxferd.xfer.samehost.hostmaps import HostRank, OpenedObjects, map_host_source
+from kvxferd.xfer.samehost.hostmaps import HostRank, map_host_source
+from kvxferd.xfer.samehost.opened import OpenedObjects
 
 
 class SameHostOpener:
@@ -28,20 +29,23 @@ class SameHostOpener:
         self.device_copier: BatchCopier | None = None  # made at the first GPU connection
 
     def open(self, remote: EngineCache, rank_plan: RankPlan, opened: OpenedObjects | None = None,
-             board: BoardInfo | None = None) -> HostRank:
+             board: BoardInfo | None = None) -> tuple[HostRank, str]:
         """A remote rank's memory, opened for copies (same kind of memory as the local cache), and its
-        ``board`` mapped when the holder named its memory (else its checks stay NIXL READs); raises
-        :class:`TransferError` saying why the rank is read over NIXL instead. ``opened``: see
-        :func:`~kvxferd.xfer.samehost.hostmaps.map_host_source`."""
+        ``board`` mapped when the holder named its memory: the rank, and why its board is not mapped ("": it
+        is; else its checks stay NIXL READs). Raises :class:`TransferError` saying why the rank is read over
+        NIXL instead. ``opened``: see :func:`~kvxferd.xfer.samehost.hostmaps.map_host_source`."""
         rank = self._open(remote, rank_plan, opened)
-        if board is not None and board.share is not None:
-            try:
-                rank.board = map_board(board, opened)
-            except TransferError:
-                pass  # checked over NIXL, as before the holder named it
-            else:
-                rank.source.closers.append(rank.board.close)  # unmapped with the rank's memory
-        return rank
+        if board is None or board.share is None:
+            return rank, "the holder named no memory for its board"
+        try:
+            rank.board = map_board(board, opened)
+        except TransferError as err:
+            return rank, err.message
+        except BaseException:
+            rank.source.close()
+            raise
+        rank.source.closers.append(rank.board.close)  # unmapped with the rank's memory
+        return rank, ""
 
     def _open(self, remote: EngineCache, rank_plan: RankPlan, opened: OpenedObjects | None) -> HostRank:
         if remote.mem_type != self.cache.mem_type:
@@ -65,6 +69,7 @@ class SameHostOpener:
 def drop_rank(remote, q: int, reason: str) -> None:
     """Read remote rank ``q`` of ``remote`` (a connection) over NIXL from now on: close its memory here."""
     host_rank = remote.host_ranks.pop(q, None)
+    remote.board_errors.pop(q, None)  # (its board goes with it: checked over NIXL, as every NIXL rank)
     if host_rank is not None:
         host_rank.source.close()
         remote.host_errors[q] = reason

@@ -13,7 +13,7 @@ import pytest
 
 from kvxferd.client.shm import SharedArena
 from kvxferd.plan.notifications import ReadNotice
-from kvxferd.rig.verify.buffers import allocate_engine, verify_decode
+from kvxferd.rig.verify.buffers import SENTINEL, allocate_engine, verify_decode
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.service.workers.readbackend import WorkerReadBackend
@@ -179,14 +179,21 @@ def test_a_read_that_ends_within_its_post_keeps_its_notices(monkeypatch):
 @pytest.mark.parametrize("by_fd", [True, False], ids=["passed-fd", "shm-name"])
 def test_a_same_host_holder_is_copied_by_the_reader_worker_even_when_its_engine_passed_an_fd(rig, by_fd):
     """Same-host reads from a sandboxed reader worker (issue #55 on #37): an object the holder names by
-    ``/dev/shm`` name the worker opens itself; one its engine passed as an fd lies behind
-    ``/proc/<holder>/fd``, which the sandbox keeps the worker out of, so the daemon opens it and hands the
-    worker the fd. Either way the rank is copied, not read over NIXL, and lands byte-exact. The control:
-    without the daemon's fd the worker cannot open it (the rank goes to NIXL, saying why)."""
+    ``/dev/shm`` name the worker opens itself; one its engine passed as an fd, and the holder's hold board
+    (a memfd), lie behind ``/proc/<holder>/fd``, which the sandbox keeps the worker out of, so the daemon
+    opens them (and a pidfd of the holder) and hands the worker the fds. Either way the rank is copied and
+    its holds checked on the mapped board, not over NIXL, and it lands byte-exact. The controls: without
+    the daemon's fds the worker cannot open the engine's object (the rank goes to NIXL, saying why) nor
+    the board (its checks go to NIXL, saying why)."""
     import dataclasses
+    import secrets
 
+    from kvxferd.plan.board import BoardInfo, HoldBoard
+    from kvxferd.plan.leases import HoldTable
     from kvxferd.rig.verify.buffers import shared_engine
     from kvxferd.service.workers import readbackend
+    from kvxferd.xfer.boardmemory import BoardMemory
+    from kvxferd.xfer.samehost.opened import OpenedObjects
 
     _, holder, decode, backend, _ = rig
     num_bytes = allocate_engine("rb-p", PREFILL_GROUPS, 1, 0, tagged=False).arena.nbytes
@@ -199,27 +206,39 @@ def test_a_same_host_holder_is_copied_by_the_reader_worker_even_when_its_engine_
             tuple(dataclasses.replace(r, share=dataclasses.replace(r.share, name="", holder_pid=os.getpid(),
                                                                    holder_fd=fd)) for r in regions)
             for regions in cache.memory))
+    memory, key = BoardMemory.create(64), secrets.token_bytes(32)
+    holds = HoldTable(key, HoldBoard(64, memory.words))
+    board = BoardInfo(memory.words.ctypes.data, 64, key, memory.share())
     holder.register(cache)
+    holder.register_array("rb-board", memory.words)
+    request = random_request("rb-sh", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(5))
+    request = dataclasses.replace(request, remote_capabilities=(
+        holds.hold(request.remote_request_id, request.remote_block_ids, 60, time.monotonic()),))
     try:
-        remote = backend.connect([cache], [holder.metadata()], same_host=True)
-        assert remote.host_errors == {} and list(remote.host_ranks) == [0]
-        request = random_request("rb-sh", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(5))
+        remote = backend.connect([cache], [holder.metadata()], [board], same_host=True)
+        assert remote.host_errors == {} and list(remote.host_ranks) == [0] and remote.board_errors == {}
         _, result = read(backend, request, engine_id="rb-s")
         assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+        original = readbackend.open_passed_objects
+        readbackend.open_passed_objects = lambda remotes, boards: OpenedObjects()  # the daemon opens nothing
+        try:
+            remote = backend.connect([cache], [holder.metadata()], [board], same_host=True)
+        finally:
+            readbackend.open_passed_objects = original
         if by_fd:
-            original = readbackend.open_passed_objects
-            readbackend.open_passed_objects = lambda remotes, boards: None  # the daemon opens nothing for it
-            try:
-                remote = backend.connect([cache], [holder.metadata()], same_host=True)
-            finally:
-                readbackend.open_passed_objects = original
-            assert remote.host_ranks == {} and ("cannot open" in remote.host_errors[0]
-                                                or "not one of this user's" in remote.host_errors[0]), remote.host_errors
+            assert remote.host_ranks == {} and "did not open it" in remote.host_errors[0], remote.host_errors
+        else:  # the engine's object by name, opened by the worker itself; the board (a memfd) not
+            assert list(remote.host_ranks) == [0] and "did not open it" in remote.board_errors[0]
+        decode.arena[...] = SENTINEL
+        _, result = read(backend, request, engine_id="rb-s")  # over NIXL, or checked over NIXL: as exact
+        assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
     finally:
         backend.disconnect("rb-s")
         holder.deregister("rb-s")
+        holder.deregister("rb-board")
         os.close(fd)
         arena.close()
+        memory.close()
 
 
 def test_a_read_whose_abort_never_comes_is_ended_by_the_worker_past_its_deadline(rig):
@@ -281,7 +300,6 @@ def test_a_replaced_reader_worker_hands_over_make_before_break_and_its_links_han
         time.sleep(0.01)
     assert inflight.result.ok  # ended where it was posted
     backend.connect([prefill.cache], [holder.metadata()])  # the handshake the links were told to make
-    from kvxferd.rig.verify.buffers import SENTINEL
     decode.arena[...] = SENTINEL  # what the first read wrote is gone: the new worker must write it again
     _, result = read(backend, request)
     assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)

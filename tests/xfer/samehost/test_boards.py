@@ -45,6 +45,7 @@ def test_a_same_host_read_checks_its_holds_on_the_mapped_board_and_posts_no_chec
     cluster.connect()
     remote = cluster.executors[0].remote(cluster.prefill_id)
     assert all(rank.board is not None for rank in remote.host_ranks.values()) and len(remote.host_ranks) == 2
+    assert remote.board_errors == {}
     request = _request("mapped", 1)
     cluster.reset_decode()
     (result,) = cluster.read(request)
@@ -58,6 +59,7 @@ def test_the_control_without_the_boards_share_the_checks_are_nixl_reads(cluster,
                      same_host=True)
     remote = executor.remote(cluster.prefill_id)
     assert len(remote.host_ranks) == 2 and all(rank.board is None for rank in remote.host_ranks.values())
+    assert set(remote.board_errors.values()) == {"the holder named no memory for its board"}
     request = _request("nixl-checked", 2)
     cluster.reset_decode()
     (result,) = cluster.read(request)
@@ -125,9 +127,58 @@ def test_a_board_is_mapped_only_from_the_holders_object_and_only_if_it_fits():
             map_board(dataclasses.replace(board, share=dataclasses.replace(share, holder_fd=other.fd)))
         with pytest.raises(TransferError, match="does not lie inside"):
             map_board(dataclasses.replace(board, num_buckets=128))
-        with pytest.raises(TransferError, match="no shared memory"):
+        with pytest.raises(TransferError, match="no memfd of its own"):
             map_board(dataclasses.replace(board, share=None))
+        with pytest.raises(TransferError, match="no memfd of its own"):  # a name: anyone's object
+            map_board(dataclasses.replace(board, share=dataclasses.replace(share, name="kvxferd-board")))
+        unsealed = os.memfd_create("kvxferd-unsealed")  # read with plain loads, it could shrink under them
+        try:
+            os.ftruncate(unsealed, memory.words.nbytes)
+            status = os.fstat(unsealed)
+            with pytest.raises(TransferError, match="not sealed"):
+                map_board(dataclasses.replace(board, share=dataclasses.replace(
+                    share, holder_fd=unsealed, device=status.st_dev, inode=status.st_ino)))
+        finally:
+            os.close(unsealed)
         assert share.holder_pid == os.getpid() and share.name == ""
     finally:
         memory.close()
         other.close()
+
+
+HOLDER = """
+import time
+from kvxferd.plan.board import HoldBoard
+from kvxferd.xfer.boardmemory import BoardMemory
+memory = BoardMemory.create(64)
+HoldBoard(64, memory.words).add(4242)
+share = memory.share()
+print(share.holder_pid, share.holder_fd, share.device, share.inode, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_board_whose_holder_exited_says_nothing():
+    """The reader's mapping keeps a dead holder's board pages, every tag frozen: a check after the holder's
+    process ended fails (its pidfd), where a READ of its gone agent would have failed too. The control: the
+    same check while it lives sees the tag (and not another)."""
+    import subprocess
+    import sys
+
+    from kvxferd.plan.board import BoardInfo, HostShare
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, fd, device, inode = map(int, holder.stdout.readline().split())
+        mapped = map_board(BoardInfo(1 << 20, 64, b"k" * 32, HostShare("", 0, device, inode, pid, fd)))
+        try:
+            assert mapped.holds(4242) and not mapped.holds(4243)
+            holder.kill()
+            holder.wait(10)
+            with pytest.raises(TransferError, match="exited"):  # its pages live on here, the tag frozen
+                mapped.holds(4242)
+        finally:
+            mapped.close()
+    finally:
+        holder.kill()
+        holder.wait(10)

@@ -78,8 +78,8 @@ def _use_device_ranks(cluster, driver: FakeDriver, monkeypatch, log: list | None
     for rank_plan in remote.plan.rank_plans:
         q = rank_plan.remote_rank
         engine = cluster.prefill[q]
-        remote.host_ranks[q] = opener.open(_device_cache(engine.cache, engine.arena.ctypes.data, bytes([q]) * 64),
-                                           rank_plan)
+        remote.host_ranks[q], _ = opener.open(_device_cache(engine.cache, engine.arena.ctypes.data, bytes([q]) * 64),
+                                              rank_plan)  # (no board given: its checks stay NIXL READs)
     assert opener.device_copier.device_id == LOCAL_GPU
     return opener
 

@@ -223,10 +223,12 @@ def test_an_object_the_engine_passed_as_an_fd_is_mapped_through_the_holders_copy
 def test_objects_passed_by_fd_can_be_opened_by_another_process_and_are_checked_the_same(cluster):
     """For a sandboxed reader worker (issue #55) its daemon opens each object passed by fd
     (``open_passed_objects``: the fd, or why not) and the worker maps from those: a reason is the rank's
-    error, an fd of another object is refused as if opened here, and named objects are not touched."""
+    error, an fd of another object is refused as if opened here, and named objects are not touched. What
+    travels to the worker (``message``/``of_message``) comes back as sent; malformed, it is refused."""
     import os
 
-    from kvxferd.xfer.samehost.hostmaps import close_opened, open_passed_objects
+    from kvxferd.errors import InvalidArgumentError
+    from kvxferd.xfer.samehost.opened import OpenedObjects, open_passed_objects
 
     cache = cluster.prefill[0].cache
     name = cache.memory[0][0].share.name.lstrip("/")
@@ -238,31 +240,27 @@ def test_objects_passed_by_fd_can_be_opened_by_another_process_and_are_checked_t
     other = os.memfd_create("kvxferd-other")
     os.ftruncate(other, 1 << 20)
     try:
-        assert open_passed_objects([cache]) == {}  # by name: the worker opens those itself
+        assert open_passed_objects([cache]) == OpenedObjects()  # by name: the worker opens those itself
         opened = open_passed_objects([passed, gone])
         try:
-            assert set(opened) == {identity, (share.device, share.inode + 1)}
-            assert isinstance(opened[identity], int) and "cannot open" in opened[(share.device, share.inode + 1)]
+            assert set(opened.objects) == {identity, (share.device, share.inode + 1)}
+            assert isinstance(opened.objects[identity], int)
+            assert "cannot open" in opened.objects[(share.device, share.inode + 1)]
             map_host_source(passed, opened=opened).close()
             with pytest.raises(TransferError, match="cannot open"):
                 map_host_source(gone, opened=opened)
             with pytest.raises(TransferError, match="did not open it"):
-                map_host_source(passed, opened={})
+                map_host_source(passed, opened=OpenedObjects())
             with pytest.raises(TransferError, match="not the one the holder mapped"):
-                map_host_source(passed, opened={identity: other})
+                map_host_source(passed, opened=OpenedObjects({identity: other}))
+            message, fds = opened.message()
+            assert OpenedObjects.of_message(message, fds) == opened and OpenedObjects.of_message(None, []) is None
+            for bad in ({"objects": [[1, 2, 5]]}, {"objects": [[1, 2]]}, {"objects": [["1", 2, 0]]}, "x",
+                        {"pidfds": [[1, -1]]}, {"pidfds": [[True, 0]]}):
+                with pytest.raises(InvalidArgumentError):
+                    OpenedObjects.of_message(bad, fds)
         finally:
-            close_opened(opened)
+            opened.close()
     finally:
         os.close(fd)
         os.close(other)
-
-
-def test_the_reader_worker_takes_only_well_formed_objects():
-    from kvxferd.errors import InvalidArgumentError
-    from kvxferd.worker.reads import _opened_objects
-
-    assert _opened_objects(None, []) is None
-    assert _opened_objects([[1, 2, 0], [3, 4, "gone"]], [9]) == {(1, 2): 9, (3, 4): "gone"}
-    for bad in ([[1, 2, 1]], [[1, 2]], [["1", 2, 0]], "x", [[1, 2, -1]]):
-        with pytest.raises(InvalidArgumentError):
-            _opened_objects(bad, [9])
