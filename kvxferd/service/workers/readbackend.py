@@ -70,6 +70,7 @@ class WorkerRead(InFlightRead):
     ticket: int = 0
     copied_elsewhere: int = 0
     worker_notices: tuple = ()
+    generation: int = 0  # the worker generation it was sent to (a replaced one serves its reads to the end)
 
     @property
     def num_host_copies(self) -> int:
@@ -115,7 +116,7 @@ class WorkerReadBackend:
         self.supervisor = WorkerSupervisor(name, [Region(fd, n, offset) for fd, offset, n in region_fds],
                                            poll_interval_s=poll_interval_s, reader={"cache": described},
                                            on_answer=self._answer, on_death=self._died, on_up=self._up,
-                                           on_replace=on_replace)
+                                           on_replace=on_replace, on_retired=self._retired)
 
     def begin(self) -> None:
         """Start the worker without waiting for it (:meth:`start` waits)."""
@@ -131,6 +132,14 @@ class WorkerReadBackend:
         end on the old one, which stops after its grace; connections do not carry over (:meth:`_up`)."""
         if not self._closing:
             self.supervisor.replace(reason)
+
+    def _retired(self, generation: int) -> None:
+        """A replaced generation was stopped after its grace: a read it still had never ends there."""
+        with self._state:
+            reads = [r for r in self._reads.values() if r.generation == generation]
+        for inflight in reads:
+            self._fail_whole(inflight, "the replaced reader worker stopped with the read in flight", ReadFailure.TRANSFER,
+                             unsettled=False)
 
     def _up(self, up) -> None:
         """A generation mapped (the supervisor's thread, before anything is sent to it). After a replacement
@@ -299,7 +308,7 @@ class WorkerReadBackend:
             message = {"op": "post", "id": ticket, "engine_id": current.plan.remote_engine_id,
                        "deadline_in_s": deadline_in_s, "request": described}
             try:
-                sent = self.supervisor.send(message, fds)
+                sent = inflight.generation = self.supervisor.send(message, fds)  # (0 until then: any generation's)
             finally:
                 channel.close_all(fds)
             if not sent:
@@ -329,12 +338,13 @@ class WorkerReadBackend:
                     inflight.failure = failure  # what the drain's end reports, should the worker never answer
                 message = {"op": "abort", "id": inflight.ticket, "reason": reason[:200], "failure": failure.value,
                            "drain": drain, "drain_s": self.abort_drain_s}
-                if drain and self.supervisor.send(message):
+                sent_to = inflight.generation  # the generation it runs on, replaced or not
+                if drain and self.supervisor.send_to(sent_to, message):
                     if inflight.drain is None:
                         inflight.drain = Drain(time.perf_counter() + self.abort_drain_s + 1.0)
                     return None
                 if not drain:
-                    self.supervisor.send(message)
+                    self.supervisor.send_to(sent_to, message)
                 # Not sent to a live worker (its channel full): its READ may still land: unsettled. A dead
                 # worker writes nothing more.
                 self._fail_whole(inflight, reason, failure, unsettled=drain and self.supervisor.current is not None)
@@ -475,21 +485,23 @@ class WorkerReadBackend:
         self._wake()
 
     def _died(self, death: WorkerDeath) -> None:
-        """The worker ended: every read it had fails whole, every connection is gone (a re-handshake
-        connects the next generation), and whoever waits for an answer gets an error."""
+        """A generation ended unasked: every read it had fails whole. The serving one: every connection is
+        gone too (a re-handshake connects the next generation), and whoever waits for an answer gets an
+        error; a replaced one, still serving its last reads, takes only those with it."""
         why = f"the reader worker died ({'signal %d' % -death.returncode if death.returncode < 0 else 'exit %d' % death.returncode})"
+        serving = self.supervisor.serving_generation in (0, death.generation)  # (0: it was, and is gone)
         with self._state:
-            reads = list(self._reads.values())
-            remotes, self.current = list(self.current.values()), {}
+            reads = [r for r in self._reads.values() if r.generation in (0, death.generation)]
+            remotes, self.current = (list(self.current.values()), {}) if serving else ([], self.current)
             for ticket, answer in self._answers.items():
-                if answer is None:
+                if answer is None and serving:
                     self._answers[ticket] = {"op": "error", "id": ticket, "message": why}
             self._state.notify_all()
         for inflight in reads:
             self._fail_whole(inflight, why, ReadFailure.TRANSFER)
         for remote in remotes:  # the holders its connections had loaded on the notice agent
             self._unload(remote.agent_names)
-        if self._on_lost is not None and not self._closing:
+        if serving and self._on_lost is not None and not self._closing:
             self._on_lost()
         if not self._closing:
             log.warning("%s: %d reads failed", why, len(reads))

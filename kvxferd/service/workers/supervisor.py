@@ -76,7 +76,8 @@ class WorkerSupervisor:
                  on_up: Callable[[WorkerUp], None] | None = None,
                  on_replace: Callable[[tuple[str, ...]], None] | None = None,
                  reader: dict | None = None,
-                 on_answer: Callable[[int, dict], None] | None = None) -> None:
+                 on_answer: Callable[[int, dict], None] | None = None,
+                 on_retired: Callable[[int], None] | None = None) -> None:
         """``on_up``: each generation once it mapped, on the supervisor's thread, as the first thing sent
         to it (e.g. to load again what the last generation had loaded). ``on_replace``: the reasons of each
         replacement as it starts.
@@ -84,7 +85,8 @@ class WorkerSupervisor:
         ``reader``: a worker that posts the engine's READs (worker/reads.py) instead of serving them: what
         its ``map`` adds (the cache's description); it maps the engine's files read-write, and each of its
         answers (``connected``, ``probed``, ``ended``, an ``error`` naming a command's id) goes to
-        ``on_answer`` with its generation."""
+        ``on_answer`` with its generation. ``on_retired``: a replaced generation was stopped (its number), as
+        asked: whatever it still had in flight ends with it."""
         if not regions:
             raise InvalidArgumentError("regions", "a worker maps at least one region")
         self.name, self.poll_interval_s = name, poll_interval_s
@@ -107,7 +109,7 @@ class WorkerSupervisor:
             channel.close_all(self._files)
             raise
         self._on_notices, self._on_death, self._on_up, self._on_replace = on_notices, on_death, on_up, on_replace
-        self._reader, self._on_answer = reader, on_answer
+        self._reader, self._on_answer, self._on_retired = reader, on_answer, on_retired
         self.retire_grace_s, self.min_replace_interval_s = retire_grace_s, min_replace_interval_s
         self._changed = threading.Condition()
         self._current: WorkerUp | None = None
@@ -166,15 +168,15 @@ class WorkerSupervisor:
                 self._changed.wait(left)
             return self._current
 
-    def send(self, message: dict, fds: Sequence[int] = ()) -> bool:
+    def send(self, message: dict, fds: Sequence[int] = ()) -> int:
         """Send the serving generation a command (and ``fds``, which stay the caller's), never blocking on
         the worker (the data-plane thread calls this). Between a death and the next generation nothing is sent (its
         on_up sends what it must know). A full channel drops the message; one full for FULL_CHANNEL_S
-        (the worker stopped reading) kills the worker. False when it was not sent."""
+        (the worker stopped reading) kills the worker. The generation it went to; 0 (false) when not sent."""
         with self._send_lock:
             serving = self._serving
             if serving is None:
-                return False
+                return 0
             sock, process = serving
             try:
                 channel.send(sock, message, fds, block=False)
@@ -185,11 +187,11 @@ class WorkerSupervisor:
                 elif now - self._full_since_s > FULL_CHANNEL_S:
                     log.error("worker %s has read nothing for %.0f s; killing it", self.name, now - self._full_since_s)
                     process.kill()
-                return False
+                return 0
             except (channel.ChannelClosed, OSError):
-                return False
+                return 0
             self._full_since_s = None
-            return True
+            return self._serving_generation
 
     @property
     def serving_generation(self) -> int:
@@ -251,6 +253,7 @@ class WorkerSupervisor:
     def forget_callbacks(self) -> None:
         """Drop the callbacks (after :meth:`stop`): what they refer to need not outlive the supervisor."""
         self._on_notices = self._on_death = self._on_up = self._on_replace = self._on_answer = None
+        self._on_retired = None
 
     # ---- the thread -------------------------------------------------------
     def _run(self) -> None:
@@ -466,6 +469,8 @@ class WorkerSupervisor:
             # Its successor never came up in time (MAP_TIMEOUT_S): the rank has no worker until one does.
             self._gone(retiring.generation, retiring.process.pid)
             log.info("worker %s generation %d (pid %d) retired", self.name, retiring.generation, retiring.process.pid)
+            if self._on_retired is not None:
+                self._on_retired(retiring.generation)
         else:
             log.warning("worker %s generation %d (pid %d, replaced) ended with %d before its stop", self.name,
                         retiring.generation, retiring.process.pid, returncode)

@@ -89,12 +89,12 @@ def map_board(board: BoardInfo, opened: OpenedObjects | None = None, shm_dir: st
         if share.offset % 8 or share.offset + num_bytes > size:
             raise TransferError("same_host", f"a board of {num_bytes} bytes does not lie inside the {size} bytes "
                                              f"the holder named for it (offset {share.offset})")
+        return MappedBoard(base + share.offset, board.num_buckets, pidfd, closers)
     except BaseException:
+        os.close(pidfd)
         for closer in closers:
             closer()
-        os.close(pidfd)
         raise
-    return MappedBoard(base + share.offset, board.num_buckets, pidfd, closers)
 
 
 class LoadedCheck:

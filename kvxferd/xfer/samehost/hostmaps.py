@@ -36,7 +36,7 @@ from kvxferd.plan.descriptors import RowIndex, expand_rows
 from kvxferd.plan.engine import RankPlan, RankRead
 from kvxferd.plan.groups import EngineCache, HostShare, RegionMemory
 from kvxferd.xfer.samehost.hostcopy import available as hostcopy_available, copy_spans
-from kvxferd.xfer.samehost.opened import OpenedObjects, open_passed
+from kvxferd.xfer.samehost.opened import TMPFS, OpenedObjects, fs_type, open_passed
 
 SHM_DIR = "/dev/shm"
 MAX_ADDRESS = 1 << 57  # above any user-space address (5-level paging): int64 arithmetic cannot wrap
@@ -155,13 +155,15 @@ def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObje
     else:
         fd = open_passed(share)
     try:
+        # Sealed first, sized after: once it cannot shrink, the size read is one it keeps. (tmpfs only: a
+        # hole punched in hugetlbfs pages can still fault a load when the pool is empty.)
+        if sealed and (fs_type(fd) != TMPFS or not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK):
+            raise TransferError("same_host", f"shared-memory object {name!r} is not a memfd sealed against shrinking")
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or (status.st_dev, status.st_ino) != identity:
             raise TransferError("same_host", f"shared-memory object {name!r} is not the one the holder mapped")
         if not status.st_size:
             raise TransferError("same_host", f"shared-memory object {name!r} is empty")
-        if sealed and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
-            raise TransferError("same_host", f"shared-memory object {name!r} is not sealed against shrinking")
         mapping = mmap.mmap(fd, status.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
     except OSError as err:
         raise TransferError("same_host", f"cannot map shared-memory object {name!r}: {err.strerror}") from None

@@ -30,13 +30,15 @@ from kvxferd.plan.groups import EngineCache, HostShare
 
 # Where shared memory lives: tmpfs (/dev/shm, and memfds) and hugetlbfs. A passed fd naming anything else
 # (a file on disk, a device) is refused before it is opened for reading.
-SHM_FS_TYPES = frozenset({0x01021994, 0x958458F6})
+TMPFS, HUGETLBFS = 0x01021994, 0x958458F6
+SHM_FS_TYPES = frozenset({TMPFS, HUGETLBFS})
 STATFS_BYTES = 256  # room for struct statfs, whose first member is f_type
 MAX_ENTRIES = 253  # the kernel's SCM_MAX_FD: what one command carries, objects and pidfds together
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _fs_type(fd: int) -> int:
+def fs_type(fd: int) -> int:
+    """The type of the filesystem ``fd``'s file lies on (``statfs``'s ``f_type``; -1 if unknown)."""
     buffer = ctypes.create_string_buffer(STATFS_BYTES)
     if _libc.fstatfs(fd, buffer) != 0:
         return -1
@@ -78,8 +80,8 @@ class OpenedObjects:
                 return "more objects than one command carries"
             fds.append(given)
             return len(fds) - 1
+        pidfds = [[pid, entry(given)] for pid, given in list(self.pidfds.items())[:MAX_ENTRIES]]  # (few: first)
         objects = [[device, inode, entry(given)] for (device, inode), given in list(self.objects.items())[:MAX_ENTRIES]]
-        pidfds = [[pid, entry(given)] for pid, given in list(self.pidfds.items())[:MAX_ENTRIES]]
         return {"objects": objects, "pidfds": pidfds}, fds
 
     @classmethod
@@ -125,6 +127,14 @@ def open_passed_objects(remotes: Sequence[EngineCache], boards: Sequence = ()) -
     shares = {r.share for cache in remotes if cache.mem_type == "DRAM" for memory in cache.memory for r in memory}
     board_shares = {b.share for b in boards if b is not None and isinstance(b.share, HostShare)}
     try:
+        # Pidfds first: an object opened later through /proc/<pid> while that pidfd's process lives is that
+        # process's (had the holder died between, and its pid gone to another process, the pidfd would be
+        # the other's, which lives on: a dead holder's frozen board would pass for live).
+        for pid in {share.holder_pid for share in board_shares}:
+            try:
+                opened.pidfds[pid] = holder_pidfd(pid)
+            except TransferError as err:
+                opened.pidfds[pid] = err.message
         for share in shares | board_shares:
             if not isinstance(share, HostShare) or share.name or (share.device, share.inode) in opened.objects:
                 continue
@@ -132,11 +142,6 @@ def open_passed_objects(remotes: Sequence[EngineCache], boards: Sequence = ()) -
                 opened.objects[(share.device, share.inode)] = open_passed(share)
             except TransferError as err:
                 opened.objects[(share.device, share.inode)] = err.message
-        for pid in {share.holder_pid for share in board_shares}:
-            try:
-                opened.pidfds[pid] = holder_pidfd(pid)
-            except TransferError as err:
-                opened.pidfds[pid] = err.message
     except BaseException:
         opened.close()
         raise
@@ -168,9 +173,14 @@ def holder_pidfd(pid: int) -> int:
             raise TransferError("same_host", f"no pidfd of process {pid}: {err}") from None
         try:
             os.close(os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc))  # still the process /proc named
-        except OSError:
+            with open(f"/proc/self/fdinfo/{pidfd}") as info:  # and /proc's pid namespace is this process's
+                named = [line.split()[1] for line in info if line.startswith("Pid:")]
+        except (OSError, IndexError):
             os.close(pidfd)
             raise TransferError("same_host", f"process {pid} exited") from None
+        if named != [str(pid)]:
+            os.close(pidfd)
+            raise TransferError("same_host", f"process {pid} is another PID namespace's (its pidfd names {named})")
         return pidfd
     finally:
         os.close(proc)
@@ -193,7 +203,7 @@ def open_passed(share: HostShare) -> int:
         os.close(proc)
     try:
         status = os.fstat(handle)
-        if not stat.S_ISREG(status.st_mode) or _fs_type(handle) not in SHM_FS_TYPES:
+        if not stat.S_ISREG(status.st_mode) or fs_type(handle) not in SHM_FS_TYPES:
             raise TransferError("same_host", f"{name!r} is not a shared-memory object (a regular file on tmpfs or "
                                              "hugetlbfs)")
         if (status.st_dev, status.st_ino) != identity:

@@ -281,39 +281,65 @@ def test_a_read_whose_abort_never_comes_is_ended_by_the_worker_past_its_deadline
 
 def test_a_replaced_reader_worker_hands_over_make_before_break_and_its_links_handshake_again(rig):
     """Trust in the holders ended (a CA withdrawn: Registry.replace_workers): they learned the reader worker's
-    UCX address, so a new worker starts. A read in flight ends on the old one; the connections do not carry
-    over (the links are told to handshake again); the new worker reads byte-exact; the old one is stopped
-    after its grace."""
+    UCX address, so a new worker starts. A read in flight ends on the old one; one that cannot end there
+    (its holder makes no progress) fails whole when the old one is stopped after its grace; the connections
+    do not carry over (the links are told to handshake again); the new worker reads byte-exact. A replaced
+    generation that dies in its grace takes only its own reads: the new one's connections stay."""
     prefill, holder, decode, backend, _ = rig
     lost = []
     backend._on_lost = lambda: lost.append(1)
-    backend.supervisor.retire_grace_s = 0.5
-    old = backend.supervisor.current
-    remote = backend.connect([prefill.cache], [holder.metadata()])
-    request = random_request("rb-rp", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(7))
-    inflight = backend.post(admit(remote, request), notify=False)
-    backend.replace("ca_changed")
-    new = backend.supervisor.wait_up(old.generation + 1, 30)
-    assert new.pid != old.pid and lost == [1] and not backend.is_current(remote)
-    deadline = time.monotonic() + 20
-    while backend.poll(inflight, notify=False) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert inflight.result.ok  # ended where it was posted
-    backend.connect([prefill.cache], [holder.metadata()])  # the handshake the links were told to make
-    decode.arena[...] = SENTINEL  # what the first read wrote is gone: the new worker must write it again
-    _, result = read(backend, request)
-    assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
-    while time.monotonic() < deadline:
-        try:
-            os.kill(old.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the replaced worker was not stopped after its grace")
-    assert [r.reasons for r in backend.supervisor.replaced] == [("ca_changed",)]
-
-
+    backend.supervisor.retire_grace_s, backend.supervisor.min_replace_interval_s = 0.5, 0.0
+    still = NixlAgent(f"rb-still-{os.getpid()}")  # a holder nobody polls: a READ of it cannot end
+    stuck_engine = allocate_engine("rb-h", PREFILL_GROUPS, 1, 0, tagged=True)
+    still.register(stuck_engine.cache)
+    try:
+        old = backend.supervisor.current
+        remote = backend.connect([prefill.cache], [holder.metadata()])
+        stuck_remote = backend.connect([stuck_engine.cache], [still.metadata()])
+        request = random_request("rb-rp", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(7))
+        inflight = backend.post(admit(remote, request), notify=False)
+        stuck = backend.post(admit(stuck_remote, request), notify=False)
+        backend.replace("ca_changed")
+        new = backend.supervisor.wait_up(old.generation + 1, 30)
+        assert new.pid != old.pid and lost == [1] and not backend.is_current(remote)
+        deadline = time.monotonic() + 20
+        while (inflight.result is None or stuck.result is None) and time.monotonic() < deadline:
+            backend.poll(inflight, notify=False)
+            time.sleep(0.01)
+        assert inflight.result.ok  # ended where it was posted
+        assert not stuck.result.ok and "stopped with the read in flight" in stuck.result.error
+        while time.monotonic() < deadline:
+            try:
+                os.kill(old.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the replaced worker was not stopped after its grace")
+        remote = backend.connect([prefill.cache], [holder.metadata()])  # the handshake the links were told to make
+        decode.arena[...] = SENTINEL  # what the first read wrote is gone: the new worker must write it again
+        _, result = read(backend, request)
+        assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+        # Replaced again; the replaced one dies in its grace: only its own reads go with it.
+        backend.supervisor.retire_grace_s = 30.0
+        stuck_remote = backend.connect([stuck_engine.cache], [still.metadata()])
+        stuck = backend.post(admit(stuck_remote, request), notify=False)
+        backend.replace("ca_changed")
+        newer = backend.supervisor.wait_up(new.generation + 1, 30)
+        remote = backend.connect([prefill.cache], [holder.metadata()])
+        os.kill(new.pid, signal.SIGKILL)
+        while stuck.result is None and time.monotonic() < deadline + 20:
+            time.sleep(0.01)
+        assert not stuck.result.ok and "died" in stuck.result.error
+        assert backend.is_current(remote) and backend.supervisor.current.pid == newer.pid and lost == [1, 1]
+        decode.arena[...] = SENTINEL
+        _, result = read(backend, request)
+        assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
+        assert [r.reasons for r in backend.supervisor.replaced] == [("ca_changed",)]  # (the second died)
+    finally:
+        backend.disconnect("rb-h")
+        still.deregister("rb-h")
+        still.close()
 def test_a_read_with_more_ids_than_a_message_carries_sends_them_in_a_memfd(rig, monkeypatch):
     """Block ids beyond INLINE_IDS_BYTES (a long context: about 65 000 ids fill a message in hex) travel in a
     sealed memfd beside the post; forced here for a small read, which lands byte-exact. The worker takes

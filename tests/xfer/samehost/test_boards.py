@@ -135,7 +135,7 @@ def test_a_board_is_mapped_only_from_the_holders_object_and_only_if_it_fits():
         try:
             os.ftruncate(unsealed, memory.words.nbytes)
             status = os.fstat(unsealed)
-            with pytest.raises(TransferError, match="not sealed"):
+            with pytest.raises(TransferError, match="not a memfd sealed against shrinking"):
                 map_board(dataclasses.replace(board, share=dataclasses.replace(
                     share, holder_fd=unsealed, device=status.st_dev, inode=status.st_ino)))
         finally:
@@ -182,3 +182,36 @@ def test_a_board_whose_holder_exited_says_nothing():
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_without_pidfds_a_same_host_rank_is_still_copied_and_its_checks_are_nixl_reads(cluster, nixl_checks,
+                                                                                        monkeypatch):
+    """A kernel without pidfd_open (before 5.3): a board cannot be tied to its holder's life, so it is not
+    mapped; the rank is still copied, its checks are NIXL READs (saying why), and the read is as exact."""
+    def no_pidfds(pid):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    cluster.connect()
+    remote = cluster.executors[0].remote(cluster.prefill_id)
+    assert len(remote.host_ranks) == 2 and all(rank.board is None for rank in remote.host_ranks.values())
+    assert all("no pidfd" in error for error in remote.board_errors.values()) and len(remote.board_errors) == 2
+    request = _request("no-pidfd", 9)
+    cluster.reset_decode()
+    (result,) = cluster.read(request)
+    assert result.ok and cluster.check(request) == [] and len(nixl_checks) == 4
+    monkeypatch.undo()
+    cluster.connect()
+
+
+def test_a_pidfd_is_of_the_process_proc_names_and_only_while_it_lives():
+    import subprocess
+    import sys
+
+    from kvxferd.xfer.samehost.opened import holder_pidfd
+
+    own = holder_pidfd(os.getpid())
+    os.close(own)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)  # reaped: its pid names nothing any more
+    with pytest.raises(TransferError, match=f"process {child.pid}"):
+        holder_pidfd(child.pid)

@@ -253,7 +253,11 @@ def test_objects_passed_by_fd_can_be_opened_by_another_process_and_are_checked_t
                 map_host_source(passed, opened=OpenedObjects())
             with pytest.raises(TransferError, match="not the one the holder mapped"):
                 map_host_source(passed, opened=OpenedObjects({identity: other}))
+            from kvxferd.xfer.samehost.opened import holder_pidfd
+            opened.pidfds[os.getpid()] = holder_pidfd(os.getpid())
+            opened.pidfds[1 << 22] = "gone"
             message, fds = opened.message()
+            assert fds[0] == opened.pidfds[os.getpid()]  # pidfds first: few, and each board needs its holder's
             assert OpenedObjects.of_message(message, fds) == opened and OpenedObjects.of_message(None, []) is None
             for bad in ({"objects": [[1, 2, 5]]}, {"objects": [[1, 2]]}, {"objects": [["1", 2, 0]]}, "x",
                         {"pidfds": [[1, -1]]}, {"pidfds": [[True, 0]]}):
