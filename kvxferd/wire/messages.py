@@ -227,6 +227,23 @@ def host_share_to_pb(share: HostShare, handle: pb.MemoryHandle) -> None:
     handle.shm_device, handle.shm_inode = share.device, share.inode
 
 
+def host_share_hex(share: HostShare) -> str:
+    """A shared-memory object as a ``MemoryHandle`` message, hex (a reader worker's ``connect`` carries its
+    holders' boards so): read back by :func:`host_share_from_handle`."""
+    handle = pb.MemoryHandle()
+    host_share_to_pb(share, handle)
+    return handle.SerializeToString().hex()
+
+
+def host_share_from_handle(handle: pb.MemoryHandle, field: str) -> HostShare:
+    """A ``MemoryHandle`` that must name host shared memory (a hold board's), validated as a region's is
+    (:func:`share_from_pb`); :class:`InvalidArgumentError` naming ``field`` for anything else."""
+    share = share_from_pb(pb.Region(handle=handle), field)
+    if not isinstance(share, HostShare):
+        raise InvalidArgumentError(field, "a board lies in host shared memory")
+    return share
+
+
 def ids_from_pb(lists: Sequence[pb.BlockIds]) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(b.ids, dtype=np.int64) for b in lists)
 

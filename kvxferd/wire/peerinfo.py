@@ -17,9 +17,10 @@ from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchErro
 from kvxferd.layout.specs import AttentionSpec
 from kvxferd.plan.board import BoardInfo, check_num_buckets
 from kvxferd.plan.capability import HOLD_KEY_BYTES
-from kvxferd.plan.groups import EngineCache, HostShare
+from kvxferd.plan.groups import EngineCache
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.wire.messages import engine_from_pb, engine_to_pb, host_share_to_pb, peer_memory_from_pb, share_from_pb
+from kvxferd.wire.messages import (engine_from_pb, engine_to_pb, host_share_from_handle, host_share_to_pb,
+                                   peer_memory_from_pb)
 
 # 2: readers introduce their TP size (required); 3: notices and acks are binary records;
 # 4: hold boards replace acks (EngineInfo.hold_board required; notices from a second agent, unanswered)
@@ -118,10 +119,6 @@ def decode_board(info: pb.EngineInfo) -> BoardInfo:
         raise InvalidArgumentError("hold_board.address", f"{board.address:#x} is not a u64-aligned address")
     if len(info.hold_key) != HOLD_KEY_BYTES:
         raise InvalidArgumentError("hold_key", f"{len(info.hold_key)} bytes, a hold key is {HOLD_KEY_BYTES}")
-    share = None
-    if board.HasField("share"):
-        share = share_from_pb(pb.Region(handle=board.share), "hold_board.share")
-        if not isinstance(share, HostShare):
-            raise InvalidArgumentError("hold_board.share", "a board lies in host shared memory")
+    share = host_share_from_handle(board.share, "hold_board.share") if board.HasField("share") else None
     return BoardInfo(board.address, check_num_buckets(board.num_buckets, "hold_board.num_buckets"), info.hold_key,
                      share)

@@ -44,7 +44,7 @@ from kvxferd.plan.groups import EngineCache, HostShare, RegionMemory
 from kvxferd.plan.notifications import HELLO
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire import workerchannel as channel
-from kvxferd.wire.messages import engine_from_pb, peer_memory_from_pb, unpack_ids
+from kvxferd.wire.messages import engine_from_pb, host_share_from_handle, peer_memory_from_pb, unpack_ids
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.reads import ReadExecutor
@@ -257,14 +257,15 @@ def engine_from_pb_hex(text: Any) -> EngineCache:
     return engine_from_pb(described, peer_memory_from_pb(described))
 
 
-def _board_share(fields: Any) -> HostShare | None:
-    """A board's memfd as the daemon sent it (``HostShare`` fields in order), or None."""
-    if fields is None:
+def _board_share(text: Any) -> HostShare | None:
+    """A board's memfd as the daemon sent it (:func:`~kvxferd.wire.messages.host_share_hex`), or None."""
+    if text is None:
         return None
-    if not (isinstance(fields, list) and len(fields) == 6 and isinstance(fields[0], str)
-            and all(isinstance(v, int) for v in fields[1:])):
-        raise InvalidArgumentError("boards", "a board's share: [name, offset, device, inode, holder_pid, holder_fd]")
-    return HostShare(*fields)
+    try:
+        handle = pb.MemoryHandle.FromString(bytes.fromhex(str(text)))
+    except (ValueError, DecodeError):
+        raise InvalidArgumentError("boards", "a board's share: a MemoryHandle message, hex") from None
+    return host_share_from_handle(handle, "boards.share")
 
 
 def _ends_by_s(deadline_in_s: Any) -> float:

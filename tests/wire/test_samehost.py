@@ -154,3 +154,19 @@ def test_a_holders_board_share_goes_to_a_proven_reader_only_and_must_be_host_mem
     reply.payload = info.SerializeToString()
     with pytest.raises(InvalidArgumentError, match="hold_board.share"):
         decode_info(reply, cache)
+
+
+def test_a_board_share_travels_to_a_reader_worker_as_sent_and_only_as_host_memory():
+    """The daemon hands its reader worker each holder's board share as a MemoryHandle (hex), read back with
+    the checks a peer's is read with: anything else is refused."""
+    from kvxferd.proto.v1 import kvxfer_pb2 as pb
+    from kvxferd.wire.messages import host_share_hex
+    from kvxferd.worker.reads import _board_share
+
+    share = HostShare("", 0, 5, 78, 4242, 18)
+    assert _board_share(host_share_hex(share)) == share and _board_share(None) is None
+    gpu = pb.MemoryHandle(cuda_ipc_handle=b"\x01" * 64).SerializeToString().hex()
+    no_process = pb.MemoryHandle(shm_fd_index=0, holder_pid=0, holder_fd=3).SerializeToString().hex()
+    for bad in ("zz", "ff" * 8, gpu, no_process):
+        with pytest.raises(InvalidArgumentError):
+            _board_share(bad)

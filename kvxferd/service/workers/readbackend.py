@@ -24,7 +24,6 @@ generation). See docs/dataplane.md.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import itertools
 import os
@@ -46,7 +45,7 @@ from kvxferd.service.workers.generation import Region, WorkerDeath
 from kvxferd.service.workers.notices import WorkerNotices
 from kvxferd.service.workers.supervisor import WorkerSupervisor
 from kvxferd.wire import workerchannel as channel
-from kvxferd.wire.messages import engine_to_pb, pack_ids
+from kvxferd.wire.messages import engine_to_pb, host_share_hex, pack_ids
 from kvxferd.xfer.admission import admit
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.agent import agent_name_of
@@ -145,11 +144,17 @@ class WorkerReadBackend:
         """A generation mapped (the supervisor's thread, before anything is sent to it). After a replacement
         the connections are the old generation's: gone from here, and every link handshakes again, with
         this one, before its next read. (After a death :meth:`_died` did this already.)"""
+        self._lose_connections(always_tell=False)
+
+    def _lose_connections(self, *, always_tell: bool) -> None:
+        """Forget every connection (they were a generation's that serves no more): the holders they loaded on
+        the notice agent unloaded, and the caller's links told (``on_lost``) when there were any, or
+        ``always_tell``."""
         with self._state:
             remotes, self.current = list(self.current.values()), {}
         for remote in remotes:
             self._unload(remote.agent_names)
-        if remotes and self._on_lost is not None and not self._closing:
+        if (remotes or always_tell) and self._on_lost is not None and not self._closing:
             self._on_lost()
 
     # ---- connections ------------------------------------------------------------
@@ -181,7 +186,7 @@ class WorkerReadBackend:
                                 "metadata": [m.hex() for m in metadata], "same_host": same_host, "opened": objects,
                                 "boards": None if boards is None else [
                                     {"address": b.address, "num_buckets": b.num_buckets, "hold_key": b.hold_key.hex(),
-                                     "share": None if b.share is None else list(dataclasses.astuple(b.share))}
+                                     "share": None if b.share is None else host_share_hex(b.share)}
                                     for b in boards]}, fds)
         finally:
             if ours and opened is not None:
@@ -492,17 +497,14 @@ class WorkerReadBackend:
         serving = self.supervisor.serving_generation in (0, death.generation)  # (0: it was, and is gone)
         with self._state:
             reads = [r for r in self._reads.values() if r.generation in (0, death.generation)]
-            remotes, self.current = (list(self.current.values()), {}) if serving else ([], self.current)
             for ticket, answer in self._answers.items():
                 if answer is None and serving:
                     self._answers[ticket] = {"op": "error", "id": ticket, "message": why}
             self._state.notify_all()
         for inflight in reads:
             self._fail_whole(inflight, why, ReadFailure.TRANSFER)
-        for remote in remotes:  # the holders its connections had loaded on the notice agent
-            self._unload(remote.agent_names)
-        if serving and self._on_lost is not None and not self._closing:
-            self._on_lost()
+        if serving:
+            self._lose_connections(always_tell=True)
         if not self._closing:
             log.warning("%s: %d reads failed", why, len(reads))
         if self._on_death is not None and not self._closing:

@@ -199,7 +199,7 @@ class WorkerSupervisor:
         with self._send_lock:
             return self._serving_generation if self._serving is not None else 0
 
-    def send_to(self, generation: int, message: dict) -> bool:
+    def send_to(self, generation: int, message: dict) -> int | bool:
         """:meth:`send` to ``generation`` while it serves, or while it retires (a replaced generation serves
         its grace: what peers were introduced to still works); False when it is neither."""
         with self._send_lock:
