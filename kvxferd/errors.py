@@ -65,6 +65,31 @@ class ResourceExhaustedError(KvxferError):
     """A configured limit would be exceeded; ``field`` names the limit."""
 
 
+# The gRPC status code (its number) each kind of error maps to, first matching class wins; anything else is
+# INTERNAL (13). The one table: service/base/status.py turns it into grpc.StatusCode, and a reader worker,
+# which loads no gRPC, numbers the refusals it writes to an engine with it.
+STATUS_NUMBERS: tuple[tuple[type[KvxferError], int], ...] = (
+    (InvalidArgumentError, 3),  # INVALID_ARGUMENT
+    (LayoutMismatchError, 9),  # FAILED_PRECONDITION
+    (NotFoundError, 5),  # NOT_FOUND
+    (TransferError, 14),  # UNAVAILABLE
+    (UnavailableError, 9),  # FAILED_PRECONDITION
+    (UnauthenticatedError, 16),  # UNAUTHENTICATED
+    (PermissionDeniedError, 7),  # PERMISSION_DENIED
+    (AlreadyExistsError, 6),  # ALREADY_EXISTS
+    (ResourceExhaustedError, 8),  # RESOURCE_EXHAUSTED
+)
+INTERNAL_NUMBER = 13
+
+
+def status_number(error: KvxferError) -> int:
+    """The number of the gRPC status code ``error`` maps to (see :data:`STATUS_NUMBERS`)."""
+    for kind, number in STATUS_NUMBERS:
+        if isinstance(error, kind):
+            return number
+    return INTERNAL_NUMBER
+
+
 def first_error(err) -> tuple[str, str]:
     """``(dotted location, message)`` of a pydantic ``ValidationError``'s first problem, for one-line errors."""
     first = err.errors()[0]

@@ -55,11 +55,13 @@ PANELS = [
         ("TLS reloads ({{pod}})", f"max by (pod) (kvxferd_tls_reloads_total{SEL})"),
         ("TLS certificates refused ({{pod}})", f"max by (pod) (kvxferd_tls_refused_total{SEL})"),
         ("TLS files unusable ({{pod}})", f"max by (pod) (kvxferd_tls_files_unusable{SEL})")]),
-    ("Data-plane workers: deaths and replacements / s, ranks given up", "short", [
+    ("Data-plane workers: deaths, replacements and sessions handed / s, ranks given up", "short", [
         ("deaths ({{pod}})", f"sum by (pod) (rate(kvxferd_dataplane_worker_deaths_total{SEL}{RATE}))"),
         ("replaced: {{reason}}",
          f"sum by (reason) (rate(kvxferd_dataplane_worker_replacements_total{SEL}{RATE}))"),
-        ("ranks given up ({{pod}})", f"max by (pod) (kvxferd_dataplane_workers_given_up{SEL})")]),
+        ("ranks given up ({{pod}})", f"max by (pod) (kvxferd_dataplane_workers_given_up{SEL})"),
+        ("reads sessions handed to reader workers ({{pod}})",
+         f"sum by (pod) (rate(kvxferd_reader_worker_sessions_total{SEL}{RATE}))")]),
     ("Daemons by version", "short", [
         ("kvxferd {{version}}, Python {{python}}, NIXL {{nixl}}",
          f"count by (version, python, nixl) (kvxferd_build_info{SEL})")]),

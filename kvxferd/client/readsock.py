@@ -28,9 +28,11 @@ RECV_BYTES = 1 << 16
 class ReadsSocketError(grpc.RpcError):
     """How a reads-socket session ended: ``code()`` and ``details()`` as on a gRPC error."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, *, broken: bool = False) -> None:
+        """``broken``: the connection ended without the daemon's last word (an end frame): its reader worker,
+        which served the session, died or was replaced; a new session on the same registration goes on."""
         super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
+        self._code, self._details, self.broken = code, details, broken
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -77,6 +79,11 @@ class ReadsSocketStream:
         return self._error is None
 
     @property
+    def error(self) -> ReadsSocketError | None:
+        """Why the session could not start or ended (None while it runs)."""
+        return self._error
+
+    @property
     def usable(self) -> bool:
         """Nothing has broken or cancelled it yet (as far as this side knows)."""
         return self._error is None and not self._cancelled
@@ -90,7 +97,8 @@ class ReadsSocketStream:
             try:
                 self._socket.sendall(frame)
             except OSError as err:  # the reader sees the session end
-                self._error = ReadsSocketError(grpc.StatusCode.UNAVAILABLE, f"reads socket {self.path}: send: {err}")
+                self._error = ReadsSocketError(grpc.StatusCode.UNAVAILABLE, f"reads socket {self.path}: send: {err}",
+                                               broken=True)
                 self._shutdown()
 
     def cancel(self) -> None:
@@ -127,7 +135,8 @@ class ReadsSocketStream:
                 if self._cancelled:
                     raise ReadsSocketError(grpc.StatusCode.CANCELLED, "cancelled by the engine")
                 raise self._error or ReadsSocketError(
-                    grpc.StatusCode.UNAVAILABLE, f"the daemon closed the reads socket{f': {error}' if error else ''}")
+                    grpc.StatusCode.UNAVAILABLE, f"the daemon closed the reads socket{f': {error}' if error else ''}",
+                    broken=True)
             try:
                 batches = [pb.CompletionBatch.FromString(payload) for payload in frames.feed(data)]
             except (KvxferError, DecodeError) as err:  # not a daemon we can talk to: end the session

@@ -35,6 +35,8 @@ from kvxferd.errors import PermissionDeniedError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 
 ACK_EVERY = 64  # completions received before an ack-only batch (acks ride on read batches otherwise)
+REOPEN_MIN_S, REOPEN_MAX_S = 0.02, 2.0  # waits before a broken reads socket's session is opened again
+REOPEN_QUIET_S = 10.0  # a break this long after the last starts the waits over
 
 
 class Held(NamedTuple):
@@ -85,6 +87,9 @@ class ReadSession:
         self._completions: dict[str, tuple[pb.Completion, float]] = {}
         self._hold_answers: dict[str, pb.HoldAnswer | None] = {}  # holds sent on the reads socket -> answer
         self.num_duplicates_dropped = 0  # completions sent again after a reconnect that this client had
+        self.num_reopened = 0  # sessions opened again after the reads socket broke (_reopen_after_break)
+        self._reopen_wait_s, self._last_break_s = 0.0, -1e9
+        self._closed = False
 
     # ---- transport ----------------------------------------------------------------
     def restart(self) -> None:
@@ -105,11 +110,15 @@ class ReadSession:
             self._stream.cancel()
         self._stream, self.stream_error = None, None
 
-    def open(self) -> None:
-        """Open a new transport (after a broken one too); unacked completions come again, deduplicated."""
+    def open(self, *, socket_only: bool = False) -> None:
+        """Open a new transport (after a broken one too); unacked completions come again, deduplicated.
+        ``socket_only``: the reads socket or nothing (its error then is the stream's): a session that broke
+        there does not fall back to gRPC, whose channel the client may be closing meanwhile."""
         client = self.client
         socket_stream = None
         with self._cond:
+            if self._closed:
+                return
             self._retire_stream()
             if self._outbox is not None:
                 self._outbox.put(None)  # ends the old request iterator
@@ -135,9 +144,17 @@ class ReadSession:
                     return
                 if socket_stream.connected:  # else (a stale path, say) the gRPC stream
                     self._outbox = self._stream = socket_stream  # in the lock: later batches go after `first`
+                elif socket_only:
+                    self.stream_error = socket_stream.error
+                    self._cond.notify_all()
+                    return
                 else:
                     socket_stream = None
                     first.session = ""
+            elif socket_only:
+                self.stream_error = ReadsSocketError(grpc.StatusCode.UNAVAILABLE, "the reads socket is gone")
+                self._cond.notify_all()
+                return
         if socket_stream is not None:
             client.start_thread(lambda: self._watch(socket_stream))
             return
@@ -168,6 +185,12 @@ class ReadSession:
                     if self._last_seq - self._acked_seq >= ACK_EVERY:
                         self._acked_seq = self._last_seq
                         self._outbox.put(pb.ReadBatch(ack_seq=self._acked_seq))
+        except ReadsSocketError as err:
+            if err.broken and self._reopen_after_break(stream):
+                return
+            with self._cond:
+                if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
+                    self.stream_error = err
         except grpc.RpcError as err:
             with self._cond:
                 if err.code() != grpc.StatusCode.CANCELLED and stream is self._stream:
@@ -179,7 +202,32 @@ class ReadSession:
         with self._cond:
             self._cond.notify_all()
 
+    def _reopen_after_break(self, stream) -> bool:
+        """The reads socket closed without the daemon's last word: the reader worker that served the
+        session died or was replaced (the daemon itself would have said why it ends one). Open a new
+        session on the same registration: unacked completions come again and the reads without one are
+        sent again (``resend``), so none is lost. Breaks in a row wait longer (REOPEN_MIN_S doubling to
+        REOPEN_MAX_S); True when a new session was opened. A daemon that is gone refuses it: that
+        session's error is the stream's, as before."""
+        now = time.monotonic()
+        with self._cond:
+            if stream is not self._stream:
+                return True  # retired meanwhile: whoever retired it opened the next
+            self._reopen_wait_s = (min(2 * self._reopen_wait_s, REOPEN_MAX_S)
+                                   if now - self._last_break_s < REOPEN_QUIET_S else REOPEN_MIN_S)
+            self._last_break_s = now
+            wait_s = self._reopen_wait_s
+        time.sleep(wait_s)
+        with self._cond:
+            if stream is not self._stream or self._closed:
+                return True
+            self.num_reopened += 1
+        self.open(socket_only=True)
+        return True
+
     def close(self) -> None:
+        with self._cond:
+            self._closed = True  # no session opened again after a break from here on
         if self._stream is not None:
             self._stream.cancel()
         if self._outbox is not None:

@@ -61,6 +61,7 @@ from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.proof import check_own_chain
 from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.service.workers.trust import CA_CHANGED, CaWatch
+from kvxferd.service.net.sessions import WorkerSessions
 from kvxferd.wire.peerauth import load_or_create_peer_secret
 from kvxferd.wire.names import default_runtime_dir
 from kvxferd.wire import serving
@@ -100,6 +101,7 @@ class Daemon:
         self.engine_token = read_token(config.engine_token_file) if config.engine_token_file else None
         self.socket_path = config.engine_socket_path
         self.reads = ReadPath(self)
+        self.sessions = WorkerSessions(self)  # reads sessions handed to reader workers
         self.dataplane = DataPlane(self._reads_done_threadsafe, self._hold_events_threadsafe,
                                    interval_s=config.poll_interval_s,
                                    notice_interval_s=config.notice_poll_interval_s, metrics=self.metrics)
@@ -181,7 +183,8 @@ class Daemon:
                                      populate_host_memory=config.populate_host_memory, shm_group=gid,
                                      shm_uids=allowed_uids,
                                      workers=self._worker_options() if config.dataplane_workers else None)
-            self.metrics.bind_gauges(self.registry.num_holds, lambda: self.dataplane.num_reads,
+            self.registry.on_session_event = self.sessions.on_event
+            self.metrics.bind_gauges(self.registry.num_holds, self._num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.workers_given_up.set_function(self.registry.num_workers_given_up)
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
@@ -439,6 +442,11 @@ class Daemon:
                     extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id, "error": str(err),
                            "failures_in_a_row": link.failed_rehandshakes})
 
+    def _num_reads(self) -> int:
+        """Reads in flight: on the data-plane thread, and in reader workers serving engines' sessions."""
+        slots = self.registry.slots.values() if self.registry is not None else ()
+        return self.dataplane.num_reads + sum(slot.worker_reads_in_flight for slot in slots)
+
     # ---- stop -----------------------------------------------------------------------
     def request_stop(self) -> None:
         self._stopping.set()
@@ -450,12 +458,13 @@ class Daemon:
         """Drain, deregister every engine, stop every server and thread."""
         self._stopping.set()
         self.registry.accepting = False
+        self.sessions.drain()
         for service in (*SERVICES, ""):
             await _set_health(self._health, service, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.dataplane.num_reads and time.monotonic() < deadline:
+        while self._num_reads() and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        left = self.dataplane.num_reads
+        left = self._num_reads()
         log.info("drained", extra={"reads_failed": left})
         for slot in list(self.registry.slots.values()):
             await self.registry.deregister(slot, "daemon shutting down")

@@ -58,6 +58,17 @@ class FrameReader:
         return payloads
 
     @property
+    def buffered(self) -> bytes:
+        """A copy of the bytes of a frame not complete yet (whoever reads the stream on goes on from them)."""
+        return bytes(self._buffer)
+
+    def take_buffered(self) -> bytes:
+        """The bytes of a frame not complete yet, taken out."""
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        return data
+
+    @property
     def num_buffered_bytes(self) -> int:
         """Bytes of a frame not complete yet."""
         return len(self._buffer)

@@ -30,6 +30,7 @@ a worker may be owned by whoever holds its NIXL metadata.
 from __future__ import annotations
 
 import array
+import fcntl
 import json
 import os
 import socket
@@ -122,6 +123,51 @@ def close_all(fds: list[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+INLINE_BLOB_BYTES = 256 << 10  # bytes sent in a message as hex; beyond, in a sealed memfd beside it
+
+
+def blob_fields(data: bytes, key: str, fd_index: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """``data`` as fields of a message, and the fds to send with it: ``{key: hex}`` up to INLINE_BLOB_BYTES,
+    beyond that ``{key + "_fd": fd_index, key + "_bytes": n}`` and one sealed memfd holding it (a message
+    carries at most MAX_MESSAGE_BYTES), which goes at ``fd_index`` of the message's fds."""
+    if len(data) <= INLINE_BLOB_BYTES:
+        return {key: data.hex()}, []
+    fd = os.memfd_create(f"kvxferd-{key}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view, written = memoryview(data), 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    except BaseException:
+        os.close(fd)
+        raise
+    return {f"{key}_fd": fd_index, f"{key}_bytes": len(data)}, [fd]
+
+
+def blob_of(message: dict[str, Any], key: str, fds: list[int] | tuple[int, ...], max_bytes: int) -> bytes:
+    """The bytes :func:`blob_fields` put in ``message`` (the memfd, if so, one of ``fds``), at most
+    ``max_bytes``; :class:`InvalidArgumentError` naming ``key`` otherwise (``fds`` stay the caller's)."""
+    if f"{key}_fd" not in message:
+        text = message.get(key)
+        if not isinstance(text, str) or len(text) > 2 * max_bytes:
+            raise InvalidArgumentError(key, f"hex of at most {max_bytes} bytes")
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            raise InvalidArgumentError(key, "not hex") from None
+    index, num_bytes = message[f"{key}_fd"], message.get(f"{key}_bytes")
+    if not isinstance(index, int) or not 0 <= index < len(fds) or not isinstance(num_bytes, int) \
+            or not 0 <= num_bytes <= max_bytes:
+        raise InvalidArgumentError(f"{key}_fd", f"one memfd of at most {max_bytes} bytes, among the fds sent")
+    try:
+        data = os.pread(fds[index], num_bytes, 0)
+    except OSError as err:
+        raise InvalidArgumentError(f"{key}_fd", f"not readable: {err.strerror}") from None
+    if len(data) != num_bytes:
+        raise InvalidArgumentError(f"{key}_fd", f"{len(data)} bytes, said {num_bytes}")
+    return data
 
 
 def notices_of(message: dict[str, Any]) -> list[tuple[str, bytes]]:

@@ -30,7 +30,6 @@ daemon, and no other tenant's memory.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -51,14 +50,18 @@ from kvxferd.xfer.reads import ReadExecutor
 from kvxferd.xfer.admission import admit
 from kvxferd.xfer.records import InFlightRead
 from kvxferd.xfer.samehost.opened import OpenedObjects
+from kvxferd.worker.sessionreads import SessionReads
 
 MAX_IDS_BYTES = 64 << 20  # a read's packed block ids sent in a memfd: 8 M ids (the engine's messages: 16 MiB)
 MAX_READS = 1 << 17  # reads one worker keeps in flight (a bound on its memory; the daemon's own limit,
                      # max_reads_per_engine, is 8192 by default)
 FAILURES = {f.value: f for f in ReadFailure}
+SESSION_OPS = frozenset({"session", "session_write", "session_end", "session_drop", "link", "handshake_failed",
+                         "accepting"})
 DEADLINE_GRACE_S = 1.0  # past its deadline a read waits this long for the daemon's abort, then ends here
 MAX_DEADLINE_S = 24 * 3600.0  # a deadline_in_s beyond this (either way) is not one: the read keeps none
-READER_OPS = frozenset({"connect", "probe", "abort_probe", "post", "abort", "disconnect", "release_host"})
+READER_OPS = frozenset({"connect", "probe", "abort_probe", "post", "abort", "disconnect", "release_host",
+                        *SESSION_OPS})
 
 
 class NoticeCollector:
@@ -117,16 +120,13 @@ def _request(message: dict, fds: Sequence[int] = ()) -> ReadRequest:
     caps = r.get("caps", [])
     if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
         raise InvalidArgumentError("request.caps", "a list of hex strings")
-    if "ids_fd" in r:
-        local_bytes, remote_bytes = _int(r, "local_bytes"), _int(r, "remote_bytes")
-        if r["ids_fd"] != 0 or len(fds) != 1 or local_bytes + remote_bytes > MAX_IDS_BYTES:
-            raise InvalidArgumentError("request.ids_fd", f"one memfd of at most {MAX_IDS_BYTES} bytes of ids")
-        packed = os.pread(fds[0], local_bytes + remote_bytes, 0)
-        if len(packed) != local_bytes + remote_bytes:
-            raise InvalidArgumentError("request.ids_fd", f"{len(packed)} bytes of ids, said {local_bytes + remote_bytes}")
-        local_packed, remote_packed = packed[:local_bytes], packed[local_bytes:]
-    else:
-        local_packed, remote_packed = bytes.fromhex(str(r.get("local", ""))), bytes.fromhex(str(r.get("remote", "")))
+    if len(fds) > 1:
+        raise InvalidArgumentError("request.ids_fd", "one memfd of ids at most")
+    packed = channel.blob_of(r, "ids", fds, MAX_IDS_BYTES)
+    local_bytes = _int(r, "local_bytes")
+    if local_bytes > len(packed):
+        raise InvalidArgumentError("request.local_bytes", f"{local_bytes} bytes of {len(packed)}")
+    local_packed, remote_packed = packed[:local_bytes], packed[local_bytes:]
     local = unpack_ids(local_packed, list(r.get("local_sizes", [])), "local_block_ids")
     remote = unpack_ids(remote_packed, list(r.get("remote_sizes", [])), "remote_block_ids")
     tokens = r.get("num_tokens")
@@ -145,9 +145,11 @@ def _int(message: dict, key: str) -> int:
 class ReaderRole:
     """One engine rank's reads, in this worker (see the module doc)."""
 
-    def __init__(self, name: str, cache: EngineCache) -> None:
+    def __init__(self, name: str, cache: EngineCache, sock=None) -> None:
         self.notices = NoticeCollector()
         self.executor = ReadExecutor(NixlAgent(name), cache, self.notices)
+        self.sock = sock  # the channel to the control plane
+        self.session = SessionReads(self.executor, self.notices, self._tell)  # the engine's, once handed over
         self.reads: dict[int, tuple[InFlightRead, float]] = {}  # id -> (posted read, when this worker ends it itself)
         self.notices_of: dict[int, list[list[str]]] = {}  # id -> notices its abort sent (it ends at the next poll)
         self.probes: dict[int, Any] = {}  # id -> the connection being probed
@@ -155,14 +157,24 @@ class ReaderRole:
     @property
     def busy(self) -> bool:
         """Reads or probes in flight: poll again soon."""
-        return bool(self.reads or self.probes)
+        return bool(self.reads or self.probes or self.session.busy)
+
+    def _tell(self, message: dict, fds: Sequence[int] = ()) -> None:
+        """A one-way message to the control plane (fds closed once sent)."""
+        try:
+            channel.send(self.sock, message, fds)
+        finally:
+            channel.close_all(list(fds))
 
     def handle(self, op: str, message: dict, fds: Sequence[int] = ()) -> dict | None:
         """Carry out a reader command; an answer to send now, or None. Raises on a bad command. ``fds``: those
         that came with it (the caller closes them)."""
         ex = self.executor
+        if op in SESSION_OPS:
+            return self._session_op(op, message, fds)
         if op == "connect":
             n = _int(message, "id")
+            self.session.reconnecting(str(message.get("engine_id")))  # its reads on the old connection end
             remotes = [engine_from_pb_hex(h) for h in _list(message, "remotes")]
             metadata = [bytes.fromhex(str(h)) for h in _list(message, "metadata")]
             boards = message.get("boards")
@@ -212,14 +224,36 @@ class ReaderRole:
         if op in ("disconnect", "release_host"):
             engine_id = str(message.get("engine_id"))
             if op == "disconnect":
+                self.session.reconnecting(engine_id)
                 ex.disconnect(engine_id)
             elif ex.connections.current.get(engine_id) is not None:
                 ex.release_host_memory(ex.remote(engine_id), str(message.get("reason"))[:500])
             return None
         raise InvalidArgumentError("op", f"unknown op {op[:32]!r}")
 
+    def _session_op(self, op: str, message: dict, fds: Sequence[int]) -> None:
+        """The engine's session, handed over (``session``), and what the control plane tells it."""
+        session = self.session
+        if op == "session":
+            session.adopt(message, fds)
+        elif op == "session_write":
+            session.write_frame(channel.blob_of(message, "frame", fds, channel.MAX_MESSAGE_BYTES))
+        elif op == "session_end":
+            session.end(_int(message, "code"), str(message.get("message", ""))[:1024])
+        elif op == "link":
+            session.link(str(message.get("engine_id")), bool(message.get("ready")))
+        elif op == "handshake_failed":
+            session.handshake_failed(str(message.get("engine_id")), str(message.get("error", ""))[:1000],
+                                     _int(message, "refused_code"))
+        elif op == "accepting":
+            session.accepting = bool(message.get("accepting"))
+        elif op == "session_drop":
+            session.drop()
+        return None
+
     def progress(self, sock) -> None:
         """Advance every read and probe; send what ended."""
+        self.session.progress()
         ex = self.executor
         for n, remote in list(self.probes.items()):
             try:
@@ -248,6 +282,7 @@ class ReaderRole:
                                 "host_copies": inflight.num_host_copies, "notices": notices[:channel.MAX_NOTICES]})
 
     def close(self) -> None:
+        self.session.close()
         self.executor.close()
 
 

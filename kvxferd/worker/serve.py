@@ -98,7 +98,7 @@ class Worker:
             arrays.append(np.frombuffer(mappings[index], dtype=np.uint8, count=num_bytes, offset=offset))
         self.mappings = mappings
         if reader:
-            self.reader = ReaderRole(name, cache_of(message, arrays))
+            self.reader = ReaderRole(name, cache_of(message, arrays), self.sock)
             self.poll_interval_s, self.arrays = float(interval), arrays
             confined = sandbox.restrict()
             return {"op": "mapped", "metadata": self.reader.executor.agent.metadata().hex(),
@@ -202,7 +202,16 @@ class Worker:
                 timeout = spin_s if self.reader.busy else None
             elif timeout is not None and time.monotonic() < self.notices_until:
                 timeout = min(timeout, NOTICE_POLL_S)
-            readable, _, _ = select.select([self.sock], [], [], timeout)
+            session = self.reader.session.socket if self.reader is not None else None
+            watched = [self.sock] if session is None or session.ending else [self.sock, session]
+            readable, writable, _ = select.select(watched, [session] if session is not None and session.wants_write
+                                                  else [], [], timeout)
+            if session is not None:
+                if writable:
+                    self.reader.session.on_writable()
+                if session in readable:
+                    self.reader.session.on_readable()
+                readable = [r for r in readable if r is self.sock]
             for n in range(MAX_COMMANDS_PER_PASS if readable else 0):  # what came meanwhile, then progress
                 if n and not select.select([self.sock], [], [], 0)[0]:
                     break

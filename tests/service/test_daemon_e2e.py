@@ -73,6 +73,9 @@ def test_a_same_host_holder_is_copied_from_byte_exact_and_only_when_both_allow_i
         assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
         copies = sum(d.metric("kvxferd_same_host_copies_total") for d in cluster.decode_daemons)
         assert copies == (2 if same_host else 0)  # one per prefill rank read
+        # With reader workers the engine's session went to its worker: the read never passed the daemon.
+        handed = sum(d.metric("kvxferd_reader_worker_sessions_total") for d in cluster.decode_daemons)
+        assert handed == (1 if workers else 0)
 
 
 def test_a_holder_names_its_shared_memory_only_to_a_reader_that_proves_this_host(workdir):

@@ -99,6 +99,10 @@ class DaemonConfig(BaseSettings):
                                            "own READs from a worker of its own (a reader worker: no NIXL agent "
                                            "left in the daemon; each read crosses to it and back, measured in "
                                            "docs/benchmarks.md)")
+    reader_worker_sessions: bool = Field(True, description="with dataplane_reader_workers, hand each engine's "
+                                         "reads session (the reads socket) to its reader worker once the daemon "
+                                         "checked it: the reads and their completions never pass through the "
+                                         "daemon (off: each read crosses to the worker and back)")
     worker_retire_grace_s: float = Field(10.0, ge=0, le=600, description="with dataplane_workers, how long a "
                                          "replaced worker serves on after its successor is up, so readers "
                                          "handshake again at their probe before its metadata stops working (s)")

@@ -152,6 +152,9 @@ class Metrics:
                                            "because trust in the metadata peers were handed ended (reason: "
                                            "ca_changed, certificate_expires, introduction_ended)", ["reason"],
                                            registry=r)
+        self.sessions_handed = Counter("kvxferd_reader_worker_sessions", "engine reads sessions handed to the "
+                                       "engine's reader worker (dataplane_reader_workers, reader_worker_sessions): "
+                                       "their reads never pass through the daemon", registry=r)
         self.workers_given_up = Gauge("kvxferd_dataplane_workers_given_up", "engine ranks whose data-plane worker "
                                       "cannot start again (it could not map the engine's memory, or broke "
                                       "the protocol before it was up; peers are refused until the engine "

@@ -22,23 +22,18 @@ import uuid
 
 import grpc
 
-from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError,
-                            PermissionDeniedError, ResourceExhaustedError, TransferError, UnauthenticatedError,
-                            UnavailableError)
+from kvxferd.errors import STATUS_NUMBERS, KvxferError
 
 log = logging.getLogger("kvxferd.rpc")
 
-_CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
-    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
-    (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (TransferError, grpc.StatusCode.UNAVAILABLE),
-    (UnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+_CODES: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = tuple(
+    (kind, _BY_NUMBER[number]) for kind, number in STATUS_NUMBERS)  # the table lives in kvxferd.errors
+
+
+def code_numbered(number: int) -> grpc.StatusCode:
+    """The gRPC status code with this number (UNKNOWN for a number that is none)."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
 
 
 class StreamReplaced(Exception):

@@ -45,11 +45,19 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from kvxferd.errors import InvalidArgumentError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.base.status import StreamReplaced
 
 
-COMPLETIONS_PER_BATCH = 256  # at most this many completions in one CompletionBatch, on either transport
+COMPLETIONS_PER_BATCH = 256
+MAX_SEQ = 1 << 62  # an engine's ack_seq numbering goes on from (after a reader worker's feed was lost) is below this
+
+
+def check_ack(ack_seq: int) -> None:
+    """An ``ack_seq`` the feed may number on from: far below what a seq (uint64) holds."""
+    if not 0 <= ack_seq < MAX_SEQ:
+        raise InvalidArgumentError("ack_seq", f"{ack_seq} is past any seq this daemon numbers")  # at most this many completions in one CompletionBatch, on either transport
 
 
 class CompletionSink(Protocol):
@@ -131,6 +139,9 @@ class CompletionFeed:
         self._lock = threading.Lock()  # put_direct comes from the data-plane thread
         self._sink: CompletionSink | None = None  # the current stream's
         self._sink_sent_seq = 0  # the last seq written to the sink
+        # Nonzero: the reader worker generation the feed was handed to with the engine's session
+        # (service/net/sessions.py); it numbers from there, and this one is empty meanwhile.
+        self.worker_generation = 0
 
     def __len__(self) -> int:
         """Completions queued and not yet acked."""
@@ -193,6 +204,40 @@ class CompletionFeed:
         left = self._queued_ids.pop(completion.request_id) - 1
         if left:
             self._queued_ids[completion.request_id] = left
+
+    def hand_over(self, generation: int, ack_seq: int) -> tuple[int, list[pb.Completion]] | None:
+        """What a reader worker ``generation`` taking the engine's session needs of the feed: ``(last seq,
+        unacked completions)``; None when that generation has the feed already. A worker that had it and
+        is gone (dead, replaced) took its numbering along: it goes on after the engine's ``ack_seq``, the
+        highest it has, so no seq is used twice. Nothing changes until :meth:`handed` (event loop)."""
+        check_ack(ack_seq)
+        with self._lock:
+            if self.worker_generation == generation:
+                return None
+            if self.worker_generation:
+                return max(self._next_seq - 1, ack_seq), []
+            return self._next_seq - 1, list(self._queued)
+
+    def handed(self, generation: int, last_seq: int) -> None:
+        """The session and the feed went to ``generation``: nothing is queued here any more, and the stream
+        that had it is replaced (event loop)."""
+        with self._lock:
+            self.worker_generation = generation
+            self._next_seq = max(self._next_seq, last_seq + 1)
+            self._queued.clear()
+            self._queued_ids.clear()
+            previous, self._current, self._sink = self._current, None, None
+        if previous is not None:
+            previous.set()  # it sees it was replaced
+
+    def reclaim(self, ack_seq: int) -> None:
+        """A session served here again while a reader worker had the feed (it is gone, or could not take
+        the session): numbering goes on after the engine's ``ack_seq`` (event loop)."""
+        check_ack(ack_seq)
+        if self.worker_generation:
+            with self._lock:
+                self.worker_generation = 0
+                self._next_seq = max(self._next_seq, ack_seq + 1)
 
     def close(self) -> None:
         """No more completions: the current stream ends once it has sent what is queued."""

@@ -111,6 +111,8 @@ class Registry:
         self.slots: dict[str, EngineSlot] = {}
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # engine id -> (lock, users)
         self.accepting = True
+        # (slot, event) of a reader worker serving the engine's session, on the loop (the daemon's WorkerSessions)
+        self.on_session_event = None
         self._last_sweep_s = time.monotonic()  # maintenance sweeps at least every IDLE_TICK_S from here
 
     def slot(self, engine_id: str) -> EngineSlot:
@@ -298,6 +300,9 @@ class Registry:
                                            on_death=self.workers.on_death,
                                            on_lost=lambda: self._reader_lost(slot, loop),
                                            on_replace=self.workers.on_replace)
+                if loop is not None and self.on_session_event is not None:
+                    on_event = self.on_session_event
+                    reader.on_session = lambda message: loop.call_soon_threadsafe(on_event, slot, message)
                 reader.begin()  # maps while the holder worker does
                 served.reader = reader
             executor = reader if reader is not None else ReadExecutor(agent, cache, served.notices if served else None)
@@ -330,6 +335,7 @@ class Registry:
         handshakes again before its next read, with the next generation (not after that read failed)."""
         if loop is not None:
             loop.call_soon_threadsafe(lambda: [setattr(link, "stale", True) for link in slot.links.values()])
+        slot.worker_reads_in_flight = 0  # (they went with it: failed whole, or sent again by the engine)
 
     @staticmethod
     def _worker_up(slot: EngineSlot, up, loop: asyncio.AbstractEventLoop | None) -> None:

@@ -55,10 +55,16 @@ class EngineSlot:
     notices_metadata: bytes = b""  # of the executor's notice agent: how this rank introduces itself as a reader
     closing: bool = False
     served: WorkerServed | None = None  # a data-plane worker serves this rank to peers (dataplane_workers)
+    worker_reads_in_flight: int = 0  # its reader worker's, when it serves the engine's session (as it says)
 
     @property
     def engine_id(self) -> str:
         return self.cache.engine_id
+
+    @property
+    def reader_worker(self):
+        """Its reader worker (``WorkerReadBackend``: dataplane_reader_workers), or None."""
+        return self.served.reader if self.served is not None else None
 
     @property
     def holds(self) -> HoldTable:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvxferd.service.engines.slots import EngineSlot
     from kvxferd.service.net.bus import NotifyBus
     from kvxferd.service.reads.path import ReadPath
+    from kvxferd.service.net.sessions import WorkerSessions
 
 
 class DaemonParts(HoldingParts, ReadPathParts, Protocol):
@@ -28,6 +29,7 @@ class DaemonParts(HoldingParts, ReadPathParts, Protocol):
     dataplane: DataPlane
     bus: NotifyBus
     reads: ReadPath
+    sessions: WorkerSessions  # reads sessions handed to reader workers
     addresses: dict[str, str]
     engine_token: str | None
 

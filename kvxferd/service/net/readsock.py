@@ -45,16 +45,16 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedError, UnavailableError
+from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH
 from kvxferd.service.net.framewriter import FrameWriter
-from kvxferd.service.engines.holding import place_hold, release_hold, renew_holds
+from kvxferd.service.net.calls import answer_calls, check_calls
 from kvxferd.service.base import audit
 from kvxferd.service.base.localsock import credentials_allowed, restrict_socket, socket_umask
 from kvxferd.wire.owner import peer_credentials
 from kvxferd.service.base.metrics import READS_SOCKET_METHOD
-from kvxferd.service.base.status import error_status, status_code
+from kvxferd.service.base.status import error_status
 from kvxferd.wire.frames import FrameReader, encode_frame
 from kvxferd.wire.messages import check_id
 
@@ -106,6 +106,8 @@ class ReadSession(asyncio.Protocol):
         self.pid = self.uid = -1  # the client's, from SO_PEERCRED
         self.hello_engine_id = ""
         self.control: pb.ReadBatch | None = None  # a control session's first batch (its engine and session)
+        self._waited = False  # for a starting reader worker, once (service/net/sessions.py)
+        self._waiter: asyncio.Task | None = None
         self.ended = False
         self._sender: asyncio.Task | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -137,27 +139,31 @@ class ReadSession(asyncio.Protocol):
             return
         received_s = time.perf_counter()
         try:
-            for payload in self.frames.feed(data):
+            payloads = self.frames.feed(data)
+            for n, payload in enumerate(payloads):
                 try:
                     batch = pb.ReadBatch.FromString(payload)
                 except DecodeError:
                     raise InvalidArgumentError("frame", "not a ReadBatch") from None
-                if self.slot is None:
+                opening = self.slot is None
+                if opening:
                     self._open(batch)
                 elif batch.control:
                     raise InvalidArgumentError("control", "only a session's first batch opens a control session")
+                # From its first batch with reads on, the session is the engine's reader worker's (an engine
+                # that only holds stays here: its holds are this process's anyway).
+                if batch.reads and self.control is None and self._to_worker(batch, payloads[n:], opening):
+                    return
+                if opening and self.control is None:
+                    self._sender = self.daemon.spawn(self._send())
                 if self.control is None:
                     self.daemon.reads.take_batch(self.slot, batch, received_s)  # the batch's own rules first
                 else:
                     self._control_batch(batch)
                 if batch.holds or batch.renewals or batch.releases:  # most batches carry reads only
-                    self._check_calls(batch)
-                    if batch.holds:
-                        self._hold(batch.holds)
-                    if batch.renewals:
-                        self._renew(batch.renewals)
-                    if batch.releases:
-                        self._release(batch.releases)
+                    check_calls(self.daemon, self.slot, batch, self.writer.writable)
+                    for answers in answer_calls(self.daemon, self.slot, batch):
+                        self.writer.write(encode_frame(answers))
         except Exception as err:  # ends this session only, with the status an engine would get on gRPC
             self._end_with(err)
 
@@ -169,12 +175,48 @@ class ReadSession(asyncio.Protocol):
         self.server.sessions.discard(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        if self._sender is not None:
-            self._sender.cancel()
+        for task in (self._sender, self._waiter):
+            if task is not None:
+                task.cancel()
         if self.slot is not None:
             self.slot.completions.detach(self)
         if self.writer is not None:
             self.writer.close()
+
+    def _to_worker(self, batch: pb.ReadBatch, payloads: list[bytes], opening: bool) -> bool:
+        """Hand the session, at ``batch`` (``payloads``: it and what came after it), to the engine's reader
+        worker: its reads never pass through this process (service/net/sessions.py). A worker that is
+        starting (after a death) is waited for, once, the session paused meanwhile (its reads could not
+        run here either), up to WAIT_FOR_WORKER_S; True when this process is not to take the batch now."""
+        sessions = self.daemon.sessions
+        if sessions.hand_over(self, batch, payloads, self.frames.buffered):
+            return True
+        if self._waited or not sessions.worker_starting(self.slot):
+            return False
+        self._waited = True
+        stash = b"".join(encode_frame(p) for p in payloads) + self.frames.take_buffered()
+        if opening:
+            self.slot = None  # opened again with the same first batch once the worker is up (or not)
+        self.transport.pause_reading()
+        self._waiter = self.daemon.spawn(self._after_worker(stash, batch.engine_id or self.slot.engine_id))
+        return True
+
+    async def _after_worker(self, stash: bytes, engine_id: str) -> None:
+        await self.daemon.sessions.wait_for_worker(engine_id)
+        self._waiter = None
+        if not self.ended:
+            self.transport.resume_reading()
+            self.data_received(stash)
+
+    def handed_over(self) -> None:
+        """The engine's reader worker has the session now (a copy of its socket): this process lets go of
+        its own copy without a word (closing an fd does not shut the connection down)."""
+        self.ended = True
+        self.server.sessions.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self.writer.close()
+        self.transport.abort()
 
     def _broken(self, err: OSError) -> None:
         """A write failed: the engine is gone (the transport sees it too); stop taking completions."""
@@ -193,8 +235,6 @@ class ReadSession(asyncio.Protocol):
         self._hello_timer.cancel()
         if batch.control:
             self.control = pb.ReadBatch(engine_id=batch.engine_id, session=batch.session)
-        else:
-            self._sender = self.daemon.spawn(self._send())
 
     def _control_batch(self, batch: pb.ReadBatch) -> None:
         """A control session's batch: no reads, no acks; its registration as it is now (replaced by one
@@ -204,55 +244,6 @@ class ReadSession(asyncio.Protocol):
         self.slot = self.daemon.registry.session_slot(self.control.engine_id, self.control.session)
         if self.slot.closing:
             raise UnavailableError("engine_id", f"the registration of {self.slot.engine_id!r} ended")
-
-    def _check_calls(self, batch: pb.ReadBatch) -> None:
-        """A batch's holds, renewals and releases, before any is done: within ``max_reads_per_batch``, all
-        of this session's engine, and a session that reads its answers (a buffer full of unread answers
-        ends it: nothing unbounded is kept for a client that does not read)."""
-        calls = [*batch.holds, *batch.renewals, *batch.releases]
-        limit = self.daemon.config.max_reads_per_batch
-        if len(calls) > limit:
-            raise InvalidArgumentError("holds", f"{len(calls)} holds, renewals and releases in one batch, the "
-                                                f"limit is {limit} (max_reads_per_batch)")
-        for call in calls:
-            if call.engine_id and call.engine_id != self.slot.engine_id:
-                raise InvalidArgumentError("engine_id", f"this session belongs to {self.slot.engine_id!r}")
-        if (batch.holds or batch.renewals) and not self.writer.writable:
-            raise ResourceExhaustedError("holds", "the session does not read the answers to its holds")
-
-    def _hold(self, holds) -> None:
-        """Place each hold (as the Hold call would) and answer them all in one frame, at once."""
-        answers = []
-        for request in holds:
-            try:
-                capability = place_hold(self.daemon, self.slot, request)
-                answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=self.slot.incarnation,
-                                             capability=capability))
-            except KvxferError as err:  # one hold refused: answered, the session goes on
-                code = status_code(err)
-                self.daemon.metrics.rpc_errors.labels("Hold", code.name).inc()
-                answers.append(pb.HoldAnswer(request_id=request.request_id, code=code.value[0], error=str(err)))
-        self.writer.write(encode_frame(pb.CompletionBatch(holds=answers).SerializeToString()))
-
-    def _renew(self, renewals) -> None:
-        """Renew each (as the RenewLease call would) and answer them all in one frame, in order."""
-        answers = []
-        for request in renewals:
-            try:
-                answers.append(pb.LeaseAnswer(unknown_request_ids=renew_holds(self.daemon, self.slot, request)))
-            except KvxferError as err:
-                code = status_code(err)
-                self.daemon.metrics.rpc_errors.labels("RenewLease", code.name).inc()
-                answers.append(pb.LeaseAnswer(code=code.value[0], error=str(err)))
-        self.writer.write(encode_frame(pb.CompletionBatch(renewals=answers).SerializeToString()))
-
-    def _release(self, releases) -> None:
-        """End each hold (as the Release call would); not answered: a refused one is counted."""
-        for request in releases:
-            try:
-                release_hold(self.daemon, self.slot, request.request_id)
-            except KvxferError as err:
-                self.daemon.metrics.rpc_errors.labels("Release", status_code(err).name).inc()
 
     # CompletionSink (the feed writes completions through these, on the loop or the data-plane thread)
     direct = True

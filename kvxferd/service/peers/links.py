@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 import ipaddress
 import logging
 import time
@@ -53,10 +54,24 @@ class RemoteLink:
     checked_s: float = 0.0  # monotonic: the last probe a read's capability asked for (at most one a second)
     failed_rehandshakes: int = 0  # in a row, by the probes (the first is a warning, the rest debug lines)
     retry_s: float = 0.0  # monotonic: the probes' next re-handshake of this stale link (backing off)
+    # Told whenever ``ready`` turns (engine id, ready): the reader worker serving the engine's session posts on
+    # a ready link only (service/net/sessions.py).
+    on_ready: Callable[[str, bool], None] | None = field(default=None, repr=False)
 
     @property
     def ready(self) -> bool:
         return self.remote is not None and not self.stale and self.pending is None
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in _READINESS and (on_ready := self.__dict__.get("on_ready")) is not None:
+            ready = self.ready
+            if ready != self.__dict__.get("_told_ready", False):
+                object.__setattr__(self, "_told_ready", ready)
+                on_ready(self.remote_engine_id, ready)
+
+
+_READINESS = frozenset({"remote", "stale", "pending"})  # what RemoteLink.ready is made of
 
 
 @dataclass(eq=False)
@@ -221,7 +236,9 @@ class Peers:
         if link is None:
             if not addresses:
                 raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet (call Handshake first)")
-            link = slot.links[remote_engine_id] = RemoteLink(remote_engine_id, tuple(addresses))
+            reader = slot.reader_worker
+            link = slot.links[remote_engine_id] = RemoteLink(remote_engine_id, tuple(addresses),
+                                                             on_ready=reader.link_ready if reader is not None else None)
         target = tuple(addresses) if addresses else link.addresses
         # Join only an attempt for the same addresses; wait out attempts for
         # others (however many start meanwhile), then start ours.

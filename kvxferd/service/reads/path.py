@@ -155,6 +155,7 @@ class ReadPath:
         if len(batch.reads) > config.max_reads_per_batch:
             raise InvalidArgumentError("reads", f"{len(batch.reads)} reads in one batch, the limit is "
                                                 f"{config.max_reads_per_batch} (max_reads_per_batch)")
+        slot.completions.reclaim(batch.ack_seq)  # (from a reader worker that had it: numbered on from the ack)
         if batch.ack_seq > slot.completions.last_seq:
             raise InvalidArgumentError("ack_seq", f"{batch.ack_seq} acks completions not sent yet "
                                                   f"(last seq {slot.completions.last_seq})")

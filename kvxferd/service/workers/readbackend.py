@@ -24,9 +24,7 @@ generation). See docs/dataplane.md.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
-import os
 import logging
 import threading
 import time
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, NotFoundError, TransferError, UnavailableError
+from kvxferd.errors import InvalidArgumentError, NotFoundError, TransferError, UnavailableError, status_number
 from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.engine import EngineTransferPlan
@@ -43,7 +41,7 @@ from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import HELLO
 from kvxferd.service.workers.generation import Region, WorkerDeath
 from kvxferd.service.workers.notices import WorkerNotices
-from kvxferd.service.workers.supervisor import WorkerSupervisor
+from kvxferd.service.workers.supervisor import SESSION_EVENTS, WorkerSupervisor
 from kvxferd.wire import workerchannel as channel
 from kvxferd.wire.messages import engine_to_pb, host_share_hex, pack_ids
 from kvxferd.xfer.admission import admit
@@ -53,11 +51,14 @@ from kvxferd.xfer.reads import ABORT_DRAIN_S
 from kvxferd.xfer.records import AdmittedRead, Drain, InFlightRead, ReadResult, ReadTimes, RemoteEngine
 from kvxferd.xfer.samehost.opened import OpenedObjects, open_passed_objects
 
-INLINE_IDS_BYTES = 256 << 10  # a read's packed block ids up to this go in the message (hex), beyond in a memfd
 log = logging.getLogger("kvxferd.workers")
 # A worker's answer to connect (loading T agents, preparing lists: milliseconds). The data-plane thread waits
 # for it, as it waits for an in-process connect: a worker that does not answer stalls it this long.
 CONNECT_TIMEOUT_S = 5.0
+# A worker's session events the control plane's loop has not taken yet: past this the worker floods it (a
+# pass sends a few; a hostile worker could send a message per microsecond): it is killed, as for any
+# message out of protocol.
+MAX_SESSION_EVENTS_PENDING = 1024
 FAILURES = {f.value: f for f in ReadFailure}
 
 
@@ -101,6 +102,8 @@ class WorkerReadBackend:
         if len(region_fds) != sum(len(m) for m in cache.memory):
             raise InvalidArgumentError("regions", "a reader worker maps every region of the cache from its fd")
         self.cache, self.notices, self._wake, self._on_death, self._on_lost = cache, notices, wake, on_death, on_lost
+        self.on_session: Callable[[dict], None] | None = None  # the session's events (service/net/sessions.py)
+        self.session_events_pending = 0  # handed to the loop, not taken yet
         self.lock = threading.RLock()
         self._closing = False
         self.num_notices_sent = 0
@@ -143,8 +146,11 @@ class WorkerReadBackend:
     def _up(self, up) -> None:
         """A generation mapped (the supervisor's thread, before anything is sent to it). After a replacement
         the connections are the old generation's: gone from here, and every link handshakes again, with
-        this one, before its next read. (After a death :meth:`_died` did this already.)"""
+        this one, before its next read. (After a death :meth:`_died` did this already.) The engine's session,
+        if the old one serves it, is dropped there without a word: the client opens it again, here."""
         self._lose_connections(always_tell=False)
+        if up.generation > 1:
+            self.supervisor.send_to(up.generation - 1, {"op": "session_drop"})
 
     def _lose_connections(self, *, always_tell: bool) -> None:
         """Forget every connection (they were a generation's that serves no more): the holders they loaded on
@@ -379,6 +385,9 @@ class WorkerReadBackend:
     def close(self) -> None:
         """Stop the worker (its agent and connections go with it) and unload the holders from the notice agent."""
         self._closing = True  # the worker's end from here on is asked for, not a death
+        # The engine's session, if the worker serves it, ends as the control plane's would: with why.
+        ended = UnavailableError("engine_id", f"the registration of {self.cache.engine_id!r} ended")
+        self.supervisor.send({"op": "session_end", "code": status_number(ended), "message": str(ended)})
         with self.lock:
             with self._state:
                 remotes, self.current = list(self.current.values()), {}
@@ -395,6 +404,42 @@ class WorkerReadBackend:
     def _stop_worker(self) -> None:
         self.supervisor.stop()
         self.supervisor.forget_callbacks()
+
+    # ---- the engine's session, when this worker serves it (service/net/sessions.py) --------
+    def link_ready(self, engine_id: str, ready: bool) -> None:
+        """The control plane's link to ``engine_id`` turned ready or stale: the worker's session reads post
+        on it, or wait for its handshake."""
+        self.supervisor.send({"op": "link", "engine_id": engine_id, "ready": ready})
+
+    def _session_event(self, generation: int, message: dict) -> None:
+        """What the worker serving the session tells (the supervisor's thread). Its reads' notices are sent
+        here, from the notice agent, to holders of its current connections only; the rest goes to the
+        control plane's loop (``on_session``)."""
+        if message["op"] == "session_notices":
+            with self._state:
+                holders = {name for remote in self.current.values() for name in remote.agent_names}
+            pairs = [p for p in channel.notify_entries(message)[0] if p[0] in holders]
+            # Not under self.lock: a handshake holds it while it waits for this thread's `connected`.
+            for agent, data in pairs:  # (the notice agent has a lock of its own)
+                try:
+                    self.notices.notify(agent, data)
+                except Exception:  # noqa: BLE001 - the holder went away: its hold expires there
+                    pass
+            self.num_notices_sent += 1
+            return
+        with self._state:
+            if self.session_events_pending >= MAX_SESSION_EVENTS_PENDING:  # the loop is this far behind it
+                raise InvalidArgumentError("message", f"{MAX_SESSION_EVENTS_PENDING} session events waiting: "
+                                                      "the worker floods its control plane")
+            self.session_events_pending += 1
+        if self.on_session is not None:  # (a retiring generation's too: it serves its session to the end)
+            message["generation"] = generation  # who said it (not the worker's to say)
+            self.on_session(message)
+
+    def session_event_taken(self) -> None:
+        """The loop took one of the worker's session events (see MAX_SESSION_EVENTS_PENDING)."""
+        with self._state:
+            self.session_events_pending = max(0, self.session_events_pending - 1)
 
     # ---- the supervisor's thread ---------------------------------------------------------
     def _ask(self, message: dict, fds: Sequence[int] = ()) -> dict:
@@ -428,6 +473,9 @@ class WorkerReadBackend:
 
     def _answer(self, generation: int, message: dict) -> None:
         """An answer of the worker (its supervisor's thread): checked, then handed to whoever waits."""
+        if message["op"] in SESSION_EVENTS:
+            self._session_event(generation, message)
+            return
         ticket = message.get("id")
         if not isinstance(ticket, int):
             raise InvalidArgumentError("id", "an answer names its command's id")
@@ -526,23 +574,12 @@ def _ints(values, bound: int) -> list[int]:
 
 
 def request_message(request) -> tuple[dict, list[int]]:
-    """A read as a ``post`` carries it, and the fds that go with it: block ids packed (int32), in hex up to
-    INLINE_IDS_BYTES, beyond that (a long context: one message carries about 65 000 ids in hex) in a
-    sealed memfd sent along (``ids_fd``; the worker reads at most MAX_IDS_BYTES from it)."""
+    """A read as a ``post`` carries it, and the fds that go with it: block ids packed (int32), local then
+    remote, in hex up to INLINE_BLOB_BYTES, beyond that (a long context: one message carries about 65 000
+    ids in hex) in a sealed memfd sent along (``ids_fd``; the worker reads at most MAX_IDS_BYTES of it)."""
     local, local_sizes = pack_ids(request.local_block_ids)
     remote, remote_sizes = pack_ids(request.remote_block_ids)
-    described = {"request_id": request.request_id, "remote_request_id": request.remote_request_id,
-                 "local_sizes": local_sizes, "remote_sizes": remote_sizes, "num_tokens": request.num_tokens or 0,
-                 "caps": [c.hex() for c in request.remote_capabilities]}
-    if len(local) + len(remote) <= INLINE_IDS_BYTES:
-        return {**described, "local": local.hex(), "remote": remote.hex()}, []
-    fd = os.memfd_create("kvxferd-read-ids", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        data, written = memoryview(local + remote), 0
-        while written < len(data):
-            written += os.write(fd, data[written:])
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    except BaseException:
-        os.close(fd)
-        raise
-    return {**described, "ids_fd": 0, "local_bytes": len(local), "remote_bytes": len(remote)}, [fd]
+    fields, fds = channel.blob_fields(local + remote, "ids")
+    return {"request_id": request.request_id, "remote_request_id": request.remote_request_id,
+            "local_sizes": local_sizes, "remote_sizes": remote_sizes, "num_tokens": request.num_tokens or 0,
+            "caps": [c.hex() for c in request.remote_capabilities], "local_bytes": len(local), **fields}, fds

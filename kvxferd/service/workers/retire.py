@@ -60,14 +60,14 @@ class Retiring:
     def start(self) -> None:
         self.thread.start()
 
-    def send(self, message: dict) -> bool:
+    def send(self, message: dict, fds=()) -> bool:
         """A command it does not answer (a reader's notices, while holders know its notice agent), never
         blocking; False once its stop was sent (or its channel is full or gone)."""
         with self._send_lock:
             if self._stop_sent:
                 return False
             try:
-                channel.send(self.sock, message, block=False)
+                channel.send(self.sock, message, fds, block=False)
             except (BlockingIOError, channel.ChannelClosed, OSError):
                 return False
             return True

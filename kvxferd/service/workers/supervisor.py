@@ -58,6 +58,9 @@ MIN_REPLACE_INTERVAL_S = 30.0
 
 
 READER_ANSWERS = frozenset({"connected", "probed", "ended"})
+# What a reader worker serving the engine's session tells its control plane (service/net/sessions.py).
+SESSION_EVENTS = frozenset({"session_calls", "session_notices", "session_stats", "need_handshake", "link_stale",
+                            "capability_refused", "session_closed"})
 
 
 class MapTimedOut(UnavailableError):
@@ -199,16 +202,17 @@ class WorkerSupervisor:
         with self._send_lock:
             return self._serving_generation if self._serving is not None else 0
 
-    def send_to(self, generation: int, message: dict) -> int | bool:
+    def send_to(self, generation: int, message: dict, fds: Sequence[int] = ()) -> int | bool:
         """:meth:`send` to ``generation`` while it serves, or while it retires (a replaced generation serves
         its grace: what peers were introduced to still works); False when it is neither."""
         with self._send_lock:
             serving = self._serving is not None and self._serving_generation == generation
         if serving:
-            return self.send(message)
+            sent = self.send(message, fds)
+            return sent if sent == generation else False
         for retiring in list(self._retiring):
             if retiring.generation == generation:
-                return retiring.send(message)
+                return retiring.send(message, fds)
         return False
 
     def replace(self, reason: str) -> None:
@@ -495,7 +499,7 @@ class WorkerSupervisor:
 
     def _take(self, message: dict, generation: int) -> None:
         op = message["op"]
-        if self._reader is not None and (op in READER_ANSWERS or op == "error" and "id" in message):
+        if self._reader is not None and (op in READER_ANSWERS or op in SESSION_EVENTS or op == "error" and "id" in message):
             if self._on_answer is not None:
                 self._on_answer(generation, message)
         elif op == "notices":

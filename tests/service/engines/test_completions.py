@@ -172,3 +172,38 @@ def test_a_grpc_stream_is_the_same_pump_one_batch_at_a_time_and_a_newer_stream_r
         await second.aclose()
 
     asyncio.run(main())
+
+
+def _done(request_id: str) -> pb.Completion:
+    return pb.Completion(request_id=request_id, ok=True)
+
+
+def test_a_feed_handed_to_a_reader_worker_moves_whole_and_numbers_on_after_the_engines_ack():
+    """The session's feed goes to the reader worker that takes the session (service/net/sessions.py): its
+    unacked completions with their seqs, nothing left here; the same generation again gets nothing (it
+    has the feed); another generation (the first died or was replaced) gets none of the lost ones and
+    numbers on after the engine's ack, so no seq is used twice; serving a session here again (reclaim)
+    numbers on after the ack too, and an ack far past anything sent is refused before it is a seq."""
+    from kvxferd.errors import InvalidArgumentError
+
+    feed = CompletionFeed()
+    for request_id in ("a", "b", "c"):
+        feed.put(_done(request_id))
+    feed.ack(1)
+    last_seq, unacked = feed.hand_over(1, ack_seq=1)
+    assert (last_seq, [c.seq for c in unacked]) == (3, [2, 3])
+    assert len(feed) == 2  # (nothing changes until handed)
+    feed.handed(1, last_seq)
+    assert len(feed) == 0 and not feed.has("b") and feed.worker_generation == 1
+    assert feed.hand_over(1, ack_seq=3) is None  # generation 1 has it
+    assert feed.hand_over(2, ack_seq=7) == (7, [])  # generation 1 numbered up to 7 (the engine has them)
+    assert feed.hand_over(2, ack_seq=2) == (3, [])  # never below what this feed numbered
+    feed.handed(2, 7)
+    feed.reclaim(9)  # served here again: after the engine's ack
+    assert feed.worker_generation == 0
+    feed.put(_done("d"))
+    assert feed.last_seq == 10
+    feed.reclaim(100)  # not with a worker: nothing to take back
+    assert feed.last_seq == 10
+    with pytest.raises(InvalidArgumentError):
+        CompletionFeed().hand_over(1, ack_seq=1 << 62)

@@ -140,6 +140,7 @@ def test_a_read_that_ends_within_its_post_keeps_its_notices(monkeypatch):
     from kvxferd.wire.messages import pack_ids
     from kvxferd.worker import reads
     from kvxferd.worker.reads import NoticeCollector, ReaderRole
+    from kvxferd.worker.sessionreads import SessionReads
     from kvxferd.xfer.records import ReadResult
 
     monkeypatch.setattr(reads, "admit", lambda remote, request: (remote, request))  # no plan: a stand-in executor
@@ -161,12 +162,13 @@ def test_a_read_that_ends_within_its_post_keeps_its_notices(monkeypatch):
     role = ReaderRole.__new__(ReaderRole)
     role.notices, role.reads, role.notices_of, role.probes = NoticeCollector(), {}, {}, {}
     role.executor = EndsAtOnce(role.notices)
+    role.session = SessionReads(role.executor, role.notices, lambda message, fds: None)
     role.notices.notify("holder-b", HELLO)  # a probe's: the control plane sends those
     role.notices.notify("holder-c", b"someone else's")  # a leftover: must not ride on this read
     ids, sizes = pack_ids([[1]])
     role.handle("post", {"id": 3, "engine_id": "p", "request": {
-        "request_id": "r", "remote_request_id": "r", "local": ids.hex(), "local_sizes": sizes,
-        "remote": ids.hex(), "remote_sizes": sizes, "caps": []}})
+        "request_id": "r", "remote_request_id": "r", "ids": (ids + ids).hex(), "local_bytes": len(ids),
+        "local_sizes": sizes, "remote_sizes": sizes, "caps": []}})
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     role.progress(ours)
     ended = json.loads(theirs.recv(1 << 16))
@@ -341,25 +343,27 @@ def test_a_replaced_reader_worker_hands_over_make_before_break_and_its_links_han
         still.deregister("rb-h")
         still.close()
 def test_a_read_with_more_ids_than_a_message_carries_sends_them_in_a_memfd(rig, monkeypatch):
-    """Block ids beyond INLINE_IDS_BYTES (a long context: about 65 000 ids fill a message in hex) travel in a
+    """Block ids beyond INLINE_BLOB_BYTES (a long context: about 65 000 ids fill a message in hex) travel in a
     sealed memfd beside the post; forced here for a small read, which lands byte-exact. The worker takes
     one memfd of at most MAX_IDS_BYTES whose size matches what the post says, nothing else."""
     from kvxferd.errors import InvalidArgumentError
     from kvxferd.service.workers import readbackend
+    from kvxferd.wire import workerchannel
     from kvxferd.worker.reads import MAX_IDS_BYTES, _request
 
     prefill, holder, decode, backend, _ = rig
     remote = backend.connect([prefill.cache], [holder.metadata()])
     request = random_request("rb-fd", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(8))
-    monkeypatch.setattr(readbackend, "INLINE_IDS_BYTES", 0)
+    monkeypatch.setattr(workerchannel, "INLINE_BLOB_BYTES", 0)
     described, fds = readbackend.request_message(request)
     try:
-        assert "ids_fd" in described and "local" not in described and len(fds) == 1
+        assert "ids_fd" in described and "ids" not in described and len(fds) == 1
         parsed = _request({"request": described}, fds)
         assert [ids.tolist() for ids in parsed.remote_block_ids] == [np.asarray(i).tolist() for i in request.remote_block_ids]
         for bad, bad_fds in (({**described, "ids_fd": 1}, fds), (described, []), (described, fds + fds),
-                             ({**described, "remote_bytes": MAX_IDS_BYTES}, fds),
-                             ({**described, "remote_bytes": described["remote_bytes"] + 4}, fds)):
+                             ({**described, "ids_bytes": MAX_IDS_BYTES + 1}, fds),
+                             ({**described, "ids_bytes": described["ids_bytes"] + 4}, fds),
+                             ({**described, "local_bytes": described["ids_bytes"] + 4}, fds)):
             with pytest.raises(InvalidArgumentError):
                 _request({"request": bad}, bad_fds)
     finally:
