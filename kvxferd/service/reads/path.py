@@ -155,7 +155,11 @@ class ReadPath:
         if len(batch.reads) > config.max_reads_per_batch:
             raise InvalidArgumentError("reads", f"{len(batch.reads)} reads in one batch, the limit is "
                                                 f"{config.max_reads_per_batch} (max_reads_per_batch)")
-        slot.completions.reclaim(batch.ack_seq)  # (from a reader worker that had it: numbered on from the ack)
+        if slot.completions.worker_generation:  # a reader worker had the session: served here from now on
+            reader = slot.reader_worker
+            if reader is not None:  # its reads there end (none may land once the engine moved on), unanswered
+                reader.supervisor.send_to(slot.completions.worker_generation, {"op": "session_drop"})
+            slot.completions.reclaim(batch.ack_seq)  # numbered on after the engine's ack
         if batch.ack_seq > slot.completions.last_seq:
             raise InvalidArgumentError("ack_seq", f"{batch.ack_seq} acks completions not sent yet "
                                                   f"(last seq {slot.completions.last_seq})")

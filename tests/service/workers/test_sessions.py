@@ -152,3 +152,24 @@ def test_a_session_handed_over_at_its_first_batch_leaves_the_engines_session_tok
         assert all(search_process_memory(decode.process.pid, needles).values()), "the control: the daemon has it"
         (reader,) = dataplane_workers(decode.process.pid, "reader")
         assert search_process_memory(reader, needles) == {"session": []}
+
+
+def test_a_session_served_by_the_daemon_again_takes_the_feed_back(workdir):
+    """The engine goes over to the gRPC stream (any transport the daemon serves itself) after its reader
+    worker had the session: the daemon numbers on after the engine's ack and tells the worker to drop
+    its session, and reads go on byte-exact with no seq used twice."""
+    rng = np.random.default_rng(34)
+    with cluster_of(workdir, "ss-back") as cluster:
+        decode, client = cluster.decode_daemons[0], cluster.decode_clients[0]
+        for n in range(3):  # over the reads socket: the worker numbers 1..3
+            request = random_request(f"ss-back-{n}", *GROUPS, 16, rng)
+            assert all(c.ok for c in cluster.read(request))
+        assert decode.metric("kvxferd_reader_worker_sessions_total") == 1
+        client.reads_socket_path = None  # the gRPC stream from here on
+        client.reconnect_reads()
+        request = random_request("ss-back-grpc", *GROUPS, 64, rng)
+        cluster.reset_decode()
+        (completion,) = cluster.read(request)
+        assert completion.ok and completion.seq > 3, completion
+        assert cluster.verify(request) == ([], 0)
+        assert client.reads.num_duplicates_dropped == 0
