@@ -125,24 +125,28 @@ class SessionReads:
         ready = message.get("ready")
         if not isinstance(ready, list) or not all(isinstance(r, str) for r in ready):
             raise InvalidArgumentError("ready", "a list of remote engine ids")
-        sock = socket.socket(fileno=_dup(fds[0] if fds else -1))
-        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-            sock.close()
-            raise InvalidArgumentError("session", "a UNIX stream socket")
         feed = message.get("feed")
         if isinstance(feed, dict):  # the control plane's feed (the first session here, or after a rebase)
-            unacked = [pb.Completion.FromString(bytes.fromhex(str(c))) for c in _list(feed.get("unacked"))]
             last_seq = feed.get("last_seq")
-            if not isinstance(last_seq, int) or last_seq < 0:
-                sock.close()
-                raise InvalidArgumentError("feed.last_seq", "a non-negative integer")
-            self.feed = SessionFeed(last_seq, unacked)
+            if not isinstance(last_seq, int) or not 0 <= last_seq < MAX_SEQ:
+                raise InvalidArgumentError("feed.last_seq", "a non-negative integer below 2**62")
+            try:
+                unacked = [pb.Completion.FromString(bytes.fromhex(str(c))) for c in _list(feed.get("unacked"))]
+            except (ValueError, DecodeError):
+                raise InvalidArgumentError("feed.unacked", "Completion messages, hex") from None
+            new_feed = SessionFeed(last_seq, unacked)
         elif self.feed is None:  # (sent to another generation, raced by a replacement): on from the engine's ack
             ack_seq = message.get("ack_seq")
             if not isinstance(ack_seq, int) or not 0 <= ack_seq < MAX_SEQ:
-                sock.close()
                 raise InvalidArgumentError("ack_seq", "the session's first ack, below 2**62")
-            self.feed = SessionFeed(ack_seq)
+            new_feed = SessionFeed(ack_seq)
+        else:
+            new_feed = self.feed
+        sock = socket.socket(fileno=_dup(fds[0] if fds else -1))  # (last: nothing above can leak it)
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            sock.close()
+            raise InvalidArgumentError("session", "a UNIX stream socket")
+        self.feed = new_feed
         if self.socket is not None:
             self._end_session(ABORTED_CODE, "engine_id: a newer session of this engine took over", tell=False)
         self.engine_id, self.limits, self.ready = engine_id, limits, set(ready)
