@@ -46,6 +46,7 @@ from kvxferd.xfer.records import InFlightRead, ReadResult
 
 STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, ReadFailure.DEADLINE})
 MAX_RECEIVES_PER_PASS = 16
+STATS_EVERY_S = 0.02  # a session's figures go to the control plane at most this often
 END_WRITE_S = 0.2  # how long a session's last frame may take to write (a cut frame would read as a break)
 MAX_SEQ = 1 << 62  # as the control plane's (service/engines/completions.py)
 ASK_AGAIN_S = 1.0  # a need_handshake not answered (its message lost to a full channel) is sent again after this
@@ -108,10 +109,12 @@ class SessionReads:
         self._out: list[pb.Completion] = []  # numbered, to write at the end of this pass
         self._stats: list[list] = []
         self._told_in_flight = 0
+        self._told_s = -STATS_EVERY_S
 
     @property
     def busy(self) -> bool:
-        return bool(self.reads)
+        """Reads in flight, or figures not told yet: poll again soon."""
+        return bool(self.reads or self._stats or len(self.reads) != self._told_in_flight)
 
     # ---- commands of the control plane ---------------------------------------------------
     def adopt(self, message: dict, fds: Sequence[int]) -> None:
@@ -423,7 +426,12 @@ class SessionReads:
         notices = self.notices.take()
         for start in range(0, len(notices), channel.MAX_NOTICES):
             self.tell({"op": "session_notices", "notices": notices[start:start + channel.MAX_NOTICES]}, ())
-        if self._stats or len(self.reads) != self._told_in_flight:  # (the control plane drains by the count)
+        # Figures at most every STATS_EVERY_S (a message per pass at 1 000 reads/s cost the control plane's
+        # loop a wake each); the count in flight with them (the control plane drains by it).
+        due = (self._stats or len(self.reads) != self._told_in_flight) and \
+            time.monotonic() - self._told_s >= STATS_EVERY_S
+        if due:
+            self._told_s = time.monotonic()
             stats, self._stats, self._told_in_flight = self._stats, [], len(self.reads)
             for start in range(0, max(len(stats), 1), 1024):
                 self.tell({"op": "session_stats", "reads": stats[start:start + 1024], "in_flight": len(self.reads)},
