@@ -199,7 +199,7 @@ class Worker:
             timeout = self.poll_interval_s
             if self.reader is not None:  # reads in flight: spin (20 µs doubling to 100 µs), else wait
                 spin_s = min(2 * spin_s, READ_POLL_MAX_S) if self.reader.busy else READ_POLL_MIN_S
-                timeout = spin_s if self.reader.busy else None
+                timeout = spin_s if self.reader.busy else self.reader.session.figures_due_in_s()
             elif timeout is not None and time.monotonic() < self.notices_until:
                 timeout = min(timeout, NOTICE_POLL_S)
             session = self.reader.session.socket if self.reader is not None else None

@@ -113,8 +113,14 @@ class SessionReads:
 
     @property
     def busy(self) -> bool:
-        """Reads in flight, or figures not told yet: poll again soon."""
-        return bool(self.reads or self._stats or len(self.reads) != self._told_in_flight)
+        """Reads in flight: poll again soon."""
+        return bool(self.reads)
+
+    def figures_due_in_s(self) -> float | None:
+        """When figures not told yet are due (seconds from now, the worker's longest sleep), or None."""
+        if not self._stats and len(self.reads) == self._told_in_flight:
+            return None
+        return max(0.0, self._told_s + STATS_EVERY_S - time.monotonic())
 
     # ---- commands of the control plane ---------------------------------------------------
     def adopt(self, message: dict, fds: Sequence[int]) -> None:
