@@ -78,8 +78,17 @@ class WorkerKills:
             deaths, given_up = life.daemon.metric(DEATHS), life.daemon.metric(GIVEN_UP)
             if deaths != self.kills[pid] or given_up:
                 self.report.violate("workers_alive", f"{life.daemon.daemon_id}: {deaths:g} worker deaths counted, "
-                                                     f"{self.kills[pid]} killed by the soak; {given_up:g} given up")
+                                                     f"{self.kills[pid]} killed by the soak; {given_up:g} given up"
+                                                     + why_workers_died(life.daemon.log_text(0)))
                 self.kills[pid] = int(deaths)  # each surplus death is reported once
+
+
+def why_workers_died(log: str, most: int = 3) -> str:
+    """The daemon's own lines on worker ends that were not the soak's kill -9 (their exit codes or signals,
+    a worker killed for breaking the protocol or leaving its channel full), for a violation to say why."""
+    lines = [line for line in log.splitlines()
+             if ("ended with" in line and "ended with -9" not in line) or "killing it" in line]
+    return "".join(f"\n      {line[:300]}" for line in lines[-most:]) if lines else " (the log says nothing more)"
 
 
 class CaRotations:

@@ -122,3 +122,17 @@ def test_the_end_measure_waits_for_a_registration_whose_deregistration_failed(mo
         assert soak.report.usage["soak-p0"]["end"] == (clean if lapses else left)
         if not lapses:  # gave up after a lease and the reaping margin
             assert len(calls) <= (run.ENGINE_LEASE_S + run.REAP_MARGIN_S) / 0.5 + 2
+
+
+def test_a_worker_death_the_soak_did_not_cause_is_reported_with_the_daemons_own_lines():
+    """workers_alive's violation says why a worker ended (its exit code or signal, or why its supervisor
+    killed it), from the daemon's log; the soak's own kill -9s are left out."""
+    from kvxferd.rig.soak.workers import why_workers_died
+
+    log = ("worker a-r generation 1 (pid 7) ended with -9; starting another\n"
+           "worker a-w generation 2 (pid 9) ended with -6; starting another\n"
+           "worker a-r generation 3: a message out of protocol; killing it\n")
+    said = why_workers_died(log)
+    assert "ended with -6" in said and "killing it" in said and "ended with -9" not in said
+    assert why_workers_died("worker a-r generation 1 (pid 7) ended with -9; starting another") \
+        == " (the log says nothing more)"
