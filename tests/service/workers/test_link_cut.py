@@ -28,7 +28,7 @@ from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 from kvxferd.rig.verify.process import EngineProcess
 
 REASON = unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"namespace hosts: {REASON}")
+pytestmark = [pytest.mark.daemons, pytest.mark.skipif(REASON is not None, reason=f"namespace hosts: {REASON}")]
 PARTITION_S = 3.0
 IN_FLIGHT_BYTES = 2 << 20  # of a read of about 60 MiB: well inside it
 SLOW_LINK_S = 0.02  # each packet into the decode host held that long, so the read is on the wire at the cut
