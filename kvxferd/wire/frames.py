@@ -19,6 +19,10 @@ import struct
 from kvxferd.errors import ResourceExhaustedError
 
 HEADER = struct.Struct("<I")
+# A session's numbering and batches, as both ends of the daemon keep them (the control plane's feed,
+# service/engines/completions.py, and a reader worker's, worker/session.py):
+COMPLETIONS_PER_BATCH = 256  # at most this many completions in one CompletionBatch, on either transport
+MAX_SEQ = 1 << 62  # an engine's ack_seq numbering may go on from is below this (a seq is a uint64)
 
 
 def reads_socket_path(engine_socket: str) -> str:

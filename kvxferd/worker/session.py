@@ -24,12 +24,11 @@ from collections.abc import Iterable
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.wire.frames import FrameReader, encode_frame
+from kvxferd.wire.frames import COMPLETIONS_PER_BATCH, FrameReader, encode_frame
 
 WRITE_HIGH_WATER_BYTES = 1 << 20  # as the control plane's: a session that does not read takes no more holds
 MAX_WRITE_BYTES = 64 << 20  # unread completions and answers kept for a session; beyond, it is ended
 RECEIVE_BYTES = 1 << 18
-COMPLETIONS_PER_BATCH = 256  # as service/engines/completions.py
 
 
 class SessionGone(Exception):
@@ -160,6 +159,10 @@ class SessionFeed:
 
     def batches(self) -> list[bytes]:
         """Every unacked completion, in CompletionBatch payloads (what a new session gets first)."""
-        queued = list(self.queued)
-        return [pb.CompletionBatch(completions=queued[start:start + COMPLETIONS_PER_BATCH]).SerializeToString()
-                for start in range(0, len(queued), COMPLETIONS_PER_BATCH)]
+        return completion_batches(list(self.queued))
+
+
+def completion_batches(completions: list[pb.Completion]) -> list[bytes]:
+    """``completions`` in CompletionBatch payloads of at most COMPLETIONS_PER_BATCH each, in order."""
+    return [pb.CompletionBatch(completions=completions[start:start + COMPLETIONS_PER_BATCH]).SerializeToString()
+            for start in range(0, len(completions), COMPLETIONS_PER_BATCH)]

@@ -39,7 +39,8 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire import workerchannel as channel
 from kvxferd.wire.messages import check_id, check_seconds, ids_to_pb, read_request_from_spec
-from kvxferd.worker.session import COMPLETIONS_PER_BATCH, SessionFeed, SessionGone, SessionSocket
+from kvxferd.wire.frames import MAX_SEQ
+from kvxferd.worker.session import SessionFeed, SessionGone, SessionSocket, completion_batches
 from kvxferd.xfer.admission import admit, check_ids
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.records import InFlightRead, ReadResult
@@ -48,7 +49,6 @@ STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, 
 MAX_RECEIVES_PER_PASS = 16
 STATS_EVERY_S = 0.02  # a session's figures go to the control plane at most this often
 END_WRITE_S = 0.2  # how long a session's last frame may take to write (a cut frame would read as a break)
-MAX_SEQ = 1 << 62  # as the control plane's (service/engines/completions.py)
 ASK_AGAIN_S = 1.0  # a need_handshake not answered (its message lost to a full channel) is sent again after this
 MAX_PENDING_BYTES = 64 << 20  # what the control plane read past the first batch (a frame's worth at most)
 MAX_CALLS_BYTES = 400 << 10  # holds, renewals and releases in one message to the control plane (hex: 800 KiB)
@@ -426,9 +426,8 @@ class SessionReads:
         if self._out:
             out, self._out = self._out, []
             if self.socket is not None:
-                for start in range(0, len(out), COMPLETIONS_PER_BATCH):
-                    self._write(pb.CompletionBatch(completions=out[start:start + COMPLETIONS_PER_BATCH])
-                                .SerializeToString())
+                for payload in completion_batches(out):
+                    self._write(payload)
         notices = self.notices.take()
         for start in range(0, len(notices), channel.MAX_NOTICES):
             self.tell({"op": "session_notices", "notices": notices[start:start + channel.MAX_NOTICES]}, ())

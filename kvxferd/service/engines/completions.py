@@ -48,10 +48,9 @@ from typing import Protocol
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.base.status import StreamReplaced
+from kvxferd.wire.frames import MAX_SEQ
 
 
-COMPLETIONS_PER_BATCH = 256
-MAX_SEQ = 1 << 62  # an engine's ack_seq numbering goes on from (after a reader worker's feed was lost) is below this
 
 
 def check_ack(ack_seq: int) -> None:

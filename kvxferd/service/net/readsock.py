@@ -47,7 +47,6 @@ from google.protobuf.message import DecodeError
 
 from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH
 from kvxferd.service.net.framewriter import FrameWriter
 from kvxferd.service.net.calls import answer_calls, check_calls
 from kvxferd.service.base import audit
@@ -55,7 +54,7 @@ from kvxferd.service.base.localsock import credentials_allowed, restrict_socket,
 from kvxferd.wire.owner import peer_credentials
 from kvxferd.service.base.metrics import READS_SOCKET_METHOD
 from kvxferd.service.base.status import error_status
-from kvxferd.wire.frames import FrameReader, encode_frame
+from kvxferd.wire.frames import COMPLETIONS_PER_BATCH, FrameReader, encode_frame
 from kvxferd.wire.messages import check_id
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.base import audit
-from kvxferd.service.engines.completions import COMPLETIONS_PER_BATCH
+from kvxferd.wire.frames import COMPLETIONS_PER_BATCH
 from kvxferd.service.engines.holding import place_hold, release_hold, renew_holds
 from kvxferd.service.base.status import error_status
 from kvxferd.service.peers.proof import ChallengeSigner

@@ -39,7 +39,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.base import audit
 from kvxferd.service.base.metrics import READS_SOCKET_METHOD
 from kvxferd.service.base.status import code_numbered
-from kvxferd.service.engines.completions import MAX_SEQ
+from kvxferd.wire.frames import MAX_SEQ
 from kvxferd.service.engines.holding import release_hold
 from kvxferd.service.net.calls import CallParts, answer_calls, check_calls
 from kvxferd.service.reads.path import ReadPathParts
