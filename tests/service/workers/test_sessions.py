@@ -20,23 +20,24 @@ from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
 pytestmark = pytest.mark.daemons
 GROUPS = model_groups("gqa", ModelShape())
 WORKERS = ("--dataplane-workers", "--dataplane-reader-workers")
-FROZEN_WAIT_S = 3.0  # how long the control's read is given while its daemon is stopped
+FROZEN_WAIT_S = 3.0  # how long the control's read is given while its daemon is stopped (nothing can come)
+HANDED_WAIT_S = 20.0  # a handed session's read completes in milliseconds; the daemon stays stopped meanwhile
 
 
 def cluster_of(workdir, name: str, *extra: str) -> DaemonCluster:
     return DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name=name, daemon_args=(*WORKERS, *extra))
 
 
-def read_with_the_daemon_stopped(cluster: DaemonCluster, request) -> pb.Completion | None:
-    """Hold ``request``, stop (SIGSTOP) the decode daemon, read; the completion if it came within
-    FROZEN_WAIT_S, else None (it is then awaited after the daemon goes on)."""
+def read_with_the_daemon_stopped(cluster: DaemonCluster, request, wait_s: float) -> pb.Completion | None:
+    """Hold ``request``, stop (SIGSTOP) the decode daemon, read; the completion if it came within ``wait_s``
+    with the daemon stopped all along, else None (it is then awaited after the daemon goes on)."""
     decode = cluster.decode_daemons[0]
     cluster.hold(request)
     os.kill(decode.process.pid, signal.SIGSTOP)
     try:
         cluster.submit(request)
         try:
-            return cluster.decode_clients[0].reads.wait_completion(request.request_id, FROZEN_WAIT_S)
+            return cluster.decode_clients[0].reads.wait_completion(request.request_id, wait_s)
         except TimeoutError:
             return None
     finally:
@@ -62,7 +63,7 @@ def test_a_sessions_reads_complete_while_the_daemon_is_stopped(workdir, handed):
         assert cluster.prefill_daemons[0].metric("kvxferd_reader_worker_sessions_total") == 0
         request = random_request("ss-frozen", *GROUPS, 64, rng)
         cluster.reset_decode()
-        completion = read_with_the_daemon_stopped(cluster, request)
+        completion = read_with_the_daemon_stopped(cluster, request, HANDED_WAIT_S if handed else FROZEN_WAIT_S)
         if handed:
             assert completion is not None and completion.ok, completion
         else:
