@@ -25,6 +25,10 @@ PANELS = [
     ("Failed reads / s by kind", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_read_failures_total{SEL}{RATE}))")]),
     ("Rank reads copied same-host (not over NIXL) / s", "ops", [
         ("{{pod}}", f"sum by (pod) (rate(kvxferd_same_host_copies_total{SEL}{RATE}))")]),
+    ("Transport paths: READs by path UCX chose (emulated, tcp: slow) and GPU regions by what can serve them",
+     "short", [
+        ("{{memory}} {{path}}", f"sum by (memory, path) (kvxferd_transport_paths{SEL})"),
+        ("VRAM regions: {{kind}}", f"sum by (kind) (kvxferd_vram_regions{SEL})")]),
     ("Descriptors per read (p50)", "short", [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_descriptors_bucket{SEL}{RATE})))")]),
     ("Reads in flight / holds pending", "short", [

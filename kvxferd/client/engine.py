@@ -121,7 +121,8 @@ class EngineClient:
     # ---- registration -------------------------------------------------------------
     def register(self, engine: pb.EngineRank, *, lease_s: float = 0.0, heartbeat_s: float | None = None,
                  fd_token: str = "", allowed_reader_engine_ids: Sequence[str] = (),
-                 fd_source: Callable[[], str] | None = None) -> pb.RegisterReply:
+                 fd_source: Callable[[], str] | None = None,
+                 process_fd_index: int | None = None) -> pb.RegisterReply:
         """Register this rank, then heartbeat every ``heartbeat_s`` (lease / 3) and watch completions.
 
         Call it again to re-register: the completion stream is opened anew
@@ -131,9 +132,13 @@ class EngineClient:
         it could not hear this client). Memory passed as fds (``fd_token``) must
         be passed again first: give ``fd_source``, which passes them and returns
         the new token; without it such a registration is not renewed.
+        ``process_fd_index``: which of those fds is this process's pidfd
+        (:func:`kvxferd.client.fdsend.own_process_fd`): the daemon lets go of
+        the registration the moment this process exits.
         """
         request = pb.RegisterRequest(engine=engine, lease_s=lease_s, fd_token=fd_token,
-                                     allowed_reader_engine_ids=list(allowed_reader_engine_ids))
+                                     allowed_reader_engine_ids=list(allowed_reader_engine_ids),
+                                     process_fd_index=process_fd_index)
         first = self.engine_id is None
         reply = self._send_register(request)
         self._register_request = None if fd_token and fd_source is None else request

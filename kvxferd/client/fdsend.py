@@ -8,6 +8,7 @@ token it chose; its ``Register`` then names the token and each region's
 
 from __future__ import annotations
 
+import os
 import socket
 
 from kvxferd.wire.names import FD_ANSWER_MAX_BYTES
@@ -27,3 +28,17 @@ def send_fds(path: str, token: str, fds: list[int], timeout_s: float = 5.0, *, d
         if answer != b"ok":
             reason = answer.decode(errors="replace") if answer else "no answer (see its log)"
             raise ConnectionError(f"daemon at {path} did not accept the fds: {reason}")
+
+
+_own_pidfd: tuple[int, int] | None = None  # (pid, its pidfd): made once per process, never after a fork's
+
+
+def own_process_fd() -> int:
+    """A pidfd of this process (``pidfd_open(getpid())``), to pass with the cache's fds and name in
+    ``RegisterRequest.process_fd_index``: the daemon then lets go of the registration, and unmaps the
+    memory, the moment this process exits (:mod:`kvxferd.service.engines.lifeline`). Kept open: the
+    same one is passed again after a daemon restart."""
+    global _own_pidfd
+    if _own_pidfd is None or _own_pidfd[0] != os.getpid():
+        _own_pidfd = (os.getpid(), os.pidfd_open(os.getpid()))
+    return _own_pidfd[1]

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from kvxferd.cuda.driver import (CU_HANDLE_TYPE_POSIX_FD, IPC_HANDLE_BYTES, IpcHandle, address_range, check_drv,
                                  check_rt, cuda, cudart)
+from kvxferd.cuda.vmm import ShareableAllocator  # the engine's RDMA-capable KV-cache memory (re-exported)
 from kvxferd.errors import InvalidArgumentError
+
+__all__ = ["GpuExport", "ShareableAllocator", "export_ipc", "export_region", "export_vmm"]
 
 def export_ipc(address: int, field: str = "address") -> tuple[bytes, int]:
     """Engine side: the 64-byte IPC handle of the allocation holding ``address``, and ``address``'s offset in it.
@@ -56,15 +59,18 @@ def export_region(address: int, num_bytes: int, field: str = "address") -> GpuEx
             raise InvalidArgumentError(field, f"{ipc.message}; as a VMM allocation: {vmm.message}") from None
 
 
-def export_vmm(address: int, num_bytes: int, field: str = "address") -> GpuExport:
-    """Engine side: a POSIX fd of the VMM allocation holding the region (``cuMemRetainAllocationHandle``)."""
-    lib = cuda(field)
-    lib.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_void_p]
-    lib.cuMemExportToShareableHandle.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong]
+def export_vmm(address: int, num_bytes: int, field: str = "address", lib=None) -> GpuExport:
+    """Engine side: a POSIX fd of the VMM allocation holding the region (``cuMemRetainAllocationHandle``).
+    The allocation must have been made exportable as one (:class:`kvxferd.cuda.vmm.ShareableAllocator`)."""
+    lib = lib or cuda(field)
+    if isinstance(lib, ctypes.CDLL):
+        lib.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_void_p]
+        lib.cuMemExportToShareableHandle.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int,
+                                                     ctypes.c_ulonglong]
     handle = ctypes.c_ulonglong()
     check_drv(lib.cuMemRetainAllocationHandle(ctypes.byref(handle), address), "cuMemRetainAllocationHandle", field)
     try:
-        base, size = address_range(address, field)
+        base, size = address_range(address, field, lib)
         if address + num_bytes > base + size:
             raise InvalidArgumentError(field, f"the region of {num_bytes} bytes runs past its allocation of {size} bytes "
                                               "(a cache over several allocations, such as torch's expandable segments, "

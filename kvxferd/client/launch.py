@@ -157,6 +157,15 @@ class DaemonProcess:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
+    def transport_paths(self) -> dict[str, int]:
+        """``{"<memory>: <path>": UCX endpoint configurations}`` this daemon's READs took (kvxferd_transport_paths)."""
+        paths = {}
+        for line in self.metrics_text().splitlines():
+            if line.startswith("kvxferd_transport_paths{") and not line.endswith(" 0.0"):
+                labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+                paths[f"{labels['memory'].strip(chr(34))}: {labels['path'].strip(chr(34))}"] = int(float(line.rsplit(" ", 1)[1]))
+        return paths
+
     def metrics_text(self) -> str:
         """This daemon's metrics page, as Prometheus scrapes it."""
         return urllib.request.urlopen(self.addresses["metrics"], timeout=5).read().decode()

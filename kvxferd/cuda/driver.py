@@ -80,12 +80,13 @@ def check_drv(code: int, call: str, field: str) -> None:
         raise kind(field, f"{call} failed with CUresult {code}")
 
 
-def address_range(address: int, field: str) -> tuple[int, int]:
+def address_range(address: int, field: str, lib=None) -> tuple[int, int]:
     """``(base, size)`` of the allocation holding ``address`` (``cuMemGetAddressRange``)."""
-    drv = cuda(field)
+    drv = lib or cuda(field)
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.c_uint64]
+    if isinstance(drv, ctypes.CDLL):
+        drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.c_uint64]
     check_drv(drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange", field)
     return base.value, size.value
 

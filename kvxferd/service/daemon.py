@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvxferd.cuda.vmm import MEMORY_KINDS
 from kvxferd.errors import InvalidArgumentError, KvxferError, PermissionDeniedError
 from kvxferd.plan.leases import EXPIRED, HoldEnd
 from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
@@ -51,6 +53,7 @@ from kvxferd.service.engines.fdpass import FdInbox
 from kvxferd.wire.names import fd_socket_path
 from kvxferd.service.net.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
 from kvxferd.service.base.localsock import claim_runtime_dir, group_id, restrict_socket, socket_umask
+from kvxferd.service.base.transports import TransportPaths
 from kvxferd.service.base.metrics import Metrics
 from kvxferd.service.peers.links import Peers, RemoteLink
 from kvxferd.service.engines.read import Read
@@ -108,6 +111,7 @@ class Daemon:
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
                            max_message_bytes=config.max_message_bytes, tls=self.tls,
                            server_name=config.peer_server_name, insecure=config.insecure)
+        self.transports = self.peers.transports = TransportPaths(self.metrics.transport_paths)
         self.bus: NotifyBus | None = None
         self.registry: Registry | None = None
         self.addresses: dict[str, str] = {}
@@ -184,6 +188,10 @@ class Daemon:
                                      shm_uids=allowed_uids,
                                      workers=self._worker_options() if config.dataplane_workers else None)
             self.registry.on_session_event = self.sessions.on_event
+            self.registry.require_rdma_vram = config.require_rdma_capable_vram
+            for kind in MEMORY_KINDS:
+                self.metrics.vram_regions.labels(kind).set_function(functools.partial(self.registry.num_vram_regions,
+                                                                                      kind))
             self.metrics.bind_gauges(self.registry.num_holds, self._num_reads,
                                      lambda: len(self.registry.slots))
             self.metrics.workers_given_up.set_function(self.registry.num_workers_given_up)
@@ -328,6 +336,7 @@ class Daemon:
             stalled_s = time.monotonic() - slept_from - wait_s  # < 0: woken early (a hold arrived)
             self._note_stall(stalled_s)
             try:
+                self.transports.refresh()
                 await self.registry.expire(max(stalled_s, 0.0))
                 now = time.monotonic()
                 if now - last_renew >= renew_every_s:
@@ -490,6 +499,8 @@ class Daemon:
             serving.remove_record(self._serving_record)
         if self._owns_socket and os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
+        self.transports.refresh()  # the last UCX warnings, then the files go
+        self.transports.close()
 
 
 async def _set_health(servicer, service: str, status) -> None:
@@ -516,6 +527,8 @@ async def serve(config: DaemonConfig) -> int:
         # Before the first NIXL agent: UCX reads its configuration when an agent is created.
         os.environ.update(ucx_environment(config))  # UCX_NET_DEVICES[, UCX_TCP_PORT_RANGE]
         daemon = Daemon(config)
+        if config.transport_check:  # UCX reports the paths it chooses (base/transports.py)
+            os.environ.update(daemon.transports.environment())
         addresses = await daemon.start()
     except (InvalidArgumentError, StartupError) as err:
         log.error("start-up failed", extra={"error": str(err)})

@@ -33,6 +33,7 @@ from kvxferd.wire import workerchannel as channel
 from kvxferd.worker import sandbox
 from kvxferd.worker.reads import READER_OPS, ReaderRole, cache_of
 from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of, quiet_nixl_logging
+from kvxferd.xfer.nixl.ucxpaths import FLUSH_EVERY_S, flush_c_streams
 
 log = logging.getLogger("kvxferd.worker")
 MAX_NAME_CHARS = 128
@@ -194,14 +195,18 @@ class Worker:
             channel.send(self.sock, {"op": "notices", "notices": notices[start:start + channel.MAX_NOTICES]})
 
     def run(self) -> int:
-        spin_s = READ_POLL_MIN_S / 2
+        spin_s, flush_at = READ_POLL_MIN_S / 2, 0.0
         while True:
+            if (now := time.monotonic()) >= flush_at:  # UCX's path reports reach the daemon (ucxpaths.py)
+                flush_c_streams()
+                flush_at = now + FLUSH_EVERY_S
             timeout = self.poll_interval_s
             if self.reader is not None:  # reads in flight: spin (20 µs doubling to 100 µs), else wait
                 spin_s = min(2 * spin_s, READ_POLL_MAX_S) if self.reader.busy else READ_POLL_MIN_S
                 timeout = spin_s if self.reader.busy else self.reader.session.figures_due_in_s()
             elif timeout is not None and time.monotonic() < self.notices_until:
                 timeout = min(timeout, NOTICE_POLL_S)
+            timeout = FLUSH_EVERY_S if timeout is None else min(timeout, FLUSH_EVERY_S)
             session = self.reader.session.socket if self.reader is not None else None
             watched = [self.sock] if session is None or session.ending else [self.sock, session]
             readable, writable, _ = select.select(watched, [session] if session is not None and session.wants_write

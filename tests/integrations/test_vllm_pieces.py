@@ -294,7 +294,7 @@ def _restart(daemons, index: int, tmp_path, while_down=lambda: None) -> None:
     daemons[index] = DaemonProcess(old.daemon_id, socket_dir=str(tmp_path), extra_args=(*old.port_args(("peer",)), *NO_PROBES))
 
 
-def test_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
+def test_reshare_after_a_daemon_restart_fails_what_it_lost_and_the_worker_goes_on(tmp_path):
     """Host memory: the heartbeat passes the fds again and registers again. Decode: a read the old
     daemon had is a failed load, never a hang, and the next read handshakes anew and is byte-exact.
     Prefill: holds of the old registration end (their blocks may go); the first read after it, on

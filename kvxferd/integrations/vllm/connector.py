@@ -25,6 +25,7 @@ from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrd
 from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
 from kvxferd.integrations.vllm.trace import Trace
+from kvxferd.integrations.vllm.vmmpool import KvCachePool
 from kvxferd.integrations.vllm.worker import TransferResults, WorkerSide
 
 if TYPE_CHECKING:
@@ -147,6 +148,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         return layout
 
     # ---- worker side ------------------------------------------------------------------
+    def get_mem_pool_context(self):
+        """Where vLLM allocates the KV cache: RDMA-capable shareable VMM memory when ``kv_cache_memory`` asks
+        for it on a GPU (vmmpool.py); otherwise vLLM's own allocation (None)."""
+        if self.settings.kv_cache_memory == "torch" or not torch.cuda.is_available():
+            return None
+        self._kv_pool = KvCachePool(require_rdma=self.settings.kv_cache_memory == "require_rdma_vmm")
+        return self._kv_pool.context(torch)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register(self._group_layouts(kv_caches), kv_caches)
 

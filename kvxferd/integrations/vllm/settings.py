@@ -35,6 +35,12 @@ class ConnectorSettings(BaseModel):
                                                           "nothing from the connector")
     trace_dir: str | None = Field(None, description="write per-request timestamps there (default: $KVXFERD_TRACE_DIR; "
                                                    "unset: none); a benchmark's tool, see trace.py")
+    kv_cache_memory: Literal["torch", "shareable_vmm", "require_rdma_vmm"] = Field(
+        "torch", description="how the GPU KV cache is allocated: torch (vLLM's own allocation, shared by CUDA IPC "
+                             "handle: a NIC cannot read it from the daemon, reads from other hosts are emulated over "
+                             "TCP), shareable_vmm (RDMA-capable, fd-shareable VMM memory the daemon maps and "
+                             "registers; a warning on a GPU that cannot make it RDMA-capable), require_rdma_vmm "
+                             "(the same; such a GPU fails the engine's start). docs/gpu.md")
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
         "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "
                              "VLLM_KV_CACHE_LAYOUT still wins, and kvxferd reads any order")

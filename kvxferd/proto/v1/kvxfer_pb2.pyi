@@ -146,16 +146,18 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("engine", "lease_s", "fd_token", "allowed_reader_engine_ids")
+    __slots__ = ("engine", "lease_s", "fd_token", "allowed_reader_engine_ids", "process_fd_index")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     FD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_READER_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     engine: EngineRank
     lease_s: float
     fd_token: str
     allowed_reader_engine_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ..., fd_token: _Optional[str] = ..., allowed_reader_engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    process_fd_index: int
+    def __init__(self, engine: _Optional[_Union[EngineRank, _Mapping]] = ..., lease_s: _Optional[float] = ..., fd_token: _Optional[str] = ..., allowed_reader_engine_ids: _Optional[_Iterable[str]] = ..., process_fd_index: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("incarnation", "notify_address", "notify_last_seq", "peer_address", "session", "notify_curve_server_key")

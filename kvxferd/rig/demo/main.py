@@ -150,6 +150,7 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
                               timeout_s=60 + 20 * len(requests))
         figures.add_events(row, events, len(requests) * args.prefill_tp)
         row["same_host_copies"] = _same_host_copies(daemons["decode"]) - copies_before
+        row["read_paths"] = sorted({path for d in daemons["decode"] for path in d.transport_paths()})
         raw = decode.call("raw", requests[1:], prefill_id, peer_addresses)  # the timed ones
         row["raw_s"], row["raw_bytes"] = raw["seconds"], raw["bytes"]
         row["raw_warm_up_ms"] = [round(s * 1e3, 2) for s in raw["warm_up_s"]]  # untimed: connections opening

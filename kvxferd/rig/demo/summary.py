@@ -10,7 +10,7 @@ def new_row(model: str, prefill_tp: int, decode_tp: int, groups: str) -> dict:
             "failed_requests": 0, "bytes": 0, "descriptors": 0, "verified_bytes": 0, "mismatched_bytes": 0,
             "holds": 0, "consumed": 0, "lost_events": 0, "stray_events": 0, "latency_s": [], "raw_s": [],
             "raw_bytes": 0, "raw_warm_up_ms": [], "warm_up_ms": 0.0, "problems": [], "stages_s": {},
-            "same_host_copies": 0}
+            "same_host_copies": 0, "read_paths": []}
 
 
 def add_read(row: dict, result: dict) -> None:
@@ -67,6 +67,7 @@ def summarize(rows: list[dict]) -> dict:
     summary["raw_gbps"] = sum(r["raw_bytes"] for r in rows) / max(raw_seconds, 1e-9) / 1e9
     summary["ratio"] = summary["gbps"] / summary["raw_gbps"] if summary["raw_gbps"] else 0.0
     summary["ok"] = bool(rows) and all(row["ok"] for row in rows)
+    summary["read_paths"] = sorted({path for row in rows for path in row["read_paths"]})
     summary["rows"] = rows
     return summary
 
@@ -89,7 +90,8 @@ def format_table(summary: dict) -> str:
                   f"{s['verified_bytes'] / 2**20:.1f} MiB of decode memory checked, {s['mismatched_bytes']} bytes wrong; "
                   f"{s['failed_requests']} failed requests; {s['consumed']}/{s['holds']} holds CONSUMED, "
                   f"{s['lost_events']} lost and {s['stray_events']} stray events; "
-                  f"{s['same_host_copies']} remote ranks' parts of reads copied same-host, the rest over NIXL.",
+                  f"{s['same_host_copies']} remote ranks' parts of reads copied same-host, the rest over NIXL; "
+                  f"UCX's READ paths: {', '.join(s['read_paths']) or 'none (no READ over NIXL)'}.",
               "p50/p99: a read on every decode rank's Reads session (the reads socket) -> every completion delivered; "
               "each preset's first read is an untimed warm-up, as raw NIXL's first rounds are (checked like the rest). "
               "GB/s: bytes over that time; "

@@ -164,6 +164,16 @@ class DaemonConfig(BaseSettings):
                                           "NIXL polls while requests are held and no reader needs this daemon's "
                                           "progress (shared memory on one host): how soon the last reader's "
                                           "notice is counted and the hold ends CONSUMED (s)")
+    transport_check: bool = Field(True, description="ask UCX to report which path (shared memory, CMA, cuda_ipc, "
+                                  "RDMA, TCP, or emulation over messages) each kind of READ takes, into a private "
+                                  "log file per process, and say it: kvxferd_transport_paths, a log line per new "
+                                  "path (a warning for TCP or emulation), the handshake's log line; UCX's own "
+                                  "warnings are relayed to the daemon's log (docs/gpu.md)")
+    require_rdma_capable_vram: bool = Field(False, description="refuse (FAILED_PRECONDITION) to register GPU "
+                                            "memory a NIC cannot read: cudaMalloc memory shared by IPC handle, or "
+                                            "VMM memory made without gpuDirectRDMACapable; by default such a "
+                                            "registration is a warning and kvxferd_vram_regions counts it "
+                                            "(reads from other hosts are then emulated over TCP; docs/gpu.md)")
     same_host_reads: bool = Field(True, description="read a holder on this host by opening its engine's memory "
                                   "and copying the planned spans here instead of over NIXL: host memory (by shm name, "
                                   "or an fd the engine passed, through the holder's copy /proc/<pid>/fd/<n>) mapped "

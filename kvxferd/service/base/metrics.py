@@ -28,6 +28,7 @@ from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
 from kvxferd.service.base.metricsserver import MetricsServer
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.nixl.ucxpaths import MEMORY_PAIRS, PATHS
 
 FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)
 READS_SOCKET_METHOD = "ReadsSocket"  # the reads socket (net/readsock.py) in kvxferd_rpc_errors
@@ -159,6 +160,17 @@ class Metrics:
                                       "cannot start again (it could not map the engine's memory, or broke "
                                       "the protocol before it was up; peers are refused until the engine "
                                       "registers again)", registry=r)
+        self.transport_paths = Gauge("kvxferd_transport_paths", "UCX endpoint configurations of this daemon and its "
+                                     "workers whose bulk READs of a memory pair (local<-remote) take a path "
+                                     "(emulated: no direct lane, UCX moves the bytes with messages)",
+                                     ["memory", "path"], registry=r)
+        for memory in MEMORY_PAIRS:
+            for path in PATHS:
+                self.transport_paths.labels(memory, path)
+        self.vram_regions = Gauge("kvxferd_vram_regions", "registered GPU cache regions by what can serve them: "
+                                  "rdma_capable (VMM, gpuDirectRDMACapable), not_rdma_capable (VMM without it), "
+                                  "legacy_ipc (cudaMalloc memory by IPC handle); the last two are read from other "
+                                  "hosts by UCX's emulation over TCP", ["kind"], registry=r)
         self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)
         self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
         self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)

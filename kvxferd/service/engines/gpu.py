@@ -23,16 +23,20 @@ from dataclasses import dataclass
 from kvxferd.cuda.driver import (CU_ACCESS_READWRITE, CU_HANDLE_TYPE_POSIX_FD, CU_LOCATION_DEVICE, VMM_GRANULARITY,
                                  AccessDesc, Location, check_drv, cuda)
 from kvxferd.cuda.ipc import bare_ipc_handle, open_ipc_allocation, visible_device_uuids
+from kvxferd.cuda.vmm import LEGACY_IPC, allocation_capabilities
 from kvxferd.errors import InvalidArgumentError, UnavailableError
 from kvxferd.plan.groups import DeviceShare, RegionMemory
 
 
 @dataclass(eq=False)
 class GpuMapping:
-    """An opened GPU region; ``close`` after NIXL deregistered it."""
+    """An opened GPU region; ``close`` after NIXL deregistered it. ``kind``: what can serve it
+    (:data:`kvxferd.cuda.vmm.MEMORY_KINDS`: RDMA-capable VMM memory, VMM memory a NIC cannot read, or
+    legacy IPC memory, which neither a NIC nor UCX's cuda_ipc lane can serve from this process)."""
 
     memory: RegionMemory
     _close: object
+    kind: str = LEGACY_IPC
 
     def close(self) -> None:
         if self._close is not None:
@@ -74,7 +78,7 @@ def _uuid_of(device_id: int, field: str, uuids) -> str:
 
 
 def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, *,
-               allocation_bytes: int = 0) -> GpuMapping:
+               allocation_bytes: int = 0, lib=None) -> GpuMapping:
     """Import a VMM shareable fd and map all of it read-write on ``device_id``; always closes ``fd``.
 
     CUDA maps whole allocations only, so the engine names the allocation's
@@ -83,19 +87,20 @@ def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str,
     lie inside it.
     """
     try:
-        return _import_vmm(fd, offset, num_bytes, device_id, field, allocation_bytes)
+        return _import_vmm(fd, offset, num_bytes, device_id, field, allocation_bytes, lib)
     finally:
         os.close(fd)  # an imported handle keeps the allocation alive without the fd
 
 
-def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, allocation_bytes: int) -> GpuMapping:
+def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, allocation_bytes: int,
+                lib) -> GpuMapping:
     if offset < 0 or num_bytes <= 0 or device_id < 0:
         raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
     if allocation_bytes and offset + num_bytes > allocation_bytes:
         raise InvalidArgumentError(f"{field}.num_bytes", f"region [{offset}, {offset + num_bytes}) exceeds the shared "
                                                          f"allocation of {allocation_bytes} bytes")
     f = f"{field}.handle.cuda_vmm_fd_index"
-    lib = cuda(f)
+    lib = lib or cuda(f)
     check_drv(lib.cuInit(0), "cuInit", f)
     device, context = ctypes.c_int(), ctypes.c_void_p()
     check_drv(lib.cuDeviceGet(ctypes.byref(device), device_id), "cuDeviceGet", f"{field}.device_id")
@@ -108,6 +113,7 @@ def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str
     base = ctypes.c_ulonglong()
     undo = [lambda: lib.cuMemRelease(handle)]  # run in reverse on failure, and by close()
     try:
+        kind = allocation_capabilities(handle.value, lib, f).kind
         check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
                                            ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", f)
         undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(size)))
@@ -129,4 +135,24 @@ def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str
         for step in reversed(undo):
             step()
 
-    return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), close)
+    return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), close, kind)
+
+
+def check_servable(mapping: GpuMapping, require_rdma: bool, field: str) -> str:
+    """What a NIC can make of a VRAM region: "" when it can read it, else the warning to log (or, with
+    ``require_rdma`` / ``require_rdma_capable_vram``, :class:`UnavailableError`: FAILED_PRECONDITION).
+
+    Memory a NIC cannot register is read from other hosts by UCX's software
+    emulation over TCP (under 1 GB/s); same-host readers copy it with the
+    span-copy kernel either way.
+    """
+    if mapping.kind == "rdma_capable":
+        return ""
+    how = ("shared by a CUDA IPC handle (cudaMalloc memory): neither a NIC nor UCX's cuda_ipc lane can serve it "
+           "from the daemon" if mapping.kind == LEGACY_IPC else
+           "a VMM allocation made without gpuDirectRDMACapable: a NIC cannot register it")
+    message = (f"VRAM region {how}; reads from other hosts would be emulated over TCP (< 1 GB/s). Allocate the "
+               "KV cache as RDMA-capable shareable VMM memory (the vLLM connector's KV-cache pool; docs/gpu.md)")
+    if require_rdma:
+        raise UnavailableError(f"{field}.handle", message)
+    return message

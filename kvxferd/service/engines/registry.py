@@ -33,6 +33,8 @@ from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferErro
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.fdpass import FdInbox
+from kvxferd.service.engines.gpu import GpuMapping, check_servable
+from kvxferd.service.engines.lifeline import ProcessWatch, process_of
 from kvxferd.service.engines.memory import KeptFds, ShmOpeners, open_region, populate
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, engine_from_pb, groups_from_pb
@@ -111,6 +113,8 @@ class Registry:
         self.slots: dict[str, EngineSlot] = {}
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # engine id -> (lock, users)
         self.accepting = True
+        self.require_rdma_vram = False  # require_rdma_capable_vram: refuse VRAM a NIC cannot read (engines/gpu.py)
+        self._exits: set[asyncio.Task] = set()  # deregistrations of engines whose process exited
         # (slot, event) of a reader worker serving the engine's session, on the loop (the daemon's WorkerSessions)
         self.on_session_event = None
         self._last_sweep_s = time.monotonic()  # maintenance sweeps at least every IDLE_TICK_S from here
@@ -214,8 +218,9 @@ class Registry:
         engine = message.engine
         num_bytes = self._check_bytes(engine, groups)
         fds = self.fd_inbox.take(message.fd_token) if message.fd_token and self.fd_inbox else []
-        mapped = []
+        mapped, process_fd = [], None
         try:
+            process_fd = self._process_fd(message, fds)  # checked before any memory is opened
             memory = await asyncio.to_thread(self._open_memory, engine, groups, fds, mapped, openers)
             cache = engine_from_pb(engine, memory)
             old = self.slots.get(cache.engine_id)
@@ -234,12 +239,22 @@ class Registry:
         except BaseException:
             for mapping in mapped:
                 mapping.close()
+            if process_fd is not None:
+                os.close(process_fd)
             raise
         finally:
             for fd in fds:
                 os.close(fd)
-        await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.add_slot(slot)))
+        try:
+            await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.add_slot(slot)))
+        except BaseException:
+            if process_fd is not None:
+                os.close(process_fd)
+            raise
         self.slots[cache.engine_id] = slot
+        if process_fd is not None:  # from now on the engine's exit takes the registration down (lifeline.py)
+            slot.process_watch = ProcessWatch(process_fd, asyncio.get_running_loop(),
+                                              lambda: self._process_exited(slot))
         log.info("engine registered", extra={"engine_id": cache.engine_id, "tp": f"{cache.tp_rank}/{cache.tp_size}",
                                              "incarnation": incarnation, "agent": slot.agent.name})
         return slot
@@ -262,6 +277,10 @@ class Registry:
                 mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers, kept,
                                       keep_fd=self.workers is not None)
                 mapped.append(mapping)
+                if isinstance(mapping, GpuMapping):  # what a NIC can make of it: said now, not at a slow read
+                    warning = check_servable(mapping, self.require_rdma_vram, field)
+                    if warning:
+                        log.warning(warning, extra={"engine_id": engine.engine_id, "region": field})
                 regions.append(mapping.memory)
             memory.append(regions)
         if self.populate_host_memory:
@@ -330,6 +349,25 @@ class Registry:
         return slot
 
     @staticmethod
+    def _process_fd(message: pb.RegisterRequest, fds: list[int]) -> int | None:
+        """The engine's pidfd among the passed fds, checked (None: it passed none)."""
+        if not message.HasField("process_fd_index"):
+            return None
+        index = message.process_fd_index
+        if not 0 <= index < len(fds):
+            raise InvalidArgumentError("process_fd_index", f"index {index}, {len(fds)} fds were sent")
+        process_of(fds[index], "process_fd_index")
+        return os.dup(fds[index])  # the passed fds close after registering; the watch keeps this one
+
+    def _process_exited(self, slot: EngineSlot) -> None:
+        """The engine's process exited (on the loop): its registration goes now, with every mapping."""
+        log.info("engine process exited: deregistering", extra={"engine_id": slot.engine_id,
+                                                                "pid": slot.process_watch.pid})
+        task = asyncio.ensure_future(self.deregister(slot, "engine process exited"))
+        self._exits.add(task)
+        task.add_done_callback(self._exits.discard)
+
+    @staticmethod
     def _reader_lost(slot: EngineSlot, loop: asyncio.AbstractEventLoop | None) -> None:
         """The slot's reader worker lost its connections, dying or replaced (supervisor thread): every link
         handshakes again before its next read, with the next generation (not after that read failed)."""
@@ -345,6 +383,10 @@ class Registry:
         if up.generation > 1 and loop is not None:
             loop.call_soon_threadsafe(lambda: [setattr(link, "stale", True) for link in slot.links.values()])
 
+    def num_vram_regions(self, kind: str) -> int:
+        """Registered VRAM regions of a kind (:data:`kvxferd.cuda.vmm.MEMORY_KINDS`)."""
+        return sum(getattr(m, "kind", None) == kind for slot in list(self.slots.values()) for m in slot.mapped)
+
     async def deregister(self, slot: EngineSlot, reason: str) -> None:
         """Take a registration down (idempotent)."""
         async with self._exclusive(slot.engine_id):
@@ -354,6 +396,8 @@ class Registry:
         if slot.closing:
             return
         slot.closing = True
+        if slot.process_watch is not None:
+            slot.process_watch.close()
         with slot.lock:
             ended = slot.holds.drop_all(reason)
         for end in ended:

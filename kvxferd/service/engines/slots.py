@@ -54,6 +54,7 @@ class EngineSlot:
     metadata: bytes = b""  # NIXL agent metadata after registration
     notices_metadata: bytes = b""  # of the executor's notice agent: how this rank introduces itself as a reader
     closing: bool = False
+    process_watch: object = None  # a ProcessWatch of the engine's process (engines/lifeline.py), if it passed one
     served: WorkerServed | None = None  # a data-plane worker serves this rank to peers (dataplane_workers)
     worker_reads_in_flight: int = 0  # its reader worker's, when it serves the engine's session (as it says)
 

@@ -30,6 +30,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.dataplane.thread import DataPlane
 from kvxferd.service.base.metrics import Metrics
+from kvxferd.service.base.transports import TransportPaths
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.peers.proof import check_signed_proof
 from kvxferd.service.peers.tls import TlsFiles
@@ -97,6 +98,7 @@ class Peers:
         self.tls = tls
         self.insecure = insecure  # without TLS, dial peers beyond loopback too (--insecure, development only)
         self.metrics = metrics
+        self.transports = TransportPaths()  # the daemon's own, once it reads UCX's reports (base/transports.py)
         self.timeout_s = timeout_s
         # Own subchannels per channel: gRPC otherwise shares one per address
         # process-wide, so a "fresh" channel would inherit a dead peer's backoff.
@@ -276,12 +278,16 @@ class Peers:
             link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
             link.addresses = addresses  # the remote connected to: a failed probe leaves the link stale
             probe_s = await self._probe(slot, link.remote, addresses)
+            # The probe was the link's first READ: UCX has chosen (and reported) its path by now.
+            self.transports.refresh(f"handshake of {slot.engine_id} with {link.remote_engine_id}")
             link.incarnations, link.stale = incarnations, slot.notices_metadata is not introduced
             link.failed_rehandshakes, link.retry_s = 0, 0.0
             self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)
             log.info("handshake done", extra={"engine_id": slot.engine_id, "remote_engine_id": link.remote_engine_id,
                                               "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4),
                                               "probe_s": round(probe_s, 4),
+                                              "read_paths": "same-host copy" if len(link.remote.host_ranks) == len(infos)
+                                              else self.transports.describe(),
                                               "same_host_ranks": sorted(link.remote.host_ranks),
                                               "same_host_errors": {str(q): e for q, e in link.remote.host_errors.items()
                                                                    if same_host},

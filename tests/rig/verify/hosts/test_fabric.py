@@ -125,6 +125,9 @@ def test_demo_across_two_hosts_is_byte_exact_over_the_link():
     summary = json.loads(out)
     assert summary["ok"] and summary["mismatched_bytes"] == 0 and summary["consumed"] == summary["holds"] > 0
     assert summary["same_host_copies"] == 0
+    # The transport self-check names the path UCX took across the link: the rig gives UCX its TCP lane
+    # alone (rig/daemons.py), which cannot READ, so UCX emulates READs with messages (issue #58's gap).
+    assert summary["read_paths"] == ["host<-host: emulated"], summary["read_paths"]
     decode = summary["hosts"]["h1"]
     assert decode["role"] == "decode" and decode["rx_bytes"] >= summary["bytes"]
     assert all(h["policy_refused_packets"] == 0 for h in summary["hosts"].values())

@@ -1,0 +1,179 @@
+"""GPU memory a NIC and UCX can serve from another process: RDMA-capable, shareable CUDA VMM allocations.
+
+The memory model (docs/gpu.md): the engine allocates its KV cache with
+``cuMemCreate`` asking for ``gpuDirectRDMACapable`` (where the device reports
+``CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED``) and a
+shareable handle (a POSIX fd; FABRIC too where the device can, for NVLink
+domains across hosts). It passes the fd to its daemon over the fd socket; the
+daemon imports, maps, and registers the mapping with NIXL (registration
+follows the final mapping). The allocation is reference-counted by the
+driver: the engine's cache outlives a daemon that dies, and is passed again
+to the next one.
+
+:class:`ShareableAllocator` is the engine's side (the vLLM connector's KV
+cache pool, :mod:`kvxferd.integrations.vllm.vmmpool`);
+:func:`allocation_capabilities` is the daemon's check of what it imported.
+Both take the driver library as an argument, so the played driver of
+``tests/cuda`` stands in for it without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+from kvxferd.cuda.driver import CU_ACCESS_READWRITE, CU_LOCATION_DEVICE, AccessDesc, Location, check_drv, cuda
+from kvxferd.errors import UnavailableError
+
+log = logging.getLogger(__name__)
+
+CU_ALLOCATION_TYPE_PINNED = 1
+HANDLE_POSIX_FD, HANDLE_FABRIC = 1, 8  # CUmemAllocationHandleType bits
+GRANULARITY_RECOMMENDED = 1
+# CUdevice_attribute numbers
+ATTR_VMM = 102
+ATTR_POSIX_FD = 103
+ATTR_RDMA_WITH_VMM = 110
+ATTR_DMA_BUF = 124
+ATTR_FABRIC = 128
+
+
+class AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class AllocationProp(ctypes.Structure):
+    """``CUmemAllocationProp`` (v1)."""
+
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", AllocFlags)]
+
+
+@dataclass(frozen=True)
+class DeviceSupport:
+    """What a GPU offers for memory another process (or a NIC) is to use."""
+
+    vmm: bool
+    posix_fd: bool
+    rdma_with_vmm: bool  # gpuDirectRDMACapable may be asked of cuMemCreate
+    dma_buf: bool  # cuMemGetHandleForAddressRange(DMA_BUF_FD): registration without nvidia-peermem
+    fabric: bool  # FABRIC handles (multi-node NVLink, IMEX)
+
+
+def device_support(device_id: int, lib=None, field: str = "device_id") -> DeviceSupport:
+    """Ask the driver what device ``device_id`` supports."""
+    lib = lib or cuda(field)
+    check_drv(lib.cuInit(0), "cuInit", field)
+    device = ctypes.c_int()
+    check_drv(lib.cuDeviceGet(ctypes.byref(device), device_id), "cuDeviceGet", field)
+
+    def attribute(number: int) -> bool:
+        value = ctypes.c_int()
+        return lib.cuDeviceGetAttribute(ctypes.byref(value), number, device) == 0 and value.value != 0
+
+    return DeviceSupport(attribute(ATTR_VMM), attribute(ATTR_POSIX_FD), attribute(ATTR_RDMA_WITH_VMM),
+                         attribute(ATTR_DMA_BUF), attribute(ATTR_FABRIC))
+
+
+@dataclass(frozen=True)
+class MemoryCapabilities:
+    """What an allocation was made able to do (read back from its handle)."""
+
+    rdma_capable: bool
+    handle_types: int  # HANDLE_* bits
+
+    @property
+    def kind(self) -> str:
+        """A bounded label: ``rdma_capable``, or ``not_rdma_capable`` (a NIC cannot register it)."""
+        return "rdma_capable" if self.rdma_capable else "not_rdma_capable"
+
+
+LEGACY_IPC = "legacy_ipc"  # cudaMalloc memory opened from an IPC handle: neither a NIC nor UCX's cuda_ipc can serve it
+MEMORY_KINDS = ("rdma_capable", "not_rdma_capable", LEGACY_IPC)
+
+
+def allocation_capabilities(handle: int, lib, field: str) -> MemoryCapabilities:
+    """``cuMemGetAllocationPropertiesFromHandle``: whether the allocation is RDMA-capable, and its handle types."""
+    prop = AllocationProp()
+    check_drv(lib.cuMemGetAllocationPropertiesFromHandle(ctypes.byref(prop), ctypes.c_ulonglong(handle)),
+              "cuMemGetAllocationPropertiesFromHandle", field)
+    return MemoryCapabilities(bool(prop.allocFlags.gpuDirectRDMACapable), prop.requestedHandleTypes)
+
+
+def allocation_prop(device_id: int, support: DeviceSupport) -> AllocationProp:
+    """What the engine asks of ``cuMemCreate``: pinned device memory, exportable as a POSIX fd (and FABRIC where
+    the device can), RDMA-capable where the device can."""
+    prop = AllocationProp()
+    prop.type = CU_ALLOCATION_TYPE_PINNED
+    prop.location = Location(CU_LOCATION_DEVICE, device_id)
+    prop.requestedHandleTypes = HANDLE_POSIX_FD | (HANDLE_FABRIC if support.fabric else 0)
+    prop.allocFlags.gpuDirectRDMACapable = 1 if support.rdma_with_vmm else 0
+    return prop
+
+
+class ShareableAllocator:
+    """Allocates RDMA-capable, fd-shareable device memory (``cuMemCreate`` + reserve + map + access).
+
+    ``require_rdma``: refuse (UnavailableError: FAILED_PRECONDITION) on a device that cannot make
+    RDMA-capable VMM memory, instead of allocating memory a NIC cannot read
+    (the warning otherwise says so, once).
+    """
+
+    def __init__(self, device_id: int, lib=None, *, require_rdma: bool = False) -> None:
+        self.device_id = device_id
+        self.lib = lib or cuda("device_id")
+        self.support = device_support(device_id, self.lib)
+        if not (self.support.vmm and self.support.posix_fd):
+            raise UnavailableError("device_id", f"GPU {device_id} cannot make shareable VMM memory "
+                                                       "(no virtual memory management or POSIX fd handles)")
+        if not self.support.rdma_with_vmm:
+            message = (f"GPU {device_id} cannot make RDMA-capable VMM memory: a NIC cannot read this KV cache, "
+                       "reads from other hosts would be emulated over TCP")
+            if require_rdma:
+                raise UnavailableError("device_id", message)
+            log.warning(message)
+        self.prop = allocation_prop(device_id, self.support)
+        granularity = ctypes.c_size_t()
+        check_drv(self.lib.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(self.prop),
+                                                         GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity",
+                  "device_id")
+        self.granularity = granularity.value
+        self.allocations: dict[int, tuple[int, int]] = {}  # address -> (handle, size)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(size for _handle, size in self.allocations.values())
+
+    def allocate(self, num_bytes: int) -> int:
+        """A mapped, read-write device address of at least ``num_bytes`` (whole granules)."""
+        lib, size = self.lib, -(-max(num_bytes, 1) // self.granularity) * self.granularity
+        handle, base = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        check_drv(lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self.prop),
+                                  ctypes.c_ulonglong(0)), "cuMemCreate", "num_bytes")
+        undo = [lambda: lib.cuMemRelease(handle)]
+        try:
+            check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                              ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve",
+                      "num_bytes")
+            undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(size)))
+            check_drv(lib.cuMemMap(base, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)),
+                      "cuMemMap", "num_bytes")
+            undo.append(lambda: lib.cuMemUnmap(base, ctypes.c_size_t(size)))
+            access = AccessDesc(Location(CU_LOCATION_DEVICE, self.device_id), CU_ACCESS_READWRITE)
+            check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
+                      "cuMemSetAccess", "num_bytes")
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
+        self.allocations[base.value] = (handle.value, size)
+        return base.value
+
+    def free(self, address: int) -> None:
+        """Unmap and release an allocation of this allocator (the memory lives on while a daemon maps it)."""
+        handle, size = self.allocations.pop(address)
+        self.lib.cuMemUnmap(ctypes.c_ulonglong(address), ctypes.c_size_t(size))
+        self.lib.cuMemAddressFree(ctypes.c_ulonglong(address), ctypes.c_size_t(size))
+        self.lib.cuMemRelease(ctypes.c_ulonglong(handle))
