@@ -30,6 +30,8 @@ def send_fds(path: str, token: str, fds: list[int], timeout_s: float = 5.0, *, d
             raise ConnectionError(f"daemon at {path} did not accept the fds: {reason}")
 
 
+MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD: the most one sendmsg carries
+
 _own_pidfd: tuple[int, int] | None = None  # (pid, its pidfd): made once per process, never after a fork's
 
 

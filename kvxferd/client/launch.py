@@ -157,14 +157,19 @@ class DaemonProcess:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
+    def labelled(self, name: str, *labels: str) -> dict[str, float]:
+        """A labelled metric's non-zero series: ``{"<label value>[: <label value>...]": value}``."""
+        found = {}
+        for line in self.metrics_text().splitlines():
+            if line.startswith(name + "{") and not line.endswith(" 0.0"):
+                pairs = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+                key = ": ".join(pairs[label].strip('"') for label in labels)
+                found[key] = float(line.rsplit(" ", 1)[1])
+        return found
+
     def transport_paths(self) -> dict[str, int]:
         """``{"<memory>: <path>": UCX endpoint configurations}`` this daemon's READs took (kvxferd_transport_paths)."""
-        paths = {}
-        for line in self.metrics_text().splitlines():
-            if line.startswith("kvxferd_transport_paths{") and not line.endswith(" 0.0"):
-                labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
-                paths[f"{labels['memory'].strip(chr(34))}: {labels['path'].strip(chr(34))}"] = int(float(line.rsplit(" ", 1)[1]))
-        return paths
+        return {key: int(value) for key, value in self.labelled("kvxferd_transport_paths", "memory", "path").items()}
 
     def metrics_text(self) -> str:
         """This daemon's metrics page, as Prometheus scrapes it."""

@@ -136,11 +136,28 @@ class ShareableAllocator:
             log.warning(message)
         self.prop = allocation_prop(device_id, self.support)
         granularity = ctypes.c_size_t()
+        if self.prop.requestedHandleTypes & HANDLE_FABRIC and not self._fabric_permitted():
+            self.prop.requestedHandleTypes &= ~HANDLE_FABRIC
         check_drv(self.lib.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(self.prop),
                                                          GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity",
                   "device_id")
         self.granularity = granularity.value
         self.allocations: dict[int, tuple[int, int]] = {}  # address -> (handle, size)
+
+    def _fabric_permitted(self) -> bool:
+        """Whether this process may create FABRIC-exportable memory: the device attribute says the device can,
+        but without an IMEX channel cuMemCreate refuses it (NOT_PERMITTED); then POSIX fds alone."""
+        granularity, handle = ctypes.c_size_t(), ctypes.c_ulonglong()
+        if self.lib.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(self.prop),
+                                                  GRANULARITY_RECOMMENDED) != 0:
+            return False
+        code = self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(granularity.value), ctypes.byref(self.prop),
+                                    ctypes.c_ulonglong(0))
+        if code != 0:
+            log.info("FABRIC handles refused here (CUresult %d, no IMEX channel?): POSIX fds only", code)
+            return False
+        self.lib.cuMemRelease(handle)
+        return True
 
     @property
     def allocated_bytes(self) -> int:

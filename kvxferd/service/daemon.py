@@ -53,7 +53,7 @@ from kvxferd.service.engines.fdpass import FdInbox
 from kvxferd.wire.names import fd_socket_path
 from kvxferd.service.net.listeners import StartupError, bind, bracket_host, claim_unix_socket, engine_tls, read_token
 from kvxferd.service.base.localsock import claim_runtime_dir, group_id, restrict_socket, socket_umask
-from kvxferd.service.base.transports import TransportPaths
+from kvxferd.service.base.transports import TransportPaths, rdma_refusal
 from kvxferd.service.base.metrics import Metrics
 from kvxferd.service.peers.links import Peers, RemoteLink
 from kvxferd.service.engines.read import Read
@@ -514,7 +514,7 @@ async def serve(config: DaemonConfig) -> int:
     # The event loop and the data-plane thread hand work to each other all the
     # time; the default 5 ms GIL switch interval would add up to that to a hand-off.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    reason = refusal(config)
+    reason = refusal(config) or rdma_refusal(config.require_rdma_capable_vram)
     if reason is not None:
         log.error("refusing to start", extra={"error": reason})
         print(f"kvxferd: refusing to start: {reason}", flush=True)
@@ -523,6 +523,7 @@ async def serve(config: DaemonConfig) -> int:
     if exposed:
         log.warning("INSECURE: listeners reachable from other hosts without authentication (--insecure)",
                     extra={"listeners": ",".join(exposed)})
+    daemon = None
     try:
         # Before the first NIXL agent: UCX reads its configuration when an agent is created.
         os.environ.update(ucx_environment(config))  # UCX_NET_DEVICES[, UCX_TCP_PORT_RANGE]
@@ -533,6 +534,8 @@ async def serve(config: DaemonConfig) -> int:
     except (InvalidArgumentError, StartupError) as err:
         log.error("start-up failed", extra={"error": str(err)})
         print(f"kvxferd: start-up failed: {err}", flush=True)
+        if daemon is not None:
+            daemon.transports.close()
         return EXIT_STARTUP
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

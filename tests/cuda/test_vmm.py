@@ -16,7 +16,7 @@ import pytest
 
 from kvxferd.client.gpu import export_vmm
 from kvxferd.cuda.vmm import (ATTR_FABRIC, ATTR_RDMA_WITH_VMM, HANDLE_FABRIC, HANDLE_POSIX_FD, LEGACY_IPC,
-                              ShareableAllocator, device_support)
+                              AllocationProp, AllocFlags, ShareableAllocator, device_support)
 from kvxferd.errors import UnavailableError
 from kvxferd.plan.groups import RegionMemory
 from kvxferd.service.engines.gpu import GpuMapping, check_servable, import_vmm
@@ -43,6 +43,20 @@ def test_rdma_capable_shareable_allocation_flags():
     assert prop.location.id == 0 and allocator.allocated_bytes == 2 * GRANULE  # whole granules
     allocator.free(address)
     assert not driver.mapped and allocator.allocated_bytes == 0
+    # The device can, this process may not (no IMEX channel): FABRIC is dropped, POSIX fds stay.
+    driver = PlayedVmmDriver(fabric_permitted=False, **{f"a{ATTR_FABRIC}": 1})
+    allocator = ShareableAllocator(0, driver)
+    allocator.allocate(GRANULE)
+    assert driver.created[-1].requestedHandleTypes == HANDLE_POSIX_FD
+
+
+def test_rdma_capable_allocation_prop_has_the_drivers_layout():
+    """CUmemAllocationProp as cuda.h lays it out on 64-bit Linux (the played driver shares the struct, so
+    only this pins it): 32 bytes, location at 8, win32HandleMetaData at 16, allocFlags at 24."""
+    assert ctypes.sizeof(AllocationProp) == 32
+    assert (AllocationProp.location.offset, AllocationProp.win32HandleMetaData.offset,
+            AllocationProp.allocFlags.offset) == (8, 16, 24)
+    assert AllocFlags.gpuDirectRDMACapable.offset == 1 and ctypes.sizeof(AllocFlags) == 8
 
 
 def test_rdma_capable_vram_shared_by_fd_is_the_engines_bytes():

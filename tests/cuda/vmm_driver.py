@@ -13,7 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 
-from kvxferd.cuda.vmm import ATTR_DMA_BUF, ATTR_FABRIC, ATTR_POSIX_FD, ATTR_RDMA_WITH_VMM, ATTR_VMM, AllocationProp
+from kvxferd.cuda.vmm import (ATTR_DMA_BUF, ATTR_FABRIC, ATTR_POSIX_FD, ATTR_RDMA_WITH_VMM, ATTR_VMM, HANDLE_FABRIC,
+                              AllocationProp)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -22,7 +23,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PROT_NONE, PROT_RW = 0, 3
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 1, 2, 0x10, 0x20
 GRANULE = 2 << 20
-CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED = 1, 801
+CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED = 1, 800, 801
 
 
 def _out(pointer):
@@ -32,7 +33,8 @@ def _out(pointer):
 class PlayedVmmDriver:
     """``attributes``: the device's answers (default: a data-center GPU with everything)."""
 
-    def __init__(self, **attributes: int) -> None:
+    def __init__(self, fabric_permitted: bool = True, **attributes: int) -> None:
+        self.fabric_permitted = fabric_permitted  # False: no IMEX channel (cuMemCreate refuses FABRIC)
         self.attributes = {ATTR_VMM: 1, ATTR_POSIX_FD: 1, ATTR_RDMA_WITH_VMM: 1, ATTR_DMA_BUF: 1, ATTR_FABRIC: 0}
         self.attributes.update({int(k.removeprefix("a")): v for k, v in attributes.items()})
         self.created: list[AllocationProp] = []  # what each cuMemCreate was asked
@@ -67,6 +69,8 @@ class PlayedVmmDriver:
         prop = AllocationProp.from_buffer_copy(_out(prop))
         if prop.allocFlags.gpuDirectRDMACapable and not self.attributes[ATTR_RDMA_WITH_VMM]:
             return CUDA_ERROR_INVALID_VALUE  # as the driver refuses the flag on a device without it
+        if prop.requestedHandleTypes & HANDLE_FABRIC and not self.fabric_permitted:
+            return CUDA_ERROR_NOT_PERMITTED
         self.created.append(prop)
         memfd = os.memfd_create("played-vram")
         os.ftruncate(memfd, size.value)

@@ -39,7 +39,7 @@ from kvxferd.integrations.vllm.settings import ConnectorSettings
 from kvxferd.integrations.vllm.stats import TransferStats
 from kvxferd.integrations.vllm.trace import Trace
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
-from kvxferd.client.fdsend import own_process_fd, send_fds
+from kvxferd.client.fdsend import MAX_FDS_PER_MESSAGE, own_process_fd, send_fds
 from kvxferd.wire.names import fd_socket_path
 
 log = logging.getLogger("kvxferd.vllm")
@@ -84,8 +84,16 @@ class WorkerSide:
             raise RuntimeError(f"kvxferd: no daemon listens on {self.socket} (start `kvxferd serve --engine-socket "
                                f"{self.socket}` next to this engine, or set kv_connector_extra_config.engine_socket)")
         engine, fds = describe_engine(self.engine_id, self.tp_rank, self.tp_size, groups, tensors)
-        # Last, this process's pidfd: the daemon lets go of the cache the moment this process exits.
-        fds = [*fds, own_process_fd()]
+        # Last, this process's pidfd: the daemon lets go of the cache the moment this process exits. Where
+        # there is none (a kernel before 5.3, a seccomp profile refusing pidfd_open) or no room for it in one
+        # message, the registration's lease alone ends it, as before.
+        process_fd_index = None
+        if len(fds) < MAX_FDS_PER_MESSAGE:
+            try:
+                fds, process_fd_index = [*fds, own_process_fd()], len(fds)
+            except OSError as err:
+                log.warning("kvxferd: no pidfd of this process (%s): the daemon lets go of the cache only when "
+                            "its lease runs out", err)
         self.num_groups = len(groups)
 
         def pass_fds() -> str:
@@ -94,7 +102,7 @@ class WorkerSide:
                      daemon_uid=self.settings.daemon_uid)
             return token
 
-        token = pass_fds()
+        token = pass_fds() if fds else ""
         self.client = EngineClient(f"unix:{self.socket}", timeout_s=self.settings.timeout_s,
                                    daemon_uid=self.settings.daemon_uid)
         lease_s = max(3 * self.settings.heartbeat_s, 10.0)
@@ -104,7 +112,8 @@ class WorkerSide:
             try:
                 # After a daemon restart the heartbeat registers again, passing host memory's fds anew.
                 reply = self.client.register(engine, lease_s=lease_s, heartbeat_s=self.settings.heartbeat_s,
-                                             fd_token=token, fd_source=pass_fds, process_fd_index=len(fds) - 1)
+                                             fd_token=token, fd_source=pass_fds if fds else None,
+                                             process_fd_index=process_fd_index)
                 break
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up_s:

@@ -281,6 +281,10 @@ def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, n
             small_raw_s, small_daemon_s, small_same_s, small_bytes, small_descriptors = _alternate(
                 pair, _requests("small", small, num_small + 1))
             nixl_copies, same_copies = pair.same_host_copies()
+            # The transport self-check's word (issue #56): UCX's paths for the NIXL daemon's READs, and
+            # what the prefill daemon says a NIC can make of the engine's VRAM.
+            transport = {"read_paths": pair.daemons[2].transport_paths(),
+                         "vram_regions": pair.daemons[0].labelled("kvxferd_vram_regions", "kind")}
             own_s = _own_memory_s(pair.decode, groups, checked, rounds)
             device_s = _device_copy_s(num_bytes, rounds)
             small_device_s = _device_copy_s(small_bytes, rounds)
@@ -310,7 +314,8 @@ def _measure(num_layers: int, num_blocks: int, rounds: int, small_blocks: int, n
                             "same_host_added_p50_us": same_small["p50_us"] - small_device_s * 1e6,
                             "same_host_split_p50_us": small_split},
             # rank reads each decode daemon copied itself: 0 over NIXL; every read on the same-host daemon
-            "same_host_copies": {"nixl_daemon": nixl_copies, "same_host_daemon": same_copies}}
+            "same_host_copies": {"nixl_daemon": nixl_copies, "same_host_daemon": same_copies},
+            "transport": transport}
 
 
 # Through the daemons at under a tenth of what UCX gives an owner of its memory: not the per-request
@@ -364,6 +369,12 @@ def format_table(f: dict) -> str:
             lines.append(f"    where its time went (p50): post {t['post']:.0f} us (plan {t['plan']:.0f}), copies "
                          f"{t['transfer']:.0f}, board checks and notices {t['check']:.0f}, the engine's leg "
                          f"{t['outside']:.0f}")
+    if "transport" in f:
+        t = f["transport"]
+        paths = ", ".join(f"{path} ({n} endpoint configurations)" for path, n in t["read_paths"].items())
+        kinds = ", ".join(f"{kind} {n:.0f}" for kind, n in t["vram_regions"].items() if n)
+        lines.append(f"transport self-check: the NIXL daemon's READs took {paths or 'no path UCX reported'}; "
+                     f"prefill VRAM regions: {kinds or 'none'}")
     if "same_host_copies" in f:
         c = f["same_host_copies"]
         lines.append(f"rank reads copied same-host: {c['same_host_daemon']:.0f} by the same-host daemon, "

@@ -28,9 +28,12 @@ import shutil
 import tempfile
 from collections import Counter
 
-from kvxferd.xfer.nixl.ucxpaths import FAST_PATHS, ReadPath, UcxLog, flush_c_streams, log_environment
+from kvxferd.xfer.nixl.ucxpaths import (FAST_PATHS, MEMORY_PAIRS, PATHS, ReadPath, UcxLog, flush_c_streams,
+                                        log_environment)
 
 log = logging.getLogger(__name__)
+MAX_RELAYED_LINES = 20  # UCX warnings and errors copied to the daemon's log per refresh
+DIRECTORY_PREFIX = "kvxferd-ucx-"
 
 
 class TransportPaths:
@@ -48,7 +51,8 @@ class TransportPaths:
             log.warning("transport self-check off: UCX_PROTO_INFO=n is set; the daemon cannot tell which path "
                         "UCX takes")
             return {}
-        self.directory = tempfile.mkdtemp(prefix="kvxferd-ucx-")  # 0700: UCX's log of this daemon alone
+        remove_stale_directories()
+        self.directory = tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-")  # 0700: this daemon's alone
         wanted = log_environment(self.directory, environ)
         self.ucx_log = UcxLog(environ.get("UCX_LOG_FILE") or wanted["UCX_LOG_FILE"])
         self.enabled = True
@@ -60,21 +64,29 @@ class TransportPaths:
             return []
         flush_c_streams()
         new, messages = self.ucx_log.read()
-        for pid, level, text in messages:
+        self.ucx_log.forget_exited()  # after: what a replaced worker chose before it went is still said once
+        for pid, level, text in messages[:MAX_RELAYED_LINES]:
             log.log(logging.ERROR if level == "ERROR" else logging.WARNING, "UCX: %s", text, extra={"pid": pid})
+        if len(messages) > MAX_RELAYED_LINES:  # a flood (a peer can provoke UCX's warnings) is counted, not copied
+            log.warning("UCX: %d more warnings and errors not relayed (see %s)", len(messages) - MAX_RELAYED_LINES,
+                        self.directory)
         for pid, selection in new:
             slow = selection.path not in FAST_PATHS
             log.log(logging.WARNING if slow else logging.INFO, "transport path: READ %s takes %s%s",
                     selection.memory, selection.path, " (slow: UCX found no direct lane)" if slow else "",
                     extra={"pid": pid, "ucx": selection.describe(), "locality": selection.locality,
                            **({"after": context} if context else {})})
-        if new and self.gauge is not None:
+        if self.gauge is not None:
             self._count()
         return [selection for _pid, selection in new]
 
     def _count(self) -> None:
+        """Every series set anew: a selection that changed path, or whose process exited, leaves none behind."""
         counts = Counter((s.memory, s.path) for s in self.ucx_log.selections.values() if s.locality != "self")
-        for (memory, path), count in counts.items():
+        for memory in MEMORY_PAIRS:
+            for path in PATHS:
+                self.gauge.labels(memory, path).set(counts.pop((memory, path), 0))
+        for (memory, path), count in counts.items():  # a memory type outside the pairs above
             self.gauge.labels(memory, path).set(count)
 
     def paths(self, memory: str = "host<-host", locality: str | None = None) -> list[str]:
@@ -84,15 +96,63 @@ class TransportPaths:
         return sorted({s.path for s in self.ucx_log.selections.values()
                        if s.memory == memory and s.locality != "self" and locality in (None, s.locality)})
 
-    def describe(self) -> str:
-        """Every READ path so far, one per memory pair and locality: for a person (``kvxferd bench``)."""
+    def describe(self, agent: str | None = None) -> str:
+        """Every READ path so far, one per memory pair and locality (of ``agent``'s UCX workers only: UCX
+        names a worker by its agent, cut at 31 bytes, or a worker's agent by the slot's name and more)."""
         if not self.enabled:
             return "unknown (transport self-check off)"
         seen = sorted({(s.memory, s.locality, s.path) for s in self.ucx_log.selections.values()
-                       if s.locality != "self"})
+                       if s.locality != "self" and (agent is None or s.worker == agent[:len(s.worker)]
+                                                    or s.worker.startswith(agent))})
         return ", ".join(f"{memory} {locality}: {path}" for memory, locality, path in seen) or "no READ yet"
 
     def close(self) -> None:
         if self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = ""
+
+
+def remove_stale_directories(parent: str | None = None) -> None:
+    """Remove the UCX log directories of daemons of this user that died without removing theirs (SIGKILL);
+    a UCX crash report in one is copied to this log first (the lines of a fatal signal are ERRORs)."""
+    parent = parent or tempfile.gettempdir()
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(DIRECTORY_PREFIX):].split("-", 1)[0]
+        path = os.path.join(parent, entry)
+        if not (entry.startswith(DIRECTORY_PREFIX) and pid.isdigit()) or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            _messages = UcxLog(os.path.join(path, "ucx.%p.log")).read()[1]
+        except OSError:
+            continue
+        for file_pid, level, text in [m for m in _messages if m[1] == "ERROR"][:MAX_RELAYED_LINES]:
+            log.warning("UCX of a daemon that died (pid %d): %s", file_pid, text)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def host_rdma(sysfs: str = "/sys") -> tuple[list[str], bool]:
+    """This host's RDMA devices (``/sys/class/infiniband``) and whether nvidia-peermem is loaded (a NIC can then
+    register GPU memory by its address; without it only DMA-BUF can: docs/gpu.md)."""
+    try:
+        devices = sorted(os.listdir(os.path.join(sysfs, "class", "infiniband")))
+    except OSError:
+        devices = []
+    return devices, os.path.isdir(os.path.join(sysfs, "module", "nvidia_peermem"))
+
+
+def rdma_refusal(require_rdma_vram: bool, sysfs: str = "/sys") -> str | None:
+    """Start-up: with ``require_rdma_capable_vram``, a host without an RDMA device is a reason not to start
+    (its VRAM would be read from other hosts by emulation over TCP); else None. Says what it found either way."""
+    devices, peermem = host_rdma(sysfs)
+    log.info("GPU transport: RDMA devices %s, nvidia-peermem %s", devices or "none",
+             "loaded" if peermem else "not loaded (a NIC registers GPU memory only by DMA-BUF)")
+    if require_rdma_vram and not devices:
+        return ("require_rdma_capable_vram is set but this host has no RDMA device (/sys/class/infiniband is empty): "
+                "GPU caches would be read from other hosts by UCX's emulation over TCP (docs/gpu.md)")
+    return None

@@ -253,15 +253,20 @@ class Registry:
             raise
         self.slots[cache.engine_id] = slot
         if process_fd is not None:  # from now on the engine's exit takes the registration down (lifeline.py)
-            slot.process_watch = ProcessWatch(process_fd, asyncio.get_running_loop(),
-                                              lambda: self._process_exited(slot))
+            try:
+                slot.process_watch = ProcessWatch(process_fd, asyncio.get_running_loop(),
+                                                  lambda: self._process_exited(slot))
+            except (OSError, ValueError, KvxferError) as err:  # its lease still ends it: registered all the same
+                os.close(process_fd)
+                log.warning("cannot watch the engine's process; its lease alone ends the registration",
+                            extra={"engine_id": cache.engine_id, "error": str(err)})
         log.info("engine registered", extra={"engine_id": cache.engine_id, "tp": f"{cache.tp_rank}/{cache.tp_size}",
                                              "incarnation": incarnation, "agent": slot.agent.name})
         return slot
 
     def _open_memory(self, engine: pb.EngineRank, groups, fds, mapped: list, openers: ShmOpeners) -> list[list]:
         """Map every region (in a worker thread: populating a large host cache takes a while)."""
-        memory = []
+        memory, warning = [], ""
         kept = None
         if self.keep_passed_fds:  # copies of passed shm fds, for same-host readers; closed with the mappings
             kept = KeptFds()
@@ -278,11 +283,12 @@ class Registry:
                                       keep_fd=self.workers is not None)
                 mapped.append(mapping)
                 if isinstance(mapping, GpuMapping):  # what a NIC can make of it: said now, not at a slow read
-                    warning = check_servable(mapping, self.require_rdma_vram, field)
-                    if warning:
-                        log.warning(warning, extra={"engine_id": engine.engine_id, "region": field})
+                    warning = check_servable(mapping, self.require_rdma_vram, field) or warning
                 regions.append(mapping.memory)
             memory.append(regions)
+        if warning:  # once per registration, with how many regions it is about
+            kinds = [m.kind for m in mapped if isinstance(m, GpuMapping) and m.kind != "rdma_capable"]
+            log.warning(warning, extra={"engine_id": engine.engine_id, "regions": len(kinds), "kinds": sorted(set(kinds))})
         if self.populate_host_memory:
             start = time.perf_counter()
             try:

@@ -287,7 +287,7 @@ class Peers:
                                               "remote_tp": len(infos), "duration_s": round(time.perf_counter() - start, 4),
                                               "probe_s": round(probe_s, 4),
                                               "read_paths": "same-host copy" if len(link.remote.host_ranks) == len(infos)
-                                              else self.transports.describe(),
+                                              else self.transports.describe(slot.agent.name),
                                               "same_host_ranks": sorted(link.remote.host_ranks),
                                               "same_host_errors": {str(q): e for q, e in link.remote.host_errors.items()
                                                                    if same_host},

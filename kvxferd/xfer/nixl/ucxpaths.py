@@ -42,9 +42,12 @@ _FAMILIES = {"cma": "cma", "sysv": "shared_memory", "posix": "shared_memory", "x
              "srd": "rdma", "rc": "rdma", "dc": "rdma", "ud": "rdma"}
 
 _PREFIX = re.compile(r"^\[[^\]]*\] \[[^\]]*\]\s*")
-_HEADER = re.compile(r"^\|\s*(\S+) (intra-node|inter-node|self) cfg#(\d+)\s*\|$")
-_READ = re.compile(r"^\|\s*remote memory read by ucp_get\*(?:\([^)]*\))? into (\w+) memory from (\w+)\s*\|$")
-_ROW = re.compile(r"^\|\s*(\d+\.\.(?:\d+|inf)|\d+)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|$")
+_HEADER = re.compile(r"^\|\s*(.+?) (intra-node|inter-node|self) cfg#(\d+)\s*\|$")
+# "into host memory from host" for host memory; a device's memory is named with its device, without
+# "memory" ("into cuda/GPU0 from cuda/GPU1"), and a datatype may come first ("into iov[3] cuda/GPU0").
+_READ = re.compile(r"^\|\s*remote memory read by ucp_get\*(?:\([^)]*\))? into (.+?) from (.+?)\s*\|$")
+_SIZE = r"\d+[KMGTPE]?"  # UCX prints sizes divisible by 1024 with a unit: 16K..inf
+_ROW = re.compile(rf"^\|\s*({_SIZE}(?:\.\.(?:{_SIZE}|inf))?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|$")
 _LANE = re.compile(r"([a-z][a-z0-9_]*)/([\w:.\-]+)")
 _LEVEL = re.compile(r"\bUCX\s+(ERROR|WARN|DIAG)\b")
 
@@ -99,6 +102,12 @@ def memory_pair(local: str, remote: str) -> str:
     return f"{local}<-{remote}"
 
 
+def _memory_type(words: str) -> str:
+    """``host memory`` -> host, ``cuda/GPU0`` -> cuda, ``iov[3] cuda/GPU0`` -> cuda."""
+    kept = [word for word in words.split() if word != "memory"]
+    return kept[-1].split("/")[0] if kept else "unknown"
+
+
 def parse(text: str) -> tuple[list[ReadPath], list[tuple[str, str]]]:
     """The READ selections in a stretch of UCX's log, and its other lines at WARN or above (level, text).
 
@@ -112,11 +121,17 @@ def parse(text: str) -> tuple[list[ReadPath], list[tuple[str, str]]]:
     for raw in text.splitlines():
         line = _PREFIX.sub("", raw).strip()
         if not line.startswith(("|", "+")):
-            level = _LEVEL.search(raw)
-            if level and level.group(1) != "DIAG":
-                messages.append((level.group(1), line))
+            level = _LEVEL.search(line)
+            if level and level.group(1) != "DIAG":  # "file.c:123 UCX  WARN  what" -> "what (file.c:123)"
+                where = line[:level.start()].strip()
+                messages.append((level.group(1), line[level.end():].strip() + (f" ({where})" if where else "")))
             continue
         if line.startswith("+"):
+            if current is not None and current[2]:  # the rule after a READ table's rows closes it
+                found.append(ReadPath(*current[0], current[1], tuple(current[2])))
+                current, header = None, None
+            elif current is None:
+                header = None  # a title that did not parse must not lend the table after it this one's worker
             continue
         if match := _HEADER.match(line):
             if current is not None and current[2]:
@@ -125,7 +140,7 @@ def parse(text: str) -> tuple[list[ReadPath], list[tuple[str, str]]]:
             continue
         if match := _READ.match(line):
             if header is not None:
-                current = [header, memory_pair(match.group(1), match.group(2)), []]
+                current = [header, memory_pair(_memory_type(match.group(1)), _memory_type(match.group(2))), []]
             continue
         if current is not None and (match := _ROW.match(line)) and match.group(1) != "Range":
             current[2].append((match.group(1), match.group(2), match.group(3)))
@@ -176,6 +191,13 @@ class UcxLog:
                 found.append((int(pid), os.path.join(directory, entry)))
         return sorted(found)
 
+    def forget_exited(self, alive=lambda pid: os.path.exists(f"/proc/{pid}")) -> None:
+        """Drop the selections and files of processes that exited (replaced workers)."""
+        for key in [k for k in self.selections if not alive(k[0])]:
+            del self.selections[key]
+        for path in [p for p in self._offsets if not os.path.exists(p)]:
+            del self._offsets[path]
+
     def read(self) -> tuple[list[tuple[int, ReadPath]], list[tuple[int, str, str]]]:
         """New READ selections (pid, path) and new UCX warnings and errors (pid, level, text)."""
         new, messages = [], []
@@ -203,10 +225,11 @@ class UcxLog:
                 data = file.read(min(status.st_size - offset, self.MAX_READ_BYTES))
         except OSError:
             return ""
-        # Whole lines only, and not a table still being written: the rest is read next time.
-        text = data[:data.rfind(b"\n") + 1].decode("utf-8", "replace")
+        # Whole lines only, and not a table still being written: the rest is read next time. Decoded
+        # byte for byte (surrogateescape), so the offset counts the file's bytes whatever they are.
+        text = data[:data.rfind(b"\n") + 1].decode("utf-8", "surrogateescape")
         text = text[:_last_complete(text)]
-        self._offsets[path] = (inode, offset + len(text.encode("utf-8", "replace")))
+        self._offsets[path] = (inode, offset + len(text.encode("utf-8", "surrogateescape")))
         return text
 
 

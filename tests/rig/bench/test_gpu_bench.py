@@ -66,3 +66,15 @@ def test_the_same_host_split_says_where_a_read_went_and_the_table_prints_it():
                                   same_host_added_p50_us=1980.0, same_host_split_p50_us=split)
     table = format_table(figures)
     assert "post 300 us (plan 100), copies 210, board checks and notices 500, the engine's leg 1090" in table
+
+
+def test_the_table_says_which_transport_path_the_reads_took():
+    from kvxferd.rig.bench.gpu import format_table
+
+    figures = _figures(0.4, 1074.0)
+    figures["transport"] = {"read_paths": {"cuda<-cuda: emulated": 1}, "vram_regions": {"legacy_ipc": 2.0}}
+    table = format_table(figures)
+    assert "READs took cuda<-cuda: emulated (1 endpoint configurations)" in table
+    assert "prefill VRAM regions: legacy_ipc 2" in table
+    figures["transport"] = {"read_paths": {}, "vram_regions": {}}
+    assert "no path UCX reported; prefill VRAM regions: none" in format_table(figures)

@@ -68,3 +68,64 @@ def test_transport_path_same_host_and_check_off(workdir):
         assert decode.transport_paths() == {} and not lines(decode, "transport path:")
     finally:
         c.close()
+
+
+def test_transport_path_rdma_devices_decide_the_start_with_require_rdma(tmp_path, workdir):
+    from kvxferd.service.base.transports import host_rdma, rdma_refusal
+
+    assert host_rdma(str(tmp_path)) == ([], False) and rdma_refusal(False, str(tmp_path)) is None
+    assert "no RDMA device" in rdma_refusal(True, str(tmp_path))
+    (tmp_path / "class" / "infiniband" / "mlx5_0").mkdir(parents=True)
+    (tmp_path / "module" / "nvidia_peermem").mkdir(parents=True)
+    assert host_rdma(str(tmp_path)) == (["mlx5_0"], True) and rdma_refusal(True, str(tmp_path)) is None
+    if host_rdma()[0]:
+        return  # this machine has an RDMA device: the daemon would start
+    daemon = DaemonProcess("norm", socket_dir=str(workdir), extra_args=("--require-rdma-capable-vram",), wait=False)
+    assert daemon.process.wait(60) != 0
+    assert "require_rdma_capable_vram is set but this host has no RDMA device" in daemon.process.stdout.read()
+
+
+def test_transport_path_gauge_follows_what_ucx_says_now(tmp_path, caplog):
+    """The gauge is set anew each time: a changed path leaves no old series, a process that exited takes its
+    paths with it; a flood of UCX warnings is counted, not copied; a dead daemon's directory is removed."""
+    import logging
+    import os
+
+    from kvxferd.service.base.metrics import Metrics
+    from kvxferd.service.base.transports import MAX_RELAYED_LINES, TransportPaths, remove_stale_directories
+    from tests.xfer.nixl.test_ucxpaths import PREFIX, READ_HOST, table
+
+    metrics = Metrics()
+    paths = TransportPaths(metrics.transport_paths)
+    env = paths.environment({})
+    try:
+        def value(path):
+            return metrics.transport_paths.labels("host<-host", path)._value.get()
+
+        own = os.path.join(paths.directory, f"ucx.{os.getpid()}.log")
+        with open(own, "w") as file:
+            file.write(table("me", "intra-node", READ_HOST, [("0..inf", "zero-copy", "cma/memory")]))
+        with open(os.path.join(paths.directory, "ucx.999999999.log"), "w") as file:  # a process that exited
+            file.write(table("gone", "intra-node", READ_HOST, [("0..inf", "software emulation", "tcp/lo")]))
+        paths.refresh()
+        assert (value("cma"), value("emulated")) == (1, 0)  # the exited one's was read, then forgotten
+        os.rename(own, own + ".1")
+        with open(own, "w") as file:  # UCX rotated its file; the same endpoint chose again
+            file.write(table("me", "intra-node", READ_HOST, [("0..inf", "software emulation", "tcp/lo")]))
+            file.write("".join(f"{PREFIX.rstrip()} x.c:1 UCX  WARN  flood {n}\n" for n in range(30)))
+        with caplog.at_level(logging.INFO):
+            paths.refresh()
+        assert (value("cma"), value("emulated")) == (0, 1)
+        relayed = [r for r in caplog.records if r.getMessage().startswith("UCX: flood")]
+        assert len(relayed) == MAX_RELAYED_LINES and "10 more warnings and errors not relayed" in caplog.text
+        assert env["UCX_LOG_FILE"] == os.path.join(paths.directory, "ucx.%p.log")
+    finally:
+        paths.close()
+    stale = tmp_path / "kvxferd-ucx-999999999-abc"
+    stale.mkdir()
+    (stale / "ucx.999999999.log").write_text(f"{PREFIX.rstrip()} x.c:1 UCX  ERROR Caught signal 11\n")
+    live = tmp_path / f"kvxferd-ucx-{os.getpid()}-abc"
+    live.mkdir()
+    with caplog.at_level(logging.WARNING):
+        remove_stale_directories(str(tmp_path))
+    assert not stale.exists() and live.exists() and "Caught signal 11" in caplog.text

@@ -49,3 +49,46 @@ def test_engine_death_watch_fires_once_at_exit():
 
     calls, fd = asyncio.run(scenario())
     assert calls == [1] and fd == -1
+
+
+def test_engine_death_process_fd_index_checked_by_a_real_daemon(workdir):
+    """Over the sockets: an index past the fds sent, an fd that is no pidfd, and a pidfd named as a region's
+    memory are each refused INVALID_ARGUMENT naming the field; this process's own pidfd is taken."""
+    import secrets
+
+    import grpc
+
+    from kvxferd.client import DaemonProcess, EngineClient
+    from kvxferd.client.fdsend import own_process_fd, send_fds
+    from kvxferd.wire.names import fd_socket_path
+    from tests.service.engines.test_fd_socket_raw import MemfdEngine
+
+    daemon = DaemonProcess("lifeline", socket_dir=workdir)
+    memfd, clients = MemfdEngine(), []
+    try:
+        def register(fds, index, region_fd_index=0):
+            token = secrets.token_hex(16)
+            send_fds(fd_socket_path(daemon.socket), token, fds)
+            message = type(memfd.message)()
+            message.CopyFrom(memfd.message)
+            for region in (r for group in message.groups for r in group.regions):
+                region.handle.shm_fd_index = region_fd_index
+            client = EngineClient(daemon.engine_target)
+            clients.append(client)
+            return client.register(message, fd_token=token, process_fd_index=index, heartbeat_s=0)
+
+        for fds, index, region, field in [([memfd.fd], 3, 0, "process_fd_index"),
+                                          ([memfd.fd, memfd.fd], 1, 0, "process_fd_index"),
+                                          ([memfd.fd, own_process_fd()], 1, 1, "shm_fd_index")]:
+            with pytest.raises(grpc.RpcError) as err:
+                register(fds, index, region)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), \
+                err.value.details()
+        assert daemon.metric("kvxferd_engines_registered") == 0
+        assert register([memfd.fd, own_process_fd()], 1).incarnation
+        assert daemon.metric("kvxferd_engines_registered") == 1
+    finally:
+        for client in clients:
+            client.close()
+        daemon.terminate()
+        memfd.close()

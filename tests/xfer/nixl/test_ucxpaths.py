@@ -27,7 +27,9 @@ def table(worker: str, locality: str, operation: str, rows: list[tuple[str, str,
 
 
 READ_HOST = "remote memory read by ucp_get*(multi) into host memory from host"
-READ_CUDA = "remote memory read by ucp_get* into cuda memory from cuda"
+# A device's memory is named with its device (UCX's ucp_proto_select_param_str), not as "<type> memory".
+READ_CUDA = "remote memory read by ucp_get* into cuda/GPU0 from cuda/GPU1"
+CAPTURED = os.path.join(os.path.dirname(__file__), "ucx_proto_info.log")  # written by nixl 1.5.1's UCX here
 
 
 @pytest.mark.parametrize("how, lanes, path", [
@@ -60,6 +62,45 @@ def test_transport_path_parsed_from_read_tables_only():
     assert found[0].emulated and not found[1].emulated
     assert "8193..inf zero-copy over rc_mlx5/mlx5_0:1" in found[1].describe()
     assert [level for level, _ in messages] == ["WARN"] and "a warning UCX gave" in messages[0][1]
+
+
+def test_transport_path_parsed_from_captured_ucx_output():
+    """UCX's own lines (UCX_TLS=tcp): the active-message table before it is not a READ."""
+    found, messages = parse(open(CAPTURED).read())
+    assert [(f.worker, f.locality, f.memory, f.path, f.rows) for f in found] == [
+        ("B", "intra-node", "host<-host", "emulated", (("0..inf", "software emulation", "tcp/lo"),))]
+    assert messages == []
+
+
+@pytest.mark.parametrize("operation, memory", [
+    ("remote memory read by ucp_get* into cuda/GPU0 from cuda/GPU1", "cuda<-cuda"),
+    ("remote memory read by ucp_get*(multi) into iov[3] cuda/GPU0 from host", "cuda<-host"),
+    ("remote memory read by ucp_get* into host memory from cuda", "host<-cuda"),
+])
+def test_transport_path_memory_named_either_way(operation, memory):
+    found, _ = parse(table("w", "inter-node", operation, [("0..16K", "zero-copy", "cuda_copy/cuda"),
+                                                           ("16K..inf", "zero-copy", "rc_mlx5/mlx5_0:1")]))
+    assert [(f.memory, f.path) for f in found] == [(memory, "rdma")]  # the K-suffixed last row decides
+
+
+def test_transport_path_title_that_does_not_parse_lends_nothing():
+    text = (table("A", "self", READ_HOST, [("0..inf", "zero-copy", "self/memory")])
+            + table("has spaces", "intra-node", READ_HOST, [("0..inf", "zero-copy", "cma/memory")])
+            + table("odd", "somewhere", READ_HOST, [("0..inf", "software emulation", "tcp/lo")]))
+    found, _ = parse(text)
+    assert [(f.worker, f.locality, f.path) for f in found] == [("A", "self", "other"), ("has spaces", "intra-node", "cma")]
+
+
+def test_transport_path_offsets_count_bytes_whatever_they_are(tmp_path):
+    """A name with bytes that are not UTF-8 (UCX cuts worker names at 31 bytes, inside a character): read
+    once, never again."""
+    path = tmp_path / "ucx.7.log"
+    ucx = UcxLog(str(tmp_path / "ucx.%p.log"))
+    body = table("\u00e9" * 15, "intra-node", READ_HOST, [("0..inf", "zero-copy", "cma/memory")]).encode()
+    path.write_bytes(body.replace("\u00e9".encode(), b"\xc3", 1) + b"[1] [h:7:0] x.c:1 UCX  WARN  once\n")
+    new, messages = ucx.read()
+    assert [s.path for _, s in new] == ["cma"] and len(messages) == 1
+    assert ucx.read() == ([], [])  # the offset is the file's size: nothing is read or said twice
 
 
 def test_transport_path_read_whole_tables_as_they_are_written(tmp_path):
