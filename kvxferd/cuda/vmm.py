@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 
 from kvxferd.cuda.driver import CU_ACCESS_READWRITE, CU_LOCATION_DEVICE, AccessDesc, Location, check_drv, cuda
-from kvxferd.errors import UnavailableError
+from kvxferd.errors import InvalidArgumentError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -194,3 +194,52 @@ class ShareableAllocator:
         self.lib.cuMemUnmap(ctypes.c_ulonglong(address), ctypes.c_size_t(size))
         self.lib.cuMemAddressFree(ctypes.c_ulonglong(address), ctypes.c_size_t(size))
         self.lib.cuMemRelease(ctypes.c_ulonglong(handle))
+
+
+@dataclass(eq=False)
+class ImportedAllocation:
+    """Another process's VMM allocation, imported and mapped read-write here; ``close`` once unused."""
+
+    base: int
+    num_bytes: int
+    capabilities: MemoryCapabilities
+    _undo: list
+
+    def close(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def import_allocation(fd: int, num_bytes: int, device_id: int, field: str, lib=None) -> ImportedAllocation:
+    """Import a POSIX-fd shareable handle (the caller keeps ``fd``) and map the whole allocation of
+    ``num_bytes`` on ``device_id``; the driver refuses a size that is not the allocation's."""
+    lib = lib or cuda(field)
+    check_drv(lib.cuInit(0), "cuInit", field)
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    check_drv(lib.cuDeviceGet(ctypes.byref(device), device_id), "cuDeviceGet", field)
+    check_drv(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain", field)
+    check_drv(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent", field)
+    handle, base = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+    check_drv(lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), HANDLE_POSIX_FD),
+              "cuMemImportFromShareableHandle", field)
+    undo = [lambda: lib.cuMemRelease(handle)]  # run in reverse on failure, and by close()
+    try:
+        capabilities = allocation_capabilities(handle.value, lib, field)
+        check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(num_bytes), ctypes.c_size_t(0),
+                                          ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", field)
+        undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(num_bytes)))
+        # cuMemMap maps whole allocations: any other size (a wrong allocation_bytes) is refused.
+        code = lib.cuMemMap(base, ctypes.c_size_t(num_bytes), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
+        if code != 0:
+            raise InvalidArgumentError(f"{field.rsplit('.', 1)[0]}.allocation_bytes",
+                                       f"{num_bytes} bytes is not the size of the shared allocation "
+                                       f"(cuMemMap CUresult {code})")
+        undo.append(lambda: lib.cuMemUnmap(base, ctypes.c_size_t(num_bytes)))
+        access = AccessDesc(Location(CU_LOCATION_DEVICE, device_id), CU_ACCESS_READWRITE)
+        check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(num_bytes), ctypes.byref(access), ctypes.c_size_t(1)),
+                  "cuMemSetAccess", field)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    return ImportedAllocation(base.value, num_bytes, capabilities, undo)

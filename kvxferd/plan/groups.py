@@ -103,13 +103,31 @@ class DeviceShare:
 
 
 @dataclass(frozen=True)
+class VmmShare:
+    """A GPU VMM allocation a region lies in, for a reader on the same host (issue #56): the holder serves
+    the allocation's fd on its fd socket to whoever presents ``token`` (given only to authenticated
+    same-host readers), reached as ``/proc/<holder_pid>/root<socket_path>``. Like a CUDA IPC handle, the fd
+    opens the whole allocation (``allocation_bytes``); the region starts ``offset`` bytes in."""
+
+    token: str
+    socket_path: str
+    holder_pid: int
+    offset: int
+    allocation_bytes: int
+    device_uuid: str
+
+    def __repr__(self) -> str:  # never the token in a log line
+        return f"VmmShare(pid={self.holder_pid}, offset={self.offset}, device_uuid={self.device_uuid!r})"
+
+
+@dataclass(frozen=True)
 class RegionMemory:
     """Where one registered region lives."""
 
     address: int
     num_bytes: int
     device_id: int = 0
-    share: HostShare | DeviceShare | None = None  # what a same-host reader may open itself
+    share: HostShare | DeviceShare | VmmShare | None = None  # what a same-host reader may open itself
 
 
 @dataclass(frozen=True, eq=False)

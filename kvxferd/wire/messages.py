@@ -19,7 +19,7 @@ from kvxferd.layout.specs import ATTENTION_LAYOUTS, AttentionSpec, CacheSpec, Ca
 from kvxferd.layout.strided import ITEMSIZES
 from kvxferd.plan.capability import check_capability_bytes
 from kvxferd.plan.engine import ReadRequest
-from kvxferd.plan.groups import CacheGroup, DeviceShare, EngineCache, HostShare, RegionMemory
+from kvxferd.plan.groups import CacheGroup, DeviceShare, EngineCache, HostShare, RegionMemory, VmmShare
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.names import shm_path
 
@@ -27,6 +27,8 @@ MAX_ID_LENGTH = 256
 IPC_HANDLE_BYTES = 64  # a bare cudaIpcMemHandle_t
 MAX_PID = 1 << 22  # Linux's pid_max limit
 MAX_FD = 1 << 30
+SHARE_TOKEN = re.compile(r"[0-9a-f]{32}")  # a VmmShare's token: 128 random bits in hex
+SHARE_SOCKET_MAX_BYTES = 80  # /proc/<pid>/root + this must fit a UNIX socket's 108-byte path
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # nvidia-smi's form
 
 
@@ -171,13 +173,13 @@ def peer_memory_from_pb(engine: pb.EngineRank) -> list[list[RegionMemory]]:
              for i, r in enumerate(group.regions)] for g, group in enumerate(engine.groups)]
 
 
-def share_from_pb(region: pb.Region, field: str) -> HostShare | DeviceShare | None:
+def share_from_pb(region: pb.Region, field: str) -> HostShare | DeviceShare | VmmShare | None:
     """What a same-host peer named for opening its region itself, validated, or None when it sent nothing:
     host memory's shared-memory object (one name under /dev/shm, or the holder's open fd of it), or a GPU
     allocation's CUDA IPC handle (64 bytes) and the GPU's UUID."""
     handle = region.handle
     source = handle.WhichOneof("source")
-    if source not in ("shm_name", "cuda_ipc_handle", "shm_fd_index"):
+    if source not in ("shm_name", "cuda_ipc_handle", "shm_fd_index", "cuda_vmm_fd_index"):
         return None
     if handle.offset < 0:
         raise InvalidArgumentError(f"{field}.handle.offset", f"must not be negative, got {handle.offset}")
@@ -186,6 +188,8 @@ def share_from_pb(region: pb.Region, field: str) -> HostShare | DeviceShare | No
             raise InvalidArgumentError(f"{field}.handle.holder_fd", f"not a process and fd: pid {handle.holder_pid}, "
                                                                     f"fd {handle.holder_fd}")
         return HostShare("", handle.offset, handle.shm_device, handle.shm_inode, handle.holder_pid, handle.holder_fd)
+    if source == "cuda_vmm_fd_index":
+        return _vmm_share_from_pb(region, field)
     if source == "cuda_ipc_handle":
         if len(handle.cuda_ipc_handle) != IPC_HANDLE_BYTES:
             raise InvalidArgumentError(f"{field}.handle.cuda_ipc_handle", f"{len(handle.cuda_ipc_handle)} bytes, "
@@ -195,6 +199,29 @@ def share_from_pb(region: pb.Region, field: str) -> HostShare | DeviceShare | No
         return DeviceShare(handle.cuda_ipc_handle, handle.offset, region.device_uuid)
     shm_path(handle.shm_name, f"{field}.handle")  # one component under /dev/shm, or InvalidArgumentError
     return HostShare(handle.shm_name, handle.offset, handle.shm_device, handle.shm_inode)
+
+
+def _vmm_share_from_pb(region: pb.Region, field: str) -> VmmShare | None:
+    """A same-host holder's VMM share (None when it named none: such a region is read over NIXL)."""
+    handle = region.handle
+    if not handle.share_token:
+        return None
+    path = handle.share_socket
+    if not SHARE_TOKEN.fullmatch(handle.share_token):
+        raise InvalidArgumentError(f"{field}.handle.share_token", "not 32 lower-case hex digits")
+    if not (path.startswith("/") and path.isprintable() and len(path.encode()) <= SHARE_SOCKET_MAX_BYTES):
+        raise InvalidArgumentError(f"{field}.handle.share_socket", f"not an absolute path of at most "
+                                                                   f"{SHARE_SOCKET_MAX_BYTES} bytes: {path[:80]!r}")
+    if not 0 < handle.holder_pid <= MAX_PID:
+        raise InvalidArgumentError(f"{field}.handle.holder_pid", f"not a process: {handle.holder_pid}")
+    if not 0 <= handle.offset < handle.allocation_bytes or region.num_bytes > handle.allocation_bytes - handle.offset:
+        raise InvalidArgumentError(f"{field}.handle.allocation_bytes", f"the region [{handle.offset}, "
+                                   f"{handle.offset + region.num_bytes}) is not inside an allocation of "
+                                   f"{handle.allocation_bytes} bytes")
+    if not GPU_UUID.fullmatch(region.device_uuid):
+        raise InvalidArgumentError(f"{field}.device_uuid", f"{region.device_uuid[:80]!r} is not a GPU UUID")
+    return VmmShare(handle.share_token, path, handle.holder_pid, handle.offset, handle.allocation_bytes,
+                    region.device_uuid)
 
 
 def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool = False) -> pb.EngineRank:
@@ -213,6 +240,11 @@ def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool 
             elif isinstance(share, DeviceShare):
                 added.handle.cuda_ipc_handle, added.handle.offset = share.ipc_handle, share.offset
                 added.device_uuid = share.device_uuid
+            elif isinstance(share, VmmShare):
+                added.handle.cuda_vmm_fd_index = 0  # names the kind: the fd is served by the holder, below
+                added.handle.share_token, added.handle.share_socket = share.token, share.socket_path
+                added.handle.holder_pid, added.handle.offset = share.holder_pid, share.offset
+                added.handle.allocation_bytes, added.device_uuid = share.allocation_bytes, share.device_uuid
     return out
 
 

@@ -36,8 +36,8 @@ OUTCOMES = ("ok", "failed")  # of a read (reads/path.py) and of a handshake (pee
 EVENT_KINDS = tuple(kind.value for kind in HoldEndKind)
 DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
 # FdInbox's refusals (engines/fdpass.py names them inline): peer uid or gid not allowed, not one
-# printable token, max_fd_tokens or a token in use, max_fds_waiting, a socket error, a bug.
-FD_REFUSALS = ("uid", "malformed", "tokens", "fds", "io", "error")
+# printable token, max_fd_tokens or a token in use, max_fds_waiting, a socket error, a bug, a share token it does not know.
+FD_REFUSALS = ("uid", "malformed", "tokens", "fds", "io", "error", "share")
 BUS_REFUSALS = ("prefix", "flood", "limit")  # NotifyBus's refusals (net/bus.py, net/busguard.py)
 WORKER_REPLACE_REASONS = ("ca_changed", "certificate_expires", "introduction_ended")  # service/workers/trust.py
 # kvxferd_rpc_errors' methods: those of both gRPC services and the engine's read socket (READS_SOCKET_METHOD; its Hold frames count as "Hold").

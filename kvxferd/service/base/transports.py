@@ -64,7 +64,7 @@ class TransportPaths:
             return []
         flush_c_streams()
         new, messages = self.ucx_log.read()
-        self.ucx_log.forget_exited()  # after: what a replaced worker chose before it went is still said once
+        forgot = self.ucx_log.forget_exited()  # after: what a replaced worker chose before it went is said once
         for pid, level, text in messages[:MAX_RELAYED_LINES]:
             log.log(logging.ERROR if level == "ERROR" else logging.WARNING, "UCX: %s", text, extra={"pid": pid})
         if len(messages) > MAX_RELAYED_LINES:  # a flood (a peer can provoke UCX's warnings) is counted, not copied
@@ -76,7 +76,7 @@ class TransportPaths:
                     selection.memory, selection.path, " (slow: UCX found no direct lane)" if slow else "",
                     extra={"pid": pid, "ucx": selection.describe(), "locality": selection.locality,
                            **({"after": context} if context else {})})
-        if self.gauge is not None:
+        if self.gauge is not None and (new or forgot):
             self._count()
         return [selection for _pid, selection in new]
 

@@ -16,6 +16,11 @@ at most ``max_fds`` fds and a printable token; at most ``max_tokens``
 deliveries and ``max_fds_waiting`` fds (all clients together) wait at
 once. A delivery over a bound is answered ``refused: <limit>`` and its fds
 are closed. A client that vanishes mid-way costs nothing.
+
+The other way (issue #56): a same-host reader daemon sends ``share:<token>``
+and no fds; the answer is ``ok`` with the fd of the VMM allocation the
+holder offered under that token (:meth:`FdInbox.offer`: 128 random bits,
+given only to authenticated same-host readers), else ``refused: ...``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from kvxferd.service.base.localsock import credentials_allowed
 from kvxferd.wire.names import FD_ANSWER_MAX_BYTES
 from kvxferd.wire.owner import peer_credentials
 from kvxferd.xfer.osutil.osthreads import name_this_thread
+from kvxferd.xfer.samehost.vmmshare import SHARE_PREFIX
 
 log = logging.getLogger("kvxferd.fdpass")
 MAX_FDS = 4096
@@ -55,6 +61,7 @@ class FdInbox:
         self.on_refused = on_refused or (lambda reason: None)
         self._lock = threading.Lock()
         self._fds: dict[str, tuple[float, list[int]]] = {}
+        self._shares: dict[str, int] = {}  # token -> an fd the registry owns (offer / withdraw)
         self.num_fds_waiting = 0  # in self._fds, all tokens together
         if os.path.exists(path):
             os.unlink(path)
@@ -100,6 +107,9 @@ class FdInbox:
             token = token_bytes.decode()
         except UnicodeDecodeError:
             token = ""
+        if not fds and token.startswith(SHARE_PREFIX) and not flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            self._serve_share(conn, token[len(SHARE_PREFIX):])
+            return
         if (flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not fds or not token or not token.isprintable()
                 or len(token_bytes) > MAX_TOKEN_BYTES):
             _close(fds)
@@ -121,6 +131,29 @@ class FdInbox:
             self._refuse(conn, *refusal)
             return
         conn.sendall(b"ok")
+
+    def _serve_share(self, conn: socket.socket, token: str) -> None:
+        with self._lock:
+            fd = self._shares.get(token)
+            if fd is not None:
+                fd = os.dup(fd)  # ours while sent: a withdraw meanwhile cannot close it under send_fds
+        if fd is None:
+            self._refuse(conn, "share", "no allocation is shared under that token")
+            return
+        try:
+            socket.send_fds(conn, [b"ok"], [fd])
+        finally:
+            os.close(fd)
+
+    def offer(self, token: str, fd: int) -> None:
+        """Serve ``fd`` (the caller keeps it) to a same-host reader that presents ``token``."""
+        with self._lock:
+            self._shares[token] = fd
+
+    def withdraw(self, token: str) -> None:
+        """Stop serving what was offered under ``token`` (before its fd closes)."""
+        with self._lock:
+            self._shares.pop(token, None)
 
     def _refuse(self, conn: socket.socket, reason: str, limit: str) -> None:
         """Count the refusal, then tell the client why (it may be gone already).

@@ -16,16 +16,15 @@ Without a CUDA driver both raise :class:`UnavailableError` naming the field;
 
 from __future__ import annotations
 
-import ctypes
 import os
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
 
-from kvxferd.cuda.driver import (CU_ACCESS_READWRITE, CU_HANDLE_TYPE_POSIX_FD, CU_LOCATION_DEVICE, VMM_GRANULARITY,
-                                 AccessDesc, Location, check_drv, cuda)
+from kvxferd.cuda.driver import VMM_GRANULARITY
 from kvxferd.cuda.ipc import bare_ipc_handle, open_ipc_allocation, visible_device_uuids
-from kvxferd.cuda.vmm import LEGACY_IPC, allocation_capabilities
+from kvxferd.cuda.vmm import LEGACY_IPC, import_allocation
 from kvxferd.errors import InvalidArgumentError, UnavailableError
-from kvxferd.plan.groups import DeviceShare, RegionMemory
+from kvxferd.plan.groups import DeviceShare, RegionMemory, VmmShare
 
 
 @dataclass(eq=False)
@@ -37,6 +36,8 @@ class GpuMapping:
     memory: RegionMemory
     _close: object
     kind: str = LEGACY_IPC
+    allocation_bytes: int = 0  # a VMM import: the whole allocation mapped (the region is a part of it)
+    offset: int = 0  # of the region in it
 
     def close(self) -> None:
         if self._close is not None:
@@ -60,7 +61,7 @@ def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: 
         if offset + num_bytes > allocation.num_bytes:
             raise InvalidArgumentError(f"{field}.num_bytes", f"region [{offset}, {offset + num_bytes}) exceeds the "
                                                              f"shared allocation of {allocation.num_bytes} bytes")
-        device_uuid = device_uuid or _uuid_of(device_id, field, uuids)
+        device_uuid = device_uuid or uuid_of(device_id, field, uuids)
         share = DeviceShare(handle, offset, device_uuid) if device_uuid else None
     except BaseException:
         allocation.close()
@@ -68,7 +69,7 @@ def open_ipc(handle: bytes, offset: int, num_bytes: int, device_id: int, field: 
     return GpuMapping(RegionMemory(allocation.base + offset, num_bytes, device_id, share=share), allocation.close)
 
 
-def _uuid_of(device_id: int, field: str, uuids) -> str:
+def uuid_of(device_id: int, field: str, uuids=visible_device_uuids) -> str:
     """The UUID of this daemon's GPU ``device_id`` ("" when it cannot be told: no same-host reads of it)."""
     try:
         seen = uuids(f"{field}.device_id")
@@ -100,42 +101,28 @@ def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str
         raise InvalidArgumentError(f"{field}.num_bytes", f"region [{offset}, {offset + num_bytes}) exceeds the shared "
                                                          f"allocation of {allocation_bytes} bytes")
     f = f"{field}.handle.cuda_vmm_fd_index"
-    lib = lib or cuda(f)
-    check_drv(lib.cuInit(0), "cuInit", f)
-    device, context = ctypes.c_int(), ctypes.c_void_p()
-    check_drv(lib.cuDeviceGet(ctypes.byref(device), device_id), "cuDeviceGet", f"{field}.device_id")
-    check_drv(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain", f)
-    check_drv(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent", f)
-    handle = ctypes.c_ulonglong()
-    check_drv(lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), CU_HANDLE_TYPE_POSIX_FD),
-               "cuMemImportFromShareableHandle", f)
     size = allocation_bytes or -(-(offset + num_bytes) // VMM_GRANULARITY) * VMM_GRANULARITY
-    base = ctypes.c_ulonglong()
-    undo = [lambda: lib.cuMemRelease(handle)]  # run in reverse on failure, and by close()
-    try:
-        kind = allocation_capabilities(handle.value, lib, f).kind
-        check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                           ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", f)
-        undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(size)))
-        # cuMemMap maps whole allocations: any other size (a wrong allocation_bytes) is refused.
-        code = lib.cuMemMap(base, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
-        if code != 0:
-            raise InvalidArgumentError(f"{field}.handle.allocation_bytes", f"{size} bytes is not the size of the shared "
-                                                                           f"allocation (cuMemMap CUresult {code})")
-        undo.append(lambda: lib.cuMemUnmap(base, ctypes.c_size_t(size)))
-        access = AccessDesc(Location(CU_LOCATION_DEVICE, device_id), CU_ACCESS_READWRITE)
-        check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
-                   "cuMemSetAccess", f)
-    except BaseException:
-        for step in reversed(undo):
-            step()
-        raise
+    allocation = import_allocation(fd, size, device_id, f, lib)
+    return GpuMapping(RegionMemory(allocation.base + offset, num_bytes, device_id), allocation.close,
+                      allocation.capabilities.kind, size, offset)
 
-    def close() -> None:
-        for step in reversed(undo):
-            step()
 
-    return GpuMapping(RegionMemory(base.value + offset, num_bytes, device_id), close, kind)
+def share_vmm(mapping: GpuMapping, fd: int, inbox, device_uuid: str) -> None:
+    """Serve this VMM region's allocation to authenticated same-host readers (issue #56): ``fd`` (a copy of
+    the engine's, now the mapping's) is offered on the fd socket ``inbox`` under a fresh token, which the
+    region's :class:`VmmShare` carries into same-host peer info; withdrawn and closed with the mapping."""
+    token = secrets.token_hex(16)
+    inbox.offer(token, fd)
+    mapping.memory = replace(mapping.memory, share=VmmShare(token, inbox.path, os.getpid(), mapping.offset,
+                                                            mapping.allocation_bytes, device_uuid))
+    close = mapping._close
+
+    def withdraw_then_close() -> None:
+        inbox.withdraw(token)
+        os.close(fd)
+        close()
+
+    mapping._close = withdraw_then_close
 
 
 def check_servable(mapping: GpuMapping, require_rdma: bool, field: str) -> str:

@@ -280,7 +280,8 @@ class Registry:
                 if num_bytes < need:
                     raise InvalidArgumentError(f"{field}.num_bytes", f"{num_bytes} bytes, the layout needs {need}")
                 mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers, kept,
-                                      keep_fd=self.workers is not None)
+                                      keep_fd=self.workers is not None,
+                                      share_vmm_on=self.fd_inbox if self.keep_passed_fds else None)
                 mapped.append(mapping)
                 if isinstance(mapping, GpuMapping):  # what a NIC can make of it: said now, not at a slow read
                     warning = check_servable(mapping, self.require_rdma_vram, field) or warning

@@ -191,12 +191,14 @@ class UcxLog:
                 found.append((int(pid), os.path.join(directory, entry)))
         return sorted(found)
 
-    def forget_exited(self, alive=lambda pid: os.path.exists(f"/proc/{pid}")) -> None:
-        """Drop the selections and files of processes that exited (replaced workers)."""
-        for key in [k for k in self.selections if not alive(k[0])]:
+    def forget_exited(self, alive=lambda pid: os.path.exists(f"/proc/{pid}")) -> bool:
+        """Drop the selections and files of processes that exited (replaced workers); whether any went."""
+        gone = [k for k in self.selections if k[0] != os.getpid() and not alive(k[0])]
+        for key in gone:
             del self.selections[key]
         for path in [p for p in self._offsets if not os.path.exists(p)]:
             del self._offsets[path]
+        return bool(gone)
 
     def read(self) -> tuple[list[tuple[int, ReadPath]], list[tuple[int, str, str]]]:
         """New READ selections (pid, path) and new UCX warnings and errors (pid, level, text)."""

@@ -29,9 +29,10 @@ from kvxferd.cuda.copies import BatchCopier, CopyEvent
 from kvxferd.cuda.ipc import IpcAllocation, bare_ipc_handle, open_ipc_allocation
 from kvxferd.errors import KvxferError, TransferError
 from kvxferd.plan.engine import RankPlan
-from kvxferd.plan.groups import DeviceShare, EngineCache
+from kvxferd.plan.groups import DeviceShare, EngineCache, VmmShare
 from kvxferd.xfer.nixl.agent import TransferState
 from kvxferd.xfer.samehost.hostmaps import HostRank, MappedSource, empty_source
+from kvxferd.xfer.samehost.vmmshare import open_vmm_share
 from kvxferd.xfer.handles import ReadFailure, TransferFailure
 
 
@@ -63,31 +64,40 @@ class PendingDeviceCopy:
         self.event.release()
 
 
-def map_device_source(cache: EngineCache, copier: BatchCopier, *, open_allocation=None) -> MappedSource:
+def map_device_source(cache: EngineCache, copier: BatchCopier, *, open_allocation=None,
+                      open_vmm=None) -> MappedSource:
     """Open every allocation a remote rank's GPU regions lie in, once each, on the copier's GPU, and copy a
-    few bytes of each. Raises :class:`TransferError` when a region has no handle, a handle does not open
-    (another PID namespace, a freed allocation), a region does not fit, or the check copy fails."""
-    open_allocation = open_allocation or open_ipc_allocation
+    few bytes of each: by CUDA IPC handle (:class:`DeviceShare`), or as a VMM allocation's fd the holder
+    serves (:class:`VmmShare`, issue #56). Raises :class:`TransferError` when a region has neither, a
+    handle does not open (another PID namespace, a freed allocation), a region does not fit, or the check
+    copy fails."""
+    open_allocation, open_vmm = open_allocation or open_ipc_allocation, open_vmm or open_vmm_share
     regions = [region for memory in cache.memory for region in memory]
-    if cache.mem_type != "VRAM" or not regions or any(not isinstance(r.share, DeviceShare) for r in regions):
-        raise TransferError("same_host", "not every region is GPU memory with a CUDA IPC handle")
+    if cache.mem_type != "VRAM" or not regions or any(not isinstance(r.share, (DeviceShare, VmmShare))
+                                                      for r in regions):
+        raise TransferError("same_host", "not every region is GPU memory with a CUDA IPC handle or a VMM share")
     # Close in this order: wait for the copies already on the stream, then the allocations they read.
     source = empty_source()
     source.closers.append(copier.synchronize)
-    opened: dict[bytes, IpcAllocation] = {}
+    opened: dict[bytes | str, IpcAllocation] = {}
     try:
         for share in (region.share for region in regions):
-            if share.ipc_handle not in opened:  # regions of one allocation share it
-                allocation = _open(share, copier.device_id, open_allocation)
-                opened[share.ipc_handle] = allocation
+            if _key(share) not in opened:  # regions of one allocation share it
+                allocation = (_open(share, copier.device_id, open_allocation) if isinstance(share, DeviceShare)
+                              else open_vmm(share, copier.device_id))
+                opened[_key(share)] = allocation
                 source.closers.append(allocation.close)
                 _check(copier, allocation, share)
-        source.place([(region, opened[region.share.ipc_handle].base + region.share.offset,
-                       opened[region.share.ipc_handle].num_bytes - region.share.offset) for region in regions])
+        source.place([(region, opened[_key(region.share)].base + region.share.offset,
+                       opened[_key(region.share)].num_bytes - region.share.offset) for region in regions])
     except BaseException:
         source.close()
         raise
     return source
+
+
+def _key(share: DeviceShare | VmmShare) -> bytes | str:
+    return share.ipc_handle if isinstance(share, DeviceShare) else share.token
 
 
 def _open(share: DeviceShare, device_id: int, open_allocation) -> IpcAllocation:
@@ -98,7 +108,7 @@ def _open(share: DeviceShare, device_id: int, open_allocation) -> IpcAllocation:
                                          f"{device_id}: {err.message}") from None
 
 
-def _check(copier: BatchCopier, allocation: IpcAllocation, share: DeviceShare) -> None:
+def _check(copier: BatchCopier, allocation, share: DeviceShare | VmmShare) -> None:
     try:
         copier.check_source(allocation.base, allocation.num_bytes)
     except TransferError as err:
