@@ -189,7 +189,10 @@ def share_from_pb(region: pb.Region, field: str) -> HostShare | DeviceShare | Vm
                                                                     f"fd {handle.holder_fd}")
         return HostShare("", handle.offset, handle.shm_device, handle.shm_inode, handle.holder_pid, handle.holder_fd)
     if source == "cuda_vmm_fd_index":
-        return _vmm_share_from_pb(region, field)
+        try:
+            return _vmm_share_from_pb(region, field)
+        except InvalidArgumentError:  # the region is read over NIXL; the handshake stands
+            return None
     if source == "cuda_ipc_handle":
         if len(handle.cuda_ipc_handle) != IPC_HANDLE_BYTES:
             raise InvalidArgumentError(f"{field}.handle.cuda_ipc_handle", f"{len(handle.cuda_ipc_handle)} bytes, "
@@ -224,9 +227,11 @@ def _vmm_share_from_pb(region: pb.Region, field: str) -> VmmShare | None:
                     region.device_uuid)
 
 
-def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool = False) -> pb.EngineRank:
+def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool = False,
+                 vmm_shares: bool = True) -> pb.EngineRank:
     """The message describing ``cache`` (for peers: with region addresses; for a proven same-host reader
-    also what each region's memory can be opened by: :func:`share_from_pb`)."""
+    also what each region's memory can be opened by: :func:`share_from_pb`; ``vmm_shares=False``: not a GPU
+    VMM allocation's token, for a process that must hold no key, a data-plane worker)."""
     out = pb.EngineRank(engine_id=cache.engine_id, tp_rank=cache.tp_rank, tp_size=cache.tp_size, mem_type=cache.mem_type)
     for group, memory in zip(cache.groups, cache.memory):
         message = out.groups.add(kind=group.kind)
@@ -240,7 +245,7 @@ def engine_to_pb(cache: EngineCache, *, with_addresses: bool, with_shares: bool 
             elif isinstance(share, DeviceShare):
                 added.handle.cuda_ipc_handle, added.handle.offset = share.ipc_handle, share.offset
                 added.device_uuid = share.device_uuid
-            elif isinstance(share, VmmShare):
+            elif isinstance(share, VmmShare) and vmm_shares:  # (never to a worker: the token is a key)
                 added.handle.cuda_vmm_fd_index = 0  # names the kind: the fd is served by the holder, below
                 added.handle.share_token, added.handle.share_socket = share.token, share.socket_path
                 added.handle.holder_pid, added.handle.offset = share.holder_pid, share.offset

@@ -22,9 +22,11 @@ not known.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from collections import Counter
 
@@ -34,6 +36,7 @@ from kvxferd.xfer.nixl.ucxpaths import (FAST_PATHS, MEMORY_PAIRS, PATHS, ReadPat
 log = logging.getLogger(__name__)
 MAX_RELAYED_LINES = 20  # UCX warnings and errors copied to the daemon's log per refresh
 DIRECTORY_PREFIX = "kvxferd-ucx-"
+LOCK_NAME = "daemon.lock"
 
 
 class TransportPaths:
@@ -44,6 +47,7 @@ class TransportPaths:
         self.directory = ""
         self.ucx_log: UcxLog | None = None
         self.enabled = False
+        self._lock_fd = -1
 
     def environment(self, environ=os.environ) -> dict[str, str]:
         """Make the private directory; the UCX variables to set before the first agent (empty: not enabled)."""
@@ -53,6 +57,9 @@ class TransportPaths:
             return {}
         remove_stale_directories()
         self.directory = tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-")  # 0700: this daemon's alone
+        # Locked while this daemon lives: another daemon's clean-up (any PID namespace) leaves it alone.
+        self._lock_fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         wanted = log_environment(self.directory, environ)
         self.ucx_log = UcxLog(environ.get("UCX_LOG_FILE") or wanted["UCX_LOG_FILE"])
         self.enabled = True
@@ -107,31 +114,40 @@ class TransportPaths:
         return ", ".join(f"{memory} {locality}: {path}" for memory, locality, path in seen) or "no READ yet"
 
     def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         if self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = ""
 
 
 def remove_stale_directories(parent: str | None = None) -> None:
-    """Remove the UCX log directories of daemons of this user that died without removing theirs (SIGKILL);
-    a UCX crash report in one is copied to this log first (the lines of a fatal signal are ERRORs)."""
+    """Remove the UCX log directories of daemons of this user that died without removing theirs (SIGKILL):
+    those whose lock no process holds (a live daemon holds its own, whatever its PID namespace). A UCX crash
+    report in one is copied to this log first (the lines of a fatal signal are ERRORs)."""
     parent = parent or tempfile.gettempdir()
     try:
-        entries = os.listdir(parent)
+        entries = [e for e in os.listdir(parent) if e.startswith(DIRECTORY_PREFIX)]
     except OSError:
         return
     for entry in entries:
-        pid = entry[len(DIRECTORY_PREFIX):].split("-", 1)[0]
         path = os.path.join(parent, entry)
-        if not (entry.startswith(DIRECTORY_PREFIX) and pid.isdigit()) or os.path.exists(f"/proc/{pid}"):
-            continue
         try:
-            if os.stat(path).st_uid != os.getuid():
+            status = os.lstat(path)
+            if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid():
                 continue
-            _messages = UcxLog(os.path.join(path, "ucx.%p.log")).read()[1]
+            lock = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             continue
-        for file_pid, level, text in [m for m in _messages if m[1] == "ERROR"][:MAX_RELAYED_LINES]:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its daemon lives
+        finally:
+            os.close(lock)
+        messages = UcxLog(os.path.join(path, "ucx.%p.log")).read()[1]
+        for file_pid, level, text in [m for m in messages if m[1] == "ERROR"][:MAX_RELAYED_LINES]:
             log.warning("UCX of a daemon that died (pid %d): %s", file_pid, text)
         shutil.rmtree(path, ignore_errors=True)
 

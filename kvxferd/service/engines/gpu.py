@@ -107,22 +107,41 @@ def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str
                       allocation.capabilities.kind, size, offset)
 
 
-def share_vmm(mapping: GpuMapping, fd: int, inbox, device_uuid: str) -> None:
-    """Serve this VMM region's allocation to authenticated same-host readers (issue #56): ``fd`` (a copy of
-    the engine's, now the mapping's) is offered on the fd socket ``inbox`` under a fresh token, which the
-    region's :class:`VmmShare` carries into same-host peer info; withdrawn and closed with the mapping."""
-    token = secrets.token_hex(16)
-    inbox.offer(token, fd)
-    mapping.memory = replace(mapping.memory, share=VmmShare(token, inbox.path, os.getpid(), mapping.offset,
-                                                            mapping.allocation_bytes, device_uuid))
-    close = mapping._close
+class VmmOffers:
+    """One registration's VMM allocations offered to same-host readers (issue #56): one token per allocation
+    (the engine's fd index), however many regions lie in it, served by the fd socket ``inbox`` while any of
+    those regions' mappings lives, and withdrawn (its fd closed) with the last."""
 
-    def withdraw_then_close() -> None:
-        inbox.withdraw(token)
-        os.close(fd)
-        close()
+    MAX_SOCKET_BYTES = 80  # /proc/<pid>/root + the path must fit a UNIX socket's 108 bytes (wire/messages.py)
 
-    mapping._close = withdraw_then_close
+    def __init__(self, inbox) -> None:
+        self.inbox = inbox
+        self.offered: dict[int, list] = {}  # fd index -> [token, fd, mappings alive]
+
+    def share(self, mapping: GpuMapping, index: int, fd_source, device_uuid: str) -> None:
+        """Name ``mapping``'s allocation in its region's :class:`VmmShare` (``fd_source()``: a copy of the
+        engine's fd, taken only the first time), and withdraw it when the mapping closes."""
+        if len(self.inbox.path.encode()) > self.MAX_SOCKET_BYTES:
+            return  # too long to reach through /proc/<pid>/root: its readers read it over NIXL
+        if index not in self.offered:
+            token, fd = secrets.token_hex(16), fd_source()
+            self.inbox.offer(token, fd)
+            self.offered[index] = [token, fd, 0]
+        entry = self.offered[index]
+        entry[2] += 1
+        mapping.memory = replace(mapping.memory, share=VmmShare(entry[0], self.inbox.path, os.getpid(),
+                                                                mapping.offset, mapping.allocation_bytes, device_uuid))
+        close = mapping._close
+
+        def release_then_close() -> None:
+            entry[2] -= 1
+            if entry[2] == 0:
+                self.inbox.withdraw(entry[0])
+                os.close(entry[1])
+                self.offered.pop(index, None)
+            close()
+
+        mapping._close = release_then_close
 
 
 def check_servable(mapping: GpuMapping, require_rdma: bool, field: str) -> str:

@@ -247,12 +247,13 @@ def _map_open_fd(fd: int, name: str, offset: int, num_bytes: int, field: str) ->
 
 def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fds: Sequence[int] = (),
                 openers: ShmOpeners = ShmOpeners(), kept: KeptFds | None = None, *, keep_fd: bool = False,
-                share_vmm_on=None):
+                vmm_offers=None):
     """Open one region of a Register request; returns an object with ``memory`` and ``close()``.
     ``openers``: who may have sent it (a ``shm_name`` is opened only for an object they could open);
     ``kept``: where copies of passed shared-memory fds stay open for same-host readers; ``keep_fd``: a host
     region keeps a copy of its object's fd (:attr:`MappedRegion.fd`) for a data-plane worker;
-    ``share_vmm_on``: the fd socket that serves a VMM region's allocation to same-host readers."""
+    ``vmm_offers``: a :class:`~kvxferd.service.engines.gpu.VmmOffers`, which offers a VMM region's
+    allocation to same-host readers."""
     source = region.handle.WhichOneof("source")
     want = {"shm_name": "DRAM", "shm_fd_index": "DRAM", "cuda_ipc_handle": "VRAM", "cuda_vmm_fd_index": "VRAM"}.get(source)
     if source is None:
@@ -275,7 +276,11 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
         raise InvalidArgumentError(f"{field}.handle.cuda_vmm_fd_index", f"index {index}, {len(fds)} fds were sent")
     mapping = gpu.import_vmm(os.dup(fds[index]), offset, num_bytes, device_id, field,
                              allocation_bytes=region.handle.allocation_bytes)
-    device_uuid = region.device_uuid or gpu.uuid_of(device_id, field)
-    if share_vmm_on is not None and device_uuid:  # same-host readers map it themselves (issue #56)
-        gpu.share_vmm(mapping, os.dup(fds[index]), share_vmm_on, device_uuid)
+    try:
+        device_uuid = region.device_uuid or gpu.uuid_of(device_id, field)
+        if vmm_offers is not None and device_uuid:  # same-host readers map it themselves (issue #56)
+            vmm_offers.share(mapping, index, lambda: os.dup(fds[index]), device_uuid)
+    except BaseException:
+        mapping.close()
+        raise
     return mapping

@@ -33,7 +33,7 @@ from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferErro
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.fdpass import FdInbox
-from kvxferd.service.engines.gpu import GpuMapping, check_servable
+from kvxferd.service.engines.gpu import GpuMapping, VmmOffers, check_servable
 from kvxferd.service.engines.lifeline import ProcessWatch, process_of
 from kvxferd.service.engines.memory import KeptFds, ShmOpeners, open_region, populate
 from kvxferd.service.engines.slots import EngineSlot
@@ -268,6 +268,7 @@ class Registry:
         """Map every region (in a worker thread: populating a large host cache takes a while)."""
         memory, warning = [], ""
         kept = None
+        offers = VmmOffers(self.fd_inbox) if self.keep_passed_fds and self.fd_inbox is not None else None
         if self.keep_passed_fds:  # copies of passed shm fds, for same-host readers; closed with the mappings
             kept = KeptFds()
             mapped.append(kept)
@@ -281,7 +282,7 @@ class Registry:
                     raise InvalidArgumentError(f"{field}.num_bytes", f"{num_bytes} bytes, the layout needs {need}")
                 mapping = open_region(region, num_bytes, engine.mem_type or "DRAM", field, fds, openers, kept,
                                       keep_fd=self.workers is not None,
-                                      share_vmm_on=self.fd_inbox if self.keep_passed_fds else None)
+                                      vmm_offers=offers)
                 mapped.append(mapping)
                 if isinstance(mapping, GpuMapping):  # what a NIC can make of it: said now, not at a slow read
                     warning = check_servable(mapping, self.require_rdma_vram, field) or warning

@@ -26,6 +26,7 @@ import grpc
 
 from kvxferd.errors import (InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError, PermissionDeniedError,
                             ResourceExhaustedError, TransferError)
+from kvxferd.plan.groups import VmmShare
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.dataplane.thread import DataPlane
@@ -39,6 +40,8 @@ from kvxferd.wire.peerauth import refuse_listener, secret_call_metadata
 from kvxferd.wire.samehost import same_host_token, shares_from
 from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
 from kvxferd.xfer.records import RemoteEngine
+from kvxferd.xfer.samehost.opened import OpenedObjects
+from kvxferd.xfer.samehost.vmmshare import fetch_shares
 
 log = logging.getLogger("kvxferd.peers")
 
@@ -269,13 +272,24 @@ class Peers:
             # Only holders that named their shared memory and proved this host (_engine_info) are mapped.
             same_host = any(r.share for c in caches for regions in c.memory for r in regions)
 
+            # GPU VMM memory of a same-host holder: its fds fetched here, off the data-plane thread, where a
+            # holder that does not answer costs this handshake its budget and no other engine anything.
+            opened = None
+            if same_host and slot.cache.mem_type == "VRAM" and any(isinstance(r.share, VmmShare) for c in caches
+                                                                   for regions in c.memory for r in regions):
+                opened = OpenedObjects(partial=True, vmm_fds=await asyncio.to_thread(fetch_shares, caches))
+
             def connect() -> RemoteEngine:
                 with slot.executor.lock:  # no read posted on the loop between failing the old ones and the swap
                     self.dataplane.fail_reads(slot, "the remote engine was re-handshaked (restarted or "
                                                     "unreachable)", link.remote_engine_id, drain=True)
-                    return slot.executor.connect(caches, metadata, boards, same_host=same_host)
+                    return slot.executor.connect(caches, metadata, boards, same_host=same_host, opened=opened)
 
-            link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
+            try:
+                link.remote = await asyncio.wrap_future(self.dataplane.call(connect))
+            finally:
+                if opened is not None:
+                    opened.close()  # (what connect mapped holds its own handles)
             link.addresses = addresses  # the remote connected to: a failed probe leaves the link stale
             probe_s = await self._probe(slot, link.remote, addresses)
             # The probe was the link's first READ: UCX has chosen (and reported) its path by now.

@@ -187,7 +187,7 @@ class WorkerReadBackend:
         # milliseconds, at most CONNECT_TIMEOUT_S from a worker that does not answer.
         try:
             answer = self._ask({"op": "connect", "engine_id": plan.remote_engine_id,
-                                "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True)
+                                "remotes": [engine_to_pb(c, with_addresses=True, with_shares=True, vmm_shares=False)
                                             .SerializeToString().hex() for c in remotes],
                                 "metadata": [m.hex() for m in metadata], "same_host": same_host, "opened": objects,
                                 "boards": None if boards is None else [

@@ -82,7 +82,9 @@ def map_board(board: BoardInfo, opened: OpenedObjects | None = None, shm_dir: st
     if not isinstance(share, HostShare) or share.name:
         raise TransferError("same_host", "the holder named no memfd of its own for its board")
     num_bytes = check_num_buckets(board.num_buckets) * SLOTS_PER_BUCKET * 8
-    pidfd = opened.pidfd(share.holder_pid) if opened is not None else holder_pidfd(share.holder_pid)
+    pidfd = opened.pidfd(share.holder_pid) if opened is not None else None
+    if pidfd is None:
+        pidfd = holder_pidfd(share.holder_pid)
     closers: list = []
     try:
         base, size = map_object(share, shm_dir, closers, opened, sealed=True)

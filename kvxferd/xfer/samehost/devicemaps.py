@@ -32,6 +32,7 @@ from kvxferd.plan.engine import RankPlan
 from kvxferd.plan.groups import DeviceShare, EngineCache, VmmShare
 from kvxferd.xfer.nixl.agent import TransferState
 from kvxferd.xfer.samehost.hostmaps import HostRank, MappedSource, empty_source
+from kvxferd.xfer.samehost.opened import OpenedObjects
 from kvxferd.xfer.samehost.vmmshare import open_vmm_share
 from kvxferd.xfer.handles import ReadFailure, TransferFailure
 
@@ -65,12 +66,13 @@ class PendingDeviceCopy:
 
 
 def map_device_source(cache: EngineCache, copier: BatchCopier, *, open_allocation=None,
-                      open_vmm=None) -> MappedSource:
+                      open_vmm=None, opened: OpenedObjects | None = None) -> MappedSource:
     """Open every allocation a remote rank's GPU regions lie in, once each, on the copier's GPU, and copy a
     few bytes of each: by CUDA IPC handle (:class:`DeviceShare`), or as a VMM allocation's fd the holder
     serves (:class:`VmmShare`, issue #56). Raises :class:`TransferError` when a region has neither, a
     handle does not open (another PID namespace, a freed allocation), a region does not fit, or the check
-    copy fails."""
+    copy fails. ``opened``: the VMM fds fetched before (off the data-plane thread); one it lacks is fetched
+    here."""
     open_allocation, open_vmm = open_allocation or open_ipc_allocation, open_vmm or open_vmm_share
     regions = [region for memory in cache.memory for region in memory]
     if cache.mem_type != "VRAM" or not regions or any(not isinstance(r.share, (DeviceShare, VmmShare))
@@ -79,17 +81,17 @@ def map_device_source(cache: EngineCache, copier: BatchCopier, *, open_allocatio
     # Close in this order: wait for the copies already on the stream, then the allocations they read.
     source = empty_source()
     source.closers.append(copier.synchronize)
-    opened: dict[bytes | str, IpcAllocation] = {}
+    allocations: dict[bytes | str, IpcAllocation] = {}
     try:
         for share in (region.share for region in regions):
-            if _key(share) not in opened:  # regions of one allocation share it
+            if _key(share) not in allocations:  # regions of one allocation share it
                 allocation = (_open(share, copier.device_id, open_allocation) if isinstance(share, DeviceShare)
-                              else open_vmm(share, copier.device_id))
-                opened[_key(share)] = allocation
+                              else _open_vmm(share, copier.device_id, open_vmm, opened))
+                allocations[_key(share)] = allocation
                 source.closers.append(allocation.close)
                 _check(copier, allocation, share)
-        source.place([(region, opened[_key(region.share)].base + region.share.offset,
-                       opened[_key(region.share)].num_bytes - region.share.offset) for region in regions])
+        source.place([(region, allocations[_key(region.share)].base + region.share.offset,
+                       allocations[_key(region.share)].num_bytes - region.share.offset) for region in regions])
     except BaseException:
         source.close()
         raise
@@ -98,6 +100,13 @@ def map_device_source(cache: EngineCache, copier: BatchCopier, *, open_allocatio
 
 def _key(share: DeviceShare | VmmShare) -> bytes | str:
     return share.ipc_handle if isinstance(share, DeviceShare) else share.token
+
+
+def _open_vmm(share: VmmShare, device_id: int, open_vmm, opened: OpenedObjects | None):
+    fd = opened.vmm_fd(share.token) if opened is not None else None
+    if fd is None:
+        return open_vmm(share, device_id)
+    return open_vmm(share, device_id, fetch=lambda _share: fd)  # (open_vmm_share closes it)
 
 
 def _open(share: DeviceShare, device_id: int, open_allocation) -> IpcAllocation:

@@ -150,10 +150,10 @@ def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObje
             fd = os.open(os.path.join(shm_dir, bare), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError as err:  # another IPC namespace, no permission, gone
             raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
-    elif opened is not None:
-        fd = opened.object_fd(identity, name)
     else:
-        fd = open_passed(share)
+        fd = opened.object_fd(identity, name) if opened is not None else None
+        if fd is None:
+            fd = open_passed(share)
     try:
         # Sealed first, sized after: once it cannot shrink, the size read is one it keeps. (tmpfs only: a
         # hole punched in hugetlbfs pages can still fault a load when the pool is empty.)

@@ -52,21 +52,38 @@ class OpenedObjects:
 
     objects: dict[tuple[int, int], int | str] = field(default_factory=dict)
     pidfds: dict[int, int | str] = field(default_factory=dict)
+    # GPU VMM allocations' fds by share token (fetched off the data-plane thread: vmmshare.fetch_shares);
+    # never sent to a worker
+    vmm_fds: dict[str, int | str] = field(default_factory=dict)
+    partial: bool = False  # True: what is missing here is opened by the reader itself (the daemon's own reads)
 
-    def object_fd(self, identity: tuple[int, int], name: str) -> int:
-        """A duplicate of the object's fd (the caller's to close); :class:`TransferError` saying why not."""
+    def object_fd(self, identity: tuple[int, int], name: str) -> int | None:
+        """A duplicate of the object's fd (the caller's to close); :class:`TransferError` saying why not;
+        None when this is ``partial`` and has none (the caller opens it)."""
+        if self.partial and identity not in self.objects:
+            return None
         return _dup(self.objects.get(identity, "the daemon did not open it for this process"),
                     f"cannot open shared-memory object {name!r}")
 
-    def pidfd(self, pid: int) -> int:
-        """A duplicate of the holder's pidfd (the caller's to close); :class:`TransferError` saying why not."""
+    def pidfd(self, pid: int) -> int | None:
+        """A duplicate of the holder's pidfd (the caller's to close); :class:`TransferError` saying why not;
+        None when this is ``partial`` and has none."""
+        if self.partial and pid not in self.pidfds:
+            return None
         return _dup(self.pidfds.get(pid, "the daemon did not open it for this process"), f"no pidfd of process {pid}")
 
+    def vmm_fd(self, token: str) -> int | None:
+        """A duplicate of a VMM allocation's fd (the caller's to close), :class:`TransferError` saying why
+        not, or None when none was fetched for it."""
+        if token not in self.vmm_fds:
+            return None
+        return _dup(self.vmm_fds[token], "cannot fetch the holder's GPU memory")
+
     def close(self) -> None:
-        for fd in (*self.objects.values(), *self.pidfds.values()):
+        for fd in (*self.objects.values(), *self.pidfds.values(), *self.vmm_fds.values()):
             if isinstance(fd, int):
                 os.close(fd)
-        self.objects, self.pidfds = {}, {}
+        self.objects, self.pidfds, self.vmm_fds = {}, {}, {}
 
     def message(self) -> tuple[dict, list[int]]:
         """As a command carries it, and the fds to send with it: ``[device, inode, fd index or why not]`` per
@@ -148,7 +165,7 @@ def open_passed_objects(remotes: Sequence[EngineCache], boards: Sequence = ()) -
     return opened
 
 
-def _proc_of(pid: int) -> int:
+def proc_of(pid: int) -> int:
     """``/proc/<pid>`` held open (a reused pid cannot stand in for it meanwhile), for a process of this
     user only: a root reader must not open another user's files for a holder."""
     try:
@@ -165,7 +182,7 @@ def _proc_of(pid: int) -> int:
 def holder_pidfd(pid: int) -> int:
     """A pidfd of the holder's process (readable once it exited): of the process ``/proc/<pid>`` names
     while it is held open, so not of a process that took over a reused pid."""
-    proc = _proc_of(pid)
+    proc = proc_of(pid)
     try:
         try:
             pidfd = os.pidfd_open(pid)
@@ -193,7 +210,7 @@ def open_passed(share: HostShare) -> int:
     driver's open runs), and the file must be a regular file in shared memory with the holder's
     ``st_dev``/``st_ino``; then it is reopened from that ``O_PATH`` fd."""
     identity, name = (share.device, share.inode), share.path
-    proc = _proc_of(share.holder_pid)
+    proc = proc_of(share.holder_pid)
     try:
         try:
             handle = os.open(f"fd/{int(share.holder_fd)}", os.O_PATH | os.O_CLOEXEC, dir_fd=proc)

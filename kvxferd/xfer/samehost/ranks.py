@@ -59,7 +59,8 @@ class SameHostOpener:
                 raise TransferError("same_host", f"no device copies here: {err.message}") from None
         if self.device_copier.broken:
             raise TransferError("same_host", f"no device copies any more: {self.device_copier.broken}")
-        return device_rank(map_device_source(remote, self.device_copier), rank_plan, self.device_copier)
+        return device_rank(map_device_source(remote, self.device_copier, opened=opened), rank_plan,
+                           self.device_copier)
 
     def close(self) -> None:
         if self.device_copier is not None:

@@ -121,11 +121,16 @@ def test_transport_path_gauge_follows_what_ucx_says_now(tmp_path, caplog):
         assert env["UCX_LOG_FILE"] == os.path.join(paths.directory, "ucx.%p.log")
     finally:
         paths.close()
+    import fcntl
     stale = tmp_path / "kvxferd-ucx-999999999-abc"
     stale.mkdir()
+    (stale / "daemon.lock").touch()
     (stale / "ucx.999999999.log").write_text(f"{PREFIX.rstrip()} x.c:1 UCX  ERROR Caught signal 11\n")
-    live = tmp_path / f"kvxferd-ucx-{os.getpid()}-abc"
+    live = tmp_path / "kvxferd-ucx-999999998-abc"  # a pid this namespace cannot see, its lock held: alive
     live.mkdir()
+    held = os.open(live / "daemon.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
     with caplog.at_level(logging.WARNING):
         remove_stale_directories(str(tmp_path))
+    os.close(held)
     assert not stale.exists() and live.exists() and "Caught signal 11" in caplog.text

@@ -19,7 +19,7 @@ import pytest
 from kvxferd.client.gpu import export_vmm
 from kvxferd.cuda.copies import BatchCopier
 from kvxferd.cuda.vmm import ShareableAllocator
-from kvxferd.errors import InvalidArgumentError, TransferError
+from kvxferd.errors import TransferError
 from kvxferd.plan.groups import VmmShare
 from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.service.engines.fdpass import FdInbox
@@ -62,7 +62,8 @@ def _shared_cache(engine, vmm, inbox, allocator) -> tuple:
 
 
 def test_vmm_share_survives_peer_info(cluster):
-    """What a holder names in same-host peer info is what the reader gets back; a malformed one is refused."""
+    """What a holder names in same-host peer info is what the reader gets back; a malformed one is dropped
+    (that region is read over NIXL, the handshake stands)."""
     engine = cluster.prefill[0]
     share = VmmShare("ab" * 16, "/run/kvxferd/gpu0.sock.fds", 4242, 0, engine.arena.nbytes + (1 << 21), UUID)
     memory = tuple(tuple(dataclasses.replace(r, share=dataclasses.replace(share, offset=r.address - engine.arena.ctypes.data))
@@ -75,8 +76,7 @@ def test_vmm_share_survives_peer_info(cluster):
         bad = type(message)()
         bad.CopyFrom(message)
         setattr(bad.groups[0].regions[0].handle, field, value)
-        with pytest.raises(InvalidArgumentError, match=field):
-            peer_memory_from_pb(bad)
+        assert peer_memory_from_pb(bad)[0][0].share is None
 
 
 def test_vmm_share_read_byte_exact_through_the_fetched_fd(cluster, holder, monkeypatch):
@@ -86,9 +86,9 @@ def test_vmm_share_read_byte_exact_through_the_fetched_fd(cluster, holder, monke
     monkeypatch.setattr(samehostranks, "BatchCopier", lambda device_id: BatchCopier(device_id, lib=driver))
     fetched = []
 
-    def open_share(share, device_id):
+    def open_share(share, device_id, **kwargs):
         fetched.append(share.token)
-        return vmmshare.open_vmm_share(share, device_id, lib=vmm)  # the real socket, the played import
+        return vmmshare.open_vmm_share(share, device_id, lib=vmm, **kwargs)  # the real socket, the played import
 
     monkeypatch.setattr(devicemaps, "open_vmm_share", open_share)
     executor = cluster.executors[0]
@@ -136,20 +136,52 @@ def test_vmm_share_control_withdrawn_or_wrong_token_is_refused(cluster, holder):
     copier.close()
 
 
-def test_vmm_share_offered_by_the_holder_until_its_mapping_closes(holder):
-    """The holder's side (engines/gpu.share_vmm): the region names a share its fd socket serves; closing the
-    mapping (deregistration) withdraws it before the fd closes."""
-    from kvxferd.service.engines.gpu import import_vmm, share_vmm
+def test_vmm_share_offered_by_the_holder_until_its_last_mapping_closes(holder):
+    """The holder's side (engines/gpu.VmmOffers): two regions of one allocation name one share, which its fd
+    socket serves until the second mapping closes (deregistration), then withdraws; the reader fetches it
+    once for both (fetch_shares, before connecting)."""
+    from kvxferd.service.engines.gpu import VmmOffers, import_vmm
 
     vmm, inbox, allocator = holder
     address = allocator.allocate(1 << 21)
     export = export_vmm(address, 1 << 21, lib=vmm)
-    mapping = import_vmm(os.dup(export.vmm_fd), 4096, 8192, 0, "r", allocation_bytes=export.allocation_bytes, lib=vmm)
-    share_vmm(mapping, export.vmm_fd, inbox, UUID)
-    share = mapping.memory.share
-    assert isinstance(share, VmmShare) and (share.offset, share.allocation_bytes, share.holder_pid) == \
-        (4096, 1 << 21, os.getpid()) and share.socket_path == inbox.path and share.token not in repr(share)
-    os.close(vmmshare.fetch_fd(share))
-    mapping.close()
+    offers, mappings = VmmOffers(inbox), []
+    for offset in (4096, 65536):
+        mapping = import_vmm(os.dup(export.vmm_fd), offset, 8192, 0, "r", allocation_bytes=export.allocation_bytes,
+                             lib=vmm)
+        offers.share(mapping, 0, lambda: os.dup(export.vmm_fd), UUID)
+        mappings.append(mapping)
+    first, second = (m.memory.share for m in mappings)
+    assert isinstance(first, VmmShare) and first.token == second.token and (first.offset, second.offset) == (4096, 65536)
+    assert (first.allocation_bytes, first.holder_pid, first.socket_path) == (1 << 21, os.getpid(), inbox.path)
+    assert first.token not in repr(first)
+    from kvxferd.plan.groups import EngineCache
+    remote = EngineCache.__new__(EngineCache)
+    object.__setattr__(remote, "mem_type", "VRAM")
+    object.__setattr__(remote, "memory", ((m.memory for m in mappings),))
+    fetched = vmmshare.fetch_shares([remote])
+    assert list(fetched) == [first.token] and isinstance(fetched[first.token], int)
+    os.close(fetched[first.token])
+    mappings[0].close()
+    os.close(vmmshare.fetch_fd(first))  # the other region still maps it: still served
+    mappings[1].close()
     with pytest.raises(TransferError, match="did not share"):
-        vmmshare.fetch_fd(share)
+        vmmshare.fetch_fd(first)
+    assert not offers.offered
+    os.close(export.vmm_fd)
+
+
+def test_vmm_share_reader_checks_who_answers(holder, tmp_path):
+    """The reader never connects by the bare path, only through the holder's /proc root, to an fd socket, and
+    only the holder itself may answer: a share naming another process, or another kind of socket, is refused."""
+    _vmm, inbox, _allocator = holder
+    share = VmmShare("ab" * 16, inbox.path, os.getpid(), 0, 1 << 21, UUID)
+    with pytest.raises(TransferError, match="not an fd socket"):
+        vmmshare.fetch_fd(dataclasses.replace(share, socket_path="/run/elsewhere.sock"))
+    with pytest.raises(TransferError, match="not one of this user's"):
+        vmmshare.fetch_fd(dataclasses.replace(share, holder_pid=1 << 22))
+    parent = os.getppid()
+    if os.path.exists(f"/proc/{parent}") and os.stat(f"/proc/{parent}").st_uid == os.geteuid():
+        # the parent's root is ours too: the socket is found, but the parent is not who answers there
+        with pytest.raises(TransferError, match="not the holder"):
+            vmmshare.fetch_fd(dataclasses.replace(share, holder_pid=parent))

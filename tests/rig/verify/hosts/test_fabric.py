@@ -114,7 +114,7 @@ def test_a_plaintext_daemon_on_a_host_address_refuses_to_start(hosts):
     assert "without authentication" in started.stderr
 
 
-def test_demo_across_two_hosts_is_byte_exact_over_the_link():
+def test_demo_across_two_hosts_is_byte_exact_and_names_the_transport_path():
     """Real engines and daemons on two namespaces, the policy on: every byte checked, every hold CONSUMED,
     and the bytes crossed the link (UCX's shared memory would not show on eth0)."""
     demo = subprocess.Popen([sys.executable, "-m", "kvxferd", "demo", "--hosts", "2", "--model", "gqa", "--requests",
