@@ -18,6 +18,7 @@ import time
 import pytest
 
 from kvxferd.client import DaemonProcess
+from kvxferd.rig.daemons import dataplane_workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_BLOCKS = 256  # 2 layers x 256 blocks x 32 KiB: 16 MiB of cache
@@ -25,9 +26,12 @@ DROP_S = 5.0
 
 
 def cache_mappings(daemon_pid: int, engine_pid: int) -> list[str]:
-    """The daemon's mappings of the engine's cache (torch names its shared memory torch_<pid>_...)."""
-    with open(f"/proc/{daemon_pid}/maps") as maps:
-        return [line for line in maps if f"torch_{engine_pid}_" in line]
+    """A daemon process's mappings of the engine's cache (torch names its shared memory torch_<pid>_...)."""
+    try:
+        with open(f"/proc/{daemon_pid}/maps") as maps:
+            return [line for line in maps if f"torch_{engine_pid}_" in line]
+    except FileNotFoundError:  # a worker that exited maps nothing
+        return []
 
 
 def shared_rss_bytes(pid: int) -> int:
@@ -74,6 +78,27 @@ def test_engine_death_unmaps_its_cache_within_seconds(daemon):
     assert rss_held - shared_rss_bytes(daemon.process.pid) >= 0.9 * cache_bytes
     assert wait_for(lambda: daemon.metric("kvxferd_engines_registered") == 0, 1.0) is not None
     assert "engine process exited" in daemon.tail()
+
+
+def test_engine_death_unmaps_its_cache_in_data_plane_workers_too(tmp_path):
+    """With data-plane workers, the workers map the engine's cache as well (from the daemon's copies of its
+    fds): every process of the daemon lets go of it within the 5 s."""
+    daemon = DaemonProcess("lifew", socket_dir=str(tmp_path),
+                           extra_args=("--dataplane-workers", "--dataplane-reader-workers"))
+    try:
+        engine, _ = start_engine(daemon, "dies-served")
+
+        def processes() -> list[int]:
+            return [daemon.process.pid, *dataplane_workers(daemon.process.pid)]
+
+        assert wait_for(lambda: len(processes()) == 3 and all(cache_mappings(p, engine.pid) for p in processes()),
+                        10.0) is not None, [(p, bool(cache_mappings(p, engine.pid))) for p in processes()]
+        engine.send_signal(signal.SIGKILL)
+        engine.wait()
+        assert wait_for(lambda: not any(cache_mappings(p, engine.pid) for p in processes()), DROP_S) is not None, \
+            [(p, len(cache_mappings(p, engine.pid))) for p in processes()]
+    finally:
+        daemon.terminate()
 
 
 def test_engine_death_control_without_its_own_pidfd_stays_mapped(daemon):

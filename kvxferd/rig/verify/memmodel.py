@@ -216,6 +216,39 @@ def _read(kind: str, metadata: bytes, address: int, deadline: float) -> dict:
             "gbps": round(NUM_BYTES / statistics.median(times[1:]) / 1e9, 2), "ucx_path": paths or ["not reported"]}
 
 
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _context_bytes_child(conn) -> None:
+    """In a fresh process: GPU 0's used bytes (NVML, which makes no context) before and after this process
+    makes the CUDA context a daemon makes (primary context, one small allocation)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        device, memory = ctypes.c_void_p(), _NvmlMemory()
+        nvml.nvmlInit_v2()
+        nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(device))
+        nvml.nvmlDeviceGetMemoryInfo(device, ctypes.byref(memory))
+        before = memory.used
+        lib, pointer = _context(), ctypes.c_uint64()
+        check_drv(lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(64)), "cuMemAlloc", "probe")
+        nvml.nvmlDeviceGetMemoryInfo(device, ctypes.byref(memory))
+        conn.send(memory.used - before)
+    except Exception as err:  # noqa: BLE001
+        conn.send(f"{type(err).__name__}: {err}"[:200])
+
+
+def context_bytes() -> int | str:
+    """What one CUDA context of a daemon costs on the GPU (bytes), or why it could not be told."""
+    spawn = multiprocessing.get_context("spawn")
+    parent, child = spawn.Pipe()
+    process = spawn.Process(target=_context_bytes_child, args=(child,))
+    process.start()
+    answer = parent.recv() if parent.poll(BUDGET_S) else "no answer"
+    process.join(5)
+    return answer
+
+
 def verdict(result: dict) -> str:
     """One line per candidate: what works, and whether a NIC and UCX's lane can serve it."""
     if "error" in result:
@@ -232,6 +265,9 @@ def main() -> int:
     if missing:
         print(f"memory-model probe: needs a CUDA GPU: {missing}", file=sys.stderr)
         return 2
+    context = context_bytes()
+    print("a daemon's CUDA context on GPU 0: " + (f"{context / 2**20:.0f} MiB (budget it next to vLLM's "
+                                                   "gpu_memory_utilization)" if isinstance(context, int) else context))
     results = [probe(kind) for kind in CANDIDATES]
     for result in results:
         print(verdict(result))

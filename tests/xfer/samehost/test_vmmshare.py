@@ -185,3 +185,25 @@ def test_vmm_share_reader_checks_who_answers(holder, tmp_path):
         # the parent's root is ours too: the socket is found, but the parent is not who answers there
         with pytest.raises(TransferError, match="not the holder"):
             vmmshare.fetch_fd(dataclasses.replace(share, holder_pid=parent))
+
+
+def test_vmm_share_fetched_before_connecting_is_the_one_mapped(cluster, holder):
+    """The daemon fetches the fds off the data-plane thread (fetch_shares) and connects with them: the map
+    uses the prefetched fd, not the socket (withdrawn meanwhile here), and a failed fetch is the rank's reason."""
+    from kvxferd.xfer.samehost.opened import OpenedObjects
+
+    vmm, inbox, allocator = holder
+    cache, token, _fd = _shared_cache(cluster.prefill[0], vmm, inbox, allocator)
+    opened = OpenedObjects(partial=True, vmm_fds=vmmshare.fetch_shares([cache]))
+    inbox.withdraw(token)
+    copier = BatchCopier(LOCAL_GPU, lib=FakeDriver())
+    open_vmm = lambda share, device, **kwargs: vmmshare.open_vmm_share(share, device, lib=vmm, **kwargs)  # noqa: E731
+    source = devicemaps.map_device_source(cache, copier, open_vmm=open_vmm, opened=opened)
+    source.close()
+    failed = OpenedObjects(partial=True, vmm_fds=vmmshare.fetch_shares([cache]))  # withdrawn: refused now
+    assert "did not share" in failed.vmm_fds[token]
+    with pytest.raises(TransferError, match="did not share"):
+        devicemaps.map_device_source(cache, copier, open_vmm=open_vmm, opened=failed)
+    opened.close()
+    failed.close()
+    copier.close()
