@@ -56,10 +56,13 @@ class TransportPaths:
                         "UCX takes")
             return {}
         remove_stale_directories()
-        self.directory = tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-")  # 0700: this daemon's alone
-        # Locked while this daemon lives: another daemon's clean-up (any PID namespace) leaves it alone.
-        self._lock_fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        # Made under another name, locked, then renamed: a directory under the prefix has its lock held from
+        # the start, and another daemon's clean-up (any PID namespace) leaves it alone while this one lives.
+        staging = tempfile.mkdtemp(prefix=f".{DIRECTORY_PREFIX}{os.getpid()}-")  # 0700: this daemon's alone
+        self._lock_fd = os.open(os.path.join(staging, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self.directory = os.path.join(os.path.dirname(staging), os.path.basename(staging)[1:])
+        os.rename(staging, self.directory)
         wanted = log_environment(self.directory, environ)
         self.ucx_log = UcxLog(environ.get("UCX_LOG_FILE") or wanted["UCX_LOG_FILE"])
         self.enabled = True

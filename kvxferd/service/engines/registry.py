@@ -247,9 +247,10 @@ class Registry:
                 os.close(fd)
         try:
             await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.add_slot(slot)))
-        except BaseException:
+        except BaseException:  # (a data plane that stopped): nothing of the registration may stay
             if process_fd is not None:
                 os.close(process_fd)
+            await asyncio.to_thread(self._discard, slot)
             raise
         self.slots[cache.engine_id] = slot
         if process_fd is not None:  # from now on the engine's exit takes the registration down (lifeline.py)
@@ -355,6 +356,16 @@ class Registry:
             raise
         slot.heartbeat()
         return slot
+
+    @staticmethod
+    def _discard(slot: EngineSlot) -> None:
+        """Take apart a slot that never served: its board, worker, NIXL registrations, then its memory (and
+        with it any VMM share it offered)."""
+        slot.holder.close()
+        if slot.served is not None:
+            slot.served.close()
+        slot.executor.close()
+        slot.close_memory()
 
     @staticmethod
     def _process_fd(message: pb.RegisterRequest, fds: list[int]) -> int | None:

@@ -32,8 +32,12 @@ def spawn_worker(channel_fd: int, *, role: str = "holder",
     and stdout /dev/null, so it cannot write the daemon's ready line; stderr a pipe, for NIXL's and its own
     log lines, which the supervisor relays as data: :mod:`kvxferd.service.workers.output`). ``role`` (holder or
     reader) shows in its command line, and it maps nothing of the other role."""
+    environment = worker_environment(os.environ if environ is None else environ)
+    log_directory = os.path.dirname(environment.get("UCX_LOG_FILE", ""))
+    if log_directory:  # UCX aborts a process whose log file cannot be opened: never for a directory gone
+        os.makedirs(log_directory, mode=0o700, exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "kvxferd.worker", "--channel-fd", str(channel_fd),
                              "--parent-pid", str(os.getpid()), "--role", role],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             pass_fds=(channel_fd,), close_fds=True,
-                            env=worker_environment(os.environ if environ is None else environ))
+                            env=environment)

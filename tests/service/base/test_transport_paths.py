@@ -134,3 +134,32 @@ def test_transport_path_gauge_follows_what_ucx_says_now(tmp_path, caplog):
         remove_stale_directories(str(tmp_path))
     os.close(held)
     assert not stale.exists() and live.exists() and "Caught signal 11" in caplog.text
+
+
+def test_transport_path_directories_of_daemons_starting_together_survive():
+    """Daemons that start at once each clean up dead daemons' directories: none removes a live one (the
+    soak across hosts, seed 66: a directory removed between its making and its lock; its workers' UCX
+    then aborted opening their log files)."""
+    import os
+    import threading
+
+    from kvxferd.service.base.transports import TransportPaths
+
+    for _ in range(5):
+        paths = [TransportPaths() for _ in range(8)]
+        start = threading.Barrier(len(paths))
+
+        def begin(p):
+            start.wait()
+            p.environment({})
+
+        threads = [threading.Thread(target=begin, args=(p,)) for p in paths]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        try:
+            assert all(os.path.isdir(p.directory) for p in paths)
+        finally:
+            for p in paths:
+                p.close()
