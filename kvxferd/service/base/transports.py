@@ -56,17 +56,30 @@ class TransportPaths:
                         "UCX takes")
             return {}
         remove_stale_directories()
-        # Made under another name, locked, then renamed: a directory under the prefix has its lock held from
-        # the start, and another daemon's clean-up (any PID namespace) leaves it alone while this one lives.
-        staging = tempfile.mkdtemp(prefix=f".{DIRECTORY_PREFIX}{os.getpid()}-")  # 0700: this daemon's alone
-        self._lock_fd = os.open(os.path.join(staging, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        self.directory = os.path.join(os.path.dirname(staging), os.path.basename(staging)[1:])
-        os.rename(staging, self.directory)
+        try:
+            self._make_directory()
+        except OSError as err:  # a read-only or full temporary directory: the daemon runs without the check
+            log.warning("transport self-check off: cannot make its directory in %s: %s", tempfile.gettempdir(),
+                        err.strerror or err)
+            return {}
         wanted = log_environment(self.directory, environ)
         self.ucx_log = UcxLog(environ.get("UCX_LOG_FILE") or wanted["UCX_LOG_FILE"])
         self.enabled = True
         return wanted
+
+    def _make_directory(self) -> None:
+        """Made under another name, locked, then renamed: a directory under the prefix has its lock held from
+        the start, and another daemon's clean-up (any PID namespace, a shared /tmp) leaves it alone while
+        this one lives."""
+        staging = tempfile.mkdtemp(prefix=f".{DIRECTORY_PREFIX}{os.getpid()}-")  # 0700: this daemon's alone
+        try:
+            self._lock_fd = os.open(os.path.join(staging, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            self.directory = os.path.join(os.path.dirname(staging), os.path.basename(staging)[1:])
+            os.rename(staging, self.directory)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
     def refresh(self, context: str = "") -> list[ReadPath]:
         """Read what UCX reported since last time; log and count new selections (``context``: what caused them)."""

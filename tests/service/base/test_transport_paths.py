@@ -9,6 +9,7 @@ hosts: tests/rig/verify/hosts/test_fabric.py.)
 from __future__ import annotations
 
 import functools
+import os
 import glob
 import json
 
@@ -163,3 +164,22 @@ def test_transport_path_directories_of_daemons_starting_together_survive():
         finally:
             for p in paths:
                 p.close()
+
+
+def test_transport_path_check_off_where_no_directory_can_be_made(tmp_path, monkeypatch, caplog):
+    """A read-only temporary directory turns the check off with a warning; the daemon is not stopped."""
+    import logging
+    import tempfile
+
+    from kvxferd.service.base.transports import TransportPaths
+
+    readonly = tmp_path / "ro"
+    readonly.mkdir(mode=0o500)
+    monkeypatch.setattr(tempfile, "tempdir", str(readonly))
+    paths = TransportPaths()
+    with caplog.at_level(logging.WARNING):
+        if os.geteuid() == 0:  # root writes anyway: make the directory call fail as a read-only mount would
+            monkeypatch.setattr(tempfile, "mkdtemp", lambda **kwargs: (_ for _ in ()).throw(OSError(30, "Read-only")))
+        assert paths.environment({}) == {}
+    assert not paths.enabled and paths.describe() == "unknown (transport self-check off)"
+    assert "transport self-check off: cannot make its directory" in caplog.text
