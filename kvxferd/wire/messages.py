@@ -28,7 +28,7 @@ IPC_HANDLE_BYTES = 64  # a bare cudaIpcMemHandle_t
 MAX_PID = 1 << 22  # Linux's pid_max limit
 MAX_FD = 1 << 30
 SHARE_TOKEN = re.compile(r"[0-9a-f]{32}")  # a VmmShare's token: 128 random bits in hex
-SHARE_SOCKET_MAX_BYTES = 80  # /proc/<pid>/root + this must fit a UNIX socket's 108-byte path
+SHARE_SOCKET_MAX_BYTES = 1024  # a VmmShare's socket path (reached through its directory: vmmshare.py)
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # nvidia-smi's form
 
 

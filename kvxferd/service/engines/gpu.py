@@ -112,7 +112,7 @@ class VmmOffers:
     (the engine's fd index), however many regions lie in it, served by the fd socket ``inbox`` while any of
     those regions' mappings lives, and withdrawn (its fd closed) with the last."""
 
-    MAX_SOCKET_BYTES = 80  # /proc/<pid>/root + the path must fit a UNIX socket's 108 bytes (wire/messages.py)
+    MAX_SOCKET_BYTES = 1024  # what a reader takes (wire/messages.py: SHARE_SOCKET_MAX_BYTES)
 
     def __init__(self, inbox) -> None:
         self.inbox = inbox
@@ -122,7 +122,7 @@ class VmmOffers:
         """Name ``mapping``'s allocation in its region's :class:`VmmShare` (``fd_source()``: a copy of the
         engine's fd, taken only the first time), and withdraw it when the mapping closes."""
         if len(self.inbox.path.encode()) > self.MAX_SOCKET_BYTES:
-            return  # too long to reach through /proc/<pid>/root: its readers read it over NIXL
+            return  # a path readers refuse: they read it over NIXL
         if index not in self.offered:
             token, fd = secrets.token_hex(16), fd_source()
             self.inbox.offer(token, fd)

@@ -40,10 +40,15 @@ def fetch_fd(share: VmmShare, timeout_s: float = FETCH_TIMEOUT_S) -> int:
         raise TransferError("same_host", "the holder's share socket is not an fd socket")
     proc = proc_of(share.holder_pid)
     deadline = time.monotonic() + timeout_s
+    directory = -1
     try:
+        # Through the socket's directory, held open: the path connect() is given stays short (a UNIX socket's
+        # path has 108 bytes), however deep the holder's socket lies.
+        parent, name = os.path.split(share.socket_path)
+        directory = os.open(f"/proc/self/fd/{proc}/root{parent}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout_s)
-            conn.connect(f"/proc/self/fd/{proc}/root{share.socket_path}")
+            conn.connect(f"/proc/self/fd/{directory}/{name}")
             pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                   struct.calcsize("3i")))
             if pid != share.holder_pid:
@@ -55,6 +60,8 @@ def fetch_fd(share: VmmShare, timeout_s: float = FETCH_TIMEOUT_S) -> int:
         raise TransferError("same_host", f"cannot reach the holder's fd socket: {err.strerror or err}") from None
     finally:
         os.close(proc)
+        if directory >= 0:
+            os.close(directory)
     if answer != b"ok" or len(fds) != 1:
         for fd in fds:
             os.close(fd)
