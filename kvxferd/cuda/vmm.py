@@ -166,27 +166,18 @@ class ShareableAllocator:
     def allocate(self, num_bytes: int) -> int:
         """A mapped, read-write device address of at least ``num_bytes`` (whole granules)."""
         lib, size = self.lib, -(-max(num_bytes, 1) // self.granularity) * self.granularity
-        handle, base = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        handle = ctypes.c_ulonglong()
         check_drv(lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self.prop),
                                   ctypes.c_ulonglong(0)), "cuMemCreate", "num_bytes")
         undo = [lambda: lib.cuMemRelease(handle)]
         try:
-            check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                              ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve",
-                      "num_bytes")
-            undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(size)))
-            check_drv(lib.cuMemMap(base, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)),
-                      "cuMemMap", "num_bytes")
-            undo.append(lambda: lib.cuMemUnmap(base, ctypes.c_size_t(size)))
-            access = AccessDesc(Location(CU_LOCATION_DEVICE, self.device_id), CU_ACCESS_READWRITE)
-            check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
-                      "cuMemSetAccess", "num_bytes")
+            base = map_whole(lib, handle, size, self.device_id, "num_bytes", undo)
         except BaseException:
             for step in reversed(undo):
                 step()
             raise
-        self.allocations[base.value] = (handle.value, size)
-        return base.value
+        self.allocations[base] = (handle.value, size)
+        return base
 
     def free(self, address: int) -> None:
         """Unmap and release an allocation of this allocator (the memory lives on while a daemon maps it)."""
@@ -210,36 +201,54 @@ class ImportedAllocation:
             self._undo.pop()()
 
 
-def import_allocation(fd: int, num_bytes: int, device_id: int, field: str, lib=None) -> ImportedAllocation:
-    """Import a POSIX-fd shareable handle (the caller keeps ``fd``) and map the whole allocation of
-    ``num_bytes`` on ``device_id``; the driver refuses a size that is not the allocation's."""
-    lib = lib or cuda(field)
+def make_current(lib, device_id: int, field: str) -> None:
+    """Make ``device_id``'s primary context current on this thread (a driver call that maps or copies needs one)."""
     check_drv(lib.cuInit(0), "cuInit", field)
     device, context = ctypes.c_int(), ctypes.c_void_p()
     check_drv(lib.cuDeviceGet(ctypes.byref(device), device_id), "cuDeviceGet", field)
     check_drv(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain", field)
     check_drv(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent", field)
-    handle, base = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+
+
+def map_whole(lib, handle: ctypes.c_ulonglong, num_bytes: int, device_id: int, field: str, undo: list,
+              refused=None) -> int:
+    """Reserve an address range, map all ``num_bytes`` of the allocation ``handle`` there and make it
+    read-write on ``device_id``: its address. Each step's undo is appended to ``undo`` (the caller runs them
+    in reverse). ``refused(code)``: the error for a cuMemMap the driver refuses (else a driver error)."""
+    base = ctypes.c_ulonglong()
+    check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(num_bytes), ctypes.c_size_t(0),
+                                      ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", field)
+    undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(num_bytes)))
+    code = lib.cuMemMap(base, ctypes.c_size_t(num_bytes), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
+    if code != 0 and refused is not None:
+        raise refused(code)
+    check_drv(code, "cuMemMap", field)
+    undo.append(lambda: lib.cuMemUnmap(base, ctypes.c_size_t(num_bytes)))
+    access = AccessDesc(Location(CU_LOCATION_DEVICE, device_id), CU_ACCESS_READWRITE)
+    check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(num_bytes), ctypes.byref(access), ctypes.c_size_t(1)),
+              "cuMemSetAccess", field)
+    return base.value
+
+
+def import_allocation(fd: int, num_bytes: int, device_id: int, field: str, lib=None) -> ImportedAllocation:
+    """Import a POSIX-fd shareable handle (the caller keeps ``fd``) and map the whole allocation of
+    ``num_bytes`` on ``device_id``; the driver refuses a size that is not the allocation's."""
+    lib = lib or cuda(field)
+    make_current(lib, device_id, field)
+    handle = ctypes.c_ulonglong()
     check_drv(lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), HANDLE_POSIX_FD),
               "cuMemImportFromShareableHandle", field)
     undo = [lambda: lib.cuMemRelease(handle)]  # run in reverse on failure, and by close()
+
+    def wrong_size(code: int) -> InvalidArgumentError:  # cuMemMap maps whole allocations only
+        return InvalidArgumentError(f"{field.rsplit('.', 1)[0]}.allocation_bytes", f"{num_bytes} bytes is not the "
+                                    f"size of the shared allocation (cuMemMap CUresult {code})")
+
     try:
         capabilities = allocation_capabilities(handle.value, lib, field)
-        check_drv(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(num_bytes), ctypes.c_size_t(0),
-                                          ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve", field)
-        undo.append(lambda: lib.cuMemAddressFree(base, ctypes.c_size_t(num_bytes)))
-        # cuMemMap maps whole allocations: any other size (a wrong allocation_bytes) is refused.
-        code = lib.cuMemMap(base, ctypes.c_size_t(num_bytes), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
-        if code != 0:
-            raise InvalidArgumentError(f"{field.rsplit('.', 1)[0]}.allocation_bytes",
-                                       f"{num_bytes} bytes is not the size of the shared allocation "
-                                       f"(cuMemMap CUresult {code})")
-        undo.append(lambda: lib.cuMemUnmap(base, ctypes.c_size_t(num_bytes)))
-        access = AccessDesc(Location(CU_LOCATION_DEVICE, device_id), CU_ACCESS_READWRITE)
-        check_drv(lib.cuMemSetAccess(base, ctypes.c_size_t(num_bytes), ctypes.byref(access), ctypes.c_size_t(1)),
-                  "cuMemSetAccess", field)
+        base = map_whole(lib, handle, num_bytes, device_id, field, undo, refused=wrong_size)
     except BaseException:
         for step in reversed(undo):
             step()
         raise
-    return ImportedAllocation(base.value, num_bytes, capabilities, undo)
+    return ImportedAllocation(base, num_bytes, capabilities, undo)

@@ -27,6 +27,8 @@ from kvxferd.client import DaemonProcess, EngineClient  # noqa: E402
 from kvxferd.client.fdsend import send_fds
 from kvxferd.wire.names import fd_socket_path  # noqa: E402
 from kvxferd.client.gpu import export_ipc  # noqa: E402
+from kvxferd.cuda.driver import AccessDesc, Location  # noqa: E402
+from kvxferd.cuda.vmm import AllocationProp, AllocFlags  # noqa: E402
 from kvxferd.rig.verify.buffers import allocate_engine, verify_decode  # noqa: E402
 from kvxferd.rig.verify.gpu import GpuEngine  # noqa: E402
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request  # noqa: E402
@@ -105,21 +107,8 @@ class _VmmAllocation:
         torch.zeros(1, device=f"cuda:{device_id}")  # the primary context, current on this thread
         self.cuda = cuda = ctypes.CDLL("libcuda.so.1")
 
-        class Location(ctypes.Structure):
-            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-        class Flags(ctypes.Structure):
-            _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                        ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-        class Prop(ctypes.Structure):
-            _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
-                        ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", Flags)]
-
-        class Access(ctypes.Structure):
-            _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
-        prop = Prop(1, 1, Location(1, device_id), None, Flags())  # pinned, POSIX fd, on the device
+        # pinned, POSIX fd, on the device (not RDMA-capable: a plain shareable allocation)
+        prop = AllocationProp(1, 1, Location(1, device_id), None, AllocFlags())
         granularity = ctypes.c_size_t()
         assert cuda.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(prop), 0) == 0
         self.size = -(-num_bytes // granularity.value) * granularity.value
@@ -134,7 +123,7 @@ class _VmmAllocation:
                                         ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)) == 0
         assert cuda.cuMemMap(self.address, ctypes.c_size_t(self.size), ctypes.c_size_t(0), self.handle,
                              ctypes.c_ulonglong(0)) == 0
-        access = Access(Location(1, device_id), 3)
+        access = AccessDesc(Location(1, device_id), 3)
         assert cuda.cuMemSetAccess(self.address, ctypes.c_size_t(self.size), ctypes.byref(access), ctypes.c_size_t(1)) == 0
 
     def copy(self, host: np.ndarray, to_device: bool) -> None:

@@ -31,6 +31,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 import numpy as np
 
 from kvxferd.cuda.driver import IpcHandle, check_drv, check_rt, cuda, cudart
+from kvxferd.cuda.vmm import make_current
 
 CANDIDATES = ("legacy_ipc", "vmm_fd", "daemon_owned")
 NUM_BYTES = 64 << 20
@@ -41,11 +42,7 @@ BUDGET_S = 25.0  # per candidate, all of it: three fit scripts/gpu-check.sh's li
 
 def _context(device_id: int = 0):
     lib = cuda("device_id")
-    check_drv(lib.cuInit(0), "cuInit", "device_id")
-    device, context = ctypes.c_int(), ctypes.c_void_p()
-    check_drv(lib.cuDeviceGet(ctypes.byref(device), device_id), "cuDeviceGet", "device_id")
-    check_drv(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain", "device_id")
-    check_drv(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent", "device_id")
+    make_current(lib, device_id, "device_id")
     return lib
 
 

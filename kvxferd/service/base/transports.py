@@ -112,13 +112,6 @@ class TransportPaths:
         for (memory, path), count in counts.items():  # a memory type outside the pairs above
             self.gauge.labels(memory, path).set(count)
 
-    def paths(self, memory: str = "host<-host", locality: str | None = None) -> list[str]:
-        """The bulk paths UCX chose for READs of ``memory`` so far (sorted, each once)."""
-        if self.ucx_log is None:
-            return []
-        return sorted({s.path for s in self.ucx_log.selections.values()
-                       if s.memory == memory and s.locality != "self" and locality in (None, s.locality)})
-
     def describe(self, agent: str | None = None) -> str:
         """Every READ path so far, one per memory pair and locality (of ``agent``'s UCX workers only: UCX
         names a worker by its agent, cut at 31 bytes, or a worker's agent by the slot's name and more)."""
