@@ -90,6 +90,15 @@ def test_bench_xfer_subcommand():
     assert figures["plan_build"]["descriptors_per_side"] == 2 * 2 * 100  # two prefill ranks read
 
 
+def test_bench_push_subcommand():
+    """Push vs pull on the data plane: both directions verified, each against its raw NIXL floor."""
+    run = kvxferd("bench", "push", "--rounds", "1", "--small-blocks", "1", "--bulk-blocks", "2", "--json")
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout)
+    assert figures["bulk"]["bytes"] == 16 * 2 * 64 * 1024  # 16 layers x 2 blocks of 64 KiB, every byte moved
+    assert figures["push_bulk_ratio"] > 0 and figures["read_bulk_ratio"] > 0
+
+
 def test_demo_exits_1_when_reads_fail():
     # A 100 us deadline cannot be met: every read fails (as data); the engine releases its holds.
     run = kvxferd("demo", "--json", "--model", "gqa", "--prefill-tp", "1", "--decode-tp", "1", "--requests", "2",

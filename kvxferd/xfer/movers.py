@@ -7,8 +7,8 @@
                                   │                     driver refused the batch: q over NIXL from now on
                                   └─ no ──────────────────────────► make_prepped_xfer READ, posted
 
-A push (a WRITE into the decode rank's blocks) is another mover for the same
-rank machine (:mod:`kvxferd.xfer.rankmachine`).
+A push (a WRITE into the decode rank's blocks, :class:`WriteMover`) is another mover for the same
+rank machine (:mod:`kvxferd.xfer.rankmachine`): over NIXL only, no same-host copy yet.
 """
 
 from __future__ import annotations
@@ -47,21 +47,41 @@ class ReadMover:
                 self.num_host_copies += 1
                 # GPU memory: a batch on the device, it ends when its event does; host memory: in already.
                 return Posted(copied if host_rank.on_device else None, copied_here=True)
-        transfer = None
-        try:
-            transfer = NixlTransfer(self.agent, self.agent.make_read(remote.local_lists[q], move.local_ids,
-                                                                     remote.remote_lists[q], move.remote_ids, b""))
-            state = self.agent.post(transfer.handle)
-        except NixlError as err:
-            if transfer is not None:
-                transfer.release()
-            return Posted(failure=TransferFailure(str(err), nixl_failure(err)))
-        if state is TransferState.ERR:
-            transfer.release()
-            return Posted(failure=TransferFailure("transfer: posting reported an error", ReadFailure.TRANSFER))
-        return Posted(transfer, waited=state is TransferState.PROC)
+        return post_nixl(self.agent.make_read, remote.local_lists[q], move.local_ids, remote.remote_lists[q],
+                         move.remote_ids, self.agent)
 
     def transfer_failed(self, failure: TransferFailure) -> None:
         if failure.context_lost:  # the device's context is poisoned: no GPU rank copies any more
             for remote in self._connections():
                 drop_all(remote, failure.context_lost, on_device_only=True)
+
+
+class WriteMover:
+    """Writes this rank's blocks into a target rank's (a push): the connection's local lists are this
+    cache's spans, its remote lists the target's (:class:`kvxferd.xfer.pushes.PushTarget`)."""
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self.agent = agent
+
+    def move(self, remote: RemoteEngine, q: int, move: RankRead) -> Posted:
+        return post_nixl(self.agent.make_write, remote.local_lists[q], move.local_ids, remote.remote_lists[q],
+                         move.remote_ids, self.agent)
+
+    def transfer_failed(self, failure: TransferFailure) -> None:
+        pass  # nothing is copied same-host on a push
+
+
+def post_nixl(make, local_list, local_ids, remote_list, remote_ids, agent: NixlAgent) -> Posted:
+    """Make a prepared transfer with ``make`` (the agent's make_read or make_write) and post it."""
+    transfer = None
+    try:
+        transfer = NixlTransfer(agent, make(local_list, local_ids, remote_list, remote_ids, b""))
+        state = agent.post(transfer.handle)
+    except NixlError as err:
+        if transfer is not None:
+            transfer.release()
+        return Posted(failure=TransferFailure(str(err), nixl_failure(err)))
+    if state is TransferState.ERR:
+        transfer.release()
+        return Posted(failure=TransferFailure("transfer: posting reported an error", ReadFailure.TRANSFER))
+    return Posted(transfer, waited=state is TransferState.PROC)

@@ -16,6 +16,7 @@ import numpy as np
 from kvxferd.layout.spans import SpanPairs
 from kvxferd.plan.descriptors import expand_rows
 from kvxferd.plan.engine import PlannedRead
+from kvxferd.plan.push import PlannedPush
 from kvxferd.rig.verify.buffers import EngineBuffers
 from kvxferd.rig.verify.oracle import apply_span_copies
 
@@ -36,3 +37,18 @@ def apply_planned_read(planned: PlannedRead, local: EngineBuffers, remotes: Sequ
         apply_span_copies(remote.arena, local.arena, pairs)
         copied += pairs.num_bytes
     return copied
+
+
+def apply_planned_push(planned: PlannedPush, writer: EngineBuffers, target: EngineBuffers) -> int:
+    """Copy every descriptor one writer rank's push moves into one target rank; returns the bytes copied."""
+    write = planned.write
+    if write is None:
+        return 0
+    writer_addr, writer_len = expand_rows(planned.plan.writer_rows)
+    target_addr, target_len = expand_rows(planned.plan.target_rows)
+    if not np.array_equal(writer_len[write.local_ids], target_len[write.remote_ids]):
+        raise ValueError(f"writer rank {writer.cache.tp_rank}: paired descriptors differ in length")
+    pairs = SpanPairs(target_addr[write.remote_ids] - target.base_address,
+                      writer_addr[write.local_ids] - writer.base_address, writer_len[write.local_ids])
+    apply_span_copies(writer.arena, target.arena, pairs)
+    return pairs.num_bytes

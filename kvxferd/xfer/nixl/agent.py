@@ -287,6 +287,11 @@ class NixlAgent:
         return self._call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ", local_list, local_ids,
                           remote_list, remote_ids, notification)
 
+    def make_write(self, local_list, local_ids: np.ndarray, remote_list, remote_ids: np.ndarray, notification: bytes):
+        """A WRITE of local descriptors into the remote ones (a push, issue #57)."""
+        return self._call("make_prepped_xfer", self._agent.make_prepped_xfer, "WRITE", local_list, local_ids,
+                          remote_list, remote_ids, notification)
+
     def post(self, handle) -> "TransferState":
         """Post a transfer; its state right after."""
         return TransferState(self._call("transfer", self._agent.transfer, handle))

@@ -1,0 +1,111 @@
+"""Push over real NIXL (issue #57): prefill ranks WRITE into the blocks decode ranks expect, byte-exact.
+
+The mirror of ``test_matrix.py``: each case runs a prefill and a decode engine with one NIXL agent
+per rank (UCX, loopback, host memory); decode ranks expect two requests in turn (a full one, then a
+prefix-cache hit with a sliding window and scattered ids), prefill ranks push them, every decode
+byte is checked against the oracle and every expectation must end CONSUMED.
+"""
+
+import numpy as np
+import pytest
+
+from kvxferd.plan.leases import HoldEndKind
+from kvxferd.plan.push import PushRequest
+from kvxferd.rig.verify.models import MODELS, model_groups, random_request
+from kvxferd.rig.verify.pushcluster import PushCluster
+from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.holder import NoticeEvent
+
+from tests.sampling import covering
+from tests.xfer.test_matrix import SHAPES, TP_PAIRS
+
+
+@pytest.mark.parametrize("pair, model, shape", covering(TP_PAIRS, MODELS, list(SHAPES),
+                                                        ids=lambda pair, model, shape: f"P{pair[0]}D{pair[1]}-{model}-{shape}"))
+def test_nixl_pushes_are_byte_exact(pair, model, shape):
+    p, d = pair
+    prefill_groups, decode_groups = model_groups(model, SHAPES[shape])
+    rng = np.random.default_rng(p * 10 + d)
+    requests = [random_request("full", prefill_groups, decode_groups, 70, rng),
+                random_request("hit", prefill_groups, decode_groups, 90, rng, cached_tokens=32, window_tokens=24,
+                               contiguous=False)]
+    with PushCluster(prefill_groups, decode_groups, p, d, name=f"push-{model}-{shape}-{p}-{d}") as cluster:
+        for request in requests:
+            cluster.reset_decode()
+            results = cluster.push(request, cluster.expect(request))
+            assert [r.error for r in results if not r.ok] == []
+            for r in range(d):
+                end = cluster.holder_thread.wait_end(r, request.remote_request_id, timeout_s=10)
+                assert end is not None and end.kind is HoldEndKind.CONSUMED and not end.failed_readers, f"decode {r}: {end}"
+            assert cluster.check(request) == []
+        counts = [(h.counts[NoticeEvent.BAD], h.counts[NoticeEvent.FOREIGN], h.counts[NoticeEvent.LATE],
+                   h.counts[NoticeEvent.UNSEALED]) for h in cluster.expectations]
+        assert counts == [(0, 0, 0, 0)] * d
+
+
+def cluster_and_request(name, p=2, d=2, model="gqa"):
+    prefill_groups, decode_groups = model_groups(model, SHAPES["blocks_32_to_16"])
+    request = random_request("r", prefill_groups, decode_groups, 70, np.random.default_rng(3))
+    return PushCluster(prefill_groups, decode_groups, p, d, name=name), request
+
+
+def test_a_push_into_an_expectation_that_ended_writes_nothing():
+    """The decode side released its expectation (an abort): every writer finds no tag on the board and
+    writes nothing; no expectation is consumed."""
+    cluster, request = cluster_and_request("push-released")
+    with cluster:
+        cluster.reset_decode()
+        capabilities = cluster.expect(request)
+        for holder in cluster.expectations:
+            with holder.lock:
+                holder.holds.release(request.remote_request_id)
+        results = cluster.push(request, capabilities)
+        assert results and all(not r.ok and r.failure is ReadFailure.STALE for r in results if r.num_descriptors)
+        assert cluster.decode_untouched()
+        assert cluster.holder_thread.wait_end(0, request.remote_request_id, timeout_s=0.5) is None
+
+
+def test_a_push_sealed_by_another_capability_is_refused_and_writes_nothing():
+    """A capability the decode rank never minted (another transfer's, or made up) has no tag on its board:
+    nothing is written, and its notice counts for nothing."""
+    cluster, request = cluster_and_request("push-forged")
+    with cluster:
+        cluster.reset_decode()
+        cluster.expect(request)
+        forged = tuple(bytes(16) for _ in cluster.expectations)
+        results = cluster.push(request, forged)
+        assert all(not r.ok and r.failure is ReadFailure.STALE for r in results if r.num_descriptors)
+        assert cluster.decode_untouched()
+
+
+def test_a_push_of_another_prompts_kv_is_caught_by_the_oracle():
+    """Negative control of the byte check: the writers push other prefill blocks into the expected ones."""
+    cluster, request = cluster_and_request("push-other", p=1, d=1)
+    other = random_request("o", cluster.prefill_groups, cluster.decode_groups, 70, np.random.default_rng(9))
+    with cluster:
+        cluster.reset_decode()
+        capabilities = cluster.expect(request)
+        swapped = type(request)(request.request_id, request.remote_request_id, request.local_block_ids,
+                                other.remote_block_ids, request.num_tokens)
+        assert all(r.ok for r in cluster.push(swapped, capabilities))
+        assert cluster.check(request) != []
+
+
+def test_a_failed_writer_is_named_when_the_expectation_ends():
+    """A writer whose WRITE failed notifies failed: the expectation ends naming it among the failed
+    writers, so the decode side fails the transfer (the engine recomputes) instead of completing it."""
+    cluster, request = cluster_and_request("push-failed", p=1, d=1)
+    with cluster:
+        capabilities = cluster.expect(request)
+        pusher = cluster.pushers[0]
+        target = pusher.target(cluster.decode_id)
+        push = PushRequest(request.remote_request_id, request.local_block_ids, request.remote_block_ids,
+                           capabilities[0], request.num_tokens)
+        inflight = pusher.post(target, pusher.plan(target, 0, push))
+        result = pusher.abort(inflight, "test: aborted")
+        while result is None:
+            result = pusher.poll(inflight)
+        assert not result.ok
+        pusher.send_notice(inflight, 0)
+        end = cluster.holder_thread.wait_end(0, request.remote_request_id, timeout_s=10)
+        assert end is not None and end.failed_readers == ((cluster.prefill_id, 0),)
