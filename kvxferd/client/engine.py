@@ -232,6 +232,17 @@ class EngineClient:
                                                 remote_block_ids, num_tokens=num_tokens, deadline_s=deadline_s,
                                                 remote_capabilities=remote_capabilities)])
 
+    def submit_push(self, request_id: str, remote_engine_id: str, transfer_id: str, local_block_ids, *,
+                    num_tokens: int = 0, deadline_s: float = 0.0) -> None:
+        """Expect a push (issue #57): the prefill ranks of ``remote_engine_id`` WRITE into ``local_block_ids`` (per
+        cache group: only the blocks this engine does not hold already) once their engine holds
+        ``transfer_id``; the completion comes as a read's, when every prefill rank wrote or the push failed
+        (every block invalid). Needs a handshake with the prefill engine first, as a read does."""
+        spec = self.read_spec(request_id, remote_engine_id, transfer_id, local_block_ids,
+                              tuple(() for _ in local_block_ids), num_tokens=num_tokens, deadline_s=deadline_s)
+        spec.push = True
+        self.reads.submit_reads([spec])
+
     @staticmethod
     def read_spec(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids, remote_block_ids,
                   *, num_tokens: int = 0, deadline_s: float = 0.0, remote_capabilities: Sequence[bytes] = ()) -> pb.ReadSpec:

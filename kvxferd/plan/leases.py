@@ -202,5 +202,13 @@ class HoldTable:
         if self.board is not None:
             self.board.remove(entry.tag)
 
+    def lookup(self, request_id: str, now: float) -> tuple[tuple, bytes] | None:
+        """A live hold's ``(block ids, capability)``; None when ``request_id`` is not held (or its lease ran
+        out): a push writes only blocks held now."""
+        entry = self._holds.get(request_id)
+        if entry is None or entry.expires_s <= now:
+            return None
+        return entry.block_ids, entry.capability
+
     def request_ids(self) -> list[str]:
         return list(self._holds)

@@ -173,6 +173,20 @@ class DaemonCluster(DecodeChecks):
         self.submit(request)
         return self.completions(request, timeout_s)
 
+    def push(self, request: ReadRequest, timeout_s: float = 30.0, *, hold_first: bool = False,
+             deadline_s: float = 0.0) -> list[pb.Completion]:
+        """Push (issue #57): every decode rank expects ``request`` (its decode blocks, the transfer id
+        ``remote_request_id``), every prefill rank holds it (first, with ``hold_first``; else after the
+        expectations went out, as a concurrent dispatch would); the decode completions."""
+        if hold_first:
+            self.hold(request)
+        for client in self.decode_clients:
+            client.submit_push(request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
+                               num_tokens=request.num_tokens or 0, deadline_s=deadline_s)
+        if not hold_first:
+            self.hold(request)
+        return self.completions(request, timeout_s)
+
     def hold_events(self, request: ReadRequest, timeout_s: float = 10.0) -> list[pb.NotifyEvent | None]:
         """The terminal event (CONSUMED or EXPIRED) of every prefill rank for ``request``."""
         return [s.wait_for(request.remote_request_id, timeout_s=timeout_s) for s in self.subscribers]

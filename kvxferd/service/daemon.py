@@ -58,6 +58,7 @@ from kvxferd.service.base.metrics import Metrics
 from kvxferd.service.peers.links import Peers, RemoteLink
 from kvxferd.service.engines.read import Read
 from kvxferd.service.reads.path import ReadPath
+from kvxferd.service.reads.writer import WritePath
 from kvxferd.service.net.readsock import ReadSocketServer
 from kvxferd.service.net.servicers import EngineServicer, PeerServicer
 from kvxferd.service.engines.slots import EngineSlot
@@ -104,6 +105,7 @@ class Daemon:
         self.engine_token = read_token(config.engine_token_file) if config.engine_token_file else None
         self.socket_path = config.engine_socket_path
         self.reads = ReadPath(self)
+        self.writes = WritePath(self)  # push, prefill side (issue #57)
         self.sessions = WorkerSessions(self)  # reads sessions handed to reader workers
         self.dataplane = DataPlane(self._reads_done_threadsafe, self._hold_events_threadsafe,
                                    interval_s=config.poll_interval_s,
@@ -297,8 +299,15 @@ class Daemon:
         """Publish a hold event on the bus (event-loop thread)."""
         self._publish_all([(slot, end)])
 
+    def held(self, slot: EngineSlot, request_id: str) -> None:
+        """A hold was placed: the pushes waiting for it start once the Hold was answered (issue #57)."""
+        self._loop.call_soon(self.writes.on_hold, slot, request_id)
+
     def _publish_all(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
-        """A round's hold events on the bus, in order, then counted."""
+        """A round's hold events on the bus, in order, then counted. An expectation's end (push, decode
+        side) completes its read instead."""
+        if any(slot.expected for slot, _ in events):
+            events = [(slot, end) for slot, end in events if not self.reads.expects.ended(slot, end)]
         self.bus.publish_many([(slot.engine_id, end.kind.value, end.request_id, end.block_ids, end.reason)
                                for slot, end in events])
         for _, end in events:

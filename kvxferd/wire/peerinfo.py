@@ -63,10 +63,11 @@ class PeerInfo:
     cache: EngineCache
     board: BoardInfo
     same_host_proof: str = ""  # with shared-memory names: the holder's proof (kvxferd.wire.samehost)
+    writer_agent_name: str = ""  # push (issue #57): whose notices say this rank's writes ended
 
 
 def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, board: BoardInfo, *,
-                same_host_proof: str = "") -> pb.EngineInfoReply:
+                same_host_proof: str = "", writer_agent_name: str = "") -> pb.EngineInfoReply:
     """The holder's answer to ``GetEngineInfo``; ``same_host_proof``: the reader proved it shares this host
     (kvxferd.wire.samehost), and gets the names of the shared-memory objects to map itself, with the
     holder's own proof."""
@@ -74,7 +75,8 @@ def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, boa
     info = pb.EngineInfo(incarnation=incarnation, agent_metadata=agent_metadata,
                          engine=engine_to_pb(cache, with_addresses=True, with_shares=same_host),
                          hold_board=pb.HoldBoard(address=board.address, num_buckets=board.num_buckets),
-                         hold_key=board.hold_key, same_host_proof=same_host_proof)
+                         hold_key=board.hold_key, same_host_proof=same_host_proof,
+                         writer_agent_name=writer_agent_name)
     if same_host and board.share is not None:  # the board's memfd, mapped by the reader to check holds
         host_share_to_pb(board.share, info.hold_board.share)
     return pb.EngineInfoReply(protocol_version=PROTOCOL_VERSION, compatibility_hash=compatibility_hash(cache),
@@ -97,7 +99,8 @@ def decode_info(reply: pb.EngineInfoReply, local: EngineCache) -> PeerInfo:
     remote = engine_from_pb(info.engine, peer_memory_from_pb(info.engine))
     if compatibility_hash(remote) != reply.compatibility_hash:  # an envelope that does not match its payload
         raise LayoutMismatchError("compatibility_hash", f"peer model [{model_facts(remote)}] vs local [{model_facts(local)}]")
-    return PeerInfo(info.incarnation, info.agent_metadata, remote, decode_board(info), info.same_host_proof)
+    return PeerInfo(info.incarnation, info.agent_metadata, remote, decode_board(info), info.same_host_proof,
+                    info.writer_agent_name)
 
 
 def _facts_of(reply: pb.EngineInfoReply) -> str:

@@ -2,9 +2,9 @@
 
 ::
 
-    connect(target ranks' caches + agent metadata + boards)   once per target (decode) engine
-      PushPlan per target rank this rank notifies             pure, validated (plan/push.py)
-      add_remote x T (data and notice agent); prep_xfer_dlist x 3 per written rank
+    connect(target rank's cache + agent metadata + board)     once per target (decode) rank
+      PushPlan, if this rank notifies that target rank         pure, validated (plan/push.py)
+      add_remote (data and notice agent); prep_xfer_dlist x 3 when it writes
     post(target, rank d, PushRequest)                         runs on the reads' rank machine:
       check d's board for the expectation's tag  ─ none ─►    stale, nothing written
       WRITE (this cache's spans -> d's spans)
@@ -50,9 +50,9 @@ from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, ReadTim
 
 @dataclass(eq=False)
 class PushTarget:
-    """A connected target engine, seen from one writer rank. Per target rank: its plan and agent; per
-    rank written: the prepared lists (this cache's spans, the target's, the target's board). Shaped as
-    the rank machine's connection (``local_lists`` ... ``host_ranks``)."""
+    """A connected target rank, seen from one writer rank: its plan and agent and, when this rank writes
+    to it, the prepared lists (this cache's spans, the target's, the target's board). Keyed by the target
+    rank as the rank machine's connection is (``local_lists`` ... ``host_ranks``)."""
 
     engine_id: str
     plans: dict[int, PushPlan]  # target rank -> plan, for every target rank this writer notifies
@@ -72,64 +72,71 @@ class PushExecutor:
         self.reads = reads
         self.agent, self.cache, self.notices, self.lock = reads.agent, reads.cache, reads.notices, reads.lock
         self.machine = RankMachine(reads.checks, WriteMover(reads.agent))
-        self.targets: dict[str, PushTarget] = {}
+        self.targets: dict[tuple[str, int], PushTarget] = {}  # by (target engine id, target rank)
         self.abort_drain_s = reads.abort_drain_s
         self.num_notices_sent = 0
 
     # ---- connections -------------------------------------------------------
-    def connect(self, targets: Sequence[EngineCache], metadata: Sequence[bytes],
-                boards: Sequence[BoardInfo]) -> PushTarget:
-        """Plan and prepare writes into a target engine (one cache, agent metadata and board per rank). A bad
-        target leaves nothing behind; connecting again replaces the earlier connection."""
-        if not targets:
-            raise InvalidArgumentError("targets", "need the cache of every target rank")
+    def connect(self, target: EngineCache, metadata: bytes, board: BoardInfo) -> PushTarget | None:
+        """Plan and prepare writes into one target rank (its cache, agent metadata and board); None when this
+        rank holds nothing that target rank needs. A bad target leaves nothing behind; connecting the same
+        target rank again replaces the earlier connection."""
+        with self.lock:
+            plan = PushPlan(self.cache, target)
+            if not plan.notifies:
+                return None
+            d, key = target.tp_rank, (target.engine_id, target.tp_rank)
+            if key in self.targets:
+                self.disconnect(key)
+            connection = PushTarget(target.engine_id, {d: plan}, {})
+            try:
+                name = self.agent.add_remote(metadata, "target.agent_metadata")
+                connection.agent_names[d] = name
+                connection.loaded.append((self.agent, name))
+                self.notices.add_remote(metadata, "target.agent_metadata")
+                connection.loaded.append((self.notices, name))
+                self.notices.connect_to(name)
+                if plan.writes:
+                    connection.local_lists[d] = self.agent.prep_local(plan.writer_rows, self.cache.mem_type)
+                    connection.remote_lists[d] = self.agent.prep_remote(name, plan.target_rows, target.mem_type)
+                    connection.board_lists[d] = self.agent.prep_remote(
+                        name, board_rows(board.address, board.num_buckets), "DRAM")
+                    connection.board_buckets[d] = board.num_buckets
+            except BaseException:
+                self._release(connection)
+                raise
+            self.targets[key] = connection
+            return connection
+
+    def connect_engine(self, targets: Sequence[EngineCache], metadata: Sequence[bytes],
+                       boards: Sequence[BoardInfo]) -> dict[int, PushTarget]:
+        """:meth:`connect` every rank of a target engine; the connections by target rank (those this rank
+        notifies)."""
         if not len(targets) == len(metadata) == len(boards):
             raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata and {len(boards)} boards for "
                                                    f"{len(targets)} target ranks")
-        with self.lock:
-            plans = {d: plan for d, plan in ((d, PushPlan(self.cache, t)) for d, t in enumerate(targets)) if plan.notifies}
-            engine_id = targets[0].engine_id
-            if engine_id in self.targets:
-                self.disconnect(engine_id)
-            target = PushTarget(engine_id, plans, {})
-            try:
-                for d, plan in plans.items():
-                    name = self.agent.add_remote(metadata[d], f"metadata[{d}]")
-                    target.agent_names[d] = name
-                    target.loaded.append((self.agent, name))
-                    self.notices.add_remote(metadata[d], f"metadata[{d}]")
-                    target.loaded.append((self.notices, name))
-                    self.notices.connect_to(name)
-                    if plan.writes:
-                        target.local_lists[d] = self.agent.prep_local(plan.writer_rows, self.cache.mem_type)
-                        target.remote_lists[d] = self.agent.prep_remote(name, plan.target_rows, targets[d].mem_type)
-                        target.board_lists[d] = self.agent.prep_remote(
-                            name, board_rows(boards[d].address, boards[d].num_buckets), "DRAM")
-                        target.board_buckets[d] = boards[d].num_buckets
-            except BaseException:
-                self._release(target)
-                raise
-            self.targets[engine_id] = target
-            return target
+        connected = {t.tp_rank: self.connect(t, m, b) for t, m, b in zip(targets, metadata, boards)}
+        return {d: c for d, c in connected.items() if c is not None}
 
-    def target(self, engine_id: str) -> PushTarget:
-        """The current connection to a target engine; :class:`NotFoundError` when there is none."""
+    def target(self, engine_id: str, target_rank: int) -> PushTarget:
+        """The current connection to a target rank; :class:`NotFoundError` when there is none."""
         try:
-            return self.targets[engine_id]
+            return self.targets[(engine_id, target_rank)]
         except KeyError:
-            raise NotFoundError("engine_id", f"no connection to target engine {engine_id!r}") from None
+            raise NotFoundError("engine_id", f"no connection to rank {target_rank} of target engine "
+                                             f"{engine_id!r}") from None
 
-    def disconnect(self, engine_id: str) -> None:
-        """Forget a target engine (its lists and agents)."""
+    def disconnect(self, key: tuple[str, int]) -> None:
+        """Forget a target rank, by (engine id, rank): its lists and agents."""
         with self.lock:
-            target = self.targets.pop(engine_id, None)
+            target = self.targets.pop(key, None)
             if target is not None:
                 self._release(target)
 
     def close(self) -> None:
         with self.lock:
-            for engine_id in list(self.targets):
-                self.disconnect(engine_id)
+            for key in list(self.targets):
+                self.disconnect(key)
 
     def _release(self, target: PushTarget) -> None:
         for lists in (target.local_lists, target.remote_lists, target.board_lists):

@@ -98,7 +98,7 @@ def test_a_failed_writer_is_named_when_the_expectation_ends():
     with cluster:
         capabilities = cluster.expect(request)
         pusher = cluster.pushers[0]
-        target = pusher.target(cluster.decode_id)
+        target = pusher.target(cluster.decode_id, 0)
         push = PushRequest(request.remote_request_id, request.local_block_ids, request.remote_block_ids,
                            capabilities[0], request.num_tokens)
         inflight = pusher.post(target, pusher.plan(target, 0, push))

@@ -252,7 +252,7 @@ class Completion(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., check_s: _Optional[float] = ...) -> None: ...
 
 class ReadSpec(_message.Message):
-    __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend", "remote_capabilities")
+    __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend", "remote_capabilities", "push")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class ReadSpec(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     RESEND_FIELD_NUMBER: _ClassVar[int]
     REMOTE_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     remote_engine_id: str
     remote_request_id: str
@@ -275,7 +276,8 @@ class ReadSpec(_message.Message):
     deadline_s: float
     resend: bool
     remote_capabilities: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    push: bool
+    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ..., push: _Optional[bool] = ...) -> None: ...
 
 class ReadBatch(_message.Message):
     __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds", "control", "renewals", "releases")
@@ -458,20 +460,22 @@ class EngineInfoReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("incarnation", "agent_metadata", "engine", "hold_board", "hold_key", "same_host_proof")
+    __slots__ = ("incarnation", "agent_metadata", "engine", "hold_board", "hold_key", "same_host_proof", "writer_agent_name")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     HOLD_BOARD_FIELD_NUMBER: _ClassVar[int]
     HOLD_KEY_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_PROOF_FIELD_NUMBER: _ClassVar[int]
+    WRITER_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_metadata: bytes
     engine: EngineRank
     hold_board: HoldBoard
     hold_key: bytes
     same_host_proof: str
-    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ..., hold_key: _Optional[bytes] = ..., same_host_proof: _Optional[str] = ...) -> None: ...
+    writer_agent_name: str
+    def __init__(self, incarnation: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine: _Optional[_Union[EngineRank, _Mapping]] = ..., hold_board: _Optional[_Union[HoldBoard, _Mapping]] = ..., hold_key: _Optional[bytes] = ..., same_host_proof: _Optional[str] = ..., writer_agent_name: _Optional[str] = ...) -> None: ...
 
 class HoldBoard(_message.Message):
     __slots__ = ("address", "num_buckets", "share")
@@ -520,3 +524,27 @@ class IncarnationReply(_message.Message):
     incarnation: str
     reader_known: bool
     def __init__(self, incarnation: _Optional[str] = ..., reader_known: _Optional[bool] = ...) -> None: ...
+
+class ExpectRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "transfer_id", "target", "target_block_ids", "num_tokens", "capability", "deadline_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    transfer_id: str
+    target: EngineInfoReply
+    target_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    capability: bytes
+    deadline_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., transfer_id: _Optional[str] = ..., target: _Optional[_Union[EngineInfoReply, _Mapping]] = ..., target_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class ExpectReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

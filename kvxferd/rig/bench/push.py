@@ -44,7 +44,7 @@ def _measure(num_layers: int, num_blocks: int, rounds: int) -> dict:
         executor = pull.executors[0]
         read_raw = _raw_lists(executor.agent.raw, executor.remote(pull.prefill_id), request, reading=True)
         pusher = push.pushers[0]
-        write_raw = _raw_lists(pusher.agent.raw, pusher.target(push.decode_id), request, reading=False)
+        write_raw = _raw_lists(pusher.agent.raw, pusher.target(push.decode_id, 0), request, reading=False)
         num_bytes = 0
         for i in range(rounds + 1):  # round 0 warms every path up
             start = time.perf_counter()

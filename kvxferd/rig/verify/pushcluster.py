@@ -70,7 +70,7 @@ class PushCluster(DecodeChecks):
         metadata = [agent.metadata() for agent in self.decode_agents]
         boards = [holder.board for holder in self.expectations]
         for pusher in self.pushers:
-            pusher.connect(caches, metadata, boards)
+            pusher.connect_engine(caches, metadata, boards)
 
     def expect(self, request: ReadRequest, lease_s: float = EXPECT_LEASE_S) -> tuple[bytes, ...]:
         """Every decode rank expects ``request``'s decode blocks; each rank's capability."""
@@ -81,8 +81,7 @@ class PushCluster(DecodeChecks):
         notifies; the results, one per (prefill rank, decode rank) pair."""
         posted = []
         for pusher in self.pushers:
-            target = pusher.target(self.decode_id)
-            for d in sorted(target.plans):
+            for (_, d), target in sorted(pusher.targets.items()):
                 push = PushRequest(request.remote_request_id, request.local_block_ids, request.remote_block_ids,
                                    capabilities[d], request.num_tokens)
                 posted.append((pusher, d, pusher.post(target, pusher.plan(target, d, push))))

@@ -87,6 +87,9 @@ class DaemonConfig(BaseSettings):
     max_hold_s: float = Field(1800.0, gt=0, description="longest a request's blocks may stay held in all, renewals "
                               "included (s); then the hold ends EXPIRED")
     max_deadline_s: float = Field(600.0, gt=0, description="longest read deadline an engine may ask for (s)")
+    push_settle_s: float = Field(1.0, ge=0, le=60, description="push (decode side): how long a failed "
+                                 "push's blocks stay away from the engine after its expectation ended, for a "
+                                 "prefill WRITE that passed its board check just before to land (s)")
     max_engines: int = Field(64, ge=1, description="engine ranks registered on this daemon at once")
     max_holds_per_engine: int = Field(100_000, ge=1, le=10_000_000, description="requests one engine rank may hold at "
                                       "once; sizes its hold board (16-32 bytes of registered memory per hold)")

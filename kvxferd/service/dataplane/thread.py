@@ -255,6 +255,8 @@ class DataPlane:
                 self._slots.remove(slot)
             self._notices_seen.pop(id(slot), None)
             slot.holder.close()
+            if slot.push_executor is not None:
+                slot.push_executor.close()
             slot.executor.close()
 
     # ---- the thread ----------------------------------------------------------------

@@ -35,6 +35,9 @@ class HoldingParts(Protocol):
     def publish(self, slot: "EngineSlot", end) -> None:
         """Publish a hold's end on the notify bus."""
 
+    def held(self, slot: "EngineSlot", request_id: str) -> None:
+        """A hold was placed: pushes waiting for it may start (after this call's answer)."""
+
 
 def check_block_ids(lists, slot: "EngineSlot", field: str) -> tuple[np.ndarray, ...]:
     """Block ids per cache group of ``slot``'s engine, each in range (typed error naming ``field``)."""
@@ -68,6 +71,8 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
     if len(slot.holds) == 1:
         daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         daemon.wake_maintenance()  # and from the idle tick to the lease tick
+    if slot.expectations:
+        daemon.held(slot, request.request_id)
     return capability
 
 

@@ -26,6 +26,8 @@ from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.readers import ReaderTable
 from kvxferd.xfer.backend import ReadBackend
+from kvxferd.xfer.pushes import PushExecutor
+from kvxferd.xfer.reads import ReadExecutor
 
 if TYPE_CHECKING:
     from kvxferd.service.engines.read import Read
@@ -57,6 +59,12 @@ class EngineSlot:
     process_watch: object = None  # a ProcessWatch of the engine's process (engines/lifeline.py), if it passed one
     served: WorkerServed | None = None  # a data-plane worker serves this rank to peers (dataplane_workers)
     worker_reads_in_flight: int = 0  # its reader worker's, when it serves the engine's session (as it says)
+    # Push (issue #57), loop side. As a decode rank: transfer id -> the engine's push read, completed when its
+    # expectation (a hold of its blocks) ends. As a prefill rank: transfer id -> {(target engine, rank):
+    # Expectation} waiting for this engine's hold or being written (service/reads/writer.py).
+    expected: dict = field(default_factory=dict)
+    expectations: dict = field(default_factory=dict)
+    push_executor: PushExecutor | None = None  # made on the first push (pusher)
 
     @property
     def engine_id(self) -> str:
@@ -66,6 +74,20 @@ class EngineSlot:
     def reader_worker(self):
         """Its reader worker (``WorkerReadBackend``: dataplane_reader_workers), or None."""
         return self.served.reader if self.served is not None else None
+
+    @property
+    def pusher(self) -> PushExecutor | None:
+        """What writes this rank's blocks into decode ranks (built on its read executor); None when its
+        reads run elsewhere (a reader worker): push is not built for that yet."""
+        if self.push_executor is None and isinstance(self.executor, ReadExecutor) and self.served is None:
+            self.push_executor = PushExecutor(self.executor)
+        return self.push_executor
+
+    @property
+    def writer_agent_name(self) -> str:
+        """The agent whose notices end this rank's writes ("": this rank does not push)."""
+        pusher = self.pusher
+        return pusher.notices.name if pusher is not None else ""
 
     @property
     def holds(self) -> HoldTable:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvxferd.service.engines.slots import EngineSlot
     from kvxferd.service.net.bus import NotifyBus
     from kvxferd.service.reads.path import ReadPath
+    from kvxferd.service.reads.writer import WritePath
     from kvxferd.service.net.sessions import WorkerSessions
 
 
@@ -29,6 +30,7 @@ class DaemonParts(HoldingParts, ReadPathParts, Protocol):
     dataplane: DataPlane
     bus: NotifyBus
     reads: ReadPath
+    writes: WritePath  # push, prefill side (issue #57)
     sessions: WorkerSessions  # reads sessions handed to reader workers
     addresses: dict[str, str]
     engine_token: str | None

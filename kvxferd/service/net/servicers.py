@@ -269,7 +269,8 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         proof = (holder_proof(secret, address, request.same_host_token)
                  if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
         incarnation, metadata, cache, board = slot.peer_view(expiry_s)
-        return encode_info(incarnation, metadata, cache, board, same_host_proof=proof)
+        return encode_info(incarnation, metadata, cache, board, same_host_proof=proof,
+                           writer_agent_name=slot.writer_agent_name)
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str, peer: str = "") -> None:
         """Record which NIXL agent this reader's notices come from, by the name its metadata carries.
@@ -321,6 +322,14 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         known = bool(request.reader_engine_id) and slot.readers.refresh(
             (request.reader_engine_id, request.reader_tp_rank), identity)
         return pb.IncarnationReply(incarnation=slot.peer_incarnation(), reader_known=known)
+
+    @rpc
+    async def Expect(self, request, context):
+        """Push (issue #57): a decode rank's daemon names the blocks this prefill rank writes once its
+        engine holds the transfer (service/reads/writer.py)."""
+        self._authorize(context)
+        await self.daemon.writes.expect(self.daemon.registry.slot(request.engine_id), request)
+        return pb.ExpectReply()
 
     @rpc
     async def RenewLeases(self, request, context):

@@ -56,6 +56,7 @@ class RemoteLink:
     pending: asyncio.Future | None = field(default=None, repr=False)
     pending_addresses: tuple[str, ...] = ()
     checked_s: float = 0.0  # monotonic: the last probe a read's capability asked for (at most one a second)
+    writer_agents: tuple[str, ...] = ()  # per remote rank: whose notices end its pushes ("": it does not push)
     failed_rehandshakes: int = 0  # in a row, by the probes (the first is a warning, the rest debug lines)
     retry_s: float = 0.0  # monotonic: the probes' next re-handshake of this stale link (backing off)
     # Told whenever ``ready`` turns (engine id, ready): the reader worker serving the engine's session posts on
@@ -294,6 +295,7 @@ class Peers:
             probe_s = await self._probe(slot, link.remote, addresses)
             # The probe was the link's first READ: UCX has chosen (and reported) its path by now.
             self.transports.refresh(f"handshake of {slot.engine_id} with {link.remote_engine_id}")
+            link.writer_agents = tuple(info.writer_agent_name for info in infos)
             link.incarnations, link.stale = incarnations, slot.notices_metadata is not introduced
             link.failed_rehandshakes, link.retry_s = 0, 0.0
             self.metrics.handshake_duration.labels("ok").observe(time.perf_counter() - start)

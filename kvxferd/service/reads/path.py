@@ -39,6 +39,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.dataplane.thread import INLINE_MAX_BYTES
 from kvxferd.service.engines.read import Read, ReadState, refused_completion
 from kvxferd.service.engines.slots import EngineSlot
+from kvxferd.service.reads.expect import ExpectPath
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
 from kvxferd.xfer.admission import admit, check_ids
 from kvxferd.xfer.handles import ReadFailure
@@ -66,6 +67,12 @@ class ReadPathParts(Protocol):
     def probe_soon(self, slot: EngineSlot, link: RemoteLink) -> None:
         """Ask the remote engine's ranks for their incarnations soon (rate-limited per link)."""
 
+    def wake_maintenance(self) -> None:
+        """Something to expire appeared: back to the short maintenance tick now."""
+
+    def publish(self, slot: EngineSlot, end) -> None:
+        """Publish a hold's end on the notify bus (event-loop thread)."""
+
 STALE_LINK_FAILURES = frozenset({ReadFailure.TRANSFER, ReadFailure.REMOTE_GONE, ReadFailure.DEADLINE})
 
 
@@ -74,6 +81,7 @@ class ReadPath:
 
     def __init__(self, daemon: ReadPathParts) -> None:
         self.daemon = daemon
+        self.expects = ExpectPath(daemon, self.done)  # push, decode side (issue #57)
         self._inline_left = INLINE_MAX_BYTES  # bytes the current batch may still post on the loop
         # Each read observes one of these: looked up once (labels() takes a lock and a dict walk per call).
         self._durations = {ok: daemon.metrics.read_duration.labels("ok" if ok else "failed") for ok in (True, False)}
@@ -169,7 +177,10 @@ class ReadPath:
             if spec.resend and (spec.request_id in slot.reads or slot.completions.has(spec.request_id)):
                 continue  # the first send arrived; its completion is on its way
             try:
-                self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
+                if spec.push:
+                    self.expects.submit(slot, spec, received_s)
+                else:
+                    self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
             except KvxferError as err:
                 if len(slot.reads) + len(slot.completions) >= 2 * config.max_reads_per_engine:
                     # Even refusals are not read: end the session instead of queueing more.
