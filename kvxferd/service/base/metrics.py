@@ -107,6 +107,10 @@ class Metrics:
         self.read_failures = Counter("kvxferd_read_failures", "failed reads by kind", ["kind"], registry=r)
         self.same_host_copies = Counter("kvxferd_same_host_copies", "remote ranks' parts of reads copied from a "
                                         "same-host holder's shared memory instead of read over NIXL", registry=r)
+        self.push_writes = Counter("kvxferd_push_writes", "push (issue #57), prefill side: writes into a decode "
+                                   "rank's expected blocks, by outcome", ["outcome"], registry=r)
+        self.push_bytes = Counter("kvxferd_push_bytes", "push, prefill side: bytes written into decode ranks' blocks",
+                                  registry=r)
         self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",
                                             ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.leases_expired = Counter("kvxferd_leases_expired", "holds whose lease ran out unread", registry=r)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -45,7 +45,25 @@ from kvxferd.xfer.holder import Reader
 from kvxferd.xfer.records import ReadResult
 
 if TYPE_CHECKING:
-    from kvxferd.service.reads.path import ReadPathParts
+    from kvxferd.service.base.config import DaemonConfig
+    from kvxferd.service.dataplane.thread import DataPlane
+    from kvxferd.service.engines.registry import Registry
+    from kvxferd.service.peers.links import Peers
+
+
+class ExpectParts(Protocol):
+    """What the decode side of a push uses of the daemon (the read path's parts are these and more)."""
+
+    config: DaemonConfig
+    registry: Registry
+    dataplane: DataPlane
+    peers: Peers
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run a coroutine in the background, cancelled at shutdown."""
+
+    def wake_maintenance(self) -> None:
+        """Something to expire appeared: back to the short maintenance tick now."""
 
 WRITER_IDENTITY = "push"  # the readers table's identity of introduced writers (this daemon introduced them)
 
@@ -53,7 +71,7 @@ WRITER_IDENTITY = "push"  # the readers table's identity of introduced writers (
 class ExpectPath:
     """Expectations of the engine ranks registered here, and their completions."""
 
-    def __init__(self, daemon: "ReadPathParts", done: Callable[[list[Read]], None]) -> None:
+    def __init__(self, daemon: ExpectParts, done: Callable[[list[Read]], None]) -> None:
         """``done``: the read path's books of ended reads (completions, metrics)."""
         self.daemon, self._done = daemon, done
 

@@ -191,8 +191,11 @@ class WritePath:
                 pusher.notices.notify(expectation.connection.agent_names[expectation.target_rank], notice.encode())
             except KvxferError:
                 pass
+        metrics = self.daemon.metrics
+        metrics.push_writes.labels("ok" if ok else "failed").inc()
         if ok:
             self.num_written += 1
+            metrics.push_bytes.inc(result.num_bytes)
         _, capability = held
         expected = expected_readers(slot.cache, expectation.target_tp_size)
         notice = ReadNotice(expectation.transfer_id, expectation.target_engine_id, expectation.target_rank, expected, ok,
