@@ -108,6 +108,7 @@ class Daemon:
         self.writes = WritePath(self)  # push, prefill side (issue #57)
         self.sessions = WorkerSessions(self)  # reads sessions handed to reader workers
         self.dataplane = DataPlane(self._reads_done_threadsafe, self._hold_events_threadsafe,
+                                   on_expectations=self._expectations_threadsafe,
                                    interval_s=config.poll_interval_s,
                                    notice_interval_s=config.notice_poll_interval_s, metrics=self.metrics)
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
@@ -317,6 +318,9 @@ class Daemon:
 
     def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
         self._loop.call_soon_threadsafe(self._publish_all, events)
+
+    def _expectations_threadsafe(self, records: list) -> None:
+        self._loop.call_soon_threadsafe(self.writes.expect_records, records)
 
     def _reads_done_threadsafe(self, finished: list[Read]) -> None:
         self._loop.call_soon_threadsafe(self.reads.done, finished)

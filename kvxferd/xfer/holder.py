@@ -50,6 +50,7 @@ from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.capability import HOLD_KEY_BYTES
 from kvxferd.plan.leases import FAILED, HoldEnd, HoldTable
+from kvxferd.plan.expectrecord import ExpectRecord
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.boardmemory import BoardMemory
 from kvxferd.xfer.nixl.agent import NixlAgent
@@ -226,6 +227,19 @@ class Holder:
         if outcome is not None and outcome.end is not None:
             events.append(outcome.end)
         return events
+
+    def expectation(self, sender: str, message: bytes) -> ExpectRecord | None:
+        """A push's expectation (:mod:`kvxferd.plan.expectrecord`) from the agent introduced for its decode
+        rank, or None (counted: undecodable ``BAD``, from any other agent ``FOREIGN``)."""
+        try:
+            record = ExpectRecord.decode(message)
+        except InvalidArgumentError:
+            self.counts.add(NoticeEvent.BAD)
+            return None
+        if self.readers.sender_reader((record.reader_engine_id, record.reader_rank), sender) is None:
+            self.counts.add(NoticeEvent.FOREIGN)
+            return None
+        return record
 
     def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float | None = None) -> bytes:
         """Start holding a request's blocks for its readers (its tag goes onto the board first); the capability."""

@@ -40,7 +40,7 @@ from kvxferd.plan.notifications import ReadNotice
 from kvxferd.plan.push import PlannedPush, PushPlan, PushRequest
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.movers import WriteMover
-from kvxferd.xfer.nixl.agent import NixlError
+from kvxferd.xfer.nixl.agent import NixlError, TransferState
 from kvxferd.xfer.nixl.checks import board_rows
 from kvxferd.xfer.rankmachine import RankMachine
 from kvxferd.xfer.rankstate import RankTransfer
@@ -117,6 +117,28 @@ class PushExecutor:
                                                    f"{len(targets)} target ranks")
         connected = {t.tp_rank: self.connect(t, m, b) for t, m, b in zip(targets, metadata, boards)}
         return {d: c for d, c in connected.items() if c is not None}
+
+    def start_warm_up(self, target: PushTarget):
+        """Post one READ of the target rank's board (the first check a push does): UCX sets the connection up
+        on its first transfer (up to a second here), paid now instead of by the first push. The posted check
+        (poll :meth:`warm_up_done`), or None when this rank writes nothing there."""
+        with self.lock:
+            d = next(iter(target.plans))
+            if d not in target.board_lists:
+                return None
+            posted = self.reads.checks.post(target.board_lists[d], target.board_buckets[d], 1)
+            return posted[0] if posted is not None else None
+
+    def warm_up_done(self, check, *, give_up: bool = False) -> bool:
+        """Whether the warm-up check ended (released then); True for None. ``give_up``: released anyway (its
+        slot waits in the check area's quarantine until the READ ended)."""
+        if check is None:
+            return True
+        with self.lock:
+            if check.state() is TransferState.PROC and not give_up:
+                return False
+            check.release()
+            return True
 
     def target(self, engine_id: str, target_rank: int) -> PushTarget:
         """The current connection to a target rank; :class:`NotFoundError` when there is none."""

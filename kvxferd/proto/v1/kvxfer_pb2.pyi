@@ -430,7 +430,7 @@ class MissedEventsReply(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[NotifyEvent, _Mapping]]] = ..., last_seq: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class EngineInfoRequest(_message.Message):
-    __slots__ = ("engine_id", "protocol_version", "tp_rank", "reader_engine_id", "reader_tp_rank", "reader_agent_metadata", "reader_tp_size", "same_host_token")
+    __slots__ = ("engine_id", "protocol_version", "tp_rank", "reader_engine_id", "reader_tp_rank", "reader_agent_metadata", "reader_tp_size", "same_host_token", "reader_target")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +439,7 @@ class EngineInfoRequest(_message.Message):
     READER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     READER_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    READER_TARGET_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     protocol_version: int
     tp_rank: int
@@ -447,7 +448,8 @@ class EngineInfoRequest(_message.Message):
     reader_agent_metadata: bytes
     reader_tp_size: int
     same_host_token: str
-    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_rank: _Optional[int] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_agent_metadata: _Optional[bytes] = ..., reader_tp_size: _Optional[int] = ..., same_host_token: _Optional[str] = ...) -> None: ...
+    reader_target: EngineInfoReply
+    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_rank: _Optional[int] = ..., reader_engine_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_agent_metadata: _Optional[bytes] = ..., reader_tp_size: _Optional[int] = ..., same_host_token: _Optional[str] = ..., reader_target: _Optional[_Union[EngineInfoReply, _Mapping]] = ...) -> None: ...
 
 class EngineInfoReply(_message.Message):
     __slots__ = ("protocol_version", "compatibility_hash", "payload")
@@ -524,27 +526,3 @@ class IncarnationReply(_message.Message):
     incarnation: str
     reader_known: bool
     def __init__(self, incarnation: _Optional[str] = ..., reader_known: _Optional[bool] = ...) -> None: ...
-
-class ExpectRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "transfer_id", "target", "target_block_ids", "num_tokens", "capability", "deadline_s")
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    TP_RANK_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    TARGET_FIELD_NUMBER: _ClassVar[int]
-    TARGET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
-    engine_id: str
-    tp_rank: int
-    transfer_id: str
-    target: EngineInfoReply
-    target_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    num_tokens: int
-    capability: bytes
-    deadline_s: float
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., transfer_id: _Optional[str] = ..., target: _Optional[_Union[EngineInfoReply, _Mapping]] = ..., target_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., deadline_s: _Optional[float] = ...) -> None: ...
-
-class ExpectReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...

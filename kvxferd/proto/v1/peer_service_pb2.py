@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvxferd.proto.v1 import kvxfer_pb2 as kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvxferd/proto/v1/peer_service.proto\x12\tkvxfer.v1\x1a\x1dkvxferd/proto/v1/kvxfer.proto2\xf0\x02\n\x0bPeerService\x12\x43\n\tChallenge\x12\x1b.kvxfer.v1.ChallengeRequest\x1a\x19.kvxfer.v1.ChallengeReply\x12I\n\rGetEngineInfo\x12\x1c.kvxfer.v1.EngineInfoRequest\x1a\x1a.kvxfer.v1.EngineInfoReply\x12L\n\x0eGetIncarnation\x12\x1d.kvxfer.v1.IncarnationRequest\x1a\x1b.kvxfer.v1.IncarnationReply\x12G\n\x0bRenewLeases\x12\x1c.kvxfer.v1.RenewLeaseRequest\x1a\x1a.kvxfer.v1.RenewLeaseReply\x12:\n\x06\x45xpect\x12\x18.kvxfer.v1.ExpectRequest\x1a\x16.kvxfer.v1.ExpectReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvxferd/proto/v1/peer_service.proto\x12\tkvxfer.v1\x1a\x1dkvxferd/proto/v1/kvxfer.proto2\xb4\x02\n\x0bPeerService\x12\x43\n\tChallenge\x12\x1b.kvxfer.v1.ChallengeRequest\x1a\x19.kvxfer.v1.ChallengeReply\x12I\n\rGetEngineInfo\x12\x1c.kvxfer.v1.EngineInfoRequest\x1a\x1a.kvxfer.v1.EngineInfoReply\x12L\n\x0eGetIncarnation\x12\x1d.kvxfer.v1.IncarnationRequest\x1a\x1b.kvxfer.v1.IncarnationReply\x12G\n\x0bRenewLeases\x12\x1c.kvxfer.v1.RenewLeaseRequest\x1a\x1a.kvxfer.v1.RenewLeaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxferd.proto.v1.peer_servi
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PEERSERVICE']._serialized_start=82
-  _globals['_PEERSERVICE']._serialized_end=450
+  _globals['_PEERSERVICE']._serialized_end=390
 # @@protoc_insertion_point(module_scope)

@@ -54,11 +54,6 @@ class PeerServiceStub:
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseReply.FromString,
                 _registered_method=True)
-        self.Expect = channel.unary_unary(
-                '/kvxfer.v1.PeerService/Expect',
-                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ExpectRequest.SerializeToString,
-                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ExpectReply.FromString,
-                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -91,13 +86,6 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Expect(self, request, context):
-        """Push (issue #57): write these blocks of the caller's engine once this engine holds the transfer.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,11 +108,6 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.RenewLeases,
                     request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseRequest.FromString,
                     response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseReply.SerializeToString,
-            ),
-            'Expect': grpc.unary_unary_rpc_method_handler(
-                    servicer.Expect,
-                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ExpectRequest.FromString,
-                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ExpectReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -235,33 +218,6 @@ class PeerService:
             '/kvxfer.v1.PeerService/RenewLeases',
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseRequest.SerializeToString,
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Expect(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvxfer.v1.PeerService/Expect',
-            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ExpectRequest.SerializeToString,
-            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.ExpectReply.FromString,
             options,
             channel_credentials,
             insecure,

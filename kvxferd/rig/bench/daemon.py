@@ -1,6 +1,6 @@
 """Through the daemons vs raw NIXL, in one run, on the same bytes; both engine transports side by side.
 
-    kvxferd bench daemon [--quick] [--json] [--mtls] [--no-grpc-stream] [--no-same-host]
+    kvxferd bench daemon [--quick] [--json] [--mtls] [--no-grpc-stream] [--no-same-host] [--no-push]
 
 Two ``kvxferd serve`` processes (prefill rank, decode rank) over loopback;
 the engines' caches are shared memory owned by this process. The raw
@@ -24,6 +24,10 @@ the decode daemon copying from the prefill engine's shared memory itself
 (``same_host``, issue #37; both daemons on this host), each against the
 same raw NIXL baseline.
 
+The push path (issue #57, ``daemon_push.py``): the decode daemon expects, the
+prefill daemon WRITEs once its engine holds; bulk and 300/s against raw NIXL
+WRITE on the same descriptors (``push_bulk_ratio``, ``push_p50_overhead_us_300``).
+
 ``--mtls`` adds the socket path with the peer ports on mutual TLS (a
 throw-away CA), plain and TLS alternating (plain, TLS, TLS, plain; means
 of two): bytes move over NIXL, so TLS should cost the bulk nothing.
@@ -38,6 +42,7 @@ import tempfile
 
 from kvxferd.rig.bench.common import bench_main
 from kvxferd.rig.bench.daemon_paths import Tls, bulk, overhead
+from kvxferd.rig.bench.daemon_push import push_figures
 
 # issue 12's targets on a 2-core machine: (key, comparison, value, label)
 TARGETS = (("p50_overhead_us_300", "<=", 500.0, "end to end p50 over raw NIXL at 300 req/s (us)"),
@@ -73,16 +78,19 @@ def one_path(workdir: str, *, rounds: int, bulk_layers: int, bulk_blocks: int,
 
 
 def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
-        grpc_stream: bool = True, same_host: bool = True, hosts: bool = False) -> dict:
+        grpc_stream: bool = True, same_host: bool = True, hosts: bool = False, push: bool = True) -> dict:
     """The socket path's figures over NIXL at the top level; the same path with same-host copies under
     ``"same_host"`` (its two targets also flat: ``same_host_bulk_ratio``, ``same_host_p50_overhead_us_300``);
     the gRPC stream's under ``"stream"``, TLS under ``"mtls"``.
-    ``hosts``: only the socket path, its daemons on two namespace hosts (``"hosts": true``)."""
+    ``hosts``: only the socket path, its daemons on two namespace hosts (``"hosts": true``). ``push``: the
+    push path's keys too (issue #57: ``push_bulk_ratio``, ``push_p50_overhead_us_300``, over NIXL)."""
     sizes = sizes or (QUICK if quick else FULL)
     if hosts:
-        return _across_hosts(sizes)
+        return _across_hosts(sizes, push)
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
         figures = one_path(workdir, **sizes)
+        if push:
+            figures.update(push_figures(workdir, sizes))
         if same_host:
             figures["same_host"] = one_path(workdir, same_host=True, **sizes)
             for key in SAME_HOST_KEYS:
@@ -94,14 +102,17 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
     return figures
 
 
-def _across_hosts(sizes: dict) -> dict:
+def _across_hosts(sizes: dict, push: bool) -> dict:
     """The socket path with the daemons on two network namespaces, raw NIXL across the same link."""
     from kvxferd.rig.hosts import BenchHosts
 
     with tempfile.TemporaryDirectory(prefix="kvxb") as workdir:
         placement = BenchHosts(workdir)
         try:
-            return {**one_path(workdir, tls=placement, **sizes), "hosts": True}
+            figures = {**one_path(workdir, tls=placement, **sizes), "hosts": True}
+            if push:
+                figures.update(push_figures(workdir, sizes, placement))
+            return figures
         finally:
             placement.close()
 
@@ -147,6 +158,8 @@ def format_table(f: dict) -> str:
         text += "\n\nsocket path, same-host copies instead of NIXL (issue 37):\n" + _format_one(f["same_host"])
     if stream:
         text += "\n\nstream path (Reads batches on the gRPC stream):\n" + _format_one(stream)
+    if "push_bulk" in f:
+        text += "\n\n" + _format_push(f)
     if "mtls" in f:
         p, t = f["mtls"]["plain"], f["mtls"]["tls"]
         text += (f"\n\nmutual TLS on the peer ports (socket path; plain vs TLS): bulk ratio {p['bulk']['ratio']:.3f} vs "
@@ -154,6 +167,19 @@ def format_table(f: dict) -> str:
                  f"{t['overhead']['end_to_end']['p50_us']:.0f} us; handshake {p['bulk']['handshake_ms']:.2f} vs "
                  f"{t['bulk']['handshake_ms']:.2f} ms")
     return text
+
+
+def _format_push(f: dict) -> str:
+    """The push path (issue #57) against raw NIXL WRITE, next to the read's figures above."""
+    b, o = f["push_bulk"], f["push_overhead"]
+    return "\n".join([
+        "push path (decode expects, prefill daemon WRITEs; timed from the prefill engine's Hold):",
+        f"  bulk {b['bytes'] / 2**20:.0f} MiB: raw NIXL WRITE {b['raw_write_gbps']:.2f} GB/s ({b['raw_write_ms']:.1f} ms)"
+        f"   push {b['push_gbps']:.2f} GB/s ({b['push_ms']:.1f} ms)   push_bulk_ratio {b['ratio']:.3f}",
+        f"  {o['requests']} pushes of {o['bytes_per_request'] / 2**10:.0f} KiB at {o['rate_per_s']:.0f}/s (achieved "
+        f"{o['achieved_rate_per_s']:.0f}/s), {o['failed']:g} failed: hold -> delivered p50 "
+        f"{o['end_to_end']['p50_us']:.0f} us, p99 {o['end_to_end']['p99_us']:.0f} us; raw WRITE p50 "
+        f"{o['raw_write']['p50_us']:.0f} us; push_p50_overhead_us_300 {f['push_p50_overhead_us_300']:.0f}"])
 
 
 def _verdict(value: float, op: str, goal: float) -> str:
@@ -200,6 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", action="store_true", help="only the socket path, with the daemons on two "
                         "network namespaces (root): mutual TLS, the chart's NetworkPolicy, UCX over TCP; raw NIXL "
                         "across the same link")
+    parser.add_argument("--no-push", action="store_true", help="skip the push path (issue #57)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -208,7 +235,7 @@ def run_args(args: argparse.Namespace) -> int:
 
     try:
         figures = run(quick=args.quick, mtls=args.mtls, grpc_stream=not args.no_grpc_stream,
-                      same_host=not args.no_same_host, hosts=args.hosts)
+                      same_host=not args.no_same_host, hosts=args.hosts, push=not args.no_push)
     except HostsUnavailable as err:
         print(f"kvxferd bench daemon: {err}", file=sys.stderr)
         return 2

@@ -32,13 +32,14 @@ def prepare_raw(raw_agent, remote_agent_name: str, rank_plan: RankPlan, read: Ra
     return local, remote, np.arange(len(read.local_ids), dtype=np.int32)
 
 
-def read_all(transfers, notification: bytes = b"") -> float:
-    """Post every ``(raw_agent, local list, remote list, ids)`` READ before polling any; seconds until all are done.
+def read_all(transfers, notification: bytes = b"", op: str = "READ") -> float:
+    """Post every ``(raw_agent, local list, remote list, ids)`` READ (or ``op`` WRITE) before polling any;
+    seconds until all are done.
 
     make_prepped_xfer + transfer + poll, straight on nixl: the baseline.
     """
     start = time.perf_counter()
-    handles = [(agent, agent.make_prepped_xfer("READ", local, ids, remote, ids, notification))
+    handles = [(agent, agent.make_prepped_xfer(op, local, ids, remote, ids, notification))
                for agent, local, remote, ids in transfers]
     states = [agent.transfer(handle) for agent, handle in handles]
     while "PROC" in states:
@@ -105,9 +106,10 @@ class RawReader:
         """``prepared`` as :func:`read_all` takes it."""
         return [(self.agent.raw, local, remote, ids) for local, remote, ids, _ in prepared]
 
-    def read(self, prepared: list[tuple[object, object, np.ndarray, int]]) -> float:
-        """Post one transfer per remote rank, poll them all; returns the seconds it took."""
-        return read_all(self.transfers(prepared))
+    def read(self, prepared: list[tuple[object, object, np.ndarray, int]], op: str = "READ") -> float:
+        """Post one transfer per remote rank, poll them all; returns the seconds it took. ``op="WRITE"``: the
+        same descriptors written into the remote's (the push baseline: local is then the prefill cache)."""
+        return read_all(self.transfers(prepared), op=op)
 
     @staticmethod
     def release(prepared: list[tuple[object, object, np.ndarray, int]]) -> None:

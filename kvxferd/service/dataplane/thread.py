@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvxferd.errors import KvxferError, PermissionDeniedError
+from kvxferd.plan.expectrecord import ExpectRecord, is_expectation
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
@@ -75,6 +76,9 @@ NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alo
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
+# Push (issue #57): while an engine here expects writes, its completion waits for the writers' notices:
+# poll for them this often (a wake-up every 100 us costs a few % of a core, only while pushes are pending).
+EXPECT_POLL_S = 100e-6
 MAX_WORKER_NOTICES = 8192  # notices of one slot's worker waiting for the thread, past which they are dropped
 WOKEN_READ_POLL_S = 5e-3  # reads in flight that wake this thread when they end: how late a deadline is seen
 INLINE_MAX_BYTES = 1 << 20  # reads up to this size are posted on the event loop (post_now)
@@ -95,8 +99,11 @@ class DataPlane:
     def __init__(self, on_reads_done: Callable[[list[Read]], None],
                  on_hold_events: Callable[[list[tuple[EngineSlot, HoldEnd]]], None], *,
                  interval_s: float = HOLD_POLL_S, notice_interval_s: float = NOTICE_HOLD_POLL_S,
-                 metrics=None) -> None:
+                 metrics=None, on_expectations: Callable[[list], None] | None = None) -> None:
+        """``on_expectations``: a round's push expectations from introduced readers, (slot, record) each."""
         self._on_reads_done = on_reads_done
+        self._on_expectations = on_expectations
+        self._expectations: list[tuple[EngineSlot, ExpectRecord]] = []  # this round's
         self._finished: list[Read] = []  # this round's ended reads, handed over together
         self._on_hold_events = on_hold_events
         self._hold_events: list[tuple[EngineSlot, HoldEnd]] = []  # this round's
@@ -290,6 +297,9 @@ class DataPlane:
                 # the mark: a notice sent meanwhile is either seen here or wakes us.
                 self._idle = True
                 sleep_s = self.interval_s if self._notices_unseen() else IDLE_POLL_S if self._slots else None
+            if any(slot.expected for slot in self._slots):  # (a loop-side dict: only its truth is read here)
+                sleep_s = EXPECT_POLL_S if sleep_s is None else min(sleep_s, EXPECT_POLL_S)
+                self._idle = False
             self._wake.wait(sleep_s)
             self._idle = False
 
@@ -334,6 +344,9 @@ class DataPlane:
         if self._hold_events:
             events, self._hold_events = self._hold_events, []
             self._on_hold_events(events)
+        if self._expectations:
+            records, self._expectations = self._expectations, []
+            self._on_expectations(records)
 
     @staticmethod
     def _start(read: Read) -> bool:
@@ -399,7 +412,8 @@ class DataPlane:
         """Every agent's notices, at most every ``interval_s`` (rounds come every 20-100 µs while this
         daemon's own reads run; nobody waits for a notice, so polling faster only costs CPU)."""
         now = time.perf_counter()
-        if now - self._notices_polled_s < self.interval_s:
+        every_s = EXPECT_POLL_S if any(slot.expected for slot in self._slots) else self.interval_s
+        if now - self._notices_polled_s < every_s:
             return False
         self._notices_polled_s = now
         busy = self._notices_active = False
@@ -418,6 +432,11 @@ class DataPlane:
         if slot not in self._slots:
             return False  # deregistered meanwhile: its holds ended already
         for sender, message in messages:
+            if is_expectation(message):  # a push's (issue #57): to the event loop, from its introduced agent only
+                record = slot.holder.expectation(sender, message)
+                if record is not None and self._on_expectations is not None:
+                    self._expectations.append((slot, record))
+                continue
             for end in slot.holder.on_notice(sender, message):
                 self._hold_events.append((slot, end))
         return bool(messages)

@@ -264,6 +264,8 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
                                            f"a data-plane worker's metadata goes only to certificates valid for "
                                            f"{self.daemon.registry.trust_lead_s:.0f} s more (renew it)")
         await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
+        if request.HasField("reader_target"):  # push (issue #57): the writer connects to the reader's rank now
+            await self.daemon.writes.connect_target(slot, request.reader_target)
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
@@ -322,14 +324,6 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         known = bool(request.reader_engine_id) and slot.readers.refresh(
             (request.reader_engine_id, request.reader_tp_rank), identity)
         return pb.IncarnationReply(incarnation=slot.peer_incarnation(), reader_known=known)
-
-    @rpc
-    async def Expect(self, request, context):
-        """Push (issue #57): a decode rank's daemon names the blocks this prefill rank writes once its
-        engine holds the transfer (service/reads/writer.py)."""
-        self._authorize(context)
-        await self.daemon.writes.expect(self.daemon.registry.slot(request.engine_id), request)
-        return pb.ExpectReply()
 
     @rpc
     async def RenewLeases(self, request, context):

@@ -38,7 +38,7 @@ from kvxferd.service.peers.tls import TlsFiles
 from kvxferd.wire.challenge import CHALLENGE_KEY, NONCE_BYTES, Nonces, new_nonce, proof_matches
 from kvxferd.wire.peerauth import refuse_listener, secret_call_metadata
 from kvxferd.wire.samehost import same_host_token, shares_from
-from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info
+from kvxferd.wire.peerinfo import PROTOCOL_VERSION, decode_info, encode_info
 from kvxferd.xfer.records import RemoteEngine
 from kvxferd.xfer.samehost.opened import OpenedObjects
 from kvxferd.xfer.samehost.vmmshare import fetch_shares
@@ -346,6 +346,8 @@ class Peers:
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
                                        reader_tp_size=slot.cache.tp_size,
                                        reader_agent_metadata=slot.notices_metadata)
+        if slot.served is None:  # push (issue #57): this rank as a write target, connected by the holder now
+            request.reader_target.CopyFrom(encode_info(*slot.peer_view()))
         secret = self.same_host_secret
 
         def bind(request: pb.EngineInfoRequest, nonces: Nonces) -> pb.EngineInfoRequest:

@@ -7,7 +7,9 @@
         under the transfer id                     seals the transfer id and exactly these block ids
       writers introduced                          every prefill rank of the read plan's notify set, by the
                                                   agent its handshake named (EngineInfo.writer_agent_name)
-      Expect -> each of those prefill daemons     this rank's engine info, the block ids, the capability
+      an expectation -> each of those ranks       a NIXL notification from this rank's notice agent (the one
+                                                  its handshake introduced): block ids, capability, deadline
+                                                  (the handshake gave them this rank's engine info to WRITE)
     the hold ends (data-plane thread, bus path)
       CONSUMED, no writer failed  ─► completion ok
       CONSUMED with failed writers, EXPIRED (deadline), released ─► completion failed, every block invalid,
@@ -33,13 +35,13 @@ import numpy as np
 from kvxferd.errors import (InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError,
                             ResourceExhaustedError, UnavailableError)
 from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.expectrecord import ExpectRecord
 from kvxferd.plan.leases import CONSUMED, FAILED, HoldEnd
 from kvxferd.plan.push import expected_writers
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
-from kvxferd.wire.messages import check_id, check_seconds, ids_to_pb, unpack_ids
-from kvxferd.wire.peerinfo import encode_info
+from kvxferd.wire.messages import check_id, check_seconds, unpack_ids
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.holder import Reader
 from kvxferd.xfer.records import ReadResult
@@ -48,7 +50,6 @@ if TYPE_CHECKING:
     from kvxferd.service.base.config import DaemonConfig
     from kvxferd.service.dataplane.thread import DataPlane
     from kvxferd.service.engines.registry import Registry
-    from kvxferd.service.peers.links import Peers
 
 
 class ExpectParts(Protocol):
@@ -57,10 +58,6 @@ class ExpectParts(Protocol):
     config: DaemonConfig
     registry: Registry
     dataplane: DataPlane
-    peers: Peers
-
-    def spawn(self, coro) -> asyncio.Task:
-        """Run a coroutine in the background, cancelled at shutdown."""
 
     def wake_maintenance(self) -> None:
         """Something to expire appeared: back to the short maintenance tick now."""
@@ -123,7 +120,7 @@ class ExpectPath:
         slot.reads[spec.request_id] = slot.expected[transfer_id] = read
         daemon.dataplane.wake()  # fast polls: the writers' WRITEs over TCP need this side's progress
         daemon.wake_maintenance()  # the expectation's deadline is its lease
-        daemon.spawn(self._send(slot, link, read, capability, deadline_s))
+        self._send(slot, link, read, capability, deadline_s)
 
     @staticmethod
     def _block_ids(slot: EngineSlot, spec: pb.ReadSpec) -> tuple[np.ndarray, ...]:
@@ -138,27 +135,28 @@ class ExpectPath:
                 raise InvalidArgumentError(f"local_block_ids[{g}]", "a block is named twice")
         return block_ids
 
-    async def _send(self, slot: EngineSlot, link, read: Read, capability: bytes, deadline_s: float) -> None:
-        """Tell every writer what to write; a writer that refuses (or cannot be reached) fails the push."""
-        incarnation, metadata, cache, board = slot.peer_view()
-        message = pb.ExpectRequest(engine_id=read.remote_engine_id, transfer_id=read.request.remote_request_id,
-                                   target=encode_info(incarnation, metadata, cache, board),
-                                   target_block_ids=ids_to_pb(read.request.local_block_ids),
-                                   num_tokens=read.request.num_tokens or 0, capability=capability, deadline_s=deadline_s)
-        calls = []
-        for q in link.remote.plan.notify_ranks:
-            request = pb.ExpectRequest()
-            request.CopyFrom(message)
-            request.tp_rank = q
-            calls.append(self.daemon.peers.call(link.addresses[q], "Expect", request,
-                                                timeout_s=min(self.daemon.peers.timeout_s, deadline_s)))
-        outcomes = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [f"prefill rank {q}: {_error_text(o)}" for q, o in zip(link.remote.plan.notify_ranks, outcomes)
-                  if isinstance(o, BaseException)]
-        if errors and slot.expected.get(read.request.remote_request_id) is read:
+    def _send(self, slot: EngineSlot, link, read: Read, capability: bytes, deadline_s: float) -> None:
+        """Tell every writer what to write: one NIXL notification from this rank's notice agent (introduced to
+        each prefill rank at the handshake) per writer. A writer that cannot be told fails the push."""
+        record = ExpectRecord(read.request.remote_request_id, slot.engine_id, slot.cache.tp_rank,
+                              read.request.local_block_ids, capability, deadline_s, read.request.num_tokens).encode()
+        errors = []
+        with slot.executor.lock:
+            for q in link.remote.plan.notify_ranks:
+                try:
+                    slot.executor.notices.notify(link.remote.agent_names[q], record)
+                except KvxferError as err:
+                    errors.append(f"prefill rank {q}: {err}")
+            slot.executor.num_notices_sent += 1  # counted: the data-plane thread polls the notice agent on
+            try:
+                slot.executor.progress_notices()  # sends them on now
+            except KvxferError:
+                pass
+        self.daemon.dataplane.notices_sent()  # the data-plane thread makes progress for the notice agent
+        if errors:
             link.stale = True  # the next read or push re-handshakes (a restarted prefill daemon is picked up)
-            self.abandon(slot, read.request.remote_request_id, "push: " + "; ".join(errors),
-                         ReadFailure.HANDSHAKE, settle=len(errors) < len(outcomes))
+            self.abandon(slot, read.request.remote_request_id, "push: " + "; ".join(errors), ReadFailure.HANDSHAKE,
+                         settle=len(errors) < len(link.remote.plan.notify_ranks))
 
     def abandon(self, slot: EngineSlot, transfer_id: str, error: str, failure: ReadFailure, *, settle: bool) -> None:
         """End an expectation before its writers did: its tag off the board first (no writer checks it in
@@ -209,7 +207,3 @@ class ExpectPath:
         else:
             complete()
 
-
-def _error_text(outcome: BaseException) -> str:
-    details = getattr(outcome, "details", None)
-    return f"{outcome.code().name}: {details()}" if callable(details) else str(outcome)

@@ -2,9 +2,11 @@
 
 ::
 
-    Expect (peer port, authenticated)       the decode rank's engine info (checked as a handshake's), its
-      checked, connected once per            block ids, the expectation's capability, a deadline
-      (target engine, rank, agent)           kept until this engine holds the transfer (or the deadline)
+    a reader's handshake (GetEngineInfo)    with its rank as a push target (its engine info, checked as a
+      connected once per target agent        handshake's): the writer's lists prepared now
+    an expectation (NIXL notification       from the agent introduced for that decode rank only: its block
+      to this rank's agent)                  ids, the expectation's capability, a deadline; kept until this
+                                             engine holds the transfer (or the deadline)
     this engine's Hold of the transfer  ─┐
     an Expect for a transfer held already ┴─► plan (the decode rank's read plan, this rank's part) and post:
                                              the decode board checked, WRITE, checked again (xfer/pushes.py)
@@ -14,25 +16,27 @@
 
 Nothing is written without this engine's live hold (its block ids) and the
 decode rank's expectation on its board; the decode block ids come from the
-decode daemon over the authenticated peer port, never from an engine.
+decode rank's introduced agent (an authenticated peer introduced it), never
+from an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, LayoutMismatchError, ResourceExhaustedError
-from kvxferd.plan.capability import check_capability_bytes
+from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError
 from kvxferd.plan.engine import expected_readers
+from kvxferd.plan.expectrecord import ExpectRecord
 from kvxferd.plan.leases import FAILED, HoldEnd
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.plan.push import PushRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.slots import EngineSlot
-from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
+from kvxferd.wire.messages import check_id
 from kvxferd.wire.peerinfo import decode_info
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.agent import agent_name_of
@@ -42,7 +46,10 @@ from kvxferd.xfer.records import InFlightRead, ReadResult
 if TYPE_CHECKING:
     from kvxferd.service.reads.path import ReadPathParts
 
+log = logging.getLogger("kvxferd.push")
+
 POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3  # a posted push is polled with growing sleeps
+WARM_UP_S = 5.0  # a new connection's first READ may take this long (then the first push pays the rest)
 
 
 @dataclass(eq=False)
@@ -73,52 +80,61 @@ class WritePath:
         self.daemon = daemon
         self.num_written = 0  # pushes whose write ended ok
 
-    async def expect(self, slot: EngineSlot, request: pb.ExpectRequest) -> None:
-        """Keep (and, if the transfer is held already, start) one decode rank's expectation; typed errors
-        for bad input, nothing kept."""
-        daemon, config = self.daemon, self.daemon.config
-        daemon.registry.check_accepting()
-        if request.tp_rank != slot.cache.tp_rank:
-            raise InvalidArgumentError("tp_rank", f"this daemon serves rank {slot.cache.tp_rank} of "
-                                                  f"{slot.engine_id!r}, not {request.tp_rank}")
-        transfer_id = check_id(request.transfer_id, "transfer_id")
-        capability = check_capability_bytes(request.capability, "capability")
-        deadline_s = check_seconds(request.deadline_s, "deadline_s", default_s=config.deadline_s,
-                                   max_s=config.max_deadline_s)
-        if request.num_tokens < 0:
-            raise InvalidArgumentError("num_tokens", f"must not be negative, got {request.num_tokens}")
+    async def connect_target(self, slot: EngineSlot, reader_target: pb.EngineInfoReply) -> None:
+        """An introduced reader's rank as a push target (its handshake, ``EngineInfoRequest.reader_target``):
+        connected now, not on its first push. A target that cannot be connected is logged; its pushes fail."""
+        if slot.pusher is None:
+            return
+        try:
+            info = decode_info(reader_target, slot.cache)
+            await self._connection(slot, info)
+        except KvxferError as err:
+            log.warning("a reader's push target was not connected: its pushes will fail", extra={
+                "engine_id": slot.engine_id, "error": str(err)})
+
+    def expect_records(self, records: list[tuple[EngineSlot, ExpectRecord]]) -> None:
+        """A data-plane round's expectations, each from the agent introduced for its decode rank (event loop)."""
+        for slot, record in records:
+            if slot.closing:
+                continue
+            try:
+                self._expect(slot, record)
+            except KvxferError as err:  # refused: nothing kept; the decode side fails it by its deadline
+                self.daemon.metrics.push_writes.labels("refused").inc()
+                log.warning("a push expectation was refused", extra={
+                    "engine_id": slot.engine_id, "transfer_id": record.transfer_id,
+                    "reader": f"{record.reader_engine_id}/{record.reader_rank}", "error": str(err)})
+
+    def _expect(self, slot: EngineSlot, record: ExpectRecord) -> None:
+        """Keep (and, if the transfer is held already, start) one decode rank's expectation."""
+        config = self.daemon.config
+        check_id(record.transfer_id, "expectation.transfer_id")
+        deadline_s = min(record.deadline_s, config.max_deadline_s)
         pusher = slot.pusher
-        if pusher is None:
-            raise LayoutMismatchError("push", f"engine {slot.engine_id!r} does not push from this daemon (its reads "
-                                              "run in a worker)")
+        connection = None if pusher is None else pusher.targets.get((record.reader_engine_id, record.reader_rank))
+        if connection is None:
+            raise NotFoundError("expectation", f"rank {record.reader_rank} of {record.reader_engine_id!r} is not "
+                                               "connected as a push target (no handshake named it, or this rank "
+                                               "holds nothing it needs)")
+        plan = connection.plans[record.reader_rank]
+        if len(record.block_ids) != len(plan.target.groups):
+            raise InvalidArgumentError("expectation.block_ids", f"{len(record.block_ids)} groups, the target has "
+                                                                f"{len(plan.target.groups)}")
         if sum(len(e) for e in slot.expectations.values()) >= config.max_holds_per_engine:
             raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} keeps "
                                                                  f"{config.max_holds_per_engine} expectations already")
-        try:
-            info = decode_info(request.target, slot.cache)
-        except KvxferError as err:
-            raise type(err)(f"target.{err.field}", err.message) from None
-        target = info.cache
-        block_ids = ids_from_pb(request.target_block_ids)
-        if len(block_ids) != len(target.groups):
-            raise InvalidArgumentError("target_block_ids", f"{len(block_ids)} groups given, the target has "
-                                                           f"{len(target.groups)}")
-        connection = await self._connection(slot, info)
-        if connection is None:
-            raise InvalidArgumentError("tp_rank", f"rank {slot.cache.tp_rank} holds nothing rank {target.tp_rank} "
-                                                  f"of {target.engine_id!r} needs")
-        expectation = Expectation(transfer_id, target.engine_id, target.tp_rank, target.tp_size, block_ids,
-                                  request.num_tokens or None, capability, time.perf_counter() + deadline_s, connection)
-        waiting = slot.expectations.setdefault(transfer_id, {})
+        expectation = Expectation(record.transfer_id, record.reader_engine_id, record.reader_rank,
+                                  plan.target.tp_size, record.block_ids, record.num_tokens, record.capability,
+                                  time.perf_counter() + deadline_s, connection)
+        waiting = slot.expectations.setdefault(record.transfer_id, {})
         earlier = waiting.get(expectation.key)
-        if earlier is not None and earlier.started:
-            raise InvalidArgumentError("transfer_id", f"rank {target.tp_rank} of {target.engine_id!r} was written "
-                                                      f"for {transfer_id!r} already")
-        if earlier is not None and earlier.timer is not None:
-            earlier.timer.cancel()
+        if earlier is not None:  # one expectation per transfer and decode rank: a second is not taken
+            raise InvalidArgumentError("expectation.transfer_id", f"rank {record.reader_rank} of "
+                                                                  f"{record.reader_engine_id!r} expects "
+                                                                  f"{record.transfer_id!r} already")
         waiting[expectation.key] = expectation
         expectation.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, slot, expectation)
-        self.on_hold(slot, transfer_id)
+        self.on_hold(slot, record.transfer_id)
 
     async def _connection(self, slot: EngineSlot, info) -> PushTarget | None:
         """The push connection to the target rank, made once per target agent (again when it restarted)."""
@@ -126,8 +142,14 @@ class WritePath:
         current = pusher.targets.get((target.engine_id, target.tp_rank))
         if current is not None and current.agent_names.get(target.tp_rank) == _agent_name(info.agent_metadata):
             return current
-        return await asyncio.wrap_future(self.daemon.dataplane.call(
+        connection = await asyncio.wrap_future(self.daemon.dataplane.call(
             lambda: pusher.connect(target, info.agent_metadata, info.board)))
+        if connection is not None:  # UCX's set-up of the new connection, paid here, not by the first push
+            check, sleep_s, until_s = pusher.start_warm_up(connection), POLL_MIN_S, time.perf_counter() + WARM_UP_S
+            while not pusher.warm_up_done(check, give_up=time.perf_counter() >= until_s):
+                await asyncio.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, POLL_MAX_S)
+        return connection
 
     def on_hold(self, slot: EngineSlot, transfer_id: str) -> None:
         """This engine holds ``transfer_id`` now (or was asked again): start every expectation waiting for it."""

@@ -1,0 +1,133 @@
+"""Push through the daemons (issue #57), next to the read: bulk and per-request cost, raw NIXL WRITE as the floor.
+
+The raw baseline is a NIXL agent in this process registered on the prefill
+cache (shared memory this process owns), WRITEing into the decode daemon's
+agent: the same bytes over the same cross-process transport, without the
+daemons. A push is timed from the prefill engine's ``Hold`` (what starts it:
+the decode rank's expectation went out before, as a decode leg dispatched
+with the prefill leg's would) to the decode engine's completion.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from kvxferd.plan.engine import ReadRequest
+from kvxferd.rig.bench.common import percentiles_us
+from kvxferd.rig.bench.daemon_paths import Tls, _cluster, _credentials
+from kvxferd.rig.bench.raw import RawReader
+from kvxferd.rig.daemons import DaemonCluster
+
+EXPECT_LEAD = 5  # requests whose expectations are out before their hold (at 300/s: about 17 ms ahead)
+
+
+class RawWriter:
+    """Raw NIXL WRITE from the prefill cache (registered in this process) into the decode daemon's agent."""
+
+    def __init__(self, cluster: DaemonCluster, request: ReadRequest, credentials=None) -> None:
+        self.writer = RawReader(cluster.prefill[0].cache, cluster.decode_id,
+                                [d.peer_address for d in cluster.decode_daemons], "raw-prefill", credentials)
+        # The writer's plan pairs its own spans with the decode rank's: the request seen from the prefill side.
+        swapped = ReadRequest(request.request_id, request.remote_request_id, request.remote_block_ids,
+                              request.local_block_ids, request.num_tokens)
+        self.prepared = self.writer.prepare(swapped)
+        self.num_bytes = sum(num_bytes for *_, num_bytes in self.prepared)
+
+    def write(self) -> float:
+        return self.writer.read(self.prepared, op="WRITE")
+
+    def close(self) -> None:
+        self.writer.release(self.prepared)
+        self.writer.close()
+
+
+def _expect(cluster: DaemonCluster, request: ReadRequest) -> None:
+    client = cluster.decode_clients[0]
+    client.submit_push(request.request_id, cluster.prefill_id, request.remote_request_id, request.local_block_ids,
+                       num_tokens=request.num_tokens or 0)
+
+
+def push_bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
+              reads_socket: bool = True) -> dict:
+    """Alternate raw NIXL WRITE and a push through the daemons on one big request."""
+    with _cluster(workdir, num_layers, num_blocks, "pushbulk", tls, reads_socket) as cluster:
+        ids = np.arange(num_blocks)
+        raw = RawWriter(cluster, ReadRequest("raw", "raw@p", (ids,), (ids,)), _credentials(tls))
+        try:
+            raw_s, push_s = [], []
+            for i in range(rounds + 1):  # round 0 warms both paths (and the push connection) up
+                raw_time = raw.write()
+                request = ReadRequest(f"pb-{i}", f"pb-{i}@p", (ids,), (ids,))
+                _expect(cluster, request)
+                time.sleep(0.05)  # the expectation is at the prefill daemon: the hold starts the write
+                start = time.perf_counter()
+                cluster.hold(request)
+                (completion,) = cluster.completions(request)
+                push_time = time.perf_counter() - start
+                if not completion.ok:
+                    raise RuntimeError(f"push failed: {completion.error}")
+                if i:
+                    raw_s.append(raw_time)
+                    push_s.append(push_time)
+        finally:
+            raw.close()
+    raw_gbps, push_gbps = raw.num_bytes / statistics.median(raw_s) / 1e9, raw.num_bytes / statistics.median(push_s) / 1e9
+    return {"bytes": raw.num_bytes, "rounds": rounds, "raw_write_gbps": raw_gbps, "push_gbps": push_gbps,
+            "ratio": push_gbps / raw_gbps, "raw_write_ms": statistics.median(raw_s) * 1e3,
+            "push_ms": statistics.median(push_s) * 1e3}
+
+
+def push_overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
+                  tls: Tls | None = None, *, reads_socket: bool = True) -> dict:
+    """Small pushes at a steady rate: each request's expectation goes out ahead, its hold at its arrival;
+    hold -> the decode engine's completion, against a raw WRITE of the same request alone."""
+    num_blocks = 4 * blocks_per_request
+    with _cluster(workdir, num_layers, num_blocks, "pushrate", tls, reads_socket) as cluster:
+        rng = np.random.default_rng(0)
+        requests = []
+        for n in range(num_requests):
+            ids = rng.permutation(num_blocks)[:blocks_per_request]
+            requests.append(ReadRequest(f"q{n}", f"q{n}@p", (ids,), (np.sort(ids),)))
+        raw = RawWriter(cluster, requests[0], _credentials(tls))
+        raw_s = [raw.write() for _ in range(200)][20:]
+        raw.close()
+        warm = ReadRequest("warm", "warm@p", requests[0].local_block_ids, requests[0].remote_block_ids)
+        _expect(cluster, warm)  # the prefill daemon's connection to the decode rank is made here, not timed
+        cluster.hold(warm)
+        cluster.completions(warm)
+        client, prefill = cluster.decode_clients[0], cluster.prefill_clients[0]
+        for request in requests[:EXPECT_LEAD]:
+            _expect(cluster, request)
+        held_unix, failed = {}, 0
+        start = time.perf_counter()
+        for n, request in enumerate(requests):
+            wait_s = start + n / rate_per_s - time.perf_counter()
+            if wait_s > 0:
+                time.sleep(wait_s)
+            if n + EXPECT_LEAD < num_requests:
+                _expect(cluster, requests[n + EXPECT_LEAD])
+            held_unix[request.request_id] = time.time()
+            prefill.hold(request.remote_request_id, request.remote_block_ids)
+        offered_s = time.perf_counter() - start
+        end_to_end_s, errors = [], {}
+        for request in requests:
+            completion, received_unix = client.reads.wait_completion_timed(request.request_id, 60)
+            failed += not completion.ok
+            if not completion.ok:
+                errors[completion.error] = errors.get(completion.error, 0) + 1
+            end_to_end_s.append(received_unix - held_unix[request.request_id])
+    return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
+            "bytes_per_request": raw.num_bytes, "failed": failed, "errors": errors, "end_to_end": percentiles_us(end_to_end_s),
+            "raw_write": percentiles_us(raw_s)}
+
+
+def push_figures(workdir: str, sizes: dict, tls=None) -> dict:
+    """The push keys of ``kvxferd bench daemon``: ``push_bulk_ratio`` (vs raw NIXL WRITE on the same
+    descriptors) and ``push_p50_overhead_us_300`` (hold -> completion p50 minus the raw WRITE's)."""
+    b = push_bulk(workdir, sizes["bulk_layers"], sizes["bulk_blocks"], sizes["rounds"], tls)
+    o300 = push_overhead(workdir, 2, 2, 300.0, sizes["num_requests_300"], tls)
+    return {"push_bulk": b, "push_overhead": o300, "push_bulk_ratio": b["ratio"],
+            "push_p50_overhead_us_300": o300["end_to_end"]["p50_us"] - o300["raw_write"]["p50_us"]}
