@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 # out in collection order, the longest first, so no worker starts one of them near the end while the
 # others sit idle (the rest take under 30 s a file).
 VLLM_UNITS = {  # unit -> its files, ~5 min each on 2 cores beside the rest of the suite
-    "vllm-a": ("e2e", "tp2_recompute", "swa"),
+    "vllm-a": ("e2e", "tp2_recompute", "swa", "push"),
     "vllm-b": ("serve", "mamba", "prefill_frees", "mla"),
 }
 VLLM_FILES = {f"tests/integrations/test_vllm_{name}.py": unit for unit, names in VLLM_UNITS.items() for name in names}

@@ -201,3 +201,24 @@ def test_the_scheduler_makes_no_grpc_call_on_a_requests_path(pair):
     client.reads_socket_path, client._control = None, None
     delay, params = scheduler.hold("grpc", ([9, 10],), 64)
     assert calls == ["Hold"] and not delay, params
+
+
+def test_a_push_prefill_is_never_held_early_and_is_held_under_its_transfer_id(pair):
+    """Push (issue #57): the prefill daemon writes as soon as the hold is placed, so a push's hold waits for
+    request_finished (the KV computed) and is named by the transfer id the decode side expects; the workers
+    map its end back to vLLM's request. The control: the same request in pull mode goes early."""
+    pull, sent = pair["scheduler"], pair["sent"]
+    push = SchedulerSide("p", pull.settings.model_copy(update={"mode": "push"}))
+    push.set_ranks(pull.ranks)
+    push._clients = pull._clients  # the same counted client
+    leg = {"do_remote_decode": True, "kvxferd_transfer_id": "t-1"}
+    push.prefill_allocated("req", leg, 64, max_tokens=1)
+    assert not push.prefill_scheduled("req", ([3, 4],), 0, 64) and sent == []
+    delay, params = push.hold("req", ([3, 4],), 64, leg)
+    assert delay and sent == ["t-1"] and params["remote_request_id"] == "t-1"
+    (held,) = push.take_held()
+    assert (held.request_id, held.held_as) == ("req", "t-1")
+    pull.prefill_allocated("req2", {**leg, "kvxferd_transfer_id": "t-2"}, 64, max_tokens=1)  # pull mode: ignored
+    assert pull.prefill_scheduled("req2", ([5, 6],), 0, 64) and sent == ["t-1", "req2"]
+    delay, params = push.hold("bad", ([7],), 64, {**leg, "kvxferd_transfer_id": "a b"})
+    assert not delay and "kvxferd_transfer_id" in params["error"]

@@ -328,6 +328,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.drop_early(request.request_id)
             return False, None  # aborted: nothing to hand over
         self._trace.stamp("hold_start", (request.request_id,))
-        delay_free, out = self.scheduler.hold(request.request_id, block_ids, request.num_computed_tokens)
+        delay_free, out = self.scheduler.hold(request.request_id, block_ids, request.num_computed_tokens,
+                                              request.kv_transfer_params)
         self._trace.stamp("hold_end", (request.request_id,))
         return delay_free, out

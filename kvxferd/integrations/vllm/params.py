@@ -19,7 +19,7 @@ or request id do not match it, before a byte moves.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -72,6 +72,56 @@ class RemotePrefill(BaseModel):
 
     def to_params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
+
+
+class PushPrefill(BaseModel):
+    """Push (issue #57): the decode leg of a request whose prefill leg runs at the same time, under the same
+    ``transfer_id``; the prefill daemons write into the decode blocks once the prefill holds them. The
+    proxy knows the prefill engine before it answers (from an earlier answer's params)::
+
+        {"do_remote_prefill": true, "kvxferd": 1, "kvxferd_push": true, "transfer_id": "7f3a...",
+         "remote_engine_id": "prefill-0", "remote_peer_addresses": ["10.0.0.7:47100"]}
+
+    The prefill leg carries ``{"do_remote_decode": true, "kvxferd_transfer_id": "7f3a..."}``.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+    kvxferd: int
+    kvxferd_push: Literal[True]
+    transfer_id: Id
+    remote_engine_id: Id
+    remote_peer_addresses: Annotated[list[Id], Field(min_length=1, max_length=MAX_TP_SIZE)]
+    remote_num_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0  # the scheduler's: prompt tokens to load
+
+    _version = field_validator("kvxferd")(RemotePrefill._version.__func__)
+
+    def to_params(self) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
+
+
+def is_push(params: dict[str, Any] | None) -> bool:
+    """Whether ``kv_transfer_params`` are a push's decode leg (:class:`PushPrefill`)."""
+    return isinstance(params, dict) and bool(params.get("kvxferd_push"))
+
+
+def parse_push_prefill(params: dict[str, Any]) -> PushPrefill:
+    """A push's decode-leg params; raises :class:`ParamsError` naming the field."""
+    try:
+        return PushPrefill.model_validate(params)
+    except ValidationError as err:
+        where, message = first_error(err)
+        raise ParamsError(f"kv_transfer_params{'.' + where if where else ''}: {message}") from None
+
+
+def transfer_id_of(params: dict[str, Any] | None) -> str | None:
+    """A push's prefill leg names the transfer its hold is known by (``kvxferd_transfer_id``); None: a pull's."""
+    if not isinstance(params, dict) or params.get("kvxferd_transfer_id") is None:
+        return None
+    value = params["kvxferd_transfer_id"]
+    if not isinstance(value, str) or not 1 <= len(value) <= 256 or not all("\x21" <= c <= "\x7e" for c in value):
+        raise ParamsError("kv_transfer_params.kvxferd_transfer_id: 1..256 printable ASCII characters expected")
+    return value
 
 
 def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill:

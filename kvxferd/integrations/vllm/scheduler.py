@@ -22,6 +22,13 @@ cannot end a later hold of the same request id. Engines whose blocks at the end
 are not the prompt's (sliding windows, states, speculative decoding) hold at the
 end only.
 
+Push (issue #57, ``mode: push``): the proxy sends both legs at once with one
+transfer id. The prefill leg is held under it (``kvxferd_transfer_id``); the
+decode leg (``kvxferd_push``) orders an expectation instead of a read: the
+worker submits it, the decode daemon tells the prefill daemons, which write
+once the hold is placed. A decode request that ends before it was scheduled
+sends an empty expectation, so the prefill hold ends at once.
+
 Decode (a request that came with ``do_remote_prefill``)::
 
     get_num_new_matched_tokens ─► the prompt minus what the local prefix cache has
@@ -60,8 +67,8 @@ from kvxferd.client.engine import EngineClient
 from kvxferd.client.session import Held
 from kvxferd.errors import KvxferError
 from kvxferd.integrations.vllm.early import EarlyHolds, SentHold
-from kvxferd.integrations.vllm.params import (ParamsError, RemotePrefill, failed_prefill_params,
-                                              parse_remote_prefill)
+from kvxferd.integrations.vllm.params import (ParamsError, PushPrefill, RemotePrefill, failed_prefill_params,
+                                              is_push, parse_push_prefill, parse_remote_prefill, transfer_id_of)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvxferd.vllm")
@@ -86,6 +93,11 @@ class HeldRequest:
 
     request_id: str
     incarnations: tuple[str, ...]
+    hold_id: str = ""  # the id the daemons hold it by, when not request_id (a push's transfer id)
+
+    @property
+    def held_as(self) -> str:
+        return self.hold_id or self.request_id
 
 
 @dataclass(frozen=True)
@@ -99,10 +111,15 @@ class ReadOrder:
     """
 
     request_id: str
-    remote: dict | None  # RemotePrefill.to_params(); None when the params were bad
+    remote: dict | None  # RemotePrefill.to_params() (a push: PushPrefill.to_params()); None when the params were bad
     local_block_ids: tuple[tuple[int, ...], ...]
     error: str = ""
     awaited: bool = True
+
+    @property
+    def push(self) -> bool:
+        """A push's expectation (the prefill daemons write), not a read."""
+        return is_push(self.remote)
 
 
 def _raise(err: BaseException):
@@ -134,7 +151,8 @@ class SchedulerSide:
         self._clients: dict[int, EngineClient] = {}
         self._orders: list[ReadOrder] = []
         self._held: list[HeldRequest] = []  # held since the last build_connector_meta
-        self._pending: dict[str, RemotePrefill | ParamsError] = {}  # decode requests not scheduled yet
+        self._pending: dict[str, RemotePrefill | PushPrefill | ParamsError] = {}  # decode requests not scheduled yet
+        self._hold_ids: dict[str, str] = {}  # push prefills (issue #57): request id -> the transfer id held
         self._prefills: dict[str, int] = {}  # remote-decode prefills allocated, not scheduled whole yet -> prompt
         self._early = EarlyHolds(settings.lease_s, self._renew)  # holds sent before request_finished
 
@@ -171,6 +189,13 @@ class SchedulerSide:
         """``update_state_after_alloc``: note a remote-decode prefill whose hold may go out early: one that
         ends at the step that computes its prompt (one token; the proxy's prefill leg), so the blocks
         held then are the blocks ``request_finished`` hands over."""
+        if params and params.get("do_remote_decode") and self.settings.mode == "push":
+            try:
+                transfer_id = transfer_id_of(params)
+            except ParamsError:
+                transfer_id = None  # refused when it is held (request_finished)
+            if transfer_id is not None:
+                self._hold_ids[request_id] = transfer_id
         if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and max_tokens == 1:
             self._prefills[request_id] = num_prompt_tokens
 
@@ -185,15 +210,19 @@ class SchedulerSide:
             return False
         if not self.early_holds or not self.ranks or request_id in self._early:
             return False  # (in _early: scheduled whole again after a preemption; hold() checks the blocks)
-        self._early.put(request_id, self._send(request_id, real_blocks(block_ids)))
+        if request_id in self._hold_ids:
+            return False  # a push's hold starts its writes: only once the forward pass computed the KV
+
+        self._early.put(request_id, self._send(self._hold_ids.get(request_id, request_id), real_blocks(block_ids)))
         return True
 
     def drop_early(self, request_id: str) -> None:
         """A prefill that ended without being handed over (aborted): let its early hold go."""
         self._prefills.pop(request_id, None)
+        hold_id = self._hold_ids.pop(request_id, request_id)
         early = self._early.pop(request_id)
         if early is not None:
-            self._let_go(request_id, early)
+            self._let_go(hold_id, early)
 
     def _send(self, request_id: str, blocks) -> SentHold:
         """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
@@ -239,8 +268,23 @@ class SchedulerSide:
             except grpc.RpcError:
                 pass  # it expires on its own
 
-    def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int) -> tuple[bool, dict]:
-        """Hold a finished prefill on every rank; ``(delay_free, kv_transfer_params)``."""
+    def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
+             params: dict | None = None) -> tuple[bool, dict]:
+        """Hold a finished prefill on every rank; ``(delay_free, kv_transfer_params)``. A push's prefill leg
+        (``kvxferd_transfer_id`` in ``params``, push mode) is held under its transfer id: the decode ranks'
+        expectations name it, and the prefill daemons write once it is held."""
+        self._hold_ids.pop(request_id, None)
+        try:
+            transfer_id = transfer_id_of(params) if self.settings.mode == "push" else None
+        except ParamsError as err:
+            self.drop_early(request_id)
+            return False, failed_prefill_params(str(err))
+        if transfer_id is None:
+            return self._hold(request_id, request_id, block_ids, num_tokens)
+        return self._hold(request_id, transfer_id, block_ids, num_tokens)
+
+    def _hold(self, request_id: str, hold_id: str, block_ids: Sequence[Sequence[int]],
+              num_tokens: int) -> tuple[bool, dict]:
         if not self.ranks:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
@@ -251,10 +295,10 @@ class SchedulerSide:
             # early holds' thread renews it (early.py; a rank forgot it, or the thread was starved): let
             # it go and hold anew. The workers ignore a released hold's EXPIRED (worker.py), so it cannot end
             # the new hold of the same id.
-            self._let_go(request_id, sent)
+            self._let_go(hold_id, sent)
             sent = None
         if sent is None:
-            sent = self._send(request_id, blocks)
+            sent = self._send(hold_id, blocks)
         held_since_s = sent.sent_unix_s
         held: list[RankDaemon] = []
         incarnations: list[str] = []
@@ -270,11 +314,11 @@ class SchedulerSide:
             capabilities.append(hold.capability.hex())
             held.append(rank)
         if error:
-            self._release(request_id, held)  # all ranks or none
+            self._release(hold_id, held)  # all ranks or none
             log.warning("kvxferd: could not hold a finished prefill", extra={"request_id": request_id, "error": error})
             return False, failed_prefill_params(error)
-        self._held.append(HeldRequest(request_id, tuple(incarnations)))
-        params = RemotePrefill(kvxferd=1, remote_engine_id=self.engine_id, remote_request_id=request_id,
+        self._held.append(HeldRequest(request_id, tuple(incarnations), "" if hold_id == request_id else hold_id))
+        params = RemotePrefill(kvxferd=1, remote_engine_id=self.engine_id, remote_request_id=hold_id,
                                remote_peer_addresses=[r.peer_address for r in self.ranks],
                                remote_block_ids=[list(g) for g in blocks], remote_capabilities=capabilities,
                                remote_num_tokens=num_tokens,
@@ -291,6 +335,8 @@ class SchedulerSide:
         """``get_num_new_matched_tokens``: the remote prompt beyond the local prefix cache, loaded async."""
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        if is_push(params):
+            return self._matched_push(request_id, params, num_prompt_tokens, num_computed_tokens)
         try:
             remote = self._pending[request_id] = parse_remote_prefill(params)
             num_tokens = min(remote.remote_num_tokens, self.loadable_tokens(num_prompt_tokens))
@@ -306,6 +352,22 @@ class SchedulerSide:
             self._pending[request_id] = err
             # a failed load (at least one token, so vLLM hears of it): the policy decides
             num_tokens = max(self.loadable_tokens(num_prompt_tokens), 1)
+        count = num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _matched_push(self, request_id: str, params: dict, num_prompt_tokens: int,
+                      num_computed_tokens: int) -> tuple[int, bool]:
+        """A push's decode leg: the prefill computes the whole loadable prompt and writes it; decode expects
+        what its prefix cache does not hold. Bad params, or push params in pull mode: a failed load."""
+        num_tokens = self.loadable_tokens(num_prompt_tokens)
+        try:
+            if self.settings.mode != "push":
+                raise ParamsError("kv_transfer_params.kvxferd_push: this engine's connector runs in pull mode "
+                                  "(kv_connector_extra_config.mode)")
+            self._pending[request_id] = parse_push_prefill(params).model_copy(update={"remote_num_tokens": num_tokens})
+        except ParamsError as err:
+            self._pending[request_id] = err
+            num_tokens = max(num_tokens, 1)
         count = num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -333,7 +395,7 @@ class SchedulerSide:
             return
         params["do_remote_prefill"] = False
         remote = self._take_remote(request_id, params)  # parsed now if aborted before it was ever matched
-        if isinstance(remote, RemotePrefill):
+        if isinstance(remote, (RemotePrefill, PushPrefill)):  # a push: an empty expectation lets the hold go
             self._order(request_id, remote, (), awaited=False)
 
     def _take_remote(self, request_id: str, params: dict) -> RemotePrefill | ParamsError:
@@ -341,14 +403,21 @@ class SchedulerSide:
         remote = self._pending.pop(request_id, None)
         if remote is None:
             try:
-                remote = parse_remote_prefill({**params, "do_remote_prefill": True})
+                if is_push(params) and self.settings.mode == "push":
+                    remote = parse_push_prefill(params)
+                else:
+                    remote = parse_remote_prefill({**params, "do_remote_prefill": True})
             except ParamsError as err:
                 remote = err
         return remote
 
-    def _order(self, request_id: str, remote: RemotePrefill | ParamsError, local, *, awaited: bool) -> None:
+    def _order(self, request_id: str, remote: RemotePrefill | PushPrefill | ParamsError, local, *,
+               awaited: bool) -> None:
         if isinstance(remote, ParamsError):
             self._orders.append(ReadOrder(request_id, None, (), str(remote), awaited))
+            return
+        if isinstance(remote, PushPrefill):  # the worker fills in empty groups (it knows how many)
+            self._orders.append(ReadOrder(request_id, remote.to_params(), tuple(local), awaited=awaited))
             return
         if not local:
             local = tuple(() for _ in remote.remote_block_ids)

@@ -41,6 +41,11 @@ class ConnectorSettings(BaseModel):
                              "TCP), shareable_vmm (RDMA-capable, fd-shareable VMM memory the daemon maps and "
                              "registers; a warning on a GPU that cannot make it RDMA-capable), require_rdma_vmm "
                              "(the same; such a GPU fails the engine's start). docs/gpu.md")
+    mode: Literal["pull", "push"] = Field(
+        "pull", description="pull: decode reads once prefill handed over its blocks (the proxy sends the legs one "
+                            "after the other); push (issue #57): both legs at once with one transfer id, decode "
+                            "expects its blocks and the prefill daemon writes them when the prefill ends. An "
+                            "engine in pull mode refuses push params, so both sides must say push")
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
         "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "
                              "VLLM_KV_CACHE_LAYOUT still wins, and kvxferd reads any order")

@@ -33,7 +33,7 @@ import torch
 from kvxferd.client.engine import EngineClient
 from kvxferd.client.notify import RELEASED, TERMINAL, NotifySubscriber
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine
-from kvxferd.integrations.vllm.params import RemotePrefill
+from kvxferd.integrations.vllm.params import PushPrefill, RemotePrefill
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, describe_error
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 from kvxferd.integrations.vllm.stats import TransferStats
@@ -71,7 +71,8 @@ class WorkerSide:
         self._reading: dict[str, float] = {}  # reads vLLM waits for -> when submitted (monotonic)
         self._failed_now: set[str] = set()  # orders that failed before reaching the daemon
         self._releasing: set[str] = set()  # release-only reads (vLLM does not wait): a refusal is logged
-        self._held: dict[str, str] = {}  # prefill requests the scheduler held -> incarnation holding it
+        self._held: dict[str, str] = {}  # prefill requests the scheduler held (by hold id) -> incarnation holding it
+        self._vllm_ids: dict[str, str] = {}  # push holds: transfer id -> the vLLM request it frees
         self._ended: set[str] = set()  # holds that ended before the worker heard they were held
         self._incarnation = ""  # of the current registration (the one handshakes were made on)
         self.stats = TransferStats()  # since the last take_stats
@@ -158,20 +159,38 @@ class WorkerSide:
     def _spec(self, order: ReadOrder):
         if order.remote is None:
             raise ValueError(order.error)
+        if order.push:
+            return self._push_spec(order)
         remote = RemotePrefill.model_validate(order.remote)
-        addresses = tuple(remote.remote_peer_addresses)
-        if self._remotes.get(remote.remote_engine_id) != addresses:
-            self.client.handshake(remote.remote_engine_id, addresses)
-            self._remotes[remote.remote_engine_id] = addresses
+        self._handshake(remote.remote_engine_id, tuple(remote.remote_peer_addresses))
         return self.client.read_spec(order.request_id, remote.remote_engine_id, remote.remote_request_id,
                                      order.local_block_ids, remote.remote_block_ids,
                                      num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s,
                                      remote_capabilities=remote.capabilities())
 
+    def _push_spec(self, order: ReadOrder):
+        """A push's expectation (issue #57): these blocks, written by the prefill daemons once their engine
+        holds the transfer; its completion comes as a read's. An empty one lets the prefill hold go."""
+        remote = PushPrefill.model_validate(order.remote)
+        self._handshake(remote.remote_engine_id, tuple(remote.remote_peer_addresses))
+        local = order.local_block_ids or tuple(() for _ in range(self.num_groups))
+        spec = self.client.read_spec(order.request_id, remote.remote_engine_id, remote.transfer_id, local,
+                                     tuple(() for _ in local), num_tokens=remote.remote_num_tokens,
+                                     deadline_s=self.settings.deadline_s)
+        spec.push = True
+        return spec
+
+    def _handshake(self, remote_engine_id: str, addresses: tuple[str, ...]) -> None:
+        if self._remotes.get(remote_engine_id) != addresses:
+            self.client.handshake(remote_engine_id, addresses)
+            self._remotes[remote_engine_id] = addresses
+
     # ---- prefill: holds ---------------------------------------------------------------
     def expect_held(self, held: Sequence[HeldRequest]) -> None:
-        """Requests the scheduler held (on every rank): they end on CONSUMED / EXPIRED, or with their registration."""
-        self._held.update((h.request_id, h.incarnations[self.tp_rank]) for h in held)
+        """Requests the scheduler held (on every rank): they end on CONSUMED / EXPIRED, or with their registration.
+        A push's hold is known to the daemons by its transfer id: its end frees the vLLM request it names."""
+        self._held.update((h.held_as, h.incarnations[self.tp_rank]) for h in held)
+        self._vllm_ids.update((h.hold_id, h.request_id) for h in held if h.hold_id)
 
     # ---- both: what finished ---------------------------------------------------------
     def results(self) -> TransferResults:
@@ -232,7 +251,7 @@ class WorkerSide:
         self._ended -= done
         for request_id in done:
             del self._held[request_id]
-        out.finished_sending = done
+        out.finished_sending = {self._vllm_ids.pop(hold_id, hold_id) for hold_id in done}
         return out
 
     def _stamp_read(self, completion: pb.Completion, arrived_s: float) -> None:

@@ -131,3 +131,20 @@ def test_bad_pushes_are_refused_as_completions_with_nothing_written(workdir):
             prefill.hold("t4", request.remote_block_ids)
         assert client.reads.wait_completion("first", 10).ok
 
+
+
+def test_an_empty_push_ends_the_prefill_hold_at_once(workdir):
+    """A decode request that ended before it was scheduled expects nothing (every group empty): the
+    prefill daemons write nothing, notify, and the prefill holds end CONSUMED, not at their lease."""
+    cluster, rng = small_cluster(workdir, "push-empty")
+    with cluster:
+        request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        cluster.hold(request, lease_s=30.0)
+        start = time.monotonic()
+        (client,) = cluster.decode_clients
+        client.submit_push(request.request_id, cluster.prefill_id, request.remote_request_id,
+                           tuple(() for _ in request.local_block_ids), num_tokens=70)
+        assert client.reads.wait_completion(request.request_id, 10).ok
+        assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
+        assert time.monotonic() - start < 5 and cluster.decode_untouched()
