@@ -11,6 +11,7 @@
                                                   checks and data, rank by rank
     poll it ─────────────────── poll / abort ───► ReadResult once every rank ended
     after the completion ────── send_notices ───► tell each holder how it went
+    a push's expectation ────── notify_holder ──► one record to a holder (issue #57)
     data-plane thread ───── progress_notices ───► keep notices moving (num_notices_sent)
 
 NIXL (:class:`kvxferd.xfer.reads.ReadExecutor`) is the backend today. The
@@ -95,6 +96,10 @@ class ReadBackend(Protocol):
 
     def progress_notices(self) -> None:
         """Let notices already sent go on (nothing arrives here)."""
+
+    def notify_holder(self, agent_name: str, message: bytes) -> None:
+        """Send one record to a holder's agent from the notice agent it knows this rank by (a push's
+        expectation, issue #57); raises :class:`~kvxferd.errors.KvxferError` when it cannot be sent."""
 
     def notices_metadata(self) -> bytes:
         """How this rank introduces itself to holders as a reader (its notices' sender)."""

@@ -281,6 +281,13 @@ class ReadExecutor:
         with self.lock:
             self.notices.poll_notifications()
 
+    def notify_holder(self, agent_name: str, message: bytes) -> None:
+        """Send one record to a holder's agent from the notice agent (a push's expectation, issue #57)."""
+        with self.lock:
+            self.notices.notify(agent_name, message)
+            self.num_notices_sent += 1  # the data plane makes progress for the notice agent
+            self.notices.poll_notifications()
+
     def notices_metadata(self) -> bytes:
         """The notice agent's metadata: how this rank introduces itself to holders as a reader."""
         with self.lock:

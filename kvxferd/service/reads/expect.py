@@ -141,17 +141,11 @@ class ExpectPath:
         record = ExpectRecord(read.request.remote_request_id, slot.engine_id, slot.cache.tp_rank,
                               read.request.local_block_ids, capability, deadline_s, read.request.num_tokens).encode()
         errors = []
-        with slot.executor.lock:
-            for q in link.remote.plan.notify_ranks:
-                try:
-                    slot.executor.notices.notify(link.remote.agent_names[q], record)
-                except KvxferError as err:
-                    errors.append(f"prefill rank {q}: {err}")
-            slot.executor.num_notices_sent += 1  # counted: the data-plane thread polls the notice agent on
+        for q in link.remote.plan.notify_ranks:
             try:
-                slot.executor.progress_notices()  # sends them on now
-            except KvxferError:
-                pass
+                slot.executor.notify_holder(link.remote.agent_names[q], record)
+            except KvxferError as err:
+                errors.append(f"prefill rank {q}: {err}")
         self.daemon.dataplane.notices_sent()  # the data-plane thread makes progress for the notice agent
         if errors:
             link.stale = True  # the next read or push re-handshakes (a restarted prefill daemon is picked up)
