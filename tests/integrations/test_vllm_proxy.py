@@ -73,3 +73,53 @@ def test_bad_bodies_and_a_prefill_without_params_are_clear_errors():
     assert status == 400 and b"not JSON" in body
     status, body = run(through_proxy({}, json.dumps({"prompt": [1]}), prefill_params=None))
     assert status == 502 and b"no kv_transfer_params" in body
+
+
+PULL_ANSWER = {**PARAMS, "remote_request_id": "r0", "remote_peer_addresses": ["127.0.0.1:4700"]}
+
+
+def test_push_mode_sends_both_legs_at_once_under_one_transfer_id():
+    """Issue #57: the first request goes as a pull (the proxy learns where the prefill engine is); the next
+    ones go to both servers at once: the stand-in prefill answers only once the decode leg arrived (a proxy
+    that waited for prefill first would hang), and both legs name the same transfer id."""
+    seen: dict = {"decode_bodies": []}
+
+    async def scenario():
+        decode_in = asyncio.Event()
+
+        async def prefill(request):
+            body = await request.json()
+            seen.setdefault("prefill_bodies", []).append(body)
+            if "kvxferd_transfer_id" in body["kv_transfer_params"]:
+                await asyncio.wait_for(decode_in.wait(), 5)
+            return web.json_response({"choices": [{"token_ids": [9]}], "kv_transfer_params": PULL_ANSWER})
+
+        async def decode(request):
+            seen["decode_bodies"].append(await request.json())
+            decode_in.set()
+            return web.json_response({"choices": [{"token_ids": [7, 8]}]})
+
+        apps = []
+        for handler in (prefill, decode):
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            apps.append(app)
+        async with TestServer(apps[0]) as p, TestServer(apps[1]) as d:
+            proxy_app = make_app(str(p.make_url("")).rstrip("/"), str(d.make_url("")).rstrip("/"), mode="push")
+            async with TestServer(proxy_app) as proxy, aiohttp.ClientSession() as session:
+                answers = []
+                for _ in range(2):
+                    async with session.post(proxy.make_url("/v1/completions"),
+                                            json={"prompt": [1, 2], "max_tokens": 4}) as answer:
+                        answers.append((answer.status, await answer.json(), answer.headers))
+                return answers
+
+    answers = run(scenario())
+    assert [status for status, *_ in answers] == [200, 200]
+    first, pushed = seen["decode_bodies"]
+    assert first["kv_transfer_params"] == PULL_ANSWER  # the pull that located the prefill engine
+    push = pushed["kv_transfer_params"]
+    transfer_id = seen["prefill_bodies"][1]["kv_transfer_params"]["kvxferd_transfer_id"]
+    assert push == {"do_remote_prefill": True, "kvxferd": 1, "kvxferd_push": True, "transfer_id": transfer_id,
+                    "remote_engine_id": "p", "remote_peer_addresses": ["127.0.0.1:4700"]}
+    assert answers[1][2]["X-Kvxferd-Prefill-Request-Id"] == transfer_id

@@ -11,7 +11,11 @@ request id in ``X-Kvxferd-Prefill-Request-Id`` (the id the daemons' holds,
 reads and bus events name; with ``KVXFERD_TRACE_DIR`` set the proxy stamps
 its steps under it, see trace.py). A prefill that
 answers without ``kv_transfer_params`` is a 502 naming the prefill URL.
-``/v1/chat/completions`` works the same way. Run it where vLLM is installed
+``/v1/chat/completions`` works the same way. With ``--mode push`` (issue #57)
+both legs go at once under one transfer id (the connectors must run
+``mode: push``): the decode leg expects its blocks, the prefill daemon writes
+them when the prefill ends; the first request goes as a pull, to learn where
+the prefill engine is (every prefill answer after refreshes it). Run it where vLLM is installed
 (it uses aiohttp, one of vLLM's dependencies)::
 
     python -m kvxferd.integrations.vllm.proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
@@ -20,9 +24,11 @@ answers without ``kv_transfer_params`` is a 502 naming the prefill URL.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import logging
 import time
+import uuid
 
 from kvxferd.integrations.vllm.trace import Trace
 
@@ -46,12 +52,31 @@ def decode_request(body: dict, kv_transfer_params: dict) -> dict:
     return leg
 
 
-def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
-    """The aiohttp application forwarding ``ROUTES``."""
+def push_legs(body: dict, transfer_id: str, where: dict) -> tuple[dict, dict]:
+    """Push mode (issue #57): the prefill leg (held under ``transfer_id``) and the decode leg (expecting it
+    from the prefill engine ``where`` names: its engine id and peer addresses), sent at once."""
+    prefill = prefill_request(body)
+    prefill["kv_transfer_params"]["kvxferd_transfer_id"] = transfer_id
+    decode = decode_request(body, {"do_remote_prefill": True, "kvxferd": 1, "kvxferd_push": True,
+                                   "transfer_id": transfer_id, **where})
+    return prefill, decode
+
+
+def prefill_location(params: dict | None) -> dict | None:
+    """Where a prefill engine is, from its answer's ``kv_transfer_params`` (None: it named none)."""
+    if not isinstance(params, dict) or not params.get("remote_engine_id") or not params.get("remote_peer_addresses"):
+        return None
+    return {"remote_engine_id": params["remote_engine_id"], "remote_peer_addresses": params["remote_peer_addresses"]}
+
+
+def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mode: str = "pull"):
+    """The aiohttp application forwarding ``ROUTES``. ``mode="push"``: both legs at once with one transfer
+    id once the prefill engine's location is known (from its first answer, and every answer after)."""
     from aiohttp import ClientSession, ClientTimeout, web
 
     session_key = web.AppKey("session", ClientSession)
     trace = Trace("proxy")
+    where: dict = {}  # push mode: the prefill engine's id and peer addresses, as its last answer named them
 
     async def start(app):
         app[session_key] = ClientSession(timeout=ClientTimeout(total=timeout_s))
@@ -68,6 +93,8 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
         if not isinstance(body, dict):
             return web.json_response({"error": "the request body must be a JSON object"}, status=400)
         session = request.app[session_key]
+        if mode == "push" and where:
+            return await pushed(request, body, session, arrived_s)
         prefill_sent_s = time.time()
         async with session.post(prefill_url + request.path, json=prefill_request(body)) as answer:
             prefilled = await answer.json(content_type=None)
@@ -77,6 +104,7 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
         if not params:
             return web.json_response({"error": f"prefill {prefill_url} returned no kv_transfer_params "
                                                "(is it running with the KvxferdConnector?)"}, status=502)
+        where.update(prefill_location(params) or {})
         prefill_id = str(params.get("remote_request_id", ""))
         ids = (prefill_id,) if prefill_id else ()  # (failed params name no request: nothing to stamp)
         trace.stamp("proxy_in", ids, arrived_s)
@@ -84,20 +112,53 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0):
         trace.stamp("prefill_back", ids)
         headers = {PREFILL_ID_HEADER: prefill_id}
         async with session.post(decode_url + request.path, json=decode_request(body, params)) as answer:
-            trace.stamp("decode_answered", ids)
-            if not body.get("stream"):
-                return web.json_response(await answer.json(content_type=None), status=answer.status, headers=headers)
-            response = web.StreamResponse(status=answer.status,
-                                          headers={"Content-Type": "text/event-stream", **headers})
-            await response.prepare(request)
-            first = True
-            async for chunk in answer.content.iter_any():
-                await response.write(chunk)
-                if first and b'"choices"' in chunk:  # (vLLM's first chunk carries the first token)
-                    trace.stamp("first_chunk_out", ids)
-                    first = False
-            await response.write_eof()
-            return response
+            return await relay(request, body, answer, headers, ids)
+
+    async def relay(request, body: dict, answer, headers: dict, ids: tuple) -> web.StreamResponse:
+        """The decode leg's answer, back to the client as it comes."""
+        trace.stamp("decode_answered", ids)
+        if not body.get("stream"):
+            return web.json_response(await answer.json(content_type=None), status=answer.status, headers=headers)
+        response = web.StreamResponse(status=answer.status, headers={"Content-Type": "text/event-stream", **headers})
+        await response.prepare(request)
+        first = True
+        async for chunk in answer.content.iter_any():
+            await response.write(chunk)
+            if first and b'"choices"' in chunk:  # (vLLM's first chunk carries the first token)
+                trace.stamp("first_chunk_out", ids)
+                first = False
+        await response.write_eof()
+        return response
+
+    async def pushed(request, body: dict, session, arrived_s: float) -> web.StreamResponse:
+        """Push mode: both legs at once. A prefill leg that fails ends the decode leg (closing it aborts the
+        request in vLLM) and its answer is the client's; else the decode leg's answer is."""
+        transfer_id = f"push-{uuid.uuid4().hex}"
+        ids = (transfer_id,)
+        prefill_leg, decode_leg = push_legs(body, transfer_id, dict(where))
+        trace.stamp("proxy_in", ids, arrived_s)
+        headers = {PREFILL_ID_HEADER: transfer_id}
+
+        async def prefill() -> tuple[int, object]:
+            trace.stamp("prefill_sent", ids)
+            async with session.post(prefill_url + request.path, json=prefill_leg) as answer:
+                prefilled = await answer.json(content_type=None)
+            trace.stamp("prefill_back", ids)
+            params = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
+            where.update(prefill_location(params) or {})  # a restarted prefill engine is followed
+            return answer.status, prefilled
+
+        prefill_task = asyncio.ensure_future(prefill())
+        try:
+            async with session.post(decode_url + request.path, json=decode_leg) as answer:
+                if prefill_task.done() and prefill_task.result()[0] != 200:
+                    status, prefilled = prefill_task.result()
+                    return web.json_response(prefilled, status=status)
+                return await relay(request, body, answer, headers, ids)
+        finally:
+            status, prefilled = await prefill_task
+            if status != 200:
+                log.warning("push: the prefill leg failed", extra={"transfer_id": transfer_id, "status": status})
 
     app = web.Application()
     app.on_startup.append(start)
@@ -113,10 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", required=True, help="base URL of the decode vLLM server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--mode", choices=("pull", "push"), default="pull",
+                        help="push: both legs at once with one transfer id (the connectors run mode: push); the "
+                             "first request goes as a pull, to learn where the prefill engine is")
     args = parser.parse_args(argv)
     from aiohttp import web
 
-    web.run_app(make_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host, port=args.port)
+    web.run_app(make_app(args.prefill.rstrip("/"), args.decode.rstrip("/"), mode=args.mode), host=args.host,
+                port=args.port)
 
 
 if __name__ == "__main__":
