@@ -26,6 +26,9 @@ PANELS = [
     ("Push (prefill side): writes / s by outcome, bytes written / s", "ops", [
         ("{{outcome}}", f"sum by (outcome) (rate(kvxferd_push_writes_total{SEL}{RATE}))"),
         ("bytes {{pod}}", f"sum by (pod) (rate(kvxferd_push_bytes_total{SEL}{RATE}))")]),
+    ("Push (decode side): expectation submit -> completion p50 / p99", "s", [
+        ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))"),
+        ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))")]),
     ("Rank reads copied same-host (not over NIXL) / s", "ops", [
         ("{{pod}}", f"sum by (pod) (rate(kvxferd_same_host_copies_total{SEL}{RATE}))")]),
     ("Transport paths: READs by path UCX chose (emulated, tcp: slow) and GPU regions by what can serve them",

@@ -8,6 +8,10 @@ single instance and through the proxy, and reports time to first token,
 whether the tokens are equal, and the bytes the decode daemon read per
 request. Prefix caching is off, so every prefill computes its prompt.
 
+``--push`` adds kvxferd's push mode (issue #57): the same kvxferd servers
+(their connectors run ``mode: push``, which serves pulls too), a second proxy
+sending both legs at once; with ``--compare nixl`` also vLLM's own
+``NixlPushConnector`` pair behind kvxferd/rig/vllm/nixlpush.py.
 ``--compare nixl`` adds a third column: a prefill and a decode server with
 vLLM's own NixlConnector (in-process NIXL, ``kv_buffer_device: "cpu"``)
 behind the same proxy, and the single instance becomes its own plain vLLM
@@ -26,6 +30,7 @@ their own (docs/vllm.md, Limits). Run in .venv-vllm::
 
     .venv-vllm/bin/python -m kvxferd.rig.vllm.bench [--requests 10] [--lengths 128 512 960]
     .venv-vllm/bin/python -m kvxferd.rig.vllm.bench --compare nixl [--json out.json]
+    .venv-vllm/bin/python -m kvxferd.rig.vllm.bench --compare nixl --push --worker-cores 0 1   # issue #57
     .venv-vllm/bin/python -m kvxferd.rig.vllm.bench --trace --worker-cores 0 1 --requests 15 --lengths 64 256 1024
 """
 
@@ -206,8 +211,8 @@ def idle_cpu(setups: dict[str, Setup], seconds: float = 3.0) -> dict[str, float]
 
 def run(args, setups: dict[str, Setup], model: str) -> dict:
     bench = Bench(args, setups, model)
-    pd_names = [name for name in ("kvxferd", "nixl") if name in setups]
-    breakdown = [name for name in pd_names if args.breakdown]
+    pd_names = [name for name in setups if name != "single"]
+    breakdown = [name for name in ("kvxferd", "nixl") if name in setups and args.breakdown]  # a pull's two legs
     report: dict = {"model": dict(TINY_LLAMA), "max_tokens": MAX_TOKENS, "requests": args.requests,
                     "block_kib": block_kib(), "idle_cpu_cores": idle_cpu(setups),
                     "unavailable": {n: s.error for n, s in setups.items() if s.error}, "first_request": {},
@@ -355,7 +360,7 @@ def print_default(report: dict) -> None:
 
 
 def print_compare(report: dict) -> None:
-    names = [n for n in ("kvxferd", "nixl") if n in report["lengths"][0]["setups"]]
+    names = [n for n in report["lengths"][0]["setups"] if n != "single"]
     print("\nTime to first token, ms (P/D: proxy -> prefill server -> decode server):\n")
     head = ["prompt tokens", "requests", *[f"tokens equal {n}" for n in names], "single p50", "single p99"]
     for n in names:
@@ -423,6 +428,9 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=18100,
                         help="kvxferd proxy -100, prefill +0, decode +100; with --compare up to +612")
     parser.add_argument("--compare", choices=["nixl"], help="add vLLM's NixlConnector as a third column")
+    parser.add_argument("--push", action="store_true",
+                        help="add kvxferd's push mode (issue #57: the same servers, the proxy in push mode) and, "
+                             "with --compare nixl, vLLM's NixlPushConnector")
     parser.add_argument("--single", choices=["own", "prefill"],
                         help="the single instance: its own plain server (default with --compare) or the kvxferd "
                              "prefill server (default without)")
@@ -460,7 +468,8 @@ def main() -> None:
     if args.breakdown is None:
         args.breakdown = bool(args.compare)
     single_on_prefill = (args.single or ("own" if args.compare else "prefill")) == "prefill"
-    names = ["single", "kvxferd"] + (["nixl"] if args.compare else [])
+    names = (["single", "kvxferd"] + (["kvxferd-push"] if args.push else []) + (["nixl"] if args.compare else [])
+             + (["nixl-push"] if args.compare and args.push else []))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops every server
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvx-bench-vllm"))
     model = write_tiny_model(work / "tiny-llama")
@@ -487,7 +496,7 @@ def main() -> None:
                               "settle_s": args.settle_s}
         if "nixl" in setups:
             report["nixl_prefill_log"] = nixl_log_notes(work / "nixl-prefill.log")
-        if args.compare:
+        if args.compare or args.push:
             tweaks = [*patches] + ([f"num_threads {args.nixl_threads}"] if args.nixl_threads is not None else [])
             print(f"Single instance: {report['single_instance']}; every server: VLLM_CPU_NUM_OF_RESERVED_CPU="
                   f"{args.reserved_cpus}; NixlConnector: "

@@ -159,22 +159,35 @@ def vllm_server(name: str, model: str, port: int, work: pathlib.Path, env: dict,
     return Process(name, args, work / f"{name}.log", env, port)
 
 
-def proxy(name: str, prefill_port: int, decode_port: int, port: int, work: pathlib.Path, env: dict) -> Process:
+def proxy(name: str, prefill_port: int, decode_port: int, port: int, work: pathlib.Path, env: dict,
+          mode: str = "pull") -> Process:
     return Process(name, [sys.executable, "-m", "kvxferd.integrations.vllm.proxy", "--prefill",
                           f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}",
-                          "--host", "127.0.0.1", "--port", str(port)], work / f"{name}.log", env, port)
+                          "--host", "127.0.0.1", "--port", str(port), "--mode", mode], work / f"{name}.log", env, port)
+
+
+def nixl_push_proxy(name: str, prefill_port: int, decode_port: int, port: int, work: pathlib.Path, env: dict,
+                    engine_id: str, side_port: int) -> Process:
+    """The proxy for vLLM's NixlPushConnector (kvxferd/rig/vllm/nixlpush.py): both legs at once."""
+    return Process(name, [sys.executable, "-m", "kvxferd.rig.vllm.nixlpush", "--prefill",
+                          f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}",
+                          "--engine-id", engine_id, "--side-port", str(side_port), "--port", str(port)],
+                   work / f"{name}.log", env, port)
 
 
 def kvxferd_transfer(engine_id: str, engine_socket: str) -> dict:
+    """The kvxferd connector in push mode: it serves pulls as well, so one pair of servers is both columns."""
     return {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.integrations.vllm",
-            "kv_role": "kv_both", "engine_id": engine_id, "kv_connector_extra_config": {"engine_socket": engine_socket}}
+            "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": {"engine_socket": engine_socket, "mode": "push"}}
 
 
-def nixl_transfer(engine_id: str, role: str, num_threads: int | None = None) -> dict:
+def nixl_transfer(engine_id: str, role: str, num_threads: int | None = None, connector: str = "NixlConnector") -> dict:
     """vLLM's NixlConnector on the CPU platform: the KV cache is host memory, so the buffer device is "cpu"
     (the only one ``_NIXL_SUPPORTED_DEVICE["cpu"]`` allows); producer for prefill, consumer for decode.
-    ``num_threads``: the NIXL UCX backend's threads (vLLM's ``kv_connector_extra_config``; vLLM: 4)."""
-    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu", "engine_id": engine_id}
+    ``num_threads``: the NIXL UCX backend's threads (vLLM's ``kv_connector_extra_config``; vLLM: 4).
+    ``connector``: ``NixlPushConnector`` for vLLM's push mode."""
+    config = {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu", "engine_id": engine_id}
     if num_threads is not None:
         config["kv_connector_extra_config"] = {"num_threads": num_threads}
     return config
@@ -300,7 +313,14 @@ class Setup:
                 process.pause()
 
     def read_metrics(self) -> dict[str, float]:
-        """The decode side's transfer counters: bytes, transfers, seconds in reads (and handshakes, kvxferd)."""
+        """The decode side's transfer counters: bytes, transfers, seconds in reads (and handshakes, kvxferd).
+        kvxferd's push column: the bytes its prefill daemon wrote, the decode daemon's expectations."""
+        if self.daemons and self.name == "kvxferd-push":
+            written = scrape(self.daemons[0].addresses["metrics"])
+            expected = scrape(self.daemons[-1].addresses["metrics"])
+            return {"bytes": metric_sum(written, "kvxferd_push_bytes_total"),
+                    "reads": metric_sum(expected, "kvxferd_push_duration_seconds_count"),
+                    "read_s": metric_sum(expected, "kvxferd_push_duration_seconds_sum")}
         if self.daemons:
             text = scrape(self.daemons[-1].addresses["metrics"])
             engine = scrape(f"http://127.0.0.1:{self.decode}/metrics")  # the connector's own view, if it exports it
@@ -338,8 +358,10 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
     setup that does not come up gets ``error`` (its processes are stopped); the others go on.
     """
     wanted = {"kvxferd": [base - 100, base, base + 100, *range(base + 600, base + 603), *range(base + 610, base + 613)],
+              "kvxferd-push": [base - 90],
               "single": [] if single_on_prefill else [base + 200],
-              "nixl": [base + 300, base + 400, base + 450, base + 500, base + 550]}
+              "nixl": [base + 300, base + 400, base + 450, base + 500, base + 550],
+              "nixl-push": [base + 700, base + 800, base + 850, base + 900, base + 950]}
     taken = [port for name in names for port in wanted[name] if not port_is_free(port)]
     if taken:
         raise SystemExit(f"ports in use on 127.0.0.1: {taken}; pick another --base-port")
@@ -364,6 +386,10 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
         kvx.processes.append(vllm_server(f"kvxferd-{role}", model, port, work, {**env, **bind},
                                          kvxferd_transfer(f"kvx-{role}", daemon.socket)))
     kvx.processes.append(proxy("kvxferd-proxy", base, base + 100, base - 100, work, env))
+    if "kvxferd-push" in names:  # the same servers and daemons, a proxy in push mode (issue #57)
+        push = setups["kvxferd-push"] = Setup("kvxferd-push", base - 90, prefill=base, decode=base + 100,
+                                              daemons=kvx.daemons)
+        push.processes.append(proxy("kvxferd-push-proxy", base, base + 100, base - 90, work, env, mode="push"))
     if "single" in names:
         if single_on_prefill:
             setups["single"] = Setup("single", base)
@@ -384,6 +410,17 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
             nixl.processes.append(vllm_server(f"nixl-{role}", model, port, work, nixl_env,
                                               nixl_transfer(f"nixl-{role}", kv_role, nixl_threads)))
         nixl.processes.append(proxy("nixl-proxy", base + 400, base + 500, base + 300, work, env))
+    if "nixl-push" in names:  # vLLM's NixlPushConnector (issue #57's comparison)
+        nixl = setups["nixl-push"] = Setup("nixl-push", base + 700, prefill=base + 800, decode=base + 900,
+                                           pausable=pause_nixl)
+        for role, port, kv_role in (("prefill", base + 800, "kv_producer"), ("decode", base + 900, "kv_consumer")):
+            nixl_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 50), "UCX_NET_DEVICES": "lo"}
+            nixl.processes.append(vllm_server(f"nixl-push-{role}", model, port, work, nixl_env,
+                                              nixl_transfer(f"nixl-push-{role}", kv_role, nixl_threads,
+                                                            "NixlPushConnector")))
+        nixl.processes.append(nixl_push_proxy("nixl-push-proxy", base + 800, base + 900, base + 700, work, env,
+                                              "nixl-push-prefill", base + 850))
     deadline = time.monotonic() + 600
     for setup in setups.values():
         for process in setup.processes:
@@ -393,7 +430,7 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
                 else:
                     process.wait_healthy(deadline)
             except RuntimeError as err:
-                if setup.name != "nixl":
+                if not setup.name.startswith("nixl"):
                     raise
                 setup.error = str(err)
                 break

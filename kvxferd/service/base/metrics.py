@@ -109,6 +109,9 @@ class Metrics:
                                         "same-host holder's shared memory instead of read over NIXL", registry=r)
         self.push_writes = Counter("kvxferd_push_writes", "push (issue #57), prefill side: writes into a decode "
                                    "rank's expected blocks, by outcome", ["outcome"], registry=r)
+        self.push_duration = Histogram("kvxferd_push_duration_seconds", "push (issue #57), decode side: an "
+                                       "expectation's submit to its completion (every writer wrote, or it failed)",
+                                       ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.push_bytes = Counter("kvxferd_push_bytes", "push, prefill side: bytes written into decode ranks' blocks",
                                   registry=r)
         self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",

@@ -116,7 +116,7 @@ class ExpectPath:
             capability = slot.holds.hold(transfer_id, block_ids, deadline_s, time.monotonic())
         request = ReadRequest(spec.request_id, transfer_id, block_ids, tuple(() for _ in block_ids),
                               spec.num_tokens or None)
-        read = Read(slot, spec.remote_engine_id, request, link.remote, received_s, received_s + deadline_s)
+        read = Read(slot, spec.remote_engine_id, request, link.remote, received_s, received_s + deadline_s, push=True)
         slot.reads[spec.request_id] = slot.expected[transfer_id] = read
         daemon.dataplane.wake()  # fast polls: the writers' WRITEs over TCP need this side's progress
         daemon.wake_maintenance()  # the expectation's deadline is its lease

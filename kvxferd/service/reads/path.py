@@ -238,6 +238,9 @@ class ReadPath:
             if read.refusal is not None:  # refused with nothing posted (planned on the data-plane thread)
                 m.read_failures.labels(ReadFailure.REFUSED.value).inc()
                 continue
+            if read.push:  # an expectation (issue #57): its own figures, not a read's
+                m.push_duration.labels("ok" if result.ok else "failed").observe(result.duration_s)
+                continue
             self._durations[result.ok].observe(result.duration_s)
             if read.post_s:
                 m.read_post.observe(read.post_s)
