@@ -109,3 +109,23 @@ def test_a_failed_writer_is_named_when_the_expectation_ends():
         pusher.send_notice(inflight, 0)
         end = cluster.holder_thread.wait_end(0, request.remote_request_id, timeout_s=10)
         assert end is not None and end.failed_readers == ((cluster.prefill_id, 0),)
+
+
+def test_an_expectation_counts_only_from_the_agent_introduced_for_its_decode_rank():
+    """The holder side of a push: an expectation from any other agent is dropped (FOREIGN), bytes that are
+    not one are BAD, and the introduced agent's is taken."""
+    from kvxferd.plan.expectrecord import ExpectRecord
+    from kvxferd.xfer.holder import Holder, Reader
+    from kvxferd.xfer.nixl.agent import NixlAgent
+
+    agent = NixlAgent("expect-holder")
+    holder = Holder(agent)
+    try:
+        holder.introduce(("decode", 0), Reader("decode-notices", 1, 1))
+        record = ExpectRecord("t", "decode", 0, (np.array([1]),), bytes(16), 5.0).encode()
+        assert holder.expectation("intruder", record) is None and holder.counts[NoticeEvent.FOREIGN] == 1
+        assert holder.expectation("decode-notices", b"KE\x01garbage") is None and holder.counts[NoticeEvent.BAD] == 1
+        assert holder.expectation("decode-notices", record).transfer_id == "t"
+    finally:
+        holder.close()
+        agent.close()

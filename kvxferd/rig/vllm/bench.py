@@ -10,7 +10,7 @@ request. Prefix caching is off, so every prefill computes its prompt.
 
 ``--push`` adds kvxferd's push mode (issue #57): the same kvxferd servers
 (their connectors run ``mode: push``, which serves pulls too), a second proxy
-sending both legs at once; with ``--compare nixl`` also vLLM's own
+sending both legs at once; ``--compare nixl-push`` adds vLLM's own
 ``NixlPushConnector`` pair behind kvxferd/rig/vllm/nixlpush.py.
 ``--compare nixl`` adds a third column: a prefill and a decode server with
 vLLM's own NixlConnector (in-process NIXL, ``kv_buffer_device: "cpu"``)
@@ -30,7 +30,7 @@ their own (docs/vllm.md, Limits). Run in .venv-vllm::
 
     .venv-vllm/bin/python -m kvxferd.rig.vllm.bench [--requests 10] [--lengths 128 512 960]
     .venv-vllm/bin/python -m kvxferd.rig.vllm.bench --compare nixl [--json out.json]
-    .venv-vllm/bin/python -m kvxferd.rig.vllm.bench --compare nixl --push --worker-cores 0 1   # issue #57
+    .venv-vllm/bin/python -m kvxferd.rig.vllm.bench --compare nixl nixl-push --push --worker-cores 0 1  # #57
     .venv-vllm/bin/python -m kvxferd.rig.vllm.bench --trace --worker-cores 0 1 --requests 15 --lengths 64 256 1024
 """
 
@@ -427,10 +427,10 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 960])
     parser.add_argument("--base-port", type=int, default=18100,
                         help="kvxferd proxy -100, prefill +0, decode +100; with --compare up to +612")
-    parser.add_argument("--compare", choices=["nixl"], help="add vLLM's NixlConnector as a third column")
+    parser.add_argument("--compare", choices=["nixl", "nixl-push"], nargs="+",
+                        help="add vLLM's NixlConnector (nixl) and/or its NixlPushConnector (nixl-push) as columns")
     parser.add_argument("--push", action="store_true",
-                        help="add kvxferd's push mode (issue #57: the same servers, the proxy in push mode) and, "
-                             "with --compare nixl, vLLM's NixlPushConnector")
+                        help="add kvxferd's push mode (issue #57: the same servers, the proxy in push mode)")
     parser.add_argument("--single", choices=["own", "prefill"],
                         help="the single instance: its own plain server (default with --compare) or the kvxferd "
                              "prefill server (default without)")
@@ -468,8 +468,7 @@ def main() -> None:
     if args.breakdown is None:
         args.breakdown = bool(args.compare)
     single_on_prefill = (args.single or ("own" if args.compare else "prefill")) == "prefill"
-    names = (["single", "kvxferd"] + (["kvxferd-push"] if args.push else []) + (["nixl"] if args.compare else [])
-             + (["nixl-push"] if args.compare and args.push else []))
+    names = ["single", "kvxferd"] + (["kvxferd-push"] if args.push else []) + list(dict.fromkeys(args.compare or []))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops every server
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvx-bench-vllm"))
     model = write_tiny_model(work / "tiny-llama")

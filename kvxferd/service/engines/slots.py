@@ -64,6 +64,7 @@ class EngineSlot:
     # Expectation} waiting for this engine's hold or being written (service/reads/writer.py).
     expected: dict = field(default_factory=dict)
     expectations: dict = field(default_factory=dict)
+    expected_blocks: list = field(default_factory=list)  # decode side: per group, the blocks live expectations name
     push_executor: PushExecutor | None = None  # made on the first push (pusher)
 
     @property

@@ -265,7 +265,7 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
                                            f"{self.daemon.registry.trust_lead_s:.0f} s more (renew it)")
         await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
         if request.HasField("reader_target"):  # push (issue #57): the writer connects to the reader's rank now
-            await self.daemon.writes.connect_target(slot, request.reader_target)
+            self.daemon.writes.connect_target(slot, request.reader_target)
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)

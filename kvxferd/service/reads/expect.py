@@ -112,8 +112,16 @@ class ExpectPath:
         for q in writers:  # idempotent: the same agent again changes nothing
             slot.holder.introduce((spec.remote_engine_id, q), Reader(link.writer_agents[q], prefill_tp, expected,
                                                                      WRITER_IDENTITY))
-        with slot.lock:  # the tag goes on the board before any writer can look for it
-            capability = slot.holds.hold(transfer_id, block_ids, deadline_s, time.monotonic())
+        if transfer_id in slot.expected:
+            raise InvalidArgumentError("remote_request_id", f"transfer {transfer_id!r} is already held: a push of it "
+                                                            "is still running")
+        _claim_blocks(slot, block_ids)  # another live expectation's blocks: refused, nothing held
+        try:
+            with slot.lock:  # the tag goes on the board before any writer can look for it
+                capability = slot.holds.hold(transfer_id, block_ids, deadline_s, time.monotonic())
+        except BaseException:
+            _free_blocks(slot, block_ids)
+            raise
         request = ReadRequest(spec.request_id, transfer_id, block_ids, tuple(() for _ in block_ids),
                               spec.num_tokens or None)
         read = Read(slot, spec.remote_engine_id, request, link.remote, received_s, received_s + deadline_s, push=True)
@@ -158,6 +166,7 @@ class ExpectPath:
         read = slot.expected.pop(transfer_id, None)
         if read is None:
             return
+        _free_blocks(slot, read.request.local_block_ids)
         with slot.lock:
             try:
                 slot.holds.release(transfer_id)
@@ -174,6 +183,7 @@ class ExpectPath:
         if end.kind is FAILED:  # a writer failed: the end follows once every writer reported
             return True
         del slot.expected[end.request_id]
+        _free_blocks(slot, read.request.local_block_ids)
         if end.kind is CONSUMED and not end.failed_readers:
             self._complete(read, True, "", ReadFailure.NONE, settle=False)
         elif end.kind is CONSUMED:
@@ -201,3 +211,22 @@ class ExpectPath:
         else:
             complete()
 
+
+def _claim_blocks(slot: EngineSlot, block_ids: tuple[np.ndarray, ...]) -> None:
+    """Mark blocks as expected; refuse (typed error, nothing marked) blocks another live expectation of this
+    engine rank names: two pushes writing one block would corrupt one of them."""
+    claimed = slot.expected_blocks or [set() for _ in block_ids]
+    for g, ids in enumerate(block_ids):
+        taken = claimed[g].intersection(ids.tolist())
+        if taken:
+            raise InvalidArgumentError(f"local_block_ids[{g}]", f"blocks {sorted(taken)[:8]} are expected by another "
+                                                                "push of this engine still running")
+    for g, ids in enumerate(block_ids):
+        claimed[g].update(ids.tolist())
+    slot.expected_blocks = claimed
+
+
+def _free_blocks(slot: EngineSlot, block_ids) -> None:
+    for g, ids in enumerate(block_ids):
+        if g < len(slot.expected_blocks):
+            slot.expected_blocks[g].difference_update(np.asarray(ids).tolist())

@@ -79,23 +79,43 @@ class WritePath:
     def __init__(self, daemon: "ReadPathParts") -> None:
         self.daemon = daemon
         self.num_written = 0  # pushes whose write ended ok
+        self._connecting: dict[tuple, asyncio.Task] = {}  # (id(slot), target engine, rank) -> its connection
 
-    async def connect_target(self, slot: EngineSlot, reader_target: pb.EngineInfoReply) -> None:
+    def connect_target(self, slot: EngineSlot, reader_target: pb.EngineInfoReply) -> None:
         """An introduced reader's rank as a push target (its handshake, ``EngineInfoRequest.reader_target``):
-        connected now, not on its first push. A target that cannot be connected is logged; its pushes fail."""
-        if slot.pusher is None:
-            return
+        connected in the background (UCX's set-up of a new connection takes up to a second; the reader's
+        handshake does not wait for it), not on its first push. A target that cannot be connected is
+        logged; its pushes fail."""
+        if slot.pusher is None or not self.daemon.config.push_targets:
+            return  # (push_targets off: this daemon loads no reader's agent)
         try:
             info = decode_info(reader_target, slot.cache)
+        except KvxferError as err:
+            log.warning("a reader's push target was refused: its pushes will fail", extra={
+                "engine_id": slot.engine_id, "error": str(err)})
+            return
+        key = (id(slot), info.cache.engine_id, info.cache.tp_rank)
+        self._connecting[key] = self.daemon.spawn(self._connect(slot, info, key))
+
+    async def _connect(self, slot: EngineSlot, info, key) -> None:
+        try:
             await self._connection(slot, info)
         except KvxferError as err:
             log.warning("a reader's push target was not connected: its pushes will fail", extra={
                 "engine_id": slot.engine_id, "error": str(err)})
+        finally:
+            if self._connecting.get(key) is asyncio.current_task():
+                del self._connecting[key]
 
     def expect_records(self, records: list[tuple[EngineSlot, ExpectRecord]]) -> None:
-        """A data-plane round's expectations, each from the agent introduced for its decode rank (event loop)."""
+        """A data-plane round's expectations, each from the agent introduced for its decode rank (event loop);
+        one whose target is still being connected is taken once it is."""
         for slot, record in records:
             if slot.closing:
+                continue
+            connecting = self._connecting.get((id(slot), record.reader_engine_id, record.reader_rank))
+            if connecting is not None:
+                connecting.add_done_callback(lambda _, slot=slot, record=record: self.expect_records([(slot, record)]))
                 continue
             try:
                 self._expect(slot, record)

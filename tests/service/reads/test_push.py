@@ -127,9 +127,18 @@ def test_bad_pushes_are_refused_as_completions_with_nothing_written(workdir):
         client.submit_push("second", cluster.prefill_id, "t4", request.local_block_ids, num_tokens=70)
         second = client.reads.wait_completion("second", 10)
         assert not second.ok and second.refused_code == 3 and "already held" in second.error
+        # Another transfer naming blocks a live expectation names (another request's): refused, nothing held.
+        client.submit_push("overlap", cluster.prefill_id, "t5", request.local_block_ids, num_tokens=70)
+        overlap = client.reads.wait_completion("overlap", 10)
+        assert not overlap.ok and overlap.refused_code == 3 and "expected by another push" in overlap.error
         for prefill in cluster.prefill_clients:
             prefill.hold("t4", request.remote_block_ids)
         assert client.reads.wait_completion("first", 10).ok
+        # Once it completed, its blocks may be expected again.
+        client.submit_push("again", cluster.prefill_id, "t6", request.local_block_ids, num_tokens=70)
+        for prefill in cluster.prefill_clients:
+            prefill.hold("t6", request.remote_block_ids)
+        assert client.reads.wait_completion("again", 10).ok
 
 
 
