@@ -35,6 +35,8 @@ CREATED = {"kvxferd_read_duration_seconds": {("outcome",): {(v,) for v in m.OUTC
            "kvxferd_notices_dropped": {("reason",): {(v,) for v in m.DROPPED_NOTICES}},
            "kvxferd_fd_socket_refused": {("reason",): {(v,) for v in m.FD_REFUSALS}},
            "kvxferd_bus_subscriptions_refused": {("reason",): {(v,) for v in m.BUS_REFUSALS}},
+           "kvxferd_push_duration_seconds": {("outcome",): {(v,) for v in m.OUTCOMES}},
+           "kvxferd_push_writes": {("outcome",): {(v,) for v in m.PUSH_OUTCOMES}},
            "kvxferd_rpc_errors": {("method", "code"): {(v, m.RPC_INITIAL_CODE) for v in m.RPC_METHODS}}}
 
 

@@ -33,6 +33,7 @@ from kvxferd.xfer.nixl.ucxpaths import MEMORY_PAIRS, PATHS
 FAILURE_KINDS = tuple(kind.value for kind in ReadFailure if kind is not ReadFailure.NONE)
 READS_SOCKET_METHOD = "ReadsSocket"  # the reads socket (net/readsock.py) in kvxferd_rpc_errors
 OUTCOMES = ("ok", "failed")  # of a read (reads/path.py) and of a handshake (peers/links.py)
+PUSH_OUTCOMES = ("ok", "failed", "refused")  # kvxferd_push_writes: refused expectations wrote nothing
 EVENT_KINDS = tuple(kind.value for kind in HoldEndKind)
 DROPPED_NOTICES = tuple(event.value for event in NoticeEvent if event.dropped)
 # FdInbox's refusals (engines/fdpass.py names them inline): peer uid or gid not allowed, not one
@@ -189,7 +190,8 @@ class Metrics:
                                (self.read_failures, FAILURE_KINDS), (self.events, EVENT_KINDS),
                                (self.notices_dropped, DROPPED_NOTICES), (self.fd_socket_refused, FD_REFUSALS),
                                (self.bus_subscriptions_refused, BUS_REFUSALS),
-                               (self.worker_replacements, WORKER_REPLACE_REASONS)):
+                               (self.worker_replacements, WORKER_REPLACE_REASONS),
+                               (self.push_duration, OUTCOMES), (self.push_writes, PUSH_OUTCOMES)):
             for value in values:
                 metric.labels(value)
         for method in RPC_METHODS:

@@ -188,7 +188,8 @@ class ExpectPath:
             self._complete(read, True, "", ReadFailure.NONE, settle=False)
         elif end.kind is CONSUMED:
             failed = ", ".join(f"rank {rank}" for _, rank in end.failed_readers)
-            self._complete(read, False, f"push: the write of prefill {failed} failed", ReadFailure.TRANSFER, False)
+            # settled too: a writer that gave up draining its own WRITE (its deadline) notified failed
+            self._complete(read, False, f"push: the write of prefill {failed} failed", ReadFailure.TRANSFER, True)
         else:
             reason = "deadline: not every prefill rank wrote in time" if end.reason == "lease" else end.reason
             failure = ReadFailure.DEADLINE if end.reason == "lease" else ReadFailure.ABORTED

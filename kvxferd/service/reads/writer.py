@@ -23,6 +23,7 @@ from an engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -193,8 +194,11 @@ class WritePath:
         push = PushRequest(expectation.transfer_id, expectation.target_block_ids, block_ids, expectation.capability,
                            expectation.num_tokens)
         try:
+            if pusher.targets.get(expectation.key) is not expectation.connection:
+                raise NotFoundError("expectation", "the connection to the target rank was replaced (it restarted): "
+                                                   "its new agent expects anew")
             planned = pusher.plan(expectation.connection, expectation.target_rank, push)
-        except KvxferError as err:  # ids that do not pair: the decode rank is told, nothing written
+        except KvxferError as err:  # ids that do not pair, a replaced target: the decode rank is told, nothing written
             self._finish(slot, expectation, None, held, f"push refused: {err}")
             return
         inflight = pusher.post(expectation.connection, planned)
@@ -223,6 +227,13 @@ class WritePath:
         pusher = slot.pusher
         result: ReadResult | None = inflight.result if inflight is not None else None
         ok = result is not None and result.ok
+        if ok:  # this side's check after the WRITE: were the source blocks still held when it ended?
+            with slot.lock:
+                now_held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
+            if now_held is None or now_held[1] != held[1]:
+                ok = False
+                inflight.result = dataclasses.replace(result, ok=False, error="the prefill hold ended while its "
+                                                      "blocks were written: they may have been reused")
         if inflight is not None:
             pusher.send_notice(inflight, expectation.target_rank)
         else:
