@@ -11,6 +11,7 @@ import time
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.xfer.admission import admit
 from kvxferd.xfer.handles import ReadFailure
+from kvxferd.xfer.pushes import PushExecutor
 from kvxferd.xfer.reads import ReadExecutor
 from kvxferd.xfer.records import InFlightRead, ReadResult
 
@@ -24,8 +25,9 @@ def post(executor: ReadExecutor, remote_engine_id: str, request: ReadRequest) ->
     return executor.post(admit(executor.remote(remote_engine_id), request))
 
 
-def wait(executor: ReadExecutor, inflight: InFlightRead, timeout_s: float = 30.0) -> ReadResult:
-    """Poll with a growing sleep (never a spinning core) until done, or abort it past ``timeout_s``."""
+def wait(executor: ReadExecutor | PushExecutor, inflight: InFlightRead, timeout_s: float = 30.0) -> ReadResult:
+    """Poll a posted read (or push) with a growing sleep (never a spinning core) until done, or abort it past
+    ``timeout_s``."""
     deadline_s = time.perf_counter() + timeout_s
     sleep_s = POLL_MIN_S
     while (result := executor.poll(inflight)) is None:

@@ -11,16 +11,14 @@ decode byte is then checked against the oracle, as after a read.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.plan.push import PushRequest, expected_writers
-from kvxferd.rig.reading import POLL_MAX_S, POLL_MIN_S
+from kvxferd.rig.reading import wait
 from kvxferd.rig.verify.buffers import DecodeChecks, allocate_engine
 from kvxferd.rig.verify.holderthread import HolderThread
-from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.xfer.nixl.agent import NixlAgent
 from kvxferd.xfer.pushes import PushExecutor
@@ -87,7 +85,7 @@ class PushCluster(DecodeChecks):
                 posted.append((pusher, d, pusher.post(target, pusher.plan(target, d, push))))
         results = []
         for pusher, d, inflight in posted:
-            results.append(wait_push(pusher, inflight, timeout_s))
+            results.append(wait(pusher, inflight, timeout_s))
             pusher.send_notice(inflight, d)
         return results
 
@@ -102,16 +100,3 @@ class PushCluster(DecodeChecks):
             agent.deregister(engine.cache.engine_id)
             agent.close()
 
-
-def wait_push(pusher: PushExecutor, inflight, timeout_s: float = 30.0) -> ReadResult:
-    """Poll a posted push with a growing sleep until done, or abort it past ``timeout_s``."""
-    deadline_s = time.perf_counter() + timeout_s
-    sleep_s = POLL_MIN_S
-    while (result := pusher.poll(inflight)) is None:
-        if time.perf_counter() >= deadline_s and inflight.drain is None:
-            result = pusher.abort(inflight, f"deadline: not done after {timeout_s:g} s", ReadFailure.DEADLINE)
-            if result is not None:
-                return result
-        time.sleep(sleep_s)
-        sleep_s = min(sleep_s * 2, POLL_MAX_S)
-    return result
