@@ -232,16 +232,24 @@ class EngineClient:
                                                 remote_block_ids, num_tokens=num_tokens, deadline_s=deadline_s,
                                                 remote_capabilities=remote_capabilities)])
 
-    def submit_push(self, request_id: str, remote_engine_id: str, transfer_id: str, local_block_ids, *,
-                    num_tokens: int = 0, deadline_s: float = 0.0) -> None:
+    def submit_push(self, request_id: str, remote_engine_id: str, transfer_id: str, push_key: bytes,
+                    local_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> None:
         """Expect a push (issue #57): the prefill ranks of ``remote_engine_id`` WRITE into ``local_block_ids`` (per
         cache group: only the blocks this engine does not hold already) once their engine holds
-        ``transfer_id``; the completion comes as a read's, when every prefill rank wrote or the push failed
-        (every block invalid). Needs a handshake with the prefill engine first, as a read does."""
-        spec = self.read_spec(request_id, remote_engine_id, transfer_id, local_block_ids,
-                              tuple(() for _ in local_block_ids), num_tokens=num_tokens, deadline_s=deadline_s)
-        spec.push = True
-        self.reads.submit_reads([spec])
+        ``transfer_id`` with the digest of ``push_key``; the completion comes as a read's, when every prefill
+        rank wrote or the push failed (every block invalid). Needs a handshake with the prefill engine first,
+        as a read does."""
+        self.reads.submit_reads([self.push_spec(request_id, remote_engine_id, transfer_id, push_key, local_block_ids,
+                                                num_tokens=num_tokens, deadline_s=deadline_s)])
+
+    @classmethod
+    def push_spec(cls, request_id: str, remote_engine_id: str, transfer_id: str, push_key: bytes, local_block_ids,
+                  *, num_tokens: int = 0, deadline_s: float = 0.0) -> pb.ReadSpec:
+        """One push expectation for :meth:`ReadSession.submit_reads` (see :meth:`submit_push`)."""
+        spec = cls.read_spec(request_id, remote_engine_id, transfer_id, local_block_ids,
+                             tuple(() for _ in local_block_ids), num_tokens=num_tokens, deadline_s=deadline_s)
+        spec.push, spec.push_key = True, push_key
+        return spec
 
     @staticmethod
     def read_spec(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids, remote_block_ids,
@@ -251,18 +259,21 @@ class EngineClient:
                                num_tokens, deadline_s, remote_capabilities)
 
     # ---- holds ------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> Held:
+    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0, push_key_digest: bytes = b"") -> Held:
         """Hold blocks for readers: the incarnation of the registration that holds them and the hold's
         capability (readers present it). On the reads socket when this client has a session there (no
         gRPC call), else the ``Hold`` call; either way a refusal raises :class:`grpc.RpcError` with the
-        daemon's status code."""
-        return self.hold_started(request_id, block_ids, lease_s=lease_s)()
+        daemon's status code. ``push_key_digest`` (a push's prefill leg, issue #57): the hold's blocks are
+        written to the decode rank whose expectation presents the key
+        (:func:`kvxferd.plan.capability.push_key_digest`)."""
+        return self.hold_started(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest)()
 
-    def hold_started(self, request_id: str, block_ids, *, lease_s: float = 0.0) -> Callable[[], Held]:
+    def hold_started(self, request_id: str, block_ids, *, lease_s: float = 0.0,
+                     push_key_digest: bytes = b"") -> Callable[[], Held]:
         """:meth:`hold`, sent without waiting for its answer: a function that waits for it (and raises as
         :meth:`hold` does). Several daemons' holds are then in flight at once (a TP engine's ranks)."""
         request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
-                                 lease_s=lease_s)
+                                 lease_s=lease_s, push_key_digest=push_key_digest)
         control = self.control_session()
         if control is not None:
             return control.hold_started(request)

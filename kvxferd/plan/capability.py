@@ -105,3 +105,44 @@ def sealed_by_other_keys(hold_keys: Sequence[bytes], capabilities: Sequence[byte
     again since (a new key) and the reader should learn it anew before judging the read."""
     return len(capabilities) == len(hold_keys) and any(
         len(c) == CAPABILITY_BYTES and c[:KEY_ID_BYTES] != key_id(k) for k, c in zip(hold_keys, capabilities))
+
+
+# ---- push keys (issue #57) ---------------------------------------------------------------------
+# A push is named by its transfer id, which the prefill engine's bus events and both daemons' logs carry:
+# a name, not a secret. What lets a decode rank receive a prefill hold's blocks is the transfer's push key:
+#
+#   proxy: key K (16 random bytes)  ──► decode leg: K  ──► decode daemon's expectation carries K
+#                                   ──► prefill leg: digest(K) ──► the prefill hold keeps digest(K)
+#   prefill daemon: writes only when digest(expectation's K) == the hold's digest (and never into a hold
+#   placed without one: a pull's hold cannot be pushed to anyone)
+
+PUSH_KEY_BYTES = 16
+PUSH_DIGEST_BYTES = 32
+_PUSH_PERSON = b"kvxferd-push-v1"
+
+
+def push_key_digest(push_key: bytes) -> bytes:
+    """What a push's prefill hold keeps of its key (:data:`PUSH_DIGEST_BYTES`; reveals nothing of the key)."""
+    return hashlib.blake2b(bytes(check_push_key(push_key, "push_key")), digest_size=PUSH_DIGEST_BYTES,
+                           person=_PUSH_PERSON).digest()
+
+
+def check_push_key(push_key: bytes, field: str) -> bytes:
+    """A push key as it arrives (external input): exactly :data:`PUSH_KEY_BYTES` bytes."""
+    if not isinstance(push_key, (bytes, bytearray)) or len(push_key) != PUSH_KEY_BYTES:
+        size = len(push_key) if isinstance(push_key, (bytes, bytearray)) else type(push_key).__name__
+        raise InvalidArgumentError(field, f"a push key is {PUSH_KEY_BYTES} bytes, got {size}")
+    return bytes(push_key)
+
+
+def check_push_digest(digest: bytes, field: str) -> bytes:
+    """A hold's push key digest as it arrives: empty (no push) or exactly :data:`PUSH_DIGEST_BYTES` bytes."""
+    if not isinstance(digest, (bytes, bytearray)) or len(digest) not in (0, PUSH_DIGEST_BYTES):
+        size = len(digest) if isinstance(digest, (bytes, bytearray)) else type(digest).__name__
+        raise InvalidArgumentError(field, f"a push key digest is {PUSH_DIGEST_BYTES} bytes (or none), got {size}")
+    return bytes(digest)
+
+
+def push_key_opens(push_key: bytes, digest: bytes) -> bool:
+    """Whether ``push_key`` is the key of a hold that keeps ``digest`` (never for a hold without one)."""
+    return len(digest) == PUSH_DIGEST_BYTES and hmac.compare_digest(push_key_digest(push_key), digest)

@@ -17,7 +17,8 @@ by field on decode (it comes from a peer)::
         10     4  num_tokens       u32 (0: unknown)
         14     4  deadline_ms      u32 (relative; >= 1): no write is posted after it
         18    16  capability       the expectation's, minted by the decode rank
-        34   4*G  ids per group    u32 each; their sum <= MAX_IDS
+        34    16  push_key         the transfer's (kvxferd.plan.capability): opens the prefill hold
+        50   4*G  ids per group    u32 each; their sum <= MAX_IDS
          .     .  transfer_id, reader_engine_id (UTF-8), then the ids (i32, >= 0), nothing after
 """
 
@@ -29,14 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.plan.capability import CAPABILITY_BYTES
+from kvxferd.plan.capability import CAPABILITY_BYTES, PUSH_KEY_BYTES
 from kvxferd.plan.notifications import MAX_ID_BYTES
 
 MAGIC = b"KE"
-VERSION = 1
+VERSION = 2  # 2: the push key
 MAX_GROUPS = 16
 MAX_IDS = 1 << 20  # block ids of one expectation, every group together (4 MiB)
-_HEADER = struct.Struct(f"<2sBBHHHII{CAPABILITY_BYTES}s")
+_HEADER = struct.Struct(f"<2sBBHHHII{CAPABILITY_BYTES}s{PUSH_KEY_BYTES}s")
 FIELD = "expectation"
 
 
@@ -50,13 +51,14 @@ class ExpectRecord:
     block_ids: tuple[np.ndarray, ...]  # per group, the decode blocks to write
     capability: bytes
     deadline_s: float
+    push_key: bytes
     num_tokens: int | None = None
 
     def encode(self) -> bytes:
         tid, eid = self.transfer_id.encode(), self.reader_engine_id.encode()
         counts = [len(ids) for ids in self.block_ids]
         header = _HEADER.pack(MAGIC, VERSION, len(counts), self.reader_rank, len(tid), len(eid), self.num_tokens or 0,
-                              max(1, round(self.deadline_s * 1e3)), self.capability)
+                              max(1, round(self.deadline_s * 1e3)), self.capability, self.push_key)
         ids = np.concatenate([np.asarray(i, dtype="<i4") for i in self.block_ids]) if counts else np.zeros(0, "<i4")
         return header + struct.pack(f"<{len(counts)}I", *counts) + tid + eid + ids.astype("<i4").tobytes()
 
@@ -65,7 +67,7 @@ class ExpectRecord:
         """Parse a peer's record; raises :class:`InvalidArgumentError` naming the field."""
         if not isinstance(message, (bytes, bytearray)) or len(message) < _HEADER.size:
             raise InvalidArgumentError(FIELD, f"not a kvxferd {FIELD}: {len(message or b'')} bytes")
-        magic, version, num_groups, rank, tid_len, eid_len, num_tokens, deadline_ms, capability = \
+        magic, version, num_groups, rank, tid_len, eid_len, num_tokens, deadline_ms, capability, push_key = \
             _HEADER.unpack_from(message)
         if magic != MAGIC:
             raise InvalidArgumentError(FIELD, f"not a kvxferd {FIELD}: starts with {bytes(message[:2])!r}")
@@ -98,7 +100,7 @@ class ExpectRecord:
         bounds = np.cumsum((0, *counts))
         block_ids = tuple(ids[bounds[g]:bounds[g + 1]] for g in range(num_groups))
         return cls(transfer_id, reader_engine_id, rank, block_ids, bytes(capability), deadline_ms / 1e3,
-                   num_tokens or None)
+                   bytes(push_key), num_tokens or None)
 
 
 def is_expectation(message: bytes) -> bool:

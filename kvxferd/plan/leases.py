@@ -31,6 +31,7 @@ import heapq
 import hmac
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from kvxferd.plan.board import HoldBoard, hold_tag
@@ -72,6 +73,14 @@ class NoticeOutcome:
     end: HoldEnd | None = None
 
 
+class LiveHold(NamedTuple):
+    """What a push's writer learns of a hold (:meth:`HoldTable.lookup`)."""
+
+    block_ids: tuple
+    capability: bytes
+    push_digest: bytes  # empty: the hold was placed for reads only
+
+
 @dataclass
 class _Hold:
     block_ids: tuple
@@ -80,6 +89,7 @@ class _Hold:
     token: int  # tells this hold's heap entry from a former hold of the same request id
     tag: int  # on the board while held
     capability: bytes  # sealed with the table's hold key (kvxferd.plan.capability); notices must carry it
+    push_digest: bytes = b""  # push (issue #57): the digest of the push key an expectation must present
     expected: int | None = None
     readers: dict[tuple[str, int], bool] = field(default_factory=dict)
 
@@ -100,8 +110,9 @@ class HoldTable:
     def __len__(self) -> int:
         return len(self._holds)
 
-    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float) -> bytes:
-        """Start holding; a request is held at most once at a time. Returns the hold's capability."""
+    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float, push_digest: bytes = b"") -> bytes:
+        """Start holding; a request is held at most once at a time. Returns the hold's capability.
+        ``push_digest``: the hold may be pushed to whoever presents the key (issue #57)."""
         if lease_s <= 0:
             raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
         if request_id in self._holds:
@@ -109,7 +120,7 @@ class HoldTable:
         ends_by_s = now + self.max_hold_s
         capability = hold_capability(self.hold_key, request_id, block_ids)
         entry = _Hold(block_ids, min(now + lease_s, ends_by_s), ends_by_s, next(self._tokens), hold_tag(capability),
-                      capability)
+                      capability, push_digest)
         if self.board is not None:
             self.board.add(entry.tag)  # may refuse (both buckets full): then nothing is held
         self._holds[request_id] = entry
@@ -202,13 +213,13 @@ class HoldTable:
         if self.board is not None:
             self.board.remove(entry.tag)
 
-    def lookup(self, request_id: str, now: float) -> tuple[tuple, bytes] | None:
-        """A live hold's ``(block ids, capability)``; None when ``request_id`` is not held (or its lease ran
-        out): a push writes only blocks held now."""
+    def lookup(self, request_id: str, now: float) -> LiveHold | None:
+        """A live hold of ``request_id``; None when it is not held (or its lease ran out): a push writes only
+        blocks held now."""
         entry = self._holds.get(request_id)
         if entry is None or entry.expires_s <= now:
             return None
-        return entry.block_ids, entry.capability
+        return LiveHold(entry.block_ids, entry.capability, entry.push_digest)
 
     def request_ids(self) -> list[str]:
         return list(self._holds)

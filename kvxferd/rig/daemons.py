@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from kvxferd.client import DaemonProcess, EngineClient, NotifySubscriber, SharedArena, engine_rank_pb
 from kvxferd.client.fdsend import send_fds
+from kvxferd.plan.capability import PUSH_KEY_BYTES, push_key_digest
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -72,6 +73,7 @@ class DaemonCluster(DecodeChecks):
         self.workdir, self.lease_s, self.daemon_args, self.args_of = workdir, lease_s, daemon_args, args_of
         self.by_fd = by_fd
         self.capabilities: dict[str, tuple[bytes, ...]] = {}  # remote request id -> its last hold's, per rank
+        self.push_keys: dict[str, bytes] = {}  # transfer id -> its push key (push, issue #57)
         self.arenas: list[SharedArena] = []
         self.daemons: list[DaemonProcess] = []
         self.clients: list[EngineClient] = []
@@ -146,10 +148,16 @@ class DaemonCluster(DecodeChecks):
         for client in self.decode_clients:
             client.handshake(self.prefill_id, addresses)
 
-    def hold(self, request: ReadRequest, *, lease_s: float = 0.0) -> tuple[bytes, ...]:
-        """Hold on every prefill rank; the ranks' capabilities (also kept for :meth:`submit`)."""
-        capabilities = tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s).capability
-                             for client in self.prefill_clients)
+    def push_key(self, transfer_id: str) -> bytes:
+        """The push key of a transfer (random, made on first use), as the proxy makes one per request."""
+        return self.push_keys.setdefault(transfer_id, os.urandom(PUSH_KEY_BYTES))
+
+    def hold(self, request: ReadRequest, *, lease_s: float = 0.0, push: bool = False) -> tuple[bytes, ...]:
+        """Hold on every prefill rank; the ranks' capabilities (also kept for :meth:`submit`). ``push``: with
+        the digest of the transfer's push key (:meth:`push_key`), so decode ranks presenting it get it written."""
+        digest = push_key_digest(self.push_key(request.remote_request_id)) if push else b""
+        capabilities = tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s,
+                                         push_key_digest=digest).capability for client in self.prefill_clients)
         self.capabilities[request.remote_request_id] = capabilities
         return capabilities
 
@@ -173,18 +181,24 @@ class DaemonCluster(DecodeChecks):
         self.submit(request)
         return self.completions(request, timeout_s)
 
-    def push(self, request: ReadRequest, timeout_s: float = 30.0, *, hold_first: bool = False,
-             deadline_s: float = 0.0) -> list[pb.Completion]:
-        """Push (issue #57): every decode rank expects ``request`` (its decode blocks, the transfer id
-        ``remote_request_id``), every prefill rank holds it (first, with ``hold_first``; else after the
-        expectations went out, as a concurrent dispatch would); the decode completions."""
-        if hold_first:
-            self.hold(request)
+    def expect(self, request: ReadRequest, *, deadline_s: float = 0.0, push_key: bytes | None = None) -> None:
+        """Every decode rank expects ``request`` (its decode blocks, the transfer id ``remote_request_id``)
+        with the transfer's push key (or ``push_key``)."""
+        key = self.push_key(request.remote_request_id) if push_key is None else push_key
         for client in self.decode_clients:
-            client.submit_push(request.request_id, self.prefill_id, request.remote_request_id, request.local_block_ids,
-                               num_tokens=request.num_tokens or 0, deadline_s=deadline_s)
+            client.submit_push(request.request_id, self.prefill_id, request.remote_request_id, key,
+                               request.local_block_ids, num_tokens=request.num_tokens or 0, deadline_s=deadline_s)
+
+    def push(self, request: ReadRequest, timeout_s: float = 30.0, *, hold_first: bool = False,
+             deadline_s: float = 0.0, push_key: bytes | None = None) -> list[pb.Completion]:
+        """Push (issue #57): every decode rank expects ``request`` (:meth:`expect`), every prefill rank holds
+        it with the push key's digest (first, with ``hold_first``; else after the expectations went out, as a
+        concurrent dispatch would); the decode completions."""
+        if hold_first:
+            self.hold(request, push=True)
+        self.expect(request, deadline_s=deadline_s, push_key=push_key)
         if not hold_first:
-            self.hold(request)
+            self.hold(request, push=True)
         return self.completions(request, timeout_s)
 
     def hold_events(self, request: ReadRequest, timeout_s: float = 10.0) -> list[pb.NotifyEvent | None]:

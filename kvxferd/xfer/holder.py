@@ -228,18 +228,20 @@ class Holder:
             events.append(outcome.end)
         return events
 
-    def expectation(self, sender: str, message: bytes) -> ExpectRecord | None:
+    def expectation(self, sender: str, message: bytes) -> tuple[ExpectRecord, str] | None:
         """A push's expectation (:mod:`kvxferd.plan.expectrecord`) from the agent introduced for its decode
-        rank, or None (counted: undecodable ``BAD``, from any other agent ``FOREIGN``)."""
+        rank, and the peer identity that introduced that agent (its push target is that identity's); None
+        (counted: undecodable ``BAD``, from any other agent ``FOREIGN``)."""
         try:
             record = ExpectRecord.decode(message)
         except InvalidArgumentError:
             self.counts.add(NoticeEvent.BAD)
             return None
-        if self.readers.sender_reader((record.reader_engine_id, record.reader_rank), sender) is None:
+        reader = self.readers.sender_reader((record.reader_engine_id, record.reader_rank), sender)
+        if reader is None:
             self.counts.add(NoticeEvent.FOREIGN)
             return None
-        return record
+        return record, reader.identity
 
     def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float | None = None) -> bytes:
         """Start holding a request's blocks for its readers (its tag goes onto the board first); the capability."""

@@ -72,20 +72,22 @@ class PushExecutor:
         self.reads = reads
         self.agent, self.cache, self.notices, self.lock = reads.agent, reads.cache, reads.notices, reads.lock
         self.machine = RankMachine(reads.checks, WriteMover(reads.agent))
-        self.targets: dict[tuple[str, int], PushTarget] = {}  # by (target engine id, target rank)
+        # by (owner, target engine id, target rank): the owner is the peer identity that named the target (one
+        # identity cannot replace another's target, nor point its pushes elsewhere)
+        self.targets: dict[tuple[str, str, int], PushTarget] = {}
         self.abort_drain_s = reads.abort_drain_s
         self.num_notices_sent = 0
 
     # ---- connections -------------------------------------------------------
-    def connect(self, target: EngineCache, metadata: bytes, board: BoardInfo) -> PushTarget | None:
-        """Plan and prepare writes into one target rank (its cache, agent metadata and board); None when this
-        rank holds nothing that target rank needs. A bad target leaves nothing behind; connecting the same
-        target rank again replaces the earlier connection."""
+    def connect(self, target: EngineCache, metadata: bytes, board: BoardInfo, owner: str = "") -> PushTarget | None:
+        """Plan and prepare writes into one target rank (its cache, agent metadata and board) for ``owner``;
+        None when this rank holds nothing that target rank needs. A bad target leaves nothing behind;
+        the same owner connecting the same target rank again replaces its earlier connection."""
         with self.lock:
             plan = PushPlan(self.cache, target)
             if not plan.notifies:
                 return None
-            d, key = target.tp_rank, (target.engine_id, target.tp_rank)
+            d, key = target.tp_rank, (owner, target.engine_id, target.tp_rank)
             if key in self.targets:
                 self.disconnect(key)
             connection = PushTarget(target.engine_id, {d: plan}, {})
@@ -109,13 +111,13 @@ class PushExecutor:
             return connection
 
     def connect_engine(self, targets: Sequence[EngineCache], metadata: Sequence[bytes],
-                       boards: Sequence[BoardInfo]) -> dict[int, PushTarget]:
+                       boards: Sequence[BoardInfo], owner: str = "") -> dict[int, PushTarget]:
         """:meth:`connect` every rank of a target engine; the connections by target rank (those this rank
         notifies)."""
         if not len(targets) == len(metadata) == len(boards):
             raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata and {len(boards)} boards for "
                                                    f"{len(targets)} target ranks")
-        connected = {t.tp_rank: self.connect(t, m, b) for t, m, b in zip(targets, metadata, boards)}
+        connected = {t.tp_rank: self.connect(t, m, b, owner) for t, m, b in zip(targets, metadata, boards)}
         return {d: c for d, c in connected.items() if c is not None}
 
     def start_warm_up(self, target: PushTarget):
@@ -140,16 +142,16 @@ class PushExecutor:
             check.release()
             return True
 
-    def target(self, engine_id: str, target_rank: int) -> PushTarget:
-        """The current connection to a target rank; :class:`NotFoundError` when there is none."""
+    def target(self, engine_id: str, target_rank: int, owner: str = "") -> PushTarget:
+        """``owner``'s current connection to a target rank; :class:`NotFoundError` when there is none."""
         try:
-            return self.targets[(engine_id, target_rank)]
+            return self.targets[(owner, engine_id, target_rank)]
         except KeyError:
             raise NotFoundError("engine_id", f"no connection to rank {target_rank} of target engine "
                                              f"{engine_id!r}") from None
 
-    def disconnect(self, key: tuple[str, int]) -> None:
-        """Forget a target rank, by (engine id, rank): its lists and agents."""
+    def disconnect(self, key: tuple[str, str, int]) -> None:
+        """Forget a target rank, by (owner, engine id, rank): its lists and agents."""
         with self.lock:
             target = self.targets.pop(key, None)
             if target is not None:

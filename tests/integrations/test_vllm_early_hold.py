@@ -211,7 +211,7 @@ def test_a_push_prefill_is_never_held_early_and_is_held_under_its_transfer_id(pa
     push = SchedulerSide("p", pull.settings.model_copy(update={"mode": "push"}))
     push.set_ranks(pull.ranks)
     push._clients = pull._clients  # the same counted client
-    leg = {"do_remote_decode": True, "kvxferd_transfer_id": "t-1"}
+    leg = {"do_remote_decode": True, "kvxferd_transfer_id": "t-1", "kvxferd_push_digest": "cd" * 32}
     push.prefill_allocated("req", leg, 64, max_tokens=1)
     assert not push.prefill_scheduled("req", ([3, 4],), 0, 64) and sent == []
     delay, params = push.hold("req", ([3, 4],), 64, leg)
@@ -222,3 +222,5 @@ def test_a_push_prefill_is_never_held_early_and_is_held_under_its_transfer_id(pa
     assert pull.prefill_scheduled("req2", ([5, 6],), 0, 64) and sent == ["t-1", "req2"]
     delay, params = push.hold("bad", ([7],), 64, {**leg, "kvxferd_transfer_id": "a b"})
     assert not delay and "kvxferd_transfer_id" in params["error"]
+    delay, params = push.hold("keyless", ([7],), 64, {"do_remote_decode": True, "kvxferd_transfer_id": "t-3"})
+    assert not delay and "kvxferd_push_digest" in params["error"] and sent == ["t-1", "req2"]

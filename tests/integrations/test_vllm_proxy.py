@@ -12,6 +12,7 @@ from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestServer  # noqa: E402
 
 from kvxferd.integrations.vllm.proxy import make_app  # noqa: E402
+from kvxferd.plan.capability import push_key_digest  # noqa: E402
 
 PARAMS = {"do_remote_prefill": True, "kvxferd": 1, "remote_engine_id": "p", "remote_block_ids": [[1]]}
 
@@ -119,7 +120,11 @@ def test_push_mode_sends_both_legs_at_once_under_one_transfer_id():
     first, pushed = seen["decode_bodies"]
     assert first["kv_transfer_params"] == PULL_ANSWER  # the pull that located the prefill engine
     push = pushed["kv_transfer_params"]
-    transfer_id = seen["prefill_bodies"][1]["kv_transfer_params"]["kvxferd_transfer_id"]
+    prefill_leg = seen["prefill_bodies"][1]["kv_transfer_params"]
+    transfer_id = prefill_leg["kvxferd_transfer_id"]
     assert push == {"do_remote_prefill": True, "kvxferd": 1, "kvxferd_push": True, "transfer_id": transfer_id,
-                    "remote_engine_id": "p", "remote_peer_addresses": ["127.0.0.1:4700"]}
+                    "push_key": push["push_key"], "remote_engine_id": "p", "remote_peer_addresses": ["127.0.0.1:4700"]}
+    # The decode leg alone carries the push key; the prefill leg its digest (what the prefill hold keeps).
+    assert prefill_leg["kvxferd_push_digest"] == push_key_digest(bytes.fromhex(push["push_key"])).hex()
+    assert push["push_key"] not in json.dumps(seen["prefill_bodies"])
     assert answers[1][2]["X-Kvxferd-Prefill-Request-Id"] == transfer_id

@@ -10,12 +10,14 @@ and the tokens change; a push nobody fills fails the request under ``fail``. Sel
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import uuid
 
 import pytest
 
+from kvxferd.plan.capability import PUSH_KEY_BYTES, push_key_digest
 from tests.integrations.vllm_cluster import (changed, greedy, hold_ends, metric, prefill_decode, prefill_params,
                                              prompts_of, random_prompts, tiny_model_and_daemons, token_ids)
 from tests.integrations.vllm_stats_check import connector_metrics
@@ -35,8 +37,19 @@ def pd(tmp_path_factory):
         yield cluster
 
 
+def push_key(transfer_id: str) -> bytes:
+    """A transfer's push key (made from its id here; the proxy makes a random one)."""
+    return hashlib.blake2b(transfer_id.encode(), digest_size=PUSH_KEY_BYTES).digest()
+
+
 def push_params(pd, transfer_id: str) -> dict:
-    return {"do_remote_prefill": True, "kvxferd": 1, "kvxferd_push": True, "transfer_id": transfer_id, **pd.where}
+    return {"do_remote_prefill": True, "kvxferd": 1, "kvxferd_push": True, "transfer_id": transfer_id,
+            "push_key": push_key(transfer_id).hex(), **pd.where}
+
+
+def prefill_leg(transfer_id: str) -> dict:
+    return {"do_remote_decode": True, "kvxferd_transfer_id": transfer_id,
+            "kvxferd_push_digest": push_key_digest(push_key(transfer_id)).hex()}
 
 
 def push(pd, decode_prompts, prefill_prompts, transfer_ids, max_tokens: int = 8, *, prefill_ids=None):
@@ -53,8 +66,7 @@ def push(pd, decode_prompts, prefill_prompts, transfer_ids, max_tokens: int = 8,
     leg.start()
     time.sleep(0.2)  # the decode leg is in: its expectations go out while prefill computes
     pd.prefill.generate(prompts_of(prefill_prompts),
-                        [greedy(1, {"do_remote_decode": True, "kvxferd_transfer_id": t})
-                         for t in (prefill_ids or transfer_ids)], use_tqdm=False)
+                        [greedy(1, prefill_leg(t)) for t in (prefill_ids or transfer_ids)], use_tqdm=False)
     leg.join(timeout=120)
     assert not leg.is_alive(), "the decode leg did not finish"
     return outputs["decode"]

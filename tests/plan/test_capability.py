@@ -58,3 +58,25 @@ def test_a_capability_names_its_key_so_a_reader_can_tell_a_restarted_holder():
     assert not sealed_by_other_keys([KEY, OTHER_KEY], caps)
     assert sealed_by_other_keys([KEY, KEY], caps)  # rank 1 has a new key since
     assert not sealed_by_other_keys([KEY, KEY], caps[:1])  # a wrong count is refused, not re-handshaken
+
+
+@given(st.binary(min_size=16, max_size=16), st.binary(min_size=16, max_size=16))
+def test_only_its_own_push_key_opens_a_digest(key, other):
+    from kvxferd.plan.capability import push_key_digest, push_key_opens
+
+    digest = push_key_digest(key)
+    assert len(digest) == 32 and push_key_opens(key, digest)
+    assert push_key_opens(other, digest) == (other == key)  # the negative control: any other key fails
+    assert not push_key_opens(key, b"")  # a hold placed for reads opens to no key
+
+
+@pytest.mark.parametrize("bad", [b"", bytes(15), bytes(17), "0" * 16, None])
+def test_push_keys_and_digests_of_the_wrong_size_are_refused(bad):
+    from kvxferd.plan.capability import check_push_digest, check_push_key
+
+    with pytest.raises(InvalidArgumentError, match="push_key"):
+        check_push_key(bad, "push_key")
+    if bad != b"":
+        with pytest.raises(InvalidArgumentError, match="push_key_digest"):
+            check_push_digest(bad, "push_key_digest")
+    assert check_push_key(bytes(16), "push_key") == bytes(16) and check_push_digest(b"", "d") == b""

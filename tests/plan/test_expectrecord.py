@@ -14,13 +14,13 @@ groups = st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=50), min_size=1, 
 
 
 @given(ids, ids, st.integers(0, 65535), groups, st.binary(min_size=16, max_size=16),
-       st.floats(0.001, 600), st.integers(0, 2**31 - 1))
-def test_records_round_trip(transfer_id, engine_id, rank, block_ids, capability, deadline_s, num_tokens):
+       st.floats(0.001, 600), st.binary(min_size=16, max_size=16), st.integers(0, 2**31 - 1))
+def test_records_round_trip(transfer_id, engine_id, rank, block_ids, capability, deadline_s, push_key, num_tokens):
     record = ExpectRecord(transfer_id, engine_id, rank, tuple(np.array(g, np.int64) for g in block_ids), capability,
-                          deadline_s, num_tokens or None)
+                          deadline_s, push_key, num_tokens or None)
     back = ExpectRecord.decode(record.encode())
-    assert (back.transfer_id, back.reader_engine_id, back.reader_rank, back.capability, back.num_tokens) == (
-        transfer_id, engine_id, rank, capability, num_tokens or None)
+    assert (back.transfer_id, back.reader_engine_id, back.reader_rank, back.capability, back.push_key,
+            back.num_tokens) == (transfer_id, engine_id, rank, capability, push_key, num_tokens or None)
     assert [list(g) for g in back.block_ids] == block_ids
     assert abs(back.deadline_s - deadline_s) <= 1e-3 and is_expectation(record.encode())
 
@@ -33,7 +33,7 @@ def test_arbitrary_bytes_are_refused_or_decode(data):
         pass
 
 
-GOOD = ExpectRecord("t", "decode", 1, (np.array([3, 4]),), bytes(16), 5.0, 70).encode()
+GOOD = ExpectRecord("t", "decode", 1, (np.array([3, 4]),), bytes(16), 5.0, bytes(range(16)), 70).encode()
 
 
 @pytest.mark.parametrize("damage, field", [

@@ -122,10 +122,11 @@ def test_an_expectation_counts_only_from_the_agent_introduced_for_its_decode_ran
     holder = Holder(agent)
     try:
         holder.introduce(("decode", 0), Reader("decode-notices", 1, 1))
-        record = ExpectRecord("t", "decode", 0, (np.array([1]),), bytes(16), 5.0).encode()
+        record = ExpectRecord("t", "decode", 0, (np.array([1]),), bytes(16), 5.0, bytes(16)).encode()
         assert holder.expectation("intruder", record) is None and holder.counts[NoticeEvent.FOREIGN] == 1
         assert holder.expectation("decode-notices", b"KE\x01garbage") is None and holder.counts[NoticeEvent.BAD] == 1
-        assert holder.expectation("decode-notices", record).transfer_id == "t"
+        taken, identity = holder.expectation("decode-notices", record)
+        assert taken.transfer_id == "t" and identity == ""
     finally:
         holder.close()
         agent.close()

@@ -31,6 +31,7 @@ MAX_TP_SIZE = 1024
 
 Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 Capability = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # 16 bytes, lower-case hex
+PushKey = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # 16 bytes, lower-case hex (kvxferd.plan.capability)
 
 
 class ParamsError(ValueError):
@@ -80,9 +81,10 @@ class PushPrefill(BaseModel):
     proxy knows the prefill engine before it answers (from an earlier answer's params)::
 
         {"do_remote_prefill": true, "kvxferd": 1, "kvxferd_push": true, "transfer_id": "7f3a...",
-         "remote_engine_id": "prefill-0", "remote_peer_addresses": ["10.0.0.7:47100"]}
+         "push_key": "<32 hex>", "remote_engine_id": "prefill-0", "remote_peer_addresses": ["10.0.0.7:47100"]}
 
-    The prefill leg carries ``{"do_remote_decode": true, "kvxferd_transfer_id": "7f3a..."}``.
+    The prefill leg carries ``{"do_remote_decode": true, "kvxferd_transfer_id": "7f3a...",
+    "kvxferd_push_digest": "<64 hex>"}``: the digest of the ``push_key`` the decode leg carries.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
@@ -90,6 +92,7 @@ class PushPrefill(BaseModel):
     kvxferd: int
     kvxferd_push: Literal[True]
     transfer_id: Id
+    push_key: PushKey  # the decode leg's secret: the prefill leg carries only its digest
     remote_engine_id: Id
     remote_peer_addresses: Annotated[list[Id], Field(min_length=1, max_length=MAX_TP_SIZE)]
     remote_num_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0  # the scheduler's: prompt tokens to load
@@ -98,6 +101,10 @@ class PushPrefill(BaseModel):
 
     def to_params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
+
+    def key(self) -> bytes:
+        """The push key, as the daemon takes it."""
+        return bytes.fromhex(self.push_key)
 
 
 def is_push(params: dict[str, Any] | None) -> bool:
@@ -122,6 +129,20 @@ def transfer_id_of(params: dict[str, Any] | None) -> str | None:
     if not isinstance(value, str) or not 1 <= len(value) <= 256 or not all("\x21" <= c <= "\x7e" for c in value):
         raise ParamsError("kv_transfer_params.kvxferd_transfer_id: 1..256 printable ASCII characters expected")
     return value
+
+
+def push_hold_of(params: dict[str, Any] | None) -> tuple[str, bytes] | None:
+    """A push's prefill leg: the transfer id its hold is known by and the digest of the transfer's push key
+    (``kvxferd_push_digest``, 64 lower-case hex: only a decode leg presenting the key gets the blocks);
+    None: a pull's. Raises :class:`ParamsError` naming the field."""
+    transfer_id = transfer_id_of(params)
+    if transfer_id is None:
+        return None
+    digest = params.get("kvxferd_push_digest")
+    if not isinstance(digest, str) or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+        raise ParamsError("kv_transfer_params.kvxferd_push_digest: 64 lower-case hex digits expected (the digest "
+                          "of the transfer's push key)")
+    return transfer_id, bytes.fromhex(digest)
 
 
 def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill:

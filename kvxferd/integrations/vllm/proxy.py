@@ -30,6 +30,7 @@ import logging
 import time
 import uuid
 
+from kvxferd.client.pushkeys import new_push_key
 from kvxferd.integrations.vllm.trace import Trace
 
 log = logging.getLogger("kvxferd.proxy")
@@ -55,10 +56,11 @@ def decode_request(body: dict, kv_transfer_params: dict) -> dict:
 def push_legs(body: dict, transfer_id: str, where: dict) -> tuple[dict, dict]:
     """Push mode (issue #57): the prefill leg (held under ``transfer_id``) and the decode leg (expecting it
     from the prefill engine ``where`` names: its engine id and peer addresses), sent at once."""
+    push_key, digest = new_push_key()  # the key goes to the decode leg only; the prefill hold keeps its digest
     prefill = prefill_request(body)
-    prefill["kv_transfer_params"]["kvxferd_transfer_id"] = transfer_id
+    prefill["kv_transfer_params"].update(kvxferd_transfer_id=transfer_id, kvxferd_push_digest=digest.hex())
     decode = decode_request(body, {"do_remote_prefill": True, "kvxferd": 1, "kvxferd_push": True,
-                                   "transfer_id": transfer_id, **where})
+                                   "transfer_id": transfer_id, "push_key": push_key.hex(), **where})
     return prefill, decode
 
 

@@ -23,7 +23,7 @@ are not the prompt's (sliding windows, states, speculative decoding) hold at the
 end only.
 
 Push (issue #57, ``mode: push``): the proxy sends both legs at once with one
-transfer id. The prefill leg is held under it (``kvxferd_transfer_id``); the
+transfer id. The prefill leg is held under it (``kvxferd_transfer_id``, with ``kvxferd_push_digest``); the
 decode leg (``kvxferd_push``) orders an expectation instead of a read: the
 worker submits it, the decode daemon tells the prefill daemons, which write
 once the hold is placed. A decode request that ends before it was scheduled
@@ -68,7 +68,8 @@ from kvxferd.client.session import Held
 from kvxferd.errors import KvxferError
 from kvxferd.integrations.vllm.early import EarlyHolds, SentHold
 from kvxferd.integrations.vllm.params import (ParamsError, PushPrefill, RemotePrefill, failed_prefill_params,
-                                              is_push, parse_push_prefill, parse_remote_prefill, transfer_id_of)
+                                              is_push, parse_push_prefill, parse_remote_prefill, push_hold_of,
+                                              transfer_id_of)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvxferd.vllm")
@@ -224,7 +225,7 @@ class SchedulerSide:
         if early is not None:
             self._let_go(hold_id, early)
 
-    def _send(self, request_id: str, blocks) -> SentHold:
+    def _send(self, request_id: str, blocks, push_digest: bytes = b"") -> SentHold:
         """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
         rank, issue #41); never raises: a rank that could not even be asked answers with its error."""
         # Before the calls: the daemons' leases start after this. Both clocks read here, each for its use
@@ -233,7 +234,8 @@ class SchedulerSide:
         answers = []
         for rank in self.ranks:
             try:
-                answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s))
+                answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s,
+                                                               push_key_digest=push_digest))
             except (grpc.RpcError, KvxferError) as err:
                 answers.append(functools.partial(_raise, err))
         return SentHold(blocks, sent_s, tuple(answers), sent_unix_s)
@@ -275,16 +277,17 @@ class SchedulerSide:
         expectations name it, and the prefill daemons write once it is held."""
         self._hold_ids.pop(request_id, None)
         try:
-            transfer_id = transfer_id_of(params) if self.settings.mode == "push" else None
+            push = push_hold_of(params) if self.settings.mode == "push" else None
         except ParamsError as err:
             self.drop_early(request_id)
             return False, failed_prefill_params(str(err))
-        if transfer_id is None:
+        if push is None:
             return self._hold(request_id, request_id, block_ids, num_tokens)
-        return self._hold(request_id, transfer_id, block_ids, num_tokens)
+        transfer_id, push_digest = push
+        return self._hold(request_id, transfer_id, block_ids, num_tokens, push_digest)
 
     def _hold(self, request_id: str, hold_id: str, block_ids: Sequence[Sequence[int]],
-              num_tokens: int) -> tuple[bool, dict]:
+              num_tokens: int, push_digest: bytes = b"") -> tuple[bool, dict]:
         if not self.ranks:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
@@ -298,7 +301,7 @@ class SchedulerSide:
             self._let_go(hold_id, sent)
             sent = None
         if sent is None:
-            sent = self._send(hold_id, blocks)
+            sent = self._send(hold_id, blocks, push_digest)
         held_since_s = sent.sent_unix_s
         held: list[RankDaemon] = []
         incarnations: list[str] = []

@@ -174,11 +174,8 @@ class WorkerSide:
         remote = PushPrefill.model_validate(order.remote)
         self._handshake(remote.remote_engine_id, tuple(remote.remote_peer_addresses))
         local = order.local_block_ids or tuple(() for _ in range(self.num_groups))
-        spec = self.client.read_spec(order.request_id, remote.remote_engine_id, remote.transfer_id, local,
-                                     tuple(() for _ in local), num_tokens=remote.remote_num_tokens,
-                                     deadline_s=self.settings.deadline_s)
-        spec.push = True
-        return spec
+        return self.client.push_spec(order.request_id, remote.remote_engine_id, remote.transfer_id, remote.key(),
+                                     local, num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s)
 
     def _handshake(self, remote_engine_id: str, addresses: tuple[str, ...]) -> None:
         if self._remotes.get(remote_engine_id) != addresses:

@@ -45,9 +45,7 @@ class RawWriter:
 
 
 def _expect(cluster: DaemonCluster, request: ReadRequest) -> None:
-    client = cluster.decode_clients[0]
-    client.submit_push(request.request_id, cluster.prefill_id, request.remote_request_id, request.local_block_ids,
-                       num_tokens=request.num_tokens or 0)
+    cluster.expect(request)
 
 
 def push_bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
@@ -64,7 +62,7 @@ def push_bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: 
                 _expect(cluster, request)
                 time.sleep(0.05)  # the expectation is at the prefill daemon: the hold starts the write
                 start = time.perf_counter()
-                cluster.hold(request)
+                cluster.hold(request, push=True)
                 (completion,) = cluster.completions(request)
                 push_time = time.perf_counter() - start
                 if not completion.ok:
@@ -96,12 +94,13 @@ def push_overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_p
         raw.close()
         warm = ReadRequest("warm", "warm@p", requests[0].local_block_ids, requests[0].remote_block_ids)
         _expect(cluster, warm)  # the prefill daemon's connection to the decode rank is made here, not timed
-        cluster.hold(warm)
+        cluster.hold(warm, push=True)
         cluster.completions(warm)
         client, prefill = cluster.decode_clients[0], cluster.prefill_clients[0]
         for request in requests[:EXPECT_LEAD]:
             _expect(cluster, request)
         held_unix, failed = {}, 0
+        digests = [push_key_digest(cluster.push_key(r.remote_request_id)) for r in requests]
         start = time.perf_counter()
         for n, request in enumerate(requests):
             wait_s = start + n / rate_per_s - time.perf_counter()
@@ -110,7 +109,7 @@ def push_overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_p
             if n + EXPECT_LEAD < num_requests:
                 _expect(cluster, requests[n + EXPECT_LEAD])
             held_unix[request.request_id] = time.time()
-            prefill.hold(request.remote_request_id, request.remote_block_ids)
+            prefill.hold(request.remote_request_id, request.remote_block_ids, push_key_digest=digests[n])
         offered_s = time.perf_counter() - start
         end_to_end_s, errors = [], {}
         for request in requests:

@@ -79,7 +79,7 @@ class PushCluster(DecodeChecks):
         notifies; the results, one per (prefill rank, decode rank) pair."""
         posted = []
         for pusher in self.pushers:
-            for (_, d), target in sorted(pusher.targets.items()):
+            for (_, _, d), target in sorted(pusher.targets.items()):
                 push = PushRequest(request.remote_request_id, request.local_block_ids, request.remote_block_ids,
                                    capabilities[d], request.num_tokens)
                 posted.append((pusher, d, pusher.post(target, pusher.plan(target, d, push))))

@@ -100,10 +100,11 @@ class DataPlane:
                  on_hold_events: Callable[[list[tuple[EngineSlot, HoldEnd]]], None], *,
                  interval_s: float = HOLD_POLL_S, notice_interval_s: float = NOTICE_HOLD_POLL_S,
                  metrics=None, on_expectations: Callable[[list], None] | None = None) -> None:
-        """``on_expectations``: a round's push expectations from introduced readers, (slot, record) each."""
+        """``on_expectations``: a round's push expectations from introduced readers, (slot, record, identity of
+        the peer that introduced the reader) each."""
         self._on_reads_done = on_reads_done
         self._on_expectations = on_expectations
-        self._expectations: list[tuple[EngineSlot, ExpectRecord]] = []  # this round's
+        self._expectations: list[tuple[EngineSlot, ExpectRecord, str]] = []  # this round's
         self._finished: list[Read] = []  # this round's ended reads, handed over together
         self._on_hold_events = on_hold_events
         self._hold_events: list[tuple[EngineSlot, HoldEnd]] = []  # this round's
@@ -433,9 +434,9 @@ class DataPlane:
             return False  # deregistered meanwhile: its holds ended already
         for sender, message in messages:
             if is_expectation(message):  # a push's (issue #57): to the event loop, from its introduced agent only
-                record = slot.holder.expectation(sender, message)
-                if record is not None and self._on_expectations is not None:
-                    self._expectations.append((slot, record))
+                taken = slot.holder.expectation(sender, message)
+                if taken is not None and self._on_expectations is not None:
+                    self._expectations.append((slot, *taken))
                 continue
             for end in slot.holder.on_notice(sender, message):
                 self._hold_events.append((slot, end))

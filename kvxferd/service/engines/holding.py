@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError
+from kvxferd.plan.capability import check_push_digest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
 
@@ -63,15 +64,16 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
     check_id(request.request_id, "request_id")
     block_ids = check_block_ids(request.block_ids, slot, "block_ids")
     lease_s = lease_seconds(daemon, request.lease_s)
+    push_digest = check_push_digest(request.push_key_digest, "push_key_digest")
     limit = daemon.config.max_holds_per_engine
     if len(slot.holds) >= limit:
         raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
     with slot.lock:
-        capability = slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic())
+        capability = slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic(), push_digest)
     if len(slot.holds) == 1:
         daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         daemon.wake_maintenance()  # and from the idle tick to the lease tick
-    if slot.expectations:
+    if push_digest and slot.expectations:
         daemon.held(slot, request.request_id)
     return capability
 

@@ -263,16 +263,17 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
             raise UnavailableError("peer", f"the caller's certificate expires in {expiry_s - time.time():.0f} s: "
                                            f"a data-plane worker's metadata goes only to certificates valid for "
                                            f"{self.daemon.registry.trust_lead_s:.0f} s more (renew it)")
+        target = self.daemon.writes.check_target(slot, request)  # push (issue #57): the reader's own rank only
         await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
-        if request.HasField("reader_target"):  # push (issue #57): the writer connects to the reader's rank now
-            self.daemon.writes.connect_target(slot, request.reader_target)
+        if target is not None:  # the writer connects to the reader's rank now, as this identity's target
+            self.daemon.writes.connect_target(slot, target, identity)
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
         proof = (holder_proof(secret, address, request.same_host_token)
                  if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
         incarnation, metadata, cache, board = slot.peer_view(expiry_s)
         return encode_info(incarnation, metadata, cache, board, same_host_proof=proof,
-                           writer_agent_name=slot.writer_agent_name)
+                           writer_agent_name=slot.writer_agent_name if self.daemon.config.push_targets else "")
 
     async def _introduce(self, slot, request: pb.EngineInfoRequest, identity: str, peer: str = "") -> None:
         """Record which NIXL agent this reader's notices come from, by the name its metadata carries.
@@ -313,6 +314,7 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
         # An identity whose last introduction here was evicted: the metadata it was given must reach nothing.
         if slot.served is not None and any(slot.readers.count(who) == 0 for who, *_ in introduction.evicted):
             slot.served.replace(INTRODUCTION_ENDED)
+        self.daemon.writes.forget_targets(slot, introduction.evicted)  # their push connections too
         self.daemon.dataplane.wake()  # to poll fast: its handshake's probe READs our board next
 
     @rpc

@@ -34,6 +34,7 @@ import numpy as np
 
 from kvxferd.errors import (InvalidArgumentError, KvxferError, LayoutMismatchError, NotFoundError,
                             ResourceExhaustedError, UnavailableError)
+from kvxferd.plan.capability import check_push_key
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.expectrecord import ExpectRecord
 from kvxferd.plan.leases import CONSUMED, FAILED, HoldEnd
@@ -81,6 +82,7 @@ class ExpectPath:
         if spec.remote_block_ids or any(spec.remote_group_sizes) or spec.remote_capabilities:
             raise InvalidArgumentError("remote_block_ids", "a push names no prefill blocks or capabilities: the "
                                                            "prefill engine's hold of the transfer does")
+        push_key = check_push_key(spec.push_key, "push_key")
         if spec.num_tokens < 0:
             raise InvalidArgumentError("num_tokens", f"must not be negative, got {spec.num_tokens}")
         earlier = slot.reads.get(spec.request_id)
@@ -100,7 +102,7 @@ class ExpectPath:
         writers = link.remote.plan.notify_ranks
         if not all(q < len(link.writer_agents) and link.writer_agents[q] for q in writers):
             raise LayoutMismatchError("push", f"a prefill daemon of {spec.remote_engine_id!r} does not push "
-                                              "(its reads run in a worker, or it is older)")
+                                              "(push_targets is off there, its reads run in a worker, or it is older)")
         block_ids = self._block_ids(slot, spec)
         deadline_s = check_seconds(spec.deadline_s, "deadline_s", default_s=config.deadline_s,
                                    max_s=config.max_deadline_s)
@@ -128,7 +130,7 @@ class ExpectPath:
         slot.reads[spec.request_id] = slot.expected[transfer_id] = read
         daemon.dataplane.wake()  # fast polls: the writers' WRITEs over TCP need this side's progress
         daemon.wake_maintenance()  # the expectation's deadline is its lease
-        self._send(slot, link, read, capability, deadline_s)
+        self._send(slot, link, read, capability, push_key, deadline_s)
 
     @staticmethod
     def _block_ids(slot: EngineSlot, spec: pb.ReadSpec) -> tuple[np.ndarray, ...]:
@@ -143,11 +145,12 @@ class ExpectPath:
                 raise InvalidArgumentError(f"local_block_ids[{g}]", "a block is named twice")
         return block_ids
 
-    def _send(self, slot: EngineSlot, link, read: Read, capability: bytes, deadline_s: float) -> None:
+    def _send(self, slot: EngineSlot, link, read: Read, capability: bytes, push_key: bytes, deadline_s: float) -> None:
         """Tell every writer what to write: one NIXL notification from this rank's notice agent (introduced to
         each prefill rank at the handshake) per writer. A writer that cannot be told fails the push."""
         record = ExpectRecord(read.request.remote_request_id, slot.engine_id, slot.cache.tp_rank,
-                              read.request.local_block_ids, capability, deadline_s, read.request.num_tokens).encode()
+                              read.request.local_block_ids, capability, deadline_s, push_key,
+                              read.request.num_tokens).encode()
         errors = []
         for q in link.remote.plan.notify_ranks:
             try:

@@ -226,7 +226,9 @@ class ReadPath:
             slot = read.slot
             if slot.reads.get(read.request_id) is read:
                 del slot.reads[read.request_id]  # (not a later read the engine sent under its id)
-            if not read.result.ok and read.failure in STALE_LINK_FAILURES:
+            # (a failed push says nothing of the link: a writer refused or failed its WRITE; a push that could
+            # not reach its writers marked the link itself)
+            if not read.result.ok and read.failure in STALE_LINK_FAILURES and not read.push:
                 link = slot.links.get(read.remote_engine_id)
                 if link is not None:
                     link.stale = True  # the next read re-handshakes (and picks up a restarted peer)

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, ResourceExhaustedError
 from kvxferd.plan.engine import expected_readers
 from kvxferd.plan.expectrecord import ExpectRecord
-from kvxferd.plan.leases import FAILED, HoldEnd
+from kvxferd.plan.capability import push_key_opens
+from kvxferd.plan.leases import FAILED, HoldEnd, LiveHold
 from kvxferd.plan.notifications import ReadNotice
 from kvxferd.plan.push import PushRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
@@ -58,20 +59,23 @@ class Expectation:
     """What one decode rank expects of this prefill rank for one transfer."""
 
     transfer_id: str
+    owner: str  # the peer identity that introduced the decode rank (and named its push target)
     target_engine_id: str
     target_rank: int
     target_tp_size: int
     target_block_ids: tuple
     num_tokens: int | None
     capability: bytes
+    push_key: bytes  # opens the prefill hold (its digest), or nothing is written
     deadline_s: float  # perf_counter: no write is posted after it
     connection: PushTarget
     started: bool = False
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
-    def key(self) -> tuple[str, int]:
-        return self.target_engine_id, self.target_rank
+    def key(self) -> tuple[str, str, int]:
+        """As its connection is keyed (:attr:`PushExecutor.targets`)."""
+        return self.owner, self.target_engine_id, self.target_rank
 
 
 class WritePath:
@@ -80,27 +84,47 @@ class WritePath:
     def __init__(self, daemon: "ReadPathParts") -> None:
         self.daemon = daemon
         self.num_written = 0  # pushes whose write ended ok
-        self._connecting: dict[tuple, asyncio.Task] = {}  # (id(slot), target engine, rank) -> its connection
+        self._connecting: dict[tuple, asyncio.Task] = {}  # (id(slot), owner, target engine, rank) -> connecting
 
-    def connect_target(self, slot: EngineSlot, reader_target: pb.EngineInfoReply) -> None:
-        """An introduced reader's rank as a push target (its handshake, ``EngineInfoRequest.reader_target``):
-        connected in the background (UCX's set-up of a new connection takes up to a second; the reader's
-        handshake does not wait for it), not on its first push. A target that cannot be connected is
-        logged; its pushes fail."""
-        if slot.pusher is None or not self.daemon.config.push_targets:
-            return  # (push_targets off: this daemon loads no reader's agent)
+    def check_target(self, slot: EngineSlot, request: pb.EngineInfoRequest):
+        """The push target a reader's handshake names (``EngineInfoRequest.reader_target``), decoded; None when
+        there is none or this daemon does not push to it (``push_targets`` off, a worker serves the rank, a
+        target whose layout cannot be written: logged, its pushes fail). A target that is not the very reader
+        being introduced (engine, rank, TP size) is refused: one reader cannot name another's memory."""
+        if not request.HasField("reader_target") or slot.pusher is None or not self.daemon.config.push_targets:
+            return None
         try:
-            info = decode_info(reader_target, slot.cache)
+            info = decode_info(request.reader_target, slot.cache)
         except KvxferError as err:
             log.warning("a reader's push target was refused: its pushes will fail", extra={
                 "engine_id": slot.engine_id, "error": str(err)})
-            return
-        key = (id(slot), info.cache.engine_id, info.cache.tp_rank)
-        self._connecting[key] = self.daemon.spawn(self._connect(slot, info, key))
+            return None
+        target = info.cache
+        if (target.engine_id, target.tp_rank, target.tp_size) != (
+                request.reader_engine_id, request.reader_tp_rank, request.reader_tp_size):
+            raise InvalidArgumentError("reader_target", f"names rank {target.tp_rank}/{target.tp_size} of "
+                                                        f"{target.engine_id!r}, not the reader being introduced "
+                                                        f"({request.reader_tp_rank}/{request.reader_tp_size} of "
+                                                        f"{request.reader_engine_id!r})")
+        return info
 
-    async def _connect(self, slot: EngineSlot, info, key) -> None:
+    def connect_target(self, slot: EngineSlot, info, owner: str) -> None:
+        """An introduced reader's rank (:meth:`check_target`) as ``owner``'s push target: connected in the
+        background (UCX's set-up of a new connection takes up to a second; the reader's handshake does not wait
+        for it), not on its first push. A target that cannot be connected is logged; its pushes fail."""
+        key = (id(slot), owner, info.cache.engine_id, info.cache.tp_rank)
+        self._connecting[key] = self.daemon.spawn(self._connect(slot, info, owner, key))
+
+    def forget_targets(self, slot: EngineSlot, readers) -> None:
+        """Readers whose introduction ended (``(identity, engine id, rank)`` each, evicted to make room): their
+        push connections go too, so connections are bounded as introduced readers are."""
+        pusher = slot.pusher
+        if pusher is not None and readers:  # on the data-plane thread, as connections are made
+            self.daemon.dataplane.call(lambda: [pusher.disconnect(tuple(key)) for key in readers])
+
+    async def _connect(self, slot: EngineSlot, info, owner: str, key) -> None:
         try:
-            await self._connection(slot, info)
+            await self._connection(slot, info, owner)
         except KvxferError as err:
             log.warning("a reader's push target was not connected: its pushes will fail", extra={
                 "engine_id": slot.engine_id, "error": str(err)})
@@ -108,31 +132,38 @@ class WritePath:
             if self._connecting.get(key) is asyncio.current_task():
                 del self._connecting[key]
 
-    def expect_records(self, records: list[tuple[EngineSlot, ExpectRecord]]) -> None:
-        """A data-plane round's expectations, each from the agent introduced for its decode rank (event loop);
-        one whose target is still being connected is taken once it is."""
-        for slot, record in records:
+    def expect_records(self, records: list[tuple[EngineSlot, ExpectRecord, str]]) -> None:
+        """A data-plane round's expectations, each from the agent introduced for its decode rank, with the
+        identity that introduced it (event loop); one whose target is still being connected is taken once it is.
+        A refused one is told to its decode rank at once (when it is connected), nothing written."""
+        for slot, record, owner in records:
             if slot.closing:
                 continue
-            connecting = self._connecting.get((id(slot), record.reader_engine_id, record.reader_rank))
+            key = (owner, record.reader_engine_id, record.reader_rank)
+            connecting = self._connecting.get((id(slot), *key))
             if connecting is not None:
-                connecting.add_done_callback(lambda _, slot=slot, record=record: self.expect_records([(slot, record)]))
+                connecting.add_done_callback(
+                    lambda _, slot=slot, record=record, owner=owner: self.expect_records([(slot, record, owner)]))
                 continue
             try:
-                self._expect(slot, record)
-            except KvxferError as err:  # refused: nothing kept; the decode side fails it by its deadline
+                self._expect(slot, record, owner)
+            except KvxferError as err:
                 self.daemon.metrics.push_writes.labels("refused").inc()
                 log.warning("a push expectation was refused", extra={
                     "engine_id": slot.engine_id, "transfer_id": record.transfer_id,
                     "reader": f"{record.reader_engine_id}/{record.reader_rank}", "error": str(err)})
+                connection = None if slot.pusher is None else slot.pusher.targets.get(key)
+                if connection is not None and record.reader_rank in connection.plans:
+                    self._tell(slot, connection, record.reader_rank, record.transfer_id, record.capability)
 
-    def _expect(self, slot: EngineSlot, record: ExpectRecord) -> None:
+    def _expect(self, slot: EngineSlot, record: ExpectRecord, owner: str) -> None:
         """Keep (and, if the transfer is held already, start) one decode rank's expectation."""
         config = self.daemon.config
         check_id(record.transfer_id, "expectation.transfer_id")
         deadline_s = min(record.deadline_s, config.max_deadline_s)
         pusher = slot.pusher
-        connection = None if pusher is None else pusher.targets.get((record.reader_engine_id, record.reader_rank))
+        key = (owner, record.reader_engine_id, record.reader_rank)
+        connection = None if pusher is None else pusher.targets.get(key)
         if connection is None:
             raise NotFoundError("expectation", f"rank {record.reader_rank} of {record.reader_engine_id!r} is not "
                                                "connected as a push target (no handshake named it, or this rank "
@@ -144,9 +175,9 @@ class WritePath:
         if sum(len(e) for e in slot.expectations.values()) >= config.max_holds_per_engine:
             raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} keeps "
                                                                  f"{config.max_holds_per_engine} expectations already")
-        expectation = Expectation(record.transfer_id, record.reader_engine_id, record.reader_rank,
+        expectation = Expectation(record.transfer_id, owner, record.reader_engine_id, record.reader_rank,
                                   plan.target.tp_size, record.block_ids, record.num_tokens, record.capability,
-                                  time.perf_counter() + deadline_s, connection)
+                                  record.push_key, time.perf_counter() + deadline_s, connection)
         waiting = slot.expectations.setdefault(record.transfer_id, {})
         earlier = waiting.get(expectation.key)
         if earlier is not None:  # one expectation per transfer and decode rank: a second is not taken
@@ -157,14 +188,15 @@ class WritePath:
         expectation.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, slot, expectation)
         self.on_hold(slot, record.transfer_id)
 
-    async def _connection(self, slot: EngineSlot, info) -> PushTarget | None:
-        """The push connection to the target rank, made once per target agent (again when it restarted)."""
+    async def _connection(self, slot: EngineSlot, info, owner: str) -> PushTarget | None:
+        """``owner``'s push connection to the target rank, made once per target agent (again when it
+        restarted)."""
         pusher, target = slot.pusher, info.cache
-        current = pusher.targets.get((target.engine_id, target.tp_rank))
+        current = pusher.targets.get((owner, target.engine_id, target.tp_rank))
         if current is not None and current.agent_names.get(target.tp_rank) == _agent_name(info.agent_metadata):
             return current
         connection = await asyncio.wrap_future(self.daemon.dataplane.call(
-            lambda: pusher.connect(target, info.agent_metadata, info.board)))
+            lambda: pusher.connect(target, info.agent_metadata, info.board, owner)))
         if connection is not None:  # UCX's set-up of the new connection, paid here, not by the first push
             check, sleep_s, until_s = pusher.start_warm_up(connection), POLL_MIN_S, time.perf_counter() + WARM_UP_S
             while not pusher.warm_up_done(check, give_up=time.perf_counter() >= until_s):
@@ -185,14 +217,24 @@ class WritePath:
             if not expectation.started:
                 self._start(slot, expectation, held)
 
-    def _start(self, slot: EngineSlot, expectation: Expectation, held: tuple[tuple, bytes]) -> None:
+    def _start(self, slot: EngineSlot, expectation: Expectation, held: LiveHold) -> None:
         expectation.started = True
         if expectation.timer is not None:
             expectation.timer.cancel()
+        if not push_key_opens(expectation.push_key, held.push_digest):
+            # not this hold's key (or a hold for reads only): refused, the hold untouched (it is not this
+            # reader's to end), the decode rank told at once
+            self._forget(slot, expectation)
+            self.daemon.metrics.push_writes.labels("refused").inc()
+            log.warning("a push expectation was refused: its push key does not open the hold", extra={
+                "engine_id": slot.engine_id, "transfer_id": expectation.transfer_id,
+                "reader": f"{expectation.target_engine_id}/{expectation.target_rank}"})
+            self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
+                       expectation.capability)
+            return
         pusher = slot.pusher
-        block_ids, _ = held
-        push = PushRequest(expectation.transfer_id, expectation.target_block_ids, block_ids, expectation.capability,
-                           expectation.num_tokens)
+        push = PushRequest(expectation.transfer_id, expectation.target_block_ids, held.block_ids,
+                           expectation.capability, expectation.num_tokens)
         try:
             if pusher.targets.get(expectation.key) is not expectation.connection:
                 raise NotFoundError("expectation", "the connection to the target rank was replaced (it restarted): "
@@ -216,43 +258,33 @@ class WritePath:
             sleep_s = min(2 * sleep_s, POLL_MAX_S)
         self._finish(slot, expectation, inflight, held)
 
-    def _finish(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead | None, held,
+    def _finish(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead | None, held: LiveHold,
                 refusal: str = "") -> None:
         """Tell the decode rank, then count it as this hold's reader (its end goes on the bus)."""
-        waiting = slot.expectations.get(expectation.transfer_id, {})
-        if waiting.get(expectation.key) is expectation:
-            del waiting[expectation.key]
-            if not waiting:
-                del slot.expectations[expectation.transfer_id]
+        self._forget(slot, expectation)
         pusher = slot.pusher
         result: ReadResult | None = inflight.result if inflight is not None else None
         ok = result is not None and result.ok
         if ok:  # this side's check after the WRITE: were the source blocks still held when it ended?
             with slot.lock:
                 now_held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
-            if now_held is None or now_held[1] != held[1]:
+            if now_held is None or now_held.capability != held.capability:
                 ok = False
                 inflight.result = dataclasses.replace(result, ok=False, error="the prefill hold ended while its "
                                                       "blocks were written: they may have been reused")
         if inflight is not None:
             pusher.send_notice(inflight, expectation.target_rank)
         else:
-            notice = ReadNotice(expectation.transfer_id, slot.engine_id, slot.cache.tp_rank,
-                                expectation.connection.plans[expectation.target_rank].expected_writers, False,
-                                capability=expectation.capability)
-            try:
-                pusher.notices.notify(expectation.connection.agent_names[expectation.target_rank], notice.encode())
-            except KvxferError:
-                pass
+            self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
+                       expectation.capability)
         metrics = self.daemon.metrics
         metrics.push_writes.labels("ok" if ok else "failed").inc()
         if ok:
             self.num_written += 1
             metrics.push_bytes.inc(result.num_bytes)
-        _, capability = held
         expected = expected_readers(slot.cache, expectation.target_tp_size)
         notice = ReadNotice(expectation.transfer_id, expectation.target_engine_id, expectation.target_rank, expected, ok,
-                            capability=capability)
+                            capability=held.capability)
         with slot.lock:
             try:
                 outcome = slot.holds.record(notice, time.monotonic(), expected)
@@ -265,13 +297,30 @@ class WritePath:
         if outcome.end is not None:
             self.daemon.publish(slot, outcome.end)
 
-    def _expire(self, slot: EngineSlot, expectation: Expectation) -> None:
-        """Its deadline passed before this engine held the transfer: forgotten (the decode side fails it)."""
+    def _tell(self, slot: EngineSlot, connection: PushTarget, target_rank: int, transfer_id: str,
+              capability: bytes) -> None:
+        """A failed writer's notice to a decode rank for an expectation nothing was written for (refused):
+        its push fails now instead of at its deadline."""
+        notice = ReadNotice(transfer_id, slot.engine_id, slot.cache.tp_rank,
+                            connection.plans[target_rank].expected_writers, False, capability=capability)
+        try:
+            slot.pusher.notices.notify(connection.agent_names[target_rank], notice.encode())
+        except KvxferError:
+            return  # the decode side fails it by its deadline
+        self.daemon.dataplane.notices_sent()
+
+    @staticmethod
+    def _forget(slot: EngineSlot, expectation: Expectation) -> None:
         waiting = slot.expectations.get(expectation.transfer_id, {})
-        if waiting.get(expectation.key) is expectation and not expectation.started:
+        if waiting.get(expectation.key) is expectation:
             del waiting[expectation.key]
             if not waiting:
                 del slot.expectations[expectation.transfer_id]
+
+    def _expire(self, slot: EngineSlot, expectation: Expectation) -> None:
+        """Its deadline passed before this engine held the transfer: forgotten (the decode side fails it)."""
+        if not expectation.started:
+            self._forget(slot, expectation)
 
 
 def _agent_name(metadata: bytes) -> str:

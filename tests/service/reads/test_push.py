@@ -6,11 +6,13 @@ needs (``Expect``); a prefill daemon writes once its engine holds the transfer, 
 the decode completion comes when every writer notified; the prefill hold ends CONSUMED on the bus.
 """
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 
+from kvxferd.plan.capability import push_key_digest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.rig.daemons import DaemonCluster
 from kvxferd.rig.verify.models import ModelShape, model_groups, random_request
@@ -51,15 +53,13 @@ def test_a_push_whose_prefill_never_holds_fails_at_its_deadline_writing_nothing(
         request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
         start = time.monotonic()
-        for client in cluster.decode_clients:
-            client.submit_push(request.request_id, cluster.prefill_id, request.remote_request_id,
-                               request.local_block_ids, num_tokens=70, deadline_s=0.5)
+        cluster.expect(request, deadline_s=0.5)
         (completion,) = cluster.completions(request, timeout_s=10)
         assert not completion.ok and "deadline" in completion.error
         assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
         assert time.monotonic() - start >= 0.5
         # The prefill engine holds it only now: its daemons forgot the expectation, nothing is written.
-        cluster.hold(request)
+        cluster.hold(request, push=True)
         time.sleep(0.3)
         assert cluster.decode_untouched()
 
@@ -73,15 +73,13 @@ def test_a_push_the_decode_engine_released_is_failed_and_never_written(workdir):
     with cluster:
         request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
-        for client in cluster.decode_clients:
-            client.submit_push(request.request_id, cluster.prefill_id, request.remote_request_id,
-                               request.local_block_ids, num_tokens=70, deadline_s=20)
+        cluster.expect(request, deadline_s=20)
         time.sleep(0.2)  # the expectations reached the prefill daemons
         for client in cluster.decode_clients:
             client.release(request.remote_request_id)
         (completion,) = cluster.completions(request, timeout_s=10)
         assert not completion.ok and "released" in completion.error
-        cluster.hold(request, lease_s=30.0)
+        cluster.hold(request, lease_s=30.0, push=True)
         failed = [s.wait_for(request.remote_request_id, kinds=(pb.NotifyEvent.FAILED,), timeout_s=10)
                   for s in cluster.subscribers]
         assert all(e is not None and "push" in e.reason for e in failed)
@@ -97,11 +95,10 @@ def test_a_push_of_another_prompts_kv_is_caught_by_the_oracle(workdir):
         request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         other = random_request("o", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
-        for client in cluster.decode_clients:
-            client.submit_push(request.request_id, cluster.prefill_id, request.remote_request_id,
-                               request.local_block_ids, num_tokens=70)
+        cluster.expect(request)
+        digest = push_key_digest(cluster.push_key(request.remote_request_id))
         for client in cluster.prefill_clients:
-            client.hold(request.remote_request_id, other.remote_block_ids)
+            client.hold(request.remote_request_id, other.remote_block_ids, push_key_digest=digest)
         assert all(c.ok for c in cluster.completions(request))
         assert cluster.verify(request)[1] > 0
 
@@ -112,32 +109,34 @@ def test_bad_pushes_are_refused_as_completions_with_nothing_written(workdir):
         request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         (client,) = cluster.decode_clients
         cluster.reset_decode()
-        spec = client.read_spec("with-ids", cluster.prefill_id, "t1", request.local_block_ids, request.remote_block_ids)
-        spec.push = True
-        out_of_range = client.read_spec("far", cluster.prefill_id, "t2", (np.array([10**6]),), ((),))
-        out_of_range.push = True
-        unknown = client.read_spec("unknown", "nobody", "t3", request.local_block_ids, ((),))
-        unknown.push = True
-        client.reads.submit_reads([spec, out_of_range, unknown])
-        refused = {r: client.reads.wait_completion(r, 10) for r in ("with-ids", "far", "unknown")}
-        assert {r: (c.ok, c.refused_code) for r, c in refused.items()} == {
-            "with-ids": (False, 3), "far": (False, 3), "unknown": (False, 5)}  # INVALID_ARGUMENT, NOT_FOUND
+        key = bytes(range(16))
+        spec = client.push_spec("with-ids", cluster.prefill_id, "t1", key, request.local_block_ids)
+        spec.remote_block_ids = b"\x00" * 4
+        spec.remote_group_sizes.extend([1])
+        out_of_range = client.push_spec("far", cluster.prefill_id, "t2", key, (np.array([10**6]),))
+        unknown = client.push_spec("unknown", "nobody", "t3", key, request.local_block_ids)
+        keyless = client.push_spec("keyless", cluster.prefill_id, "t7", b"short", request.local_block_ids)
+        client.reads.submit_reads([spec, out_of_range, unknown, keyless])
+        refused = {r: client.reads.wait_completion(r, 10) for r in ("with-ids", "far", "unknown", "keyless")}
+        assert {r: (c.ok, c.refused_code) for r, c in refused.items()} == {  # INVALID_ARGUMENT, NOT_FOUND
+            "with-ids": (False, 3), "far": (False, 3), "unknown": (False, 5), "keyless": (False, 3)}
+        assert "push_key" in refused["keyless"].error
         # A transfer id expected twice at once: the second is refused, the first goes on.
-        client.submit_push("first", cluster.prefill_id, "t4", request.local_block_ids, num_tokens=70)
-        client.submit_push("second", cluster.prefill_id, "t4", request.local_block_ids, num_tokens=70)
+        client.submit_push("first", cluster.prefill_id, "t4", key, request.local_block_ids, num_tokens=70)
+        client.submit_push("second", cluster.prefill_id, "t4", key, request.local_block_ids, num_tokens=70)
         second = client.reads.wait_completion("second", 10)
         assert not second.ok and second.refused_code == 3 and "already held" in second.error
         # Another transfer naming blocks a live expectation names (another request's): refused, nothing held.
-        client.submit_push("overlap", cluster.prefill_id, "t5", request.local_block_ids, num_tokens=70)
+        client.submit_push("overlap", cluster.prefill_id, "t5", key, request.local_block_ids, num_tokens=70)
         overlap = client.reads.wait_completion("overlap", 10)
         assert not overlap.ok and overlap.refused_code == 3 and "expected by another push" in overlap.error
         for prefill in cluster.prefill_clients:
-            prefill.hold("t4", request.remote_block_ids)
+            prefill.hold("t4", request.remote_block_ids, push_key_digest=push_key_digest(key))
         assert client.reads.wait_completion("first", 10).ok
         # Once it completed, its blocks may be expected again.
-        client.submit_push("again", cluster.prefill_id, "t6", request.local_block_ids, num_tokens=70)
+        client.submit_push("again", cluster.prefill_id, "t6", key, request.local_block_ids, num_tokens=70)
         for prefill in cluster.prefill_clients:
-            prefill.hold("t6", request.remote_block_ids)
+            prefill.hold("t6", request.remote_block_ids, push_key_digest=push_key_digest(key))
         assert client.reads.wait_completion("again", 10).ok
 
 
@@ -149,11 +148,75 @@ def test_an_empty_push_ends_the_prefill_hold_at_once(workdir):
     with cluster:
         request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
-        cluster.hold(request, lease_s=30.0)
+        cluster.hold(request, lease_s=30.0, push=True)
         start = time.monotonic()
         (client,) = cluster.decode_clients
         client.submit_push(request.request_id, cluster.prefill_id, request.remote_request_id,
-                           tuple(() for _ in request.local_block_ids), num_tokens=70)
+                           cluster.push_key(request.remote_request_id), tuple(() for _ in request.local_block_ids),
+                           num_tokens=70)
         assert client.reads.wait_completion(request.request_id, 10).ok
         assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
         assert time.monotonic() - start < 5 and cluster.decode_untouched()
+
+
+def test_only_the_push_key_opens_a_prefill_hold(workdir):
+    """The transfer id is a name (bus events and logs carry it); the push key is the secret. An expectation
+    with another key, or one of a hold placed for reads (no digest), is refused at once: nothing written,
+    the decode side failed well before its deadline, the prefill hold untouched (the right key still gets
+    it written, and a pull's hold is still read)."""
+    cluster, rng = small_cluster(workdir, "push-key")
+    with cluster:
+        request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        cluster.hold(request, lease_s=30.0, push=True)
+        start = time.monotonic()
+        wrong = dataclasses.replace(request, request_id="wrong-key")
+        cluster.expect(wrong, deadline_s=20, push_key=bytes(16))
+        (completion,) = cluster.completions(wrong, timeout_s=10)
+        assert not completion.ok and time.monotonic() - start < 5 and cluster.decode_untouched()
+        assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
+        time.sleep(1.2)  # its settle delay: the blocks are free again
+        # The control: the right key gets the same hold written, byte-exact.
+        cluster.expect(request)
+        assert [(c.ok, c.error) for c in cluster.completions(request)] == [(True, "")]
+        assert cluster.verify(request) == ([], 0)
+        assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * 2
+        # A pull's hold (no digest) is pushed to nobody, whatever the key; it is still read.
+        pulled = random_request("p", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        cluster.hold(pulled, lease_s=30.0)
+        start = time.monotonic()
+        cluster.expect(dataclasses.replace(pulled, request_id="push-of-pull"), deadline_s=20)
+        (completion,) = cluster.completions(dataclasses.replace(pulled, request_id="push-of-pull"), timeout_s=10)
+        assert not completion.ok and time.monotonic() - start < 5 and cluster.decode_untouched()
+        time.sleep(1.2)
+        assert all(c.ok for c in cluster.read(pulled, hold=False)) and cluster.verify(pulled) == ([], 0)
+
+
+def test_a_reader_names_only_its_own_rank_as_push_target(workdir):
+    """A handshake's push target must be the reader being introduced (engine, rank, TP size): naming
+    another engine's rank is refused (INVALID_ARGUMENT) before anything is introduced or connected."""
+    import grpc
+
+    from kvxferd.wire.peerinfo import PROTOCOL_VERSION
+    from tests.service.test_protocol_defects import observer, peer_stub
+
+    cluster, _ = small_cluster(workdir, "push-target")
+    with cluster:
+        decode_reply = peer_stub(cluster.decode_daemons[0].peer_address).GetEngineInfo(
+            pb.EngineInfoRequest(engine_id=cluster.decode_id, protocol_version=PROTOCOL_VERSION, tp_rank=0,
+                                 reader_engine_id="observer", reader_tp_size=1,
+                                 reader_agent_metadata=observer().metadata()), timeout=5)
+        prefill = peer_stub(cluster.prefill_daemons[0].peer_address)
+
+        def introduce(reader_engine_id: str):
+            request = pb.EngineInfoRequest(engine_id=cluster.prefill_id, protocol_version=PROTOCOL_VERSION,
+                                           tp_rank=0, reader_engine_id=reader_engine_id, reader_tp_rank=0,
+                                           reader_tp_size=1, reader_agent_metadata=observer().metadata())
+            request.reader_target.CopyFrom(decode_reply)
+            return prefill.GetEngineInfo(request, timeout=5)
+
+        with pytest.raises(grpc.RpcError) as refused:
+            introduce("observer")  # the decode engine's rank as the observer's push target
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reader_target" in refused.value.details()
+        assert introduce(cluster.decode_id).payload  # the control: the same target for its own engine is taken
