@@ -309,6 +309,8 @@ class Daemon:
         side) completes its read instead."""
         if any(slot.expected for slot, _ in events):
             events = [(slot, end) for slot, end in events if not self.reads.expects.ended(slot, end)]
+        for slot, end in events:
+            slot.awaited.discard(end.request_id)
         self.bus.publish_many([(slot.engine_id, end.kind.value, end.request_id, end.block_ids, end.reason)
                                for slot, end in events])
         for _, end in events:

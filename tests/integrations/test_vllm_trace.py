@@ -86,3 +86,33 @@ def test_segments_join_three_processes_and_add_up_to_ttft():
     # The earliest of repeated stamps counts (vLLM asks the scheduler again on every step it waits).
     again = stamps + [{"t": 500.0, "who": "kvx-prefill-scheduler", "event": "matched", "id": "p1"}]
     assert join.segment_ms(join.timelines(again, [client], "kvx-prefill", "kvx-decode")[0]) == segments
+
+
+def test_a_push_is_joined_by_its_transfer_id_across_both_engines():
+    """Push (issue #57): the engines' own request ids differ from the transfer id; both "matched" stamps
+    name it, so each point is found and reported as ms after the client's start."""
+    start_s, transfer = 50.0, "push-t1"
+    stamps = [
+        {"t": start_s + 0.001, "who": "proxy", "event": "prefill_sent", "id": transfer},
+        {"t": start_s + 0.004, "who": "kvx-decode-scheduler", "event": "matched", "id": "d1", "remote": transfer},
+        {"t": start_s + 0.006, "who": "kvx-decode-worker0", "event": "submitted", "id": "d1"},
+        {"t": start_s + 0.005, "who": "kvx-prefill-scheduler", "event": "matched", "id": "p1", "remote": transfer},
+        {"t": start_s + 0.020, "who": "kvx-prefill-scheduler", "event": "hold_start", "id": "p1"},
+        {"t": start_s + 0.023, "who": "kvx-decode-worker0", "event": "daemon_done", "id": "d1"},
+        {"t": start_s + 0.025, "who": "kvx-prefill-worker0", "event": "bus_ended", "id": transfer},
+        {"t": start_s + 0.040, "who": "proxy", "event": "first_chunk_out", "id": transfer},
+        {"t": start_s + 0.030, "who": "kvx-prefill-scheduler", "event": "hold_start", "id": "p2"},  # another's
+    ]
+    client = {"start": start_s, "first": start_s + 0.041, "prefill_id": transfer}
+    (line,) = join.push_timelines(stamps, [client], "kvx-prefill", "kvx-decode")
+    assert {k: round(v, 6) for k, v in line.items()} == {
+        ("proxy", "prefill_sent"): 1.0, ("decode", "matched"): 4.0, ("decode", "submitted"): 6.0,
+        ("prefill", "matched"): 5.0, ("prefill", "hold_start"): 20.0, ("decode", "daemon_done"): 23.0,
+        ("transfer", "bus_ended"): 25.0, ("proxy", "first_chunk_out"): 40.0, ("client", "first"): 41.0}
+    got = join.push_summary([line])
+    assert got["requests"] == 1 and got["points_ms"]["prefill:hold_end"] == (None, 0)
+    # The control: a prefill "matched" naming another transfer leaves the prefill's points out.
+    other = [dict(s, remote="push-t9") if s.get("who") == "kvx-prefill-scheduler" and s.get("remote") else s
+             for s in stamps]
+    (line,) = join.push_timelines(other, [client], "kvx-prefill", "kvx-decode")
+    assert ("prefill", "hold_start") not in line and ("decode", "daemon_done") in line

@@ -282,8 +282,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._trace.enabled and request.kv_transfer_params:  # the first stamp: the scheduler saw the request
-            self._trace.stamp("matched", (request.request_id,),
-                              remote=request.kv_transfer_params.get("remote_request_id"))
+            params = request.kv_transfer_params  # remote: what joins the legs (a push's: its transfer id)
+            self._trace.stamp("matched", (request.request_id,), remote=params.get("remote_request_id")
+                              or params.get("transfer_id") or params.get("kvxferd_transfer_id"))
         return self.scheduler.matched_tokens(request.request_id, request.kv_transfer_params,
                                              request.num_prompt_tokens, num_computed_tokens)
 

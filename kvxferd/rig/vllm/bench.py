@@ -49,9 +49,11 @@ import time
 import urllib.error
 import urllib.request
 
-from kvxferd.rig.vllm.servers import Setup, cpu_seconds, metric_sum, nixl_log_notes, scrape, start_setups
+from kvxferd.rig.vllm.servers import Setup, metric_sum, nixl_log_notes, scrape, start_setups
 
-from kvxferd.rig.vllm.tracejoin import print_bounds, print_trace, summary, timelines
+from kvxferd.rig.vllm.contention import cores_used, print_waiting_cpu, process_groups, waiting_push_cpu
+from kvxferd.rig.vllm.tracejoin import (print_bounds, print_push_trace, print_trace, push_summary, push_timelines,
+                                        summary, timelines)
 
 from kvxferd.integrations.vllm.proxy import PREFILL_ID_HEADER, decode_request, prefill_request
 from kvxferd.integrations.vllm.trace import TRACE_DIR_ENV, read_stamps
@@ -120,6 +122,7 @@ class Bench:
         self.failures: dict[str, int] = {}  # failed requests in a row
         self.errors: dict[str, list[str]] = {name: [] for name in setups}
         self.clients: list[dict] = []  # --trace: the client's stamps of each P/D request through kvxferd
+        self.push_clients: list[dict] = []  # and through kvxferd-push
 
     def live(self, name: str) -> bool:
         return name in self.setups and self.setups[name].error is None
@@ -142,10 +145,10 @@ class Bench:
 
     def request(self, name: str, prompt: list[int]) -> tuple[float, list[int]]:
         setup = self.use(name)
-        stamps = {} if self.args.trace and name == "kvxferd" else None
+        stamps = {} if self.args.trace and name in ("kvxferd", "kvxferd-push") else None
         ttft, tokens, _ = post(setup.url, self.body(prompt), self.args.timeout, stamps)
         if stamps and "first" in stamps:
-            self.clients.append(stamps)
+            (self.clients if name == "kvxferd" else self.push_clients).append(stamps)
         return ttft, tokens
 
     def legs(self, name: str, prompt: list[int]) -> dict:
@@ -196,17 +199,10 @@ def delta(after: dict, before: dict) -> dict:
 
 def idle_cpu(setups: dict[str, Setup], seconds: float = 3.0) -> dict[str, float]:
     """Cores each server (its process group) and each daemon uses while no request runs."""
-    import psutil
-
-    measured = {p.name: p.members for s in setups.values() if s.error is None for p in s.servers}
-    for setup in setups.values():
-        for daemon in setup.daemons:
-            measured[f"daemon-{daemon.daemon_id}"] = lambda pid=daemon.process.pid: [psutil.Process(pid)]
+    measured = process_groups(setups)
     for setup in setups.values():
         setup.resume()
-    before = {name: cpu_seconds(members()) for name, members in measured.items()}
-    time.sleep(seconds)
-    return {name: round((cpu_seconds(members()) - before[name]) / seconds, 2) for name, members in measured.items()}
+    return cores_used(measured, seconds)
 
 
 def run(args, setups: dict[str, Setup], model: str) -> dict:
@@ -232,7 +228,7 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
         tokens: dict[str, list] = {name: [] for name in setups}
         legs = {name: [] for name in breakdown}
         before = {name: bench.metrics(name) for name in pd_names}
-        bench.clients = []
+        bench.clients, bench.push_clients = [], []
         # the prefill server's CPU in the pause after each request it took part in (a P/D request, and a
         # request it served alone when it is the single instance): vLLM's worker spins a second after any
         after_cpu: dict[str, list[float]] = {"kvxferd": [], "single": []}
@@ -280,13 +276,15 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
             row["breakdown"][name] = {"requests": len(done), "prefill_leg_p50_ms": prefill,
                                       "decode_leg_ttft_p50_ms": decode, "tokens_equal": same}
         row["prefill_cpu_after_s"] = {k: statistics.median(v) if v else None for k, v in after_cpu.items()}
-        row["clients"] = bench.clients
+        row["clients"], row["push_clients"] = bench.clients, bench.push_clients
         report["lengths"].append(row)
+    report["waiting_push_cpu"] = waiting_push_cpu(bench, post, args.timeout)
     if args.trace:
         time.sleep(args.settle_s)  # the last requests' prefills hear CONSUMED and stamp it
         stamps = read_stamps(args.trace_dir)
         for row in report["lengths"]:
             row["trace"] = summary(timelines(stamps, row["clients"], "kvx-prefill", "kvx-decode"))
+            row["push_trace"] = push_summary(push_timelines(stamps, row["push_clients"], "kvx-prefill", "kvx-decode"))
     report["unavailable"] = {n: s.error for n, s in setups.items() if s.error}
     report["errors"] = {name: errors for name, errors in bench.errors.items() if errors}
     return report
@@ -509,6 +507,8 @@ def main() -> None:
             print_breakdown(report)
         if args.trace:
             print_trace(report)
+            print_push_trace(report)
+        print_waiting_cpu(report)
         print_bounds(report)
         notes = report.get("nixl_prefill_log") or {}
         if notes.get("expired_before_read"):

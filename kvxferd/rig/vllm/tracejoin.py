@@ -62,6 +62,74 @@ AFTER = (  # after the first token: the prefill's blocks let go
 )
 
 
+# Push (issue #57): both legs run at once, so a request's points are not a chain; each is reported as its
+# median time after the client sent the request, in the order they usually come. Joined by the transfer id
+# (both engines' "matched" name it; the proxy and the prefill's bus event use it).
+PUSH_POINTS = (
+    ("proxy", "prefill_sent", "proxy sends both legs"),
+    ("decode", "matched", "decode scheduler sees its leg"),
+    ("decode", "submitted", "decode worker submits the expectation"),
+    ("prefill", "matched", "prefill scheduler sees its leg"),
+    ("prefill", "hold_start", "prefill forward done: request_finished holds"),
+    ("prefill", "hold_end", "the Hold answered (the daemons write now)"),
+    ("decode", "daemon_done", "decode daemon: every writer notified"),
+    ("decode", "completion_arrived", "completion at the decode worker"),
+    ("decode", "completion_taken", "vLLM asks for it"),
+    ("decode", "told_recving", "decode scheduler told"),
+    ("transfer", "bus_ended", "prefill worker hears CONSUMED"),
+    ("proxy", "prefill_back", "proxy has the prefill answer"),
+    ("proxy", "first_chunk_out", "first token out of the proxy"),
+    ("client", "first", "client has the first token"),
+)
+
+
+def push_timelines(stamps: list[dict], clients: list[dict], prefill_engine: str, decode_engine: str) -> list[dict]:
+    """Per client push request (``prefill_id`` is its transfer id): ``{(process, event): ms after its start}``
+    for the :data:`PUSH_POINTS` it passed."""
+    by_kind: dict[str, list[dict]] = {"prefill": [], "decode": [], "proxy": []}
+    for stamp in stamps:
+        for kind, who in (("prefill", prefill_engine + "-"), ("decode", decode_engine + "-"), ("proxy", "proxy")):
+            if stamp["who"].startswith(who):
+                by_kind[kind].append(stamp)
+    vllm_id = {kind: {s["remote"]: s["id"] for s in by_kind[kind] if s["event"] == "matched" and s.get("remote")}
+               for kind in ("prefill", "decode")}
+    out = []
+    for client in clients:
+        transfer_id = client["prefill_id"]
+        events = {"client": {"first": client["first"]}, "proxy": _first(by_kind["proxy"], transfer_id),
+                  "transfer": _first(by_kind["prefill"], transfer_id)}
+        for kind in ("prefill", "decode"):
+            events[kind] = _first(by_kind[kind], vllm_id[kind].get(transfer_id, ""))
+        out.append({(kind, event): (events[kind][event] - client["start"]) * 1e3
+                    for kind, event, _ in PUSH_POINTS if event in events[kind]})
+    return out
+
+
+def push_summary(lines: list[dict]) -> dict:
+    """Per push point, the median ms after the client's start (and how many requests passed it)."""
+    points = {}
+    for kind, event, _ in PUSH_POINTS:
+        seen = [line[(kind, event)] for line in lines if (kind, event) in line]
+        points[f"{kind}:{event}"] = (statistics.median(seen), len(seen)) if seen else (None, 0)
+    return {"requests": len(lines), "points_ms": points}
+
+
+def print_push_trace(report: dict) -> None:
+    """One table for push: a row per point (its median ms after the client sent), a column per length."""
+    rows = [(row["tokens"], row.get("push_trace")) for row in report["lengths"]]
+    rows = [(tokens, got) for tokens, got in rows if got and got["requests"]]
+    if not rows:
+        return
+    print("\nOne push request (kvxferd-push), point by point: median ms after the client sent it (both legs run "
+          "at once, so these are times, not segments):\n")
+    print("| point | " + " | ".join(f"{tokens} tokens" for tokens, _ in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for kind, event, name in PUSH_POINTS:
+        cells = [got["points_ms"][f"{kind}:{event}"] for _, got in rows]
+        print(f"| {name} | " + " | ".join("-" if ms is None else f"{ms:.1f}" for ms, _ in cells) + " |")
+    print("| requests | " + " | ".join(str(got["requests"]) for _, got in rows) + " |")
+
+
 FREED_BOUND_MS = 20.0  # read done -> vLLM's prefill scheduler frees the blocks, p50 (issue #41: "a few ms")
 CPU_BOUND_S = 0.1  # the prefill server's CPU after a P/D request, beyond what a request it served alone costs
 

@@ -298,11 +298,18 @@ class DataPlane:
                 # the mark: a notice sent meanwhile is either seen here or wakes us.
                 self._idle = True
                 sleep_s = self.interval_s if self._notices_unseen() else IDLE_POLL_S if self._slots else None
-            if any(slot.expected for slot in self._slots):  # (a loop-side dict: only its truth is read here)
+            if self._pushes_pending():
                 sleep_s = EXPECT_POLL_S if sleep_s is None else min(sleep_s, EXPECT_POLL_S)
                 self._idle = False
             self._wake.wait(sleep_s)
             self._idle = False
+
+    def _pushes_pending(self) -> bool:
+        """Push (issue #57): a decode rank here expects writers' notices, or a prefill rank holds a push whose
+        expectation has not come yet (for ``PUSH_AWAIT_S`` at most). Loop-side fields: only their truth and a
+        float are read here."""
+        return any(slot.expected or (slot.awaited and time.monotonic() < slot.awaited_until_s)
+                   for slot in self._slots)
 
     def _pace_workers(self) -> None:
         """Tell each data-plane worker how often its agent must make progress, by the rules this thread
@@ -413,7 +420,7 @@ class DataPlane:
         """Every agent's notices, at most every ``interval_s`` (rounds come every 20-100 µs while this
         daemon's own reads run; nobody waits for a notice, so polling faster only costs CPU)."""
         now = time.perf_counter()
-        every_s = EXPECT_POLL_S if any(slot.expected for slot in self._slots) else self.interval_s
+        every_s = EXPECT_POLL_S if self._pushes_pending() else self.interval_s
         if now - self._notices_polled_s < every_s:
             return False
         self._notices_polled_s = now

@@ -57,6 +57,9 @@ def lease_seconds(daemon: HoldingParts, value: float) -> float:
     return check_seconds(value, "lease_s", default_s=daemon.config.lease_s, max_s=daemon.config.max_lease_s)
 
 
+PUSH_AWAIT_S = 2.0  # after a push's hold, its expectation is polled for this fast at most
+
+
 def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest) -> bytes:
     """Hold ``request``'s blocks on ``slot`` (event-loop thread); the hold's capability (readers must present
     it). Raises a typed error, holding nothing."""
@@ -73,8 +76,12 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
     if len(slot.holds) == 1:
         daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         daemon.wake_maintenance()  # and from the idle tick to the lease tick
-    if push_digest and slot.expectations:
-        daemon.held(slot, request.request_id)
+    if push_digest:  # a push: its expectations start it; one not here yet is polled for fast
+        slot.awaited.add(request.request_id)
+        slot.awaited_until_s = time.monotonic() + PUSH_AWAIT_S
+        daemon.dataplane.wake()
+        if slot.expectations:
+            daemon.held(slot, request.request_id)
     return capability
 
 

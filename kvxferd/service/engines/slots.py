@@ -65,6 +65,10 @@ class EngineSlot:
     expected: dict = field(default_factory=dict)
     expectations: dict = field(default_factory=dict)
     expected_blocks: list = field(default_factory=list)  # decode side: per group, the blocks live expectations name
+    # Prefill side: transfer ids held for a push whose expectation has not come yet; until it comes (or
+    # awaited_until_s) the data-plane thread polls for notices every EXPECT_POLL_S, not the holds' 10 ms.
+    awaited: set = field(default_factory=set)
+    awaited_until_s: float = 0.0  # time.monotonic()
     push_executor: PushExecutor | None = None  # made on the first push (pusher)
 
     @property

@@ -219,6 +219,7 @@ class WritePath:
 
     def _start(self, slot: EngineSlot, expectation: Expectation, held: LiveHold) -> None:
         expectation.started = True
+        slot.awaited.discard(expectation.transfer_id)
         if expectation.timer is not None:
             expectation.timer.cancel()
         if not push_key_opens(expectation.push_key, held.push_digest):
