@@ -76,13 +76,20 @@ class EngineRanks:
             self.close()
             raise
 
-    def submit(self, request: ReadRequest, remote_engine_id: str, deadline_s: float) -> None:
-        """``request`` as a batch of one on every rank's session."""
+    def submit(self, request: ReadRequest, remote_engine_id: str, deadline_s: float, push_key: bytes = b"") -> None:
+        """``request`` as a batch of one on every rank's session; with ``push_key``, a push's expectation of
+        the transfer ``request.remote_request_id`` (issue #57) instead of a read."""
         for client in self.clients:
-            client.reads.submit_reads([client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
-                                                        request.local_block_ids, request.remote_block_ids,
-                                                        num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
-                                                        remote_capabilities=request.remote_capabilities)])
+            if push_key:
+                spec = client.push_spec(request.request_id, remote_engine_id, request.remote_request_id, push_key,
+                                        request.local_block_ids, num_tokens=request.num_tokens or 0,
+                                        deadline_s=deadline_s)
+            else:
+                spec = client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
+                                        request.local_block_ids, request.remote_block_ids,
+                                        num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
+                                        remote_capabilities=request.remote_capabilities)
+            client.reads.submit_reads([spec])
 
     def _allocate(self, num_bytes: int):
         self.arenas.append(SharedArena(num_bytes))
@@ -316,12 +323,13 @@ class SoakPrefill(SoakRanks):
     def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
         super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
 
-    def hold(self, request_id: str, block_ids, lease_s: float) -> list[tuple[str, bytes]]:
-        """Hold on every rank; per rank ("ok", its capability), or (the status code name of a failed call, b"")."""
+    def hold(self, request_id: str, block_ids, lease_s: float, push_key_digest: bytes = b"") -> list[tuple[str, bytes]]:
+        """Hold on every rank (a push's with its key's digest); per rank ("ok", its capability), or (the
+        status code name of a failed call, b"")."""
         held: dict[int, bytes] = {}
 
         def hold_on(rank: int, client) -> None:
-            held[rank] = client.hold(request_id, block_ids, lease_s=lease_s).capability
+            held[rank] = client.hold(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest).capability
 
         answers = [_call(lambda r=rank, c=client: hold_on(r, c)) for rank, client in enumerate(self.clients)]
         return [(answer, held.get(rank, b"")) for rank, answer in enumerate(answers)]
@@ -358,8 +366,9 @@ class SoakDecode(SoakRanks):
         return outcome
 
     def read(self, request: ReadRequest, remote_engine_id: str, prefill_groups: Sequence[CacheGroup],
-             deadline_s: float, wait_s: float) -> dict:
-        """One request on every rank; per rank its outcome, latency and any broken invariant.
+             deadline_s: float, wait_s: float, push_key: bytes = b"") -> dict:
+        """One request on every rank (a push's expectation with ``push_key``); per rank its outcome, latency
+        and any broken invariant.
 
         ``wait_s``: how long to wait for each completion before calling it
         missing. A rank whose stream broke (its daemon died) is ``lost``:
@@ -368,7 +377,7 @@ class SoakDecode(SoakRanks):
         for engine in self.ranks:
             engine.reset()
         start, start_wall = time.monotonic(), time.time()
-        self.submit(request, remote_engine_id, deadline_s)
+        self.submit(request, remote_engine_id, deadline_s, push_key)
         ranks = []
         for rank, client in enumerate(self.clients):
             try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 
 import pytest
 
@@ -76,6 +78,21 @@ def test_bad_bodies_and_a_prefill_without_params_are_clear_errors():
     assert status == 502 and b"no kv_transfer_params" in body
 
 
+@contextlib.asynccontextmanager
+async def push_proxy(prefill, decode):
+    """A proxy in push mode in front of two stand-in servers (``prefill``, ``decode``: aiohttp handlers);
+    yields it and a client session."""
+    apps = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        apps.append(app)
+    async with TestServer(apps[0]) as p, TestServer(apps[1]) as d:
+        proxy_app = make_app(str(p.make_url("")).rstrip("/"), str(d.make_url("")).rstrip("/"), mode="push")
+        async with TestServer(proxy_app) as proxy, aiohttp.ClientSession() as session:
+            yield proxy, session
+
+
 PULL_ANSWER = {**PARAMS, "remote_request_id": "r0", "remote_peer_addresses": ["127.0.0.1:4700"]}
 
 
@@ -100,20 +117,13 @@ def test_push_mode_sends_both_legs_at_once_under_one_transfer_id():
             decode_in.set()
             return web.json_response({"choices": [{"token_ids": [7, 8]}]})
 
-        apps = []
-        for handler in (prefill, decode):
-            app = web.Application()
-            app.router.add_post("/v1/completions", handler)
-            apps.append(app)
-        async with TestServer(apps[0]) as p, TestServer(apps[1]) as d:
-            proxy_app = make_app(str(p.make_url("")).rstrip("/"), str(d.make_url("")).rstrip("/"), mode="push")
-            async with TestServer(proxy_app) as proxy, aiohttp.ClientSession() as session:
-                answers = []
-                for _ in range(2):
-                    async with session.post(proxy.make_url("/v1/completions"),
-                                            json={"prompt": [1, 2], "max_tokens": 4}) as answer:
-                        answers.append((answer.status, await answer.json(), answer.headers))
-                return answers
+        async with push_proxy(prefill, decode) as (proxy, session):
+            answers = []
+            for _ in range(2):
+                async with session.post(proxy.make_url("/v1/completions"),
+                                        json={"prompt": [1, 2], "max_tokens": 4}) as answer:
+                    answers.append((answer.status, await answer.json(), answer.headers))
+            return answers
 
     answers = run(scenario())
     assert [status for status, *_ in answers] == [200, 200]
@@ -128,3 +138,53 @@ def test_push_mode_sends_both_legs_at_once_under_one_transfer_id():
     assert prefill_leg["kvxferd_push_digest"] == push_key_digest(bytes.fromhex(push["push_key"])).hex()
     assert push["push_key"] not in json.dumps(seen["prefill_bodies"])
     assert answers[1][2]["X-Kvxferd-Prefill-Request-Id"] == transfer_id
+
+
+def test_push_mode_ends_the_decode_leg_when_the_prefill_leg_fails():
+    """A push whose prefill leg fails (here a 500 after the decode leg is in): the decode leg would wait for
+    a write that never comes, so the proxy closes it at once (vLLM then aborts the request and lets its
+    blocks go) and answers with the prefill's error. The control: a prefill that succeeds gets the decode
+    leg's answer."""
+    seen: dict = {"decode_closed": 0}
+
+    async def scenario():
+        decode_in, fail = asyncio.Event(), {"now": False}
+
+        async def prefill(request):
+            body = await request.json()
+            if "kvxferd_transfer_id" not in body["kv_transfer_params"]:
+                return web.json_response({"choices": [{"token_ids": [9]}], "kv_transfer_params": PULL_ANSWER})
+            await asyncio.wait_for(decode_in.wait(), 5)
+            if fail["now"]:
+                return web.json_response({"error": "prefill broke"}, status=500)
+            return web.json_response({"choices": [{"token_ids": [9]}], "kv_transfer_params": PULL_ANSWER})
+
+        async def decode(request):
+            body = await request.json()
+            if "kvxferd_push" in body["kv_transfer_params"]:
+                decode_in.set()
+                if fail["now"]:
+                    try:
+                        await asyncio.sleep(30)  # waits for KV that never comes
+                    except asyncio.CancelledError:
+                        seen["decode_closed"] += 1
+                        raise
+            return web.json_response({"choices": [{"token_ids": [7, 8]}]})
+
+        async with push_proxy(prefill, decode) as (proxy, session):
+            answers = []
+            for failing in (False, False, True):  # a pull (locates prefill), a push, a failing push
+                fail["now"] = failing
+                decode_in.clear()
+                start = time.monotonic()
+                async with session.post(proxy.make_url("/v1/completions"),
+                                        json={"prompt": [1, 2], "max_tokens": 4}) as answer:
+                    answers.append((answer.status, await answer.json(), time.monotonic() - start))
+            await asyncio.sleep(0.2)  # the decode server sees its connection closed
+            return answers
+
+    answers = run(scenario())
+    assert [status for status, *_ in answers] == [200, 200, 500]
+    assert answers[1][1]["choices"][0]["token_ids"] == [7, 8]  # the control: the decode leg's answer
+    assert answers[2][1] == {"error": "prefill broke"} and answers[2][2] < 5
+    assert seen["decode_closed"] == 1

@@ -9,6 +9,7 @@ byte is checked against the oracle and every expectation must end CONSUMED.
 import numpy as np
 import pytest
 
+from kvxferd.errors import NotFoundError
 from kvxferd.plan.leases import HoldEndKind
 from kvxferd.plan.push import PushRequest
 from kvxferd.rig.verify.models import MODELS, model_groups, random_request
@@ -130,3 +131,25 @@ def test_an_expectation_counts_only_from_the_agent_introduced_for_its_decode_ran
     finally:
         holder.close()
         agent.close()
+
+
+def test_push_connections_are_kept_per_owner():
+    """Push targets are per (peer identity, engine, rank): another identity naming the same decode rank
+    gets a connection of its own and cannot replace the first (its pushes go on); the same owner again
+    replaces its own; a disconnected owner's connection goes, the others stay."""
+    cluster, request = cluster_and_request("push-owners", p=1, d=1)
+    with cluster:
+        pusher = cluster.pushers[0]
+        first = pusher.target(cluster.decode_id, 0)
+        decode = cluster.decode[0]
+        other = pusher.connect(decode.cache, cluster.decode_agents[0].metadata(), cluster.expectations[0].board,
+                               "another-identity")
+        assert other is not first and pusher.target(cluster.decode_id, 0) is first
+        assert pusher.target(cluster.decode_id, 0, "another-identity") is other
+        pusher.disconnect(("another-identity", cluster.decode_id, 0))
+        assert pusher.target(cluster.decode_id, 0) is first
+        with pytest.raises(NotFoundError):
+            pusher.target(cluster.decode_id, 0, "another-identity")
+        capabilities = cluster.expect(request)
+        assert all(r.ok for r in cluster.push(request, capabilities))  # the first owner's connection still writes
+        assert cluster.check(request) == []

@@ -74,7 +74,7 @@ def prefill_location(params: dict | None) -> dict | None:
 def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mode: str = "pull"):
     """The aiohttp application forwarding ``ROUTES``. ``mode="push"``: both legs at once with one transfer
     id once the prefill engine's location is known (from its first answer, and every answer after)."""
-    from aiohttp import ClientSession, ClientTimeout, web
+    from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
     session_key = web.AppKey("session", ClientSession)
     trace = Trace("proxy")
@@ -116,13 +116,17 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mod
         async with session.post(decode_url + request.path, json=decode_request(body, params)) as answer:
             return await relay(request, body, answer, headers, ids)
 
-    async def relay(request, body: dict, answer, headers: dict, ids: tuple) -> web.StreamResponse:
-        """The decode leg's answer, back to the client as it comes."""
+    async def relay(request, body: dict, answer, headers: dict, ids: tuple, started: list | None = None
+                    ) -> web.StreamResponse:
+        """The decode leg's answer, back to the client as it comes (``started`` gets True once the client's
+        response went out)."""
         trace.stamp("decode_answered", ids)
         if not body.get("stream"):
             return web.json_response(await answer.json(content_type=None), status=answer.status, headers=headers)
         response = web.StreamResponse(status=answer.status, headers={"Content-Type": "text/event-stream", **headers})
         await response.prepare(request)
+        if started is not None:
+            started.append(True)
         first = True
         async for chunk in answer.content.iter_any():
             await response.write(chunk)
@@ -143,24 +147,40 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mod
 
         async def prefill() -> tuple[int, object]:
             trace.stamp("prefill_sent", ids)
-            async with session.post(prefill_url + request.path, json=prefill_leg) as answer:
-                prefilled = await answer.json(content_type=None)
+            try:
+                async with session.post(prefill_url + request.path, json=prefill_leg) as answer:
+                    prefilled = await answer.json(content_type=None)
+            except (ClientError, ValueError) as err:  # unreachable, or not JSON: the leg failed
+                return 502, {"error": f"push: the prefill leg to {prefill_url} failed: {err}"}
             trace.stamp("prefill_back", ids)
             params = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
             where.update(prefill_location(params) or {})  # a restarted prefill engine is followed
             return answer.status, prefilled
 
-        prefill_task = asyncio.ensure_future(prefill())
-        try:
+        started: list = []
+
+        async def decode() -> web.StreamResponse:
             async with session.post(decode_url + request.path, json=decode_leg) as answer:
-                if prefill_task.done() and prefill_task.result()[0] != 200:
-                    status, prefilled = prefill_task.result()
-                    return web.json_response(prefilled, status=status)
-                return await relay(request, body, answer, headers, ids)
+                return await relay(request, body, answer, headers, ids, started)
+
+        prefill_task, decode_task = asyncio.ensure_future(prefill()), asyncio.ensure_future(decode())
+        try:
+            await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
+            if not decode_task.done():
+                status, prefilled = prefill_task.result()
+                if status != 200:  # the decode leg would wait for a write that never comes: end it now
+                    decode_task.cancel()  # (its connection closes: vLLM aborts the request, its blocks go)
+                    await asyncio.gather(decode_task, return_exceptions=True)
+                    log.warning("push: the prefill leg failed", extra={"transfer_id": transfer_id, "status": status})
+                    if not started:
+                        return web.json_response(prefilled, status=status)
+                    raise ConnectionResetError("push: the prefill leg failed mid-stream")
+            return await decode_task
         finally:
-            status, prefilled = await prefill_task
-            if status != 200:
-                log.warning("push: the prefill leg failed", extra={"transfer_id": transfer_id, "status": status})
+            for task in (prefill_task, decode_task):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
 
     app = web.Application()
     app.on_startup.append(start)

@@ -179,7 +179,10 @@ def _format_push(f: dict) -> str:
         f"  {o['requests']} pushes of {o['bytes_per_request'] / 2**10:.0f} KiB at {o['rate_per_s']:.0f}/s (achieved "
         f"{o['achieved_rate_per_s']:.0f}/s), {o['failed']:g} failed: hold -> delivered p50 "
         f"{o['end_to_end']['p50_us']:.0f} us, p99 {o['end_to_end']['p99_us']:.0f} us; raw WRITE p50 "
-        f"{o['raw_write']['p50_us']:.0f} us; push_p50_overhead_us_300 {f['push_p50_overhead_us_300']:.0f}"])
+        f"{o['raw_write']['p50_us']:.0f} us; push_p50_overhead_us_300 {f['push_p50_overhead_us_300']:.0f}",
+        f"  one push at a time on idle daemons, hold -> delivered p50: expectation first "
+        f"{f['push_alone']['expect_first']['p50_us']:.0f} us (push_alone_p50_us), hold first "
+        f"{f['push_alone']['hold_first']['p50_us']:.0f} us"])
 
 
 def _verdict(value: float, op: str, goal: float) -> str:

@@ -123,10 +123,43 @@ def push_overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_p
             "raw_write": percentiles_us(raw_s)}
 
 
+ALONE_GAP_S = 0.011  # expectation -> hold: a 64-token prefill's forward on this machine
+ALONE_PAUSE_S = 1.5  # between pushes: both daemons idle again (their slowest polls), as between vLLM requests
+
+
+def push_alone(workdir: str, num_requests: int, tls: Tls | None = None, *, reads_socket: bool = True) -> dict:
+    """One push at a time on idle daemons, in a vLLM push's order: the decode rank expects, the prefill
+    engine holds ``ALONE_GAP_S`` later (its forward pass); hold -> the decode engine's completion, and with
+    the hold first (expectation right after it)."""
+    with _cluster(workdir, 2, 8, "pushalone", tls, reads_socket) as cluster:
+        rng, seconds = np.random.default_rng(0), {"expect_first": [], "hold_first": []}
+        for n in range(2 * num_requests + 2):  # the first of each order warms the connection up
+            ids = rng.permutation(8)[:2]
+            request = ReadRequest(f"a{n}", f"a{n}@p", (ids,), (np.sort(ids),))
+            order = "expect_first" if n % 2 == 0 else "hold_first"
+            if order == "expect_first":
+                cluster.expect(request)
+                time.sleep(ALONE_GAP_S)
+            start = time.perf_counter()
+            cluster.hold(request, push=True)
+            if order == "hold_first":
+                cluster.expect(request)
+            (completion,) = cluster.completions(request)
+            if not completion.ok:
+                raise RuntimeError(f"push failed: {completion.error}")
+            if n >= 2:
+                seconds[order].append(time.perf_counter() - start)
+            time.sleep(ALONE_PAUSE_S)
+    return {order: percentiles_us(s) for order, s in seconds.items()}
+
+
 def push_figures(workdir: str, sizes: dict, tls=None) -> dict:
     """The push keys of ``kvxferd bench daemon``: ``push_bulk_ratio`` (vs raw NIXL WRITE on the same
-    descriptors) and ``push_p50_overhead_us_300`` (hold -> completion p50 minus the raw WRITE's)."""
+    descriptors), ``push_p50_overhead_us_300`` (hold -> completion p50 minus the raw WRITE's) and
+    ``push_alone_p50_us`` (one push at a time on idle daemons, hold -> completion)."""
     b = push_bulk(workdir, sizes["bulk_layers"], sizes["bulk_blocks"], sizes["rounds"], tls)
     o300 = push_overhead(workdir, 2, 2, 300.0, sizes["num_requests_300"], tls)
-    return {"push_bulk": b, "push_overhead": o300, "push_bulk_ratio": b["ratio"],
-            "push_p50_overhead_us_300": o300["end_to_end"]["p50_us"] - o300["raw_write"]["p50_us"]}
+    alone = push_alone(workdir, min(20, max(5, sizes["num_requests_300"] // 30)), tls)
+    return {"push_bulk": b, "push_overhead": o300, "push_alone": alone, "push_bulk_ratio": b["ratio"],
+            "push_p50_overhead_us_300": o300["end_to_end"]["p50_us"] - o300["raw_write"]["p50_us"],
+            "push_alone_p50_us": alone["expect_first"]["p50_us"]}

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataplane-reader-workers", action="store_true",
                         help="with --dataplane-workers: each rank's own READs from a reader worker too "
                              "(kvxferd serve --dataplane-reader-workers); kill_worker picks either kind")
+    parser.add_argument("--push-share", type=float, default=0.25,
+                        help="share of requests sent as pushes (issue #57: the prefill daemons write; default 0.25; "
+                             "none with --dataplane-workers, where push is not built)")
     parser.add_argument("--epoch-requests", type=int, default=40,
                         help="requests per pairing before the next is drawn (default 40)")
     parser.add_argument("--max-tp", type=int, default=4, choices=range(1, 5), metavar="{1..4}",
@@ -53,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _table(summary: dict) -> str:
     lines = [f"kvxferd soak: seed {summary['seed']}, {summary['duration_s']:g} s, {summary['pairings']} pairings, "
-             f"{summary['requests']} requests, {summary['verified_bytes'] / 2**20:,.1f} MiB verified",
-             f"read outcomes per rank: {summary['read_outcomes']}",
+             f"{summary['requests']} requests ({summary['pushes']} pushes), "
+             f"{summary['verified_bytes'] / 2**20:,.1f} MiB verified",
+             f"read outcomes per rank: {summary['read_outcomes']} (of them pushes: {summary['push_outcomes']})",
              f"faults: {summary['faults']}", f"holds: {summary['holds']}", "invariants:"]
     lines += [f"  {'ok  ' if not count else 'FAIL'} {name}: {count} violations ({INVARIANTS[name]})"
               for name, count in summary["invariants"].items()]
@@ -70,8 +74,9 @@ def run_args(args: argparse.Namespace) -> int:
     from kvxferd.rig.verify.hosts.policy import MAX_HOSTS, HostsUnavailable
     from kvxferd.rig.soak.run import Soak
 
-    if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or args.epoch_requests < 1:
-        print("kvxferd soak: --duration must be > 0, --fault-rate in [0, 1], --epoch-requests >= 1", file=sys.stderr)
+    if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or not 0 <= args.push_share <= 1 or args.epoch_requests < 1:
+        print("kvxferd soak: --duration must be > 0, --fault-rate and --push-share in [0, 1], --epoch-requests >= 1",
+              file=sys.stderr)
         return 2
     if args.hosts and not 2 <= args.hosts <= MAX_HOSTS:
         print(f"kvxferd soak: --hosts must be 2..{MAX_HOSTS} (a prefill host and at least one decode host)",

@@ -36,8 +36,10 @@ class Report:
         self.seed, self.duration_s = seed, duration_s
         self.start_s = time.monotonic()
         self.requests = 0
+        self.pushes = 0  # of them, pushes (issue #57)
         self.verified_bytes = 0
         self.outcomes: collections.Counter = collections.Counter()
+        self.push_outcomes: collections.Counter = collections.Counter()  # of them, the pushes' (issue #57)
         self.faults: collections.Counter = collections.Counter()
         self.counts: collections.Counter = collections.Counter()
         self.violations: dict[str, list[str]] = collections.defaultdict(list)
@@ -86,8 +88,8 @@ class Report:
                    for name, v in sorted(self.figures.items()) if v}
         return {
             "seed": self.seed, "duration_s": round(time.monotonic() - self.start_s, 1),
-            "requests": self.requests, "verified_bytes": self.verified_bytes,
-            "read_outcomes": dict(self.outcomes), "faults": dict(self.faults), "holds": self.holds,
+            "requests": self.requests, "pushes": self.pushes, "verified_bytes": self.verified_bytes,
+            "read_outcomes": dict(self.outcomes), "push_outcomes": dict(self.push_outcomes), "faults": dict(self.faults), "holds": self.holds,
             "violations": [{"invariant": k, "count": len(v), "examples": v[:MAX_EXAMPLES]}
                            for k, v in sorted(self.violations.items())],
             "invariants": {name: len(self.violations.get(name, ())) for name in INVARIANTS},

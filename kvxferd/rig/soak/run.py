@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvxferd.plan.capability import CAPABILITY_BYTES
+from kvxferd.plan.capability import CAPABILITY_BYTES, PUSH_KEY_BYTES, push_key_digest
 from kvxferd.rig.soak import badinput
 from kvxferd.rig.soak.configs import SoakConfig, draw_config
 from kvxferd.rig.daemons import DaemonLife, DaemonSet, leaks, measure
@@ -54,6 +54,8 @@ class Soak:
         self.args, self.report = args, report
         self.rng = np.random.default_rng(args.seed)
         self.faults = FaultPlan(self.rng, args.fault_rate, args.faults.split(","))
+        # (push into a rank a data-plane worker serves is not built: refused, so none is sent there)
+        self.push_share = 0.0 if getattr(args, "dataplane_workers", False) else getattr(args, "push_share", 0.0)
         # INFO: each registration and deregistration with its reason, for a failure's post-mortem (--logs)
         daemon_args = ("--log-level", "INFO", "--peer-check-s", "0.3")
         self.workers = WorkerKills(report) if getattr(args, "dataplane_workers", False) else None
@@ -298,8 +300,20 @@ class Soak:
         if kind and not mid and kind not in AFTER_THE_HOLD:
             effect = self.act(kind, request)
         prefill_id = self._engine_id("prefill")
+        # Push (issue #57): a share of requests are pushes: the decode ranks expect (before the hold or after
+        # it, as the two legs race), the prefill hold carries the key's digest, the prefill daemons write.
+        push_key = self.rng.bytes(PUSH_KEY_BYTES) if self.rng.random() < self.push_share else b""
+        wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0 + (WINDOW_S[1] + RETRANSMIT_S if self.net else 0.0)
+        sent_s = None
+        if push_key:
+            self.report.pushes += 1
+            # (a fault that strikes between hold and read keeps that order: its checks assume the read comes after)
+            if self.rng.random() < 0.5 and kind not in AFTER_THE_HOLD and self.decode.process.is_alive():
+                self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s, push_key)
+                sent_s = time.monotonic()
         if self.prefill.process.is_alive():
-            answers = self.prefill.call("hold", request.remote_request_id, request.remote_block_ids, lease_s)
+            answers = self.prefill.call("hold", request.remote_request_id, request.remote_block_ids, lease_s,
+                                        push_key_digest(push_key) if push_key else b"")
             for rank, (answer, _) in enumerate(answers):
                 self.ledger.placed(rank, prefill_id, request.remote_request_id, answer)
             # A rank that could not hold gives no capability: the read is then refused before it moves a
@@ -311,10 +325,10 @@ class Soak:
         if kind == "lease_expiry":
             time.sleep(float(self.rng.uniform(0.0, 0.5)))
         result = None
-        if self.decode.process.is_alive():
-            wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0 + (WINDOW_S[1] + RETRANSMIT_S if self.net else 0.0)
-            self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s)
-            sent_s = time.monotonic()
+        if sent_s is not None or self.decode.process.is_alive():
+            if sent_s is None:
+                self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s, push_key)
+                sent_s = time.monotonic()
             if kind and mid:
                 time.sleep(float(self.rng.uniform(0.0, 0.02)))
                 effect = self.act(kind, request, mid=True)
@@ -326,6 +340,8 @@ class Soak:
         self.report.requests += 1
         if result is not None:
             self._check_read(request, result, deadline_s, effect, sent_s)
+            if push_key:
+                self.report.push_outcomes.update(rank["outcome"] for rank in result["ranks"])
             if effect is not None and "forged_on" in effect:
                 self._check_forged_read(request, result, sent_s)
         if effect is not None:

@@ -23,3 +23,7 @@ def test_daemon_bench_runs_every_path_and_mutual_tls():
         assert mode["bulk"]["ratio"] > 0 and mode["bulk"]["handshake_ms"] > 0
     text = daemon.format_table(figures)
     assert "socket path" in text and "same-host copies" in text and "stream path" in text and "mutual TLS on the peer ports" in text and "target (issue 12)" in text
+    # Push (issue #57): its keys, and one push at a time on idle daemons in both orders.
+    assert figures["push_bulk_ratio"] > 0 and isinstance(figures["push_p50_overhead_us_300"], float)
+    assert figures["push_alone_p50_us"] > 0 and figures["push_alone"]["hold_first"]["p50_us"] > 0
+    assert "one push at a time" in text

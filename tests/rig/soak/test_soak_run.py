@@ -53,6 +53,8 @@ def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
                              timeout_s=600, logs=tmp_path)
     _check(code, summary, tmp_path, stderr)
     assert summary["seed"] == SHORT_SEED and summary["requests"] >= 50
+    assert summary["pushes"] > 0  # a quarter of the requests are pushes (issue #57), under the same faults
+    assert summary["push_outcomes"]["ok"] > 0
     assert set(summary["faults"]) == set(KINDS), summary["faults"]  # the cycle reaches every kind
     assert summary["pairings"] >= 2
     # A killed daemon's holds may be lost with it; the run saw faults that end holds unread.
