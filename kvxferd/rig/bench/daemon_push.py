@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from kvxferd.plan.capability import push_key_digest
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.rig.bench.common import percentiles_us
 from kvxferd.rig.bench.daemon_paths import Tls, _cluster, _credentials
