@@ -114,6 +114,7 @@ class Daemon:
         self.peers = Peers(self.dataplane, self.metrics, timeout_s=config.handshake_timeout_s,
                            max_message_bytes=config.max_message_bytes, tls=self.tls,
                            server_name=config.peer_server_name, insecure=config.insecure)
+        self.peers.push_targets = config.push_targets
         self.transports = self.peers.transports = TransportPaths(self.metrics.transport_paths)
         self.bus: NotifyBus | None = None
         self.registry: Registry | None = None

@@ -87,9 +87,10 @@ class DaemonConfig(BaseSettings):
     max_hold_s: float = Field(1800.0, gt=0, description="longest a request's blocks may stay held in all, renewals "
                               "included (s); then the hold ends EXPIRED")
     max_deadline_s: float = Field(600.0, gt=0, description="longest read deadline an engine may ask for (s)")
-    push_targets: bool = Field(True, description="push (issue #57), prefill side: load the agent of a reader "
-                               "that names its rank as a write target at its handshake, to write into it; off: "
-                               "this daemon loads no reader's agent and pushes nothing")
+    push_targets: bool = Field(True, description="push (issue #57). Prefill side: load the agent of a reader "
+                               "that names its rank as a write target at its handshake, to write into it. Decode "
+                               "side: name this daemon's ranks as write targets at their handshakes (the holder "
+                               "learns their data agent's metadata). Off: neither, and no push runs through here")
     push_settle_s: float = Field(1.0, ge=0, le=60, description="push (decode side): how long a failed "
                                  "push's blocks stay away from the engine after its expectation ended, for a "
                                  "prefill WRITE that passed its board check just before to land (s)")

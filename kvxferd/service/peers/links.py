@@ -118,6 +118,9 @@ class Peers:
         # the peer secret; with TLS the same file, for this alone). Every holder is asked to name its memory,
         # proving this host; a holder that does is read by copying (kvxferd.xfer.samehost.hostmaps, devicemaps).
         self.same_host_secret: bytes | None = None
+        # Push (issue #57, config.push_targets): this daemon's ranks name themselves as write targets at their
+        # handshakes (their data agent's metadata goes to the holder); off: no holder learns it, none pushes here.
+        self.push_targets = True
 
     def _channel(self, address: str) -> "_PeerChannel":
         """The channel to ``address``; a new one after the TLS files changed (new connections, new certificate)."""
@@ -346,7 +349,8 @@ class Peers:
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
                                        reader_tp_size=slot.cache.tp_size,
                                        reader_agent_metadata=slot.notices_metadata)
-        if slot.served is None:  # push (issue #57): this rank as a write target, connected by the holder now
+        if slot.served is None and self.push_targets:  # push (issue #57): this rank as a write target, connected
+            # by the holder now
             request.reader_target.CopyFrom(encode_info(*slot.peer_view()))
         secret = self.same_host_secret
 

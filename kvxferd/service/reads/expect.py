@@ -99,6 +99,8 @@ class ExpectPath:
                                                        "handshaken again: send the push again")
         if slot.served is not None:
             raise LayoutMismatchError("push", "push into a rank served by a data-plane worker is not built yet")
+        if not config.push_targets:
+            raise LayoutMismatchError("push", "push_targets is off on this daemon: its ranks are no write targets")
         writers = link.remote.plan.notify_ranks
         if not all(q < len(link.writer_agents) and link.writer_agents[q] for q in writers):
             raise LayoutMismatchError("push", f"a prefill daemon of {spec.remote_engine_id!r} does not push "

@@ -220,3 +220,20 @@ def test_a_reader_names_only_its_own_rank_as_push_target(workdir):
             introduce("observer")  # the decode engine's rank as the observer's push target
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reader_target" in refused.value.details()
         assert introduce(cluster.decode_id).payload  # the control: the same target for its own engine is taken
+
+
+def test_a_decode_daemon_with_push_targets_off_refuses_pushes_and_still_reads(workdir):
+    """``--no-push-targets`` on the decode side: its ranks name no write target at their handshakes (no
+    holder learns their data agent), a push is refused up front (FAILED_PRECONDITION), nothing written;
+    the control: a read of the same request through the same daemons is byte-exact."""
+    prefill_groups, decode_groups = model_groups("gqa", ModelShape(prefill_block_size=32))
+    with DaemonCluster(prefill_groups, decode_groups, 1, 1, workdir=workdir, name="push-off",
+                       args_of=lambda daemon_id: ("--no-push-targets",) if daemon_id == "push-off-d0" else ()) as cluster:
+        request = random_request("r", prefill_groups, decode_groups, 70, np.random.default_rng(3))
+        cluster.reset_decode()
+        cluster.expect(request)
+        (refused,) = cluster.completions(request, timeout_s=10)
+        assert not refused.ok and refused.refused_code == 9 and "push_targets" in refused.error
+        assert cluster.decode_untouched()
+        assert all(c.ok for c in cluster.read(dataclasses.replace(request, request_id="read")))
+        assert cluster.verify(request) == ([], 0)
