@@ -148,7 +148,7 @@ def test_push_mode_ends_the_decode_leg_when_the_prefill_leg_fails():
     seen: dict = {"decode_closed": 0}
 
     async def scenario():
-        decode_in, fail = asyncio.Event(), {"now": False}
+        decode_in, decode_closed, fail = asyncio.Event(), asyncio.Event(), {"now": False}
 
         async def prefill(request):
             body = await request.json()
@@ -168,6 +168,7 @@ def test_push_mode_ends_the_decode_leg_when_the_prefill_leg_fails():
                         await asyncio.sleep(30)  # waits for KV that never comes
                     except asyncio.CancelledError:
                         seen["decode_closed"] += 1
+                        decode_closed.set()
                         raise
             return web.json_response({"choices": [{"token_ids": [7, 8]}]})
 
@@ -180,7 +181,7 @@ def test_push_mode_ends_the_decode_leg_when_the_prefill_leg_fails():
                 async with session.post(proxy.make_url("/v1/completions"),
                                         json={"prompt": [1, 2], "max_tokens": 4}) as answer:
                     answers.append((answer.status, await answer.json(), time.monotonic() - start))
-            await asyncio.sleep(0.2)  # the decode server sees its connection closed
+            await asyncio.wait_for(decode_closed.wait(), 5)  # the decode server saw its connection closed
             return answers
 
     answers = run(scenario())

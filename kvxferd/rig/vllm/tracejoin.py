@@ -83,16 +83,34 @@ PUSH_POINTS = (
 )
 
 
+def _by_process(stamps: list[dict], prefill_engine: str, decode_engine: str) -> dict[str, list[dict]]:
+    """The stamps of each engine's processes (scheduler, workers: ``<engine>-...``) and of the proxy."""
+    by_kind: dict[str, list[dict]] = {"prefill": [], "decode": [], "proxy": []}
+    for stamp in stamps:
+        who = stamp["who"]
+        for kind, engine in (("prefill", prefill_engine), ("decode", decode_engine)):
+            if who.startswith(engine + "-"):
+                by_kind[kind].append(stamp)
+        if who == "proxy":
+            by_kind["proxy"].append(stamp)
+    return by_kind
+
+
+def _own_ids(stamps: list[dict]) -> dict[str, str]:
+    """What joins an engine's own request ids to the other processes': its first "matched" stamp of each id
+    names the id the proxy knows (a pull's prefill request id, a push's transfer id)."""
+    own: dict[str, str] = {}
+    for stamp in stamps:
+        if stamp["event"] == "matched" and stamp.get("remote"):
+            own.setdefault(stamp["remote"], stamp["id"])
+    return own
+
+
 def push_timelines(stamps: list[dict], clients: list[dict], prefill_engine: str, decode_engine: str) -> list[dict]:
     """Per client push request (``prefill_id`` is its transfer id): ``{(process, event): ms after its start}``
     for the :data:`PUSH_POINTS` it passed."""
-    by_kind: dict[str, list[dict]] = {"prefill": [], "decode": [], "proxy": []}
-    for stamp in stamps:
-        for kind, who in (("prefill", prefill_engine + "-"), ("decode", decode_engine + "-"), ("proxy", "proxy")):
-            if stamp["who"].startswith(who):
-                by_kind[kind].append(stamp)
-    vllm_id = {kind: {s["remote"]: s["id"] for s in by_kind[kind] if s["event"] == "matched" and s.get("remote")}
-               for kind in ("prefill", "decode")}
+    by_kind = _by_process(stamps, prefill_engine, decode_engine)
+    vllm_id = {kind: _own_ids(by_kind[kind]) for kind in ("prefill", "decode")}
     out = []
     for client in clients:
         transfer_id = client["prefill_id"]
@@ -147,18 +165,8 @@ def timelines(stamps: list[dict], clients: list[dict], prefill_engine: str, deco
     """Per client request (``{"start", "first", "prefill_id"}``), its points: ``{(process, event): t}``, and
     ``"hold_sent_early"``: whether its prefill's hold went out with the prompt's step. A request missing
     any point is left out."""
-    by_engine: dict[str, list[dict]] = {"prefill": [], "decode": [], "proxy": []}
-    for stamp in stamps:
-        who = stamp["who"]
-        for kind, engine in (("prefill", prefill_engine), ("decode", decode_engine)):
-            if who.startswith(engine + "-"):
-                by_engine[kind].append(stamp)
-        if who == "proxy":
-            by_engine["proxy"].append(stamp)
-    decode_of = {}
-    for stamp in by_engine["decode"]:
-        if stamp["event"] == "matched" and stamp.get("remote"):
-            decode_of.setdefault(stamp["remote"], stamp["id"])
+    by_engine = _by_process(stamps, prefill_engine, decode_engine)
+    decode_of = _own_ids(by_engine["decode"])
     early = {stamp["id"] for stamp in by_engine["prefill"] if stamp["event"] == "hold_sent"}
     out = []
     for client in clients:

@@ -148,13 +148,11 @@ class WritePath:
             try:
                 self._expect(slot, record, owner)
             except KvxferError as err:
-                self.daemon.metrics.push_writes.labels("refused").inc()
-                log.warning("a push expectation was refused", extra={
-                    "engine_id": slot.engine_id, "transfer_id": record.transfer_id,
-                    "reader": f"{record.reader_engine_id}/{record.reader_rank}", "error": str(err)})
                 connection = None if slot.pusher is None else slot.pusher.targets.get(key)
-                if connection is not None and record.reader_rank in connection.plans:
-                    self._tell(slot, connection, record.reader_rank, record.transfer_id, record.capability)
+                if connection is not None and record.reader_rank not in connection.plans:
+                    connection = None
+                self._refuse(slot, connection, record.reader_engine_id, record.reader_rank, record.transfer_id,
+                             record.capability, str(err))
 
     def _expect(self, slot: EngineSlot, record: ExpectRecord, owner: str) -> None:
         """Keep (and, if the transfer is held already, start) one decode rank's expectation."""
@@ -223,15 +221,10 @@ class WritePath:
         if expectation.timer is not None:
             expectation.timer.cancel()
         if not push_key_opens(expectation.push_key, held.push_digest):
-            # not this hold's key (or a hold for reads only): refused, the hold untouched (it is not this
-            # reader's to end), the decode rank told at once
+            # not this hold's key (or a hold for reads only): the hold untouched (it is not this reader's to end)
             self._forget(slot, expectation)
-            self.daemon.metrics.push_writes.labels("refused").inc()
-            log.warning("a push expectation was refused: its push key does not open the hold", extra={
-                "engine_id": slot.engine_id, "transfer_id": expectation.transfer_id,
-                "reader": f"{expectation.target_engine_id}/{expectation.target_rank}"})
-            self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
-                       expectation.capability)
+            self._refuse(slot, expectation.connection, expectation.target_engine_id, expectation.target_rank,
+                         expectation.transfer_id, expectation.capability, "its push key does not open the hold")
             return
         pusher = slot.pusher
         push = PushRequest(expectation.transfer_id, expectation.target_block_ids, held.block_ids,
@@ -297,6 +290,17 @@ class WritePath:
                                               f"{': ' + refusal if refusal else ''}"))
         if outcome.end is not None:
             self.daemon.publish(slot, outcome.end)
+
+    def _refuse(self, slot: EngineSlot, connection: PushTarget | None, target_engine_id: str, target_rank: int,
+                transfer_id: str, capability: bytes, why: str) -> None:
+        """An expectation refused before anything was written: counted, logged, and told to its decode rank at
+        once when it is connected (else that side fails it by its deadline)."""
+        self.daemon.metrics.push_writes.labels("refused").inc()
+        log.warning("a push expectation was refused", extra={
+            "engine_id": slot.engine_id, "transfer_id": transfer_id, "reader": f"{target_engine_id}/{target_rank}",
+            "error": why})
+        if connection is not None:
+            self._tell(slot, connection, target_rank, transfer_id, capability)
 
     def _tell(self, slot: EngineSlot, connection: PushTarget, target_rank: int, transfer_id: str,
               capability: bytes) -> None:
