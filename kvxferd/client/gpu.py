@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvxferd.cuda.driver import (CU_HANDLE_TYPE_POSIX_FD, IPC_HANDLE_BYTES, IpcHandle, address_range, check_drv,
                                  check_rt, cuda, cudart)
-from kvxferd.cuda.vmm import ShareableAllocator  # the engine's RDMA-capable KV-cache memory (re-exported)
+from kvxferd.cuda.vmm import ShareableAllocator, allocation_capabilities  # the allocator: re-exported
 from kvxferd.errors import InvalidArgumentError
 
 __all__ = ["GpuExport", "ShareableAllocator", "export_ipc", "export_region", "export_vmm"]
@@ -39,6 +39,9 @@ class GpuExport:
     ipc_handle: bytes = b""
     vmm_fd: int = -1
     allocation_bytes: int = 0  # VMM: the allocation's size (the daemon maps all of it)
+    # VMM: made with gpuDirectRDMACapable, read from the engine's own handle. The daemon is told: the driver
+    # shows an importer zeroed flags (measured on an H200, driver 580), so it cannot read this itself.
+    rdma_capable: bool = False
 
 
 def export_region(address: int, num_bytes: int, field: str = "address") -> GpuExport:
@@ -75,9 +78,10 @@ def export_vmm(address: int, num_bytes: int, field: str = "address", lib=None) -
             raise InvalidArgumentError(field, f"the region of {num_bytes} bytes runs past its allocation of {size} bytes "
                                               "(a cache over several allocations, such as torch's expandable segments, "
                                               "cannot be shared as one region)")
+        rdma_capable = allocation_capabilities(handle.value, lib, field).rdma_capable
         fd = ctypes.c_int()
         check_drv(lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, CU_HANDLE_TYPE_POSIX_FD, 0),
                    "cuMemExportToShareableHandle", field)
     finally:
         lib.cuMemRelease(handle)  # the retain took a reference; the allocation lives on in the engine
-    return GpuExport(address - base, vmm_fd=fd.value, allocation_bytes=size)
+    return GpuExport(address - base, vmm_fd=fd.value, allocation_bytes=size, rdma_capable=rdma_capable)

@@ -9,6 +9,7 @@ import: the fd sharing is checked byte for byte, not only its calls.
 from __future__ import annotations
 
 import ctypes
+import os
 import logging
 
 import numpy as np
@@ -61,14 +62,20 @@ def test_rdma_capable_allocation_prop_has_the_drivers_layout():
 
 def test_rdma_capable_vram_shared_by_fd_is_the_engines_bytes():
     """Engine: allocate, write, export an fd. Daemon: import and map it. Same bytes, RDMA-capable; the engine
-    freeing its mapping leaves the daemon's intact (the driver counts references)."""
+    freeing its mapping leaves the daemon's intact (the driver counts references). The engine reads the
+    RDMA flag from its own handle and says so: an importer sees no flags (as on an H200), so without the
+    engine's word the same memory is not_rdma_capable (the control)."""
     driver = PlayedVmmDriver()
     engine = ShareableAllocator(0, driver)
     address = engine.allocate(GRANULE)
     data = written(address + 4096, 65536, seed=1)
     export = export_vmm(address + 4096, 65536, lib=driver)
-    assert export.offset == 4096 and export.allocation_bytes == GRANULE
-    mapping = import_vmm(export.vmm_fd, export.offset, 65536, 0, "r", allocation_bytes=GRANULE, lib=driver)
+    assert export.offset == 4096 and export.allocation_bytes == GRANULE and export.rdma_capable
+    unsaid = import_vmm(os.dup(export.vmm_fd), export.offset, 65536, 0, "r", allocation_bytes=GRANULE, lib=driver)
+    assert unsaid.kind == "not_rdma_capable"
+    unsaid.close()
+    mapping = import_vmm(export.vmm_fd, export.offset, 65536, 0, "r", allocation_bytes=GRANULE,
+                         rdma_capable=export.rdma_capable, lib=driver)
     try:
         assert mapping.kind == "rdma_capable" and check_servable(mapping, True, "r") == ""
         assert mapping.memory.address != address + 4096  # its own mapping, of the same memory
@@ -93,7 +100,9 @@ def test_rdma_capable_control_without_the_flag_is_warned_or_refused(caplog):
     address = engine.allocate(GRANULE)
     assert driver.created[-1].allocFlags.gpuDirectRDMACapable == 0
     export = export_vmm(address, GRANULE, lib=driver)
-    mapping = import_vmm(export.vmm_fd, 0, GRANULE, 0, "r", allocation_bytes=GRANULE, lib=driver)
+    assert not export.rdma_capable
+    mapping = import_vmm(export.vmm_fd, 0, GRANULE, 0, "r", allocation_bytes=GRANULE,
+                         rdma_capable=export.rdma_capable, lib=driver)
     try:
         assert mapping.kind == "not_rdma_capable"
         assert "without gpuDirectRDMACapable" in check_servable(mapping, False, "r")

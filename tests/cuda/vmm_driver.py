@@ -5,7 +5,8 @@ this process; ``cuMemMap`` maps the allocation's memfd over it (MAP_FIXED),
 so two mappings of one allocation alias as device mappings do. Exported
 handles are copies of the memfd; an import finds its allocation by the
 memfd's inode. The properties an allocation was created with are kept and
-read back, as the driver does.
+read back from the creator's handles; an imported handle reads back zeroed flags and handle types, as
+driver 580 does on an H200 (measured, docs/gpu.md): the importer cannot see gpuDirectRDMACapable.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED = 1
 
 def _out(pointer):
     return pointer._obj  # ctypes.byref(x) -> x
+
+
+def imported_view(prop: AllocationProp) -> AllocationProp:
+    """What ``cuMemGetAllocationPropertiesFromHandle`` says of an imported handle: the type and location, with
+    allocFlags and requestedHandleTypes zero (measured on an H200, driver 580.159)."""
+    seen = AllocationProp()
+    seen.type, seen.location = prop.type, prop.location
+    return seen
 
 
 class PlayedVmmDriver:
@@ -148,7 +157,7 @@ class PlayedVmmDriver:
         inode = os.fstat(fd).st_ino
         for memfd, size, prop in list(self.handles.values()):
             if os.fstat(memfd).st_ino == inode:
-                _out(handle).value = self._new_handle(os.dup(fd), size, prop)
+                _out(handle).value = self._new_handle(os.dup(fd), size, imported_view(prop))
                 return 0
         return CUDA_ERROR_INVALID_VALUE
 

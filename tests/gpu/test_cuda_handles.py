@@ -80,6 +80,50 @@ def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp, same
             daemon.terminate()
 
 
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gqa", 2, 1), ("mla", 1, 2)])
+def test_vram_pushes_through_daemons(tmp_path, model, prefill_tp, decode_tp):
+    """Push (issue #57) between GPU caches: the decode ranks expect, the prefill daemons WRITE over NIXL into
+    the decode engine's CUDA allocation (imported from its IPC handle), byte-exact; a push of another
+    prompt's KV (the negative control) is caught by the same check."""
+    from kvxferd.plan.capability import push_key_digest
+
+    prefill_groups, decode_groups = model_groups(model, ModelShape())
+    daemons = DaemonProcess.start_many([f"w{i}" for i in range(prefill_tp + decode_tp)], socket_dir=str(tmp_path))
+    try:
+        prefill = [_gpu_engine("wp", prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
+        decode = [_gpu_engine("wd", decode_groups, decode_tp, r, False) for r in range(decode_tp)]
+        clients = [EngineClient(d.engine_target) for d in daemons]
+        for client, (_, message) in zip(clients, prefill + decode):
+            client.register(message)
+        for client in clients[prefill_tp:]:
+            client.handshake("wp", [d.peer_address for d in daemons[:prefill_tp]])
+        rng = np.random.default_rng(3)
+        request = random_request("w", prefill_groups, decode_groups, 70, rng)
+        other = random_request("o", prefill_groups, decode_groups, 70, rng)
+        wrong = []
+        for n, held in enumerate((request, other)):  # the right KV, then another prompt's under the same transfer
+            transfer_id, key = f"{request.remote_request_id}-{n}", bytes([n + 1]) * 16
+            for client in clients[prefill_tp:]:
+                client.submit_push(f"{request.request_id}-{n}", "wp", transfer_id, key, request.local_block_ids,
+                                   num_tokens=70)
+            for client in clients[:prefill_tp]:
+                client.hold(transfer_id, held.remote_block_ids, push_key_digest=push_key_digest(key))
+            for client in clients[prefill_tp:]:
+                completion = client.reads.wait_completion(f"{request.request_id}-{n}")
+                assert completion.ok, completion.error
+            for engine, _ in decode:
+                engine.download()
+            wrong.append(verify_decode([engine.host for engine, _ in decode], prefill_groups, request))
+        assert wrong[0] == ([], 0)
+        assert wrong[1][1] > 0  # another prompt's KV pushed: the oracle sees it
+        for client in clients:
+            client.deregister()
+            client.close()
+    finally:
+        for daemon in daemons:
+            daemon.terminate()
+
+
 def test_an_ipc_region_beyond_its_allocation_is_refused(tmp_path):
     """Issue 11: a region must lie inside the shared allocation (no reading the memory around it)."""
     groups = model_groups("gqa", ModelShape())[0]

@@ -26,7 +26,10 @@ def test_rdma_capable_allocation_shared_by_fd_on_a_gpu():
     assert lib.cuMemcpyHtoD_v2(ctypes.c_uint64(address), ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(4 << 20)) == 0
     export = export_region(address, 4 << 20)
     assert export.vmm_fd >= 0 and not export.ipc_handle  # IPC refuses VMM memory: shared as an fd
-    mapping = import_vmm(export.vmm_fd, export.offset, 4 << 20, 0, "r", allocation_bytes=export.allocation_bytes)
+    assert export.rdma_capable == support.rdma_with_vmm  # read from the engine's own handle
+    # An importer's handle shows no flags (H200, driver 580): the kind comes from the engine's word.
+    mapping = import_vmm(export.vmm_fd, export.offset, 4 << 20, 0, "r", allocation_bytes=export.allocation_bytes,
+                         rdma_capable=export.rdma_capable)
     try:
         seen = np.empty(4 << 20, np.uint8)
         assert lib.cuMemcpyDtoH_v2(ctypes.c_void_p(seen.ctypes.data), ctypes.c_uint64(mapping.memory.address),

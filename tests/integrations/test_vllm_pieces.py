@@ -130,7 +130,8 @@ def test_cuda_tensors_are_described_by_ipc_handle_or_vmm_fd(vmm):
 
     def export(address, num_bytes):
         calls.append((address, num_bytes))
-        return GpuExport(4096, vmm_fd=77, allocation_bytes=1 << 21) if vmm else GpuExport(4096, ipc_handle=b"h" * 64)
+        return (GpuExport(4096, vmm_fd=77, allocation_bytes=1 << 21, rdma_capable=True) if vmm
+                else GpuExport(4096, ipc_handle=b"h" * 64))
 
     fake = tensors["l0"]
     fake_device = type("D", (), {"type": "cuda", "index": 1})()
@@ -145,6 +146,7 @@ def test_cuda_tensors_are_described_by_ipc_handle_or_vmm_fd(vmm):
     if vmm:
         assert fds == [77] and region.handle.WhichOneof("source") == "cuda_vmm_fd_index"
         assert (region.handle.cuda_vmm_fd_index, region.handle.allocation_bytes) == (0, 1 << 21)
+        assert region.handle.rdma_capable  # the engine's word: the daemon cannot read the flag itself
     else:
         assert fds == [] and region.handle.cuda_ipc_handle == b"h" * 64
 

@@ -31,7 +31,9 @@ def test_rdma_capable_kv_cache_pool_allocates_through_its_pointers():
     assert prop.allocFlags.gpuDirectRDMACapable == 1 and prop.requestedHandleTypes & HANDLE_POSIX_FD
     ctypes.memset(address, 7, 5 << 20)  # the cache is writable where vLLM put it
     export = export_vmm(address, 5 << 20, lib=driver)  # what register_kv_caches does after IPC refuses it
-    mapping = import_vmm(export.vmm_fd, export.offset, 5 << 20, 0, "r", allocation_bytes=3 * GRANULE, lib=driver)
+    assert export.rdma_capable  # what the connector tells the daemon (MemoryHandle.rdma_capable)
+    mapping = import_vmm(export.vmm_fd, export.offset, 5 << 20, 0, "r", allocation_bytes=3 * GRANULE,
+                         rdma_capable=export.rdma_capable, lib=driver)
     try:
         assert mapping.kind == "rdma_capable"
         seen = np.ctypeslib.as_array((ctypes.c_uint8 * (5 << 20)).from_address(mapping.memory.address))

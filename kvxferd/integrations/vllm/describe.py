@@ -260,6 +260,7 @@ def describe_engine(engine_id: str, tp_rank: int, tp_size: int, groups: Sequence
             region.handle.offset = exported.offset
             if exported.vmm_fd >= 0:  # kept open: a daemon restart is sent the same fd again
                 region.handle.cuda_vmm_fd_index, region.handle.allocation_bytes = len(fds), exported.allocation_bytes
+                region.handle.rdma_capable = exported.rdma_capable
                 fds.append(exported.vmm_fd)
             else:
                 region.handle.cuda_ipc_handle = exported.ipc_handle

@@ -66,6 +66,8 @@ class KvCachePool:
             return None
 
     def _free(self, address: int, num_bytes: int, device: int, stream) -> None:
+        if "allocators" not in vars(self):
+            return  # interpreter shutdown tore this pool down before torch freed its last segment: the exit frees it
         try:
             self.allocators[device].free(address)
         except Exception as err:  # noqa: BLE001 - never raise into torch

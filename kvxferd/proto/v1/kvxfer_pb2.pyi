@@ -76,7 +76,7 @@ class StateCache(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_groups: _Optional[int] = ..., state_size: _Optional[int] = ..., conv_window: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., conv_order: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_stride: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_stride: _Optional[int] = ..., conv_parts: _Optional[str] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
-    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset", "allocation_bytes", "shm_device", "shm_inode", "holder_pid", "holder_fd", "share_token", "share_socket")
+    __slots__ = ("shm_name", "cuda_ipc_handle", "cuda_vmm_fd_index", "shm_fd_index", "offset", "allocation_bytes", "shm_device", "shm_inode", "holder_pid", "holder_fd", "share_token", "share_socket", "rdma_capable")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     CUDA_VMM_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class MemoryHandle(_message.Message):
     HOLDER_FD_FIELD_NUMBER: _ClassVar[int]
     SHARE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SHARE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    RDMA_CAPABLE_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     cuda_ipc_handle: bytes
     cuda_vmm_fd_index: int
@@ -101,7 +102,8 @@ class MemoryHandle(_message.Message):
     holder_fd: int
     share_token: str
     share_socket: str
-    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ..., shm_device: _Optional[int] = ..., shm_inode: _Optional[int] = ..., holder_pid: _Optional[int] = ..., holder_fd: _Optional[int] = ..., share_token: _Optional[str] = ..., share_socket: _Optional[str] = ...) -> None: ...
+    rdma_capable: bool
+    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_vmm_fd_index: _Optional[int] = ..., shm_fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ..., shm_device: _Optional[int] = ..., shm_inode: _Optional[int] = ..., holder_pid: _Optional[int] = ..., holder_fd: _Optional[int] = ..., share_token: _Optional[str] = ..., share_socket: _Optional[str] = ..., rdma_capable: _Optional[bool] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("handle", "address", "num_bytes", "device_id", "device_uuid")

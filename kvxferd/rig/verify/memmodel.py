@@ -262,6 +262,10 @@ def main() -> int:
     if missing:
         print(f"memory-model probe: needs a CUDA GPU: {missing}", file=sys.stderr)
         return 2
+    # UCX turns cuda_ipc GETs off on a host without NVLink; without this every candidate READs emulated (seen
+    # on an H200, 2026-11-30) and the probe cannot tell them apart. As `kvxferd bench gpu` does; set it to keep yours.
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    print(f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={os.environ['UCX_CUDA_IPC_ENABLE_GET_ZCOPY']}")
     context = context_bytes()
     print("a daemon's CUDA context on GPU 0: " + (f"{context / 2**20:.0f} MiB (budget it next to vLLM's "
                                                    "gpu_memory_utilization)" if isinstance(context, int) else context))

@@ -79,22 +79,25 @@ def uuid_of(device_id: int, field: str, uuids=visible_device_uuids) -> str:
 
 
 def import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, *,
-               allocation_bytes: int = 0, lib=None) -> GpuMapping:
+               allocation_bytes: int = 0, rdma_capable: bool = False, lib=None) -> GpuMapping:
     """Import a VMM shareable fd and map all of it read-write on ``device_id``; always closes ``fd``.
 
     CUDA maps whole allocations only, so the engine names the allocation's
     size (``allocation_bytes``; 0: the region ends where it does); the
     driver refuses a size that is not the allocation's, and the region must
-    lie inside it.
+    lie inside it. ``rdma_capable``: the engine's word that it made the allocation with
+    gpuDirectRDMACapable. The driver shows an importer zeroed flags (measured on an H200, driver 580), so
+    the word decides the mapping's kind; a false one only turns the engine's own refusal under
+    ``require_rdma_capable_vram`` into a NIC registration that fails (no other engine's memory is involved).
     """
     try:
-        return _import_vmm(fd, offset, num_bytes, device_id, field, allocation_bytes, lib)
+        return _import_vmm(fd, offset, num_bytes, device_id, field, allocation_bytes, rdma_capable, lib)
     finally:
         os.close(fd)  # an imported handle keeps the allocation alive without the fd
 
 
 def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str, allocation_bytes: int,
-                lib) -> GpuMapping:
+                rdma_capable: bool, lib) -> GpuMapping:
     if offset < 0 or num_bytes <= 0 or device_id < 0:
         raise InvalidArgumentError(field, f"bad range or device: offset {offset}, {num_bytes} bytes, device {device_id}")
     if allocation_bytes and offset + num_bytes > allocation_bytes:
@@ -103,8 +106,8 @@ def _import_vmm(fd: int, offset: int, num_bytes: int, device_id: int, field: str
     f = f"{field}.handle.cuda_vmm_fd_index"
     size = allocation_bytes or -(-(offset + num_bytes) // VMM_GRANULARITY) * VMM_GRANULARITY
     allocation = import_allocation(fd, size, device_id, f, lib)
-    return GpuMapping(RegionMemory(allocation.base + offset, num_bytes, device_id), allocation.close,
-                      allocation.capabilities.kind, size, offset)
+    kind = "rdma_capable" if rdma_capable or allocation.capabilities.rdma_capable else allocation.capabilities.kind
+    return GpuMapping(RegionMemory(allocation.base + offset, num_bytes, device_id), allocation.close, kind, size, offset)
 
 
 class VmmOffers:

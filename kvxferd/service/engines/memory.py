@@ -275,7 +275,7 @@ def open_region(region: pb.Region, num_bytes: int, mem_type: str, field: str, fd
     if not 0 <= index < len(fds):
         raise InvalidArgumentError(f"{field}.handle.cuda_vmm_fd_index", f"index {index}, {len(fds)} fds were sent")
     mapping = gpu.import_vmm(os.dup(fds[index]), offset, num_bytes, device_id, field,
-                             allocation_bytes=region.handle.allocation_bytes)
+                             allocation_bytes=region.handle.allocation_bytes, rdma_capable=region.handle.rdma_capable)
     try:
         device_uuid = region.device_uuid or gpu.uuid_of(device_id, field)
         if vmm_offers is not None and device_uuid:  # same-host readers map it themselves (issue #56)

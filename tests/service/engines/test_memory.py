@@ -175,3 +175,28 @@ def test_a_passed_fd_is_kept_once_for_same_host_readers_and_closed_with_the_regi
             region.close()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("said", [True, False])
+def test_a_vmm_regions_kind_takes_the_engines_word(monkeypatch, said):
+    """An imported VMM handle shows no flags (H200, driver 580): the daemon passes MemoryHandle.rdma_capable on."""
+    from kvxferd.service.engines import gpu
+
+    seen = {}
+
+    def import_vmm(fd, offset, num_bytes, device_id, field, **kwargs):
+        os.close(fd)
+        seen.update(kwargs)
+        return gpu.GpuMapping(gpu.RegionMemory(1 << 20, num_bytes, device_id), None)
+
+    monkeypatch.setattr(gpu, "import_vmm", import_vmm)
+    monkeypatch.setattr(gpu, "uuid_of", lambda device_id, field: "")
+    read_end, write_end = os.pipe()
+    try:
+        region = pb.Region(handle=pb.MemoryHandle(cuda_vmm_fd_index=0, allocation_bytes=1 << 21, rdma_capable=said),
+                           num_bytes=16)
+        mapping = open_region(region, 16, "VRAM", "r", fds=[read_end])
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert seen == {"allocation_bytes": 1 << 21, "rdma_capable": said} and mapping.memory.num_bytes == 16
