@@ -4,6 +4,12 @@
 #
 #   scripts/gpu-check.sh [python]      # default: .venv/bin/python (a CUDA build of torch and nixl installed)
 #
+# On a bare machine whose python3 has a CUDA torch (2026-11-30, an H200): carry the daemon's other packages
+# as cp312 wheels (nixl, nixl-cu13 (its nixl_ep_cu13 folder dropped to fit), grpcio, grpcio-health-checking,
+# grpcio-reflection, protobuf, pyzmq, pydantic, pydantic-core, pydantic-settings, annotated-types,
+# typing-inspection, python-dotenv, cryptography, cffi, pycparser), `pip install --target` them, put that
+# folder and the checkout on PYTHONPATH, then `scripts/gpu-check.sh python3`.
+#
 # UCX reports each path it chooses (UCX_PROTO_INFO) into a log file per process, which the probe reads
 # back; the file's directory is printed. Exit 0 when every part passed, 1 otherwise, 2 without a GPU.
 set -uo pipefail
