@@ -111,6 +111,8 @@ def test_a_push_is_joined_by_its_transfer_id_across_both_engines():
         ("transfer", "bus_ended"): 25.0, ("proxy", "first_chunk_out"): 40.0, ("client", "first"): 41.0}
     got = join.push_summary([line])
     assert got["requests"] == 1 and got["points_ms"]["prefill:hold_end"] == (None, 0)
+    (each,) = got["per_request_ms"]  # each request's own points, for the JSON: which request was slow where
+    assert each["prefill:hold_start"] == 20.0 and each["client:first"] == 41.0 and "prefill:hold_end" not in each
     # The control: a prefill "matched" naming another transfer leaves the prefill's points out.
     other = [dict(s, remote="push-t9") if s.get("who") == "kvx-prefill-scheduler" and s.get("remote") else s
              for s in stamps]
