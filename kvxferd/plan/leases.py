@@ -51,6 +51,9 @@ class HoldEndKind(str, enum.Enum):
 
 CONSUMED, EXPIRED, FAILED = HoldEndKind.CONSUMED, HoldEndKind.EXPIRED, HoldEndKind.FAILED
 RELEASED = "released"  # the reason an EXPIRED names when the engine released the hold itself
+# The reason of a FAILED event that is never published: a reader's notice that came after its hold ended
+# (a push's decode side waits for every writer's, late or not, before it lets the blocks go).
+LATE_NOTICE = "late notice"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class HoldEnd:
     block_ids: tuple
     reason: str  # "" for CONSUMED; lease | released | engine gone
     failed_readers: tuple[tuple[str, int], ...] = ()
+    reported: tuple[tuple[str, int], ...] = ()  # EXPIRED: the readers whose notice came before the end
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class HoldTable:
         if entry is None:
             raise NotFoundError("request_id", f"request {request_id!r} is not held")
         self._unboard(entry)
-        return HoldEnd(request_id, EXPIRED, entry.block_ids, RELEASED)
+        return HoldEnd(request_id, EXPIRED, entry.block_ids, RELEASED, reported=tuple(sorted(entry.readers)))
 
     def record(self, notice: ReadNotice, now: float, expected_readers: int | None = None) -> NoticeOutcome:
         """Count one reader; says whether the hold was alive when the notice came.
@@ -194,14 +198,15 @@ class HoldTable:
                 continue
             del self._holds[request_id]
             self._unboard(entry)
-            ended.append(HoldEnd(request_id, EXPIRED, entry.block_ids, "lease"))
+            ended.append(HoldEnd(request_id, EXPIRED, entry.block_ids, "lease", reported=tuple(sorted(entry.readers))))
         if not self._holds:
             deadlines.clear()  # entries of holds that ended otherwise
         return ended
 
     def drop_all(self, reason: str) -> list[HoldEnd]:
         """End every hold (the engine is going away)."""
-        ended = [HoldEnd(rid, EXPIRED, entry.block_ids, reason) for rid, entry in self._holds.items()]
+        ended = [HoldEnd(rid, EXPIRED, entry.block_ids, reason, reported=tuple(sorted(entry.readers)))
+                 for rid, entry in self._holds.items()]
         for entry in self._holds.values():
             self._unboard(entry)
         self._holds.clear()

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from kvxferd.errors import InvalidArgumentError, PermissionDeniedError
 from kvxferd.plan.board import BoardInfo, HoldBoard, buckets_for
 from kvxferd.plan.capability import HOLD_KEY_BYTES
-from kvxferd.plan.leases import FAILED, HoldEnd, HoldTable
+from kvxferd.plan.leases import FAILED, LATE_NOTICE, HoldEnd, HoldTable
 from kvxferd.plan.expectrecord import ExpectRecord
 from kvxferd.plan.notifications import HELLO, ReadNotice
 from kvxferd.xfer.boardmemory import BoardMemory
@@ -221,6 +221,8 @@ class Holder:
         if outcome is not None and outcome.alive:  # it carried a live hold's capability: the reader is active
             self.readers.touch(key, reader, now)
         events = []
+        if outcome is not None and not outcome.alive:  # for a push's decode side: this writer is done (never published)
+            events.append(HoldEnd(notice.request_id, FAILED, (), LATE_NOTICE, (key,)))
         if outcome is not None and outcome.failed:
             events.append(HoldEnd(notice.request_id, FAILED, (),
                                   f"reader {notice.reader_engine_id}/{notice.reader_rank} failed"))

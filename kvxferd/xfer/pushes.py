@@ -233,15 +233,18 @@ class PushExecutor:
 
     # ---- notices -------------------------------------------------------------
     def send_notice(self, inflight: InFlightRead, target_rank: int) -> None:
-        """Tell the target rank how this writer's part went, once (nothing before the result, nothing when
-        the expectation had ended: that notice could only count for a later one)."""
+        """Tell the target rank how this writer's part went, once its WRITE is over (nothing before the
+        result). A notice says the WRITE is over: none when the drain gave up on a WRITE still running
+        (the target then waits its push_settle_s); one after the expectation ended comes late and only
+        tells the target its blocks are safe to give back (it carries that expectation's capability, so
+        it counts for no later one)."""
         with self.lock:
             result = inflight.result
             if result is None or inflight.notified:
                 return
             inflight.notified = True
             rank = inflight.ranks.get(target_rank)
-            if rank is not None and rank.failure is ReadFailure.STALE:
+            if result.unsettled:
                 return
             planned: PlannedPush = inflight.planned
             target = inflight.remote

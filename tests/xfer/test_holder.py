@@ -95,3 +95,20 @@ def test_a_new_reader_gets_fast_polls_until_it_reads_alone_and_one_that_never_re
     assert not holder.wants_progress(50.1)  # its first read went alone: the window ends early
     holder.introduce(("elsewhere", 3), Reader("elsewhere-notices", 4, 1), reads_here=False, now=60.0)
     assert not holder.wants_progress(60.0) and ("elsewhere", 3) in holder.readers
+
+
+def test_a_notice_after_its_hold_ended_is_marked_late_for_its_writer_only(holder_and_reader):
+    """A push's decode side waits for each writer's word that its WRITE is over, late or not (issue #57): a
+    notice for a hold that is not held any more comes back as an unpublished FAILED/LATE_NOTICE event naming
+    its sender's reader; from an agent not introduced for that reader, nothing."""
+    from kvxferd.plan.leases import FAILED, LATE_NOTICE
+
+    holder, agent_name, decode_id = holder_and_reader
+    message = ReadNotice("never-held", decode_id, 0, 1, False, True).encode()
+    (late,) = holder.on_notice(agent_name, message, 1000.0)
+    assert (late.kind, late.reason, late.request_id, late.failed_readers) == (FAILED, LATE_NOTICE, "never-held",
+                                                                            ((decode_id, 0),))
+    assert holder.on_notice("mallory", message, 1000.0) == []  # not the introduced agent
+    capability = holder.hold("held", (np.arange(2),), 30.0, 1000.0)  # a live hold: its notice counts, no marker
+    live = ReadNotice("held", decode_id, 0, 1, True, True, capability=capability).encode()
+    assert all(end.reason != LATE_NOTICE for end in holder.on_notice(agent_name, live, 1000.0))

@@ -34,12 +34,15 @@ from kvxferd.rig.soak.holds import HoldLedger
 from kvxferd.rig.soak.report import Report
 from kvxferd.rig.soak.workers import CaRotations, WorkerKills
 from kvxferd.rig.verify.process import EngineFailed, EngineProcess
+from kvxferd.service.base.config import DaemonConfig
 
 HOLD_LEASE_S = 3.0  # hold lease of a normal request
 ENGINE_LEASE_S = 2.0  # registration lease: a killed engine is noticed within it
 REAP_MARGIN_S = 3.0  # past a lease: the daemon's sweep reaps a lapsed registration within it
 DEADLINE_S = 2.0  # read deadline
 GRACE_S = 2.0  # a completion must come within deadline + GRACE_S (+ the time its own daemon was frozen)
+# A failed push waits for its silent writers up to this (the daemons' default, as the soak runs them)
+PUSH_SETTLE_S = DaemonConfig.model_fields["push_settle_s"].default
 FORGED_COUNTED_S = 2.0  # how long a holder may take to count forged notices as dropped
 AFTER_THE_HOLD = ("early_release", "forged_notices")  # faults that act after the hold, before the read
 RETRANSMIT_S = 8.0  # TCP retransmits with a doubling timeout: after a few seconds dark, the next try may wait as long
@@ -303,7 +306,8 @@ class Soak:
         # Push (issue #57): a share of requests are pushes: the decode ranks expect (before the hold or after
         # it, as the two legs race), the prefill hold carries the key's digest, the prefill daemons write.
         push_key = self.rng.bytes(PUSH_KEY_BYTES) if self.rng.random() < self.push_share else b""
-        wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0 + (WINDOW_S[1] + RETRANSMIT_S if self.net else 0.0)
+        wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0 + (WINDOW_S[1] + RETRANSMIT_S if self.net else 0.0) + (
+            PUSH_SETTLE_S if push_key else 0.0)
         sent_s = None
         if push_key:
             self.report.pushes += 1
@@ -339,7 +343,7 @@ class Soak:
                     raise
         self.report.requests += 1
         if result is not None:
-            self._check_read(request, result, deadline_s, effect, sent_s)
+            self._check_read(request, result, deadline_s, effect, sent_s, push=bool(push_key))
             if push_key:
                 self.report.push_outcomes.update(rank["outcome"] for rank in result["ranks"])
             if effect is not None and "forged_on" in effect:
@@ -356,7 +360,8 @@ class Soak:
             self.report.violate("daemon_alive", problem)
             raise RuntimeError(f"a daemon died that nothing killed: {problem}")
 
-    def _check_read(self, request, result: dict, deadline_s: float, effect: dict | None, sent_s: float) -> None:
+    def _check_read(self, request, result: dict, deadline_s: float, effect: dict | None, sent_s: float, *,
+                    push: bool = False) -> None:
         life = (effect or {}).get("life")
         lives = self.daemons.decode
         for rank, outcome in enumerate(result["ranks"]):
@@ -367,6 +372,8 @@ class Soak:
             mine = life is not None and life.role == "decode" and life.index == rank
             frozen_s = lives[rank].frozen_during(sent_s, sent_s + outcome["latency_s"])
             bound_s = deadline_s + GRACE_S + frozen_s + self._drain_allowance_s(sent_s, outcome["latency_s"])
+            if push and outcome["outcome"] != "ok":  # its blocks wait for a silent writer's word, as documented
+                bound_s += PUSH_SETTLE_S
             fault = effect["kind"] if effect else "none"
             where = f"{request.request_id} decode rank {rank} (fault: {fault})"
             late_s = outcome["latency_s"] - deadline_s - frozen_s

@@ -91,9 +91,10 @@ class DaemonConfig(BaseSettings):
                                "that names its rank as a write target at its handshake, to write into it. Decode "
                                "side: name this daemon's ranks as write targets at their handshakes (the holder "
                                "learns their data agent's metadata). Off: neither, and no push runs through here")
-    push_settle_s: float = Field(1.0, ge=0, le=60, description="push (decode side): how long a failed "
-                                 "push's blocks stay away from the engine after its expectation ended, for a "
-                                 "prefill WRITE that passed its board check just before to land (s)")
+    push_settle_s: float = Field(5.0, ge=0, le=60, description="push (decode side): how long at most a failed "
+                                 "push's blocks stay away from the engine after its expectation ended, waiting for "
+                                 "the writers that had not reported (each says so once its WRITE drained; a writer "
+                                 "that never held, at its deadline) (s)")
     max_engines: int = Field(64, ge=1, description="engine ranks registered on this daemon at once")
     max_holds_per_engine: int = Field(100_000, ge=1, le=10_000_000, description="requests one engine rank may hold at "
                                       "once; sizes its hold board (16-32 bytes of registered memory per hold)")

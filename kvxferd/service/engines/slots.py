@@ -65,6 +65,10 @@ class EngineSlot:
     expected: dict = field(default_factory=dict)
     expectations: dict = field(default_factory=dict)
     expected_blocks: list = field(default_factory=list)  # decode side: per group, the blocks live expectations name
+    # Decode side: transfer id -> a failed push whose blocks stay claimed until every writer that had not
+    # reported did (late), or push_settle_s passed (service/reads/expect.py, Settling)
+    settling: dict = field(default_factory=dict)
+    heard_late: dict = field(default_factory=dict)  # transfer id -> writers whose late notice came before its end
     # Prefill side: transfer ids held for a push whose expectation has not come yet; until it comes (or
     # awaited_until_s) the data-plane thread polls for notices every EXPECT_POLL_S, not the holds' 10 ms.
     awaited: set = field(default_factory=set)

@@ -12,9 +12,13 @@
                                                   (the handshake gave them this rank's engine info to WRITE)
     the hold ends (data-plane thread, bus path)
       CONSUMED, no writer failed  ─► completion ok
-      CONSUMED with failed writers, EXPIRED (deadline), released ─► completion failed, every block invalid,
-                                                  after push_settle_s: a WRITE that passed its board check
-                                                  just before the end may still land meanwhile
+      CONSUMED with failed writers            ─► completion failed, every block invalid (each writer's
+                                                  notice came after its WRITE was over)
+      EXPIRED (deadline), released            ─► completion failed, every block invalid, once every writer
+                                                  that had not reported did (its notice comes after its
+                                                  WRITE drained; a writer that never held says so at its
+                                                  deadline), at most push_settle_s later: a WRITE that
+                                                  passed its board check just before the end may still land
 
 The writers check this rank's board before and after they WRITE (the tag of
 the expectation), so nothing is written into an expectation that ended, and
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -116,9 +121,9 @@ class ExpectPath:
         for q in writers:  # idempotent: the same agent again changes nothing
             slot.holder.introduce((spec.remote_engine_id, q), Reader(link.writer_agents[q], prefill_tp, expected,
                                                                      WRITER_IDENTITY))
-        if transfer_id in slot.expected:
+        if transfer_id in slot.expected or transfer_id in slot.settling:
             raise InvalidArgumentError("remote_request_id", f"transfer {transfer_id!r} is already held: a push of it "
-                                                            "is still running")
+                                                            "is still running (or its writers are settling)")
         _claim_blocks(slot, block_ids)  # another live expectation's blocks: refused, nothing held
         try:
             with slot.lock:  # the tag goes on the board before any writer can look for it
@@ -169,6 +174,7 @@ class ExpectPath:
         """End an expectation before its writers did: its tag off the board first (no writer checks it in
         any more), then the engine's failed completion (after push_settle_s when a writer may be writing)."""
         read = slot.expected.pop(transfer_id, None)
+        slot.heard_late.pop(transfer_id, None)
         if read is None:
             return
         _free_blocks(slot, read.request.local_block_ids)
@@ -188,18 +194,57 @@ class ExpectPath:
         if end.kind is FAILED:  # a writer failed: the end follows once every writer reported
             return True
         del slot.expected[end.request_id]
-        _free_blocks(slot, read.request.local_block_ids)
+        if end.kind is CONSUMED:
+            slot.heard_late.pop(end.request_id, None)
         if end.kind is CONSUMED and not end.failed_readers:
+            _free_blocks(slot, read.request.local_block_ids)
             self._complete(read, True, "", ReadFailure.NONE, settle=False)
-        elif end.kind is CONSUMED:
+        elif end.kind is CONSUMED:  # every writer reported, each after its WRITE was over: nothing lands later
+            _free_blocks(slot, read.request.local_block_ids)
             failed = ", ".join(f"rank {rank}" for _, rank in end.failed_readers)
-            # settled too: a writer that gave up draining its own WRITE (its deadline) notified failed
-            self._complete(read, False, f"push: the write of prefill {failed} failed", ReadFailure.TRANSFER, True)
+            self._complete(read, False, f"push: the write of prefill {failed} failed", ReadFailure.TRANSFER, False)
         else:
             reason = "deadline: not every prefill rank wrote in time" if end.reason == "lease" else end.reason
             failure = ReadFailure.DEADLINE if end.reason == "lease" else ReadFailure.ABORTED
-            self._complete(read, False, f"push: {reason}", failure, settle=True)
+            writers = set() if read.remote is None else {(read.remote_engine_id, q)
+                                                         for q in read.remote.plan.notify_ranks}
+            heard = slot.heard_late.pop(end.request_id, set())  # late notices handed over before this end
+            self._settle(slot, end.request_id, read, f"push: {reason}", failure,
+                         writers - set(end.reported) - heard)
         return True
+
+    def _settle(self, slot: EngineSlot, transfer_id: str, read: Read, error: str, failure: ReadFailure,
+                waiting: set) -> None:
+        """Fail an expectation that ended before every writer reported, once the rest did (their notices come
+        after their WRITEs drained) or push_settle_s passed; its blocks stay claimed meanwhile."""
+        def done() -> None:
+            if slot.settling.get(transfer_id) is settling:
+                del slot.settling[transfer_id]
+                _free_blocks(slot, read.request.local_block_ids)
+                self._complete(read, False, error, failure, settle=False)
+
+        settling = Settling(waiting, done)
+        if not waiting:
+            slot.settling[transfer_id] = settling
+            done()
+            return
+        settling.timer = asyncio.get_running_loop().call_later(self.daemon.config.push_settle_s, done)
+        slot.settling[transfer_id] = settling
+
+    def late(self, slot: EngineSlot, end: HoldEnd) -> None:
+        """A writer's notice after its expectation ended (event-loop thread): its WRITE is over; the push fails
+        now when it was the last one its expectation waited for."""
+        settling = slot.settling.get(end.request_id)
+        if settling is None:
+            # Its hold ended on the data-plane thread, and this notice was handed over before that end: kept
+            # for the end (only for a push this rank still expects, so bounded by its expectations).
+            if end.request_id in slot.expected:
+                slot.heard_late.setdefault(end.request_id, set()).update(end.failed_readers)
+            return
+        settling.waiting.difference_update(end.failed_readers)
+        if not settling.waiting:
+            settling.timer.cancel()
+            settling.done()
 
     def _complete(self, read: Read, ok: bool, error: str, failure: ReadFailure, settle: bool) -> None:
         invalid = () if ok else tuple(np.unique(np.asarray(ids, dtype=np.int64)) for ids in read.request.local_block_ids)
@@ -216,6 +261,15 @@ class ExpectPath:
             asyncio.get_running_loop().call_later(settle_s, complete)
         else:
             complete()
+
+
+@dataclass(eq=False)
+class Settling:
+    """A failed push waiting for its remaining writers: (prefill engine id, rank) pairs not heard from yet."""
+
+    waiting: set
+    done: Callable[[], None]
+    timer: asyncio.TimerHandle | None = None
 
 
 def _claim_blocks(slot: EngineSlot, block_ids: tuple[np.ndarray, ...]) -> None:

@@ -323,9 +323,12 @@ class WritePath:
                 del slot.expectations[expectation.transfer_id]
 
     def _expire(self, slot: EngineSlot, expectation: Expectation) -> None:
-        """Its deadline passed before this engine held the transfer: forgotten (the decode side fails it)."""
+        """Its deadline passed before this engine held the transfer: forgotten, and the decode rank told (a failed
+        notice: nothing was written, so its blocks need not wait for this writer)."""
         if not expectation.started:
             self._forget(slot, expectation)
+            self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
+                       expectation.capability)
 
 
 def _agent_name(metadata: bytes) -> str:

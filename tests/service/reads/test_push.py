@@ -48,7 +48,9 @@ def small_cluster(workdir, name, **kwargs):
 
 
 def test_a_push_whose_prefill_never_holds_fails_at_its_deadline_writing_nothing(workdir):
-    cluster, rng = small_cluster(workdir, "push-deadline")
+    """The prefill daemons forget the expectation at their deadline and say so: the decode side fails the push
+    then, not after its settle cap (20 s here), which only a silent writer costs (the next test)."""
+    cluster, rng = small_cluster(workdir, "push-deadline", daemon_args=("--push-settle-s", "20"))
     with cluster:
         request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
@@ -57,11 +59,33 @@ def test_a_push_whose_prefill_never_holds_fails_at_its_deadline_writing_nothing(
         (completion,) = cluster.completions(request, timeout_s=10)
         assert not completion.ok and "deadline" in completion.error
         assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
-        assert time.monotonic() - start >= 0.5
+        assert 0.5 <= time.monotonic() - start < 6, "the prefill's word should end the wait, not the 20 s cap"
         # The prefill engine holds it only now: its daemons forgot the expectation, nothing is written.
         cluster.hold(request, push=True)
         time.sleep(0.3)
         assert cluster.decode_untouched()
+
+
+def test_a_failed_push_keeps_its_blocks_until_every_writer_said_its_write_is_over(workdir):
+    """The decode side keeps a failed push's blocks until each writer that had not reported does (push_settle_s
+    at most): a late WRITE must not land in blocks the engine reuses. A writer that cannot say it (its daemon
+    stopped before the deadline) holds them back for the whole cap (20 s here), though the other one spoke."""
+    import os
+    import signal
+
+    cluster, rng = small_cluster(workdir, "push-settle", daemon_args=("--push-settle-s", "20"))
+    with cluster:
+        silent = random_request("silent", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        pid = cluster.prefill_daemons[1].process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            cluster.expect(silent, deadline_s=1.0)
+            (completion,) = cluster.completions(silent, timeout_s=30)  # the live writer's word is not enough
+            assert not completion.ok and time.monotonic() - start >= 20 and cluster.decode_untouched()
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
 
 def test_a_push_the_decode_engine_released_is_failed_and_never_written(workdir):
