@@ -67,6 +67,11 @@ class HoldEnd:
     failed_readers: tuple[tuple[str, int], ...] = ()
     reported: tuple[tuple[str, int], ...] = ()  # EXPIRED: the readers whose notice came before the end
 
+    @property
+    def late_notice(self) -> bool:
+        """A reader's notice after its hold ended (:data:`LATE_NOTICE`): never published."""
+        return self.kind is FAILED and self.reason == LATE_NOTICE
+
 
 @dataclass(frozen=True)
 class NoticeOutcome:
@@ -96,6 +101,10 @@ class _Hold:
     push_digest: bytes = b""  # push (issue #57): the digest of the push key an expectation must present
     expected: int | None = None
     readers: dict[tuple[str, int], bool] = field(default_factory=dict)
+
+    def expired(self, request_id: str, reason: str) -> "HoldEnd":
+        """Its EXPIRED end (lease, released, engine gone), naming the readers that had reported."""
+        return HoldEnd(request_id, EXPIRED, self.block_ids, reason, reported=tuple(sorted(self.readers)))
 
 
 class HoldTable:
@@ -149,7 +158,7 @@ class HoldTable:
         if entry is None:
             raise NotFoundError("request_id", f"request {request_id!r} is not held")
         self._unboard(entry)
-        return HoldEnd(request_id, EXPIRED, entry.block_ids, RELEASED, reported=tuple(sorted(entry.readers)))
+        return entry.expired(request_id, RELEASED)
 
     def record(self, notice: ReadNotice, now: float, expected_readers: int | None = None) -> NoticeOutcome:
         """Count one reader; says whether the hold was alive when the notice came.
@@ -198,15 +207,14 @@ class HoldTable:
                 continue
             del self._holds[request_id]
             self._unboard(entry)
-            ended.append(HoldEnd(request_id, EXPIRED, entry.block_ids, "lease", reported=tuple(sorted(entry.readers))))
+            ended.append(entry.expired(request_id, "lease"))
         if not self._holds:
             deadlines.clear()  # entries of holds that ended otherwise
         return ended
 
     def drop_all(self, reason: str) -> list[HoldEnd]:
         """End every hold (the engine is going away)."""
-        ended = [HoldEnd(rid, EXPIRED, entry.block_ids, reason, reported=tuple(sorted(entry.readers)))
-                 for rid, entry in self._holds.items()]
+        ended = [entry.expired(rid, reason) for rid, entry in self._holds.items()]
         for entry in self._holds.values():
             self._unboard(entry)
         self._holds.clear()

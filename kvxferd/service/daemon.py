@@ -37,7 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxferd.cuda.vmm import MEMORY_KINDS
 from kvxferd.errors import InvalidArgumentError, KvxferError, PermissionDeniedError
-from kvxferd.plan.leases import EXPIRED, FAILED, LATE_NOTICE, HoldEnd
+from kvxferd.plan.leases import EXPIRED, HoldEnd
 from kvxferd.proto.v1 import engine_service_pb2, peer_service_pb2
 from kvxferd.proto.v1 import engine_service_pb2_grpc as engine_grpc
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
@@ -308,9 +308,9 @@ class Daemon:
     def _publish_all(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
         """A round's hold events on the bus, in order, then counted. An expectation's end (push, decode
         side) completes its read instead."""
-        late = [(slot, end) for slot, end in events if end.kind is FAILED and end.reason == LATE_NOTICE]
+        late = [(slot, end) for slot, end in events if end.late_notice]
         if late:  # a notice after its hold ended: only a settling push waits for it, nobody else hears of it
-            events = [(slot, end) for slot, end in events if not (end.kind is FAILED and end.reason == LATE_NOTICE)]
+            events = [(slot, end) for slot, end in events if not end.late_notice]
         if any(slot.expected for slot, _ in events):
             events = [(slot, end) for slot, end in events if not self.reads.expects.ended(slot, end)]
         for slot, end in late:  # after this round's ends: the push it names may have ended in this round

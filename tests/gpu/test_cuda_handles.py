@@ -11,7 +11,9 @@ the GPU; after the read the decode tensors are copied back and checked
 byte for byte against the oracle, like the host-memory tests.
 """
 
+import contextlib
 import ctypes
+import types
 
 import grpc
 import numpy as np
@@ -42,42 +44,55 @@ def _gpu_engine(engine_id, groups, tp, rank, tagged):
     return engine, engine.register_pb(export_ipc(engine.tensor.data_ptr()) if tagged else None)
 
 
-@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "nixl"])
-@pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gqa", 2, 1), ("mla", 1, 2)])
-def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp, same_host):
-    """Byte-exact both ways: the decode daemons copying from the prefill engine's allocation themselves
-    (CUDA IPC handles from the holder, batched device copies: issue #37), or over NIXL."""
+@contextlib.contextmanager
+def _gpu_pair(tmp_path, prefix: str, model: str, prefill_tp: int, decode_tp: int, extra_args=()):
+    """A prefill engine ``<prefix>p`` and a decode engine ``<prefix>d`` with their caches on the GPU, one daemon
+    per rank, every rank registered; the decode ranks have not handshaken yet. Deregistered when the test's
+    body ends normally, the daemons stopped in any case."""
     prefill_groups, decode_groups = model_groups(model, ModelShape())
-    daemons = DaemonProcess.start_many([f"g{i}" for i in range(prefill_tp + decode_tp)], socket_dir=str(tmp_path),
-                                       extra_args=() if same_host else ("--no-same-host-reads",))
+    daemons = DaemonProcess.start_many([f"{prefix}{i}" for i in range(prefill_tp + decode_tp)],
+                                       socket_dir=str(tmp_path), extra_args=extra_args)
     try:
-        prefill = [_gpu_engine("gp", prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
-        decode = [_gpu_engine("gd", decode_groups, decode_tp, r, False) for r in range(decode_tp)]
+        prefill = [_gpu_engine(f"{prefix}p", prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
+        decode = [_gpu_engine(f"{prefix}d", decode_groups, decode_tp, r, False) for r in range(decode_tp)]
         clients = [EngineClient(d.engine_target) for d in daemons]
         for client, (_, message) in zip(clients, prefill + decode):
             client.register(message)
-        request = random_request("g", prefill_groups, decode_groups, 70, np.random.default_rng(0))
-        # issue #35: a read carries each prefill rank's capability for the hold, in rank order
-        capabilities = [client.hold(request.remote_request_id, request.remote_block_ids).capability
-                        for client in clients[:prefill_tp]]
-        for client in clients[prefill_tp:]:
-            client.handshake("gp", [d.peer_address for d in daemons[:prefill_tp]])
-            client.submit_read(request.request_id, "gp", request.remote_request_id, request.local_block_ids,
-                               request.remote_block_ids, num_tokens=70, remote_capabilities=capabilities)
-        for client in clients[prefill_tp:]:
-            completion = client.reads.wait_completion(request.request_id)
-            assert completion.ok, completion.error
-        for engine, _ in decode:
-            engine.download()
-        assert verify_decode([engine.host for engine, _ in decode], prefill_groups, request) == ([], 0)
-        copies = sum(d.metric("kvxferd_same_host_copies_total") for d in daemons[prefill_tp:])
-        assert copies == (max(prefill_tp, decode_tp) if same_host else 0)  # every rank read, one way or the other
+        yield types.SimpleNamespace(prefill_groups=prefill_groups, decode_groups=decode_groups, daemons=daemons,
+                                    decode=decode, prefill_clients=clients[:prefill_tp],
+                                    decode_clients=clients[prefill_tp:],
+                                    prefill_addresses=[d.peer_address for d in daemons[:prefill_tp]])
         for client in clients:
             client.deregister()
             client.close()
     finally:
         for daemon in daemons:
             daemon.terminate()
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "nixl"])
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gqa", 2, 1), ("mla", 1, 2)])
+def test_vram_reads_through_daemons(tmp_path, model, prefill_tp, decode_tp, same_host):
+    """Byte-exact both ways: the decode daemons copying from the prefill engine's allocation themselves
+    (CUDA IPC handles from the holder, batched device copies: issue #37), or over NIXL."""
+    with _gpu_pair(tmp_path, "g", model, prefill_tp, decode_tp,
+                   () if same_host else ("--no-same-host-reads",)) as pair:
+        request = random_request("g", pair.prefill_groups, pair.decode_groups, 70, np.random.default_rng(0))
+        # issue #35: a read carries each prefill rank's capability for the hold, in rank order
+        capabilities = [client.hold(request.remote_request_id, request.remote_block_ids).capability
+                        for client in pair.prefill_clients]
+        for client in pair.decode_clients:
+            client.handshake("gp", pair.prefill_addresses)
+            client.submit_read(request.request_id, "gp", request.remote_request_id, request.local_block_ids,
+                               request.remote_block_ids, num_tokens=70, remote_capabilities=capabilities)
+        for client in pair.decode_clients:
+            completion = client.reads.wait_completion(request.request_id)
+            assert completion.ok, completion.error
+        for engine, _ in pair.decode:
+            engine.download()
+        assert verify_decode([engine.host for engine, _ in pair.decode], pair.prefill_groups, request) == ([], 0)
+        copies = sum(d.metric("kvxferd_same_host_copies_total") for d in pair.daemons[prefill_tp:])
+        assert copies == (max(prefill_tp, decode_tp) if same_host else 0)  # every rank read, one way or the other
 
 
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gqa", 2, 1), ("mla", 1, 2)])
@@ -87,41 +102,28 @@ def test_vram_pushes_through_daemons(tmp_path, model, prefill_tp, decode_tp):
     prompt's KV (the negative control) is caught by the same check."""
     from kvxferd.plan.capability import push_key_digest
 
-    prefill_groups, decode_groups = model_groups(model, ModelShape())
-    daemons = DaemonProcess.start_many([f"w{i}" for i in range(prefill_tp + decode_tp)], socket_dir=str(tmp_path))
-    try:
-        prefill = [_gpu_engine("wp", prefill_groups, prefill_tp, q, True) for q in range(prefill_tp)]
-        decode = [_gpu_engine("wd", decode_groups, decode_tp, r, False) for r in range(decode_tp)]
-        clients = [EngineClient(d.engine_target) for d in daemons]
-        for client, (_, message) in zip(clients, prefill + decode):
-            client.register(message)
-        for client in clients[prefill_tp:]:
-            client.handshake("wp", [d.peer_address for d in daemons[:prefill_tp]])
+    with _gpu_pair(tmp_path, "w", model, prefill_tp, decode_tp) as pair:
+        for client in pair.decode_clients:
+            client.handshake("wp", pair.prefill_addresses)
         rng = np.random.default_rng(3)
-        request = random_request("w", prefill_groups, decode_groups, 70, rng)
-        other = random_request("o", prefill_groups, decode_groups, 70, rng)
+        request = random_request("w", pair.prefill_groups, pair.decode_groups, 70, rng)
+        other = random_request("o", pair.prefill_groups, pair.decode_groups, 70, rng)
         wrong = []
         for n, held in enumerate((request, other)):  # the right KV, then another prompt's under the same transfer
             transfer_id, key = f"{request.remote_request_id}-{n}", bytes([n + 1]) * 16
-            for client in clients[prefill_tp:]:
+            for client in pair.decode_clients:
                 client.submit_push(f"{request.request_id}-{n}", "wp", transfer_id, key, request.local_block_ids,
                                    num_tokens=70)
-            for client in clients[:prefill_tp]:
+            for client in pair.prefill_clients:
                 client.hold(transfer_id, held.remote_block_ids, push_key_digest=push_key_digest(key))
-            for client in clients[prefill_tp:]:
+            for client in pair.decode_clients:
                 completion = client.reads.wait_completion(f"{request.request_id}-{n}")
                 assert completion.ok, completion.error
-            for engine, _ in decode:
+            for engine, _ in pair.decode:
                 engine.download()
-            wrong.append(verify_decode([engine.host for engine, _ in decode], prefill_groups, request))
+            wrong.append(verify_decode([engine.host for engine, _ in pair.decode], pair.prefill_groups, request))
         assert wrong[0] == ([], 0)
         assert wrong[1][1] > 0  # another prompt's KV pushed: the oracle sees it
-        for client in clients:
-            client.deregister()
-            client.close()
-    finally:
-        for daemon in daemons:
-            daemon.terminate()
 
 
 def test_an_ipc_region_beyond_its_allocation_is_refused(tmp_path):

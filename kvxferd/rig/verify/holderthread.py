@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvxferd.plan.leases import FAILED, LATE_NOTICE, HoldEnd
+from kvxferd.plan.leases import FAILED, HoldEnd
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.osutil.osthreads import name_this_thread
@@ -58,7 +58,7 @@ class HolderThread:
             if holder is None:
                 continue
             for sender, message in messages:
-                events = [e for e in holder.on_notice(sender, message) if e.reason != LATE_NOTICE]
+                events = [e for e in holder.on_notice(sender, message) if not e.late_notice]
                 if events:
                     with self._cond:
                         self.ended[i] += events
