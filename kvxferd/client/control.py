@@ -104,6 +104,12 @@ class ControlSession:
                 self._stream.put(pb.ReadBatch(releases=[pb.ReleaseRequest(engine_id=self.engine_id,
                                                                          request_id=request_id)]))
 
+    def final_layers(self, request: pb.FinalLayersRequest) -> None:
+        """Send a FinalLayers call (no answer; a refused one is counted by the daemon)."""
+        with self._lock:
+            if self._ready(Future()):
+                self._stream.put(pb.ReadBatch(final_layers=[request]))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

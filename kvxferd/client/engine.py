@@ -26,6 +26,7 @@ nothing (no session, no memory handle) was sent.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
@@ -40,6 +41,8 @@ from kvxferd.wire.owner import check_daemon_socket, daemon_uid_or_own
 from kvxferd.wire.frames import reads_socket_path
 from kvxferd.wire.messages import ids_to_pb, read_spec_to_pb
 from kvxferd.wire.names import SESSION_KEY
+
+log = logging.getLogger("kvxferd.client")
 
 __all__ = ["EngineClient", "Held", "LostRead"]
 
@@ -259,21 +262,24 @@ class EngineClient:
                                num_tokens, deadline_s, remote_capabilities)
 
     # ---- holds ------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0, push_key_digest: bytes = b"") -> Held:
+    def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0, push_key_digest: bytes = b"",
+             layers_final: Sequence[int] = ()) -> Held:
         """Hold blocks for readers: the incarnation of the registration that holds them and the hold's
         capability (readers present it). On the reads socket when this client has a session there (no
         gRPC call), else the ``Hold`` call; either way a refusal raises :class:`grpc.RpcError` with the
         daemon's status code. ``push_key_digest`` (a push's prefill leg, issue #57): the hold's blocks are
         written to the decode rank whose expectation presents the key
-        (:func:`kvxferd.plan.capability.push_key_digest`)."""
-        return self.hold_started(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest)()
+        (:func:`kvxferd.plan.capability.push_key_digest`). ``layers_final`` (a push written layer by layer): per
+        cache group, how many of its layers hold final KV already; :meth:`final_layers` says when more do."""
+        return self.hold_started(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest,
+                                 layers_final=layers_final)()
 
     def hold_started(self, request_id: str, block_ids, *, lease_s: float = 0.0,
-                     push_key_digest: bytes = b"") -> Callable[[], Held]:
+                     push_key_digest: bytes = b"", layers_final: Sequence[int] = ()) -> Callable[[], Held]:
         """:meth:`hold`, sent without waiting for its answer: a function that waits for it (and raises as
         :meth:`hold` does). Several daemons' holds are then in flight at once (a TP engine's ranks)."""
         request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
-                                 lease_s=lease_s, push_key_digest=push_key_digest)
+                                 lease_s=lease_s, push_key_digest=push_key_digest, layers_final=list(layers_final))
         control = self.control_session()
         if control is not None:
             return control.hold_started(request)
@@ -286,6 +292,24 @@ class EngineClient:
             reply = call.result()
             return Held(reply.incarnation, reply.capability)
         return answer
+
+    def final_layers(self, request_id: str, layers_final: Sequence[int]) -> None:
+        """More layers of a hold placed with ``layers_final`` hold final KV (per group, never fewer than said
+        before; every group's full count: all of them): the push writes them. Returns once sent, without an
+        answer, on the reads socket when there is a session there; else the ``FinalLayers`` call, also not
+        waited for (a refusal is logged: the push then fails by its deadline)."""
+        request = pb.FinalLayersRequest(engine_id=self.engine_id, request_id=request_id,
+                                        layers_final=list(layers_final))
+        control = self.control_session()
+        if control is not None:
+            control.final_layers(request)
+            return
+        if self.reads.final_layers(request):
+            return
+        call = self.stub.FinalLayers.future(request, timeout=self.timeout_s)
+        call.add_done_callback(lambda done: done.exception() is not None and log.warning(
+            "FinalLayers was refused: the push fails by its deadline",
+            extra={"request_id": request_id, "error": str(done.exception())}))
 
     def renew(self, request_ids: Sequence[str], *, lease_s: float = 0.0) -> list[str]:
         """Extend holds; the ids the daemon does not hold (on the control session when there is one)."""

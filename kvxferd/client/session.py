@@ -295,6 +295,15 @@ class ReadSession:
             stream.put(pb.ReadBatch(holds=[request]))
         return self._hold_answer(stream, request.request_id)
 
+    def final_layers(self, request: pb.FinalLayersRequest) -> bool:
+        """Send a FinalLayers call on the reads socket (not answered); False when the session is not there."""
+        with self._cond:
+            stream = self._stream
+            if not isinstance(stream, ReadsSocketStream):
+                return False
+            stream.put(pb.ReadBatch(final_layers=[request]))
+        return True
+
     def _hold_answer(self, stream: ReadsSocketStream, request_id: str) -> Held:
         deadline = time.monotonic() + self.client.timeout_s
         with self._cond:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout.strided import BLOCK_DIM, Layout
+
+LAYER_DIM = "L"  # a region holding several layers (cross-layer, strided, multi-layer Mamba) names them so
 from kvxferd.tp.shards import check_extent, check_tp, owned_range
 
 
@@ -49,6 +51,7 @@ class Field:
     name: str
     layout: Layout
     shard: Shard | None = None
+    layer: int = 0  # the layer inside its region this field holds (after Region.by_layer); 0 otherwise
 
     def __post_init__(self) -> None:
         if self.shard is not None and self.layout.size(self.shard.dim) != self.shard.local_extent:
@@ -103,5 +106,28 @@ class Region:
         """The same bytes viewed as ``k`` times as many, smaller blocks."""
         if k == 1:
             return self
-        fields = tuple(Field(f.name, f.layout.ungroup_blocks(k), f.shard) for f in self.fields)
+        fields = tuple(Field(f.name, f.layout.ungroup_blocks(k), f.shard, f.layer) for f in self.fields)
+        return Region(self.kind, fields, self.num_bytes)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers stored inside this region (its fields' ``L`` dim; 1 when they have none)."""
+        sizes = {f.layout.size(LAYER_DIM) if LAYER_DIM in f.layout.dims else 1 for f in self.fields}
+        if len(sizes) != 1:
+            raise InvalidArgumentError("fields", f"fields hold different numbers of layers: {sorted(sizes)}")
+        return sizes.pop()
+
+    def by_layer(self) -> "Region":
+        """The same bytes with every field split into one field per layer (issue #57: a push written layer
+        by layer must not have a span cross from a layer that is final into one that is not)::
+
+            field kv (L=3, B, H, N, C)  ->  kv@L0 (B, H, N, C) | kv@L1 | kv@L2     (layer 0, 1, 2)
+
+        A region without an ``L`` dim is returned as it is (it holds one layer).
+        """
+        num_layers = self.num_layers
+        if num_layers == 1 and not any(LAYER_DIM in f.layout.dims for f in self.fields):
+            return self
+        fields = tuple(Field(f"{f.name}@L{layer}", f.layout.select(LAYER_DIM, layer), f.shard, layer)
+                       for layer in range(num_layers) for f in self.fields)
         return Region(self.kind, fields, self.num_bytes)

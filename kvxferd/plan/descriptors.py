@@ -106,6 +106,13 @@ class DescriptorPair:
     remote: SideDescriptors
     local_first: int  # id of this table's first descriptor in the rank's local list
     remote_first: int
+    layer: int = 0  # of its region's layers, the one it holds (a plan by layer); region r's is r * per_region + layer
+    layers_per_region: int = 1
+
+    def region_layers(self) -> np.ndarray:
+        """The group's layer index of each of this table's regions (its descriptors run region by region)."""
+        num_regions = len(self.local.id_templates)
+        return np.arange(num_regions, dtype=np.int64) * self.layers_per_region + self.layer
 
     @property
     def descriptors_per_unit(self) -> int:

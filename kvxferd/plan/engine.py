@@ -103,10 +103,12 @@ class EngineTransferPlan:
     """Plan for local rank ``local`` reading from remote ranks ``remotes``."""
 
     def __init__(self, local: EngineCache, remotes: Sequence[EngineCache], *,
-                 max_spans_per_block: int = DEFAULT_MAX_SPANS_PER_BLOCK) -> None:
+                 max_spans_per_block: int = DEFAULT_MAX_SPANS_PER_BLOCK, by_layer: bool = False) -> None:
         check_engines(local, remotes)
         self.local = local
         self.remotes = tuple(remotes)
+        # by_layer: every table holds one layer of its regions (a push written layer by layer, issue #57)
+        self.by_layer = by_layer
         self.pairings: list[GroupPairing] = []
         notify = np.zeros((local.tp_size, len(remotes)), dtype=bool)
         tables: dict[int, list[tuple]] = {}
@@ -135,16 +137,20 @@ class EngineTransferPlan:
     def _plan_group(self, g: int, max_spans_per_block: int):
         group = self.local.groups[g]
         remote_group = self.remotes[0].groups[g]
-        local_region, remote_region = self.local.region(g), self.remotes[0].region(g)
+        local_region, remote_region = self._region(self.local, g), self._region(self.remotes[0], g)
         pairing = GroupPairing(group.policy, group.block_size, remote_group.block_size,
                                local_region.num_blocks, remote_region.num_blocks)
         k_local, k_remote = pairing.local_units_per_block, pairing.remote_units_per_block
         reads = plan_region_reads(
             local_region.ungroup_blocks(k_local),
-            [remote.region(g).ungroup_blocks(k_remote) for remote in self.remotes],
+            [self._region(remote, g).ungroup_blocks(k_remote) for remote in self.remotes],
             self.local.tp_size, self.local.tp_rank, max_spans_per_block=max_spans_per_block,
         )
         return pairing, reads
+
+    def _region(self, engine: EngineCache, g: int):
+        region = engine.region(g)
+        return region.by_layer() if self.by_layer else region
 
     def _side(self, engine: EngineCache, g: int, offsets, span_bytes, table, k, field) -> SideDescriptors:
         memory = engine.memory[g]
@@ -160,7 +166,8 @@ class EngineTransferPlan:
                                self.pairings[g].local_units_per_block, field)
             remote = self._side(self.remotes[q], g, t.remote_offsets, t.span_bytes, t.remote_block_table,
                                 self.pairings[g].remote_units_per_block, field)
-            pairs.append(DescriptorPair(g, local, remote, local_first, remote_first))
+            per_region = self.local.region(g).num_layers if self.by_layer else 1
+            pairs.append(DescriptorPair(g, local, remote, local_first, remote_first, read.layer, per_region))
             local_first += local.num_descriptors
             remote_first += remote.num_descriptors
         if max(local_first, remote_first) > MAX_DESCRIPTOR_ID:

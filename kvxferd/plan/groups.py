@@ -163,6 +163,11 @@ class EngineCache:
         """The layout of every region of ``group`` on this rank."""
         return self.groups[group].spec.region(self.tp_size, self.tp_rank)
 
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        """Per group, its layers: one per region, times the layers stored inside one (``L``)."""
+        return tuple(group.num_regions * self.region(g).num_layers for g, group in enumerate(self.groups))
+
 
 def check_groups_compatible(local: EngineCache, remote: EngineCache) -> None:
     """Refuse engine pairs whose groups cannot be paired one to one."""

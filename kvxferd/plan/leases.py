@@ -88,6 +88,7 @@ class LiveHold(NamedTuple):
     block_ids: tuple
     capability: bytes
     push_digest: bytes  # empty: the hold was placed for reads only
+    layers_final: tuple[int, ...] | None = None  # per group, the layers final so far; None: every layer
 
 
 @dataclass
@@ -99,6 +100,7 @@ class _Hold:
     tag: int  # on the board while held
     capability: bytes  # sealed with the table's hold key (kvxferd.plan.capability); notices must carry it
     push_digest: bytes = b""  # push (issue #57): the digest of the push key an expectation must present
+    layers_final: tuple[int, ...] | None = None  # a push written layer by layer: per group, final so far
     expected: int | None = None
     readers: dict[tuple[str, int], bool] = field(default_factory=dict)
 
@@ -123,9 +125,11 @@ class HoldTable:
     def __len__(self) -> int:
         return len(self._holds)
 
-    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float, push_digest: bytes = b"") -> bytes:
+    def hold(self, request_id: str, block_ids: tuple, lease_s: float, now: float, push_digest: bytes = b"",
+             layers_final: tuple[int, ...] | None = None) -> bytes:
         """Start holding; a request is held at most once at a time. Returns the hold's capability.
-        ``push_digest``: the hold may be pushed to whoever presents the key (issue #57)."""
+        ``push_digest``: the hold may be pushed to whoever presents the key (issue #57); ``layers_final``: only
+        that many layers per group are final yet (:meth:`final_layers` says when more are; None: all)."""
         if lease_s <= 0:
             raise InvalidArgumentError("lease_s", f"must be positive, got {lease_s}")
         if request_id in self._holds:
@@ -133,7 +137,7 @@ class HoldTable:
         ends_by_s = now + self.max_hold_s
         capability = hold_capability(self.hold_key, request_id, block_ids)
         entry = _Hold(block_ids, min(now + lease_s, ends_by_s), ends_by_s, next(self._tokens), hold_tag(capability),
-                      capability, push_digest)
+                      capability, push_digest, layers_final)
         if self.board is not None:
             self.board.add(entry.tag)  # may refuse (both buckets full): then nothing is held
         self._holds[request_id] = entry
@@ -232,7 +236,25 @@ class HoldTable:
         entry = self._holds.get(request_id)
         if entry is None or entry.expires_s <= now:
             return None
-        return LiveHold(entry.block_ids, entry.capability, entry.push_digest)
+        return LiveHold(entry.block_ids, entry.capability, entry.push_digest, entry.layers_final)
+
+    def final_layers(self, request_id: str, layers_final: tuple[int, ...] | None, now: float) -> None:
+        """More of a held request's layers are final (None: every layer); never fewer than said before."""
+        entry = self._holds.get(request_id)
+        if entry is None or entry.expires_s <= now:
+            raise NotFoundError("request_id", f"request {request_id!r} is not held")
+        if entry.layers_final is None:
+            if layers_final is None:
+                return
+            raise InvalidArgumentError("layers_final", f"request {request_id!r}: every layer is final already")
+        if layers_final is not None:
+            if len(layers_final) != len(entry.layers_final):
+                raise InvalidArgumentError("layers_final", f"{len(layers_final)} groups, the hold has "
+                                                           f"{len(entry.layers_final)}")
+            if any(new < old for new, old in zip(layers_final, entry.layers_final)):
+                raise InvalidArgumentError("layers_final", f"request {request_id!r}: {list(layers_final)} final "
+                                                           f"after {list(entry.layers_final)}: layers never become unfinal")
+        entry.layers_final = None if layers_final is None else tuple(layers_final)
 
     def request_ids(self) -> list[str]:
         return list(self._holds)

@@ -70,6 +70,27 @@ class PlannedPush:
     def num_bytes(self) -> int:
         return 0 if self.write is None else self.write.num_bytes
 
+    def stage(self, layers_from, layers_to) -> RankRead | None:
+        """The part of this push that writes layers ``[layers_from[g], layers_to[g])`` of every group ``g``
+        (a plan by layer); None when it writes nothing. Stages over consecutive ranges of layers cover the
+        whole write exactly once (vectorised: one mask over the descriptors, from per-region arrays made
+        with the plan)."""
+        if self.write is None:
+            return None
+        plan = self.plan
+        if not plan.by_layer:
+            raise InvalidArgumentError("layers", "this push was not planned layer by layer")
+        lo, hi = _layer_bounds(layers_from, len(self.target_units)), _layer_bounds(layers_to, len(self.target_units))
+        num_units = np.fromiter((len(u) for u in self.target_units), np.int64, len(self.target_units))
+        sizes = num_units[plan.region_groups] * plan.region_spans  # descriptors of each (table, region)
+        layer, group = plan.region_layers, plan.region_groups
+        selected = (layer >= lo[group]) & (layer < hi[group])
+        if not selected.any() or not (sizes * selected).any():
+            return None
+        mask = np.repeat(selected, sizes)
+        num_bytes = int((sizes * selected * plan.region_span_bytes).sum())
+        return RankRead(self.write.remote_rank, self.write.local_ids[mask], self.write.remote_ids[mask], num_bytes)
+
     def invalid_block_ids(self) -> tuple[np.ndarray, ...]:
         """Per group: target block ids this writer's failure leaves incomplete."""
         groups = self.plan.groups_written
@@ -81,12 +102,22 @@ class PushPlan:
     """What writer rank ``writer.tp_rank`` writes into target rank ``target.tp_rank`` (built once per pair)."""
 
     def __init__(self, writer: EngineCache, target: EngineCache, *,
-                 max_spans_per_block: int = DEFAULT_MAX_SPANS_PER_BLOCK) -> None:
+                 max_spans_per_block: int = DEFAULT_MAX_SPANS_PER_BLOCK, by_layer: bool = False) -> None:
         writers = [writer if r == writer.tp_rank else peer_rank(writer, r) for r in range(writer.tp_size)]
-        self.writer, self.target = writer, target
-        self.read_plan = EngineTransferPlan(target, writers, max_spans_per_block=max_spans_per_block)
+        self.writer, self.target, self.by_layer = writer, target, by_layer
+        self.read_plan = EngineTransferPlan(target, writers, max_spans_per_block=max_spans_per_block,
+                                            by_layer=by_layer)
         q = writer.tp_rank
         self.rank_plan = next((rp for rp in self.read_plan.rank_plans if rp.remote_rank == q), None)
+        # Per (table, region) of this writer's descriptors, in their order: group, layer, spans per unit and
+        # span bytes (a stage of a push is a mask built from these: PlannedPush.stage).
+        tables = () if self.rank_plan is None else self.rank_plan.tables
+        per_region = [len(t.local.id_templates) for t in tables]
+        self.region_groups = np.repeat(np.array([t.group for t in tables], np.int64), per_region)
+        self.region_layers = (np.concatenate([t.region_layers() for t in tables]) if tables
+                              else np.zeros(0, np.int64))
+        self.region_spans = np.repeat(np.array([t.local.id_templates.shape[1] for t in tables], np.int64), per_region)
+        self.region_span_bytes = np.repeat(np.array([t.local.span_bytes for t in tables], np.int64), per_region)
         # Whether this writer must tell the target how it went (it holds data the target needs).
         self.notifies = q in self.read_plan.notify_ranks
         # How many writers the target hears from per request: the same count it computes itself.
@@ -123,6 +154,13 @@ class PushPlan:
         # The read's local side is the target, its remote side this writer: swap them.
         write = RankRead(self.target.tp_rank, mine.remote_ids, mine.local_ids, mine.num_bytes)
         return PlannedPush(request, write, target_units, self)
+
+
+def _layer_bounds(layers, num_groups: int) -> np.ndarray:
+    bounds = np.asarray(layers, dtype=np.int64)
+    if bounds.shape != (num_groups,):
+        raise InvalidArgumentError("layers", f"{bounds.shape} layer bounds for {num_groups} groups")
+    return bounds
 
 
 def peer_rank(cache: EngineCache, tp_rank: int) -> EngineCache:

@@ -34,6 +34,7 @@ class FieldRead:
     field: str
     slice: ReadSlice
     template: PairTemplate  # per-block pattern; stack it over many regions with SpanTable
+    layer: int = 0  # the layer inside the region the field holds (a region split by layer), else 0
 
     @cached_property
     def table(self) -> SpanTable:
@@ -113,6 +114,6 @@ def plan_region_reads(
                 _narrow(remote_field, piece.remote_start, piece.num_elements),
                 max_spans_per_block=max_spans_per_block,
             )
-            reads.append(FieldRead(piece.remote_rank, field.name, piece, template))
+            reads.append(FieldRead(piece.remote_rank, field.name, piece, template, field.layer))
     pairing = TpPairing(local_tp_size, len(remotes), tuple(f.global_extent for f in local.fields))
     return RegionReads(local_rank, tuple(reads), pairing.notify_ranks(local_rank), pairing)

@@ -152,14 +152,22 @@ class DaemonCluster(DecodeChecks):
         """The push key of a transfer (random, made on first use), as the proxy makes one per request."""
         return self.push_keys.setdefault(transfer_id, os.urandom(PUSH_KEY_BYTES))
 
-    def hold(self, request: ReadRequest, *, lease_s: float = 0.0, push: bool = False) -> tuple[bytes, ...]:
+    def hold(self, request: ReadRequest, *, lease_s: float = 0.0, push: bool = False,
+             layers_final=()) -> tuple[bytes, ...]:
         """Hold on every prefill rank; the ranks' capabilities (also kept for :meth:`submit`). ``push``: with
-        the digest of the transfer's push key (:meth:`push_key`), so decode ranks presenting it get it written."""
+        the digest of the transfer's push key (:meth:`push_key`), so decode ranks presenting it get it written
+        (``layers_final``: layer by layer, :meth:`final_layers` says when more are final)."""
         digest = push_key_digest(self.push_key(request.remote_request_id)) if push else b""
         capabilities = tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s,
-                                         push_key_digest=digest).capability for client in self.prefill_clients)
+                                         push_key_digest=digest, layers_final=layers_final).capability
+                             for client in self.prefill_clients)
         self.capabilities[request.remote_request_id] = capabilities
         return capabilities
+
+    def final_layers(self, request: ReadRequest, layers_final) -> None:
+        """Every prefill rank says ``layers_final`` (per group) of its push's hold are final."""
+        for client in self.prefill_clients:
+            client.final_layers(request.remote_request_id, layers_final)
 
     def submit(self, request: ReadRequest, *, deadline_s: float = 0.0) -> None:
         """Every decode rank submits ``request`` (a batch of one on its session) with

@@ -347,3 +347,8 @@ def _read_request(request_id: str, remote_request_id: str, num_tokens: int, loca
         raise InvalidArgumentError("remote_capabilities", f"{len(capabilities)} capabilities, at most {MAX_TP_SIZE}")
     checked = tuple(check_capability_bytes(c, f"remote_capabilities[{q}]") for q, c in enumerate(capabilities))
     return ReadRequest(request_id, remote_request_id, local, remote, num_tokens or None, checked)
+
+
+def has_calls(batch) -> bool:
+    """Whether a ``ReadBatch`` carries calls (holds, renewals, releases, final layers): most carry reads only."""
+    return bool(batch.holds or batch.renewals or batch.releases or batch.final_layers)

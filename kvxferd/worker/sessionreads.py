@@ -38,7 +38,7 @@ from kvxferd.plan.capability import sealed_by_other_keys
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire import workerchannel as channel
-from kvxferd.wire.messages import check_id, check_seconds, ids_to_pb, read_request_from_spec
+from kvxferd.wire.messages import check_id, check_seconds, has_calls, ids_to_pb, read_request_from_spec
 from kvxferd.wire.frames import MAX_SEQ
 from kvxferd.worker.session import SessionFeed, SessionGone, SessionSocket, completion_batches
 from kvxferd.xfer.admission import admit, check_ids
@@ -269,7 +269,7 @@ class SessionReads:
                     raise ResourceExhaustedError("max_reads_per_engine", "the engine does not read its "
                                                  "completions (reconnect and ack them)") from None
                 self._refused(spec.request_id, status_number(err), str(err))
-        if batch.holds or batch.renewals or batch.releases:
+        if has_calls(batch):
             if (batch.holds or batch.renewals) and not self.socket.writable:
                 raise ResourceExhaustedError("holds", "the session does not read the answers to its holds")
             self._send_calls(batch)
@@ -277,10 +277,12 @@ class SessionReads:
     def _send_calls(self, batch: pb.ReadBatch) -> None:
         """The batch's holds, renewals and releases to the control plane, in order: in one message, or one
         message per call when together they are more than a message carries (a worker hands no fd over)."""
-        calls = pb.ReadBatch(holds=batch.holds, renewals=batch.renewals, releases=batch.releases)
+        calls = pb.ReadBatch(holds=batch.holds, renewals=batch.renewals, releases=batch.releases,
+                             final_layers=batch.final_layers)
         payload = calls.SerializeToString()
         if len(payload) > MAX_CALLS_BYTES:
             singles = ([pb.ReadBatch(holds=[h]) for h in batch.holds] + [pb.ReadBatch(renewals=[r]) for r in batch.renewals]
+                       + [pb.ReadBatch(final_layers=[f]) for f in batch.final_layers]
                        + [pb.ReadBatch(releases=[r]) for r in batch.releases])
             payloads = [single.SerializeToString() for single in singles]
             if max(len(p) for p in payloads) > MAX_CALLS_BYTES:

@@ -37,6 +37,7 @@ from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError
 from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import ReadNotice
+from kvxferd.plan.engine import RankRead
 from kvxferd.plan.push import PlannedPush, PushPlan, PushRequest
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.movers import WriteMover
@@ -63,6 +64,13 @@ class PushTarget:
     board_buckets: dict[int, int] = field(default_factory=dict)
     host_ranks: dict = field(default_factory=dict)  # no same-host writes: always empty
     loaded: list = field(default_factory=list)  # (agent, remote name): one reference each, as connect took it
+    # Its plan by layer with its own prepared lists, where that differs (layers stored inside a region: a span
+    # of the whole write may run across layers); None: this connection's plan is by layer already.
+    layered: "PushTarget | None" = None
+
+    def by_layer(self) -> "PushTarget":
+        """The connection a push written layer by layer posts its stages on."""
+        return self if self.layered is None else self.layered
 
 
 class PushExecutor:
@@ -84,9 +92,12 @@ class PushExecutor:
         None when this rank holds nothing that target rank needs. A bad target leaves nothing behind;
         the same owner connecting the same target rank again replaces its earlier connection."""
         with self.lock:
-            plan = PushPlan(self.cache, target)
-            if not plan.notifies:
+            layered = PushPlan(self.cache, target, by_layer=True)
+            if not layered.notifies:
                 return None
+            # Layers stored inside a region: the whole write keeps its coarser spans, stages take the plan by layer.
+            inside = any(c.region(g).num_layers > 1 for c in (self.cache, target) for g in range(len(c.groups)))
+            plan = PushPlan(self.cache, target) if inside else layered
             d, key = target.tp_rank, (owner, target.engine_id, target.tp_rank)
             if key in self.targets:
                 self.disconnect(key)
@@ -104,6 +115,14 @@ class PushExecutor:
                     connection.board_lists[d] = self.agent.prep_remote(
                         name, board_rows(board.address, board.num_buckets), "DRAM")
                     connection.board_buckets[d] = board.num_buckets
+                    if inside:
+                        connection.layered = PushTarget(target.engine_id, {d: layered}, connection.agent_names,
+                                                        board_lists=connection.board_lists,
+                                                        board_buckets=connection.board_buckets)
+                        connection.layered.local_lists[d] = self.agent.prep_local(layered.writer_rows,
+                                                                                 self.cache.mem_type)
+                        connection.layered.remote_lists[d] = self.agent.prep_remote(name, layered.target_rows,
+                                                                                   target.mem_type)
             except BaseException:
                 self._release(connection)
                 raise
@@ -163,7 +182,8 @@ class PushExecutor:
                 self.disconnect(key)
 
     def _release(self, target: PushTarget) -> None:
-        for lists in (target.local_lists, target.remote_lists, target.board_lists):
+        layered = [] if target.layered is None else [target.layered.local_lists, target.layered.remote_lists]
+        for lists in (target.local_lists, target.remote_lists, target.board_lists, *layered):
             for handle in lists.values():
                 handle.release()
             lists.clear()
@@ -183,12 +203,14 @@ class PushExecutor:
                                                       f"{target_rank} of {target.engine_id!r} needs")
         return plan.plan_request(request)
 
-    def post(self, target: PushTarget, planned: PlannedPush, start_s: float | None = None) -> InFlightRead:
-        """Post a planned push (its board check first). A push that writes nothing (this rank only
-        notifies) ends at once, ok."""
+    def post(self, target: PushTarget, planned: PlannedPush, start_s: float | None = None,
+             write: RankRead | None = None) -> InFlightRead:
+        """Post a planned push (its board check first); ``write``: only that stage of it (planned by layer on
+        ``target.by_layer()``). A push that writes nothing (this rank only notifies) ends at once, ok."""
         with self.lock:
-            ranks = {} if planned.write is None else {
-                planned.write.remote_rank: RankTransfer(planned.write, hold_tag(planned.request.capability))}
+            write = planned.write if write is None else write
+            ranks = {} if write is None else {
+                write.remote_rank: RankTransfer(write, hold_tag(planned.request.capability))}
             admitted = AdmittedRead(target, planned.request, planned)
             inflight = InFlightRead(admitted, ranks, ReadTimes(time.perf_counter() if start_s is None else start_s))
             self.machine.start(inflight)
@@ -225,9 +247,10 @@ class PushExecutor:
         unsettled = inflight.drain is not None and inflight.drain.unsettled
         invalid = planned.invalid_block_ids() if errors else tuple(np.zeros(0, np.int64) for _ in planned.target_units)
         error = "; ".join(f"target rank {d}: {e}" for d, e in sorted(errors.items()))
-        num_descriptors = 0 if planned.write is None else planned.write.num_descriptors
+        moves = [rank.move for rank in inflight.ranks.values()]  # the whole write, or the stage posted
+        num_descriptors = sum(move.num_descriptors for move in moves)
         return ReadResult(planned.request.transfer_id, inflight.remote.engine_id, not errors,
-                          0 if errors else planned.num_bytes, num_descriptors,
+                          0 if errors else sum(move.num_bytes for move in moves), num_descriptors,
                           time.perf_counter() - inflight.times.start_s, invalid, tuple(sorted(errors)),
                           error or None, inflight.failure, unsettled)
 

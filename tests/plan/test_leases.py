@@ -208,3 +208,27 @@ def test_a_hold_the_board_cannot_take_is_not_held():
     table.release("r3")
     table.hold("r16", (), 10, now=0)
     assert table.board.contains(tag("r16")) and not table.board.contains(tag("r3"))
+
+
+def test_layers_become_final_never_unfinal_and_only_while_held():
+    """A push written layer by layer (issue #57): the hold says how many layers per group are final so far."""
+    table = HoldTable()
+    table.hold("r", ((1, 2), (3,)), 5.0, 0.0, b"d" * 32, layers_final=(0, 0))
+    assert table.lookup("r", 1.0).layers_final == (0, 0)
+    table.final_layers("r", (1, 0), 1.0)
+    assert table.lookup("r", 1.0).layers_final == (1, 0)
+    with pytest.raises(InvalidArgumentError, match="never become unfinal"):
+        table.final_layers("r", (0, 1), 1.0)
+    with pytest.raises(InvalidArgumentError, match="groups"):
+        table.final_layers("r", (2,), 1.0)
+    table.final_layers("r", None, 1.0)  # every layer
+    assert table.lookup("r", 1.0).layers_final is None
+    table.final_layers("r", None, 1.0)  # said again: nothing changes
+    with pytest.raises(InvalidArgumentError, match="final already"):
+        table.final_layers("r", (2, 1), 1.0)
+    with pytest.raises(NotFoundError):
+        table.final_layers("r", None, 6.0)  # past its lease
+    with pytest.raises(NotFoundError):
+        table.final_layers("other", (1, 1), 1.0)
+    table.hold("whole", ((1,), (2,)), 5.0, 0.0)
+    assert table.lookup("whole", 1.0).layers_final is None

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvxferd.proto.v1 import kvxfer_pb2 as kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvxferd/proto/v1/engine_service.proto\x12\tkvxfer.v1\x1a\x1dkvxferd/proto/v1/kvxfer.proto2\xed\x04\n\rEngineService\x12@\n\x08Register\x12\x1a.kvxfer.v1.RegisterRequest\x1a\x18.kvxfer.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x1b.kvxfer.v1.HeartbeatRequest\x1a\x19.kvxfer.v1.HeartbeatReply\x12\x46\n\nDeregister\x12\x1c.kvxfer.v1.DeregisterRequest\x1a\x1a.kvxfer.v1.DeregisterReply\x12\x43\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x19.kvxfer.v1.HandshakeReply\x12=\n\x05Reads\x12\x14.kvxfer.v1.ReadBatch\x1a\x1a.kvxfer.v1.CompletionBatch(\x01\x30\x01\x12\x34\n\x04Hold\x12\x16.kvxfer.v1.HoldRequest\x1a\x14.kvxfer.v1.HoldReply\x12\x46\n\nRenewLease\x12\x1c.kvxfer.v1.RenewLeaseRequest\x1a\x1a.kvxfer.v1.RenewLeaseReply\x12=\n\x07Release\x12\x19.kvxfer.v1.ReleaseRequest\x1a\x17.kvxfer.v1.ReleaseReply\x12L\n\x0cMissedEvents\x12\x1e.kvxfer.v1.MissedEventsRequest\x1a\x1c.kvxfer.v1.MissedEventsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvxferd/proto/v1/engine_service.proto\x12\tkvxfer.v1\x1a\x1dkvxferd/proto/v1/kvxfer.proto2\xb8\x05\n\rEngineService\x12@\n\x08Register\x12\x1a.kvxfer.v1.RegisterRequest\x1a\x18.kvxfer.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x1b.kvxfer.v1.HeartbeatRequest\x1a\x19.kvxfer.v1.HeartbeatReply\x12\x46\n\nDeregister\x12\x1c.kvxfer.v1.DeregisterRequest\x1a\x1a.kvxfer.v1.DeregisterReply\x12\x43\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x19.kvxfer.v1.HandshakeReply\x12=\n\x05Reads\x12\x14.kvxfer.v1.ReadBatch\x1a\x1a.kvxfer.v1.CompletionBatch(\x01\x30\x01\x12\x34\n\x04Hold\x12\x16.kvxfer.v1.HoldRequest\x1a\x14.kvxfer.v1.HoldReply\x12I\n\x0b\x46inalLayers\x12\x1d.kvxfer.v1.FinalLayersRequest\x1a\x1b.kvxfer.v1.FinalLayersReply\x12\x46\n\nRenewLease\x12\x1c.kvxfer.v1.RenewLeaseRequest\x1a\x1a.kvxfer.v1.RenewLeaseReply\x12=\n\x07Release\x12\x19.kvxfer.v1.ReleaseRequest\x1a\x17.kvxfer.v1.ReleaseReply\x12L\n\x0cMissedEvents\x12\x1e.kvxfer.v1.MissedEventsRequest\x1a\x1c.kvxfer.v1.MissedEventsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxferd.proto.v1.engine_ser
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINESERVICE']._serialized_start=84
-  _globals['_ENGINESERVICE']._serialized_end=705
+  _globals['_ENGINESERVICE']._serialized_end=780
 # @@protoc_insertion_point(module_scope)

@@ -64,6 +64,11 @@ class EngineServiceStub:
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HoldRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HoldReply.FromString,
                 _registered_method=True)
+        self.FinalLayers = channel.unary_unary(
+                '/kvxfer.v1.EngineService/FinalLayers',
+                request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.FinalLayersRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.FinalLayersReply.FromString,
+                _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/kvxfer.v1.EngineService/RenewLease',
                 request_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.RenewLeaseRequest.SerializeToString,
@@ -125,6 +130,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinalLayers(self, request, context):
+        """A push written layer by layer (issue #57): more of a held transfer's layers hold final KV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RenewLease(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -175,6 +187,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Hold,
                     request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HoldRequest.FromString,
                     response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HoldReply.SerializeToString,
+            ),
+            'FinalLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinalLayers,
+                    request_deserializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.FinalLayersRequest.FromString,
+                    response_serializer=kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.FinalLayersReply.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
@@ -354,6 +371,33 @@ class EngineService:
             '/kvxfer.v1.EngineService/Hold',
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HoldRequest.SerializeToString,
             kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.HoldReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinalLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/FinalLayers',
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.FinalLayersRequest.SerializeToString,
+            kvxferd_dot_proto_dot_v1_dot_kvxfer__pb2.FinalLayersReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -284,7 +284,7 @@ class ReadSpec(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ..., push: _Optional[bool] = ..., push_key: _Optional[bytes] = ...) -> None: ...
 
 class ReadBatch(_message.Message):
-    __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds", "control", "renewals", "releases")
+    __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds", "control", "renewals", "releases", "final_layers")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class ReadBatch(_message.Message):
     CONTROL_FIELD_NUMBER: _ClassVar[int]
     RENEWALS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    FINAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     reads: _containers.RepeatedCompositeFieldContainer[ReadSpec]
     ack_seq: int
@@ -301,7 +302,8 @@ class ReadBatch(_message.Message):
     control: bool
     renewals: _containers.RepeatedCompositeFieldContainer[RenewLeaseRequest]
     releases: _containers.RepeatedCompositeFieldContainer[ReleaseRequest]
-    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ..., session: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldRequest, _Mapping]]] = ..., control: _Optional[bool] = ..., renewals: _Optional[_Iterable[_Union[RenewLeaseRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ...) -> None: ...
+    final_layers: _containers.RepeatedCompositeFieldContainer[FinalLayersRequest]
+    def __init__(self, engine_id: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ReadSpec, _Mapping]]] = ..., ack_seq: _Optional[int] = ..., session: _Optional[str] = ..., holds: _Optional[_Iterable[_Union[HoldRequest, _Mapping]]] = ..., control: _Optional[bool] = ..., renewals: _Optional[_Iterable[_Union[RenewLeaseRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ..., final_layers: _Optional[_Iterable[_Union[FinalLayersRequest, _Mapping]]] = ...) -> None: ...
 
 class CompletionBatch(_message.Message):
     __slots__ = ("completions", "end_code", "end_message", "holds", "renewals")
@@ -342,18 +344,20 @@ class HoldAnswer(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "lease_s", "push_key_digest")
+    __slots__ = ("engine_id", "request_id", "block_ids", "lease_s", "push_key_digest", "layers_final")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     PUSH_KEY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FINAL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     lease_s: float
     push_key_digest: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_s: _Optional[float] = ..., push_key_digest: _Optional[bytes] = ...) -> None: ...
+    layers_final: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_s: _Optional[float] = ..., push_key_digest: _Optional[bytes] = ..., layers_final: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HoldReply(_message.Message):
     __slots__ = ("incarnation", "capability")
@@ -362,6 +366,22 @@ class HoldReply(_message.Message):
     incarnation: str
     capability: bytes
     def __init__(self, incarnation: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
+
+class FinalLayersRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "layers_final")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FINAL_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    layers_final: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layers_final: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FinalLayersReply(_message.Message):
+    __slots__ = ("final",)
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    final: bool
+    def __init__(self, final: _Optional[bool] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("engine_id", "request_ids", "lease_s")

@@ -39,9 +39,10 @@ def apply_planned_read(planned: PlannedRead, local: EngineBuffers, remotes: Sequ
     return copied
 
 
-def apply_planned_push(planned: PlannedPush, writer: EngineBuffers, target: EngineBuffers) -> int:
-    """Copy every descriptor one writer rank's push moves into one target rank; returns the bytes copied."""
-    write = planned.write
+def apply_planned_push(planned: PlannedPush, writer: EngineBuffers, target: EngineBuffers, write=None) -> int:
+    """Copy every descriptor one writer rank's push moves into one target rank (or only ``write``'s: a stage
+    of it, :meth:`PlannedPush.stage`); returns the bytes copied."""
+    write = planned.write if write is None else write
     if write is None:
         return 0
     writer_addr, writer_len = expand_rows(planned.plan.writer_rows)

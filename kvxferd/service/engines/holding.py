@@ -68,11 +68,15 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
     block_ids = check_block_ids(request.block_ids, slot, "block_ids")
     lease_s = lease_seconds(daemon, request.lease_s)
     push_digest = check_push_digest(request.push_key_digest, "push_key_digest")
+    layers_final = check_layers_final(request.layers_final, slot, "layers_final")
+    if layers_final is not None and not push_digest:
+        raise InvalidArgumentError("layers_final", "only a push's hold (push_key_digest) is written layer by layer")
     limit = daemon.config.max_holds_per_engine
     if len(slot.holds) >= limit:
         raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
     with slot.lock:
-        capability = slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic(), push_digest)
+        capability = slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic(), push_digest,
+                                     layers_final)
     if len(slot.holds) == 1:
         daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         daemon.wake_maintenance()  # and from the idle tick to the lease tick
@@ -83,6 +87,32 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
         if slot.expectations:
             daemon.held(slot, request.request_id)
     return capability
+
+
+def check_layers_final(counts, slot: "EngineSlot", field: str) -> tuple[int, ...] | None:
+    """Per group, how many layers are final (each at most the group's layers); None when every layer is, or
+    when none are given (the whole hold is final)."""
+    if not len(counts):
+        return None
+    totals = slot.cache.layer_counts
+    if len(counts) != len(totals):
+        raise InvalidArgumentError(field, f"{len(counts)} groups given, engine has {len(totals)}")
+    for g, (count, total) in enumerate(zip(counts, totals)):
+        if count > total:
+            raise InvalidArgumentError(f"{field}[{g}]", f"{count} layers final, the group has {total}")
+    return None if tuple(counts) == totals else tuple(int(c) for c in counts)
+
+
+def final_layers(daemon: HoldingParts, slot: "EngineSlot", request: pb.FinalLayersRequest) -> bool:
+    """More layers of a hold placed with ``layers_final`` are final (event-loop thread): the push writes them
+    (after this call's answer). Whether every layer is final now."""
+    check_id(request.request_id, "request_id")
+    layers_final = check_layers_final(request.layers_final, slot, "layers_final")
+    with slot.lock:
+        slot.holds.final_layers(request.request_id, layers_final, time.monotonic())
+    if slot.expectations:
+        daemon.held(slot, request.request_id)
+    return layers_final is None
 
 
 def renew_holds(daemon: HoldingParts, slot: "EngineSlot", request: pb.RenewLeaseRequest) -> list[str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvxferd.errors import InvalidArgumentError, KvxferError, ResourceExhaustedError
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.base.status import status_code
-from kvxferd.service.engines.holding import HoldingParts, place_hold, release_hold, renew_holds
+from kvxferd.service.engines.holding import HoldingParts, final_layers, place_hold, release_hold, renew_holds
 from kvxferd.service.engines.slots import EngineSlot
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def check_calls(daemon: CallParts, slot: EngineSlot, batch: pb.ReadBatch, writab
     """A batch's holds, renewals and releases, before any is done: within ``max_reads_per_batch``, all
     of the session's engine, and a session that reads its answers (``writable``: a buffer full of unread
     answers ends it: nothing unbounded is kept for a client that does not read)."""
-    calls = [*batch.holds, *batch.renewals, *batch.releases]
+    calls = [*batch.holds, *batch.renewals, *batch.releases, *batch.final_layers]
     limit = daemon.config.max_reads_per_batch
     if len(calls) > limit:
         raise InvalidArgumentError("holds", f"{len(calls)} holds, renewals and releases in one batch, the "
@@ -68,6 +68,11 @@ def answer_calls(daemon: CallParts, slot: EngineSlot, batch: pb.ReadBatch) -> li
                 daemon.metrics.rpc_errors.labels("RenewLease", code.name).inc()
                 answers.append(pb.LeaseAnswer(code=code.value[0], error=str(err)))
         frames.append(pb.CompletionBatch(renewals=answers).SerializeToString())
+    for request in batch.final_layers:
+        try:
+            final_layers(daemon, slot, request)
+        except KvxferError as err:  # a push whose layers are not said final fails by its deadline
+            daemon.metrics.rpc_errors.labels("FinalLayers", status_code(err).name).inc()
     for request in batch.releases:
         try:
             release_hold(daemon, slot, request.request_id)

@@ -55,7 +55,7 @@ from kvxferd.wire.owner import peer_credentials
 from kvxferd.service.base.metrics import READS_SOCKET_METHOD
 from kvxferd.service.base.status import error_status
 from kvxferd.wire.frames import COMPLETIONS_PER_BATCH, FrameReader, encode_frame
-from kvxferd.wire.messages import check_id
+from kvxferd.wire.messages import check_id, has_calls
 
 if TYPE_CHECKING:
     from kvxferd.service.net.parts import DaemonParts
@@ -159,7 +159,7 @@ class ReadSession(asyncio.Protocol):
                     self.daemon.reads.take_batch(self.slot, batch, received_s)  # the batch's own rules first
                 else:
                     self._control_batch(batch)
-                if batch.holds or batch.renewals or batch.releases:  # most batches carry reads only
+                if has_calls(batch):
                     check_calls(self.daemon, self.slot, batch, self.writer.writable)
                     for answers in answer_calls(self.daemon, self.slot, batch):
                         self.writer.write(encode_frame(answers))

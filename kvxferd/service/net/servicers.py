@@ -32,7 +32,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.proto.v1 import peer_service_pb2_grpc as peer_grpc
 from kvxferd.service.base import audit
 from kvxferd.wire.frames import COMPLETIONS_PER_BATCH
-from kvxferd.service.engines.holding import place_hold, release_hold, renew_holds
+from kvxferd.service.engines.holding import final_layers, place_hold, release_hold, renew_holds
 from kvxferd.service.base.status import error_status
 from kvxferd.service.peers.proof import ChallengeSigner
 from kvxferd.service.peers.tls import authorize_peer
@@ -179,6 +179,10 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
         slot = self._slot(request.engine_id, context)
         capability = place_hold(self.daemon, slot, request)
         return pb.HoldReply(incarnation=slot.incarnation, capability=capability)
+
+    @rpc
+    async def FinalLayers(self, request, context):
+        return pb.FinalLayersReply(final=final_layers(self.daemon, self._slot(request.engine_id, context), request))
 
     @rpc
     async def RenewLease(self, request, context):

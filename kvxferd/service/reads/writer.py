@@ -35,7 +35,7 @@ from kvxferd.plan.expectrecord import ExpectRecord
 from kvxferd.plan.capability import push_key_opens
 from kvxferd.plan.leases import FAILED, HoldEnd, LiveHold
 from kvxferd.plan.notifications import ReadNotice
-from kvxferd.plan.push import PushRequest
+from kvxferd.plan.push import PlannedPush, PushRequest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id
@@ -71,6 +71,12 @@ class Expectation:
     connection: PushTarget
     started: bool = False
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    # A push written layer by layer: the planned push (by layer), the layers written per group so far and
+    # their bytes; ``inflight`` while a stage is posted (None: waiting for more layers to be final).
+    staged: PlannedPush | None = field(default=None, repr=False)
+    layers_written: tuple[int, ...] = ()
+    num_bytes_written: int = 0
+    inflight: InFlightRead | None = field(default=None, repr=False)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -214,12 +220,14 @@ class WritePath:
         for expectation in list(waiting.values()):
             if not expectation.started:
                 self._start(slot, expectation, held)
+            elif expectation.staged is not None and expectation.inflight is None:
+                self._next_stage(slot, expectation, held)  # FinalLayers: more layers to write
 
     def _start(self, slot: EngineSlot, expectation: Expectation, held: LiveHold) -> None:
         expectation.started = True
         slot.awaited.discard(expectation.transfer_id)
-        if expectation.timer is not None:
-            expectation.timer.cancel()
+        if expectation.timer is not None and held.layers_final is None:
+            expectation.timer.cancel()  # staged: it stays, to end a push whose layers never all became final
         if not push_key_opens(expectation.push_key, held.push_digest):
             # not this hold's key (or a hold for reads only): the hold untouched (it is not this reader's to end)
             self._forget(slot, expectation)
@@ -233,15 +241,56 @@ class WritePath:
             if pusher.targets.get(expectation.key) is not expectation.connection:
                 raise NotFoundError("expectation", "the connection to the target rank was replaced (it restarted): "
                                                    "its new agent expects anew")
-            planned = pusher.plan(expectation.connection, expectation.target_rank, push)
+            if held.layers_final is not None:
+                if slot.cache.layer_counts != expectation.connection.plans[expectation.target_rank].target.layer_counts:
+                    raise InvalidArgumentError("layers_final", "the two engines count their layers differently: "
+                                                               "a push cannot go layer by layer")
+                expectation.staged = pusher.plan(expectation.connection.by_layer(), expectation.target_rank, push)
+                expectation.layers_written = (0,) * len(held.layers_final)
+            else:
+                planned = pusher.plan(expectation.connection, expectation.target_rank, push)
         except KvxferError as err:  # ids that do not pair, a replaced target: the decode rank is told, nothing written
             self._finish(slot, expectation, None, held, f"push refused: {err}")
+            return
+        if expectation.staged is not None:
+            self._next_stage(slot, expectation, held)
             return
         inflight = pusher.post(expectation.connection, planned)
         if pusher.poll(inflight) is not None:
             self._finish(slot, expectation, inflight, held)
         else:
             self.daemon.spawn(self._wait(slot, expectation, inflight, held))
+
+    def _next_stage(self, slot: EngineSlot, expectation: Expectation, held: LiveHold) -> None:
+        """Post the layers final since the last stage (all that remain once the hold is final); a stage with
+        nothing to write waits for more, except the last (posted empty: its notice ends the push)."""
+        planned, last = expectation.staged, held.layers_final is None
+        final = planned.plan.target.layer_counts if last else held.layers_final
+        stage = planned.stage(expectation.layers_written, final)
+        if stage is None and not last:
+            expectation.layers_written = tuple(final)
+            return
+        expectation.layers_written = tuple(final)
+        inflight = expectation.inflight = slot.pusher.post(expectation.connection.by_layer(), planned, write=stage)
+        if slot.pusher.poll(inflight) is not None:
+            self._stage_done(slot, expectation, inflight, held)
+        else:
+            self.daemon.spawn(self._wait(slot, expectation, inflight, held))
+
+    def _stage_done(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead, held: LiveHold) -> None:
+        """A stage ended: the push ends with a failed one or the last; else the next goes when layers are final."""
+        last = expectation.layers_written == expectation.staged.plan.target.layer_counts
+        if not inflight.result.ok or last:
+            self._finish(slot, expectation, inflight, held)
+            return
+        expectation.num_bytes_written += inflight.result.num_bytes
+        expectation.inflight = None
+        with slot.lock:
+            now_held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
+        if now_held is None or now_held.capability != held.capability:
+            self._finish(slot, expectation, None, held, "the prefill hold ended before its last layer was written")
+        elif now_held.layers_final != held.layers_final:
+            self._next_stage(slot, expectation, now_held)
 
     async def _wait(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead, held) -> None:
         pusher, sleep_s = slot.pusher, POLL_MIN_S
@@ -250,12 +299,17 @@ class WritePath:
                 pusher.abort(inflight, "deadline: the write did not end in time", ReadFailure.DEADLINE)
             await asyncio.sleep(sleep_s)
             sleep_s = min(2 * sleep_s, POLL_MAX_S)
-        self._finish(slot, expectation, inflight, held)
+        if expectation.staged is not None:
+            self._stage_done(slot, expectation, inflight, held)
+        else:
+            self._finish(slot, expectation, inflight, held)
 
     def _finish(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead | None, held: LiveHold,
                 refusal: str = "") -> None:
         """Tell the decode rank, then count it as this hold's reader (its end goes on the bus)."""
         self._forget(slot, expectation)
+        if expectation.timer is not None:
+            expectation.timer.cancel()
         pusher = slot.pusher
         result: ReadResult | None = inflight.result if inflight is not None else None
         ok = result is not None and result.ok
@@ -275,7 +329,7 @@ class WritePath:
         metrics.push_writes.labels("ok" if ok else "failed").inc()
         if ok:
             self.num_written += 1
-            metrics.push_bytes.inc(result.num_bytes)
+            metrics.push_bytes.inc(expectation.num_bytes_written + result.num_bytes)
         expected = expected_readers(slot.cache, expectation.target_tp_size)
         notice = ReadNotice(expectation.transfer_id, expectation.target_engine_id, expectation.target_rank, expected, ok,
                             capability=held.capability)
@@ -329,6 +383,15 @@ class WritePath:
             self._forget(slot, expectation)
             self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
                        expectation.capability)
+        elif expectation.staged is not None and expectation.inflight is None:  # waiting for layers that never came
+            with slot.lock:
+                held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
+            if held is None:
+                self._forget(slot, expectation)
+                self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
+                           expectation.capability)
+            else:
+                self._finish(slot, expectation, None, held, "deadline: its last layers were never final")
 
 
 def _agent_name(metadata: bytes) -> str:

@@ -260,3 +260,108 @@ def test_a_decode_daemon_with_push_targets_off_refuses_pushes_and_still_reads(wo
         assert cluster.decode_untouched()
         assert all(c.ok for c in cluster.read(dataclasses.replace(request, request_id="read")))
         assert cluster.verify(request) == ([], 0)
+
+
+def layers_as_expected(cluster, request, num_final: int) -> list[str]:
+    """Per decode region (a layer each here): the first ``num_final`` of every group hold the oracle's bytes,
+    the others are untouched (the sentinel); the problems found."""
+    from kvxferd.rig.verify.buffers import expected_buffers
+    from kvxferd.rig.verify.physical import SENTINEL
+
+    problems = []
+    for decode in cluster.decode:
+        expected = expected_buffers(decode.cache, cluster.prefill_groups, request)
+        for g, (buffers, wanted) in enumerate(zip(decode.buffers, expected)):
+            for layer, (buffer, want) in enumerate(zip(buffers, wanted)):
+                if layer < num_final and not np.array_equal(buffer, want):
+                    problems.append(f"rank {decode.cache.tp_rank} group {g} layer {layer}: not the oracle's bytes")
+                if layer >= num_final and not np.all(buffer == SENTINEL):
+                    problems.append(f"rank {decode.cache.tp_rank} group {g} layer {layer}: written before it was final")
+    return problems
+
+
+LAYER_CASES = [("gqa", 2, 1), ("hybrid", 1, 2)]
+
+
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", LAYER_CASES, ids=[f"{m}-P{p}D{d}" for m, p, d in LAYER_CASES])
+def test_a_push_written_layer_by_layer_writes_each_layer_once_it_is_final(workdir, model, prefill_tp, decode_tp):
+    """The prefill engine holds before its forward pass (no layer final) and says when layers are: each is
+    written then, never before; the last one's write ends the push (CONSUMED on the bus, byte-exact)."""
+    prefill_groups, decode_groups = model_groups(model, ModelShape(prefill_block_size=32))
+    rng = np.random.default_rng(13)
+    with DaemonCluster(prefill_groups, decode_groups, prefill_tp, decode_tp, workdir=workdir,
+                       name=f"push-layers-{model}") as cluster:
+        request = random_request("staged", prefill_groups, decode_groups, 90, rng, cached_tokens=32, contiguous=False)
+        num_groups = len(prefill_groups)
+        cluster.reset_decode()
+        cluster.expect(request, deadline_s=20)
+        cluster.hold(request, push=True, layers_final=[0] * num_groups)
+        time.sleep(0.3)
+        assert layers_as_expected(cluster, request, 0) == []
+        cluster.final_layers(request, [1] * num_groups)
+        deadline = time.monotonic() + 10
+        while layers_as_expected(cluster, request, 1) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert layers_as_expected(cluster, request, 1) == []
+        assert all(client.reads.take_completions() == [] for client in cluster.decode_clients)
+        cluster.final_layers(request, [2] * num_groups)  # every layer: the push ends
+        completions = cluster.completions(request)
+        assert [(c.ok, c.error) for c in completions] == [(True, "")] * decode_tp
+        problems, wrong = cluster.verify(request)
+        assert not problems and wrong == 0
+        assert [e.kind for e in cluster.hold_events(request)] == [pb.NotifyEvent.CONSUMED] * prefill_tp
+        assert layers_as_expected(cluster, request, 1) != []  # the check sees a layer written (negative control)
+
+
+def test_layers_stored_inside_one_region_are_pushed_layer_by_layer(workdir):
+    """vLLM 0.32's caches (every attention layer in one strided view whose blocks hold their layers side by
+    side, every Mamba layer's pages in one region): stages go on the connection's plan by layer. With the first
+    of three layers final the decode blocks are partly written, with all of them byte-exact."""
+    from kvxferd.layout.specs import AttentionSpec, MambaSpec
+    from kvxferd.plan.groups import CacheGroup
+    from tests.rig.verify.test_sweep import mamba_layers, strided
+
+    attention = AttentionSpec("strided", num_blocks=16, num_kv_heads=4, head_size=8, block_size=16, num_layers=3)
+    mamba = MambaSpec(num_blocks=16, num_heads=4, head_dim=2, num_groups=1, state_size=3, conv_window=3)
+
+    def groups(tp):
+        return [CacheGroup("full", strided(attention, tp, "BLHNC", "kv")), CacheGroup("mamba", mamba_layers(mamba, tp, "BL"))]
+
+    with DaemonCluster(groups(1), groups(2), 1, 2, workdir=workdir, name="push-layers-strided") as cluster:
+        request = random_request("staged", cluster.prefill_groups, cluster.decode_groups, 70, np.random.default_rng(3))
+        cluster.reset_decode()
+        cluster.expect(request, deadline_s=20)
+        cluster.hold(request, push=True, layers_final=[1, 1])
+        deadline = time.monotonic() + 10
+        while cluster.decode_untouched() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        problems, wrong = cluster.verify(request)
+        assert not cluster.decode_untouched() and wrong > 0  # the first layer only
+        cluster.final_layers(request, [3, 3])
+        assert [(c.ok, c.error) for c in cluster.completions(request)] == [(True, "")] * 2
+        problems, wrong = cluster.verify(request)
+        assert not problems and wrong == 0
+
+
+def test_a_push_whose_last_layers_are_never_final_fails_at_its_deadline(workdir):
+    """A prefill engine that holds layer by layer and never says its last layer is final: the push fails at the
+    expectation's deadline (every block invalid), the layers it wrote and those it did not alike."""
+    cluster, rng = small_cluster(workdir, "push-layers-stuck")
+    with cluster:
+        request = random_request("stuck", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        cluster.expect(request, deadline_s=1.0)
+        cluster.hold(request, push=True, layers_final=[1], lease_s=30.0)
+        (completion,) = cluster.completions(request, timeout_s=15)
+        assert not completion.ok
+        assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
+        failed = [s.wait_for(request.remote_request_id, kinds=(pb.NotifyEvent.FAILED,), timeout_s=10)
+                  for s in cluster.subscribers]
+        assert all(e is not None and "last layers" in e.reason for e in failed)
+        # refused, naming the field: layers of a hold nobody pushes, more layers than the engine has
+        import grpc
+        with pytest.raises(grpc.RpcError, match="push_key_digest"):
+            cluster.prefill_clients[0].hold("reads-only", request.remote_block_ids, layers_final=[0])
+        with pytest.raises(grpc.RpcError, match="layers_final"):
+            cluster.prefill_clients[0].hold("too-many", request.remote_block_ids, layers_final=[3],
+                                            push_key_digest=b"d" * 32)
