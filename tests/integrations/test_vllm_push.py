@@ -23,12 +23,15 @@ from tests.integrations.vllm_cluster import (changed, greedy, hold_ends, metric,
 from tests.integrations.vllm_stats_check import connector_metrics
 
 pytestmark = pytest.mark.vllm
+LAYER_MIN_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm-push"), ["pp0", "pd0"])
-    with prefill_decode(model, daemons, "prefill", "decode", extra={"mode": "push", "deadline_s": 6.0}) as cluster:
+    # Prompts of 64 tokens and more are written layer by layer (the others in one batch after the forward pass).
+    extra = {"mode": "push", "deadline_s": 6.0, "push_layer_min_tokens": LAYER_MIN_TOKENS}
+    with prefill_decode(model, daemons, "prefill", "decode", extra=extra) as cluster:
         # What a proxy learns from a first answer: where the prefill engine is (a pull still works in push mode).
         (params,) = prefill_params(cluster.prefill, [[5, 6, 7, 8]])
         cluster.where = {"remote_engine_id": params["remote_engine_id"],
@@ -77,11 +80,15 @@ def test_push_gives_the_single_instance_tokens(pd):
     single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
     ids = [f"push-{uuid.uuid4().hex[:12]}" for _ in prompts]
     written_before = metric(pd.prefill_daemon, "kvxferd_push_bytes_total")
+    stages_before = metric(pd.prefill_daemon, "kvxferd_push_stages_total")
     stats_before = connector_metrics(pd.decode)
     outputs = push(pd, prompts, prompts, ids)
     assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(prompts)
     assert token_ids(outputs) == single
     assert metric(pd.prefill_daemon, "kvxferd_push_bytes_total") > written_before  # written, not read
+    # the long prompts layer by layer: at least a stage per layer of the tiny model (2) and a last one each
+    layered = sum(len(p) >= LAYER_MIN_TOKENS for p in prompts)
+    assert layered and metric(pd.prefill_daemon, "kvxferd_push_stages_total") - stages_before >= 2 * layered
     stats = {k: v - stats_before.get(k, 0) for k, v in connector_metrics(pd.decode).items()}
     assert (stats["vllm:kvxferd_num_transfers"], stats["vllm:kvxferd_num_failed_transfers"]) == (len(prompts), 0)
     # Every prefill hold (by its transfer id) ended exactly once, CONSUMED, and none is left.

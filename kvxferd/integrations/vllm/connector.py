@@ -70,6 +70,7 @@ class KvxferdMetadata(KVConnectorMetadata):
 
     orders: list[ReadOrder] = field(default_factory=list)
     held: list[HeldRequest] = field(default_factory=list)
+    layered: list[str] = field(default_factory=list)  # push transfer ids held layer by layer with this step
 
 
 @dataclass
@@ -80,6 +81,16 @@ class KvxferdHandshake(KVConnectorHandshakeMetadata):
     engine_socket: str
     peer_address: str
     session: str
+
+
+def _fence(tensor: torch.Tensor | None):
+    """On a GPU, an event recorded now (the KV kernels queued so far end before it); None on a CPU, where the
+    forward pass ran them already."""
+    if (tensor is not None and tensor.is_cuda) or (tensor is None and torch.cuda.is_initialized()):
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None
 
 
 def state_num_groups(hf_config) -> int | None:
@@ -211,14 +222,25 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.expect_held(metadata.held)
             self.worker.submit(metadata.orders)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass (vLLM starts async loads only after it): this step's layer-by-layer pushes."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KvxferdMetadata):
+            self.worker.layers.start(connector_metadata.layered)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # reads complete between steps (async loads), never inside a forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # decode pulls: prefill only holds its blocks
+        """A push written layer by layer: this layer's KV is in the cache (layers.py); else nothing."""
+        layers = self.worker.layers
+        if layers.transfer_ids:
+            layers.layer_saved(layer_name, _fence(kv_layer))
 
     def wait_for_save(self) -> None:
-        return
+        layers = self.worker.layers
+        if layers.transfer_ids:
+            layers.step_ended(_fence(None))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results: TransferResults = self.worker.results()
@@ -302,7 +324,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             if self.scheduler.prefill_scheduled(new.req_id, new.block_ids, new.num_computed_tokens,
                                                 scheduler_output.num_scheduled_tokens.get(new.req_id, 0)):
                 self._trace.stamp("hold_sent", (new.req_id,))
-        return KvxferdMetadata(orders=self.scheduler.take_orders(), held=self.scheduler.take_held())
+        return KvxferdMetadata(orders=self.scheduler.take_orders(), held=self.scheduler.take_held(),
+                               layered=self.scheduler.take_layered())
 
     def update_connector_output(self, connector_output) -> None:
         """Only stamps (when tracing): the scheduler learns which reads ended and which holds let go."""

@@ -68,8 +68,7 @@ from kvxferd.client.session import Held
 from kvxferd.errors import KvxferError
 from kvxferd.integrations.vllm.early import EarlyHolds, SentHold
 from kvxferd.integrations.vllm.params import (ParamsError, PushPrefill, RemotePrefill, failed_prefill_params,
-                                              is_push, parse_push_prefill, parse_remote_prefill, push_hold_of,
-                                              transfer_id_of)
+                                              is_push, parse_push_prefill, parse_remote_prefill, push_hold_of)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvxferd.vllm")
@@ -154,6 +153,8 @@ class SchedulerSide:
         self._held: list[HeldRequest] = []  # held since the last build_connector_meta
         self._pending: dict[str, RemotePrefill | PushPrefill | ParamsError] = {}  # decode requests not scheduled yet
         self._hold_ids: dict[str, str] = {}  # push prefills (issue #57): request id -> the transfer id held
+        self._layer_digests: dict[str, bytes] = {}  # push prefills written layer by layer: their push key digests
+        self._layered: list[str] = []  # transfer ids held layer by layer with the step being built
         self._prefills: dict[str, int] = {}  # remote-decode prefills allocated, not scheduled whole yet -> prompt
         self._early = EarlyHolds(settings.lease_s, self._renew)  # holds sent before request_finished
 
@@ -192,11 +193,13 @@ class SchedulerSide:
         held then are the blocks ``request_finished`` hands over."""
         if params and params.get("do_remote_decode") and self.settings.mode == "push":
             try:
-                transfer_id = transfer_id_of(params)
+                push = push_hold_of(params)
             except ParamsError:
-                transfer_id = None  # refused when it is held (request_finished)
-            if transfer_id is not None:
-                self._hold_ids[request_id] = transfer_id
+                push = None  # refused when it is held (request_finished)
+            if push is not None:
+                self._hold_ids[request_id] = push[0]
+                if 0 < self.settings.push_layer_min_tokens <= num_prompt_tokens:
+                    self._layer_digests[request_id] = push[1]
         if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and max_tokens == 1:
             self._prefills[request_id] = num_prompt_tokens
 
@@ -211,21 +214,33 @@ class SchedulerSide:
             return False
         if not self.early_holds or not self.ranks or request_id in self._early:
             return False  # (in _early: scheduled whole again after a preemption; hold() checks the blocks)
-        if request_id in self._hold_ids:
-            return False  # a push's hold starts its writes: only once the forward pass computed the KV
-
-        self._early.put(request_id, self._send(self._hold_ids.get(request_id, request_id), real_blocks(block_ids)))
+        blocks = real_blocks(block_ids)
+        if request_id in self._hold_ids:  # a push's hold starts its writes: only of layers the forward pass computed
+            digest = self._layer_digests.pop(request_id, None)
+            if digest is None:
+                return False  # one batch, held once the whole forward pass ended (request_finished)
+            transfer_id = self._hold_ids[request_id]  # layer by layer: none final yet, the workers say when
+            self._early.put(request_id, self._send(transfer_id, blocks, digest, layers_final=(0,) * len(blocks)))
+            self._layered.append(transfer_id)
+            return True
+        self._early.put(request_id, self._send(request_id, blocks))
         return True
+
+    def take_layered(self) -> list[str]:
+        """The transfer ids held layer by layer with this step (the workers say when each layer is final)."""
+        layered, self._layered = self._layered, []
+        return layered
 
     def drop_early(self, request_id: str) -> None:
         """A prefill that ended without being handed over (aborted): let its early hold go."""
         self._prefills.pop(request_id, None)
+        self._layer_digests.pop(request_id, None)
         hold_id = self._hold_ids.pop(request_id, request_id)
         early = self._early.pop(request_id)
         if early is not None:
             self._let_go(hold_id, early)
 
-    def _send(self, request_id: str, blocks, push_digest: bytes = b"") -> SentHold:
+    def _send(self, request_id: str, blocks, push_digest: bytes = b"", layers_final=()) -> SentHold:
         """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
         rank, issue #41); never raises: a rank that could not even be asked answers with its error."""
         # Before the calls: the daemons' leases start after this. Both clocks read here, each for its use
@@ -235,7 +250,7 @@ class SchedulerSide:
         for rank in self.ranks:
             try:
                 answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s,
-                                                               push_key_digest=push_digest))
+                                                               push_key_digest=push_digest, layers_final=layers_final))
             except (grpc.RpcError, KvxferError) as err:
                 answers.append(functools.partial(_raise, err))
         return SentHold(blocks, sent_s, tuple(answers), sent_unix_s)

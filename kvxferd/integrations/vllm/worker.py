@@ -33,6 +33,7 @@ import torch
 from kvxferd.client.engine import EngineClient
 from kvxferd.client.notify import RELEASED, TERMINAL, NotifySubscriber
 from kvxferd.integrations.vllm.describe import GroupLayout, describe_engine
+from kvxferd.integrations.vllm.layers import LayerReports
 from kvxferd.integrations.vllm.params import PushPrefill, RemotePrefill
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, describe_error
 from kvxferd.integrations.vllm.settings import ConnectorSettings
@@ -77,6 +78,7 @@ class WorkerSide:
         self._incarnation = ""  # of the current registration (the one handshakes were made on)
         self.stats = TransferStats()  # since the last take_stats
         self.trace = Trace(f"{engine_id}-worker{tp_rank}", settings.trace_dir)
+        self.layers = LayerReports((), self._final_layers)  # a push's layers, as they become final (layers.py)
 
     # ---- registration ---------------------------------------------------------------
     def register(self, groups: Sequence[GroupLayout], tensors: Mapping[str, torch.Tensor]) -> RankDaemon:
@@ -96,6 +98,7 @@ class WorkerSide:
                 log.warning("kvxferd: no pidfd of this process (%s): the daemon lets go of the cache only when "
                             "its lease runs out", err)
         self.num_groups = len(groups)
+        self.layers = LayerReports([g.layer_names for g in groups], self._final_layers)
 
         def pass_fds() -> str:
             token = uuid.uuid4().hex
@@ -188,6 +191,9 @@ class WorkerSide:
         A push's hold is known to the daemons by its transfer id: its end frees the vLLM request it names."""
         self._held.update((h.held_as, h.incarnations[self.tp_rank]) for h in held)
         self._vllm_ids.update((h.hold_id, h.request_id) for h in held if h.hold_id)
+
+    def _final_layers(self, transfer_id: str, layers_final: Sequence[int]) -> None:
+        self.client.final_layers(transfer_id, layers_final)
 
     # ---- both: what finished ---------------------------------------------------------
     def results(self) -> TransferResults:
@@ -283,6 +289,7 @@ class WorkerSide:
         self._remotes.clear()
 
     def close(self) -> None:
+        self.layers.close()
         self.trace.close()
         if self.subscriber is not None:
             self.subscriber.close()

@@ -115,6 +115,8 @@ class Metrics:
                                        ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.push_bytes = Counter("kvxferd_push_bytes", "push, prefill side: bytes written into decode ranks' blocks",
                                   registry=r)
+        self.push_stages = Counter("kvxferd_push_stages", "push written layer by layer, prefill side: stages posted "
+                                   "(the layers found final since the last stage, each)", registry=r)
         self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",
                                             ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.leases_expired = Counter("kvxferd_leases_expired", "holds whose lease ran out unread", registry=r)

@@ -74,6 +74,8 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
     limit = daemon.config.max_holds_per_engine
     if len(slot.holds) >= limit:
         raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} holds {limit} requests already")
+    if layers_final is not None and slot.layers_ahead:
+        layers_final = _with_layers_ahead(slot, request.request_id, layers_final)
     with slot.lock:
         capability = slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic(), push_digest,
                                      layers_final)
@@ -108,11 +110,49 @@ def final_layers(daemon: HoldingParts, slot: "EngineSlot", request: pb.FinalLaye
     (after this call's answer). Whether every layer is final now."""
     check_id(request.request_id, "request_id")
     layers_final = check_layers_final(request.layers_final, slot, "layers_final")
+    now = time.monotonic()
     with slot.lock:
-        slot.holds.final_layers(request.request_id, layers_final, time.monotonic())
+        held = slot.holds.lookup(request.request_id, now) is not None
+        if held:
+            slot.holds.final_layers(request.request_id, layers_final, now)
+    if not held:  # its hold may still be on its way (another socket): kept a little while for it
+        _keep_layers_ahead(daemon, slot, request.request_id, layers_final, now)
+        return layers_final is None
     if slot.expectations:
         daemon.held(slot, request.request_id)
     return layers_final is None
+
+
+LAYERS_AHEAD_S = 5.0  # a FinalLayers before its hold waits this long for it
+
+
+def _keep_layers_ahead(daemon: HoldingParts, slot: "EngineSlot", request_id: str, layers_final, now: float) -> None:
+    ahead = slot.layers_ahead
+    for stale in [rid for rid, (_, until_s) in ahead.items() if until_s <= now]:
+        del ahead[stale]
+    if request_id not in ahead and len(ahead) >= daemon.config.max_holds_per_engine:
+        raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} has "
+                                                             f"{len(ahead)} FinalLayers waiting for their holds")
+    earlier = ahead.get(request_id, ((), 0.0))[0]
+    ahead[request_id] = (_later_layers(earlier, layers_final), now + LAYERS_AHEAD_S)
+
+
+def _with_layers_ahead(slot: "EngineSlot", request_id: str, layers_final: tuple[int, ...]):
+    """``layers_final`` of a hold being placed, with what a FinalLayers that came first said."""
+    ahead = slot.layers_ahead.pop(request_id, None)
+    if ahead is None or ahead[1] <= time.monotonic():
+        return layers_final
+    merged = _later_layers(layers_final, ahead[0])
+    return None if merged == slot.cache.layer_counts else merged
+
+
+def _later_layers(a, b):
+    """The later of two reports of final layers (None: every layer; ``()``: none said)."""
+    if a is None or b is None:
+        return None
+    if not a or not b:
+        return a or b
+    return tuple(max(x, y) for x, y in zip(a, b))
 
 
 def renew_holds(daemon: HoldingParts, slot: "EngineSlot", request: pb.RenewLeaseRequest) -> list[str]:

@@ -73,6 +73,9 @@ class EngineSlot:
     # awaited_until_s) the data-plane thread polls for notices every EXPECT_POLL_S, not the holds' 10 ms.
     awaited: set = field(default_factory=set)
     awaited_until_s: float = 0.0  # time.monotonic()
+    # A push written layer by layer: FinalLayers that came before their hold (the engine's worker and its
+    # scheduler reach the daemon on two sockets), request id -> (layers final or None: all, kept until).
+    layers_ahead: dict = field(default_factory=dict)
     push_executor: PushExecutor | None = None  # made on the first push (pusher)
 
     @property

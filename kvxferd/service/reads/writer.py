@@ -271,6 +271,7 @@ class WritePath:
             expectation.layers_written = tuple(final)
             return
         expectation.layers_written = tuple(final)
+        self.daemon.metrics.push_stages.inc()
         inflight = expectation.inflight = slot.pusher.post(expectation.connection.by_layer(), planned, write=stage)
         if slot.pusher.poll(inflight) is not None:
             self._stage_done(slot, expectation, inflight, held)

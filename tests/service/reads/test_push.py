@@ -365,3 +365,19 @@ def test_a_push_whose_last_layers_are_never_final_fails_at_its_deadline(workdir)
         with pytest.raises(grpc.RpcError, match="layers_final"):
             cluster.prefill_clients[0].hold("too-many", request.remote_block_ids, layers_final=[3],
                                             push_key_digest=b"d" * 32)
+
+
+def test_final_layers_said_before_their_hold_count_when_it_comes(workdir):
+    """The engine's worker says layers are final on its own socket; its scheduler's hold may reach the daemon
+    after that: the daemon keeps what was said (a few seconds) and the hold starts from it."""
+    cluster, rng = small_cluster(workdir, "push-layers-ahead")
+    with cluster:
+        request = random_request("ahead", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        cluster.expect(request, deadline_s=20)
+        cluster.final_layers(request, [2])  # every layer, before the hold
+        time.sleep(0.1)
+        cluster.hold(request, push=True, layers_final=[0])
+        assert [(c.ok, c.error) for c in cluster.completions(request, timeout_s=10)] == [(True, "")]
+        problems, wrong = cluster.verify(request)
+        assert not problems and wrong == 0
