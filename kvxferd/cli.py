@@ -9,6 +9,7 @@
     kvxferd bench layout    span emission and planning benchmark (pure layers)
     kvxferd bench xfer      data plane vs raw NIXL, plan build, per-request planning
     kvxferd bench push      push (WRITE) vs pull (READ) on the data plane, each against raw NIXL
+    kvxferd bench layers    a push layer by layer vs one batch after the forward pass, through daemons
     kvxferd bench daemon    through the daemons vs raw NIXL: Reads stream vs unary, issue 12's targets
     kvxferd bench holds     hold bookkeeping from 10 to 100,000 outstanding holds
     kvxferd bench scale     cost per read from 1 to 16 remote ranks, and offered rate up to saturation
@@ -45,6 +46,7 @@ BENCH_SUITES = {  # suite -> (module, help)
     "layout": ("kvxferd.rig.bench.layout", "span emission and planning (pure layers)"),
     "xfer": ("kvxferd.rig.bench.xfer", "data plane vs raw NIXL, plan build, request planning"),
     "push": ("kvxferd.rig.bench.push", "push (WRITE) vs pull (READ) on the data plane, each vs raw NIXL"),
+    "layers": ("kvxferd.rig.bench.layers", "a push layer by layer vs one batch after the forward pass"),
     "daemon": ("kvxferd.rig.bench.daemon", "through the daemons vs raw NIXL; per-request overhead"),
     "holds": ("kvxferd.rig.bench.holds", "hold bookkeeping from 10 to 100,000 holds"),
     "floors": ("kvxferd.rig.bench.floors", "what each step of a read costs alone"),

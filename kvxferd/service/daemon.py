@@ -192,6 +192,7 @@ class Daemon:
                                      shm_uids=allowed_uids,
                                      workers=self._worker_options() if config.dataplane_workers else None)
             self.registry.on_session_event = self.sessions.on_event
+            self.registry.on_closing = self.writes.engine_gone
             self.registry.require_rdma_vram = config.require_rdma_capable_vram
             for kind in MEMORY_KINDS:
                 self.metrics.vram_regions.labels(kind).set_function(functools.partial(self.registry.num_vram_regions,

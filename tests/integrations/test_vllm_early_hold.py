@@ -14,6 +14,7 @@ import torch
 from kvxferd.client.readsock import ReadsSocketError
 from kvxferd.errors import PermissionDeniedError
 from kvxferd.integrations.vllm.scheduler import SentHold, SchedulerSide
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from tests.integrations.connector_pair import connector_pair, eventually, read_held
 
 REMOTE_DECODE = {"do_remote_decode": True}
@@ -224,3 +225,45 @@ def test_a_push_prefill_is_never_held_early_and_is_held_under_its_transfer_id(pa
     assert not delay and "kvxferd_transfer_id" in params["error"]
     delay, params = push.hold("keyless", ([7],), 64, {"do_remote_decode": True, "kvxferd_transfer_id": "t-3"})
     assert not delay and "kvxferd_push_digest" in params["error"] and sent == ["t-1", "req2"]
+
+
+def test_a_long_push_prefill_is_held_with_its_step_layer_by_layer_and_a_short_one_after_it(pair):
+    """push_layer_min_tokens (issue #57): a push prefill leg that long is held with the step that computes it, no
+    layer final (the workers say when they are), its transfer id in that step's metadata; a shorter one, or any
+    with the option at 0, is held once its forward pass ended (request_finished), as before."""
+    from kvxferd.plan.capability import push_key_digest
+
+    def leg(transfer_id):
+        return {"do_remote_decode": True, "kvxferd_transfer_id": transfer_id,
+                "kvxferd_push_digest": push_key_digest(b"k" * 16).hex()}
+
+    settings = pair["scheduler"].settings.model_copy(update={"mode": "push", "push_layer_min_tokens": 64})
+    scheduler = SchedulerSide("p", settings)
+    scheduler.set_ranks(pair["scheduler"].ranks)
+    scheduler.prefill_allocated("long", leg("T-long"), 64, max_tokens=1)
+    scheduler.prefill_allocated("short", leg("T-short"), 63, max_tokens=1)
+    assert scheduler.prefill_scheduled("long", ([3, 4],), 0, 64)
+    assert not scheduler.prefill_scheduled("short", ([5, 6],), 0, 63)
+    assert scheduler.take_layered() == ["T-long"] and scheduler.take_layered() == []
+    delay, params = scheduler.hold("long", ([3, 4],), 64, leg("T-long"))  # the early hold, collected
+    assert delay and params["remote_request_id"] == "T-long"
+    delay, _ = scheduler.hold("short", ([5, 6],), 63, leg("T-short"))  # held at request_finished: every layer final
+    assert delay
+    prefill = pair["prefill"]
+    none_final = [0] * prefill.num_groups
+    prefill.client.stub.FinalLayers(pb.FinalLayersRequest(engine_id=prefill.engine_id, request_id="T-long",
+                                                          layers_final=none_final))  # accepted: none final yet
+    with pytest.raises(grpc.RpcError, match="every layer is final already"):
+        prefill.client.stub.FinalLayers(pb.FinalLayersRequest(engine_id=prefill.engine_id, request_id="T-short",
+                                                              layers_final=none_final))
+    off = SchedulerSide("p", settings.model_copy(update={"push_layer_min_tokens": 0}))
+    off.set_ranks(pair["scheduler"].ranks)
+    off.prefill_allocated("never", leg("T-never"), 2000, max_tokens=1)
+    assert not off.prefill_scheduled("never", ([7, 8],), 0, 2000) and off.take_layered() == []
+    # the leg itself may say (the proxy's --push-layers): it wins over the length
+    off.prefill_allocated("asked", {**leg("T-asked"), "kvxferd_push_layers": True}, 8, max_tokens=1)
+    scheduler.prefill_allocated("declined", {**leg("T-declined"), "kvxferd_push_layers": False}, 2000, max_tokens=1)
+    assert off.prefill_scheduled("asked", ([9],), 0, 8) and off.take_layered() == ["T-asked"]
+    assert not scheduler.prefill_scheduled("declined", ([10],), 0, 2000) and scheduler.take_layered() == []
+    delay, params = off.hold("bad", ([11],), 8, {**leg("T-bad"), "kvxferd_push_layers": "yes"})
+    assert not delay and "kvxferd_push_layers" in params["error"]

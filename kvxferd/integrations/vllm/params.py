@@ -131,6 +131,15 @@ def transfer_id_of(params: dict[str, Any] | None) -> str | None:
     return value
 
 
+def push_layers_of(params: dict[str, Any] | None) -> bool | None:
+    """Whether a push's prefill leg asks to be written layer by layer (``kvxferd_push_layers``: true) or in one
+    batch (false); None: it does not say (the connector's ``push_layer_min_tokens`` decides)."""
+    value = params.get("kvxferd_push_layers") if isinstance(params, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise ParamsError("kv_transfer_params.kvxferd_push_layers: true or false expected")
+    return value
+
+
 def push_hold_of(params: dict[str, Any] | None) -> tuple[str, bytes] | None:
     """A push's prefill leg: the transfer id its hold is known by and the digest of the transfer's push key
     (``kvxferd_push_digest``, 64 lower-case hex: only a decode leg presenting the key gets the blocks);

@@ -53,12 +53,16 @@ def decode_request(body: dict, kv_transfer_params: dict) -> dict:
     return leg
 
 
-def push_legs(body: dict, transfer_id: str, where: dict) -> tuple[dict, dict]:
+def push_legs(body: dict, transfer_id: str, where: dict, layers: bool | None = None) -> tuple[dict, dict]:
     """Push mode (issue #57): the prefill leg (held under ``transfer_id``) and the decode leg (expecting it
-    from the prefill engine ``where`` names: its engine id and peer addresses), sent at once."""
+    from the prefill engine ``where`` names: its engine id and peer addresses), sent at once. ``layers``: the
+    prefill leg asks for layer by layer (True) or one batch (False); None: the prefill connector's
+    ``push_layer_min_tokens`` decides."""
     push_key, digest = new_push_key()  # the key goes to the decode leg only; the prefill hold keeps its digest
     prefill = prefill_request(body)
     prefill["kv_transfer_params"].update(kvxferd_transfer_id=transfer_id, kvxferd_push_digest=digest.hex())
+    if layers is not None:
+        prefill["kv_transfer_params"]["kvxferd_push_layers"] = layers
     decode = decode_request(body, {"do_remote_prefill": True, "kvxferd": 1, "kvxferd_push": True,
                                    "transfer_id": transfer_id, "push_key": push_key.hex(), **where})
     return prefill, decode
@@ -71,9 +75,11 @@ def prefill_location(params: dict | None) -> dict | None:
     return {"remote_engine_id": params["remote_engine_id"], "remote_peer_addresses": params["remote_peer_addresses"]}
 
 
-def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mode: str = "pull"):
+def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mode: str = "pull",
+             push_layers: bool | None = None):
     """The aiohttp application forwarding ``ROUTES``. ``mode="push"``: both legs at once with one transfer
-    id once the prefill engine's location is known (from its first answer, and every answer after)."""
+    id once the prefill engine's location is known (from its first answer, and every answer after);
+    ``push_layers``: as :func:`push_legs`' ``layers``."""
     from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
     session_key = web.AppKey("session", ClientSession)
@@ -141,7 +147,7 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mod
         request in vLLM) and its answer is the client's; else the decode leg's answer is."""
         transfer_id = f"push-{uuid.uuid4().hex}"
         ids = (transfer_id,)
-        prefill_leg, decode_leg = push_legs(body, transfer_id, dict(where))
+        prefill_leg, decode_leg = push_legs(body, transfer_id, dict(where), push_layers)
         trace.stamp("proxy_in", ids, arrived_s)
         headers = {PREFILL_ID_HEADER: transfer_id}
 
@@ -199,11 +205,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", choices=("pull", "push"), default="pull",
                         help="push: both legs at once with one transfer id (the connectors run mode: push); the "
                              "first request goes as a pull, to learn where the prefill engine is")
+    parser.add_argument("--push-layers", choices=("auto", "on", "off"), default="auto",
+                        help="push mode: the prefill leg written layer by layer while its forward pass runs (on), "
+                             "in one batch after it (off), or as the prefill connector's push_layer_min_tokens "
+                             "says (auto)")
     args = parser.parse_args(argv)
     from aiohttp import web
 
-    web.run_app(make_app(args.prefill.rstrip("/"), args.decode.rstrip("/"), mode=args.mode), host=args.host,
-                port=args.port)
+    layers = {"auto": None, "on": True, "off": False}[args.push_layers]
+    web.run_app(make_app(args.prefill.rstrip("/"), args.decode.rstrip("/"), mode=args.mode, push_layers=layers),
+                host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

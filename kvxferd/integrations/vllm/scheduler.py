@@ -68,7 +68,8 @@ from kvxferd.client.session import Held
 from kvxferd.errors import KvxferError
 from kvxferd.integrations.vllm.early import EarlyHolds, SentHold
 from kvxferd.integrations.vllm.params import (ParamsError, PushPrefill, RemotePrefill, failed_prefill_params,
-                                              is_push, parse_push_prefill, parse_remote_prefill, push_hold_of)
+                                              is_push, parse_push_prefill, parse_remote_prefill, push_hold_of,
+                                              push_layers_of)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvxferd.vllm")
@@ -193,12 +194,14 @@ class SchedulerSide:
         held then are the blocks ``request_finished`` hands over."""
         if params and params.get("do_remote_decode") and self.settings.mode == "push":
             try:
-                push = push_hold_of(params)
+                push, layers = push_hold_of(params), push_layers_of(params)
             except ParamsError:
                 push = None  # refused when it is held (request_finished)
             if push is not None:
                 self._hold_ids[request_id] = push[0]
-                if 0 < self.settings.push_layer_min_tokens <= num_prompt_tokens:
+                if layers is None:  # the leg does not say: long prompts go layer by layer
+                    layers = 0 < self.settings.push_layer_min_tokens <= num_prompt_tokens
+                if layers:
                     self._layer_digests[request_id] = push[1]
         if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and max_tokens == 1:
             self._prefills[request_id] = num_prompt_tokens
@@ -293,6 +296,7 @@ class SchedulerSide:
         self._hold_ids.pop(request_id, None)
         try:
             push = push_hold_of(params) if self.settings.mode == "push" else None
+            push_layers_of(params)  # checked (it was used when the prompt was scheduled)
         except ParamsError as err:
             self.drop_early(request_id)
             return False, failed_prefill_params(str(err))

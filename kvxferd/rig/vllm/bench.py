@@ -123,7 +123,8 @@ class Bench:
         self.failures: dict[str, int] = {}  # failed requests in a row
         self.errors: dict[str, list[str]] = {name: [] for name in setups}
         self.clients: list[dict] = []  # --trace: the client's stamps of each P/D request through kvxferd
-        self.push_clients: list[dict] = []  # and through kvxferd-push
+        self.push_clients: list[dict] = []  # and through one push column (the layer-by-layer one, if run)
+        self.push_traced = "kvxferd-push-layers" if "kvxferd-push-layers" in setups else "kvxferd-push"
 
     def live(self, name: str) -> bool:
         return name in self.setups and self.setups[name].error is None
@@ -146,7 +147,7 @@ class Bench:
 
     def request(self, name: str, prompt: list[int], timeout_s: float | None = None) -> tuple[float, list[int]]:
         setup = self.use(name)
-        stamps = {} if self.args.trace and name in ("kvxferd", "kvxferd-push") else None
+        stamps = {} if self.args.trace and name in ("kvxferd", self.push_traced) else None
         ttft, tokens, _ = post(setup.url, self.body(prompt), timeout_s or self.args.timeout, stamps)
         if stamps and "first" in stamps:
             (self.clients if name == "kvxferd" else self.push_clients).append(stamps)
@@ -211,6 +212,8 @@ def run(args, setups: dict[str, Setup], model: str) -> dict:
     pd_names = [name for name in setups if name != "single"]
     breakdown = [name for name in ("kvxferd", "nixl") if name in setups and args.breakdown]  # a pull's two legs
     report: dict = {"model": dict(TINY_LLAMA), "max_tokens": MAX_TOKENS, "requests": args.requests,
+                    "push_layer_min_tokens": args.push_layer_min_tokens, "num_blocks": args.num_blocks,
+                    "push_traced": bench.push_traced,
                     "block_kib": block_kib(), "idle_cpu_cores": idle_cpu(setups),
                     "unavailable": {n: s.error for n, s in setups.items() if s.error}, "first_request": {},
                     "lengths": []}
@@ -433,6 +436,15 @@ def main() -> None:
                         help="add vLLM's NixlConnector (nixl) and/or its NixlPushConnector (nixl-push) as columns")
     parser.add_argument("--push", action="store_true",
                         help="add kvxferd's push mode (issue #57: the same servers, the proxy in push mode)")
+    parser.add_argument("--num-blocks", type=int, metavar="N",
+                        help="every vLLM server's KV cache pool in blocks of 32 tokens (default: vLLM's, from its CPU "
+                             "KV cache space; NixlPushConnector's reverse handshake describes the whole pool)")
+    parser.add_argument("--push-layers", action="store_true",
+                        help="add kvxferd push layer by layer (issue #57: the same servers, a proxy asking for it; "
+                             "the --push column is then the whole write after the forward pass)")
+    parser.add_argument("--push-layer-min-tokens", type=int, default=0, metavar="N",
+                        help="the kvxferd servers write pushes of prompts of N tokens and more layer by layer "
+                             "(the connector's push_layer_min_tokens; 0: never)")
     parser.add_argument("--single", choices=["own", "prefill"],
                         help="the single instance: its own plain server (default with --compare) or the kvxferd "
                              "prefill server (default without)")
@@ -470,7 +482,8 @@ def main() -> None:
     if args.breakdown is None:
         args.breakdown = bool(args.compare)
     single_on_prefill = (args.single or ("own" if args.compare else "prefill")) == "prefill"
-    names = ["single", "kvxferd"] + (["kvxferd-push"] if args.push else []) + list(dict.fromkeys(args.compare or []))
+    names = (["single", "kvxferd"] + (["kvxferd-push"] if args.push else []) + (["kvxferd-push-layers"] if args.push_layers
+             else []) + list(dict.fromkeys(args.compare or [])))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops every server
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvx-bench-vllm"))
     model = write_tiny_model(work / "tiny-llama")
@@ -483,7 +496,8 @@ def main() -> None:
         patches = tuple(patch for patch, on in (("no-progress-thread", args.nixl_progress_thread == "on"),
                                                  ("no-pin", args.nixl_pin == "on")) if not on)
         start_setups(setups, names, model, args.base_port, work, single_on_prefill, args.pause_nixl, patches,
-                     args.reserved_cpus, args.nixl_threads, tuple(args.worker_cores) if args.worker_cores else None)
+                     args.reserved_cpus, args.nixl_threads, tuple(args.worker_cores) if args.worker_cores else None,
+                     args.push_layer_min_tokens, args.num_blocks)
         setups = {name: setups[name] for name in names}
         report = run(args, setups, model)
         if args.disconnect_check:

@@ -9,6 +9,7 @@ SIGSTOP) reaches its engine-core and worker processes too.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -149,21 +150,25 @@ class Process:
 
 
 def vllm_server(name: str, model: str, port: int, work: pathlib.Path, env: dict,
-                transfer: dict | None = None) -> Process:
-    """A ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 (real weights, token ids in and out, no prefix cache)."""
+                transfer: dict | None = None, num_blocks: int | None = None) -> Process:
+    """A ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 (real weights, token ids in and out, no prefix cache);
+    ``num_blocks``: its KV cache pool (default: vLLM's size for the CPU's KV cache space)."""
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
             "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--seed", "0",
             "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+    if num_blocks:
+        args += ["--num-gpu-blocks-override", str(num_blocks)]
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
     return Process(name, args, work / f"{name}.log", env, port)
 
 
 def proxy(name: str, prefill_port: int, decode_port: int, port: int, work: pathlib.Path, env: dict,
-          mode: str = "pull") -> Process:
+          mode: str = "pull", push_layers: str = "auto") -> Process:
     return Process(name, [sys.executable, "-m", "kvxferd.integrations.vllm.proxy", "--prefill",
                           f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}",
-                          "--host", "127.0.0.1", "--port", str(port), "--mode", mode], work / f"{name}.log", env, port)
+                          "--host", "127.0.0.1", "--port", str(port), "--mode", mode, "--push-layers", push_layers],
+                   work / f"{name}.log", env, port)
 
 
 def nixl_push_proxy(name: str, prefill_port: int, decode_port: int, port: int, work: pathlib.Path, env: dict,
@@ -175,11 +180,13 @@ def nixl_push_proxy(name: str, prefill_port: int, decode_port: int, port: int, w
                    work / f"{name}.log", env, port)
 
 
-def kvxferd_transfer(engine_id: str, engine_socket: str) -> dict:
-    """The kvxferd connector in push mode: it serves pulls as well, so one pair of servers is both columns."""
+def kvxferd_transfer(engine_id: str, engine_socket: str, push_layer_min_tokens: int = 0) -> dict:
+    """The kvxferd connector in push mode: it serves pulls as well, so one pair of servers is both columns
+    (``push_layer_min_tokens``: pushes of prompts that long written layer by layer)."""
     return {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.integrations.vllm",
             "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_connector_extra_config": {"engine_socket": engine_socket, "mode": "push"}}
+            "kv_connector_extra_config": {"engine_socket": engine_socket, "mode": "push",
+                                          "push_layer_min_tokens": push_layer_min_tokens}}
 
 
 def nixl_transfer(engine_id: str, role: str, num_threads: int | None = None, connector: str = "NixlConnector") -> dict:
@@ -315,7 +322,7 @@ class Setup:
     def read_metrics(self) -> dict[str, float]:
         """The decode side's transfer counters: bytes, transfers, seconds in reads (and handshakes, kvxferd).
         kvxferd's push column: the bytes its prefill daemon wrote, the decode daemon's expectations."""
-        if self.daemons and self.name == "kvxferd-push":
+        if self.daemons and self.name.startswith("kvxferd-push"):  # (both push columns' traffic together)
             written = scrape(self.daemons[0].addresses["metrics"])
             expected = scrape(self.daemons[-1].addresses["metrics"])
             return {"bytes": metric_sum(written, "kvxferd_push_bytes_total"),
@@ -348,7 +355,8 @@ class Setup:
 def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: int, work: pathlib.Path,
                  single_on_prefill: bool, pause_nixl: bool, nixl_patches: tuple[str, ...] = (),
                  reserved_cpus: str = "1", nixl_threads: int | None = None,
-                 worker_cores: tuple[str, str] | None = None) -> None:
+                 worker_cores: tuple[str, str] | None = None, push_layer_min_tokens: int = 0,
+                 num_blocks: int | None = None) -> None:
     """Start every setup's processes at once (start-up runs in parallel), then wait for each.
 
     Ports (all on 127.0.0.1): kvxferd proxy base-100, prefill base, decode base+100 (as before);
@@ -357,8 +365,9 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
     ``setups`` is filled as processes start (the caller stops them, also when this raises). A NIXL
     setup that does not come up gets ``error`` (its processes are stopped); the others go on.
     """
+    server = functools.partial(vllm_server, num_blocks=num_blocks)  # every server's pool alike
     wanted = {"kvxferd": [base - 100, base, base + 100, *range(base + 600, base + 603), *range(base + 610, base + 613)],
-              "kvxferd-push": [base - 90],
+              "kvxferd-push": [base - 90], "kvxferd-push-layers": [base - 80],
               "single": [] if single_on_prefill else [base + 200],
               "nixl": [base + 300, base + 400, base + 450, base + 500, base + 550],
               "nixl-push": [base + 700, base + 800, base + 850, base + 900, base + 950]}
@@ -383,18 +392,26 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
         # worker_cores: each P/D server's model on cores of its own (vLLM's OpenMP binding); else vLLM's
         # choice, which on a 2-core host puts every server's worker on core 0
         bind = {"VLLM_CPU_OMP_THREADS_BIND": worker_cores[n]} if worker_cores else {}
-        kvx.processes.append(vllm_server(f"kvxferd-{role}", model, port, work, {**env, **bind},
-                                         kvxferd_transfer(f"kvx-{role}", daemon.socket)))
+        kvx.processes.append(server(f"kvxferd-{role}", model, port, work, {**env, **bind},
+                                    kvxferd_transfer(f"kvx-{role}", daemon.socket, push_layer_min_tokens)))
     kvx.processes.append(proxy("kvxferd-proxy", base, base + 100, base - 100, work, env))
     if "kvxferd-push" in names:  # the same servers and daemons, a proxy in push mode (issue #57)
         push = setups["kvxferd-push"] = Setup("kvxferd-push", base - 90, prefill=base, decode=base + 100,
                                               daemons=kvx.daemons)
-        push.processes.append(proxy("kvxferd-push-proxy", base, base + 100, base - 90, work, env, mode="push"))
+        # with a layer-by-layer column beside it, this one is the whole write after the forward pass
+        layers = "off" if "kvxferd-push-layers" in names else "auto"
+        push.processes.append(proxy("kvxferd-push-proxy", base, base + 100, base - 90, work, env, mode="push",
+                                    push_layers=layers))
+    if "kvxferd-push-layers" in names:  # the same again, every push layer by layer (the proxy asks for it)
+        layered = setups["kvxferd-push-layers"] = Setup("kvxferd-push-layers", base - 80, prefill=base,
+                                                        decode=base + 100, daemons=kvx.daemons)
+        layered.processes.append(proxy("kvxferd-push-layers-proxy", base, base + 100, base - 80, work, env,
+                                       mode="push", push_layers="on"))
     if "single" in names:
         if single_on_prefill:
             setups["single"] = Setup("single", base)
         else:
-            setups["single"] = Setup("single", base + 200, [vllm_server("single", model, base + 200, work, env)])
+            setups["single"] = Setup("single", base + 200, [server("single", model, base + 200, work, env)])
     if "nixl" in names:
         nixl = setups["nixl"] = Setup("nixl", base + 300, prefill=base + 400, decode=base + 500, pausable=pause_nixl)
         patch = {}
@@ -407,8 +424,8 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
         for role, port, kv_role in (("prefill", base + 400, "kv_producer"), ("decode", base + 500, "kv_consumer")):
             nixl_env = {**env, **patch, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 50), "UCX_NET_DEVICES": "lo"}
-            nixl.processes.append(vllm_server(f"nixl-{role}", model, port, work, nixl_env,
-                                              nixl_transfer(f"nixl-{role}", kv_role, nixl_threads)))
+            nixl.processes.append(server(f"nixl-{role}", model, port, work, nixl_env,
+                                         nixl_transfer(f"nixl-{role}", kv_role, nixl_threads)))
         nixl.processes.append(proxy("nixl-proxy", base + 400, base + 500, base + 300, work, env))
     if "nixl-push" in names:  # vLLM's NixlPushConnector (issue #57's comparison)
         nixl = setups["nixl-push"] = Setup("nixl-push", base + 700, prefill=base + 800, decode=base + 900,
@@ -416,9 +433,9 @@ def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: i
         for role, port, kv_role in (("prefill", base + 800, "kv_producer"), ("decode", base + 900, "kv_consumer")):
             nixl_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 50), "UCX_NET_DEVICES": "lo"}
-            nixl.processes.append(vllm_server(f"nixl-push-{role}", model, port, work, nixl_env,
-                                              nixl_transfer(f"nixl-push-{role}", kv_role, nixl_threads,
-                                                            "NixlPushConnector")))
+            nixl.processes.append(server(f"nixl-push-{role}", model, port, work, nixl_env,
+                                         nixl_transfer(f"nixl-push-{role}", kv_role, nixl_threads,
+                                                       "NixlPushConnector")))
         nixl.processes.append(nixl_push_proxy("nixl-push-proxy", base + 800, base + 900, base + 700, work, env,
                                               "nixl-push-prefill", base + 850))
     deadline = time.monotonic() + 600

@@ -141,7 +141,8 @@ def print_push_trace(report: dict) -> None:
     rows = [(tokens, got) for tokens, got in rows if got and got["requests"]]
     if not rows:
         return
-    print("\nOne push request (kvxferd-push), point by point: median ms after the client sent it (both legs run "
+    print(f"\nOne push request ({report.get('push_traced', 'kvxferd-push')}), point by point: median ms after the "
+          "client sent it (both legs run "
           "at once, so these are times, not segments):\n")
     print("| point | " + " | ".join(f"{tokens} tokens" for tokens, _ in rows) + " |")
     print("|---|" + "---|" * len(rows))

@@ -167,3 +167,5 @@ def release_hold(daemon: HoldingParts, slot: "EngineSlot", request_id: str) -> N
     with slot.lock:
         end = slot.holds.release(request_id)
     daemon.publish(slot, end)
+    if slot.expectations:  # a push written layer by layer that waits for more layers ends now
+        daemon.held(slot, request_id)

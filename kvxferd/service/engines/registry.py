@@ -25,7 +25,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kvxferd.errors import (AlreadyExistsError, InvalidArgumentError, KvxferError, NotFoundError,
@@ -103,6 +103,9 @@ class Registry:
         self.max_engines = max_engines
         self.max_registered_bytes = max_registered_bytes
         self.publish = publish
+        # Called as a registration closes, before its memory goes (the daemon tells the decode ranks whose
+        # pushes this engine will not write now, issue #57).
+        self.on_closing: Callable[[EngineSlot], Awaitable[None]] | None = None
         self.daemon_id = daemon_id
         self.default_lease_s = default_lease_s
         self.max_lease_s = max_lease_s
@@ -421,6 +424,8 @@ class Registry:
             ended = slot.holds.drop_all(reason)
         for end in ended:
             self.publish(slot, end)
+        if self.on_closing is not None:
+            await self.on_closing(slot)
         try:
             await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.remove_slot(slot, reason)))
         except KvxferError as err:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxferd.push")
 
 POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3  # a posted push is polled with growing sleeps
+FLUSH_ROUNDS = 20  # a closing engine's last notices: its agent progressed this many times, POLL_MAX_S apart
 WARM_UP_S = 5.0  # a new connection's first READ may take this long (then the first push pays the rest)
 
 
@@ -215,8 +216,11 @@ class WritePath:
             return
         with slot.lock:
             held = slot.holds.lookup(transfer_id, time.monotonic())
-        if held is None:
-            return  # not held yet: the engine's Hold starts them
+        if held is None:  # not held yet (the engine's Hold starts them), or not any more (released)
+            for expectation in list(waiting.values()):
+                if expectation.staged is not None and expectation.inflight is None:  # waiting for layers: ends now
+                    self._abandon(slot, expectation)
+            return
         for expectation in list(waiting.values()):
             if not expectation.started:
                 self._start(slot, expectation, held)
@@ -377,20 +381,44 @@ class WritePath:
             if not waiting:
                 del slot.expectations[expectation.transfer_id]
 
+    async def engine_gone(self, slot: EngineSlot) -> None:
+        """``slot``'s registration is closing: every decode rank whose push it has not begun writing (never
+        held, or waiting for layers) is told now, instead of by the expectation's deadline; a write in flight
+        ends with the registration's memory (its decode rank waits its settle time for it). The notices are
+        flushed (UCX sends them as its agent makes progress) before the agent goes with the registration."""
+        told = 0
+        for waiting in list(slot.expectations.values()):
+            for expectation in list(waiting.values()):
+                if not expectation.started or (expectation.staged is not None and expectation.inflight is None):
+                    self._abandon(slot, expectation)
+                    told += 1
+        pusher = slot.pusher
+        for _ in range(FLUSH_ROUNDS if told and pusher is not None else 0):
+            with pusher.lock:
+                try:
+                    pusher.notices.poll_notifications()  # the engine is going: what arrives is of no use now
+                except KvxferError:
+                    return
+            await asyncio.sleep(POLL_MAX_S)
+
+    def _abandon(self, slot: EngineSlot, expectation: Expectation) -> None:
+        """Forget an expectation nothing is being written for and tell its decode rank (a failed notice)."""
+        self._forget(slot, expectation)
+        if expectation.timer is not None:
+            expectation.timer.cancel()
+        self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
+                   expectation.capability)
+
     def _expire(self, slot: EngineSlot, expectation: Expectation) -> None:
         """Its deadline passed before this engine held the transfer: forgotten, and the decode rank told (a failed
         notice: nothing was written, so its blocks need not wait for this writer)."""
         if not expectation.started:
-            self._forget(slot, expectation)
-            self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
-                       expectation.capability)
+            self._abandon(slot, expectation)
         elif expectation.staged is not None and expectation.inflight is None:  # waiting for layers that never came
             with slot.lock:
                 held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
             if held is None:
-                self._forget(slot, expectation)
-                self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
-                           expectation.capability)
+                self._abandon(slot, expectation)
             else:
                 self._finish(slot, expectation, None, held, "deadline: its last layers were never final")
 

@@ -343,15 +343,21 @@ def test_layers_stored_inside_one_region_are_pushed_layer_by_layer(workdir):
         assert not problems and wrong == 0
 
 
+def held_first_layer(cluster, rng, name: str, deadline_s: float):
+    """A push the decode rank expects (``deadline_s``) and the prefill engine holds with its first layer final."""
+    request = random_request(name, cluster.prefill_groups, cluster.decode_groups, 70, rng)
+    cluster.reset_decode()
+    cluster.expect(request, deadline_s=deadline_s)
+    cluster.hold(request, push=True, layers_final=[1], lease_s=30.0)
+    return request
+
+
 def test_a_push_whose_last_layers_are_never_final_fails_at_its_deadline(workdir):
     """A prefill engine that holds layer by layer and never says its last layer is final: the push fails at the
     expectation's deadline (every block invalid), the layers it wrote and those it did not alike."""
     cluster, rng = small_cluster(workdir, "push-layers-stuck")
     with cluster:
-        request = random_request("stuck", cluster.prefill_groups, cluster.decode_groups, 70, rng)
-        cluster.reset_decode()
-        cluster.expect(request, deadline_s=1.0)
-        cluster.hold(request, push=True, layers_final=[1], lease_s=30.0)
+        request = held_first_layer(cluster, rng, "stuck", deadline_s=1.0)
         (completion,) = cluster.completions(request, timeout_s=15)
         assert not completion.ok
         assert [list(b.ids) for b in completion.invalid_block_ids] == [sorted(set(ids)) for ids in request.local_block_ids]
@@ -381,3 +387,33 @@ def test_final_layers_said_before_their_hold_count_when_it_comes(workdir):
         assert [(c.ok, c.error) for c in cluster.completions(request, timeout_s=10)] == [(True, "")]
         problems, wrong = cluster.verify(request)
         assert not problems and wrong == 0
+
+
+def test_a_push_waiting_for_layers_ends_at_once_when_its_prefill_hold_is_released(workdir):
+    """An abort on the prefill side while the push waits for layers: the decode rank hears at once, not at the
+    expectation's deadline (20 s here)."""
+    cluster, rng = small_cluster(workdir, "push-layers-released")
+    with cluster:
+        request = held_first_layer(cluster, rng, "released", deadline_s=20)
+        time.sleep(0.3)  # the first layer is written
+        start = time.monotonic()
+        for client in cluster.prefill_clients:
+            client.release(request.remote_request_id)
+        (completion,) = cluster.completions(request, timeout_s=15)
+        assert not completion.ok and time.monotonic() - start < 5
+
+
+def test_a_prefill_engine_that_deregisters_tells_the_pushes_it_never_began(workdir):
+    """The prefill engine goes away (deregisters, or its process dies) with an expectation waiting for its hold:
+    the decode rank hears at once, not at the expectation's deadline nor after its settle cap (20 s each)."""
+    cluster, rng = small_cluster(workdir, "push-prefill-gone", daemon_args=("--push-settle-s", "20"))
+    with cluster:
+        request = random_request("gone", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        cluster.expect(request, deadline_s=20)
+        time.sleep(0.3)  # the expectations reached the prefill daemons
+        start = time.monotonic()
+        for client in cluster.prefill_clients:
+            client.deregister()
+        (completion,) = cluster.completions(request, timeout_s=15)
+        assert not completion.ok and time.monotonic() - start < 5 and cluster.decode_untouched()
