@@ -99,6 +99,15 @@ def test_bench_push_subcommand():
     assert figures["push_bulk_ratio"] > 0 and figures["read_bulk_ratio"] > 0
 
 
+def test_bench_layers_subcommand():
+    """A push layer by layer vs one batch through daemons: both kinds complete ok (else it exits 1), tails printed."""
+    run = kvxferd("bench", "layers", "--quick", "--json")
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout)
+    assert [(c["num_blocks"], c["layer_ms"]) for c in figures["cases"]] == [(4, 1.0), (64, 1.0)]
+    assert all(c["batch_tail_ms"] > 0 and c["layered_tail_ms"] > 0 for c in figures["cases"])
+
+
 def test_demo_exits_1_when_reads_fail():
     # A 100 us deadline cannot be met: every read fails (as data); the engine releases its holds.
     run = kvxferd("demo", "--json", "--model", "gqa", "--prefill-tp", "1", "--decode-tp", "1", "--requests", "2",

@@ -24,6 +24,7 @@ both list; ``exact`` (Mamba) pairs whole state pages one to one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -163,7 +164,7 @@ class EngineCache:
         """The layout of every region of ``group`` on this rank."""
         return self.groups[group].spec.region(self.tp_size, self.tp_rank)
 
-    @property
+    @cached_property
     def layer_counts(self) -> tuple[int, ...]:
         """Per group, its layers: one per region, times the layers stored inside one (``L``)."""
         return tuple(group.num_regions * self.region(g).num_layers for g, group in enumerate(self.groups))

@@ -323,15 +323,25 @@ class SoakPrefill(SoakRanks):
     def __init__(self, engine_id, groups, engine_targets, *, lease_s: float) -> None:
         super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
 
-    def hold(self, request_id: str, block_ids, lease_s: float, push_key_digest: bytes = b"") -> list[tuple[str, bytes]]:
+    def hold(self, request_id: str, block_ids, lease_s: float, push_key_digest: bytes = b"",
+             by_layer: bool = False) -> list[tuple[str, bytes]]:
         """Hold on every rank (a push's with its key's digest); per rank ("ok", its capability), or (the
-        status code name of a failed call, b"")."""
+        status code name of a failed call, b""). ``by_layer``: a push held with no layer final, then every
+        layer said final in turn, one FinalLayers per layer and rank (issue #57)."""
         held: dict[int, bytes] = {}
+        layer_counts = self.ranks[0].cache.layer_counts
+        first = [0] * len(layer_counts) if by_layer else ()
 
         def hold_on(rank: int, client) -> None:
-            held[rank] = client.hold(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest).capability
+            held[rank] = client.hold(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest,
+                                     layers_final=first).capability
 
         answers = [_call(lambda r=rank, c=client: hold_on(r, c)) for rank, client in enumerate(self.clients)]
+        for layer in range(1, max(layer_counts) + 1) if by_layer else ():
+            counts = [min(layer, n) for n in layer_counts]
+            for rank, client in enumerate(self.clients):
+                if answers[rank] == "ok":
+                    _call(lambda c=client: c.final_layers(request_id, counts))
         return [(answer, held.get(rank, b"")) for rank, answer in enumerate(answers)]
 
     def release(self, request_id: str) -> list[str]:

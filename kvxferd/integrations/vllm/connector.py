@@ -120,6 +120,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.engine_id = transfer.engine_id
         self.settings = load_settings(transfer.kv_connector_extra_config)
+        if self.settings.push_layer_min_tokens is None:  # layer by layer where it was measured: CPU engines
+            on_cpu = vllm_config.device_config.device_type == "cpu"
+            self.settings = self.settings.model_copy(update={"push_layer_min_tokens": 1 if on_cpu else 0})
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._load_errors: set[int] = set()

@@ -200,7 +200,7 @@ class SchedulerSide:
             if push is not None:
                 self._hold_ids[request_id] = push[0]
                 if layers is None:  # the leg does not say: long prompts go layer by layer
-                    layers = 0 < self.settings.push_layer_min_tokens <= num_prompt_tokens
+                    layers = 0 < (self.settings.push_layer_min_tokens or 0) <= num_prompt_tokens
                 if layers:
                     self._layer_digests[request_id] = push[1]
         if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and max_tokens == 1:

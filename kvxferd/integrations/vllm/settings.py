@@ -46,10 +46,12 @@ class ConnectorSettings(BaseModel):
                             "after the other); push (issue #57): both legs at once with one transfer id, decode "
                             "expects its blocks and the prefill daemon writes them when the prefill ends. An "
                             "engine in pull mode refuses push params, so both sides must say push")
-    push_layer_min_tokens: int = Field(
-        0, ge=0, description="push mode, prefill side: a prompt of at least this many tokens is written layer by "
-                             "layer while its forward pass runs (vLLM's save_kv_layer), shorter ones in one batch "
-                             "after it; 0: never layer by layer. docs/push.md has where it pays")
+    push_layer_min_tokens: int | None = Field(
+        None, ge=0, description="push mode, prefill side: a prompt of at least this many tokens is written layer by "
+                                "layer while its forward pass runs (vLLM's save_kv_layer), shorter ones in one batch "
+                                "after it; 0: never. Unset: 1 on a CPU engine (measured faster at every length, "
+                                "docs/push.md), 0 on a GPU (its event-fenced reports have not run on one yet). "
+                                "Full-attention and MLA models only (where the hold can go with the prompt's step)")
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
         "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "
                              "VLLM_KV_CACHE_LAYOUT still wins, and kvxferd reads any order")

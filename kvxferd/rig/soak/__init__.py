@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _table(summary: dict) -> str:
     lines = [f"kvxferd soak: seed {summary['seed']}, {summary['duration_s']:g} s, {summary['pairings']} pairings, "
-             f"{summary['requests']} requests ({summary['pushes']} pushes), "
+             f"{summary['requests']} requests ({summary['pushes']} pushes, {summary['layered_pushes']} of them layer "
+             "by layer), "
              f"{summary['verified_bytes'] / 2**20:,.1f} MiB verified",
              f"read outcomes per rank: {summary['read_outcomes']} (of them pushes: {summary['push_outcomes']})",
              f"faults: {summary['faults']}", f"holds: {summary['holds']}", "invariants:"]

@@ -37,6 +37,7 @@ class Report:
         self.start_s = time.monotonic()
         self.requests = 0
         self.pushes = 0  # of them, pushes (issue #57)
+        self.layered_pushes = 0  # of those, held layer by layer
         self.verified_bytes = 0
         self.outcomes: collections.Counter = collections.Counter()
         self.push_outcomes: collections.Counter = collections.Counter()  # of them, the pushes' (issue #57)
@@ -88,7 +89,7 @@ class Report:
                    for name, v in sorted(self.figures.items()) if v}
         return {
             "seed": self.seed, "duration_s": round(time.monotonic() - self.start_s, 1),
-            "requests": self.requests, "pushes": self.pushes, "verified_bytes": self.verified_bytes,
+            "requests": self.requests, "pushes": self.pushes, "layered_pushes": self.layered_pushes, "verified_bytes": self.verified_bytes,
             "read_outcomes": dict(self.outcomes), "push_outcomes": dict(self.push_outcomes), "faults": dict(self.faults), "holds": self.holds,
             "violations": [{"invariant": k, "count": len(v), "examples": v[:MAX_EXAMPLES]}
                            for k, v in sorted(self.violations.items())],

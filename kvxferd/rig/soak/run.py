@@ -316,8 +316,11 @@ class Soak:
                 self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s, push_key)
                 sent_s = time.monotonic()
         if self.prefill.process.is_alive():
+            # half the pushes held layer by layer: no layer final, then each said final in turn
+            by_layer = bool(push_key) and self.rng.random() < 0.5
+            self.report.layered_pushes += by_layer
             answers = self.prefill.call("hold", request.remote_request_id, request.remote_block_ids, lease_s,
-                                        push_key_digest(push_key) if push_key else b"")
+                                        push_key_digest(push_key) if push_key else b"", by_layer)
             for rank, (answer, _) in enumerate(answers):
                 self.ledger.placed(rank, prefill_id, request.remote_request_id, answer)
             # A rank that could not hold gives no capability: the read is then refused before it moves a

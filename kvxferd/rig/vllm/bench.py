@@ -442,9 +442,9 @@ def main() -> None:
     parser.add_argument("--push-layers", action="store_true",
                         help="add kvxferd push layer by layer (issue #57: the same servers, a proxy asking for it; "
                              "the --push column is then the whole write after the forward pass)")
-    parser.add_argument("--push-layer-min-tokens", type=int, default=0, metavar="N",
+    parser.add_argument("--push-layer-min-tokens", type=int, metavar="N",
                         help="the kvxferd servers write pushes of prompts of N tokens and more layer by layer "
-                             "(the connector's push_layer_min_tokens; 0: never)")
+                             "(the connector's push_layer_min_tokens; 0: never; default: the connector's)")
     parser.add_argument("--single", choices=["own", "prefill"],
                         help="the single instance: its own plain server (default with --compare) or the kvxferd "
                              "prefill server (default without)")

@@ -180,13 +180,15 @@ def nixl_push_proxy(name: str, prefill_port: int, decode_port: int, port: int, w
                    work / f"{name}.log", env, port)
 
 
-def kvxferd_transfer(engine_id: str, engine_socket: str, push_layer_min_tokens: int = 0) -> dict:
+def kvxferd_transfer(engine_id: str, engine_socket: str, push_layer_min_tokens: int | None = None) -> dict:
     """The kvxferd connector in push mode: it serves pulls as well, so one pair of servers is both columns
-    (``push_layer_min_tokens``: pushes of prompts that long written layer by layer)."""
+    (``push_layer_min_tokens``: pushes of prompts that long written layer by layer; None: the connector's
+    default)."""
+    extra = {"engine_socket": engine_socket, "mode": "push"}
+    if push_layer_min_tokens is not None:
+        extra["push_layer_min_tokens"] = push_layer_min_tokens
     return {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.integrations.vllm",
-            "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_connector_extra_config": {"engine_socket": engine_socket, "mode": "push",
-                                          "push_layer_min_tokens": push_layer_min_tokens}}
+            "kv_role": "kv_both", "engine_id": engine_id, "kv_connector_extra_config": extra}
 
 
 def nixl_transfer(engine_id: str, role: str, num_threads: int | None = None, connector: str = "NixlConnector") -> dict:
@@ -355,7 +357,7 @@ class Setup:
 def start_setups(setups: dict[str, Setup], names: list[str], model: str, base: int, work: pathlib.Path,
                  single_on_prefill: bool, pause_nixl: bool, nixl_patches: tuple[str, ...] = (),
                  reserved_cpus: str = "1", nixl_threads: int | None = None,
-                 worker_cores: tuple[str, str] | None = None, push_layer_min_tokens: int = 0,
+                 worker_cores: tuple[str, str] | None = None, push_layer_min_tokens: int | None = None,
                  num_blocks: int | None = None) -> None:
     """Start every setup's processes at once (start-up runs in parallel), then wait for each.
 
