@@ -23,9 +23,10 @@ PANELS = [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))"),
         ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))")]),
     ("Failed reads / s by kind", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_read_failures_total{SEL}{RATE}))")]),
-    ("Push (prefill side): writes / s by outcome, bytes written / s", "ops", [
+    ("Push (prefill side): writes / s by outcome, bytes written / s, stages / s", "ops", [
         ("{{outcome}}", f"sum by (outcome) (rate(kvxferd_push_writes_total{SEL}{RATE}))"),
-        ("bytes {{pod}}", f"sum by (pod) (rate(kvxferd_push_bytes_total{SEL}{RATE}))")]),
+        ("bytes {{pod}}", f"sum by (pod) (rate(kvxferd_push_bytes_total{SEL}{RATE}))"),
+        ("layer-by-layer stages {{pod}}", f"sum by (pod) (rate(kvxferd_push_stages_total{SEL}{RATE}))")]),
     ("Push (decode side): expectation submit -> completion p50 / p99", "s", [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))"),
         ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))")]),

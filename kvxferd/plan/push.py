@@ -82,14 +82,19 @@ class PlannedPush:
             raise InvalidArgumentError("layers", "this push was not planned layer by layer")
         lo, hi = _layer_bounds(layers_from, len(self.target_units)), _layer_bounds(layers_to, len(self.target_units))
         num_units = np.fromiter((len(u) for u in self.target_units), np.int64, len(self.target_units))
-        sizes = num_units[plan.region_groups] * plan.region_spans  # descriptors of each (table, region)
+        sizes = num_units[plan.region_groups] * plan.region_spans  # descriptors of each (table, region), in order
+        starts = np.cumsum(sizes) - sizes
         layer, group = plan.region_layers, plan.region_groups
-        selected = (layer >= lo[group]) & (layer < hi[group])
-        if not selected.any() or not (sizes * selected).any():
+        selected = np.flatnonzero((layer >= lo[group]) & (layer < hi[group]) & (sizes > 0))
+        if not len(selected):
             return None
-        mask = np.repeat(selected, sizes)
-        num_bytes = int((sizes * selected * plan.region_span_bytes).sum())
-        return RankRead(self.write.remote_rank, self.write.local_ids[mask], self.write.remote_ids[mask], num_bytes)
+        # the selected regions' runs of descriptors, gathered without touching the others (a push's stages
+        # together cost one pass over its descriptors)
+        run_sizes = sizes[selected]
+        total = int(run_sizes.sum())
+        index = np.repeat(starts[selected] - (np.cumsum(run_sizes) - run_sizes), run_sizes) + np.arange(total)
+        num_bytes = int((run_sizes * plan.region_span_bytes[selected]).sum())
+        return RankRead(self.write.remote_rank, self.write.local_ids[index], self.write.remote_ids[index], num_bytes)
 
     def invalid_block_ids(self) -> tuple[np.ndarray, ...]:
         """Per group: target block ids this writer's failure leaves incomplete."""

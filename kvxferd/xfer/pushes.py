@@ -67,6 +67,7 @@ class PushTarget:
     # Its plan by layer with its own prepared lists, where that differs (layers stored inside a region: a span
     # of the whole write may run across layers); None: this connection's plan is by layer already.
     layered: "PushTarget | None" = None
+    stageable: bool = True  # a push to it can go layer by layer (a plan by layer could be made)
 
     def by_layer(self) -> "PushTarget":
         """The connection a push written layer by layer posts its stages on."""
@@ -92,12 +93,14 @@ class PushExecutor:
         None when this rank holds nothing that target rank needs. A bad target leaves nothing behind;
         the same owner connecting the same target rank again replaces its earlier connection."""
         with self.lock:
-            layered = PushPlan(self.cache, target, by_layer=True)
-            if not layered.notifies:
+            # Layers stored inside a region: the whole write keeps its coarser spans, stages take a plan by layer
+            # of their own (none where one cannot be made: those pushes go in one batch, staged ones are refused).
+            # Else the plan by layer is the plan (every region one layer: the same descriptors).
+            inside = _layers_inside(self.cache) or _layers_inside(target)
+            plan = PushPlan(self.cache, target, by_layer=not inside)
+            if not plan.notifies:
                 return None
-            # Layers stored inside a region: the whole write keeps its coarser spans, stages take the plan by layer.
-            inside = any(c.region(g).num_layers > 1 for c in (self.cache, target) for g in range(len(c.groups)))
-            plan = PushPlan(self.cache, target) if inside else layered
+            layered = _plan_by_layer(self.cache, target) if inside else plan
             d, key = target.tp_rank, (owner, target.engine_id, target.tp_rank)
             if key in self.targets:
                 self.disconnect(key)
@@ -115,7 +118,7 @@ class PushExecutor:
                     connection.board_lists[d] = self.agent.prep_remote(
                         name, board_rows(board.address, board.num_buckets), "DRAM")
                     connection.board_buckets[d] = board.num_buckets
-                    if inside:
+                    if inside and layered is not None:
                         connection.layered = PushTarget(target.engine_id, {d: layered}, connection.agent_names,
                                                         board_lists=connection.board_lists,
                                                         board_buckets=connection.board_buckets)
@@ -126,6 +129,7 @@ class PushExecutor:
             except BaseException:
                 self._release(connection)
                 raise
+            connection.stageable = layered is not None
             self.targets[key] = connection
             return connection
 
@@ -204,11 +208,12 @@ class PushExecutor:
         return plan.plan_request(request)
 
     def post(self, target: PushTarget, planned: PlannedPush, start_s: float | None = None,
-             write: RankRead | None = None) -> InFlightRead:
-        """Post a planned push (its board check first); ``write``: only that stage of it (planned by layer on
-        ``target.by_layer()``). A push that writes nothing (this rank only notifies) ends at once, ok."""
+             write: RankRead | None = None, stage: bool = False) -> InFlightRead:
+        """Post a planned push (its board check first); with ``stage``, only ``write`` (a stage of it, planned by
+        layer on ``target.by_layer()``; None: nothing). A push that writes nothing (this rank only notifies, or
+        an empty last stage) ends at once, ok."""
         with self.lock:
-            write = planned.write if write is None else write
+            write = write if stage else planned.write
             ranks = {} if write is None else {
                 write.remote_rank: RankTransfer(write, hold_tag(planned.request.capability))}
             admitted = AdmittedRead(target, planned.request, planned)
@@ -280,3 +285,22 @@ class PushExecutor:
             except KvxferError:  # the target went away: its expectation ends by its deadline
                 pass
             self.num_notices_sent += 1
+
+
+def _layers_inside(cache: EngineCache) -> bool:
+    """Whether a region of ``cache`` holds several layers (or says so unclearly: then no plan by layer is tried
+    to be the plan)."""
+    try:
+        return any(n > 1 for n in cache.layer_counts) and any(cache.region(g).num_layers > 1
+                                                              for g in range(len(cache.groups)))
+    except KvxferError:
+        return True
+
+
+def _plan_by_layer(writer: EngineCache, target: EngineCache) -> PushPlan | None:
+    """The plan by layer of a pair whose regions hold several layers; None when one cannot be made (a layout
+    whose layers cannot be split apart): its pushes then go in one batch only."""
+    try:
+        return PushPlan(writer, target, by_layer=True)
+    except KvxferError:
+        return None

@@ -267,3 +267,13 @@ def test_a_long_push_prefill_is_held_with_its_step_layer_by_layer_and_a_short_on
     assert not scheduler.prefill_scheduled("declined", ([10],), 0, 2000) and scheduler.take_layered() == []
     delay, params = off.hold("bad", ([11],), 8, {**leg("T-bad"), "kvxferd_push_layers": "yes"})
     assert not delay and "kvxferd_push_layers" in params["error"]
+    # a long prompt computed in chunks is held at the end, in one batch: nothing of it is kept
+    scheduler.prefill_allocated("chunked", leg("T-chunked"), 128, max_tokens=1)
+    assert not scheduler.prefill_scheduled("chunked", ([12],), 0, 64)
+    assert scheduler.hold("chunked", ([12, 13],), 128, leg("T-chunked"))[0]
+    assert scheduler._layer_digests == {} and scheduler.take_layered() == []
+    # where the workers cannot tell when a layer is final (a device without fences, micro-batches): never
+    unfenced = SchedulerSide("p", settings, push_layers_allowed=False)
+    unfenced.set_ranks(pair["scheduler"].ranks)
+    unfenced.prefill_allocated("asked", {**leg("T-unfenced"), "kvxferd_push_layers": True}, 64, max_tokens=1)
+    assert not unfenced.prefill_scheduled("asked", ([14],), 0, 64) and unfenced.take_layered() == []

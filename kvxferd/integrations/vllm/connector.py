@@ -87,7 +87,7 @@ def _fence(tensor: torch.Tensor | None):
     """On a GPU, an event recorded now (the KV kernels queued so far end before it); None on a CPU, where the
     forward pass ran them already."""
     if (tensor is not None and tensor.is_cuda) or (tensor is None and torch.cuda.is_initialized()):
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # its thread sleeps until the kernels end, not spins
         event.record()
         return event
     return None
@@ -120,9 +120,12 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.engine_id = transfer.engine_id
         self.settings = load_settings(transfer.kv_connector_extra_config)
+        device = vllm_config.device_config.device_type
         if self.settings.push_layer_min_tokens is None:  # layer by layer where it was measured: CPU engines
-            on_cpu = vllm_config.device_config.device_type == "cpu"
-            self.settings = self.settings.model_copy(update={"push_layer_min_tokens": 1 if on_cpu else 0})
+            self.settings = self.settings.model_copy(update={"push_layer_min_tokens": 1 if device == "cpu" else 0})
+        # Layer by layer needs each layer's KV in the cache when save_kv_layer says so: the CPU runs its kernels
+        # at once, a CUDA stream is fenced (an event); other devices, and layers run once per micro-batch, not.
+        push_layers_allowed = device in ("cpu", "cuda") and not getattr(parallel, "use_ubatching", False)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._load_errors: set[int] = set()
@@ -133,7 +136,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             # (windows and states drop blocks by the end), no speculative lookahead (extra blocks).
             plain = all(type(g.kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec) for g in groups)
             self.scheduler = SchedulerSide(self.engine_id, self.settings, num_backoff_tokens=int(has_states),
-                                           early_holds=plain and vllm_config.speculative_config is None)
+                                           early_holds=plain and vllm_config.speculative_config is None,
+                                           push_layers_allowed=push_layers_allowed)
             self._trace = Trace(f"{self.engine_id}-scheduler", self.settings.trace_dir)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

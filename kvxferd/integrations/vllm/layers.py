@@ -120,5 +120,10 @@ class FencedSender:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             fence, transfer_id, counts = item
-            fence.synchronize()
+            try:
+                fence.synchronize()
+            except Exception as err:  # never said final: the push fails by its deadline, the thread goes on
+                log.warning("kvxferd: a layer's KV could not be waited for", extra={"transfer_id": transfer_id,
+                                                                                   "error": str(err)})
+                continue
             self._send(transfer_id, counts)

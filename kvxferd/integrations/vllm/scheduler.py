@@ -141,9 +141,12 @@ class SchedulerSide:
     """Scheduler-process state of one engine (prefill, decode, or both)."""
 
     def __init__(self, engine_id: str, settings: ConnectorSettings, num_backoff_tokens: int = 0,
-                 early_holds: bool = True) -> None:
+                 early_holds: bool = True, push_layers_allowed: bool = True) -> None:
         self.engine_id = engine_id
         self.settings = settings
+        # False where a worker cannot tell when a layer's KV is in the cache (kernels it cannot fence, a layer
+        # run once per micro-batch): every push is then written in one batch, whatever a leg asks
+        self.push_layers_allowed = push_layers_allowed
         self.num_backoff_tokens = num_backoff_tokens  # 1 when a group holds running states (Mamba)
         # False where the blocks vLLM allocates for a prompt differ from those it hands over at the end
         # (sliding windows and states drop blocks, speculative decoding reserves more): held at the end
@@ -201,7 +204,7 @@ class SchedulerSide:
                 self._hold_ids[request_id] = push[0]
                 if layers is None:  # the leg does not say: long prompts go layer by layer
                     layers = 0 < (self.settings.push_layer_min_tokens or 0) <= num_prompt_tokens
-                if layers:
+                if layers and self.push_layers_allowed:
                     self._layer_digests[request_id] = push[1]
         if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and max_tokens == 1:
             self._prefills[request_id] = num_prompt_tokens
@@ -294,6 +297,7 @@ class SchedulerSide:
         (``kvxferd_transfer_id`` in ``params``, push mode) is held under its transfer id: the decode ranks'
         expectations name it, and the prefill daemons write once it is held."""
         self._hold_ids.pop(request_id, None)
+        self._layer_digests.pop(request_id, None)  # (a prompt not held with its step: computed in chunks, say)
         try:
             push = push_hold_of(params) if self.settings.mode == "push" else None
             push_layers_of(params)  # checked (it was used when the prompt was scheduled)

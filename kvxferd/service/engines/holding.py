@@ -109,6 +109,8 @@ def final_layers(daemon: HoldingParts, slot: "EngineSlot", request: pb.FinalLaye
     """More layers of a hold placed with ``layers_final`` are final (event-loop thread): the push writes them
     (after this call's answer). Whether every layer is final now."""
     check_id(request.request_id, "request_id")
+    if not len(request.layers_final):  # (on a Hold, none means every layer: here it would be a mistake)
+        raise InvalidArgumentError("layers_final", "one count per cache group")
     layers_final = check_layers_final(request.layers_final, slot, "layers_final")
     now = time.monotonic()
     with slot.lock:

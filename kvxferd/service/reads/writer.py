@@ -71,6 +71,7 @@ class Expectation:
     deadline_s: float  # perf_counter: no write is posted after it
     connection: PushTarget
     started: bool = False
+    hold_capability: bytes = b""  # of the prefill hold it was started on: a later hold of the id is another
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     # A push written layer by layer: the planned push (by layer), the layers written per group so far and
     # their bytes; ``inflight`` while a stage is posted (None: waiting for more layers to be final).
@@ -216,19 +217,18 @@ class WritePath:
             return
         with slot.lock:
             held = slot.holds.lookup(transfer_id, time.monotonic())
-        if held is None:  # not held yet (the engine's Hold starts them), or not any more (released)
-            for expectation in list(waiting.values()):
-                if expectation.staged is not None and expectation.inflight is None:  # waiting for layers: ends now
-                    self._abandon(slot, expectation)
-            return
         for expectation in list(waiting.values()):
             if not expectation.started:
-                self._start(slot, expectation, held)
-            elif expectation.staged is not None and expectation.inflight is None:
-                self._next_stage(slot, expectation, held)  # FinalLayers: more layers to write
+                if held is not None:  # (else not held yet: the engine's Hold starts it)
+                    self._start(slot, expectation, held)
+            elif expectation.staged is not None and expectation.inflight is None:  # waiting for layers
+                if held is None or held.capability != expectation.hold_capability:
+                    self._abandon(slot, expectation)  # its hold ended (released, or held anew on other blocks)
+                else:
+                    self._next_stage(slot, expectation, held)  # FinalLayers: more layers to write
 
     def _start(self, slot: EngineSlot, expectation: Expectation, held: LiveHold) -> None:
-        expectation.started = True
+        expectation.started, expectation.hold_capability = True, held.capability
         slot.awaited.discard(expectation.transfer_id)
         if expectation.timer is not None and held.layers_final is None:
             expectation.timer.cancel()  # staged: it stays, to end a push whose layers never all became final
@@ -246,6 +246,9 @@ class WritePath:
                 raise NotFoundError("expectation", "the connection to the target rank was replaced (it restarted): "
                                                    "its new agent expects anew")
             if held.layers_final is not None:
+                if not expectation.connection.stageable:
+                    raise InvalidArgumentError("layers_final", "this pair's layouts cannot be split layer by layer: "
+                                                               "hold it with every layer final")
                 if slot.cache.layer_counts != expectation.connection.plans[expectation.target_rank].target.layer_counts:
                     raise InvalidArgumentError("layers_final", "the two engines count their layers differently: "
                                                                "a push cannot go layer by layer")
@@ -267,17 +270,29 @@ class WritePath:
 
     def _next_stage(self, slot: EngineSlot, expectation: Expectation, held: LiveHold) -> None:
         """Post the layers final since the last stage (all that remain once the hold is final); a stage with
-        nothing to write waits for more, except the last (posted empty: its notice ends the push)."""
+        nothing to write waits for more, except the last (posted empty: its notice ends the push). Between
+        stages the deadline may pass and the connection be replaced: the push fails then, as a whole write."""
+        pusher = slot.pusher
+        if time.perf_counter() >= expectation.deadline_s:
+            self._finish(slot, expectation, None, held, "deadline: its last layers were not written in time")
+            return
+        if pusher.targets.get(expectation.key) is not expectation.connection:
+            self._finish(slot, expectation, None, held, "the connection to the target rank was replaced")
+            return
         planned, last = expectation.staged, held.layers_final is None
-        final = planned.plan.target.layer_counts if last else held.layers_final
+        final = tuple(planned.plan.target.layer_counts if last else held.layers_final)
         stage = planned.stage(expectation.layers_written, final)
         if stage is None and not last:
-            expectation.layers_written = tuple(final)
+            expectation.layers_written = final
             return
-        expectation.layers_written = tuple(final)
+        try:
+            inflight = pusher.post(expectation.connection.by_layer(), planned, write=stage, stage=True)
+        except KvxferError as err:
+            self._finish(slot, expectation, None, held, f"a stage could not be posted: {err}")
+            return
+        expectation.layers_written, expectation.inflight = final, inflight
         self.daemon.metrics.push_stages.inc()
-        inflight = expectation.inflight = slot.pusher.post(expectation.connection.by_layer(), planned, write=stage)
-        if slot.pusher.poll(inflight) is not None:
+        if pusher.poll(inflight) is not None:
             self._stage_done(slot, expectation, inflight, held)
         else:
             self.daemon.spawn(self._wait(slot, expectation, inflight, held))
@@ -290,12 +305,18 @@ class WritePath:
             return
         expectation.num_bytes_written += inflight.result.num_bytes
         expectation.inflight = None
-        with slot.lock:
-            now_held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
-        if now_held is None or now_held.capability != held.capability:
+        now_held = self._same_hold(slot, expectation)
+        if now_held is None:
             self._finish(slot, expectation, None, held, "the prefill hold ended before its last layer was written")
-        elif now_held.layers_final != held.layers_final:
-            self._next_stage(slot, expectation, now_held)
+        elif now_held.layers_final != held.layers_final or time.perf_counter() >= expectation.deadline_s:
+            self._next_stage(slot, expectation, now_held)  # (past the deadline: fails there)
+
+    @staticmethod
+    def _same_hold(slot: EngineSlot, expectation: Expectation) -> LiveHold | None:
+        """The prefill hold the expectation was started on, if it is still held (not a later hold of the id)."""
+        with slot.lock:
+            held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
+        return held if held is not None and held.capability == expectation.hold_capability else None
 
     async def _wait(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead, held) -> None:
         pusher, sleep_s = slot.pusher, POLL_MIN_S
@@ -415,8 +436,7 @@ class WritePath:
         if not expectation.started:
             self._abandon(slot, expectation)
         elif expectation.staged is not None and expectation.inflight is None:  # waiting for layers that never came
-            with slot.lock:
-                held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
+            held = self._same_hold(slot, expectation)
             if held is None:
                 self._abandon(slot, expectation)
             else:

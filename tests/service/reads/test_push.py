@@ -319,6 +319,8 @@ def test_layers_stored_inside_one_region_are_pushed_layer_by_layer(workdir):
     of three layers final the decode blocks are partly written, with all of them byte-exact."""
     from kvxferd.layout.specs import AttentionSpec, MambaSpec
     from kvxferd.plan.groups import CacheGroup
+    from kvxferd.rig.verify.physical import SENTINEL
+    from tests.plan.test_push_layers import layer_of_byte
     from tests.rig.verify.test_sweep import mamba_layers, strided
 
     attention = AttentionSpec("strided", num_blocks=16, num_kv_heads=4, head_size=8, block_size=16, num_layers=3)
@@ -337,6 +339,9 @@ def test_layers_stored_inside_one_region_are_pushed_layer_by_layer(workdir):
             time.sleep(0.02)
         problems, wrong = cluster.verify(request)
         assert not cluster.decode_untouched() and wrong > 0  # the first layer only
+        for decode in cluster.decode:  # every byte of layers 1 and 2 (the brute-force map) still the sentinel
+            later = (layer_of_byte(decode) % 10_000) >= 1
+            assert np.all(decode.arena[later] == SENTINEL)
         cluster.final_layers(request, [3, 3])
         assert [(c.ok, c.error) for c in cluster.completions(request)] == [(True, "")] * 2
         problems, wrong = cluster.verify(request)
@@ -366,6 +371,9 @@ def test_a_push_whose_last_layers_are_never_final_fails_at_its_deadline(workdir)
         assert all(e is not None and "last layers" in e.reason for e in failed)
         # refused, naming the field: layers of a hold nobody pushes, more layers than the engine has
         import grpc
+        with pytest.raises(grpc.RpcError, match="one count per cache group"):  # an empty FinalLayers
+            cluster.prefill_clients[0].stub.FinalLayers(pb.FinalLayersRequest(
+                engine_id=cluster.prefill_clients[0].engine_id, request_id=request.remote_request_id))
         with pytest.raises(grpc.RpcError, match="push_key_digest"):
             cluster.prefill_clients[0].hold("reads-only", request.remote_block_ids, layers_final=[0])
         with pytest.raises(grpc.RpcError, match="layers_final"):
@@ -381,9 +389,14 @@ def test_final_layers_said_before_their_hold_count_when_it_comes(workdir):
         request = random_request("ahead", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
         cluster.expect(request, deadline_s=20)
-        cluster.final_layers(request, [2])  # every layer, before the hold
+        cluster.final_layers(request, [1])  # the first layer, before the hold
         time.sleep(0.1)
         cluster.hold(request, push=True, layers_final=[0])
+        deadline = time.monotonic() + 10
+        while layers_as_expected(cluster, request, 1) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert layers_as_expected(cluster, request, 1) == []  # layer 0 written, layer 1 not
+        cluster.final_layers(request, [2])
         assert [(c.ok, c.error) for c in cluster.completions(request, timeout_s=10)] == [(True, "")]
         problems, wrong = cluster.verify(request)
         assert not problems and wrong == 0
@@ -417,3 +430,28 @@ def test_a_prefill_engine_that_deregisters_tells_the_pushes_it_never_began(workd
             client.deregister()
         (completion,) = cluster.completions(request, timeout_s=15)
         assert not completion.ok and time.monotonic() - start < 5 and cluster.decode_untouched()
+
+
+def test_a_push_started_on_one_hold_is_not_finished_from_another_of_the_same_id(workdir):
+    """The prefill engine lets its layer-by-layer hold go and holds the transfer id again on other blocks (vLLM
+    does when a prompt was scheduled again): the push started on the first hold fails, and the second hold's
+    blocks are written nowhere (its layers would otherwise follow the first hold's plan)."""
+    cluster, rng = small_cluster(workdir, "push-layers-again")
+    with cluster:
+        request = random_request("again", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        cluster.reset_decode()
+        cluster.expect(request, deadline_s=20)
+        cluster.hold(request, push=True, layers_final=[0], lease_s=30.0)
+        time.sleep(0.3)  # the expectation started on this hold, nothing final yet
+        other = dataclasses.replace(request, remote_block_ids=tuple(ids[::-1] for ids in request.remote_block_ids))
+        digest = push_key_digest(cluster.push_key(request.remote_request_id))
+        for client in cluster.prefill_clients:  # release and hold again back to back on the reads socket: the
+            # daemon most likely takes both before the push hears of either (else it hears of the release)
+            client.reads._stream.put(pb.ReadBatch(releases=[pb.ReleaseRequest(request_id=request.remote_request_id)]))
+            client.hold(request.remote_request_id, other.remote_block_ids, lease_s=30.0, push_key_digest=digest,
+                        layers_final=[0])
+        cluster.final_layers(other, [2])
+        (completion,) = cluster.completions(request, timeout_s=10)
+        assert not completion.ok
+        time.sleep(0.3)
+        assert cluster.decode_untouched()
