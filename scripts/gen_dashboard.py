@@ -26,7 +26,8 @@ PANELS = [
     ("Push (prefill side): writes / s by outcome, bytes written / s, stages / s", "ops", [
         ("{{outcome}}", f"sum by (outcome) (rate(kvxferd_push_writes_total{SEL}{RATE}))"),
         ("bytes {{pod}}", f"sum by (pod) (rate(kvxferd_push_bytes_total{SEL}{RATE}))"),
-        ("layer-by-layer stages {{pod}}", f"sum by (pod) (rate(kvxferd_push_stages_total{SEL}{RATE}))")]),
+        ("layer-by-layer stages {{pod}}", f"sum by (pod) (rate(kvxferd_push_stages_total{SEL}{RATE}))"),
+        ("expectations kept {{pod}}", f"sum by (pod) (kvxferd_push_expectations{SEL})")]),
     ("Push (decode side): expectation submit -> completion p50 / p99", "s", [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))"),
         ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))")]),

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout.strided import BLOCK_DIM, Layout
+from kvxferd.tp.shards import check_extent, check_tp, owned_range
 
 LAYER_DIM = "L"  # a region holding several layers (cross-layer, strided, multi-layer Mamba) names them so
-from kvxferd.tp.shards import check_extent, check_tp, owned_range
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,7 +166,7 @@ class EngineTransferPlan:
                                self.pairings[g].local_units_per_block, field)
             remote = self._side(self.remotes[q], g, t.remote_offsets, t.span_bytes, t.remote_block_table,
                                 self.pairings[g].remote_units_per_block, field)
-            per_region = self.local.region(g).num_layers if self.by_layer else 1
+            per_region = self.local.layer_counts[g] // self.local.groups[g].num_regions if self.by_layer else 1
             pairs.append(DescriptorPair(g, local, remote, local_first, remote_first, read.layer, per_region))
             local_first += local.num_descriptors
             remote_first += remote.num_descriptors

@@ -73,8 +73,8 @@ class PlannedPush:
     def stage(self, layers_from, layers_to) -> RankRead | None:
         """The part of this push that writes layers ``[layers_from[g], layers_to[g])`` of every group ``g``
         (a plan by layer); None when it writes nothing. Stages over consecutive ranges of layers cover the
-        whole write exactly once (vectorised: one mask over the descriptors, from per-region arrays made
-        with the plan)."""
+        whole write exactly once (vectorised: the selected regions' runs of descriptors, from per-region
+        arrays made with the plan)."""
         if self.write is None:
             return None
         plan = self.plan
@@ -115,7 +115,7 @@ class PushPlan:
         q = writer.tp_rank
         self.rank_plan = next((rp for rp in self.read_plan.rank_plans if rp.remote_rank == q), None)
         # Per (table, region) of this writer's descriptors, in their order: group, layer, spans per unit and
-        # span bytes (a stage of a push is a mask built from these: PlannedPush.stage).
+        # span bytes (a stage of a push is the runs of the regions of its layers: PlannedPush.stage).
         tables = () if self.rank_plan is None else self.rank_plan.tables
         per_region = [len(t.local.id_templates) for t in tables]
         self.region_groups = np.repeat(np.array([t.group for t in tables], np.int64), per_region)

@@ -198,7 +198,7 @@ class Daemon:
                 self.metrics.vram_regions.labels(kind).set_function(functools.partial(self.registry.num_vram_regions,
                                                                                       kind))
             self.metrics.bind_gauges(self.registry.num_holds, self._num_reads,
-                                     lambda: len(self.registry.slots))
+                                     lambda: len(self.registry.slots), self.registry.num_expectations)
             self.metrics.workers_given_up.set_function(self.registry.num_workers_given_up)
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)

@@ -291,8 +291,7 @@ def _layers_inside(cache: EngineCache) -> bool:
     """Whether a region of ``cache`` holds several layers (or says so unclearly: then no plan by layer is tried
     to be the plan)."""
     try:
-        return any(n > 1 for n in cache.layer_counts) and any(cache.region(g).num_layers > 1
-                                                              for g in range(len(cache.groups)))
+        return any(n > group.num_regions for n, group in zip(cache.layer_counts, cache.groups))
     except KvxferError:
         return True
 

@@ -65,10 +65,8 @@ class LayerReports:
         done = self._done[g]
         done[i] = True
         count = int(np.argmin(done)) if not done.all() else len(done)  # the run of final layers from the first
-        if count == self._counts[g]:
-            return
-        self._counts[g] = count
-        self._tell(tuple(self._counts), fence)
+        if count != self._counts[g]:
+            self._tell(tuple(self._counts[:g]) + (count,) + tuple(self._counts[g + 1:]), fence)
 
     def step_ended(self, fence=None) -> None:
         """vLLM's ``wait_for_save``: the forward pass ended, every layer is final (the pushes' last writes)."""

@@ -182,6 +182,8 @@ class Metrics:
                                   "legacy_ipc (cudaMalloc memory by IPC handle); the last two are read from other "
                                   "hosts by UCX's emulation over TCP", ["kind"], registry=r)
         self.holds_pending = Gauge("kvxferd_holds_pending", "requests held for reading", registry=r)
+        self.push_expectations = Gauge("kvxferd_push_expectations", "push, prefill side: decode ranks' "
+                                       "expectations kept, waiting for their hold or being written", registry=r)
         self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
         self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)
         self._create_series()
@@ -199,9 +201,11 @@ class Metrics:
         for method in RPC_METHODS:
             self.rpc_errors.labels(method, RPC_INITIAL_CODE)
 
-    def bind_gauges(self, holds: Callable[[], int], reads: Callable[[], int], engines: Callable[[], int]) -> None:
+    def bind_gauges(self, holds: Callable[[], int], reads: Callable[[], int], engines: Callable[[], int],
+                    expectations: Callable[[], int]) -> None:
         """Gauges read at scrape time from the daemon's state."""
         self.holds_pending.set_function(holds)
+        self.push_expectations.set_function(expectations)
         self.reads_in_flight.set_function(reads)
         self.engines.set_function(engines)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, ResourceExhaustedError
+from kvxferd.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvxferd.plan.capability import check_push_digest
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
@@ -113,11 +113,10 @@ def final_layers(daemon: HoldingParts, slot: "EngineSlot", request: pb.FinalLaye
         raise InvalidArgumentError("layers_final", "one count per cache group")
     layers_final = check_layers_final(request.layers_final, slot, "layers_final")
     now = time.monotonic()
-    with slot.lock:
-        held = slot.holds.lookup(request.request_id, now) is not None
-        if held:
+    try:
+        with slot.lock:
             slot.holds.final_layers(request.request_id, layers_final, now)
-    if not held:  # its hold may still be on its way (another socket): kept a little while for it
+    except NotFoundError:  # its hold may still be on its way (another socket): kept a little while for it
         _keep_layers_ahead(daemon, slot, request.request_id, layers_final, now)
         return layers_final is None
     if slot.expectations:

@@ -509,3 +509,7 @@ class Registry:
 
     def num_holds(self) -> int:
         return sum(len(s.holds) for s in self.slots.values())
+
+    def num_expectations(self) -> int:
+        """Push, prefill side: decode ranks' expectations kept (waiting for their hold, or being written)."""
+        return sum(len(waiting) for s in list(self.slots.values()) for waiting in list(s.expectations.values()))

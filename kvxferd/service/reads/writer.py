@@ -81,6 +81,11 @@ class Expectation:
     inflight: InFlightRead | None = field(default=None, repr=False)
 
     @property
+    def awaits_layers(self) -> bool:
+        """Written layer by layer, no stage in flight: waiting for more layers to be final."""
+        return self.staged is not None and self.inflight is None
+
+    @property
     def key(self) -> tuple[str, str, int]:
         """As its connection is keyed (:attr:`PushExecutor.targets`)."""
         return self.owner, self.target_engine_id, self.target_rank
@@ -221,7 +226,7 @@ class WritePath:
             if not expectation.started:
                 if held is not None:  # (else not held yet: the engine's Hold starts it)
                     self._start(slot, expectation, held)
-            elif expectation.staged is not None and expectation.inflight is None:  # waiting for layers
+            elif expectation.awaits_layers:
                 if held is None or held.capability != expectation.hold_capability:
                     self._abandon(slot, expectation)  # its hold ended (released, or held anew on other blocks)
                 else:
@@ -410,7 +415,7 @@ class WritePath:
         told = 0
         for waiting in list(slot.expectations.values()):
             for expectation in list(waiting.values()):
-                if not expectation.started or (expectation.staged is not None and expectation.inflight is None):
+                if not expectation.started or expectation.awaits_layers:
                     self._abandon(slot, expectation)
                     told += 1
         pusher = slot.pusher
@@ -435,7 +440,7 @@ class WritePath:
         notice: nothing was written, so its blocks need not wait for this writer)."""
         if not expectation.started:
             self._abandon(slot, expectation)
-        elif expectation.staged is not None and expectation.inflight is None:  # waiting for layers that never came
+        elif expectation.awaits_layers:  # waiting for layers that never came
             held = self._same_hold(slot, expectation)
             if held is None:
                 self._abandon(slot, expectation)

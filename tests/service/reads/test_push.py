@@ -98,7 +98,7 @@ def test_a_push_the_decode_engine_released_is_failed_and_never_written(workdir):
         request = random_request("r", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
         cluster.expect(request, deadline_s=20)
-        time.sleep(0.2)  # the expectations reached the prefill daemons
+        assert eventually(lambda: expectations_kept(cluster))  # the expectations reached the prefill daemons
         for client in cluster.decode_clients:
             client.release(request.remote_request_id)
         (completion,) = cluster.completions(request, timeout_s=10)
@@ -280,6 +280,21 @@ def layers_as_expected(cluster, request, num_final: int) -> list[str]:
     return problems
 
 
+def eventually(predicate, timeout_s: float = 10.0) -> bool:
+    """Whether ``predicate()`` came true within ``timeout_s`` (polled every 20 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def expectations_kept(cluster) -> bool:
+    """Every prefill daemon keeps the decode ranks' expectation (``kvxferd_push_expectations``): it arrived."""
+    return all(daemon.metric("kvxferd_push_expectations") >= 1 for daemon in cluster.prefill_daemons)
+
+
 LAYER_CASES = [("gqa", 2, 1), ("hybrid", 1, 2)]
 
 
@@ -296,13 +311,11 @@ def test_a_push_written_layer_by_layer_writes_each_layer_once_it_is_final(workdi
         cluster.reset_decode()
         cluster.expect(request, deadline_s=20)
         cluster.hold(request, push=True, layers_final=[0] * num_groups)
-        time.sleep(0.3)
+        assert eventually(lambda: expectations_kept(cluster))  # each started on the hold, nothing final
+        time.sleep(0.3)  # a write that came too early would land meanwhile
         assert layers_as_expected(cluster, request, 0) == []
         cluster.final_layers(request, [1] * num_groups)
-        deadline = time.monotonic() + 10
-        while layers_as_expected(cluster, request, 1) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert layers_as_expected(cluster, request, 1) == []
+        assert eventually(lambda: layers_as_expected(cluster, request, 1) == [])
         assert all(client.reads.take_completions() == [] for client in cluster.decode_clients)
         cluster.final_layers(request, [2] * num_groups)  # every layer: the push ends
         completions = cluster.completions(request)
@@ -334,9 +347,7 @@ def test_layers_stored_inside_one_region_are_pushed_layer_by_layer(workdir):
         cluster.reset_decode()
         cluster.expect(request, deadline_s=20)
         cluster.hold(request, push=True, layers_final=[1, 1])
-        deadline = time.monotonic() + 10
-        while cluster.decode_untouched() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert eventually(lambda: not cluster.decode_untouched())
         problems, wrong = cluster.verify(request)
         assert not cluster.decode_untouched() and wrong > 0  # the first layer only
         for decode in cluster.decode:  # every byte of layers 1 and 2 (the brute-force map) still the sentinel
@@ -389,13 +400,10 @@ def test_final_layers_said_before_their_hold_count_when_it_comes(workdir):
         request = random_request("ahead", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
         cluster.expect(request, deadline_s=20)
-        cluster.final_layers(request, [1])  # the first layer, before the hold
-        time.sleep(0.1)
+        # the first layer, before the hold: on the same reads socket, so the daemon takes it first
+        cluster.final_layers(request, [1])
         cluster.hold(request, push=True, layers_final=[0])
-        deadline = time.monotonic() + 10
-        while layers_as_expected(cluster, request, 1) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert layers_as_expected(cluster, request, 1) == []  # layer 0 written, layer 1 not
+        assert eventually(lambda: layers_as_expected(cluster, request, 1) == [])  # layer 0 written, layer 1 not
         cluster.final_layers(request, [2])
         assert [(c.ok, c.error) for c in cluster.completions(request, timeout_s=10)] == [(True, "")]
         problems, wrong = cluster.verify(request)
@@ -408,7 +416,9 @@ def test_a_push_waiting_for_layers_ends_at_once_when_its_prefill_hold_is_release
     cluster, rng = small_cluster(workdir, "push-layers-released")
     with cluster:
         request = held_first_layer(cluster, rng, "released", deadline_s=20)
-        time.sleep(0.3)  # the first layer is written
+        # every writer's expectation started on the hold (one that came after the release would wait for its
+        # deadline), and the first layer is written
+        assert eventually(lambda: expectations_kept(cluster) and not cluster.decode_untouched())
         start = time.monotonic()
         for client in cluster.prefill_clients:
             client.release(request.remote_request_id)
@@ -424,7 +434,7 @@ def test_a_prefill_engine_that_deregisters_tells_the_pushes_it_never_began(workd
         request = random_request("gone", cluster.prefill_groups, cluster.decode_groups, 70, rng)
         cluster.reset_decode()
         cluster.expect(request, deadline_s=20)
-        time.sleep(0.3)  # the expectations reached the prefill daemons
+        assert eventually(lambda: expectations_kept(cluster))
         start = time.monotonic()
         for client in cluster.prefill_clients:
             client.deregister()
@@ -442,7 +452,7 @@ def test_a_push_started_on_one_hold_is_not_finished_from_another_of_the_same_id(
         cluster.reset_decode()
         cluster.expect(request, deadline_s=20)
         cluster.hold(request, push=True, layers_final=[0], lease_s=30.0)
-        time.sleep(0.3)  # the expectation started on this hold, nothing final yet
+        assert eventually(lambda: expectations_kept(cluster))  # started on this hold, nothing final yet
         other = dataclasses.replace(request, remote_block_ids=tuple(ids[::-1] for ids in request.remote_block_ids))
         digest = push_key_digest(cluster.push_key(request.remote_request_id))
         for client in cluster.prefill_clients:  # release and hold again back to back on the reads socket: the
@@ -453,5 +463,5 @@ def test_a_push_started_on_one_hold_is_not_finished_from_another_of_the_same_id(
         cluster.final_layers(other, [2])
         (completion,) = cluster.completions(request, timeout_s=10)
         assert not completion.ok
-        time.sleep(0.3)
+        time.sleep(0.3)  # a write of the second hold's blocks would land meanwhile
         assert cluster.decode_untouched()
