@@ -51,7 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxferd.push")
 
 POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3  # a posted push is polled with growing sleeps
-FLUSH_ROUNDS = 20  # a closing engine's last notices: its agent progressed this many times, POLL_MAX_S apart
+# A closing engine's last notices: its agent progressed for this long, POLL_MAX_S apart (NIXL says nothing of
+# a notification's delivery; 20 ms of it lost them under a loaded CI run, so a deregistration with pushes
+# waiting takes this much longer)
+FLUSH_S = 0.5
 WARM_UP_S = 5.0  # a new connection's first READ may take this long (then the first push pays the rest)
 
 
@@ -419,7 +422,10 @@ class WritePath:
                     self._abandon(slot, expectation)
                     told += 1
         pusher = slot.pusher
-        for _ in range(FLUSH_ROUNDS if told and pusher is not None else 0):
+        if not told or pusher is None:
+            return
+        until_s = time.perf_counter() + FLUSH_S
+        while time.perf_counter() < until_s:
             with pusher.lock:
                 try:
                     pusher.notices.poll_notifications()  # the engine is going: what arrives is of no use now
