@@ -98,6 +98,10 @@ class DaemonConfig(BaseSettings):
     max_engines: int = Field(64, ge=1, description="engine ranks registered on this daemon at once")
     max_holds_per_engine: int = Field(100_000, ge=1, le=10_000_000, description="requests one engine rank may hold at "
                                       "once; sizes its hold board (16-32 bytes of registered memory per hold)")
+    max_expectations_per_reader: int = Field(10_000, ge=1, le=10_000_000, description="push, prefill side: "
+                                             "expectations one reader identity (a decode daemon) may keep waiting "
+                                             "or being written on one engine rank at once, so one reader cannot "
+                                             "take the rank's whole max_holds_per_engine from the others")
     max_registered_bytes: int = Field(1 << 40, ge=1, description="bytes of engine memory registered on this daemon in all")
     dataplane_workers: bool = Field(False, description="serve each host-memory engine rank's cache to peers from a "
                                     "worker process that holds no secret, restarted when it dies (issue #55, "

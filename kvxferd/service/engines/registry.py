@@ -512,4 +512,4 @@ class Registry:
 
     def num_expectations(self) -> int:
         """Push, prefill side: decode ranks' expectations kept (waiting for their hold, or being written)."""
-        return sum(len(waiting) for s in list(self.slots.values()) for waiting in list(s.expectations.values()))
+        return sum(sum(list(s.num_expectations_by_owner.values())) for s in list(self.slots.values()))

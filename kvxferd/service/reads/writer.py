@@ -186,9 +186,13 @@ class WritePath:
         if len(record.block_ids) != len(plan.target.groups):
             raise InvalidArgumentError("expectation.block_ids", f"{len(record.block_ids)} groups, the target has "
                                                                 f"{len(plan.target.groups)}")
-        if sum(len(e) for e in slot.expectations.values()) >= config.max_holds_per_engine:
+        counts = slot.num_expectations_by_owner
+        if sum(counts.values()) >= config.max_holds_per_engine:  # (a sum over reader identities, not expectations)
             raise ResourceExhaustedError("max_holds_per_engine", f"engine {slot.engine_id!r} keeps "
                                                                  f"{config.max_holds_per_engine} expectations already")
+        if counts.get(owner, 0) >= config.max_expectations_per_reader:
+            raise ResourceExhaustedError("max_expectations_per_reader", f"engine {slot.engine_id!r} keeps "
+                                         f"{config.max_expectations_per_reader} expectations of this reader already")
         expectation = Expectation(record.transfer_id, owner, record.reader_engine_id, record.reader_rank,
                                   plan.target.tp_size, record.block_ids, record.num_tokens, record.capability,
                                   record.push_key, time.perf_counter() + deadline_s, connection)
@@ -199,6 +203,7 @@ class WritePath:
                                                                   f"{record.reader_engine_id!r} expects "
                                                                   f"{record.transfer_id!r} already")
         waiting[expectation.key] = expectation
+        counts[owner] = counts.get(owner, 0) + 1
         expectation.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, slot, expectation)
         self.on_hold(slot, record.transfer_id)
 
@@ -409,6 +414,10 @@ class WritePath:
             del waiting[expectation.key]
             if not waiting:
                 del slot.expectations[expectation.transfer_id]
+            counts = slot.num_expectations_by_owner
+            counts[expectation.owner] -= 1
+            if not counts[expectation.owner]:
+                del counts[expectation.owner]
 
     async def engine_gone(self, slot: EngineSlot) -> None:
         """``slot``'s registration is closing: every decode rank whose push it has not begun writing (never

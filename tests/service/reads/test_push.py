@@ -465,3 +465,38 @@ def test_a_push_started_on_one_hold_is_not_finished_from_another_of_the_same_id(
         assert not completion.ok
         time.sleep(0.3)  # a write of the second hold's blocks would land meanwhile
         assert cluster.decode_untouched()
+
+
+def test_one_reader_keeps_at_most_max_expectations_per_reader_on_a_prefill_rank(workdir):
+    """A decode daemon (one reader identity) cannot fill a prefill rank with expectations: past
+    max_expectations_per_reader (1 here) the prefill side refuses the next one at once, nothing written; an
+    expectation that ended makes room again (the count goes down, and it was the bound that refused)."""
+    cluster, rng = small_cluster(workdir, "push-per-reader", daemon_args=("--max-expectations-per-reader", "1"))
+    with cluster:
+        first = random_request("a", cluster.prefill_groups, cluster.decode_groups, 70, rng)
+        second = next(r for r in (random_request("b", cluster.prefill_groups, cluster.decode_groups, 70, rng,
+                                                 contiguous=False) for _ in range(100))
+                      if not any(set(mine.tolist()) & set(theirs.tolist())  # (blocks of its own)
+                                 for mine, theirs in zip(first.local_block_ids, r.local_block_ids)))
+        (client,) = cluster.decode_clients
+        cluster.reset_decode()
+        key = bytes(range(16))
+        client.submit_push("one", cluster.prefill_id, "t1", key, first.local_block_ids, num_tokens=70, deadline_s=20)
+        time.sleep(0.3)  # (its expectation is kept on the prefill side first)
+        client.submit_push("two", cluster.prefill_id, "t2", key, second.local_block_ids, num_tokens=70,
+                           deadline_s=20)
+        start = time.monotonic()
+        refused = client.reads.wait_completion("two", 10)
+        assert not refused.ok and time.monotonic() - start < 5, "refused at once, not at its 20 s deadline"
+        for prefill in cluster.prefill_clients:
+            prefill.hold("t2", second.remote_block_ids, push_key_digest=push_key_digest(key))
+        time.sleep(0.3)
+        assert cluster.decode_untouched(), "a refused expectation must not be written"
+        for prefill in cluster.prefill_clients:
+            prefill.hold("t1", first.remote_block_ids, push_key_digest=push_key_digest(key))
+        assert client.reads.wait_completion("one", 10).ok
+        # The first ended: the same reader may expect again, and is written.
+        client.submit_push("three", cluster.prefill_id, "t3", key, second.local_block_ids, num_tokens=70)
+        for prefill in cluster.prefill_clients:
+            prefill.hold("t3", second.remote_block_ids, push_key_digest=push_key_digest(key))
+        assert client.reads.wait_completion("three", 10).ok
