@@ -21,15 +21,13 @@ import pytest
 
 from kvxferd.client import DaemonProcess
 
-from tests.integrations.vllm_cluster import (BLOCK_SIZE, TINY_LLAMA, changed, damage_blocks, engine, greedy,
-                                             hold_ends, metric, prefill_decode, prefill_params,
+from tests.integrations.vllm_cluster import (BLOCK_BYTES, BLOCK_SIZE, changed, damage_blocks, engine,
+                                             greedy, hold_ends, metric, prefill_decode, prefill_params,
                                              prompt_tokens_by_source, prompts_of, random_prompts, released_early,
                                              rotate_blocks, tiny_model_and_daemons, token_ids, wait_for_reset)
 from tests.integrations.vllm_stats_check import connector_metrics
 
 pytestmark = pytest.mark.vllm
-BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads"] * BLOCK_SIZE * 2
-               * TINY_LLAMA["head_dim"] * 2)  # K and V, bfloat16, every layer: 64 KiB
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import uuid
 import pytest
 
 from kvxferd.plan.capability import PUSH_KEY_BYTES, push_key_digest
-from tests.integrations.vllm_cluster import (changed, greedy, hold_ends, metric, prefill_decode, prefill_params,
-                                             prompts_of, random_prompts, tiny_model_and_daemons, token_ids)
+from tests.integrations.vllm_cluster import (BLOCK_BYTES, changed, greedy, hold_ends, metric, prefill_decode,
+                                             prefill_params, prompts_of, random_prompts, tiny_model_and_daemons, token_ids)
 from tests.integrations.vllm_stats_check import connector_metrics
 
 pytestmark = pytest.mark.vllm
@@ -123,3 +123,17 @@ def test_a_push_nobody_fills_fails_that_request_under_fail_and_the_others_are_se
     assert outputs[0].outputs[0].finish_reason == "error"
     assert time.monotonic() - start >= 6.0  # its deadline, not before
     assert token_ids(outputs)[1] == single[1] and outputs[1].outputs[0].finish_reason == "length"
+
+
+def test_a_push_with_a_decode_prefix_hit_writes_only_the_uncached_tail(pd):
+    """Decode holds the first 3 blocks of the prompt already (its prefix cache, from an earlier push of a
+    prompt that starts alike): its expectation names only the 2 blocks after them, the prefill daemon
+    writes exactly those (layer by layer: 156 tokens), and the tokens are the single instance's."""
+    first = random_prompts(35, (100,))[0]
+    push(pd, [first], [first], [f"first-{uuid.uuid4().hex[:12]}"], max_tokens=2)
+    second = first[:96] + random_prompts(36, (60,))[0]  # shares 3 full blocks of 32 tokens with the first
+    single = token_ids(pd.prefill.generate(prompts_of([second]), greedy(8), use_tqdm=False))
+    written_before = metric(pd.prefill_daemon, "kvxferd_push_bytes_total")
+    outputs = push(pd, [second], [second], [f"tail-{uuid.uuid4().hex[:12]}"])
+    assert token_ids(outputs) == single
+    assert metric(pd.prefill_daemon, "kvxferd_push_bytes_total") - written_before == (5 - 3) * BLOCK_BYTES

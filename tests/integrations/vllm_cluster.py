@@ -26,6 +26,8 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.names import topic
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
+BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads"] * BLOCK_SIZE * 2
+               * TINY_LLAMA["head_dim"] * 2)  # a block of the tiny model: K and V, bfloat16, every layer: 64 KiB
 
 
 # The same model with sliding-window attention on every layer: vLLM gives it one sliding-window group.
