@@ -101,6 +101,23 @@ def state_num_groups(hf_config) -> int | None:
     return None
 
 
+def layers_can_be_pushed(vllm_config: "VllmConfig") -> bool:
+    """Whether this engine's pushes may go layer by layer, each written while the forward pass goes on.
+
+    Each layer's KV must be in the cache when ``save_kv_layer`` says so: the CPU runs its kernels at once, a
+    CUDA stream is fenced (an event); other devices, and layers run once per micro-batch, not. And vLLM
+    must not free a prompt's blocks while its step may still run: with overlapping batches (async
+    scheduling) it defers that free only for a KV consumer (``kv_both``, ``kv_consumer``); a
+    ``kv_producer`` could have a preempted prefill's blocks given to another request while its last
+    layers are written, and the push would report them written right.
+    """
+    device = vllm_config.device_config.device_type
+    fenced = device in ("cpu", "cuda") and not getattr(vllm_config.parallel_config, "use_ubatching", False)
+    transfer = vllm_config.kv_transfer_config
+    overlapping = vllm_config.max_concurrent_batches > 1
+    return fenced and (not overlapping or (transfer is not None and transfer.is_kv_consumer))
+
+
 class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill holds and decode reads through the kvxferd daemon of each rank."""
 
@@ -123,9 +140,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         device = vllm_config.device_config.device_type
         if self.settings.push_layer_min_tokens is None:  # layer by layer where it was measured: CPU engines
             self.settings = self.settings.model_copy(update={"push_layer_min_tokens": 1 if device == "cpu" else 0})
-        # Layer by layer needs each layer's KV in the cache when save_kv_layer says so: the CPU runs its kernels
-        # at once, a CUDA stream is fenced (an event); other devices, and layers run once per micro-batch, not.
-        push_layers_allowed = device in ("cpu", "cuda") and not getattr(parallel, "use_ubatching", False)
+        push_layers_allowed = layers_can_be_pushed(vllm_config)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._load_errors: set[int] = set()
