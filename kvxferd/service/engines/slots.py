@@ -64,8 +64,8 @@ class EngineSlot:
     # Expectation} waiting for this engine's hold or being written (service/reads/writer.py).
     expected: dict = field(default_factory=dict)
     expectations: dict = field(default_factory=dict)
-    # prefill side: how many expectations are kept, and how many of them each reader identity (the peer that
-    # introduced the decode rank) sent: bounded per engine and per reader without a pass over them all
+    # prefill side: reader identity (the peer that introduced the decode rank) -> its expectations kept here;
+    # the sum is the engine's: both bounds checked without a pass over the expectations
     num_expectations_by_owner: dict = field(default_factory=dict)
     expected_blocks: list = field(default_factory=list)  # decode side: per group, the blocks live expectations name
     # Decode side: transfer id -> a failed push whose blocks stay claimed until every writer that had not

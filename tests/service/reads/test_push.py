@@ -478,25 +478,18 @@ def test_one_reader_keeps_at_most_max_expectations_per_reader_on_a_prefill_rank(
                                                  contiguous=False) for _ in range(100))
                       if not any(set(mine.tolist()) & set(theirs.tolist())  # (blocks of its own)
                                  for mine, theirs in zip(first.local_block_ids, r.local_block_ids)))
-        (client,) = cluster.decode_clients
         cluster.reset_decode()
-        key = bytes(range(16))
-        client.submit_push("one", cluster.prefill_id, "t1", key, first.local_block_ids, num_tokens=70, deadline_s=20)
-        time.sleep(0.3)  # (its expectation is kept on the prefill side first)
-        client.submit_push("two", cluster.prefill_id, "t2", key, second.local_block_ids, num_tokens=70,
-                           deadline_s=20)
+        cluster.expect(first, deadline_s=20)
+        assert eventually(lambda: expectations_kept(cluster))  # the first is kept on the prefill side
         start = time.monotonic()
-        refused = client.reads.wait_completion("two", 10)
+        cluster.expect(second, deadline_s=20)
+        (refused,) = cluster.completions(second, timeout_s=10)
         assert not refused.ok and time.monotonic() - start < 5, "refused at once, not at its 20 s deadline"
-        for prefill in cluster.prefill_clients:
-            prefill.hold("t2", second.remote_block_ids, push_key_digest=push_key_digest(key))
-        time.sleep(0.3)
+        cluster.hold(second, push=True)
+        time.sleep(0.3)  # a write of the refused expectation's blocks would land meanwhile
         assert cluster.decode_untouched(), "a refused expectation must not be written"
-        for prefill in cluster.prefill_clients:
-            prefill.hold("t1", first.remote_block_ids, push_key_digest=push_key_digest(key))
-        assert client.reads.wait_completion("one", 10).ok
-        # The first ended: the same reader may expect again, and is written.
-        client.submit_push("three", cluster.prefill_id, "t3", key, second.local_block_ids, num_tokens=70)
-        for prefill in cluster.prefill_clients:
-            prefill.hold("t3", second.remote_block_ids, push_key_digest=push_key_digest(key))
-        assert client.reads.wait_completion("three", 10).ok
+        cluster.hold(first, push=True)
+        assert [c.ok for c in cluster.completions(first, timeout_s=10)] == [True]
+        # The first ended: the same reader may expect again (another transfer, the same blocks), and is written.
+        third = dataclasses.replace(second, request_id="c", remote_request_id="c@prefill")
+        assert [c.ok for c in cluster.push(third, timeout_s=10)] == [True]
