@@ -31,8 +31,9 @@ PANELS = [
     ("Push (decode side): expectation submit -> completion p50 / p99", "s", [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))"),
         ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_push_duration_seconds_bucket{SEL}{RATE})))")]),
-    ("Rank reads copied same-host (not over NIXL) / s", "ops", [
-        ("{{pod}}", f"sum by (pod) (rate(kvxferd_same_host_copies_total{SEL}{RATE}))")]),
+    ("Copied same-host (not over NIXL) / s: rank reads, and pushes' writes", "ops", [
+        ("reads {{pod}}", f"sum by (pod) (rate(kvxferd_same_host_copies_total{SEL}{RATE}))"),
+        ("push writes {{pod}}", f"sum by (pod) (rate(kvxferd_push_same_host_copies_total{SEL}{RATE}))")]),
     ("Transport paths: READs by path UCX chose (emulated, tcp: slow) and GPU regions by what can serve them",
      "short", [
         ("{{memory}} {{path}}", f"sum by (memory, path) (kvxferd_transport_paths{SEL})"),

@@ -30,7 +30,7 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.layout.match import DEFAULT_MAX_SPANS_PER_BLOCK
 from kvxferd.plan.capability import check_capability_bytes
-from kvxferd.plan.engine import EngineTransferPlan, RankRead, ReadRequest
+from kvxferd.plan.engine import EngineTransferPlan, RankPlan, RankRead, ReadRequest
 from kvxferd.plan.groups import EngineCache, RegionMemory
 from kvxferd.tp.reads import TpPairing
 
@@ -146,6 +146,12 @@ class PushPlan:
     def target_rows(self) -> np.ndarray:
         """Strided rows of the target's cache (prepared on the target's agent)."""
         return self.rank_plan.local_rows
+
+    @property
+    def copy_plan(self) -> RankPlan:
+        """This writer's part seen from the writer: its own cache's rows local, the target's remote (the tables a
+        same-host copy into the target's memory expands)."""
+        return dataclasses.replace(self.rank_plan, local_rows=self.writer_rows, remote_rows=self.target_rows)
 
     def plan_request(self, request: PushRequest) -> PlannedPush:
         """Descriptor ids of one push (vectorised; validates the ids as a read would)."""

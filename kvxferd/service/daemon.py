@@ -115,6 +115,7 @@ class Daemon:
                            max_message_bytes=config.max_message_bytes, tls=self.tls,
                            server_name=config.peer_server_name, insecure=config.insecure)
         self.peers.push_targets = config.push_targets
+        self.peers.same_host_writes = config.same_host_writes
         self.transports = self.peers.transports = TransportPaths(self.metrics.transport_paths)
         self.bus: NotifyBus | None = None
         self.registry: Registry | None = None

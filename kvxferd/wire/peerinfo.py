@@ -67,11 +67,13 @@ class PeerInfo:
 
 
 def encode_info(incarnation: str, agent_metadata: bytes, cache: EngineCache, board: BoardInfo, *,
-                same_host_proof: str = "", writer_agent_name: str = "") -> pb.EngineInfoReply:
+                same_host_proof: str = "", writer_agent_name: str = "", with_shares: bool = False
+                ) -> pb.EngineInfoReply:
     """The holder's answer to ``GetEngineInfo``; ``same_host_proof``: the reader proved it shares this host
     (kvxferd.wire.samehost), and gets the names of the shared-memory objects to map itself, with the
-    holder's own proof."""
-    same_host = bool(same_host_proof)
+    holder's own proof. ``with_shares``: those names without a proof (a reader naming its rank as a push
+    target: the writer uses them only once the reader's token proved this host)."""
+    same_host = bool(same_host_proof) or with_shares
     info = pb.EngineInfo(incarnation=incarnation, agent_metadata=agent_metadata,
                          engine=engine_to_pb(cache, with_addresses=True, with_shares=same_host),
                          hold_board=pb.HoldBoard(address=board.address, num_buckets=board.num_buckets),

@@ -92,6 +92,11 @@ def shares_from(info: PeerInfo, secret: bytes | None, address: str, request_toke
     another user must not get the daemon to map what it names."""
     if secret is not None and holder_proved(secret, address, request_token, info.same_host_proof):
         return info
+    return info_without_shares(info)
+
+
+def info_without_shares(info: PeerInfo) -> PeerInfo:
+    """``info`` naming no shared-memory object, for its cache or its board."""
     return dataclasses.replace(info, cache=without_shares(info.cache), board=dataclasses.replace(info.board, share=None))
 
 

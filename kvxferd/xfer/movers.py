@@ -8,7 +8,8 @@
                                   └─ no ──────────────────────────► make_prepped_xfer READ, posted
 
 A push (a WRITE into the decode rank's blocks, :class:`WriteMover`) is another mover for the same
-rank machine (:mod:`kvxferd.xfer.rankmachine`): over NIXL only, no same-host copy yet.
+rank machine (:mod:`kvxferd.xfer.rankmachine`): a copy into a same-host target's memory mapped here
+(host memory), else a NIXL WRITE.
 """
 
 from __future__ import annotations
@@ -35,18 +36,10 @@ class ReadMover:
         self.num_host_copies = 0  # rank reads copied same-host instead of read over NIXL
 
     def move(self, remote: RemoteEngine, q: int, move: RankRead) -> Posted:
-        host_rank = remote.host_ranks.get(q)
-        if host_rank is not None:
-            try:
-                copied = host_rank.copy(move)
-            except BatchRefused as err:  # nothing of it runs: this rank reads over NIXL from now on
-                drop_rank(remote, q, f"the driver refused a batch: {err.message}")
-            except TransferError as err:
-                return Posted(failure=TransferFailure(f"same-host copy: {err.message}", ReadFailure.TRANSFER))
-            else:
-                self.num_host_copies += 1
-                # GPU memory: a batch on the device, it ends when its event does; host memory: in already.
-                return Posted(copied if host_rank.on_device else None, copied_here=True)
+        copied = copy_here(remote, q, move, drop_rank)
+        if copied is not None:
+            self.num_host_copies += copied.copied_here
+            return copied
         return post_nixl(self.agent.make_read, remote.local_lists[q], move.local_ids, remote.remote_lists[q],
                          move.remote_ids, self.agent)
 
@@ -62,13 +55,38 @@ class WriteMover:
 
     def __init__(self, agent: NixlAgent) -> None:
         self.agent = agent
+        self.num_host_copies = 0  # rank writes copied into a same-host target's memory instead of over NIXL
 
     def move(self, remote: RemoteEngine, q: int, move: RankRead) -> Posted:
+        copied = copy_here(remote, q, move)
+        if copied is not None:
+            self.num_host_copies += copied.copied_here
+            return copied
         return post_nixl(self.agent.make_write, remote.local_lists[q], move.local_ids, remote.remote_lists[q],
                          move.remote_ids, self.agent)
 
     def transfer_failed(self, failure: TransferFailure) -> None:
-        pass  # nothing is copied same-host on a push
+        pass  # a push copies host memory only: no device context to give up on
+
+
+def copy_here(remote, q: int, move: RankRead, drop=None) -> Posted | None:
+    """Copy rank ``q``'s part in this process when its memory is opened here (the rank's
+    :class:`~kvxferd.xfer.samehost.hostmaps.HostRank` says which way); None: it goes over NIXL. ``drop``:
+    what sends the rank over NIXL from now on when the driver refuses a device batch (None: the part fails)."""
+    host_rank = remote.host_ranks.get(q)
+    if host_rank is None:
+        return None
+    try:
+        copied = host_rank.copy(move)
+    except BatchRefused as err:  # nothing of it runs: this rank goes over NIXL from now on
+        if drop is None:
+            return Posted(failure=TransferFailure(f"same-host copy: {err.message}", ReadFailure.TRANSFER))
+        drop(remote, q, f"the driver refused a batch: {err.message}")
+        return None
+    except TransferError as err:
+        return Posted(failure=TransferFailure(f"same-host copy: {err.message}", ReadFailure.TRANSFER))
+    # GPU memory: a batch on the device, it ends when its event does; host memory: in already.
+    return Posted(copied if host_rank.on_device else None, copied_here=True)
 
 
 def post_nixl(make, local_list, local_ids, remote_list, remote_ids, agent: NixlAgent) -> Posted:

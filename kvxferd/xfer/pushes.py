@@ -22,7 +22,12 @@ A writer that only replicates data another rank writes sends its notice
 with nothing written.
 
 Shares the read executor's agent (the cache is registered there), check
-area, notice agent and lock; writes move over NIXL only (no same-host copy).
+area, notice agent and lock. A target whose daemon proved it shares this
+host (the handshake's same-host token) and named its engine's shared memory
+is mapped read-write at connect and written by a copy in the kernel, as a
+same-host read copies (:func:`kvxferd.xfer.samehost.ranks.open_push_target`);
+board checks, notices and deadlines stay the same. Else, and for GPU memory,
+a NIXL WRITE.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError
+from kvxferd.errors import InvalidArgumentError, KvxferError, NotFoundError, TransferError
 from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import ReadNotice
@@ -45,6 +50,8 @@ from kvxferd.xfer.nixl.agent import NixlError, TransferState
 from kvxferd.xfer.nixl.checks import board_rows
 from kvxferd.xfer.rankmachine import RankMachine
 from kvxferd.xfer.rankstate import RankTransfer
+from kvxferd.xfer.samehost.hostmaps import MappedSource
+from kvxferd.xfer.samehost.ranks import open_push_target
 from kvxferd.xfer.reads import ReadExecutor
 from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, ReadTimes
 
@@ -62,7 +69,10 @@ class PushTarget:
     remote_lists: dict[int, object] = field(default_factory=dict)
     board_lists: dict[int, object] = field(default_factory=dict)
     board_buckets: dict[int, int] = field(default_factory=dict)
-    host_ranks: dict = field(default_factory=dict)  # no same-host writes: always empty
+    host_ranks: dict = field(default_factory=dict)  # target rank -> HostRank: written by a copy here (same host)
+    mapped: MappedSource | None = None  # the target's memory mapped here (same host), closed with the connection
+    host_error: str = ""  # why a same-host target is written over NIXL ("": copied here, or not on this host)
+    board_error: str = ""  # why a mapped target's board is checked over NIXL ("": mapped too)
     loaded: list = field(default_factory=list)  # (agent, remote name): one reference each, as connect took it
     # Its plan by layer with its own prepared lists, where that differs (layers stored inside a region: a span
     # of the whole write may run across layers); None: this connection's plan is by layer already.
@@ -88,10 +98,13 @@ class PushExecutor:
         self.num_notices_sent = 0
 
     # ---- connections -------------------------------------------------------
-    def connect(self, target: EngineCache, metadata: bytes, board: BoardInfo, owner: str = "") -> PushTarget | None:
+    def connect(self, target: EngineCache, metadata: bytes, board: BoardInfo, owner: str = "", *,
+                same_host: bool = False) -> PushTarget | None:
         """Plan and prepare writes into one target rank (its cache, agent metadata and board) for ``owner``;
         None when this rank holds nothing that target rank needs. A bad target leaves nothing behind;
-        the same owner connecting the same target rank again replaces its earlier connection."""
+        the same owner connecting the same target rank again replaces its earlier connection. ``same_host``:
+        the target proved it shares this host; its memory, where it named it, is mapped and copied into here
+        (else, or when it cannot be mapped: :attr:`PushTarget.host_error`, written over NIXL)."""
         with self.lock:
             # Layers stored inside a region: the whole write keeps its coarser spans, stages take a plan by layer
             # of their own (none where one cannot be made: those pushes go in one batch, staged ones are refused).
@@ -126,6 +139,8 @@ class PushExecutor:
                                                                                  self.cache.mem_type)
                         connection.layered.remote_lists[d] = self.agent.prep_remote(name, layered.target_rows,
                                                                                    target.mem_type)
+                if same_host and plan.writes:
+                    self._map(connection, d, target, board, plan, layered if inside else None)
             except BaseException:
                 self._release(connection)
                 raise
@@ -133,14 +148,32 @@ class PushExecutor:
             self.targets[key] = connection
             return connection
 
+    @staticmethod
+    def _map(connection: PushTarget, d: int, target: EngineCache, board: BoardInfo, plan: PushPlan,
+             layered: PushPlan | None) -> None:
+        """Map a same-host target rank's memory for copies: the whole write's, and its stages' where they have a
+        plan of their own (one mapping); a target that cannot be mapped is written over NIXL, saying why."""
+        plans = [plan] if layered is None else [plan, layered]
+        try:
+            connection.mapped, ranks, connection.board_error = open_push_target(
+                connection.plans[d].writer, target, [p.copy_plan for p in plans], board)
+        except TransferError as err:
+            connection.host_error = err.message
+            return
+        connection.host_ranks[d] = ranks[0]
+        if layered is not None:
+            connection.layered.host_ranks[d] = ranks[1]
+
     def connect_engine(self, targets: Sequence[EngineCache], metadata: Sequence[bytes],
-                       boards: Sequence[BoardInfo], owner: str = "") -> dict[int, PushTarget]:
+                       boards: Sequence[BoardInfo], owner: str = "", *, same_host: bool = False
+                       ) -> dict[int, PushTarget]:
         """:meth:`connect` every rank of a target engine; the connections by target rank (those this rank
         notifies)."""
         if not len(targets) == len(metadata) == len(boards):
             raise InvalidArgumentError("metadata", f"{len(metadata)} agent metadata and {len(boards)} boards for "
                                                    f"{len(targets)} target ranks")
-        connected = {t.tp_rank: self.connect(t, m, b, owner) for t, m, b in zip(targets, metadata, boards)}
+        connected = {t.tp_rank: self.connect(t, m, b, owner, same_host=same_host)
+                     for t, m, b in zip(targets, metadata, boards)}
         return {d: c for d, c in connected.items() if c is not None}
 
     def start_warm_up(self, target: PushTarget):
@@ -191,6 +224,12 @@ class PushExecutor:
             for handle in lists.values():
                 handle.release()
             lists.clear()
+        if target.mapped is not None:  # (under the lock: no copy runs into it)
+            target.mapped.close()
+            target.mapped = None
+            target.host_ranks.clear()
+            if target.layered is not None:
+                target.layered.host_ranks.clear()
         while target.loaded:
             agent, name = target.loaded.pop()
             try:

@@ -21,20 +21,26 @@ from tests.sampling import covering
 from tests.xfer.test_matrix import SHAPES, TP_PAIRS
 
 
-@pytest.mark.parametrize("pair, model, shape", covering(TP_PAIRS, MODELS, list(SHAPES),
-                                                        ids=lambda pair, model, shape: f"P{pair[0]}D{pair[1]}-{model}-{shape}"))
-def test_nixl_pushes_are_byte_exact(pair, model, shape):
+@pytest.mark.parametrize("pair, model, shape, same_host", covering(
+    TP_PAIRS, MODELS, list(SHAPES), [False, True],
+    ids=lambda pair, model, shape, same_host: f"P{pair[0]}D{pair[1]}-{model}-{shape}-{'copy' if same_host else 'nixl'}"))
+def test_pushes_are_byte_exact(pair, model, shape, same_host):
+    """Over NIXL WRITEs, and (``same_host``) by copies into the decode engine's shared memory mapped by each
+    prefill rank; every write of the same-host runs is a copy, none of the others'."""
     p, d = pair
     prefill_groups, decode_groups = model_groups(model, SHAPES[shape])
     rng = np.random.default_rng(p * 10 + d)
     requests = [random_request("full", prefill_groups, decode_groups, 70, rng),
                 random_request("hit", prefill_groups, decode_groups, 90, rng, cached_tokens=32, window_tokens=24,
                                contiguous=False)]
-    with PushCluster(prefill_groups, decode_groups, p, d, name=f"push-{model}-{shape}-{p}-{d}") as cluster:
+    with PushCluster(prefill_groups, decode_groups, p, d, name=f"push-{model}-{shape}-{p}-{d}-{same_host}",
+                     same_host=same_host) as cluster:
+        num_writes = 0
         for request in requests:
             cluster.reset_decode()
             results = cluster.push(request, cluster.expect(request))
             assert [r.error for r in results if not r.ok] == []
+            num_writes += sum(bool(r.num_descriptors) for r in results)
             for r in range(d):
                 end = cluster.holder_thread.wait_end(r, request.remote_request_id, timeout_s=10)
                 assert end is not None and end.kind is HoldEndKind.CONSUMED and not end.failed_readers, f"decode {r}: {end}"
@@ -42,19 +48,27 @@ def test_nixl_pushes_are_byte_exact(pair, model, shape):
         counts = [(h.counts[NoticeEvent.BAD], h.counts[NoticeEvent.FOREIGN], h.counts[NoticeEvent.LATE],
                    h.counts[NoticeEvent.UNSEALED]) for h in cluster.expectations]
         assert counts == [(0, 0, 0, 0)] * d
+        copies = sum(pusher.machine.mover.num_host_copies for pusher in cluster.pushers)
+        assert num_writes and copies == (num_writes if same_host else 0)
 
 
-def cluster_and_request(name, p=2, d=2, model="gqa"):
+def cluster_and_request(name, p=2, d=2, model="gqa", same_host=False):
     prefill_groups, decode_groups = model_groups(model, SHAPES["blocks_32_to_16"])
     request = random_request("r", prefill_groups, decode_groups, 70, np.random.default_rng(3))
-    return PushCluster(prefill_groups, decode_groups, p, d, name=name), request
+    return PushCluster(prefill_groups, decode_groups, p, d, name=f"{name}-{same_host}", same_host=same_host), request
 
 
-def test_a_push_into_an_expectation_that_ended_writes_nothing():
-    """The decode side released its expectation (an abort): every writer finds no tag on the board and
-    writes nothing; no expectation is consumed."""
-    cluster, request = cluster_and_request("push-released")
+WAYS = pytest.mark.parametrize("same_host", [False, True], ids=["nixl", "copy"])
+
+
+@WAYS
+def test_a_push_into_an_expectation_that_ended_writes_nothing(same_host):
+    """The decode side released its expectation (an abort): every writer finds no tag on the board (read over
+    NIXL, or mapped here with the target's memory) and writes nothing; no expectation is consumed."""
+    cluster, request = cluster_and_request("push-released", same_host=same_host)
     with cluster:
+        if same_host:  # the control of the way: mapped memory, and a mapped board (its checks are loads)
+            assert all(t.host_ranks[d].board is not None for p in cluster.pushers for (_, _, d), t in p.targets.items())
         cluster.reset_decode()
         capabilities = cluster.expect(request)
         for holder in cluster.expectations:
@@ -66,22 +80,26 @@ def test_a_push_into_an_expectation_that_ended_writes_nothing():
         assert cluster.holder_thread.wait_end(0, request.remote_request_id, timeout_s=0.5) is None
 
 
-def test_a_push_sealed_by_another_capability_is_refused_and_writes_nothing():
+@WAYS
+def test_a_push_sealed_by_another_capability_is_refused_and_writes_nothing(same_host):
     """A capability the decode rank never minted (another transfer's, or made up) has no tag on its board:
     nothing is written, and its notice counts for nothing."""
-    cluster, request = cluster_and_request("push-forged")
+    cluster, request = cluster_and_request("push-forged", same_host=same_host)
     with cluster:
         cluster.reset_decode()
         cluster.expect(request)
+        if same_host:  # the control of the way: mapped memory, and a mapped board (its checks are loads)
+            assert all(t.host_ranks[d].board is not None for p in cluster.pushers for (_, _, d), t in p.targets.items())
         forged = tuple(bytes(16) for _ in cluster.expectations)
         results = cluster.push(request, forged)
         assert all(not r.ok and r.failure is ReadFailure.STALE for r in results if r.num_descriptors)
         assert cluster.decode_untouched()
 
 
-def test_a_push_of_another_prompts_kv_is_caught_by_the_oracle():
+@WAYS
+def test_a_push_of_another_prompts_kv_is_caught_by_the_oracle(same_host):
     """Negative control of the byte check: the writers push other prefill blocks into the expected ones."""
-    cluster, request = cluster_and_request("push-other", p=1, d=1)
+    cluster, request = cluster_and_request("push-other", p=1, d=1, same_host=same_host)
     other = random_request("o", cluster.prefill_groups, cluster.decode_groups, 70, np.random.default_rng(9))
     with cluster:
         cluster.reset_decode()
@@ -90,6 +108,7 @@ def test_a_push_of_another_prompts_kv_is_caught_by_the_oracle():
                                 other.remote_block_ids, request.num_tokens)
         assert all(r.ok for r in cluster.push(swapped, capabilities))
         assert cluster.check(request) != []
+        assert cluster.pushers[0].machine.mover.num_host_copies == (1 if same_host else 0)
 
 
 def test_a_failed_writer_is_named_when_the_expectation_ends():

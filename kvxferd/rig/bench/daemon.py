@@ -53,6 +53,7 @@ TARGETS = (("p50_overhead_us_300", "<=", 500.0, "end to end p50 over raw NIXL at
            ("idle_cpu_percent", "<=", 0.5, "idle CPU per daemon (% of a core, the busier one)"),
            ("bulk_ratio", ">=", 0.97, "bulk ratio vs raw NIXL"))
 SAME_HOST_KEYS = ("bulk_ratio", "p50_overhead_us_300")  # issue 37's targets for the same-host path: as over NIXL
+PUSH_KEYS = ("push_bulk_ratio", "push_p50_overhead_us_300")  # issue 57's, flat; same host: same_host_push_*
 FULL = dict(rounds=6, bulk_layers=32, bulk_blocks=256, num_requests_300=1500, num_requests_1000=3000, idle_s=5.0)
 QUICK = dict(rounds=3, bulk_layers=16, bulk_blocks=128, num_requests_300=450, num_requests_1000=1500, idle_s=2.0)
 
@@ -81,7 +82,8 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
         grpc_stream: bool = True, same_host: bool = True, hosts: bool = False, push: bool = True) -> dict:
     """The socket path's figures over NIXL at the top level; the same path with same-host copies under
     ``"same_host"`` (its two targets also flat: ``same_host_bulk_ratio``, ``same_host_p50_overhead_us_300``);
-    the gRPC stream's under ``"stream"``, TLS under ``"mtls"``.
+    the gRPC stream's under ``"stream"``, TLS under ``"mtls"``; the push keys with same-host copies under
+    ``"same_host_push"`` (flat: ``same_host_push_bulk_ratio``, ``same_host_push_p50_overhead_us_300``).
     ``hosts``: only the socket path, its daemons on two namespace hosts (``"hosts": true``). ``push``: the
     push path's keys too (issue #57: ``push_bulk_ratio``, ``push_p50_overhead_us_300``, over NIXL)."""
     sizes = sizes or (QUICK if quick else FULL)
@@ -95,6 +97,10 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
             figures["same_host"] = one_path(workdir, same_host=True, **sizes)
             for key in SAME_HOST_KEYS:
                 figures["same_host_" + key] = figures["same_host"][key]
+            if push:  # the push keys again with copies instead of WRITEs, under "same_host_push"
+                figures["same_host_push"] = push_figures(workdir, sizes, same_host=True)
+                for key in PUSH_KEYS:
+                    figures["same_host_" + key] = figures["same_host_push"][key]
         if grpc_stream:
             figures["stream"] = one_path(workdir, reads_socket=False, **sizes)
         if mtls:
@@ -160,6 +166,8 @@ def format_table(f: dict) -> str:
         text += "\n\nstream path (Reads batches on the gRPC stream):\n" + _format_one(stream)
     if "push_bulk" in f:
         text += "\n\n" + _format_push(f)
+    if "same_host_push" in f:
+        text += "\n\nsame host: " + _format_push(f["same_host_push"]).replace("WRITEs;", "copies;", 1)
     if "mtls" in f:
         p, t = f["mtls"]["plain"], f["mtls"]["tls"]
         text += (f"\n\nmutual TLS on the peer ports (socket path; plain vs TLS): bulk ratio {p['bulk']['ratio']:.3f} vs "
@@ -175,7 +183,8 @@ def _format_push(f: dict) -> str:
     return "\n".join([
         "push path (decode expects, prefill daemon WRITEs; timed from the prefill engine's Hold):",
         f"  bulk {b['bytes'] / 2**20:.0f} MiB: raw NIXL WRITE {b['raw_write_gbps']:.2f} GB/s ({b['raw_write_ms']:.1f} ms)"
-        f"   push {b['push_gbps']:.2f} GB/s ({b['push_ms']:.1f} ms)   push_bulk_ratio {b['ratio']:.3f}",
+        f"   push {b['push_gbps']:.2f} GB/s ({b['push_ms']:.1f} ms)   push_bulk_ratio {b['ratio']:.3f}"
+        f"   ({b.get('copies', 0):g} of {b['rounds'] + 1} pushes copied same-host)",
         f"  {o['requests']} pushes of {o['bytes_per_request'] / 2**10:.0f} KiB at {o['rate_per_s']:.0f}/s (achieved "
         f"{o['achieved_rate_per_s']:.0f}/s), {o['failed']:g} failed: hold -> delivered p50 "
         f"{o['end_to_end']['p50_us']:.0f} us, p99 {o['end_to_end']['p99_us']:.0f} us; raw WRITE p50 "

@@ -51,9 +51,10 @@ def _expect(cluster: DaemonCluster, request: ReadRequest) -> None:
 
 
 def push_bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
-              reads_socket: bool = True) -> dict:
-    """Alternate raw NIXL WRITE and a push through the daemons on one big request."""
-    with _cluster(workdir, num_layers, num_blocks, "pushbulk", tls, reads_socket) as cluster:
+              reads_socket: bool = True, same_host: bool = False) -> dict:
+    """Alternate raw NIXL WRITE and a push through the daemons on one big request (``same_host``: the prefill
+    daemon copies into the decode engine's memory; the raw floor stays a NIXL WRITE)."""
+    with _cluster(workdir, num_layers, num_blocks, "pushbulk", tls, reads_socket, same_host) as cluster:
         ids = np.arange(num_blocks)
         raw = RawWriter(cluster, ReadRequest("raw", "raw@p", (ids,), (ids,)), _credentials(tls))
         try:
@@ -72,23 +73,24 @@ def push_bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: 
                 if i:
                     raw_s.append(raw_time)
                     push_s.append(push_time)
+            copies = cluster.prefill_daemons[0].metric("kvxferd_push_same_host_copies_total")
         finally:
             raw.close()
     raw_gbps, push_gbps = raw.num_bytes / statistics.median(raw_s) / 1e9, raw.num_bytes / statistics.median(push_s) / 1e9
-    return {"bytes": raw.num_bytes, "rounds": rounds, "raw_write_gbps": raw_gbps, "push_gbps": push_gbps,
+    return {"bytes": raw.num_bytes, "rounds": rounds, "copies": copies, "raw_write_gbps": raw_gbps, "push_gbps": push_gbps,
             "ratio": push_gbps / raw_gbps, "raw_write_ms": statistics.median(raw_s) * 1e3,
             "push_ms": statistics.median(push_s) * 1e3}
 
 
 def push_overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
-                  tls: Tls | None = None, *, reads_socket: bool = True) -> dict:
+                  tls: Tls | None = None, *, reads_socket: bool = True, same_host: bool = False) -> dict:
     """Small pushes at a steady rate: each request's expectation goes out ahead, its hold at its arrival;
     hold -> the decode engine's completion, against a raw WRITE of the same request alone."""
     # Requests in flight together take disjoint decode blocks (a decode rank refuses a push naming blocks
     # another live push expects): POOL_REQUESTS sets, in turn, each in a random order. Over a slow link
     # (namespace hosts) more pushes are in flight than on loopback.
     num_blocks = POOL_REQUESTS * blocks_per_request
-    with _cluster(workdir, num_layers, num_blocks, "pushrate", tls, reads_socket) as cluster:
+    with _cluster(workdir, num_layers, num_blocks, "pushrate", tls, reads_socket, same_host) as cluster:
         rng = np.random.default_rng(0)
         requests = []
         for n in range(num_requests):
@@ -136,11 +138,12 @@ ALONE_GAP_S = 0.011  # expectation -> hold: a 64-token prefill's forward on this
 ALONE_PAUSE_S = 1.5  # between pushes: both daemons idle again (their slowest polls), as between vLLM requests
 
 
-def push_alone(workdir: str, num_requests: int, tls: Tls | None = None, *, reads_socket: bool = True) -> dict:
+def push_alone(workdir: str, num_requests: int, tls: Tls | None = None, *, reads_socket: bool = True,
+               same_host: bool = False) -> dict:
     """One push at a time on idle daemons, in a vLLM push's order: the decode rank expects, the prefill
     engine holds ``ALONE_GAP_S`` later (its forward pass); hold -> the decode engine's completion, and with
     the hold first (expectation right after it)."""
-    with _cluster(workdir, 2, 8, "pushalone", tls, reads_socket) as cluster:
+    with _cluster(workdir, 2, 8, "pushalone", tls, reads_socket, same_host) as cluster:
         rng, seconds = np.random.default_rng(0), {"expect_first": [], "hold_first": []}
         for n in range(2 * num_requests + 2):  # the first of each order warms the connection up
             ids = rng.permutation(8)[:2]
@@ -162,13 +165,14 @@ def push_alone(workdir: str, num_requests: int, tls: Tls | None = None, *, reads
     return {order: percentiles_us(s) for order, s in seconds.items()}
 
 
-def push_figures(workdir: str, sizes: dict, tls=None) -> dict:
+def push_figures(workdir: str, sizes: dict, tls=None, *, same_host: bool = False) -> dict:
     """The push keys of ``kvxferd bench daemon``: ``push_bulk_ratio`` (vs raw NIXL WRITE on the same
     descriptors), ``push_p50_overhead_us_300`` (hold -> completion p50 minus the raw WRITE's) and
-    ``push_alone_p50_us`` (one push at a time on idle daemons, hold -> completion)."""
-    b = push_bulk(workdir, sizes["bulk_layers"], sizes["bulk_blocks"], sizes["rounds"], tls)
-    o300 = push_overhead(workdir, 2, 2, 300.0, sizes["num_requests_300"], tls)
-    alone = push_alone(workdir, min(20, max(5, sizes["num_requests_300"] // 30)), tls)
+    ``push_alone_p50_us`` (one push at a time on idle daemons, hold -> completion). ``same_host``: the
+    daemons prove one host and the pushes are copies (``same_host_writes``)."""
+    b = push_bulk(workdir, sizes["bulk_layers"], sizes["bulk_blocks"], sizes["rounds"], tls, same_host=same_host)
+    o300 = push_overhead(workdir, 2, 2, 300.0, sizes["num_requests_300"], tls, same_host=same_host)
+    alone = push_alone(workdir, min(20, max(5, sizes["num_requests_300"] // 30)), tls, same_host=same_host)
     return {"push_bulk": b, "push_overhead": o300, "push_alone": alone, "push_bulk_ratio": b["ratio"],
             "push_p50_overhead_us_300": o300["end_to_end"]["p50_us"] - o300["raw_write"]["p50_us"],
             "push_alone_p50_us": alone["expect_first"]["p50_us"]}

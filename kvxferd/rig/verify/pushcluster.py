@@ -17,7 +17,8 @@ from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup
 from kvxferd.plan.push import PushRequest, expected_writers
 from kvxferd.rig.reading import wait
-from kvxferd.rig.verify.buffers import DecodeChecks, allocate_engine
+from kvxferd.client.shm import SharedArena
+from kvxferd.rig.verify.buffers import DecodeChecks, allocate_engine, shared_engine
 from kvxferd.rig.verify.holderthread import HolderThread
 from kvxferd.xfer.holder import Holder, Reader
 from kvxferd.xfer.nixl.agent import NixlAgent
@@ -37,13 +38,18 @@ class PushCluster(DecodeChecks):
     """
 
     def __init__(self, prefill_groups: Sequence[CacheGroup], decode_groups: Sequence[CacheGroup],
-                 prefill_tp: int, decode_tp: int, *, name: str = "push") -> None:
+                 prefill_tp: int, decode_tp: int, *, name: str = "push", same_host: bool = False) -> None:
+        """``same_host``: decode caches in named shared memory, which the prefill ranks map and copy into
+        themselves (:func:`kvxferd.xfer.samehost.ranks.open_push_target`) instead of writing over NIXL."""
         self.prefill_groups, self.decode_groups = tuple(prefill_groups), tuple(decode_groups)
         self.prefill_id, self.decode_id = f"{name}-prefill", f"{name}-decode"
+        self.same_host, self.arenas = same_host, []
         self.prefill = [allocate_engine(self.prefill_id, prefill_groups, prefill_tp, q, tagged=True)
                         for q in range(prefill_tp)]
-        self.decode = [allocate_engine(self.decode_id, decode_groups, decode_tp, d, tagged=False)
-                       for d in range(decode_tp)]
+        self.decode = [allocate_engine(self.decode_id, decode_groups, decode_tp, d, tagged=False,
+                                       allocate=self._shared if same_host else None) for d in range(decode_tp)]
+        if same_host:
+            self.decode = [shared_engine(engine, arena) for engine, arena in zip(self.decode, self.arenas)]
         self.decode_agents = [NixlAgent(f"{self.decode_id}-{d}") for d in range(decode_tp)]
         for agent, engine in zip(self.decode_agents, self.decode):
             agent.register(engine.cache)
@@ -68,7 +74,12 @@ class PushCluster(DecodeChecks):
         metadata = [agent.metadata() for agent in self.decode_agents]
         boards = [holder.board for holder in self.expectations]
         for pusher in self.pushers:
-            pusher.connect_engine(caches, metadata, boards)
+            pusher.connect_engine(caches, metadata, boards, same_host=self.same_host)
+
+    def _shared(self, num_bytes: int):
+        arena = SharedArena(num_bytes)
+        self.arenas.append(arena)
+        return arena.allocate(num_bytes)
 
     def expect(self, request: ReadRequest, lease_s: float = EXPECT_LEASE_S) -> tuple[bytes, ...]:
         """Every decode rank expects ``request``'s decode blocks; each rank's capability."""
@@ -99,4 +110,6 @@ class PushCluster(DecodeChecks):
             holder.close()
             agent.deregister(engine.cache.engine_id)
             agent.close()
+        for arena in self.arenas:
+            arena.close()
 

@@ -195,6 +195,12 @@ class DaemonConfig(BaseSettings):
                                   "shares the holder's host (the host secret, peer_secret_file, and boot id; with "
                                   "TLS only daemons that share that file) and can open the memory (the same "
                                   "/dev/shm or IPC namespace; the holder's GPU visible); else NIXL")
+    same_host_writes: bool = Field(True, description="push (issue #57) on one host: a decode rank names its engine's "
+                                   "shared memory to the prefill daemons it names itself to as a write target, and "
+                                   "a prefill daemon maps a target's memory read-write and copies its pushes in the "
+                                   "kernel instead of a NIXL WRITE; only where the target proved it shares this "
+                                   "host (the same proof as same_host_reads, which must be on) and for host "
+                                   "memory (GPU targets: NIXL). Off on either side: NIXL WRITEs")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: str = Field("json", description="json (one object per line) or text")
     audit_window_s: float = Field(10.0, gt=0, le=3600, description="the audit log's refusal window: per caller "

@@ -115,6 +115,9 @@ class Metrics:
                                        ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.push_bytes = Counter("kvxferd_push_bytes", "push, prefill side: bytes written into decode ranks' blocks",
                                   registry=r)
+        self.push_same_host_copies = Counter("kvxferd_push_same_host_copies", "push, prefill side: writes (or "
+                                             "stages) copied into a same-host decode engine's shared memory instead "
+                                             "of written over NIXL (same_host_writes)", registry=r)
         self.push_stages = Counter("kvxferd_push_stages", "push written layer by layer, prefill side: stages posted "
                                    "(the layers found final since the last stage, each)", registry=r)
         self.handshake_duration = Histogram("kvxferd_handshake_duration_seconds", "handshakes with remote engines",

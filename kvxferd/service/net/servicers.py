@@ -269,12 +269,12 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
                                            f"{self.daemon.registry.trust_lead_s:.0f} s more (renew it)")
         target = self.daemon.writes.check_target(slot, request)  # push (issue #57): the reader's own rank only
         await self._introduce(slot, request, identity)  # no agent metadata or addresses for anyone who does not
-        if target is not None:  # the writer connects to the reader's rank now, as this identity's target
-            self.daemon.writes.connect_target(slot, target, identity)
         # A reader on this host (proved: kvxferd.wire.samehost) gets the names of the engine's shared memory.
         secret, address = self.daemon.peers.same_host_secret, self.daemon.peer_token_address
-        proof = (holder_proof(secret, address, request.same_host_token)
-                 if secret is not None and is_same_host(secret, address, nonces, request.same_host_token) else "")
+        same_host = secret is not None and is_same_host(secret, address, nonces, request.same_host_token)
+        if target is not None:  # the writer connects to the reader's rank now, as this identity's target
+            self.daemon.writes.connect_target(slot, target, identity, same_host=same_host)
+        proof = holder_proof(secret, address, request.same_host_token) if same_host else ""
         incarnation, metadata, cache, board = slot.peer_view(expiry_s)
         return encode_info(incarnation, metadata, cache, board, same_host_proof=proof,
                            writer_agent_name=slot.writer_agent_name if self.daemon.config.push_targets else "")

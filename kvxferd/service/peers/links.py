@@ -121,6 +121,9 @@ class Peers:
         # Push (issue #57, config.push_targets): this daemon's ranks name themselves as write targets at their
         # handshakes (their data agent's metadata goes to the holder); off: no holder learns it, none pushes here.
         self.push_targets = True
+        # config.same_host_writes: a rank named as a push target names its engine's shared memory too (the
+        # writer maps it only once this daemon's same-host token proved the host: needs same_host_secret).
+        self.same_host_writes = True
 
     def _channel(self, address: str) -> "_PeerChannel":
         """The channel to ``address``; a new one after the TLS files changed (new connections, new certificate)."""
@@ -349,10 +352,13 @@ class Peers:
                                        reader_engine_id=slot.engine_id, reader_tp_rank=slot.cache.tp_rank,
                                        reader_tp_size=slot.cache.tp_size,
                                        reader_agent_metadata=slot.notices_metadata)
+        secret = self.same_host_secret
         if slot.served is None and self.push_targets:  # push (issue #57): this rank as a write target, connected
             # by the holder now
-            request.reader_target.CopyFrom(encode_info(*slot.peer_view()))
-        secret = self.same_host_secret
+            # Its shared memory's names too where a writer may copy into it (host memory only: no GPU share,
+            # whose IPC handles and VMM tokens are keys, ever goes to a holder not yet proved).
+            names = self.same_host_writes and secret is not None and slot.cache.mem_type == "DRAM"
+            request.reader_target.CopyFrom(encode_info(*slot.peer_view(), with_shares=names))
 
         def bind(request: pb.EngineInfoRequest, nonces: Nonces) -> pb.EngineInfoRequest:
             if secret is not None:  # bound to this call's challenge: good for this call only

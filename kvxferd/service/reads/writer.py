@@ -40,6 +40,7 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id
 from kvxferd.wire.peerinfo import decode_info
+from kvxferd.wire.samehost import info_without_shares
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.nixl.agent import agent_name_of
 from kvxferd.xfer.pushes import PushTarget
@@ -124,10 +125,14 @@ class WritePath:
                                                         f"{request.reader_engine_id!r})")
         return info
 
-    def connect_target(self, slot: EngineSlot, info, owner: str) -> None:
+    def connect_target(self, slot: EngineSlot, info, owner: str, *, same_host: bool = False) -> None:
         """An introduced reader's rank (:meth:`check_target`) as ``owner``'s push target: connected in the
         background (UCX's set-up of a new connection takes up to a second; the reader's handshake does not wait
-        for it), not on its first push. A target that cannot be connected is logged; its pushes fail."""
+        for it), not on its first push. A target that cannot be connected is logged; its pushes fail.
+        ``same_host``: the reader proved it shares this host: the shared memory its target names is mapped
+        (``same_host_writes``); else whatever it names is dropped here."""
+        if not (same_host and self.daemon.config.same_host_writes):
+            info = info_without_shares(info)
         key = (id(slot), owner, info.cache.engine_id, info.cache.tp_rank)
         self._connecting[key] = self.daemon.spawn(self._connect(slot, info, owner, key))
 
@@ -214,8 +219,15 @@ class WritePath:
         current = pusher.targets.get((owner, target.engine_id, target.tp_rank))
         if current is not None and current.agent_names.get(target.tp_rank) == _agent_name(info.agent_metadata):
             return current
+        same_host = _names_memory(target)
         connection = await asyncio.wrap_future(self.daemon.dataplane.call(
-            lambda: pusher.connect(target, info.agent_metadata, info.board, owner)))
+            lambda: pusher.connect(target, info.agent_metadata, info.board, owner, same_host=same_host)))
+        if connection is not None and same_host:  # how its pushes go, and why not by copies where they do not
+            log.info("a push target on this host", extra={
+                "engine_id": slot.engine_id, "reader": f"{target.engine_id}/{target.tp_rank}",
+                "writes": "copied" if connection.host_ranks else f"over NIXL: {connection.host_error}",
+                "board": "mapped" if connection.host_ranks and not connection.board_error
+                         else f"checked over NIXL: {connection.board_error or '-'}"})
         if connection is not None:  # UCX's set-up of the new connection, paid here, not by the first push
             check, sleep_s, until_s = pusher.start_warm_up(connection), POLL_MIN_S, time.perf_counter() + WARM_UP_S
             while not pusher.warm_up_done(check, give_up=time.perf_counter() >= until_s):
@@ -316,6 +328,7 @@ class WritePath:
         if not inflight.result.ok or last:
             self._finish(slot, expectation, inflight, held)
             return
+        self._count_copies(inflight)
         expectation.num_bytes_written += inflight.result.num_bytes
         expectation.inflight = None
         now_held = self._same_hold(slot, expectation)
@@ -361,6 +374,7 @@ class WritePath:
                                                       "blocks were written: they may have been reused")
         if inflight is not None:
             pusher.send_notice(inflight, expectation.target_rank)
+            self._count_copies(inflight)
         else:
             self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
                        expectation.capability)
@@ -383,6 +397,11 @@ class WritePath:
                                               f"{': ' + refusal if refusal else ''}"))
         if outcome.end is not None:
             self.daemon.publish(slot, outcome.end)
+
+    def _count_copies(self, inflight: InFlightRead) -> None:
+        copied = sum(rank.copied_here for rank in inflight.ranks.values())
+        if copied:
+            self.daemon.metrics.push_same_host_copies.inc(copied)
 
     def _refuse(self, slot: EngineSlot, connection: PushTarget | None, target_engine_id: str, target_rank: int,
                 transfer_id: str, capability: bytes, why: str) -> None:
@@ -461,6 +480,11 @@ class WritePath:
                 self._abandon(slot, expectation)
             else:
                 self._finish(slot, expectation, None, held, "deadline: its last layers were never final")
+
+
+def _names_memory(cache) -> bool:
+    """Whether a target names the shared memory its regions lie in (only a proven same-host one keeps it)."""
+    return any(region.share is not None for regions in cache.memory for region in regions)
 
 
 def _agent_name(metadata: bytes) -> str:

@@ -101,9 +101,11 @@ def empty_source() -> MappedSource:
     return MappedSource(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedObjects | None = None) -> MappedSource:
-    """Map every region's shared-memory object of a remote rank read-only. Raises :class:`TransferError` when
-    a region has no object, an object is gone or is another one now, or a region does not lie inside it.
+def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedObjects | None = None, *,
+                    writable: bool = False) -> MappedSource:
+    """Map every region's shared-memory object of a remote rank read-only (``writable``: read-write, for a
+    push's copies into it). Raises :class:`TransferError` when a region has no object, an object is gone or is
+    another one now, or a region does not lie inside it.
 
     ``opened``: the objects engines passed by fd, already opened by another process for this one
     (:func:`~kvxferd.xfer.samehost.opened.open_passed_objects`; a sandboxed reader worker cannot reach
@@ -119,7 +121,7 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedOb
         for share in {r.share for r in regions}:
             identity = (share.device, share.inode)
             if identity not in mapped:
-                mapped[identity] = map_object(share, shm_dir, source.closers, opened)
+                mapped[identity] = map_object(share, shm_dir, source.closers, opened, writable=writable)
         placed = []
         for region in regions:
             base, size = mapped[(region.share.device, region.share.inode)]
@@ -132,8 +134,9 @@ def map_host_source(cache: EngineCache, shm_dir: str = SHM_DIR, opened: OpenedOb
 
 
 def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObjects | None, *,
-               sealed: bool = False) -> tuple[int, int]:
-    """Map one object read-only (its unmapping appended to ``closers``); its base address here and its size.
+               sealed: bool = False, writable: bool = False) -> tuple[int, int]:
+    """Map one object read-only, or read-write when ``writable`` (its unmapping appended to ``closers``); its base
+    address here and its size.
 
     A name is opened under ``shm_dir`` and never through a symlink. An object the engine passed as an fd
     is opened through the holder's copy of it, ``/proc/<pid>/fd/<fd>``: a link the kernel follows to the
@@ -147,13 +150,14 @@ def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObje
         if not bare or "/" in bare:  # validated when decoded: never a path out of the directory
             raise TransferError("same_host", f"not a shared-memory object name: {name[:64]!r}")
         try:
-            fd = os.open(os.path.join(shm_dir, bare), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(shm_dir, bare), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC |
+                         os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError as err:  # another IPC namespace, no permission, gone
             raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
     else:
-        fd = opened.object_fd(identity, name) if opened is not None else None
+        fd = opened.object_fd(identity, name) if opened is not None and not writable else None
         if fd is None:
-            fd = open_passed(share)
+            fd = open_passed(share, writable=writable)
     try:
         # Sealed first, sized after: once it cannot shrink, the size read is one it keeps. (tmpfs only: a
         # hole punched in hugetlbfs pages can still fault a load when the pool is empty.)
@@ -164,7 +168,8 @@ def map_object(share: HostShare, shm_dir: str, closers: list, opened: OpenedObje
             raise TransferError("same_host", f"shared-memory object {name!r} is not the one the holder mapped")
         if not status.st_size:
             raise TransferError("same_host", f"shared-memory object {name!r} is empty")
-        mapping = mmap.mmap(fd, status.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        mapping = mmap.mmap(fd, status.st_size, mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ)
     except OSError as err:
         raise TransferError("same_host", f"cannot map shared-memory object {name!r}: {err.strerror}") from None
     finally:
@@ -198,12 +203,16 @@ class HostRank:
     # device copy the executor polls (GPU memory: kvxferd.xfer.samehost.devicemaps).
     copier: Callable[[np.ndarray, np.ndarray, np.ndarray], object] = copy_spans
     on_device: bool = False  # GPU memory, copied by batches on the device
+    writes: bool = False  # a push's: copies go from this process's cache into the mapped memory
     board: object = None  # the holder's board mapped here (kvxferd.xfer.samehost.boards), or None: NIXL checks
 
     @classmethod
-    def of(cls, source: MappedSource, rank_plan: RankPlan, copier=copy_spans, *, on_device: bool = False) -> "HostRank":
+    def of(cls, source: MappedSource, rank_plan: RankPlan, copier=copy_spans, *, on_device: bool = False,
+           writes: bool = False) -> "HostRank":
+        """``rank_plan``'s local rows are this process's cache, its remote rows the mapped memory's (for a push:
+        the writer's rows local, the target's remote); ``writes``: copy local -> mapped, not mapped -> local."""
         rank = cls(source, RowIndex.of(rank_plan.local_rows), RowIndex.of(rank_plan.remote_rows), copier=copier,
-                   on_device=on_device)
+                   on_device=on_device, writes=writes)
         if max(rank.local.num_descriptors, rank.remote.num_descriptors) <= EXPAND_MAX_DESCRIPTORS:
             local_addresses, local_lengths = expand_rows(rank_plan.local_rows)
             remote_addresses, remote_lengths = expand_rows(rank_plan.remote_rows)
@@ -212,18 +221,18 @@ class HostRank:
         return rank
 
     def copy(self, read: RankRead) -> object:
-        """Copy one rank's part of a read: what the copier returns. Raises :class:`TransferError` (nothing or
-        a prefix copied: the caller fails the rank, whose blocks are then invalid)."""
+        """Copy one rank's part of a read (a push's write, with ``writes``): what the copier returns. Raises
+        :class:`TransferError` (nothing or a prefix copied: the caller fails the rank, whose blocks are then
+        invalid)."""
         self.source.check_open()
         if self.tables is not None:
-            local_addresses, local_lengths, sources, remote_lengths = self.tables
-            lengths, source_addresses = local_lengths[read.local_ids], sources[read.remote_ids]
-            remote_lengths = remote_lengths[read.remote_ids]
-            destinations = local_addresses[read.local_ids]
+            local_addresses, local_lengths, mapped_addresses, remote_lengths = self.tables
+            lengths, remote_lengths = local_lengths[read.local_ids], remote_lengths[read.remote_ids]
+            local, mapped = local_addresses[read.local_ids], mapped_addresses[read.remote_ids]
         else:
-            destinations, lengths = self.local.spans(read.local_ids)
+            local, lengths = self.local.spans(read.local_ids)
             remote_addresses, remote_lengths = self.remote.spans(read.remote_ids)
-            source_addresses = self.source.translate(remote_addresses, lengths)
+            mapped = self.source.translate(remote_addresses, lengths)
         if not np.array_equal(lengths, remote_lengths):
             raise TransferError("same_host", "local and remote spans differ in length")
-        return self.copier(destinations, source_addresses, lengths)
+        return self.copier(mapped, local, lengths) if self.writes else self.copier(local, mapped, lengths)

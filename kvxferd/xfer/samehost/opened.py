@@ -203,8 +203,9 @@ def holder_pidfd(pid: int) -> int:
         os.close(proc)
 
 
-def open_passed(share: HostShare) -> int:
-    """The holder's copy of an fd its engine passed, opened read-only here. Nothing is opened for reading
+def open_passed(share: HostShare, *, writable: bool = False) -> int:
+    """The holder's copy of an fd its engine passed, opened read-only here (``writable``: read-write, for a
+    push into it). Nothing is opened for reading
     before it is known to be the object the holder mapped: the process must be this user's (its /proc
     directory held open, so a reused pid cannot stand in), the link is followed with ``O_PATH`` (no
     driver's open runs), and the file must be a regular file in shared memory with the holder's
@@ -226,7 +227,8 @@ def open_passed(share: HostShare) -> int:
         if (status.st_dev, status.st_ino) != identity:
             raise TransferError("same_host", f"shared-memory object {name!r} is not the one the holder mapped")
         try:
-            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+            return os.open(f"/proc/self/fd/{handle}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC |
+                           os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as err:  # its mode does not let this user read it (an engine of another user)
             raise TransferError("same_host", f"cannot open shared-memory object {name!r}: {err.strerror}") from None
     except OSError as err:  # fstat of an O_PATH fd: out of memory

@@ -10,14 +10,16 @@ a device fault poisoned the context.
 
 from __future__ import annotations
 
+import os
+
 from kvxferd.cuda.copies import BatchCopier
 from kvxferd.errors import KvxferError, TransferError
 from kvxferd.plan.board import BoardInfo
 from kvxferd.plan.engine import RankPlan
-from kvxferd.plan.groups import EngineCache
+from kvxferd.plan.groups import EngineCache, HostShare
 from kvxferd.xfer.samehost.boards import map_board
 from kvxferd.xfer.samehost.devicemaps import device_rank, map_device_source
-from kvxferd.xfer.samehost.hostmaps import HostRank, map_host_source
+from kvxferd.xfer.samehost.hostmaps import HostRank, MappedSource, map_host_source
 from kvxferd.xfer.samehost.opened import OpenedObjects
 
 
@@ -65,6 +67,49 @@ class SameHostOpener:
     def close(self) -> None:
         if self.device_copier is not None:
             self.device_copier.close()
+
+
+def open_push_target(writer: EngineCache, target: EngineCache, copy_plans, board: BoardInfo | None
+                     ) -> tuple[MappedSource, list[HostRank], str]:
+    """A push target rank's host memory mapped read-write here, once, with one :class:`HostRank` (``writes``)
+    per plan in ``copy_plans`` (:attr:`kvxferd.plan.push.PushPlan.copy_plan`: the whole write's, and its plan by
+    layer where that differs), and its ``board`` mapped read-only when the target named it: the mapping (closed
+    with the connection), the ranks, and why the board is not mapped ("": it is; else checked over NIXL).
+    Raises :class:`TransferError` saying why the target is written over NIXL instead.
+
+    Host memory only: a GPU target is written over NIXL (UCX's cuda_ipc lane on one host)."""
+    if (writer.mem_type, target.mem_type) != ("DRAM", "DRAM"):
+        raise TransferError("same_host", f"{writer.mem_type} memory is written into {target.mem_type} over NIXL "
+                                         "(a push copies host memory only)")
+    refuse_own_memory(writer, target)
+    source = map_host_source(target, writable=True)
+    try:
+        ranks = [HostRank.of(source, plan, writes=True) for plan in copy_plans]
+        if board is None or board.share is None:
+            return source, ranks, "the target named no memory for its board"
+        try:
+            mapped_board = map_board(board)
+        except TransferError as err:
+            return source, ranks, err.message
+        source.closers.append(mapped_board.close)
+        for rank in ranks:
+            rank.board = mapped_board
+    except BaseException:
+        source.close()
+        raise
+    return source, ranks, ""
+
+
+def refuse_own_memory(writer: EngineCache, target: EngineCache) -> None:
+    """A target's regions may not lie in memory this process holds open (an engine's passed fd, its boards'
+    memfds: named as ``/proc/<this pid>/fd/<n>``) or in the writer engine's own objects: a peer that proved
+    this host could otherwise get the writer to map and overwrite them (its board is only read). Raises
+    :class:`TransferError` (written over NIXL: into the target's registered memory only)."""
+    own = {(r.share.device, r.share.inode) for regions in writer.memory for r in regions
+           if isinstance(r.share, HostShare)}
+    for share in (r.share for regions in target.memory for r in regions if isinstance(r.share, HostShare)):
+        if share.holder_pid == os.getpid() or (share.device, share.inode) in own:
+            raise TransferError("same_host", "the target names memory of the writer itself")
 
 
 def drop_rank(remote, q: int, reason: str) -> None:

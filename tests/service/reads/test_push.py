@@ -357,6 +357,8 @@ def test_layers_stored_inside_one_region_are_pushed_layer_by_layer(workdir):
         assert [(c.ok, c.error) for c in cluster.completions(request)] == [(True, "")] * 2
         problems, wrong = cluster.verify(request)
         assert not problems and wrong == 0
+        # On one host each stage is a copy on the plan by layer's own tables (two decode ranks, two stages)
+        assert cluster.prefill_daemons[0].metric("kvxferd_push_same_host_copies_total") == 4
 
 
 def held_first_layer(cluster, rng, name: str, deadline_s: float):
