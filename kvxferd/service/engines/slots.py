@@ -75,6 +75,8 @@ class EngineSlot:
     # Prefill side: transfer ids held for a push whose expectation has not come yet; until it comes (or
     # awaited_until_s) the data-plane thread polls for notices every EXPECT_POLL_S, not the holds' 10 ms.
     awaited: set = field(default_factory=set)
+    # Prefill side: posted pushes (or stages) whose write has not ended -> the task waiting for it to end
+    writing: dict = field(default_factory=dict)
     awaited_until_s: float = 0.0  # time.monotonic()
     # A push written layer by layer: FinalLayers that came before their hold (the engine's worker and its
     # scheduler reach the daemon on two sockets), request id -> (layers final or None: all, kept until).

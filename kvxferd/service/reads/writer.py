@@ -291,7 +291,7 @@ class WritePath:
         if pusher.poll(inflight) is not None:
             self._finish(slot, expectation, inflight, held)
         else:
-            self.daemon.spawn(self._wait(slot, expectation, inflight, held))
+            self._wait_for(slot, expectation, inflight, held)
 
     def _next_stage(self, slot: EngineSlot, expectation: Expectation, held: LiveHold) -> None:
         """Post the layers final since the last stage (all that remain once the hold is final); a stage with
@@ -320,7 +320,7 @@ class WritePath:
         if pusher.poll(inflight) is not None:
             self._stage_done(slot, expectation, inflight, held)
         else:
-            self.daemon.spawn(self._wait(slot, expectation, inflight, held))
+            self._wait_for(slot, expectation, inflight, held)
 
     def _stage_done(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead, held: LiveHold) -> None:
         """A stage ended: the push ends with a failed one or the last; else the next goes when layers are final."""
@@ -343,6 +343,12 @@ class WritePath:
         with slot.lock:
             held = slot.holds.lookup(expectation.transfer_id, time.monotonic())
         return held if held is not None and held.capability == expectation.hold_capability else None
+
+    def _wait_for(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead, held) -> None:
+        """Wait for a posted write to end in the background (``slot.writing`` keeps it until then)."""
+        task = self.daemon.spawn(self._wait(slot, expectation, inflight, held))
+        slot.writing[inflight] = task
+        task.add_done_callback(lambda _: slot.writing.pop(inflight, None))
 
     async def _wait(self, slot: EngineSlot, expectation: Expectation, inflight: InFlightRead, held) -> None:
         pusher, sleep_s = slot.pusher, POLL_MIN_S
@@ -441,8 +447,9 @@ class WritePath:
     async def engine_gone(self, slot: EngineSlot) -> None:
         """``slot``'s registration is closing: every decode rank whose push it has not begun writing (never
         held, or waiting for layers) is told now, instead of by the expectation's deadline; a write in flight
-        ends with the registration's memory (its decode rank waits its settle time for it). The notices are
-        flushed (UCX sends them as its agent makes progress) before the agent goes with the registration."""
+        is aborted and waited for (its drain: at most ``abort_drain_s`` or ``push_settle_s``), so its decode
+        rank hears the WRITE is over instead of waiting its settle time. The notices are flushed (UCX sends them
+        as its agent makes progress) before the agent goes with the registration."""
         told = 0
         for waiting in list(slot.expectations.values()):
             for expectation in list(waiting.values()):
@@ -450,8 +457,13 @@ class WritePath:
                     self._abandon(slot, expectation)
                     told += 1
         pusher = slot.pusher
-        if not told or pusher is None:
+        if pusher is None or not (told or slot.writing):
             return
+        writing = dict(slot.writing)
+        for inflight in writing:  # (each one's own task notices its end, and tells its decode rank)
+            pusher.abort(inflight, "the prefill engine is deregistering")
+        if writing:  # (no longer than a decode rank would wait for word of it: past that, word comes too late)
+            await asyncio.wait(writing.values(), timeout=min(pusher.abort_drain_s, self.daemon.config.push_settle_s))
         until_s = time.perf_counter() + FLUSH_S
         while time.perf_counter() < until_s:
             with pusher.lock:

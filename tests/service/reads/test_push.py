@@ -495,3 +495,33 @@ def test_one_reader_keeps_at_most_max_expectations_per_reader_on_a_prefill_rank(
         # The first ended: the same reader may expect again (another transfer, the same blocks), and is written.
         third = dataclasses.replace(second, request_id="c", remote_request_id="c@prefill")
         assert [c.ok for c in cluster.push(third, timeout_s=10)] == [True]
+
+
+def test_a_write_in_flight_when_its_prefill_engine_deregisters_is_told_without_the_settle_wait(workdir):
+    """A big WRITE over UCX's TCP lane (128 MiB: about 50 ms) is in flight when the prefill engine
+    deregisters: its daemon aborts it, waits for its drain and tells the decode rank the WRITE is over, so the
+    push fails well before the decode side's settle cap (20 s here), and nothing lands after its completion.
+    (Before the daemon waited for it, the notice also came in time here: the executor's close drained it.)"""
+    import functools
+
+    from kvxferd.client.launch import DaemonProcess
+    from kvxferd.plan.engine import ReadRequest
+    from kvxferd.rig.bench.common import full_attention_groups
+
+    groups = full_attention_groups(16, 128)  # 128 MiB a request
+    start_many = functools.partial(DaemonProcess.start_many, env={"UCX_TLS": "tcp"})
+    with DaemonCluster(groups, groups, 1, 1, workdir=workdir, name="push-gone-writing", start_many=start_many,
+                       daemon_args=("--push-settle-s", "20", "--no-same-host-writes")) as cluster:
+        ids = np.arange(128)
+        request = ReadRequest("w", "w@p", (ids,), (ids,))
+        cluster.reset_decode()
+        cluster.expect(request, deadline_s=30)
+        assert eventually(lambda: expectations_kept(cluster))
+        cluster.hold(request, push=True)  # the WRITE starts
+        start = time.monotonic()
+        cluster.prefill_clients[0].deregister()
+        (completion,) = cluster.completions(request, timeout_s=30)
+        assert not completion.ok and time.monotonic() - start < 10, (completion.error, time.monotonic() - start)
+        landed = [decode.arena.copy() for decode in cluster.decode]
+        time.sleep(0.3)
+        assert all(np.array_equal(before, decode.arena) for before, decode in zip(landed, cluster.decode))
