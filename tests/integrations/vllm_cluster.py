@@ -243,8 +243,14 @@ def record_events(daemon: DaemonProcess, engine_id: str) -> BusRecorder:
     return recorder
 
 
-def hold_events(daemon: DaemonProcess, engine_id: str, settle_s: float = 0.3) -> dict[str, list[str]]:
-    """Every bus event of ``engine_id`` on ``daemon`` since :func:`record_events`: request id -> kinds."""
+def hold_events(daemon: DaemonProcess, engine_id: str, settle_s: float = 0.3,
+                wait_s: float = 15.0) -> dict[str, list[str]]:
+    """Every bus event of ``engine_id`` on ``daemon`` since :func:`record_events`: request id -> kinds. Waits
+    (up to ``wait_s``) for the daemon to hold nothing any more, then ``settle_s`` for the last events: on a
+    loaded CI machine the readers' notices can take longer than a fixed pause to end the holds."""
+    deadline_s = time.monotonic() + wait_s
+    while daemon.metric("kvxferd_holds_pending") and time.monotonic() < deadline_s:
+        time.sleep(0.05)
     time.sleep(settle_s)  # the last events are on their way
     return dict(_RECORDERS[(daemon.addresses["notify"], engine_id)].events)
 
