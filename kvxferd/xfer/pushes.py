@@ -156,7 +156,7 @@ class PushExecutor:
         plans = [plan] if layered is None else [plan, layered]
         try:
             connection.mapped, ranks, connection.board_error = open_push_target(
-                connection.plans[d].writer, target, [p.copy_plan for p in plans], board)
+                plan.writer, target, [p.copy_plan for p in plans], board)
         except TransferError as err:
             connection.host_error = err.message
             return

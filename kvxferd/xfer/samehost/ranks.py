@@ -37,17 +37,12 @@ class SameHostOpener:
         is; else its checks stay NIXL READs). Raises :class:`TransferError` saying why the rank is read over
         NIXL instead. ``opened``: see :func:`~kvxferd.xfer.samehost.hostmaps.map_host_source`."""
         rank = self._open(remote, rank_plan, opened)
-        if board is None or board.share is None:
-            return rank, "the holder named no memory for its board"
         try:
-            rank.board = map_board(board, opened)
-        except TransferError as err:
-            return rank, err.message
+            rank.board, board_error = board_with(rank.source, board, "holder", opened)
         except BaseException:
             rank.source.close()
             raise
-        rank.source.closers.append(rank.board.close)  # unmapped with the rank's memory
-        return rank, ""
+        return rank, board_error
 
     def _open(self, remote: EngineCache, rank_plan: RankPlan, opened: OpenedObjects | None) -> HostRank:
         if remote.mem_type != self.cache.mem_type:
@@ -85,19 +80,27 @@ def open_push_target(writer: EngineCache, target: EngineCache, copy_plans, board
     source = map_host_source(target, writable=True)
     try:
         ranks = [HostRank.of(source, plan, writes=True) for plan in copy_plans]
-        if board is None or board.share is None:
-            return source, ranks, "the target named no memory for its board"
-        try:
-            mapped_board = map_board(board)
-        except TransferError as err:
-            return source, ranks, err.message
-        source.closers.append(mapped_board.close)
-        for rank in ranks:
-            rank.board = mapped_board
+        mapped_board, board_error = board_with(source, board, "target")
     except BaseException:
         source.close()
         raise
-    return source, ranks, ""
+    for rank in ranks:
+        rank.board = mapped_board
+    return source, ranks, board_error
+
+
+def board_with(source: MappedSource, board: BoardInfo | None, whose: str, opened: OpenedObjects | None = None):
+    """A peer rank's ``board`` mapped read-only beside its memory ``source`` (unmapped with it), when the peer
+    (``whose``: "holder" or "target") named the memory it lies in: the mapped board, or None and why not
+    (its checks then stay NIXL READs)."""
+    if board is None or board.share is None:
+        return None, f"the {whose} named no memory for its board"
+    try:
+        mapped = map_board(board, opened)
+    except TransferError as err:
+        return None, err.message
+    source.closers.append(mapped.close)
+    return mapped, ""
 
 
 def refuse_own_memory(writer: EngineCache, target: EngineCache) -> None:

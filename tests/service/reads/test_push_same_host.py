@@ -15,7 +15,7 @@ COPIES = "kvxferd_push_same_host_copies_total"
 
 
 def _off_on(role: str, flag: str):
-    """Daemon flags: ``flag`` on the daemons of ``role`` ("p", "d", or "" for all) only."""
+    """Daemon flags: ``flag`` on the daemons of ``role`` ("p": prefill, "d": decode) only."""
     return lambda daemon_id: (flag,) if daemon_id.rsplit("-", 1)[1].startswith(role) else ()
 
 
