@@ -379,8 +379,8 @@ class WritePath:
                 inflight.result = dataclasses.replace(result, ok=False, error="the prefill hold ended while its "
                                                       "blocks were written: they may have been reused")
         if inflight is not None:
+            self._count_copies(inflight)  # (before the notice: once the decode side completes, it is counted)
             pusher.send_notice(inflight, expectation.target_rank)
-            self._count_copies(inflight)
         else:
             self._tell(slot, expectation.connection, expectation.target_rank, expectation.transfer_id,
                        expectation.capability)
