@@ -54,6 +54,9 @@ PANELS = [
         ("{{outcome}}", f"histogram_quantile(0.99, sum by (le, outcome) (rate(kvxferd_handshake_duration_seconds_bucket{SEL}{RATE})))")]),
     ("RPC errors / s", "ops", [("{{method}} {{code}}", f"sum by (method, code) (rate(kvxferd_rpc_errors_total{SEL}{RATE}))")]),
     ("Engines registered", "short", [("{{pod}}", f"sum by (pod) (kvxferd_engines_registered{SEL})")]),
+    ("Data plane woken by sockets: UCX socket sets, and sets muted (firing with nothing to do)", "short", [
+        ("socket sets ({{pod}})", f"max by (pod) (kvxferd_wake_sets{SEL})"),
+        ("mutes ({{pod}})", f"max by (pod) (kvxferd_wake_set_mutes{SEL})")]),
     ("Event-loop stalls / s (late by over 0.25 s)", "ops", [
         ("{{pod}}", f"sum by (pod) (rate(kvxferd_loop_stalls_total{SEL}{RATE}))")]),
     ("Security: refused and dropped / s", "ops", [

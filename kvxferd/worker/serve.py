@@ -34,12 +34,14 @@ from kvxferd.worker import sandbox
 from kvxferd.worker.reads import READER_OPS, ReaderRole, cache_of
 from kvxferd.xfer.nixl.agent import NixlAgent, agent_name_of, quiet_nixl_logging
 from kvxferd.xfer.nixl.ucxpaths import FLUSH_EVERY_S, flush_c_streams
+from kvxferd.xfer.osutil.ucxwake import WakeSets
 
 log = logging.getLogger("kvxferd.worker")
 MAX_NAME_CHARS = 128
 MIN_POLL_S, MAX_POLL_S = 1e-4, 1.0
 NOTICE_PROGRESS_S, NOTICE_POLL_S = 0.05, 0.01  # after a notice: polled every 10 ms for 50 ms (as the daemon's)
 _PR_SET_PDEATHSIG = 1
+SOCKET_PACED_POLL_S = 0.01  # a holder whose sockets wake it polls on its timer this seldom at most
 READ_POLL_MIN_S, READ_POLL_MAX_S = 20e-6, 100e-6  # a reader's sleeps while its reads are in flight
 MAX_COMMANDS_PER_PASS = 64  # commands taken before the agents' progress (a burst of posts does not wait)
 
@@ -196,6 +198,7 @@ class Worker:
 
     def run(self) -> int:
         spin_s, flush_at = READ_POLL_MIN_S / 2, 0.0
+        sets, woken = WakeSets(), []  # a holder's agent's sockets wake it (kvxferd.xfer.osutil.ucxwake)
         while True:
             if (now := time.monotonic()) >= flush_at:  # UCX's path reports reach the daemon (ucxpaths.py)
                 flush_c_streams()
@@ -206,9 +209,13 @@ class Worker:
                 timeout = spin_s if self.reader.busy else self.reader.session.figures_due_in_s()
             elif timeout is not None and time.monotonic() < self.notices_until:
                 timeout = min(timeout, NOTICE_POLL_S)
+            wake = sets.live(self.agent.wake_fds) if self.agent is not None else []
+            if wake and timeout is not None and time.monotonic() >= self.notices_until:
+                timeout = max(timeout, SOCKET_PACED_POLL_S)  # a peer's READ wakes us: no fast timer needed
             timeout = FLUSH_EVERY_S if timeout is None else min(timeout, FLUSH_EVERY_S)
             session = self.reader.session.socket if self.reader is not None else None
             watched = [self.sock] if session is None or session.ending else [self.sock, session]
+            watched += wake
             readable, writable, _ = select.select(watched, [session] if session is not None and session.wants_write
                                                   else [], [], timeout)
             if session is not None:
@@ -217,6 +224,8 @@ class Worker:
                 if session in readable:
                     self.reader.session.on_readable()
                 readable = [r for r in readable if r is self.sock]
+            woken = [r for r in readable if isinstance(r, int)]
+            readable = [r for r in readable if r is self.sock]
             for n in range(MAX_COMMANDS_PER_PASS if readable else 0):  # what came meanwhile, then progress
                 if n and not select.select([self.sock], [], [], 0)[0]:
                     break
@@ -234,6 +243,7 @@ class Worker:
                     channel.send(self.sock, answer)
             if self.agent is not None or self.reader is not None:
                 self.progress()
+                sets.after_round(woken)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,10 @@ def test_a_same_host_holder_is_copied_from_byte_exact_and_only_when_both_allow_i
         # With reader workers the engine's session went to its worker: the read never passed the daemon.
         handed = sum(d.metric("kvxferd_reader_worker_sessions_total") for d in cluster.decode_daemons)
         assert handed == (1 if workers else 0)
+        # Issue #58: each daemon's agents (an agent and a notice agent per rank it drives itself) wake its
+        # data-plane thread through UCX's tcp sockets; ranks served by workers are driven there.
+        sets = [d.metric("kvxferd_wake_sets") for d in (*cluster.prefill_daemons, *cluster.decode_daemons)]
+        assert workers or all(n >= 2 for n in sets), sets
 
 
 def test_a_holder_names_its_shared_memory_only_to_a_reader_that_proves_this_host(workdir):

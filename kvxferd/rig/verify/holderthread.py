@@ -13,6 +13,7 @@ from kvxferd.plan.leases import FAILED, HoldEnd
 from kvxferd.xfer.nixl.agent import NixlAgent, NixlError
 from kvxferd.xfer.holder import Holder
 from kvxferd.xfer.osutil.osthreads import name_this_thread
+from kvxferd.xfer.osutil.ucxwake import WakeSets
 from kvxferd.xfer.osutil.waker import Waker
 
 
@@ -28,6 +29,7 @@ class HolderThread:
         self.ended: dict[int, list[tuple[str, HoldEnd]]] = {i: [] for i in self.holders}
         self.interval_s = interval_s
         self.num_poll_errors, self.last_poll_error = 0, ""
+        self.num_woken = 0  # rounds an agent's sockets woke
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._wake = Waker()
@@ -78,7 +80,12 @@ class HolderThread:
                 self._cond.wait(left)
 
     def _run(self) -> None:
+        """Polls every ``interval_s``, and at once when an agent's sockets wake it (as the daemon's data
+        plane, kvxferd.xfer.osutil.ucxwake)."""
         name_this_thread()
+        sets, woken = WakeSets(), []
         while not self._stop.is_set():
             self.poll_once()
-            self._wake.wait(self.interval_s)
+            sets.after_round(woken)
+            woken = self._wake.wait_any(self.interval_s, sets.live(fd for agent in self.agents for fd in agent.wake_fds))
+            self.num_woken += bool(woken)

@@ -170,8 +170,9 @@ class DaemonConfig(BaseSettings):
     poll_interval_s: float = Field(1e-3, gt=0, le=0.1, description="sleep of the data-plane thread between NIXL polls "
                                    "while some reader may need this daemon's progress: its READs waited for "
                                    "it in the last 10 s (UCX over TCP; its notices say so), or it was "
-                                   "introduced in the last 0.5 s and has not read alone yet; lower it (e.g. "
-                                   "1e-4) where UCX runs over TCP (s)")
+                                   "introduced in the last 0.5 s and has not read alone yet, and the agent "
+                                   "cannot wake the thread itself (UCX's tcp sockets do when found: then a "
+                                   "reader's request is served as it arrives, docs/costs.md) (s)")
     notice_poll_interval_s: float = Field(1e-2, gt=0, le=1.0, description="sleep of the data-plane thread between "
                                           "NIXL polls while requests are held and no reader needs this daemon's "
                                           "progress (shared memory on one host): how soon the last reader's "

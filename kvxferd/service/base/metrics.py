@@ -189,6 +189,11 @@ class Metrics:
                                        "expectations kept, waiting for their hold or being written", registry=r)
         self.reads_in_flight = Gauge("kvxferd_reads_in_flight", "reads submitted and not completed", registry=r)
         self.engines = Gauge("kvxferd_engines_registered", "engine ranks registered", registry=r)
+        self.wake_sets = Gauge("kvxferd_wake_sets", "socket sets of UCX's tcp transport the data-plane thread "
+                               "sleeps on (a peer's request wakes it); 0 with engines registered: their agents are "
+                               "served on its timer alone (docs/costs.md)", registry=r)
+        self.wake_set_mutes = Gauge("kvxferd_wake_set_mutes", "times a socket set was left out for firing with "
+                                    "nothing to do (a peer that stopped mid-connection), since start", registry=r)
         self._create_series()
 
     def _create_series(self) -> None:

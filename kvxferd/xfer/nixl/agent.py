@@ -28,6 +28,7 @@ import numpy as np
 from kvxferd.errors import InvalidArgumentError, TransferError, UnavailableError
 from kvxferd.plan.groups import EngineCache
 from kvxferd.xfer.nixl.nixl_module import nixl_api
+from kvxferd.xfer.osutil.ucxwake import socket_sets_made_by
 
 
 class TransferState(str, enum.Enum):
@@ -160,10 +161,18 @@ class NixlAgent:
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=list(backends),
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, capture_telemetry=telemetry)
         self.name = name
-        self._nixl = self._call("create_agent", nixl_agent, name, config)
+        # The sets UCX's TCP transport keeps this agent's sockets in: the thread that drives the agent
+        # sleeps on them (kvxferd.xfer.osutil.ucxwake); () where none was found.
+        self._nixl, self._wake_fds = socket_sets_made_by(lambda: self._call("create_agent", nixl_agent, name, config))
         self._registrations: dict[str, object] = {}
         self._remotes = RemoteRefs()
         self._remotes_lock = threading.Lock()
+
+    @property
+    def wake_fds(self) -> tuple[int, ...]:
+        """Readable when a peer's bytes reach this agent, or a socket it waits to write to drains: then it
+        needs progress. ``()`` once closed (its fds may be reused), or where none were found."""
+        return self._wake_fds if self._nixl is not None else ()
 
     @property
     def raw(self):

@@ -1,5 +1,9 @@
 """``kvxferd bench daemon`` at tiny sizes: both engine paths, same-host copies and the TLS comparison run and report."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from kvxferd.rig.bench import daemon
@@ -27,3 +31,21 @@ def test_daemon_bench_runs_every_path_and_mutual_tls():
     assert figures["push_bulk_ratio"] > 0 and isinstance(figures["push_p50_overhead_us_300"], float)
     assert figures["push_alone_p50_us"] > 0 and figures["push_alone"]["hold_first"]["p50_us"] > 0
     assert "one push at a time" in text
+
+
+
+def test_the_bench_across_hosts_runs_at_tiny_sizes_and_names_issue_58s_keys():
+    """``--hosts``: the socket path with its daemons on two namespace hosts (root; skipped elsewhere). In a
+    process of its own: the bench must start before anything in its process used ZMQ."""
+    from kvxferd.rig.verify.hosts.fabric import unavailable
+
+    if unavailable():
+        pytest.skip(unavailable())
+    code = ("import json; from kvxferd.rig.bench import daemon; "
+            f"print(json.dumps(daemon.run(sizes={TINY!r}, hosts=True, push=False)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["hosts"] is True and figures["overhead"]["failed"] == 0
+    for key in daemon.HOSTS_KEYS:
+        assert figures["hosts_" + key] == figures[key] and isinstance(figures[key], float)

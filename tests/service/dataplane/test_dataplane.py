@@ -199,8 +199,10 @@ def _polling_rounds(dataplane: DataPlane, monkeypatch) -> Callable[[float], int]
 def test_an_introduced_reader_gets_the_holders_polling_for_its_handshake(plane, monkeypatch):
     """Idle, the thread polls every 0.5 s; a reader's introduction makes it poll every interval_s for
     READER_SETUP_S (the reader's probe over a new connection needs the holder's progress over TCP), and a
-    reader rank the TP mapping never sends here gets none."""
+    reader rank the TP mapping never sends here gets none. (Where its agent cannot wake the thread: the
+    same with wake sets is below.)"""
     cluster, slot, dataplane, done = plane
+    monkeypatch.setattr(slot.agent, "_wake_fds", ())
     rounds_in = _polling_rounds(dataplane, monkeypatch)
     monkeypatch.setattr(holder_module, "READER_SETUP_S", 0.3)
     monkeypatch.setattr(slot.holder, "progress_wanted", {})
@@ -223,6 +225,7 @@ def test_holding_polls_slowly_unless_a_readers_reads_wait_for_us(plane, monkeypa
     over shared memory copy alone), and every interval_s while some reader's notice said its READs waited
     for our progress (UCX over TCP)."""
     cluster, slot, dataplane, done = plane
+    monkeypatch.setattr(slot.agent, "_wake_fds", ())  # the timer's schedule (with wake sets: below)
     rounds_in = _polling_rounds(dataplane, monkeypatch)
     monkeypatch.setattr(dataplane, "notice_interval_s", 0.05)
     monkeypatch.setattr(slot.holder, "progress_wanted", {})  # the fixture's dict is back after the test
@@ -241,6 +244,30 @@ def test_holding_polls_slowly_unless_a_readers_reads_wait_for_us(plane, monkeypa
     finally:
         with slot.holder.lock:
             slot.holder.holds.release("held-for-a-reader")
+
+
+def test_an_agent_that_wakes_the_thread_gets_no_timer_polls_while_readers_may_need_it(plane, monkeypatch):
+    """Issue #58: the slot's agent has socket sets (UCX over TCP keeps its sockets there), so a reader's
+    bytes wake the thread: a reader that may need our progress costs no 1 ms polls. The control: the
+    same agent without its sets is polled every interval_s (the two tests above)."""
+    cluster, slot, dataplane, done = plane
+    assert slot.agent.wake_fds, "the agent's TCP socket sets were found"
+    rounds_in = _polling_rounds(dataplane, monkeypatch)
+    monkeypatch.setattr(dataplane, "notice_interval_s", 0.05)
+    monkeypatch.setattr(slot.holder, "progress_wanted", {})
+    slot.holder.hold("held-for-a-woken-reader", (np.arange(2),), 60)
+    try:
+        slot.holder.progress_wanted[("tcp-reader", 0)] = time.monotonic() + 60
+        dataplane.wake()
+        time.sleep(dataplane_module.NOTICE_PROGRESS_S + 0.05)
+        assert rounds_in(0.3) <= 10  # every 50 ms (notice_interval_s), not every 1 ms
+        monkeypatch.setattr(slot.agent, "_wake_fds", ())  # the control, in the same sitting
+        dataplane.wake()
+        assert rounds_in(0.25) >= 25
+    finally:
+        slot.holder.progress_wanted.clear()
+        with slot.holder.lock:
+            slot.holder.holds.release("held-for-a-woken-reader")
 
 
 def test_notices_sent_on_the_loop_get_the_idle_threads_progress_at_once(plane, monkeypatch):

@@ -32,9 +32,14 @@ def test_the_range_comes_from_the_environment_too(monkeypatch):
 
 
 def test_the_daemon_sets_ucx_tcp_port_range_only_when_configured():
-    assert ucx_environment(load_config({"ucx_tcp_port_range": "41000-41009"})) == {
-        "UCX_NET_DEVICES": "lo", "UCX_TCP_PORT_RANGE": "41000-41009"}
-    assert ucx_environment(load_config()) == {"UCX_NET_DEVICES": "lo"}  # the operator's environment stays
+    assert ucx_environment(load_config({"ucx_tcp_port_range": "41000-41009"}), {}) == {
+        "UCX_NET_DEVICES": "lo", "UCX_TCP_PORT_RANGE": "41000-41009", "UCX_TCP_TX_SEG_SIZE": "64k"}
+    assert ucx_environment(load_config(), {}) == {"UCX_NET_DEVICES": "lo", "UCX_TCP_TX_SEG_SIZE": "64k"}
+
+
+def test_an_operators_segment_size_stays():
+    """Issue #58: 64 KiB send segments unless the operator's environment says otherwise."""
+    assert ucx_environment(load_config(), {"UCX_TCP_TX_SEG_SIZE": "8k"}) == {"UCX_NET_DEVICES": "lo"}
 
 
 LOW, HIGH = 40100, 40199

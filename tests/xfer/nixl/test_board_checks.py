@@ -12,6 +12,7 @@ connection is released under it.
 """
 
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -27,14 +28,31 @@ from kvxferd.xfer.handles import ReadFailure
 from kvxferd.rig.reading import post, wait
 
 
-@pytest.fixture(scope="module", params=["nixl", "same-host"])
+@pytest.fixture(scope="module", params=["nixl", "same-host", "nixl-tcp"])
 def cluster(request):
-    """Every rule below holds whether a rank's data comes over NIXL or is copied same-host (issue #37)."""
+    """Every rule below holds whether a rank's data comes over NIXL or is copied same-host (issue #37), and
+    over UCX's tcp transport alone (issue #58: READs emulated with messages the holder answers, as between
+    hosts without RDMA; the holder's thread sleeps on its agent's sockets)."""
     prefill_groups, decode_groups = model_groups("gqa", ModelShape())
     same_host = request.param == "same-host"
-    with LocalCluster(prefill_groups, decode_groups, 2, 1, name=f"board-{request.param}", same_host=same_host) as cluster:
-        yield cluster
-        assert (cluster.executors[0].num_host_copies > 0) == same_host  # the path named was the path taken
+    saved = {name: os.environ.get(name) for name in ("UCX_TLS", "UCX_NET_DEVICES")}
+    if request.param == "nixl-tcp":  # read when each agent is made
+        os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES="lo")
+    try:
+        with LocalCluster(prefill_groups, decode_groups, 2, 1, name=f"board-{request.param}",
+                          same_host=same_host) as cluster:
+            if request.param == "nixl-tcp":
+                assert all(holder.agent.wake_fds for holder in cluster.holders), "its sockets' sets were found"
+            yield cluster
+            assert (cluster.executors[0].num_host_copies > 0) == same_host  # the path named was the path taken
+            if request.param == "nixl-tcp":
+                assert cluster.holder_thread.num_woken > 0, "the holders' sockets woke their thread"
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _request(cluster, request_id: str, seed: int):
