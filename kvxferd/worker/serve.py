@@ -42,6 +42,7 @@ MIN_POLL_S, MAX_POLL_S = 1e-4, 1.0
 NOTICE_PROGRESS_S, NOTICE_POLL_S = 0.05, 0.01  # after a notice: polled every 10 ms for 50 ms (as the daemon's)
 _PR_SET_PDEATHSIG = 1
 SOCKET_PACED_POLL_S = 0.01  # a holder whose sockets wake it polls on its timer this seldom at most
+MUTED_POLL_S = 1e-3  # and this often while a set of it is muted (kvxferd.xfer.osutil.ucxwake)
 READ_POLL_MIN_S, READ_POLL_MAX_S = 20e-6, 100e-6  # a reader's sleeps while its reads are in flight
 MAX_COMMANDS_PER_PASS = 64  # commands taken before the agents' progress (a burst of posts does not wait)
 
@@ -212,6 +213,8 @@ class Worker:
             wake = sets.live(self.agent.wake_fds) if self.agent is not None else []
             if wake and timeout is not None and time.monotonic() >= self.notices_until:
                 timeout = max(timeout, SOCKET_PACED_POLL_S)  # a peer's READ wakes us: no fast timer needed
+            if self.agent is not None and sets.any_muted(self.agent.wake_fds):  # traffic: the short timer
+                timeout = MUTED_POLL_S if timeout is None else min(timeout, MUTED_POLL_S)
             timeout = FLUSH_EVERY_S if timeout is None else min(timeout, FLUSH_EVERY_S)
             session = self.reader.session.socket if self.reader is not None else None
             watched = [self.sock] if session is None or session.ending else [self.sock, session]

@@ -270,14 +270,15 @@ class DataPlane:
         return len(self._set_owners)
 
     def _wait_sets(self) -> list[int]:
-        """The sets worth waking for now: a slot's agent's while a reader may need its progress or its own
-        reads run, its notice agent's while its notices go out (NOTICE_PROGRESS_S). Otherwise the timer
+        """The sets worth waking for now: a slot's agent's while a reader may need its progress, its own
+        reads run or it expects pushes (their WRITEs need its progress over TCP too), its notice agent's
+        while its notices go out (NOTICE_PROGRESS_S). Otherwise the timer
         serves them: over shared memory readers copy alone, and a wake-up for each of their notices cost
         the holder more than the notice polls it saves (docs/benchmarks.md)."""
         reading = {id(read.slot) for read in self._reads} if self._reads else ()
         fds: list[int] = []
         for slot, agent_fds, notice_fds in self._slot_sets:
-            if id(slot) in reading or slot.holder.wants_progress():
+            if id(slot) in reading or slot.expected or slot.holder.wants_progress():
                 fds.extend(agent_fds)
             if self._notices_active:
                 fds.extend(notice_fds)
@@ -377,6 +378,9 @@ class DataPlane:
                 sleep_s = EXPECT_POLL_S if sleep_s is None else min(sleep_s, EXPECT_POLL_S)
                 self._idle = False
             self.wake_sets.after_round(woken)
+            if self.wake_sets.any_muted():  # its agent has traffic: polled on the short timer while muted
+                sleep_s = self.interval_s if sleep_s is None else min(sleep_s, self.interval_s)
+                self._idle = False
             woken = self._sleep(sleep_s)
             self._idle = False
 
@@ -426,7 +430,8 @@ class DataPlane:
         return all(now - self._set_woke_s.get(id(read.slot), -1.0) < SOCKET_PACED_S for read in self._reads)
 
     def _needs_timer_progress(self) -> bool:
-        """A reader may need a slot's progress (Holder.wants_progress) and its agent cannot wake us."""
+        """A reader may need a slot's progress (Holder.wants_progress) and its agent cannot wake us (a set
+        muted: polled every interval_s meanwhile, see _run)."""
         return any(slot.served is None and slot.holder.wants_progress() and not self._woken_by(slot)
                    for slot in self._slots)
 

@@ -15,8 +15,10 @@ NIXL's own progress thread sleeps on the same sets and was as fast, but it
 spins a whole core, beyond our reach, while a peer that connected stops
 before its connection is set up: UCX keeps a write pending on a writable
 socket. Such a set fires again at once however often it is served; this
-module mutes it (:class:`WakeSets`) and the caller polls on its timer until
-the set calms down.
+module mutes it (:class:`WakeSets`) and the caller polls on its short timer
+(1 ms) until the set calms down. A stream of bytes arriving faster than a round
+reads them (a bulk WRITE into our memory) looks the same and is polled so too:
+at 1 ms a socket's buffer still carries it.
 
 NIXL does not hand out these sets, so they are found as the epoll fds an
 agent's creation opened (``/proc/self/fd``) whose every target is a socket
@@ -27,8 +29,11 @@ caller on its timer, as before: slower, never wrong.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
 import select
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -79,16 +84,36 @@ def socket_sets_made_by(make: Callable[[], T]) -> tuple[T, tuple[int, ...]]:
     return made, sets
 
 
+def _moving(fd: int) -> bool:
+    """Bytes move on a socket of set ``fd``: some arrived unread, or some sent wait for the peer
+    (``SIOCOUTQ``). A set still readable after its round is then a stream, not a stuck set-up (which has
+    nothing to read and nothing in flight: UCX waits on a writable socket)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            targets = [int(line.split()[1]) for line in info if line.startswith("tfd:")]
+        if targets and select.select(targets, [], [], 0)[0]:
+            return True
+        queued = array.array("i", [0])
+        for target in targets:
+            fcntl.ioctl(target, termios.TIOCOUTQ, queued, True)  # SIOCOUTQ on a socket
+            if queued[0] > 0:
+                return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 class WakeSets:
     """The socket sets a thread sleeps on, less those that fire for nothing (not thread-safe: one
     thread waits, checks and asks)::
 
         wait(live())  ->  woken sets  ->  the round serves their agents  ->  after_round(woken)
-                                           still readable right after? STREAK_LIMIT times in a row:
-                                           muted MUTE_MIN_S, doubling to MUTE_MAX_S while it goes on
+                                           still readable right after, with no byte moving on its
+                                           sockets? STREAK_LIMIT times in a row: muted MUTE_MIN_S,
+                                           doubling to MUTE_MAX_S while it goes on
 
-    A set that keeps UCX busy (bytes arriving all the time) is not muted: right after a round that
-    read them it is quiet until the next ones come.
+    A set that keeps UCX busy (a stream of bytes in or out) is not muted: bytes wait to be read on one
+    of its sockets, or wait in one's send queue.
     """
 
     def __init__(self) -> None:
@@ -103,6 +128,15 @@ class WakeSets:
             return list(fds)
         now_s = time.perf_counter() if now_s is None else now_s
         return [fd for fd in fds if self._muted_until_s.get(fd, 0.0) <= now_s]
+
+    def any_muted(self, fds: Iterable[int] | None = None, now_s: float | None = None) -> bool:
+        """Some set (of ``fds``, default: any) is muted now: its agent has traffic the caller must poll for
+        on its short timer meanwhile (a stream arriving faster than a round reads it looks the same)."""
+        if not self._muted_until_s:
+            return False
+        now_s = time.perf_counter() if now_s is None else now_s
+        fds = self._muted_until_s if fds is None else fds
+        return any(self._muted_until_s.get(fd, 0.0) > now_s for fd in fds)
 
     def is_muted(self, fd: int, now_s: float | None = None) -> bool:
         now_s = time.perf_counter() if now_s is None else now_s
@@ -120,9 +154,9 @@ class WakeSets:
                 self.forget(fd)
         now_s = time.perf_counter()
         for fd in woken:
-            if fd not in still:
+            if fd not in still or _moving(fd):
                 self._streaks[fd] = 0
-                self._mute_s.pop(fd, None)  # calm again: the next mute starts short
+                self._mute_s.pop(fd, None)  # calm again (or busy for real): the next mute starts short
                 continue
             self._streaks[fd] = streak = self._streaks.get(fd, 0) + 1
             if streak >= STREAK_LIMIT:
