@@ -202,7 +202,7 @@ class Daemon:
                                      lambda: len(self.registry.slots), self.registry.num_expectations)
             self.metrics.workers_given_up.set_function(self.registry.num_workers_given_up)
             self.metrics.wake_sets.set_function(self.dataplane.num_wake_sets)
-            self.metrics.wake_set_mutes.set_function(lambda: self.dataplane.wake_sets.num_mutes)
+            self.metrics.wake_set_mutes.set_function(lambda: self.dataplane.sets.wake_sets.num_mutes)
             self.metrics.insecure_listeners.set(len(insecure_listeners(config)))
             self._metrics_server, metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
             engine_server = self._new_server(config.max_message_bytes)

@@ -70,20 +70,19 @@ from kvxferd.errors import KvxferError, PermissionDeniedError
 from kvxferd.plan.expectrecord import ExpectRecord, is_expectation
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.service.engines.read import Read, ReadState
+from kvxferd.service.dataplane.slotsets import SlotSets
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.xfer.admission import admit
 from kvxferd.xfer.nixl.agent import NixlError
 from kvxferd.xfer.holder import NoticeEvent
 from kvxferd.xfer.osutil.osthreads import name_this_thread
 from kvxferd.xfer.handles import ReadFailure
-from kvxferd.xfer.osutil.ucxwake import WakeSets
 from kvxferd.xfer.osutil.waker import Waker
 
 log = logging.getLogger("kvxferd.dataplane")
 READ_POLL_MIN_S = 20e-6  # first sleep while this daemon's own reads are in flight; doubles up to:
 READ_POLL_MAX_S = 100e-6  # longest sleep while this daemon's own reads are in flight
 SOCKET_READ_POLL_MAX_S = 1e-3  # the same when their replies come over sockets that wake us (issue #58)
-SOCKET_PACED_S = 5e-3  # a reading slot's set that woke us this lately says its replies do
 HOLD_POLL_S = 1e-3  # sleep while holding requests for a reader whose READs need our progress
 NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alone (only their notices wait)
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
@@ -135,10 +134,7 @@ class DataPlane:
         self._reads: list[Read] = []  # posted, owned by this thread until handed back ended
         self._commands: collections.deque[Read | _Call] = collections.deque()
         self._wake = Waker()
-        self.wake_sets = WakeSets()  # mutes a socket set that fires with nothing to do
-        self._set_owners: dict[int, tuple[EngineSlot, bool]] = {}  # wake fd -> (slot, is its notice agent's)
-        self._set_woke_s: dict[int, float] = {}  # id(slot) -> perf_counter when its agent's set last woke us
-        self._slot_sets: list[tuple[EngineSlot, tuple[int, ...], tuple[int, ...]]] = []  # (slot, agent's, notices')
+        self.sets = SlotSets()  # the socket sets of the slots' agents, and their mutes
         self._worker_notices_lock = threading.Lock()  # the two below: supervisors' threads and this one
         self._worker_notices: dict[int, int] = {}  # id(slot) -> its worker's notices waiting for this thread
         self._worker_notices_dropped: dict[int, int] = {}  # id(slot) -> dropped since this thread last looked
@@ -249,59 +245,25 @@ class DataPlane:
     def add_slot(self, slot: EngineSlot) -> None:
         self._slots.append(slot)
         slot.holder.counts.on_add = self._count_refused
-        self._own_sets()
-
-    def _own_sets(self) -> None:
-        """Which slot's agent each wake fd is (rebuilt when slots come and go: an agent closes with its slot)."""
-        for fd in self._set_owners:
-            self.wake_sets.forget(fd)
-        self._set_owners, self._slot_sets, self._set_woke_s = {}, [], {}
-        for slot in self._slots:
-            if slot.served is not None:
-                continue  # its agent lives in a data-plane worker, which drives it
-            sets = [tuple(getattr(getattr(slot.executor, name, None), "wake_fds", ())) for name in ("agent", "notices")]
-            self._slot_sets.append((slot, *sets))
-            for notices, fds in enumerate(sets):
-                for fd in fds:
-                    self._set_owners[fd] = (slot, bool(notices))
+        self.sets.rebuild(self._slots)
 
     def num_wake_sets(self) -> int:
-        """Socket sets of the agents this thread drives (any thread: one atomic read of a dict)."""
-        return len(self._set_owners)
-
-    def _wait_sets(self) -> list[int]:
-        """The sets worth waking for now: a slot's agent's while a reader may need its progress, its own
-        reads run or it expects pushes (their WRITEs need its progress over TCP too), its notice agent's
-        while its notices go out (NOTICE_PROGRESS_S). Otherwise the timer
-        serves them: over shared memory readers copy alone, and a wake-up for each of their notices cost
-        the holder more than the notice polls it saves (docs/benchmarks.md)."""
-        reading = {id(read.slot) for read in self._reads} if self._reads else ()
-        fds: list[int] = []
-        for slot, agent_fds, notice_fds in self._slot_sets:
-            if id(slot) in reading or slot.expected or slot.holder.wants_progress():
-                fds.extend(agent_fds)
-            if self._notices_active:
-                fds.extend(notice_fds)
-        return self.wake_sets.live(fds) if fds else fds
-
-    def _woken_by(self, slot: EngineSlot) -> bool:
-        """The slot's agent wakes this thread when a peer's bytes reach it (a set of it, not muted)."""
-        fds = getattr(slot.agent, "wake_fds", ())
-        return bool(fds) and not any(self.wake_sets.is_muted(fd) for fd in fds)
+        """Socket sets of the agents this thread drives (any thread)."""
+        return len(self.sets)
 
     def _serve_woken(self, woken: list[int]) -> None:
         """Progress for the agents whose sockets woke this thread: their peers' READs go on now."""
         polled = False
         for fd in woken:
-            owner = self._set_owners.get(fd)
+            owner = self.sets.owner(fd)
             if owner is None:
                 continue
             slot, notices = owner
             if notices:
                 slot.executor.progress_notices()
                 continue
-            if self._reads:  # replies to our reads woke us (see _reads_socket_paced)
-                self._set_woke_s[id(slot)] = time.perf_counter()
+            if self._reads:  # replies to our reads woke us (SlotSets.socket_paced)
+                self.sets.replies_woke(slot)
             if not polled:  # every agent's notices in one go (it polls each slot's agent)
                 polled = True
                 self._notices_polled_s = 0.0
@@ -334,7 +296,7 @@ class DataPlane:
             self.fail_reads(slot, reason)
             if slot in self._slots:
                 self._slots.remove(slot)
-                self._own_sets()  # before its agents close: their fds may be reused
+                self.sets.rebuild(self._slots)  # before its agents close: their fds may be reused
             self._notices_seen.pop(id(slot), None)
             slot.holder.close()
             if slot.push_executor is not None:
@@ -356,7 +318,8 @@ class DataPlane:
             if busy:
                 sleep_s = READ_POLL_MIN_S
             elif self._reads and not all(read.slot.executor.wakes_when_done for read in self._reads):
-                sleep_s = min(sleep_s * 2, SOCKET_READ_POLL_MAX_S if self._reads_socket_paced() else READ_POLL_MAX_S)
+                sleep_s = min(sleep_s * 2, SOCKET_READ_POLL_MAX_S if self.sets.socket_paced(read.slot for read in self._reads)
+                              else READ_POLL_MAX_S)
             elif self._reads:  # each ends on another thread, which wakes this one: only deadlines to watch
                 sleep_s = WOKEN_READ_POLL_S
                 if self._needs_timer_progress():
@@ -377,8 +340,8 @@ class DataPlane:
             if self._pushes_pending():
                 sleep_s = EXPECT_POLL_S if sleep_s is None else min(sleep_s, EXPECT_POLL_S)
                 self._idle = False
-            self.wake_sets.after_round(woken)
-            if self.wake_sets.any_muted():  # its agent has traffic: polled on the short timer while muted
+            self.sets.wake_sets.after_round(woken)
+            if self.sets.wake_sets.any_muted():  # its agent has traffic: polled on the short timer while muted
                 sleep_s = self.interval_s if sleep_s is None else min(sleep_s, self.interval_s)
                 self._idle = False
             woken = self._sleep(sleep_s)
@@ -390,10 +353,11 @@ class DataPlane:
         is woken four to five times per read, and a round costs several times the agent's progress."""
         until_s = None if sleep_s is None else time.perf_counter() + sleep_s
         while True:
-            woken = self._wake.wait_any(sleep_s, self._wait_sets())
+            woken = self._wake.wait_any(sleep_s, self.sets.to_wait_on({id(read.slot) for read in self._reads},
+                                                                        self._notices_active))
             if not woken or not self._serve_peers(woken):
                 return woken
-            self.wake_sets.after_round(woken)
+            self.sets.wake_sets.after_round(woken)
             if until_s is not None:
                 sleep_s = until_s - time.perf_counter()
                 if sleep_s <= 0:
@@ -407,32 +371,20 @@ class DataPlane:
             return False
         slots = []
         for fd in woken:
-            owner = self._set_owners.get(fd)
+            owner = self.sets.owner(fd)
             if owner is None or owner[1]:
                 return False
             if owner[0] not in slots:
                 slots.append(owner[0])
         for slot in slots:
-            try:
-                messages = slot.agent.new_messages()
-            except NixlError as err:
-                log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
-                continue
-            self._count_notices(slot, messages)
+            self._poll_slot(slot)
         self._flush_finished()
         return True
-
-    def _reads_socket_paced(self) -> bool:
-        """Every read in flight is of a slot whose set woke us within SOCKET_PACED_S: replies come over UCX's
-        tcp sockets, so a longer sleep costs no latency (a READ over RDMA or shared memory wakes no set, and
-        its slot keeps the short sleeps)."""
-        now = time.perf_counter()
-        return all(now - self._set_woke_s.get(id(read.slot), -1.0) < SOCKET_PACED_S for read in self._reads)
 
     def _needs_timer_progress(self) -> bool:
         """A reader may need a slot's progress (Holder.wants_progress) and its agent cannot wake us (a set
         muted: polled every interval_s meanwhile, see _run)."""
-        return any(slot.served is None and slot.holder.wants_progress() and not self._woken_by(slot)
+        return any(slot.served is None and slot.holder.wants_progress() and not self.sets.wakes_for(slot)
                    for slot in self._slots)
 
     def _pushes_pending(self) -> bool:
@@ -557,14 +509,20 @@ class DataPlane:
         self._notices_polled_s = now
         busy = self._notices_active = False
         for slot in self._slots:
-            try:
-                messages = slot.agent.new_messages()
-                self._progress_notices(slot)
-            except NixlError as err:
-                log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
-                continue
-            busy |= self._count_notices(slot, messages)
+            busy |= self._poll_slot(slot, notice_agent=True)
         return busy
+
+    def _poll_slot(self, slot: EngineSlot, *, notice_agent: bool = False) -> bool:
+        """Progress for a slot's agent (and, ``notice_agent``, its notice agent's safety net); its notices
+        counted. True when some came."""
+        try:
+            messages = slot.agent.new_messages()
+            if notice_agent:
+                self._progress_notices(slot)
+        except NixlError as err:
+            log.warning("polling notifications failed", extra={"engine_id": slot.engine_id, "error": str(err)})
+            return False
+        return self._count_notices(slot, messages)
 
     def _count_notices(self, slot: EngineSlot, messages: list[tuple[str, bytes]]) -> bool:
         """Hand each notice to the slot's holder; its hold events go out with this round's."""
