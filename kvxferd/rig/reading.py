@@ -28,16 +28,28 @@ def post(executor: ReadExecutor, remote_engine_id: str, request: ReadRequest) ->
 def wait(executor: ReadExecutor | PushExecutor, inflight: InFlightRead, timeout_s: float = 30.0) -> ReadResult:
     """Poll a posted read (or push) with a growing sleep (never a spinning core) until done, or abort it past
     ``timeout_s``."""
+    return wait_all(executor, [inflight], timeout_s)[0]
+
+
+def wait_all(executor: ReadExecutor | PushExecutor, inflight: list[InFlightRead],
+             timeout_s: float = 30.0) -> list[ReadResult]:
+    """Poll every posted read each round, as the daemon's data plane does, until all are done (each one
+    past ``timeout_s`` aborted). Waiting for one read at a time can wait forever: a later read whose board
+    check ended holds its check slot until it is polled, and the first one may need that slot."""
     deadline_s = time.perf_counter() + timeout_s
     sleep_s = POLL_MIN_S
-    while (result := executor.poll(inflight)) is None:
-        if time.perf_counter() >= deadline_s and inflight.drain is None:
-            result = executor.abort(inflight, f"deadline: not done after {timeout_s:g} s", ReadFailure.DEADLINE)
-            if result is not None:
-                return result
+    results: list[ReadResult | None] = [None] * len(inflight)
+    while True:
+        past = time.perf_counter() >= deadline_s
+        for n, f in enumerate(inflight):
+            if results[n] is None:
+                results[n] = executor.poll(f)
+            if results[n] is None and past and f.drain is None:
+                results[n] = executor.abort(f, f"deadline: not done after {timeout_s:g} s", ReadFailure.DEADLINE)
+        if all(r is not None for r in results):
+            return results
         time.sleep(sleep_s)
         sleep_s = min(sleep_s * 2, POLL_MAX_S)
-    return result
 
 
 def read(executor: ReadExecutor, remote_engine_id: str, request: ReadRequest, timeout_s: float = 30.0) -> ReadResult:

@@ -113,7 +113,11 @@ def test_a_push_of_another_prompts_kv_is_caught_by_the_oracle(same_host):
 
 def test_a_failed_writer_is_named_when_the_expectation_ends():
     """A writer whose WRITE failed notifies failed: the expectation ends naming it among the failed
-    writers, so the decode side fails the transfer (the engine recomputes) instead of completing it."""
+    writers, so the decode side fails the transfer (the engine recomputes) instead of completing it.
+
+    The WRITE fails for real and every time: its board check passes, then NIXL refuses to make a WRITE
+    of descriptors past the target's prepared list. (Aborting a posted push raced: over shared memory
+    the check and the WRITE may both end inside the post, and the push was then ok.)"""
     cluster, request = cluster_and_request("push-failed", p=1, d=1)
     with cluster:
         capabilities = cluster.expect(request)
@@ -121,11 +125,14 @@ def test_a_failed_writer_is_named_when_the_expectation_ends():
         target = pusher.target(cluster.decode_id, 0)
         push = PushRequest(request.remote_request_id, request.local_block_ids, request.remote_block_ids,
                            capabilities[0], request.num_tokens)
-        inflight = pusher.post(target, pusher.plan(target, 0, push))
-        result = pusher.abort(inflight, "test: aborted")
+        planned = pusher.plan(target, 0, push)
+        planned.write.remote_ids[:] = np.iinfo(np.int32).max  # no such descriptor on the target
+        inflight = pusher.post(target, planned)
+        result = pusher.poll(inflight)
         while result is None:
             result = pusher.poll(inflight)
-        assert not result.ok
+        assert not result.ok and result.failure is ReadFailure.TRANSFER, result
+        assert cluster.decode_untouched()
         pusher.send_notice(inflight, 0)
         end = cluster.holder_thread.wait_end(0, request.remote_request_id, timeout_s=10)
         assert end is not None and end.failed_readers == ((cluster.prefill_id, 0),)
