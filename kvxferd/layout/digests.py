@@ -1,0 +1,194 @@
+"""Digests of KV content in logical coordinates (issue #59): the same number on both sides of a read.
+
+A reader's bytes sit in another layout, block size and TP slice than the
+holder's, so a digest of bytes as stored could not be compared. This one is
+a sum over the *logical* elements of a field::
+
+    digest[atom, chunk] = sum over elements e in (atom, chunk) of  weight(e) * bits(e)   (mod 2**64)
+
+    atom   ATOM_TOKENS consecutive tokens of one block (a block when the field has no tokens)
+    chunk  a piece of the sharded dim (heads) no TP split cuts: the boundaries of every
+           rank's range for TP sizes 1..DIGEST_MAX_TP (one chunk when replicated)
+    weight a product of one odd 64-bit weight per logical index (layer, K/V, global head, token
+           in the atom, channel, ...), keyed by group, region and field: a value in the wrong
+           layer, head, token or K/V slot weighs differently
+
+Any layout of the same logical field gives the same digest, however its
+dims are ordered, split into kernel blocks or sliced by TP. It is linear, so
+a change of one element always changes it (an odd weight times a nonzero
+change is nonzero mod 2**64), and the sums of fields, layers and sub-blocks
+add up. It is not a defence against someone forging bytes: it catches
+corruption, wrong plans and stray writes.
+
+Pure numpy on arrays the caller maps; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+
+from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
+from kvxferd.layout.region import Field
+from kvxferd.layout.strided import BLOCK_DIM, TOKEN_DIM, Layout
+from kvxferd.tp.shards import owned_range
+
+WORD_DIM = "C"  # the channel dim: packed into 64-bit words where it is stored contiguous
+ATOM_TOKENS = 16  # tokens per digest atom (fewer when a block holds fewer)
+DIGEST_MAX_TP = 16  # chunks keep every TP split of up to this many ranks readable alone
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL2 = np.uint64(0x94D049BB133111EB)
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, vectorised (uint64 in, uint64 out; wraps mod 2**64)."""
+    x = np.array(x, dtype=np.uint64, ndmin=1) + _GOLDEN  # arrays: numpy wraps them silently, not scalars
+    x = (x ^ (x >> np.uint64(30))) * _MUL1
+    x = (x ^ (x >> np.uint64(27))) * _MUL2
+    return x ^ (x >> np.uint64(31))
+
+
+def field_key(group: int, region: int, field_name: str) -> int:
+    """The key a field's weights derive from: which group, region (layer) and field it is."""
+    name = zlib.crc32(field_name.encode())
+    return int(mix64((group << 48) ^ (region << 32) ^ name)[0])
+
+
+def dim_weights(key: int, dim: str, size: int) -> np.ndarray:
+    """Odd weight of each index ``0..size-1`` of logical ``dim`` under ``key``."""
+    salt = mix64(key ^ zlib.crc32(dim.encode()))
+    return mix64(salt + np.arange(size, dtype=np.uint64)) | np.uint64(1)
+
+
+def atom_tokens(block_size: int) -> int:
+    """Tokens per atom of blocks of ``block_size`` tokens."""
+    return math.gcd(ATOM_TOKENS, block_size)
+
+
+def chunk_bounds(global_extent: int) -> np.ndarray:
+    """Global boundaries of the chunks of a sharded dim: every TP rank's range ends on one."""
+    bounds = {0, global_extent}
+    for tp_size in range(1, DIGEST_MAX_TP + 1):
+        for tp_rank in range(tp_size):
+            bounds.update(owned_range(global_extent, tp_size, tp_rank))
+    return np.array(sorted(bounds), dtype=np.int64)
+
+
+def field_chunks(field: Field) -> tuple[np.ndarray, np.ndarray]:
+    """``(chunk_ids, starts)``: the global chunk ids this rank's slice of ``field`` holds whole, and where
+    each starts in the slice. A replicated field is one chunk (id 0)."""
+    if field.shard is None:
+        return np.zeros(1, np.int64), np.zeros(1, np.int64)
+    start, stop = field.shard.local_range
+    bounds = chunk_bounds(field.shard.global_extent)
+    inside = bounds[(bounds >= start) & (bounds < stop)]
+    if not len(inside) or inside[0] != start:  # cannot happen for owned ranges up to DIGEST_MAX_TP
+        raise LayoutMismatchError("shard", f"rank slice [{start}, {stop}) does not start on a digest chunk")
+    return np.searchsorted(bounds, inside).astype(np.int64), inside - start
+
+
+def atoms_per_block(layout: Layout, tokens_per_atom: int) -> int:
+    """Atoms of ``tokens_per_atom`` in one block of ``layout`` (1 when it has no token dim)."""
+    if TOKEN_DIM not in layout.dims:
+        return 1
+    num_tokens = layout.size(TOKEN_DIM)
+    if num_tokens % tokens_per_atom:
+        raise LayoutMismatchError("atom_tokens", f"blocks of {num_tokens} tokens are not whole atoms of {tokens_per_atom}")
+    return num_tokens // tokens_per_atom
+
+
+def elements_per_word(layout: Layout) -> int:
+    """Elements of the channel dim ``C`` that weigh as one 64-bit word (1: none packed).
+
+    Channel ``c`` weighs ``W(c // e) << (8 * itemsize * (c % e))``: where ``C`` is stored innermost and
+    contiguous, ``e`` elements are one little-endian word times ``W`` (4x fewer products for 16-bit
+    values); elsewhere each element is weighed alone, to the same sum. A change of one element still
+    always shows (``W`` is odd and the change is below ``2**(8 * itemsize)``)."""
+    if WORD_DIM not in layout.dims or (layout.size(WORD_DIM) * layout.itemsize) % 8:
+        return 1
+    return 8 // layout.itemsize
+
+
+def field_digests(memory: np.ndarray, field: Field, block_ids: np.ndarray, key: int, tokens_per_atom: int) -> np.ndarray:
+    """Digests of ``field``'s blocks ``block_ids`` in ``memory`` (its region's bytes, uint8):
+    ``uint64[len(block_ids), atoms_per_block, num_chunks]``, chunks as :func:`field_chunks`. The holder
+    chooses ``tokens_per_atom`` (:func:`atom_tokens` of its block size); a reader uses the holder's."""
+    layout = field.layout
+    k = atoms_per_block(layout, tokens_per_atom)
+    atoms = layout.ungroup_blocks(k) if k > 1 else layout  # block dim: (block, atom in block)
+    per_word = elements_per_word(layout)
+    last = atoms.axes[-1]
+    packed = per_word > 1 and last.dim == WORD_DIM and last.stride == 1 and len(atoms.factors(WORD_DIM)) == 1
+    view = _element_view(memory, atoms, per_word if packed else 1)
+    block_axes = [i for i, a in enumerate(atoms.axes) if a.dim == BLOCK_DIM]
+    shard_dim = None if field.shard is None else field.shard.dim
+    shard_axes = [i for i, a in enumerate(atoms.axes) if a.dim == shard_dim]
+    if len(shard_axes) > 1 or block_axes != list(range(block_axes[0], block_axes[0] + len(block_axes))):
+        raise LayoutMismatchError("layout", f"no digest for a layout whose blocks or shards are split: {atoms}")
+    ids = np.asarray(block_ids, dtype=np.int64)
+    view = np.take(view, ids, axis=block_axes[0])  # the held blocks only (a copy: one pass over them)
+    weighted = [i for i in range(len(atoms.axes)) if i not in block_axes]  # the shard dim too: a head in
+    # the wrong place of its chunk must weigh differently; it is also kept, to be summed per chunk below
+    offsets = {} if field.shard is None else {field.shard.dim: field.shard.local_range[0]}
+    weights = _weights(atoms, key, weighted, offsets, per_word, packed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    kept = block_axes + shard_axes
+    digests = np.einsum(f"{letters[:len(atoms.axes)]},{''.join(letters[i] for i in weighted)}->"
+                        f"{''.join(letters[i] for i in kept)}", view, weights, dtype=np.uint64, casting="unsafe")
+    digests = digests.reshape(len(ids), k, -1)  # (block, atom, shard index in the slice)
+    _, starts = field_chunks(field)
+    return np.add.reduceat(digests, starts, axis=2, dtype=np.uint64)
+
+
+def _element_view(memory: np.ndarray, layout: Layout, per_word: int) -> np.ndarray:
+    """Every element of ``layout`` in ``memory`` as unsigned integers of its width, axis by axis; with
+    ``per_word`` > 1 the innermost (contiguous) axis as 64-bit words of that many elements."""
+    if layout.itemsize not in _UINTS:
+        raise InvalidArgumentError("dtype", f"no digest of {layout.itemsize}-byte elements")
+    if layout.end_bytes > memory.nbytes:
+        raise InvalidArgumentError("memory", f"{memory.nbytes} bytes, the layout reaches byte {layout.end_bytes}")
+    size = layout.itemsize
+    shape = [a.size for a in layout.axes]
+    strides = [a.stride * size for a in layout.axes]
+    if per_word > 1:
+        shape[-1], strides[-1] = shape[-1] // per_word, 8
+    return np.ndarray(tuple(shape), dtype=_UINTS[8 if per_word > 1 else size], buffer=memory,
+                      offset=layout.offset * size, strides=tuple(strides))
+
+
+def _weights(layout: Layout, key: int, weighted: list[int], offsets: dict[str, int], per_word: int,
+             packed: bool) -> np.ndarray:
+    """The product of every weighted dim's weights over axes ``weighted`` (a dim split into several axes
+    is indexed outer to inner, so its weight depends on the logical index only; a sharded dim's index is
+    global: ``offsets`` gives where this rank's slice starts; channels weigh as :func:`elements_per_word`
+    says, ``packed``: the innermost axis holds words)."""
+    shape = [layout.axes[i].size for i in weighted]
+    if packed:
+        shape[-1] //= per_word
+    total = np.ones(shape, dtype=np.uint64)
+    for dim in dict.fromkeys(layout.axes[i].dim for i in weighted):
+        positions = [n for n, i in enumerate(weighted) if layout.axes[i].dim == dim]
+        sizes = [shape[n] for n in positions]
+        start = offsets.get(dim, 0)
+        if dim == WORD_DIM:
+            w = _channel_weights(key, math.prod(sizes) * (per_word if packed else 1), per_word, packed)
+        else:
+            w = dim_weights(key, dim, start + math.prod(sizes))[start:]
+        w = w.reshape(sizes)
+        total = total * w.reshape([shape[n] if n in positions else 1 for n in range(len(shape))])
+    return total
+
+
+def _channel_weights(key: int, num_channels: int, per_word: int, packed: bool) -> np.ndarray:
+    """Weights of the channel dim: one per word when ``packed``, else one per channel (the word's weight
+    shifted to the channel's place in the word)."""
+    words = dim_weights(key, WORD_DIM, num_channels // per_word)
+    if packed:
+        return words
+    shifts = (np.arange(per_word, dtype=np.uint64) * np.uint64(64 // per_word))[None, :]
+    return (words[:, None] << shifts).ravel()
