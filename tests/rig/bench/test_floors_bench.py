@@ -10,7 +10,8 @@ def test_each_floor_is_measured():
     figures = {"wakeups_100us": wakeups, "thread_hop": floors.thread_hop(50), "udp_wakeup": floors.udp_wakeup(50),
                "nixl": floors.nixl_notifications(100), "grpc_stream": floors.grpc_stream(80),
                "grpc_engine_client": floors.grpc_stream_engine_client(80, gap_s=1e-3),
-               "socket_engine_client": floors.socket_engine_client(80, gap_s=1e-3), "planning_us": floors.planning(10)}
+               "socket_engine_client": floors.socket_engine_client(80, gap_s=1e-3), "planning_us": floors.planning(10),
+               "digests": floors.digests(1)}
     assert figures["nixl"]["notification_one_way"]["p50_us"] > 0
     assert figures["udp_wakeup"]["one_way"]["p99_us"] >= figures["udp_wakeup"]["one_way"]["p50_us"] > 0
     assert figures["udp_wakeup"]["send_and_read_us"] > 0
@@ -19,7 +20,9 @@ def test_each_floor_is_measured():
     for key in ("grpc_engine_client", "socket_engine_client"):
         assert set(figures[key]) == {"back_to_back", "every_1_ms"}
         assert all(row["p99_us"] >= row["p50_us"] > 0 for row in figures[key].values())
+    assert all(row["digest_gbps"] > 0 and row["copy_gbps"] > 0 for row in figures["digests"].values())
     text = floors.format_table(figures)
+    assert "digest of 100 held blocks, packed_HND" in text
     assert "gRPC aio stream" in text and "plan_request" in text and "UDP datagram" in text
     assert "gRPC stream, sync client, other process, every 1 ms" in text
     assert "reads socket, sync client, other process, every 1 ms" in text
