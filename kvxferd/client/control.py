@@ -81,7 +81,7 @@ class ControlSession:
             reply = self._result(answer, f"the hold of {request.request_id!r}")
             if (error := hold_error(reply)) is not None:
                 raise error
-            return Held(reply.incarnation, reply.capability)
+            return Held(reply.incarnation, reply.capability, reply.digests)
         return wait
 
     def renew(self, request_ids: Sequence[str], lease_s: float) -> list[str]:

@@ -44,6 +44,7 @@ class Held(NamedTuple):
 
     incarnation: str
     capability: bytes
+    digests: bytes = b""  # with want_digests: the holder rank's digests of the held blocks (issue #59)
 
 
 class LostRead(TimeoutError):
@@ -320,7 +321,7 @@ class ReadSession:
                 self._hold_answers.pop(request_id, None)
         if (error := hold_error(answer)) is not None:
             raise error
-        return Held(answer.incarnation, answer.capability)
+        return Held(answer.incarnation, answer.capability, answer.digests)
 
     def _hold_answers_arrived(self, answers) -> None:
         """The reads socket's reader thread: answers to holds sent on it."""

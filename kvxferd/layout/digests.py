@@ -25,6 +25,7 @@ Pure numpy on arrays the caller maps; no I/O.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -37,7 +38,7 @@ from kvxferd.tp.shards import owned_range
 
 WORD_DIM = "C"  # the channel dim: packed into 64-bit words where it is stored contiguous
 ATOM_TOKENS = 16  # tokens per digest atom (fewer when a block holds fewer)
-DIGEST_MAX_TP = 16  # chunks keep every TP split of up to this many ranks readable alone
+DIGEST_MAX_TP = 64  # chunks keep every TP split of up to this many ranks readable alone
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -70,13 +71,16 @@ def atom_tokens(block_size: int) -> int:
     return math.gcd(ATOM_TOKENS, block_size)
 
 
+@functools.lru_cache(maxsize=256)
 def chunk_bounds(global_extent: int) -> np.ndarray:
-    """Global boundaries of the chunks of a sharded dim: every TP rank's range ends on one."""
+    """Global boundaries of the chunks of a sharded dim: every TP rank's range ends on one (read-only)."""
     bounds = {0, global_extent}
     for tp_size in range(1, DIGEST_MAX_TP + 1):
         for tp_rank in range(tp_size):
             bounds.update(owned_range(global_extent, tp_size, tp_rank))
-    return np.array(sorted(bounds), dtype=np.int64)
+    out = np.array(sorted(bounds), dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def field_chunks(field: Field) -> tuple[np.ndarray, np.ndarray]:
@@ -87,8 +91,9 @@ def field_chunks(field: Field) -> tuple[np.ndarray, np.ndarray]:
     start, stop = field.shard.local_range
     bounds = chunk_bounds(field.shard.global_extent)
     inside = bounds[(bounds >= start) & (bounds < stop)]
-    if not len(inside) or inside[0] != start:  # cannot happen for owned ranges up to DIGEST_MAX_TP
-        raise LayoutMismatchError("shard", f"rank slice [{start}, {stop}) does not start on a digest chunk")
+    if not len(inside) or inside[0] != start or stop not in bounds:  # TP above DIGEST_MAX_TP
+        raise LayoutMismatchError("shard", f"rank slice [{start}, {stop}) is not whole digest chunks "
+                                  f"(TP sizes up to {DIGEST_MAX_TP})")
     return np.searchsorted(bounds, inside).astype(np.int64), inside - start
 
 
@@ -105,10 +110,13 @@ def atoms_per_block(layout: Layout, tokens_per_atom: int) -> int:
 def elements_per_word(layout: Layout) -> int:
     """Elements of the channel dim ``C`` that weigh as one 64-bit word (1: none packed).
 
-    Channel ``c`` weighs ``W(c // e) << (8 * itemsize * (c % e))``: where ``C`` is stored innermost and
-    contiguous, ``e`` elements are one little-endian word times ``W`` (4x fewer products for 16-bit
-    values); elsewhere each element is weighed alone, to the same sum. A change of one element still
-    always shows (``W`` is odd and the change is below ``2**(8 * itemsize)``)."""
+    With ``e`` channels a word and ``h = e / 2``, channel ``c = w * e + j`` weighs
+    ``A(w) << (8 * itemsize * j)``, plus ``B(w) << (8 * itemsize * (j - h))`` when ``j >= h``: where ``C`` is
+    stored innermost and contiguous, that is ``A(w) * word + B(w) * (word >> 32)``, two products per word
+    (against 4 or 8 for 16- or 8-bit values one by one); elsewhere each element is weighed alone, to the
+    same sum. Every element's weight keeps at least 40 of its 64 bits (48 for 16-bit values): a change of
+    one element always shows, and two changes cancel with a chance of about ``2**-40`` at worst (with
+    ``A`` alone the top element of a word kept 16 bits, and two sign flips there always cancelled)."""
     if WORD_DIM not in layout.dims or (layout.size(WORD_DIM) * layout.itemsize) % 8:
         return 1
     return 8 // layout.itemsize
@@ -120,6 +128,10 @@ def field_digests(memory: np.ndarray, field: Field, block_ids: np.ndarray, key: 
     chooses ``tokens_per_atom`` (:func:`atom_tokens` of its block size); a reader uses the holder's."""
     layout = field.layout
     k = atoms_per_block(layout, tokens_per_atom)
+    _, starts = field_chunks(field)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if not len(ids):
+        return np.zeros((0, k, len(starts)), np.uint64)
     atoms = layout.ungroup_blocks(k) if k > 1 else layout  # block dim: (block, atom in block)
     per_word = elements_per_word(layout)
     last = atoms.axes[-1]
@@ -130,18 +142,24 @@ def field_digests(memory: np.ndarray, field: Field, block_ids: np.ndarray, key: 
     shard_axes = [i for i, a in enumerate(atoms.axes) if a.dim == shard_dim]
     if len(shard_axes) > 1 or block_axes != list(range(block_axes[0], block_axes[0] + len(block_axes))):
         raise LayoutMismatchError("layout", f"no digest for a layout whose blocks or shards are split: {atoms}")
-    ids = np.asarray(block_ids, dtype=np.int64)
     view = np.take(view, ids, axis=block_axes[0])  # the held blocks only (a copy: one pass over them)
     weighted = [i for i in range(len(atoms.axes)) if i not in block_axes]  # the shard dim too: a head in
     # the wrong place of its chunk must weigh differently; it is also kept, to be summed per chunk below
     offsets = {} if field.shard is None else {field.shard.dim: field.shard.local_range[0]}
-    weights = _weights(atoms, key, weighted, offsets, per_word, packed)
     letters = "abcdefghijklmnopqrstuvwxyz"
     kept = block_axes + shard_axes
-    digests = np.einsum(f"{letters[:len(atoms.axes)]},{''.join(letters[i] for i in weighted)}->"
-                        f"{''.join(letters[i] for i in kept)}", view, weights, dtype=np.uint64, casting="unsafe")
+    spec = (f"{letters[:len(atoms.axes)]},{''.join(letters[i] for i in weighted)}->"
+            f"{''.join(letters[i] for i in kept)}")
+    if packed:  # A(w) * word + B(w) * (word >> 32), as elements_per_word says
+        digests = np.einsum(spec, view, _weights(atoms, key, weighted, offsets, per_word, "A"),
+                            dtype=np.uint64, casting="unsafe")
+        high = view.view(np.uint32)[..., 1::2]  # word >> 32 without a copy: each little-endian word's high half
+        digests += np.einsum(spec, high, _weights(atoms, key, weighted, offsets, per_word, "B"),
+                             dtype=np.uint64, casting="unsafe")
+    else:
+        digests = np.einsum(spec, view, _weights(atoms, key, weighted, offsets, per_word, ""),
+                            dtype=np.uint64, casting="unsafe")
     digests = digests.reshape(len(ids), k, -1)  # (block, atom, shard index in the slice)
-    _, starts = field_chunks(field)
     return np.add.reduceat(digests, starts, axis=2, dtype=np.uint64)
 
 
@@ -162,13 +180,14 @@ def _element_view(memory: np.ndarray, layout: Layout, per_word: int) -> np.ndarr
 
 
 def _weights(layout: Layout, key: int, weighted: list[int], offsets: dict[str, int], per_word: int,
-             packed: bool) -> np.ndarray:
+             words: str) -> np.ndarray:
     """The product of every weighted dim's weights over axes ``weighted`` (a dim split into several axes
     is indexed outer to inner, so its weight depends on the logical index only; a sharded dim's index is
-    global: ``offsets`` gives where this rank's slice starts; channels weigh as :func:`elements_per_word`
-    says, ``packed``: the innermost axis holds words)."""
+    global: ``offsets`` gives where this rank's slice starts). Channels weigh as :func:`elements_per_word`
+    says: ``words`` "A" or "B", the innermost axis holds words and this is that term's weight of each;
+    "", each channel's whole weight."""
     shape = [layout.axes[i].size for i in weighted]
-    if packed:
+    if words:
         shape[-1] //= per_word
     total = np.ones(shape, dtype=np.uint64)
     for dim in dict.fromkeys(layout.axes[i].dim for i in weighted):
@@ -176,7 +195,7 @@ def _weights(layout: Layout, key: int, weighted: list[int], offsets: dict[str, i
         sizes = [shape[n] for n in positions]
         start = offsets.get(dim, 0)
         if dim == WORD_DIM:
-            w = _channel_weights(key, math.prod(sizes) * (per_word if packed else 1), per_word, packed)
+            w = _channel_weights(key, math.prod(sizes), per_word, words)
         else:
             w = dim_weights(key, dim, start + math.prod(sizes))[start:]
         w = w.reshape(sizes)
@@ -184,11 +203,19 @@ def _weights(layout: Layout, key: int, weighted: list[int], offsets: dict[str, i
     return total
 
 
-def _channel_weights(key: int, num_channels: int, per_word: int, packed: bool) -> np.ndarray:
-    """Weights of the channel dim: one per word when ``packed``, else one per channel (the word's weight
-    shifted to the channel's place in the word)."""
-    words = dim_weights(key, WORD_DIM, num_channels // per_word)
-    if packed:
-        return words
-    shifts = (np.arange(per_word, dtype=np.uint64) * np.uint64(64 // per_word))[None, :]
-    return (words[:, None] << shifts).ravel()
+def _channel_weights(key: int, size: int, per_word: int, words: str) -> np.ndarray:
+    """The channel dim's weights: of each of ``size`` words for term ``words`` ("A" or "B"), or of each of
+    ``size`` channels ("": both terms folded into each channel's weight)."""
+    num_words = size if words else size // per_word
+    a = dim_weights(key, WORD_DIM, num_words)
+    if per_word == 1:
+        return a
+    b = dim_weights(key, WORD_DIM + ">>32", num_words)
+    if words:
+        return a if words == "A" else b
+    bits = np.uint64(64 // per_word)
+    places = np.arange(per_word, dtype=np.uint64)
+    half = per_word // 2
+    weights = a[:, None] << (places * bits)[None, :]
+    weights[:, half:] += b[:, None] << (places[: per_word - half] * bits)[None, :]
+    return weights.ravel()

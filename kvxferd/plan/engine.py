@@ -40,6 +40,7 @@ class ReadRequest:
     remote_block_ids: tuple
     num_tokens: int | None = None  # needed only when block sizes differ
     remote_capabilities: tuple = ()  # per remote rank, its hold's (kvxferd.plan.capability)
+    remote_digests: tuple = ()  # per remote rank, its hold's HoldDigests (kvxferd.plan.holddigests); () none
 
 
 @dataclass(frozen=True, eq=False)

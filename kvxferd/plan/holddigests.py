@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
-from kvxferd.layout.digests import atom_tokens, field_chunks, field_digests, field_key
+from kvxferd.layout.digests import atom_tokens, atoms_per_block, field_chunks, field_digests, field_key
 from kvxferd.layout.region import Region
-from kvxferd.plan.groups import GroupPairing
+from kvxferd.plan.groups import EngineCache, GroupPairing
 
 MAGIC = b"KD\x01"
-MAX_ENCODED_BYTES = 64 << 20  # a hold's digests from the wire: bounded before anything is allocated
+MAX_ENCODED_BYTES = 16 << 20  # a hold's digests from the wire: bounded before anything is allocated
+MAX_GROUPS, MAX_FIELDS = 64, 64  # per hold, per group: far above any cache (a few groups, a few fields)
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,17 +67,22 @@ class HoldDigests:
         return b"".join(parts)
 
     @classmethod
-    def decode(cls, data: bytes) -> "HoldDigests":
-        """Read :meth:`encode`'s bytes from an untrusted source: sizes checked before arrays are made."""
+    def decode(cls, data: bytes, field: str = "digests") -> "HoldDigests":
+        """Read :meth:`encode`'s bytes from an untrusted source: sizes checked before arrays are made
+        (errors name ``field``)."""
         if len(data) > MAX_ENCODED_BYTES:
-            raise InvalidArgumentError("digests", f"{len(data)} bytes, at most {MAX_ENCODED_BYTES}")
-        reader = _Reader(data)
+            raise InvalidArgumentError(field, f"{len(data)} bytes, at most {MAX_ENCODED_BYTES}")
+        reader = _Reader(data, field)
         if reader.take(len(MAGIC)) != MAGIC:
-            raise InvalidArgumentError("digests", "not a hold's digests (magic)")
+            raise InvalidArgumentError(field, "not a hold's digests (magic)")
         (num_groups,) = reader.unpack("<H")
+        if num_groups > MAX_GROUPS:
+            raise InvalidArgumentError(field, f"{num_groups} groups, at most {MAX_GROUPS}")
         groups = []
         for _ in range(num_groups):
             num_blocks, tokens_per_atom, num_fields = reader.unpack("<IHH")
+            if num_fields > MAX_FIELDS:
+                raise InvalidArgumentError(field, f"{num_fields} fields in a group, at most {MAX_FIELDS}")
             block_ids = reader.array("<i8", num_blocks).astype(np.int64)
             fields = []
             for _ in range(num_fields):
@@ -88,13 +94,13 @@ class HoldDigests:
                 fields.append(FieldDigests(name, chunk_ids, digests.reshape(num_blocks, num_atoms, num_chunks)))
             groups.append(GroupDigests(block_ids, tokens_per_atom, tuple(fields)))
         if reader.left:
-            raise InvalidArgumentError("digests", f"{reader.left} bytes after the last group")
+            raise InvalidArgumentError(field, f"{reader.left} bytes after the last group")
         return cls(tuple(groups))
 
 
 class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.at = memoryview(data), 0
+    def __init__(self, data: bytes, field: str) -> None:
+        self.data, self.at, self.field = memoryview(data), 0, field
 
     @property
     def left(self) -> int:
@@ -102,7 +108,7 @@ class _Reader:
 
     def take(self, n: int) -> bytes:
         if n > self.left:
-            raise InvalidArgumentError("digests", f"truncated: {n} bytes wanted at byte {self.at}, {self.left} left")
+            raise InvalidArgumentError(self.field, f"truncated: {n} bytes wanted at byte {self.at}, {self.left} left")
         out = bytes(self.data[self.at:self.at + n])
         self.at += n
         return out
@@ -134,51 +140,94 @@ class ReadCheck:
 
     bad_block_ids: tuple[np.ndarray, ...]  # per group: local blocks holding an atom that differs
     num_atoms_checked: int
-    num_unverifiable: int  # atoms read that no digest covers (a pairing of atoms that do not line up)
+    num_units_unverifiable: int  # units read whose atoms do not line up with the holder's: not checked
+    malformed: str = ""  # the digests do not describe the holder's cache: every block read from it is bad
 
 
-def check_read(local_region_of, local_memories, units, pairings: tuple[GroupPairing, ...], groups_read,
+class LocalDigests:
+    """The reader's digests of the blocks one read wrote, made once per group and field and shared by the
+    checks of every holder rank (a TP engine's ranks each cover a slice)."""
+
+    def __init__(self, cache: EngineCache, memories) -> None:
+        self.cache, self.memories = cache, memories
+        self._made: dict[tuple[int, str, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def of(self, g: int, field, local_blocks: np.ndarray, tokens_per_atom: int) -> np.ndarray:
+        made_key = (g, field.name, tokens_per_atom)
+        made = self._made.get(made_key)
+        if made is None or not np.array_equal(made[0], local_blocks):
+            digests = sum(field_digests(memory, field, local_blocks, field_key(g, r, field.name), tokens_per_atom)
+                          for r, memory in enumerate(self.memories[g]))
+            made = self._made[made_key] = (local_blocks, digests)
+        return made[1]
+
+
+def check_read(local: LocalDigests, remote: EngineCache, units, pairings: tuple[GroupPairing, ...], groups_read,
                digests: HoldDigests) -> ReadCheck:
-    """Compare what a read from one holder rank wrote into the local cache with that rank's ``digests``.
+    """Compare what a read from holder rank ``remote`` wrote into the local cache with that rank's ``digests``.
 
-    ``local_region_of(g)``: the local rank's region layout of group ``g``; ``local_memories[g][r]``: its
-    regions' bytes; ``units[g]``: the read's (local, remote) unit ids (:attr:`PlannedRead.units`);
-    ``groups_read``: the groups this holder rank supplied."""
-    bad, checked, unverifiable = [], 0, 0
+    ``units[g]``: the read's (local, remote) unit ids (:attr:`PlannedRead.units`); ``groups_read``: the
+    groups this holder rank supplied. The digests come from the wire: what they must hold is derived from
+    ``remote``'s own description (its atoms, chunks and fields); digests that do not hold it name every
+    block read from that rank bad (``malformed``), never pass."""
+    bad, checked, unverifiable, malformed = [], 0, 0, ""
     for g, (local_units, remote_units) in enumerate(units):
-        if g not in groups_read or not len(local_units) or g >= len(digests.groups):
+        if g not in groups_read or not len(local_units):
             bad.append(np.zeros(0, np.int64))
             continue
-        held = digests.groups[g]
-        pairs = _pair_atoms(pairings[g], local_units, remote_units, held.tokens_per_atom)
+        pairing = pairings[g]
+        tokens_per_atom = 1 if pairing.remote_block_size is None else atom_tokens(pairing.remote_block_size)
+        pairs = _pair_atoms(pairing, local_units, remote_units, tokens_per_atom)
         if pairs is None:
             unverifiable += len(local_units)
             bad.append(np.zeros(0, np.int64))
             continue
         local_blocks, local_rows, local_atoms, remote_blocks, remote_atoms = pairs
+        problem = _malformed(digests, g, remote.region(g), local.cache.region(g), tokens_per_atom)
+        if problem:
+            malformed = malformed or problem
+            bad.append(local_blocks)
+            continue
+        held = digests.groups[g]
         order = np.argsort(held.block_ids, kind="stable")
         found = np.searchsorted(held.block_ids[order], remote_blocks).clip(0, max(len(order) - 1, 0))
-        held_row = order[found] if len(order) else found
-        unheld = (held.block_ids[held_row] != remote_blocks) if len(order) else np.ones(len(remote_blocks), bool)
-        wrong = unheld.copy()
-        region = local_region_of(g)
-        names = {f.name: f for f in held.fields}
-        for f in region.fields:
-            theirs = names.get(f.name)
-            if theirs is None:
-                raise LayoutMismatchError(f"digests.groups[{g}]", f"the holder sent no digests of field {f.name!r}")
-            mine = sum(field_digests(memory, f, local_blocks, field_key(g, r, f.name), held.tokens_per_atom)
-                       for r, memory in enumerate(local_memories[g]))
+        held_row = order[found] if len(order) else np.zeros(len(remote_blocks), np.int64)
+        wrong = held.block_ids[held_row] != remote_blocks if len(order) else np.ones(len(remote_blocks), bool)
+        theirs_by_name = {f.name: f for f in held.fields}
+        for f in local.cache.region(g).fields:
+            theirs = theirs_by_name[f.name]
             common, mine_at, theirs_at = np.intersect1d(field_chunks(f)[0], theirs.chunk_ids, return_indices=True)
             if not len(common):
                 continue
-            outside = remote_atoms >= theirs.digests.shape[1]  # the holder's blocks have fewer atoms
+            mine = local.of(g, f, local_blocks, tokens_per_atom)
             a = mine[local_rows, local_atoms][:, mine_at]
-            b = theirs.digests[held_row, np.where(outside, 0, remote_atoms)][:, theirs_at]
-            wrong |= outside | (a != b).any(axis=1)
+            b = theirs.digests[held_row, remote_atoms][:, theirs_at] if len(order) else a
+            wrong |= (a != b).any(axis=1)
         checked += len(local_rows)
         bad.append(np.unique(local_blocks[local_rows[wrong]]))
-    return ReadCheck(tuple(bad), checked, unverifiable)
+    return ReadCheck(tuple(bad), checked, unverifiable, malformed)
+
+
+def _malformed(digests: HoldDigests, g: int, remote_region: Region, local_region: Region, tokens_per_atom: int) -> str:
+    """What group ``g`` of a holder's digests lacks against the holder's own region (its description at
+    the handshake): "" when it has every field the reader needs, each with the holder's chunks and atoms."""
+    if g >= len(digests.groups):
+        return f"no digests of group {g}"
+    held = digests.groups[g]
+    if held.tokens_per_atom != tokens_per_atom:
+        return f"group {g}: atoms of {held.tokens_per_atom} tokens, the holder's blocks make {tokens_per_atom}"
+    theirs = {f.name: f for f in held.fields}
+    remote_fields = {f.name: f for f in remote_region.fields}
+    for f in local_region.fields:
+        field, expected = theirs.get(f.name), remote_fields.get(f.name)
+        if field is None or expected is None:
+            return f"group {g}: no digests of field {f.name!r}"
+        chunk_ids = field_chunks(expected)[0]
+        shape = (len(held.block_ids), atoms_per_block(expected.layout, tokens_per_atom), len(chunk_ids))
+        if not np.array_equal(field.chunk_ids, chunk_ids) or field.digests.shape != shape:
+            return f"group {g} field {f.name!r}: digests of {field.digests.shape} over chunks " \
+                   f"{field.chunk_ids.tolist()}, the holder's slice makes {shape} over {chunk_ids.tolist()}"
+    return ""
 
 
 def _pair_atoms(pairing: GroupPairing, local_units, remote_units, tokens_per_atom: int):

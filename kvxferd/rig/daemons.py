@@ -73,6 +73,7 @@ class DaemonCluster(DecodeChecks):
         self.workdir, self.lease_s, self.daemon_args, self.args_of = workdir, lease_s, daemon_args, args_of
         self.by_fd = by_fd
         self.capabilities: dict[str, tuple[bytes, ...]] = {}  # remote request id -> its last hold's, per rank
+        self.digests: dict[str, tuple[bytes, ...]] = {}  # remote request id -> its last hold's digests, per rank
         self.push_keys: dict[str, bytes] = {}  # transfer id -> its push key (push, issue #57)
         self.arenas: list[SharedArena] = []
         self.daemons: list[DaemonProcess] = []
@@ -153,15 +154,18 @@ class DaemonCluster(DecodeChecks):
         return self.push_keys.setdefault(transfer_id, os.urandom(PUSH_KEY_BYTES))
 
     def hold(self, request: ReadRequest, *, lease_s: float = 0.0, push: bool = False,
-             layers_final=()) -> tuple[bytes, ...]:
+             layers_final=(), want_digests: bool = False) -> tuple[bytes, ...]:
         """Hold on every prefill rank; the ranks' capabilities (also kept for :meth:`submit`). ``push``: with
         the digest of the transfer's push key (:meth:`push_key`), so decode ranks presenting it get it written
-        (``layers_final``: layer by layer, :meth:`final_layers` says when more are final)."""
+        (``layers_final``: layer by layer, :meth:`final_layers` says when more are final). ``want_digests``: the
+        ranks' digests of the held blocks are kept too (``digests``; :meth:`submit` with ``digests``)."""
         digest = push_key_digest(self.push_key(request.remote_request_id)) if push else b""
-        capabilities = tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s,
-                                         push_key_digest=digest, layers_final=layers_final).capability
-                             for client in self.prefill_clients)
+        held = [client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s,
+                            push_key_digest=digest, layers_final=layers_final, want_digests=want_digests)
+                for client in self.prefill_clients]
+        capabilities = tuple(h.capability for h in held)
         self.capabilities[request.remote_request_id] = capabilities
+        self.digests[request.remote_request_id] = tuple(h.digests for h in held)
         return capabilities
 
     def final_layers(self, request: ReadRequest, layers_final) -> None:
@@ -169,15 +173,17 @@ class DaemonCluster(DecodeChecks):
         for client in self.prefill_clients:
             client.final_layers(request.remote_request_id, layers_final)
 
-    def submit(self, request: ReadRequest, *, deadline_s: float = 0.0) -> None:
+    def submit(self, request: ReadRequest, *, deadline_s: float = 0.0, digests: bool = False) -> None:
         """Every decode rank submits ``request`` (a batch of one on its session) with
-        ``request.remote_capabilities``, else those of the cluster's last hold of its remote request."""
+        ``request.remote_capabilities``, else those of the cluster's last hold of its remote request (and,
+        with ``digests``, that hold's digests: the daemons check the blocks against them)."""
         capabilities = request.remote_capabilities or self.capabilities.get(request.remote_request_id, ())
+        remote_digests = self.digests.get(request.remote_request_id, ()) if digests else ()
         for client in self.decode_clients:
             client.submit_read(request.request_id, self.prefill_id, request.remote_request_id,
                                request.local_block_ids, request.remote_block_ids,
                                num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
-                               remote_capabilities=capabilities)
+                               remote_capabilities=capabilities, remote_digests=remote_digests)
 
     def completions(self, request: ReadRequest, timeout_s: float = 30.0) -> list[pb.Completion]:
         return [client.reads.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]

@@ -20,6 +20,7 @@ from kvxferd.layout.strided import ITEMSIZES
 from kvxferd.plan.capability import check_capability_bytes
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.plan.groups import CacheGroup, DeviceShare, EngineCache, HostShare, RegionMemory, VmmShare
+from kvxferd.plan.holddigests import HoldDigests
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.names import shm_path
 
@@ -319,14 +320,15 @@ def unpack_ids(data: bytes, sizes: Sequence[int], field: str) -> tuple[np.ndarra
 
 def read_spec_to_pb(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                     remote_block_ids, num_tokens: int = 0, deadline_s: float = 0.0,
-                    remote_capabilities=()) -> pb.ReadSpec:
-    """One read of a ``Reads`` batch (ids packed; ``remote_capabilities``: each remote rank's HoldReply's)."""
+                    remote_capabilities=(), remote_digests=()) -> pb.ReadSpec:
+    """One read of a ``Reads`` batch (ids packed; ``remote_capabilities`` and ``remote_digests``: each remote
+    rank's HoldReply's)."""
     local, local_sizes = pack_ids(local_block_ids)
     remote, remote_sizes = pack_ids(remote_block_ids)
     return pb.ReadSpec(request_id=request_id, remote_engine_id=remote_engine_id, remote_request_id=remote_request_id,
                        local_block_ids=local, local_group_sizes=local_sizes, remote_block_ids=remote,
                        remote_group_sizes=remote_sizes, num_tokens=num_tokens, deadline_s=deadline_s,
-                       remote_capabilities=list(remote_capabilities))
+                       remote_capabilities=list(remote_capabilities), remote_digests=list(remote_digests))
 
 
 def read_request_from_spec(spec: pb.ReadSpec) -> ReadRequest:
@@ -334,11 +336,11 @@ def read_request_from_spec(spec: pb.ReadSpec) -> ReadRequest:
     return _read_request(spec.request_id, spec.remote_request_id, spec.num_tokens,
                          unpack_ids(spec.local_block_ids, spec.local_group_sizes, "local_block_ids"),
                          unpack_ids(spec.remote_block_ids, spec.remote_group_sizes, "remote_block_ids"),
-                         spec.remote_capabilities)
+                         spec.remote_capabilities, spec.remote_digests)
 
 
 def _read_request(request_id: str, remote_request_id: str, num_tokens: int, local, remote,
-                  capabilities) -> ReadRequest:
+                  capabilities, digests=()) -> ReadRequest:
     check_id(request_id, "request_id")
     check_id(remote_request_id, "remote_request_id")
     if num_tokens < 0:
@@ -346,7 +348,10 @@ def _read_request(request_id: str, remote_request_id: str, num_tokens: int, loca
     if len(capabilities) > MAX_TP_SIZE:
         raise InvalidArgumentError("remote_capabilities", f"{len(capabilities)} capabilities, at most {MAX_TP_SIZE}")
     checked = tuple(check_capability_bytes(c, f"remote_capabilities[{q}]") for q, c in enumerate(capabilities))
-    return ReadRequest(request_id, remote_request_id, local, remote, num_tokens or None, checked)
+    if len(digests) > MAX_TP_SIZE:
+        raise InvalidArgumentError("remote_digests", f"{len(digests)} ranks' digests, at most {MAX_TP_SIZE}")
+    decoded = tuple(HoldDigests.decode(d, f"remote_digests[{q}]") for q, d in enumerate(digests))
+    return ReadRequest(request_id, remote_request_id, local, remote, num_tokens or None, checked, decoded)
 
 
 def has_calls(batch) -> bool:

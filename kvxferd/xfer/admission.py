@@ -18,6 +18,7 @@ connection without boards checks nothing, the data path's benchmarks).
 
 from __future__ import annotations
 
+from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.capability import check_read_capabilities
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.xfer.records import AdmittedRead, RemoteEngine
@@ -31,6 +32,10 @@ def admit(remote: RemoteEngine, request: ReadRequest, earlier: AdmittedRead | No
     planned = earlier.planned if same else None
     if planned is None and plan:
         planned = remote.plan.plan_request(request)  # ids first: their errors name them
+    digests = request.remote_digests
+    if digests and len(digests) != len(remote.agent_names):
+        raise InvalidArgumentError("remote_digests", f"{len(digests)} ranks' digests for a remote engine of "
+                                   f"{len(remote.agent_names)} ranks (all or none)")
     if remote.hold_keys and not same:  # a read names only blocks its holders sealed for it
         check_read_capabilities(remote.hold_keys, request.remote_request_id, request.remote_block_ids,
                                 request.remote_capabilities)

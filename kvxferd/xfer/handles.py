@@ -30,6 +30,7 @@ class ReadFailure(str, enum.Enum):
     ABORTED = "aborted"  # the engine or the link went away under the read
     HANDSHAKE = "handshake"  # a re-handshake before posting failed
     REFUSED = "refused"  # refused before anything was posted (Reads stream)
+    CORRUPT = "corrupt"  # the blocks written differ from the holder's digests of its hold (issue #59)
 
 
 class TransferFailure(NamedTuple):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvxferd.errors import KvxferError
+from kvxferd.errors import KvxferError, UnavailableError
 from kvxferd.plan.board import BoardInfo, hold_tag
 from kvxferd.plan.groups import EngineCache
 from kvxferd.plan.notifications import ReadNotice
@@ -44,6 +44,7 @@ from kvxferd.xfer.rankstate import RankTransfer
 from kvxferd.xfer.records import AdmittedRead, InFlightRead, ReadResult, ReadTimes, RemoteEngine
 from kvxferd.xfer.samehost.opened import OpenedObjects
 from kvxferd.xfer.samehost.ranks import drop_all
+from kvxferd.xfer.verify import DigestCounts, corrupt_blocks, host_memories
 
 ABORT_DRAIN_S = 30.0  # how long an aborted read's result waits for transfers UCX cannot stop (abort)
 UNSETTLED_ERROR = ("an aborted transfer was still in flight after abort_drain_s: its bytes may still land in "
@@ -81,6 +82,8 @@ class ReadExecutor:
         self.machine = RankMachine(self.checks, self.mover)
         self.num_notices_sent = 0  # the data plane polls the notice agent (its progress) only after new ones
         self.abort_drain_s = ABORT_DRAIN_S
+        self.digests = DigestCounts()  # reads checked against their holders' digests (issue #59)
+        self._memories = host_memories(cache)  # views only: touched when a read brings digests
 
     @property
     def num_host_copies(self) -> int:
@@ -162,6 +165,8 @@ class ReadExecutor:
         posted, when it is refused or the remote engine is gone. ``notify``: as in :meth:`poll` (the
         post polls once). The posted read's ``admitted`` says on which connection it runs. Its deadline
         is the caller's to enforce (``deadline_in_s`` is not needed here: :meth:`abort` runs in this process)."""
+        if admitted.request.remote_digests and self._memories is None:  # refused, not read unchecked
+            raise UnavailableError("remote_digests", f"no digest checks of {self.cache.mem_type} memory yet")
         with self.lock:
             current = self.connections.remote(admitted.remote.plan.remote_engine_id)
             if current is not admitted.remote or admitted.planned is None:
@@ -233,6 +238,14 @@ class ReadExecutor:
         if not inflight.times.transferred_s:  # aborted: its transfers ended (or were given up) by now
             inflight.times.transferred_s = time.perf_counter()
         unsettled = inflight.drain is not None and inflight.drain.unsettled
+        corrupt = None if errors or unsettled else corrupt_blocks(planned, self.cache, self._memories, self.digests)
+        if corrupt is not None:  # every byte arrived under a live hold, and some differ from what was held
+            errors, invalid = corrupt
+            failed = tuple(sorted(errors))
+            error = "; ".join(f"rank {q}: digest check: {errors[q]}" for q in failed)
+            return ReadResult(planned.request.request_id, remote.plan.remote_engine_id, False, 0,
+                              sum(r.num_descriptors for r in planned.reads), time.perf_counter() - inflight.times.start_s,
+                              invalid, failed, error, ReadFailure.CORRUPT, False)
         failed = tuple(sorted(errors))
         invalid = planned.invalid_block_ids(failed) if failed else tuple(np.zeros(0, np.int64) for _ in planned.units)
         error = "; ".join([f"rank {q}: {errors[q]}" for q in failed] + ([UNSETTLED_ERROR] if unsettled else []))

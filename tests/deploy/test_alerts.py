@@ -30,7 +30,7 @@ REQUIRED = {"daemon down": "KvxferdDaemonDown", "stale reads": "KvxferdStaleRead
             "holds expiring instead of consumed": "KvxferdHoldsExpiring", "loop stalls": "KvxferdLoopStalls",
             "TLS reload failures": "KvxferdTLSReloadRefused", "TLS files unusable": "KvxferdTLSFilesUnusable", "notices dropped": "KvxferdNoticesDropped",
             "transfer failure ratio": "KvxferdTransferFailures", "worker deaths": "KvxferdDataplaneWorkerDeaths",
-            "a worker that cannot start": "KvxferdDataplaneWorkerCannotStart"}
+            "a worker that cannot start": "KvxferdDataplaneWorkerCannotStart", "corrupt reads": "KvxferdCorruptReads"}
 
 needs_promtool = pytest.mark.skipif(promtool() is None, reason="promtool not installed (scripts/system-deps.sh)")
 
@@ -76,7 +76,7 @@ def test_alerts_follow_their_values():
 def test_promtool_accepts_the_rules_and_refuses_a_broken_one(rule_file, tmp_path):
     checked = run_promtool("check", "rules", str(rule_file))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 12 rules found" in checked.stdout
+    assert "SUCCESS: 13 rules found" in checked.stdout
     broken = _rule_groups()
     broken["groups"][0]["rules"][1]["expr"] = "sum by (pod) (rate(kvxferd_read_bytes_total[5m]) >"
     (tmp_path / "broken.yaml").write_text(yaml.safe_dump(broken))
@@ -115,6 +115,10 @@ CASES = {
     "stale reads": ([_series("kvxferd_stale_reads_total", {}, "0+1x30")], "KvxferdStaleReads",
                     f"{P}: reads found their hold gone (blocks invalid)"),
     "no stale reads": ([_series("kvxferd_stale_reads_total", {}, "0x30")], "KvxferdStaleReads", None),
+    "a corrupt read": ([_series("kvxferd_read_failures_total", {"kind": "corrupt"}, "0x16 1x14")],
+                       "KvxferdCorruptReads", f"{P}: blocks a read wrote differ from the holder's digests"),
+    "stale reads are not corrupt": ([_series("kvxferd_read_failures_total", {"kind": "stale"}, "0+1x30")],
+                                    "KvxferdCorruptReads", None),
     "a certificate refused": ([_series("kvxferd_tls_refused_total", {}, "0x15 1x15")], "KvxferdTLSReloadRefused",
                               f"{P}: a rotated TLS certificate was refused"),
     "TLS files unusable": ([_series("kvxferd_tls_files_unusable", {}, "0x5 1x25")], "KvxferdTLSFilesUnusable",

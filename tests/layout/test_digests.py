@@ -35,9 +35,13 @@ def brute_digests(spec, tp_size, tp_rank, memory, block_ids, group, region, toke
         for dim, index in coords.items():
             if dim == "N":
                 atom, index = np.divmod(index, tokens_per_atom)
-            if dim == WORD_DIM and per_word > 1:
-                w = dim_weights(key, dim, int(index.max()) // per_word + 1)[index // per_word]
-                w = w << (np.uint64(8 * itemsize) * (index % per_word).astype(np.uint64))
+            if dim == WORD_DIM and per_word > 1:  # A(w) << place, plus B(w) << (place - half) in the top half
+                word, place = index // per_word, (index % per_word).astype(np.uint64)
+                half = np.uint64(per_word // 2)
+                w = dim_weights(key, dim, int(word.max()) + 1)[word] << (np.uint64(8 * itemsize) * place)
+                top = place >= half
+                b = dim_weights(key, dim + ">>32", int(word.max()) + 1)[word]
+                w = w + np.where(top, b << (np.uint64(8 * itemsize) * (place - np.where(top, half, place))), 0).astype(np.uint64)
             else:
                 w = dim_weights(key, dim, int(index.max()) + 1)[index]
             weight = weight * w
@@ -135,3 +139,26 @@ def test_a_block_that_is_not_whole_atoms_is_refused():
     assert atom_tokens(24) == 8
     with pytest.raises(LayoutMismatchError):
         field_digests(memory, spec.region().fields[0], np.array([0]), 1, 16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_two_sign_flips_in_the_top_element_of_words_do_not_cancel(dtype):
+    """Found by the review of issue #59: with one weight per word the top element kept 16 (8) bits of
+    weight and two sign flips there always cancelled; every element now keeps at least 40."""
+    spec = AttentionSpec("packed_HND", num_blocks=2, num_kv_heads=1, head_size=16, block_size=16, dtype=dtype)
+    memory = np.random.default_rng(9).integers(0, 256, region_num_bytes(spec, 1, 0), dtype=np.uint8)
+    field = spec.region().fields[0]
+    before = field_digests(memory, field, np.array([1]), 3, 16)
+    word = int(field.layout.block_table_bytes[1]) + 8 * 5  # block 1, some word of its first token
+    memory[word + 7] ^= 0x80  # the sign bit of the word's top element
+    memory[word + 8 + 7] ^= 0x80  # and of the next word's
+    assert not np.array_equal(field_digests(memory, field, np.array([1]), 3, 16), before)
+
+
+def test_no_blocks_digest_to_nothing_and_wide_tp_is_whole_chunks():
+    spec = AttentionSpec("packed_NHD", num_blocks=2, num_kv_heads=64, head_size=8, block_size=16)
+    for tp_rank in (0, 1, 15, 31):
+        field = spec.region(32, tp_rank).fields[0]
+        memory = np.zeros(region_num_bytes(spec, 32, tp_rank), np.uint8)
+        assert field_digests(memory, field, np.array([1]), 3, 16).shape == (1, 1, len(field_chunks(field)[0]))
+        assert field_digests(memory, field, np.zeros(0, np.int64), 3, 16).shape[0] == 0

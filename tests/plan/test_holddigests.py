@@ -14,7 +14,7 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.engine import EngineTransferPlan
-from kvxferd.plan.holddigests import HoldDigests, check_read, digest_group
+from kvxferd.plan.holddigests import HoldDigests, LocalDigests, check_read, digest_group
 from kvxferd.rig.verify.buffers import allocate_engine, check_buffers, expected_buffers
 from kvxferd.rig.verify.models import MODELS, model_groups, random_request
 from kvxferd.rig.verify.simulate import apply_planned_read
@@ -34,10 +34,11 @@ def check(plan, planned, decode, digests) -> tuple[list[np.ndarray], int]:
     """Every remote rank's part of a read against its digests: bad local blocks per group, atoms checked."""
     bad = [np.zeros(0, np.int64) for _ in planned.units]
     checked = 0
+    local = LocalDigests(decode.cache, decode.buffers)
     for rank_plan in plan.rank_plans:
-        result = check_read(decode.cache.region, decode.buffers, planned.units, plan.pairings, rank_plan.groups,
+        result = check_read(local, plan.remotes[rank_plan.remote_rank], planned.units, plan.pairings, rank_plan.groups,
                             HoldDigests.decode(digests[rank_plan.remote_rank].encode()))  # as from the wire
-        assert result.num_unverifiable == 0
+        assert result.num_units_unverifiable == 0 and not result.malformed
         checked += result.num_atoms_checked
         bad = [np.union1d(a, b) for a, b in zip(bad, result.bad_block_ids)]
     return bad, checked
@@ -133,3 +134,51 @@ def test_digests_from_the_wire_are_checked_before_use():
     for bad in (b"", b"XX" + data[2:], data[:-1], data + b"\0", data[:40]):
         with pytest.raises(InvalidArgumentError):
             HoldDigests.decode(bad)
+
+
+def _checked_against(digests_of_rank0):
+    """A clean P1->D1 read checked against the given digests of its one holder rank."""
+    prefill_groups, prefill, decode, request = setup("gqa", SHAPES["plain"], 1, 1, 0)
+    plan = EngineTransferPlan(decode.cache, [e.cache for e in prefill])
+    planned = plan.plan_request(request)
+    apply_planned_read(planned, decode, prefill)
+    true = hold_digests(prefill[0], request)
+    result = check_read(LocalDigests(decode.cache, decode.buffers), plan.remotes[0], planned.units, plan.pairings,
+                        plan.rank_plans[0].groups, digests_of_rank0(true))
+    return result, request
+
+
+def _replace_field(true, **changes):
+    group = true.groups[0]
+    field = replace(group.fields[0], **changes)
+    return HoldDigests((replace(group, fields=(field,)),))
+
+
+@pytest.mark.parametrize("name, forge", [
+    ("no groups", lambda true: HoldDigests(())),
+    ("other chunks", lambda true: _replace_field(true, chunk_ids=true.groups[0].fields[0].chunk_ids + 1)),
+    ("no chunks", lambda true: _replace_field(true, chunk_ids=np.zeros(0, np.int64),
+                                              digests=true.groups[0].fields[0].digests[:, :, :0])),
+    ("no atoms", lambda true: _replace_field(true, digests=true.groups[0].fields[0].digests[:, :0])),
+    ("atoms of 0 tokens", lambda true: HoldDigests((replace(true.groups[0], tokens_per_atom=0),))),
+    ("no blocks", lambda true: HoldDigests((replace(true.groups[0], block_ids=np.zeros(0, np.int64), fields=(
+        replace(true.groups[0].fields[0], digests=true.groups[0].fields[0].digests[:0]),)),))),
+    ("another field", lambda true: HoldDigests((replace(true.groups[0], fields=(
+        replace(true.groups[0].fields[0], name="latent"),)),))),
+])
+def test_digests_that_do_not_describe_the_holders_cache_fail_every_block_they_cover(name, forge):
+    """Digests from the wire that lack what the holder's own description says they must hold (found by the
+    review of issue #59: such digests used to pass, compare nothing, or crash) name every block read."""
+    result, request = _checked_against(lambda true: HoldDigests.decode(forge(true).encode()))
+    assert result.malformed or name == "no blocks", name  # (well formed: it holds none of the blocks read)
+    assert result.bad_block_ids[0].tolist() == sorted(np.asarray(request.local_block_ids[0]).tolist())
+    control, _ = _checked_against(lambda true: true)
+    assert not control.malformed and control.bad_block_ids[0].tolist() == []
+
+
+def test_decoding_is_bounded_by_what_a_cache_can_hold():
+    from kvxferd.plan.holddigests import MAX_GROUPS
+
+    data = b"KD\x01" + (MAX_GROUPS + 1).to_bytes(2, "little") + b"\0" * 64
+    with pytest.raises(InvalidArgumentError, match="groups"):
+        HoldDigests.decode(data)

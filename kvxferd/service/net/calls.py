@@ -50,9 +50,9 @@ def answer_calls(daemon: CallParts, slot: EngineSlot, batch: pb.ReadBatch) -> li
         answers = []
         for request in batch.holds:
             try:
-                capability = place_hold(daemon, slot, request)
+                capability, digests = place_hold(daemon, slot, request)
                 answers.append(pb.HoldAnswer(request_id=request.request_id, incarnation=slot.incarnation,
-                                             capability=capability))
+                                             capability=capability, digests=digests))
             except KvxferError as err:  # one hold refused: answered, the session goes on
                 code = status_code(err)
                 daemon.metrics.rpc_errors.labels("Hold", code.name).inc()

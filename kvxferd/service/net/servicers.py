@@ -177,8 +177,8 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
     @rpc
     async def Hold(self, request, context):
         slot = self._slot(request.engine_id, context)
-        capability = place_hold(self.daemon, slot, request)
-        return pb.HoldReply(incarnation=slot.incarnation, capability=capability)
+        capability, digests = place_hold(self.daemon, slot, request)
+        return pb.HoldReply(incarnation=slot.incarnation, capability=capability, digests=digests)
 
     @rpc
     async def FinalLayers(self, request, context):

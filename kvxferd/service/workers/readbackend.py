@@ -304,6 +304,9 @@ class WorkerReadBackend:
         """Send an admitted read to the worker; typed errors, nothing posted, when the remote is not
         connected (or was lost with a worker) or the worker cannot take it now. ``deadline_in_s``: the
         worker ends the read itself a little after it, should the abort sent then not reach it."""
+        if admitted.request.remote_digests:  # refused, not read unchecked (issue #59)
+            raise UnavailableError("remote_digests", "reader workers do not check a read's digests yet: the "
+                                   "daemon runs with dataplane_reader_workers; read without digests")
         with self.lock:
             current = self.remote(admitted.remote.plan.remote_engine_id)
             if current is not admitted.remote or admitted.planned is None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -372,3 +373,17 @@ def test_a_read_with_more_ids_than_a_message_carries_sends_them_in_a_memfd(rig, 
     _, result = read(backend, request)
     assert result.ok and verify_decode([decode], PREFILL_GROUPS, request) == ([], 0)
     del remote
+
+
+def test_a_read_with_digests_is_refused_by_a_reader_worker_not_read_unchecked(rig):
+    """Issue #59: reader workers do not check digests yet, so a read that asks for the check is refused
+    (nothing posted); the same read without digests goes through (the control)."""
+    from kvxferd.errors import UnavailableError
+    from kvxferd.plan.holddigests import HoldDigests
+
+    prefill, holder, decode, backend, woken = rig
+    backend.connect([prefill.cache], [holder.metadata()])
+    request = random_request("rb-digests", PREFILL_GROUPS, DECODE_GROUPS, 64, np.random.default_rng(4))
+    with pytest.raises(UnavailableError):
+        read(backend, dataclasses.replace(request, remote_digests=(HoldDigests(()),)))
+    assert read(backend, request)[1].ok

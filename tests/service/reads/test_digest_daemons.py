@@ -1,0 +1,71 @@
+"""Digests through real daemons (issue #59): a hold asked for them answers each prefill rank's digests; a read
+that carries them is checked by the decode daemon before it completes. A bit flipped in the prefill engine's
+memory after the hold fails that read (the blocks named invalid, counted as ``corrupt``); the same fault read
+without digests completes ok with wrong bytes, which the byte oracle shows."""
+
+import numpy as np
+import pytest
+
+from kvxferd.plan.holddigests import HoldDigests
+from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.rig.verify.models import random_request
+from tests.service.helpers import GQA_GROUPS as GROUPS
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir):
+    with DaemonCluster(*GROUPS, 2, 1, workdir=workdir, name="digests") as c:
+        yield c
+
+
+def _request(cluster, name, seed):
+    return random_request(name, cluster.prefill_groups, cluster.decode_groups, 70, np.random.default_rng(seed))
+
+
+def _flip(cluster, request, rank=1):
+    engine = cluster.prefill[rank]
+    layout = engine.cache.region(0).fields[0].layout
+    offset = int(layout.block_table_bytes[int(request.remote_block_ids[0][-1])]) + layout.offset * layout.itemsize
+    engine.buffers[0][1][offset + 9] ^= 0x02
+
+
+def _corrupt_failures(cluster) -> float:
+    return sum(daemon.metric("kvxferd_read_failures_total", 'kind="corrupt"') for daemon in cluster.decode_daemons)
+
+
+def test_a_hold_answers_its_digests_only_when_asked(cluster):
+    plain, request = _request(cluster, "unasked", 1), _request(cluster, "asked", 1)
+    cluster.hold(plain)
+    assert cluster.digests[plain.remote_request_id] == (b"", b"")
+    cluster.hold(request, want_digests=True)
+    digests = [HoldDigests.decode(d) for d in cluster.digests[request.remote_request_id]]
+    assert all(d.groups[0].block_ids.tolist() == request.remote_block_ids[0].tolist() for d in digests)
+
+
+def test_a_read_with_digests_is_checked_and_a_flipped_bit_fails_it(cluster):
+    clean = _request(cluster, "clean", 2)
+    cluster.reset_decode()
+    cluster.hold(clean, want_digests=True)
+    cluster.submit(clean, digests=True)
+    assert [c.ok for c in cluster.completions(clean)] == [True] and cluster.check(clean) == []
+
+    before = _corrupt_failures(cluster)
+    flipped = _request(cluster, "flipped", 3)
+    cluster.reset_decode()
+    cluster.hold(flipped, want_digests=True)
+    _flip(cluster, flipped)
+    cluster.submit(flipped, digests=True)
+    (completion,) = cluster.completions(flipped)
+    assert not completion.ok and "digest check" in completion.error and list(completion.failed_ranks) == [1]
+    assert list(completion.invalid_block_ids[0].ids) == [int(flipped.local_block_ids[0][-1])]
+    assert cluster.check(flipped) != []  # the fault is real
+    assert _corrupt_failures(cluster) == before + 1
+
+
+def test_without_digests_the_flipped_bit_reaches_decode_silently(cluster):
+    silent = _request(cluster, "silent", 4)
+    cluster.reset_decode()
+    cluster.hold(silent, want_digests=True)
+    _flip(cluster, silent)
+    cluster.submit(silent)
+    assert [c.ok for c in cluster.completions(silent)] == [True] and cluster.check(silent) != []
