@@ -60,10 +60,14 @@ def field_key(group: int, region: int, field_name: str) -> int:
     return int(mix64((group << 48) ^ (region << 32) ^ name)[0])
 
 
+@functools.lru_cache(maxsize=4096)
 def dim_weights(key: int, dim: str, size: int) -> np.ndarray:
-    """Odd weight of each index ``0..size-1`` of logical ``dim`` under ``key``."""
+    """Odd weight of each index ``0..size-1`` of logical ``dim`` under ``key`` (read-only; kept: a read's
+    check weighs the same dims of the same layers every time)."""
     salt = mix64(key ^ zlib.crc32(dim.encode()))
-    return mix64(salt + np.arange(size, dtype=np.uint64)) | np.uint64(1)
+    weights = mix64(salt + np.arange(size, dtype=np.uint64)) | np.uint64(1)
+    weights.flags.writeable = False
+    return weights
 
 
 def atom_tokens(block_size: int) -> int:
@@ -181,17 +185,25 @@ def _element_view(memory: np.ndarray, layout: Layout, per_word: int) -> np.ndarr
 
 def _weights(layout: Layout, key: int, weighted: list[int], offsets: dict[str, int], per_word: int,
              words: str) -> np.ndarray:
+    """:func:`_weights_of`, kept: a read's check weighs the same layers' fields every time (read-only)."""
+    dims = tuple((layout.axes[i].dim, layout.axes[i].size) for i in weighted)
+    return _weights_of(dims, key, tuple(sorted(offsets.items())), per_word, words)
+
+
+@functools.lru_cache(maxsize=256)  # a product is one atom's elements of a slice (tens of KiB) per field and layer
+def _weights_of(dims: tuple, key: int, offsets: tuple, per_word: int, words: str) -> np.ndarray:
     """The product of every weighted dim's weights over axes ``weighted`` (a dim split into several axes
     is indexed outer to inner, so its weight depends on the logical index only; a sharded dim's index is
     global: ``offsets`` gives where this rank's slice starts). Channels weigh as :func:`elements_per_word`
     says: ``words`` "A" or "B", the innermost axis holds words and this is that term's weight of each;
     "", each channel's whole weight."""
-    shape = [layout.axes[i].size for i in weighted]
+    offsets = dict(offsets)
+    shape = [size for _, size in dims]
     if words:
         shape[-1] //= per_word
     total = np.ones(shape, dtype=np.uint64)
-    for dim in dict.fromkeys(layout.axes[i].dim for i in weighted):
-        positions = [n for n, i in enumerate(weighted) if layout.axes[i].dim == dim]
+    for dim in dict.fromkeys(d for d, _ in dims):
+        positions = [n for n, (d, _) in enumerate(dims) if d == dim]
         sizes = [shape[n] for n in positions]
         start = offsets.get(dim, 0)
         if dim == WORD_DIM:
@@ -200,6 +212,7 @@ def _weights(layout: Layout, key: int, weighted: list[int], offsets: dict[str, i
             w = dim_weights(key, dim, start + math.prod(sizes))[start:]
         w = w.reshape(sizes)
         total = total * w.reshape([shape[n] if n in positions else 1 for n in range(len(shape))])
+    total.flags.writeable = False
     return total
 
 

@@ -150,6 +150,7 @@ class LocalDigests:
 
     def __init__(self, cache: EngineCache, memories) -> None:
         self.cache, self.memories = cache, memories
+        self.regions = tuple(cache.region(g) for g in range(len(cache.groups)))  # (made anew by each call)
         self._made: dict[tuple[int, str, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def of(self, g: int, field, local_blocks: np.ndarray, tokens_per_atom: int) -> np.ndarray:
@@ -183,7 +184,7 @@ def check_read(local: LocalDigests, remote: EngineCache, units, pairings: tuple[
             bad.append(np.zeros(0, np.int64))
             continue
         local_blocks, local_rows, local_atoms, remote_blocks, remote_atoms = pairs
-        problem = _malformed(digests, g, remote.region(g), local.cache.region(g), tokens_per_atom)
+        problem = _malformed(digests, g, remote.region(g), local.regions[g], tokens_per_atom)
         if problem:
             malformed = malformed or problem
             bad.append(local_blocks)
@@ -194,7 +195,7 @@ def check_read(local: LocalDigests, remote: EngineCache, units, pairings: tuple[
         held_row = order[found] if len(order) else np.zeros(len(remote_blocks), np.int64)
         wrong = held.block_ids[held_row] != remote_blocks if len(order) else np.ones(len(remote_blocks), bool)
         theirs_by_name = {f.name: f for f in held.fields}
-        for f in local.cache.region(g).fields:
+        for f in local.regions[g].fields:
             theirs = theirs_by_name[f.name]
             common, mine_at, theirs_at = np.intersect1d(field_chunks(f)[0], theirs.chunk_ids, return_indices=True)
             if not len(common):

@@ -55,6 +55,7 @@ TARGETS = (("p50_overhead_us_300", "<=", 500.0, "end to end p50 over raw NIXL at
 SAME_HOST_KEYS = ("bulk_ratio", "p50_overhead_us_300")  # issue 37's targets for the same-host path: as over NIXL
 PUSH_KEYS = ("push_bulk_ratio", "push_p50_overhead_us_300")  # issue 57's, flat; same host: same_host_push_*
 HOSTS_KEYS = ("p50_overhead_us_300", "p99_ms_1000")  # issue 58's, flat again as hosts_* with --hosts
+VERIFY_KEYS = ("bulk_ratio", "p50_overhead_us_300")  # issue 59's, flat as verify_*: every read checked
 FULL = dict(rounds=6, bulk_layers=32, bulk_blocks=256, num_requests_300=1500, num_requests_1000=3000, idle_s=5.0)
 QUICK = dict(rounds=3, bulk_layers=16, bulk_blocks=128, num_requests_300=450, num_requests_1000=1500, idle_s=2.0)
 
@@ -79,15 +80,27 @@ def one_path(workdir: str, *, rounds: int, bulk_layers: int, bulk_blocks: int,
             "idle_cpu_percent": max(o300["idle_cpu_percent"].values())}
 
 
+def verify_figures(workdir: str, sizes: dict) -> dict:
+    """Issue #59: the bulk read and the reads at 300/s again, every hold digested and every read checked
+    against its digests (socket path, over NIXL); the hold's time with its digests (``hold_ms``)."""
+    b = bulk(workdir, sizes["bulk_layers"], sizes["bulk_blocks"], sizes["rounds"], verify=True)
+    o300 = overhead(workdir, 2, 2, 300.0, sizes["num_requests_300"], verify=True)
+    return {"bulk": b, "overhead": o300, "bulk_ratio": b["ratio"],
+            "p50_overhead_us_300": o300["end_to_end"]["p50_us"] - o300["raw_nixl"]["p50_us"], "hold_ms": b["hold_ms"]}
+
+
 def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
-        grpc_stream: bool = True, same_host: bool = True, hosts: bool = False, push: bool = True) -> dict:
+        grpc_stream: bool = True, same_host: bool = True, hosts: bool = False, push: bool = True,
+        verify: bool = True) -> dict:
     """The socket path's figures over NIXL at the top level; the same path with same-host copies under
     ``"same_host"`` (its two targets also flat: ``same_host_bulk_ratio``, ``same_host_p50_overhead_us_300``);
     the gRPC stream's under ``"stream"``, TLS under ``"mtls"``; the push keys with same-host copies under
     ``"same_host_push"`` (flat: ``same_host_push_bulk_ratio``, ``same_host_push_p50_overhead_us_300``).
     ``hosts``: only the socket path, its daemons on two namespace hosts (``"hosts": true``; two targets
     also as ``hosts_p50_overhead_us_300``, ``hosts_p99_ms_1000``). ``push``: the
-    push path's keys too (issue #57: ``push_bulk_ratio``, ``push_p50_overhead_us_300``, over NIXL)."""
+    push path's keys too (issue #57: ``push_bulk_ratio``, ``push_p50_overhead_us_300``, over NIXL). ``verify``:
+    the socket path again with every read checked against its hold's digests (issue #59:
+    ``verify_bulk_ratio``, ``verify_p50_overhead_us_300``, under ``"verify"``)."""
     sizes = sizes or (QUICK if quick else FULL)
     if hosts:
         return _across_hosts(sizes, push)
@@ -95,6 +108,10 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
         figures = one_path(workdir, **sizes)
         if push:
             figures.update(push_figures(workdir, sizes))
+        if verify:  # the same path with digests: issue #59's keys, flat as verify_*
+            figures["verify"] = verify_figures(workdir, sizes)
+            for key in VERIFY_KEYS:
+                figures["verify_" + key] = figures["verify"][key]
         if same_host:
             figures["same_host"] = one_path(workdir, same_host=True, **sizes)
             for key in SAME_HOST_KEYS:
@@ -172,6 +189,13 @@ def format_table(f: dict) -> str:
         text += "\n\n" + _format_push(f)
     if "same_host_push" in f:
         text += "\n\nsame host: " + _format_push(f["same_host_push"]).replace("WRITEs;", "copies;", 1)
+    if "verify" in f:
+        v = f["verify"]
+        text += (f"\n\nevery read checked against its hold's digests (issue #59, socket path): verify_bulk_ratio "
+                 f"{v['bulk_ratio']:.3f} (without: {f['bulk_ratio']:.3f}); verify_p50_overhead_us_300 "
+                 f"{v['p50_overhead_us_300']:.0f} (without: {f['p50_overhead_us_300']:.0f}); the bulk hold with its "
+                 f"digests {v['hold_ms']:.1f} ms (without: {f['bulk'].get('hold_ms', 0):.1f} ms); CPU per read "
+                 + ", ".join(f"{name} {us:.0f} us" for name, us in v["overhead"]["cpu_us_per_request"].items()))
     if "mtls" in f:
         p, t = f["mtls"]["plain"], f["mtls"]["tls"]
         text += (f"\n\nmutual TLS on the peer ports (socket path; plain vs TLS): bulk ratio {p['bulk']['ratio']:.3f} vs "
@@ -243,6 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "network namespaces (root): mutual TLS, the chart's NetworkPolicy, UCX over TCP; raw NIXL "
                         "across the same link")
     parser.add_argument("--no-push", action="store_true", help="skip the push path (issue #57)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the reads checked against digests (issue #59)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -251,7 +276,8 @@ def run_args(args: argparse.Namespace) -> int:
 
     try:
         figures = run(quick=args.quick, mtls=args.mtls, grpc_stream=not args.no_grpc_stream,
-                      same_host=not args.no_same_host, hosts=args.hosts, push=not args.no_push)
+                      same_host=not args.no_same_host, hosts=args.hosts, push=not args.no_push,
+                      verify=not args.no_verify)
     except HostsUnavailable as err:
         print(f"kvxferd bench daemon: {err}", file=sys.stderr)
         return 2

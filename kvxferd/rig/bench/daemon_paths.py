@@ -71,10 +71,15 @@ def _credentials(tls: Tls | None):
     return tls.credentials if tls else None
 
 
-def _daemon_read(cluster: DaemonCluster, request: ReadRequest) -> float:
-    cluster.hold(request)
+def _daemon_read(cluster: DaemonCluster, request: ReadRequest, verify: bool = False, hold_s: list | None = None) -> float:
+    """One read through the daemons (``verify``: with the hold's digests, checked); the time of the hold goes
+    to ``hold_s``."""
     start = time.perf_counter()
-    cluster.submit(request)
+    cluster.hold(request, want_digests=verify)
+    if hold_s is not None:
+        hold_s.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    cluster.submit(request, digests=verify)
     (completion,) = cluster.completions(request)
     elapsed = time.perf_counter() - start
     if not completion.ok:
@@ -83,9 +88,10 @@ def _daemon_read(cluster: DaemonCluster, request: ReadRequest) -> float:
 
 
 def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls | None = None, *,
-         reads_socket: bool = True, same_host: bool = False) -> dict:
+         reads_socket: bool = True, same_host: bool = False, verify: bool = False) -> dict:
     """Alternate raw NIXL and the daemon path on one big request; also time repeated handshakes.
-    ``same_host``: the decode daemon copies from the prefill engine's shared memory (issue #37)."""
+    ``same_host``: the decode daemon copies from the prefill engine's shared memory (issue #37); ``verify``:
+    every daemon read carries its hold's digests (issue #59; the hold's own time: ``hold_ms``)."""
     with _cluster(workdir, num_layers, num_blocks, "bulk", tls, reads_socket, same_host) as cluster:
         handshake_s = [cluster.decode_clients[0].handshake(cluster.prefill_id, [cluster.prefill_daemons[0].peer_address])
                        .duration_s for _ in range(max(rounds, 3))]
@@ -93,11 +99,11 @@ def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls |
         request = ReadRequest("bulk-0", "bulk-0@p", (ids,), (ids,))
         raw = RawPath(cluster, request, _credentials(tls))
         try:
-            raw_s, daemon_s = [], []
+            raw_s, daemon_s, hold_s = [], [], []
             for i in range(rounds + 1):  # round 0 warms both paths up
                 raw_time = raw.read()
                 name = f"bulk-{i}"
-                daemon_time = _daemon_read(cluster, ReadRequest(name, f"{name}@p", (ids,), (ids,)))
+                daemon_time = _daemon_read(cluster, ReadRequest(name, f"{name}@p", (ids,), (ids,)), verify, hold_s)
                 if i:
                     raw_s.append(raw_time)
                     daemon_s.append(daemon_time)
@@ -107,13 +113,14 @@ def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls |
     return {"bytes": raw.num_bytes, "descriptors": raw.num_descriptors, "rounds": rounds, "raw_gbps": raw_gbps,
             "daemon_gbps": daemon_gbps, "ratio": daemon_gbps / raw_gbps,
             "raw_ms": statistics.median(raw_s) * 1e3, "daemon_ms": statistics.median(daemon_s) * 1e3,
-            "handshake_ms": statistics.median(handshake_s) * 1e3}
+            "handshake_ms": statistics.median(handshake_s) * 1e3, "hold_ms": statistics.median(hold_s[1:]) * 1e3}
 
 
 def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
              tls: Tls | None = None, *, reads_socket: bool = True, idle_s: float = 0.0,
-             reads_per_step: int = 1, same_host: bool = False) -> dict:
-    """Small requests at a steady rate: where the daemon adds time.
+             reads_per_step: int = 1, same_host: bool = False, verify: bool = False) -> dict:
+    """Small requests at a steady rate: where the daemon adds time (``verify``: each read checked against its
+    hold's digests, issue #59).
 
     With ``idle_s``, first the daemons' CPU while engines are registered and nothing happens.
     ``reads_per_step``: the engine submits that many reads as one batch, as a
@@ -133,7 +140,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
                 "prefill daemon": cluster.prefill_daemons[0].process.pid, "engines (this process)": os.getpid()}
         idle = _idle_cpu_percent(pids, idle_s) if idle_s else {}
         for request in requests:
-            cluster.hold(request)
+            cluster.hold(request, want_digests=verify)
         client = cluster.decode_clients[0]
         submitted_unix = {}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
@@ -150,7 +157,8 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             # An engine does not wait for the daemon before its next step: send without blocking.
             client.reads.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
                                                         r.local_block_ids, r.remote_block_ids,
-                                                        remote_capabilities=cluster.capabilities[r.remote_request_id])
+                                                        remote_capabilities=cluster.capabilities[r.remote_request_id],
+                                                        remote_digests=cluster.digests[r.remote_request_id] if verify else ())
                                        for r in step])
         offered_s = time.perf_counter() - start
         post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], 0, start_unix

@@ -31,6 +31,10 @@ def test_daemon_bench_runs_every_path_and_mutual_tls():
     assert figures["push_bulk_ratio"] > 0 and isinstance(figures["push_p50_overhead_us_300"], float)
     assert figures["push_alone_p50_us"] > 0 and figures["push_alone"]["hold_first"]["p50_us"] > 0
     assert "one push at a time" in text
+    # Digests (issue #59): every read of the verify pass checked and none failed (a false alarm would fail it).
+    assert isinstance(figures["verify_bulk_ratio"], float) and isinstance(figures["verify_p50_overhead_us_300"], float)
+    assert figures["verify"]["overhead"]["failed"] == 0 and figures["verify"]["hold_ms"] > 0
+    assert "verify_bulk_ratio" in text
 
 
 
