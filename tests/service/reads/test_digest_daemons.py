@@ -69,3 +69,23 @@ def test_without_digests_the_flipped_bit_reaches_decode_silently(cluster):
     _flip(cluster, silent)
     cluster.submit(silent)
     assert [c.ok for c in cluster.completions(silent)] == [True] and cluster.check(silent) != []
+
+
+def test_digests_that_are_not_a_holds_are_refused_with_nothing_written(cluster):
+    """Digests are external input: bytes that are not a hold's digests refuse the read (INVALID_ARGUMENT naming
+    them) before anything moves; a read with digests of some ranks only is refused too."""
+    import grpc
+
+    request = _request(cluster, "bad-digests", 5)
+    cluster.reset_decode()
+    cluster.hold(request, want_digests=True)
+    good = cluster.digests[request.remote_request_id]
+    client = cluster.decode_clients[0]
+    for n, digests in enumerate([(b"junk", good[1]), good[:1]]):
+        client.submit_read(f"{request.request_id}-{n}", cluster.prefill_id, request.remote_request_id,
+                           request.local_block_ids, request.remote_block_ids, num_tokens=request.num_tokens or 0,
+                           remote_capabilities=cluster.capabilities[request.remote_request_id], remote_digests=digests)
+        completion = client.reads.wait_completion(f"{request.request_id}-{n}", 30)
+        assert not completion.ok and completion.refused_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "remote_digests" in completion.error
+    assert cluster.decode_untouched()
