@@ -15,7 +15,8 @@ from kvxferd.client import DaemonProcess
 from kvxferd.client.session import Held
 from kvxferd.client.readsock import ReadsSocketStream
 from kvxferd.integrations.vllm.describe import describe_engine, share_host_storages
-from kvxferd.integrations.vllm.params import ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill
+from kvxferd.integrations.vllm.params import (ParamsError, RemotePrefill, failed_prefill_params, parse_remote_prefill,
+                                              verify_of)
 from kvxferd.integrations.vllm.scheduler import HeldRequest, RankDaemon, ReadOrder, SchedulerSide, real_blocks
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
 from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
@@ -166,7 +167,8 @@ def test_the_scheduler_sends_every_ranks_hold_before_it_waits_for_one():
         def __init__(self, q):
             self.q = q
 
-        def hold_started(self, request_id, block_ids, *, lease_s=0.0, push_key_digest=b"", layers_final=()):
+        def hold_started(self, request_id, block_ids, *, lease_s=0.0, push_key_digest=b"", layers_final=(),
+                         want_digests=False):
             calls.append(("sent", self.q))
             return lambda: calls.append(("answered", self.q)) or Held(f"inc{self.q}", bytes([self.q]) * 16)
 
@@ -264,6 +266,52 @@ def test_hold_order_read_cycle_on_real_daemons(tmp_path):
         assert result.failed_recving == {"bad"} and result.finished_recving == {"bad"}
         failed = decode.take_stats()
         assert failed.data["num_failed"]["not_submitted"] == 1 and failed.data["transferred_bytes"] == 0, failed
+
+
+def test_a_verified_read_checks_the_kv_against_the_holds_digests_on_real_daemons(tmp_path):
+    """Issue #59 through the connector: a prefill leg asking for it (kvxferd_verify) carries every rank's
+    digests to decode, whose read is checked. A block changed in prefill's cache after the hold fails the
+    read with that block invalid; without the check the same change reaches decode (the byte compare)."""
+    with connector_pair(tmp_path, ("vp0", "vd0")) as pair:
+        daemons, prefill, decode, ranks, prefill_cache, decode_cache = pair
+        prefill_scheduler, decode_scheduler = SchedulerSide("p", prefill.settings), SchedulerSide("d", decode.settings)
+        prefill_scheduler.set_ranks(ranks)
+        outcomes = {}
+        for verify, request in ((True, "clean"), (True, "damaged"), (False, "unchecked")):
+            delay, params = prefill_scheduler.hold(request, ([3, 4],), 64, {"kvxferd_verify": verify})
+            assert delay and len(params["remote_digests"]) == (1 if verify else 0), params
+            prefill.expect_held(prefill_scheduler.take_held())
+            if request != "clean":
+                for name in prefill_cache:  # after the hold: an engine writing into a held block
+                    prefill_cache[name][4].view(-1)[7] += 1.0
+            decode_cache_before = {name: t.clone() for name, t in decode_cache.items()}
+            decode_scheduler.matched_tokens("d" + request, params, 64, 0)
+            decode_scheduler.after_alloc("d" + request, params, [[9, 10]], 64)
+            decode.submit(decode_scheduler.take_orders())
+            merged = _gather([decode], lambda m: "d" + request in m[decode]["recv"])
+            outcomes[request] = (merged[decode]["failed"], merged[decode]["invalid"],
+                                 all(torch.equal(decode_cache[name][9:11], prefill_cache[name][3:5]) for name in prefill_cache))
+            for name, before in decode_cache_before.items():
+                decode_cache[name].copy_(before)
+            for name in prefill_cache:
+                prefill_cache[name][4].view(-1)[7] -= 1.0 if request != "clean" else 0.0
+        assert outcomes["clean"] == (set(), set(), True)
+        assert outcomes["damaged"][:2] == (set(), {10})  # failed: only the changed block is invalid (vLLM's policy)
+        assert outcomes["unchecked"] == (set(), set(), True)  # (the change was read along: the bytes match it)
+        assert daemons[1].metric("kvxferd_read_failures_total", 'kind="corrupt"') == 1
+
+
+def test_verify_params_are_checked_and_the_share_decides_the_rest():
+    with pytest.raises(ParamsError, match="kvxferd_verify"):
+        verify_of({"kvxferd_verify": "yes"})
+    assert verify_of({}) is None and verify_of({"kvxferd_verify": False}) is False
+    with pytest.raises(ParamsError, match="remote_digests"):
+        parse_remote_prefill({**GOOD, "remote_digests": ["S0QB", "S0QB"]})  # two ranks' for one
+    with pytest.raises(ParamsError, match="remote_digests"):
+        parse_remote_prefill({**GOOD, "remote_digests": ["not base64!"]})
+    assert parse_remote_prefill({**GOOD, "remote_digests": ["S0QB"]}).digests() == [b"KD\x01"]
+    with pytest.raises(Exception):
+        ConnectorSettings(engine_socket="x", verify_share=1.5)
 
 
 def _gather(workers, until, timeout_s: float = 20.0, daemons=()) -> dict:

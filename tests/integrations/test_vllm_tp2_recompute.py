@@ -135,3 +135,27 @@ def test_a_failed_read_is_recomputed_under_recompute_with_the_same_tokens(tp2):
     assert token_ids(outputs) == single
     assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length"]
     assert metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="refused"}') == failures_before + 1
+
+
+def test_a_damaged_prefill_block_is_caught_by_its_digests_and_recomputed(tp2):
+    """Issue #59 on a real vLLM: prefill's held blocks damaged after the hold (each rank's KV heads reversed,
+    what a wrong head mapping would read). Checked against the hold's digests (the prefill leg asks with
+    kvxferd_verify), every read fails as corrupt and decode recomputes: the single instance's tokens.
+    Unchecked, the same damage reaches decode and changes them (the negative control)."""
+    prompts = random_prompts(4)
+    single = single_instance(tp2.decode, prompts, 6)
+    corrupt = 'kvxferd_read_failures_total{kind="corrupt"}'
+    for verify in (True, False):
+        before = metric(tp2.recompute_daemon, corrupt)
+        params = prefill_params(tp2.prefill, prompts, {"kvxferd_verify": verify})
+        assert [len(p.get("remote_digests", [])) for p in params] == [2 if verify else 0] * len(prompts)
+        damage_blocks(tp2.prefill, [b for p in params for b in p["remote_block_ids"][0]], "reversed_heads")
+        outputs = tp2.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
+        if verify:
+            assert token_ids(outputs) == single, _post_mortem(tp2)
+            assert metric(tp2.recompute_daemon, corrupt) == before + len(prompts)
+        else:
+            assert sum(changed(token_ids(outputs), single)) >= len(prompts) - 1, (token_ids(outputs), single)
+            assert metric(tp2.recompute_daemon, corrupt) == before
+        for llm in (tp2.prefill, tp2.decode):  # damaged blocks in prefill's cache, recomputed ones in decode's
+            wait_for_reset(llm, timeout_s=45.0)  # (freed once their holds ended; 10 s ran out once in a full run)

@@ -182,9 +182,11 @@ def one_by_one(llm, prompts, params=None, max_tokens: int = 8) -> list[list[int]
             for p, q in zip(prompts, params)]
 
 
-def prefill_params(prefill, token_lists) -> list[dict]:
-    """Run prompts through prefill for one token; the kv_transfer_params a proxy forwards."""
-    outputs = prefill.generate(prompts_of(token_lists), [greedy(1, {"do_remote_decode": True}) for _ in token_lists],
+def prefill_params(prefill, token_lists, extra: dict | None = None) -> list[dict]:
+    """Run prompts through prefill for one token; the kv_transfer_params a proxy forwards (``extra``: more of
+    the prefill leg's own, e.g. ``kvxferd_verify``)."""
+    outputs = prefill.generate(prompts_of(token_lists),
+                               [greedy(1, {"do_remote_decode": True, **(extra or {})}) for _ in token_lists],
                                use_tqdm=False)
     return [o.kv_transfer_params for o in outputs]
 

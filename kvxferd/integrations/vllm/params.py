@@ -10,6 +10,7 @@ checked here, every problem naming the field::
      "remote_peer_addresses": ["10.0.0.7:47100"],      # one per prefill TP rank
      "remote_block_ids": [[3, 4, 9]],                  # per KV cache group
      "remote_capabilities": ["9f2c...e1"],             # per prefill TP rank: 16 bytes, hex
+     "remote_digests": ["S0QB..."],                     # optional, per prefill TP rank: base64 (issue #59)
      "remote_num_tokens": 80, "remote_lease_expiry_unix_s": 1795400000.0}
 
 A capability seals one rank's hold of exactly these blocks for this request
@@ -19,6 +20,7 @@ or request id do not match it, before a byte moves.
 
 from __future__ import annotations
 
+import base64
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -32,6 +34,8 @@ MAX_TP_SIZE = 1024
 Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 Capability = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # 16 bytes, lower-case hex
 PushKey = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # 16 bytes, lower-case hex (kvxferd.plan.capability)
+# A rank's HoldReply.digests in base64 (kvxferd.plan.holddigests; the daemon checks what they hold, bounded there)
+Digests = Annotated[str, Field(min_length=4, max_length=24 << 20, pattern=r"^[A-Za-z0-9+/]+={0,2}$")]
 
 
 class ParamsError(ValueError):
@@ -51,6 +55,7 @@ class RemotePrefill(BaseModel):
     remote_capabilities: Annotated[list[Capability], Field(min_length=1, max_length=MAX_TP_SIZE)]
     remote_num_tokens: Annotated[int, Field(ge=1, lt=2**31)]
     remote_lease_expiry_unix_s: float
+    remote_digests: Annotated[list[Digests], Field(max_length=MAX_TP_SIZE)] = []  # none: the read is not checked
 
     @field_validator("kvxferd")
     @classmethod
@@ -67,9 +72,21 @@ class RemotePrefill(BaseModel):
             raise ValueError(f"{len(value)} capabilities for {len(addresses)} prefill ranks")
         return value
 
+    @field_validator("remote_digests")
+    @classmethod
+    def _digests_of_every_rank_or_none(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        addresses = info.data.get("remote_peer_addresses")
+        if value and addresses is not None and len(value) != len(addresses):
+            raise ValueError(f"{len(value)} ranks' digests for {len(addresses)} prefill ranks (all or none)")
+        return value
+
     def capabilities(self) -> list[bytes]:
         """Each prefill rank's capability, as the daemon takes them."""
         return [bytes.fromhex(c) for c in self.remote_capabilities]
+
+    def digests(self) -> list[bytes]:
+        """Each prefill rank's digests of its hold, as the daemon takes them (none: the read is not checked)."""
+        return [base64.b64decode(d, validate=True) for d in self.remote_digests]
 
     def to_params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
@@ -128,6 +145,15 @@ def transfer_id_of(params: dict[str, Any] | None) -> str | None:
     value = params["kvxferd_transfer_id"]
     if not isinstance(value, str) or not 1 <= len(value) <= 256 or not all("\x21" <= c <= "\x7e" for c in value):
         raise ParamsError("kv_transfer_params.kvxferd_transfer_id: 1..256 printable ASCII characters expected")
+    return value
+
+
+def verify_of(params: dict[str, Any] | None) -> bool | None:
+    """Whether a pull's prefill leg asks for its KV to be checked on decode (``kvxferd_verify``: true) or not
+    (false); None: it does not say (the connector's ``verify_share`` decides)."""
+    value = params.get("kvxferd_verify") if isinstance(params, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise ParamsError("kv_transfer_params.kvxferd_verify: true or false expected")
     return value
 
 

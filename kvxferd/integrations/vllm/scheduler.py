@@ -55,9 +55,11 @@ vLLM-free: requests and blocks are passed as plain values.
 
 from __future__ import annotations
 
+import base64
 import functools
 import logging
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +71,7 @@ from kvxferd.errors import KvxferError
 from kvxferd.integrations.vllm.early import EarlyHolds, SentHold
 from kvxferd.integrations.vllm.params import (ParamsError, PushPrefill, RemotePrefill, failed_prefill_params,
                                               is_push, parse_push_prefill, parse_remote_prefill, push_hold_of,
-                                              push_layers_of)
+                                              push_layers_of, verify_of)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvxferd.vllm")
@@ -246,7 +248,8 @@ class SchedulerSide:
         if early is not None:
             self._let_go(hold_id, early)
 
-    def _send(self, request_id: str, blocks, push_digest: bytes = b"", layers_final=()) -> SentHold:
+    def _send(self, request_id: str, blocks, push_digest: bytes = b"", layers_final=(), *,
+              want_digests: bool = False) -> SentHold:
         """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
         rank, issue #41); never raises: a rank that could not even be asked answers with its error."""
         # Before the calls: the daemons' leases start after this. Both clocks read here, each for its use
@@ -256,7 +259,8 @@ class SchedulerSide:
         for rank in self.ranks:
             try:
                 answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s,
-                                                               push_key_digest=push_digest, layers_final=layers_final))
+                                                               push_key_digest=push_digest, layers_final=layers_final,
+                                                               want_digests=want_digests))
             except (grpc.RpcError, KvxferError) as err:
                 answers.append(functools.partial(_raise, err))
         return SentHold(blocks, sent_s, tuple(answers), sent_unix_s)
@@ -301,22 +305,26 @@ class SchedulerSide:
         try:
             push = push_hold_of(params) if self.settings.mode == "push" else None
             push_layers_of(params)  # checked (it was used when the prompt was scheduled)
+            verify = verify_of(params)
         except ParamsError as err:
             self.drop_early(request_id)
             return False, failed_prefill_params(str(err))
         if push is None:
-            return self._hold(request_id, request_id, block_ids, num_tokens)
+            if verify is None:  # the connector's share, the same choice for a request id every time
+                verify = zlib.crc32(request_id.encode()) < self.settings.verify_share * 2**32
+            return self._hold(request_id, request_id, block_ids, num_tokens, verify=verify)
         transfer_id, push_digest = push
         return self._hold(request_id, transfer_id, block_ids, num_tokens, push_digest)
 
     def _hold(self, request_id: str, hold_id: str, block_ids: Sequence[Sequence[int]],
-              num_tokens: int, push_digest: bytes = b"") -> tuple[bool, dict]:
+              num_tokens: int, push_digest: bytes = b"", *, verify: bool = False) -> tuple[bool, dict]:
         if not self.ranks:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
         self._prefills.pop(request_id, None)
         sent = self._early.pop(request_id)
-        if sent is not None and (sent.blocks != blocks or time.monotonic() - sent.sent_s > self.settings.lease_s / 2):
+        if sent is not None and (sent.blocks != blocks or time.monotonic() - sent.sent_s > self.settings.lease_s / 2
+                                 or verify):  # (an early hold went before the KV was final: no digests of it)
             # Other blocks (preempted and scheduled again, say), or half the lease gone although the
             # early holds' thread renews it (early.py; a rank forgot it, or the thread was starved): let
             # it go and hold anew. The workers ignore a released hold's EXPIRED (worker.py), so it cannot end
@@ -324,11 +332,12 @@ class SchedulerSide:
             self._let_go(hold_id, sent)
             sent = None
         if sent is None:
-            sent = self._send(hold_id, blocks, push_digest)
+            sent = self._send(hold_id, blocks, push_digest, want_digests=verify)
         held_since_s = sent.sent_unix_s
         held: list[RankDaemon] = []
         incarnations: list[str] = []
         capabilities: list[str] = []
+        digests: list[str] = []
         error = ""
         for rank, answer in zip(self.ranks, sent.answers):
             try:
@@ -338,6 +347,8 @@ class SchedulerSide:
                 continue
             incarnations.append(hold.incarnation)
             capabilities.append(hold.capability.hex())
+            if hold.digests:
+                digests.append(base64.b64encode(hold.digests).decode())
             held.append(rank)
         if error:
             self._release(hold_id, held)  # all ranks or none
@@ -347,6 +358,7 @@ class SchedulerSide:
         params = RemotePrefill(kvxferd=1, remote_engine_id=self.engine_id, remote_request_id=hold_id,
                                remote_peer_addresses=[r.peer_address for r in self.ranks],
                                remote_block_ids=[list(g) for g in blocks], remote_capabilities=capabilities,
+                               remote_digests=digests if len(digests) == len(capabilities) else [],
                                remote_num_tokens=num_tokens,
                                remote_lease_expiry_unix_s=held_since_s + self.settings.lease_s)
         return True, params.to_params()

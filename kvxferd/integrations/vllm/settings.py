@@ -52,6 +52,13 @@ class ConnectorSettings(BaseModel):
                                 "after it; 0: never. Unset: 1 on a CPU engine (measured faster at every length, "
                                 "docs/push.md), 0 on a GPU (its event-fenced reports have not run on one yet). "
                                 "Full-attention and MLA models only (where the hold can go with the prompt's step)")
+    verify_share: float = Field(
+        0.0, ge=0.0, le=1.0, description="pull mode, prefill side: the share of requests whose KV the decode daemon "
+                                         "checks against digests of the hold before decode uses a byte (issue #59, "
+                                         "docs/integrity.md); a mismatch fails the read (the engine recomputes under "
+                                         "its policy). 0 (the default: checking every read took a 128 MiB read from "
+                                         "0.94 to 0.45 of raw NIXL on CPU here) to 1; a request's kv_transfer_params "
+                                         "{\"kvxferd_verify\": true|false} decide for it")
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
         "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "
                              "VLLM_KV_CACHE_LAYOUT still wins, and kvxferd reads any order")

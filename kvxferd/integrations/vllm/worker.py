@@ -169,7 +169,7 @@ class WorkerSide:
         return self.client.read_spec(order.request_id, remote.remote_engine_id, remote.remote_request_id,
                                      order.local_block_ids, remote.remote_block_ids,
                                      num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s,
-                                     remote_capabilities=remote.capabilities())
+                                     remote_capabilities=remote.capabilities(), remote_digests=remote.digests())
 
     def _push_spec(self, order: ReadOrder):
         """A push's expectation (issue #57): these blocks, written by the prefill daemons once their engine
