@@ -70,9 +70,9 @@ def dim_weights(key: int, dim: str, size: int) -> np.ndarray:
     return weights
 
 
-def atom_tokens(block_size: int) -> int:
-    """Tokens per atom of blocks of ``block_size`` tokens."""
-    return math.gcd(ATOM_TOKENS, block_size)
+def atom_tokens(block_size: int | None) -> int:
+    """Tokens per atom of blocks of ``block_size`` tokens (None: state pages, one atom a block)."""
+    return 1 if block_size is None else math.gcd(ATOM_TOKENS, block_size)
 
 
 @functools.lru_cache(maxsize=256)

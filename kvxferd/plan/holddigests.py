@@ -122,16 +122,25 @@ class _Reader:
 
 def digest_group(region: Region, memories, group: int, block_ids, block_size: int | None) -> GroupDigests:
     """The digests of ``block_ids`` of one group whose regions (layers) are ``memories`` (uint8 arrays)."""
-    tokens_per_atom = 1 if block_size is None else atom_tokens(block_size)
+    tokens_per_atom = atom_tokens(block_size)
     block_ids = np.asarray(block_ids, dtype=np.int64)
-    fields = []
-    for f in region.fields:
-        total = None
-        for r, memory in enumerate(memories):  # one numpy pass per layer: its blocks all at once
-            part = field_digests(memory, f, block_ids, field_key(group, r, f.name), tokens_per_atom)
-            total = part if total is None else total + part
-        fields.append(FieldDigests(f.name, field_chunks(f)[0], total))
-    return GroupDigests(block_ids, tokens_per_atom, tuple(fields))
+    fields = tuple(FieldDigests(f.name, field_chunks(f)[0], _over_regions(memories, f, group, block_ids, tokens_per_atom))
+                   for f in region.fields)
+    return GroupDigests(block_ids, tokens_per_atom, fields)
+
+
+def digest_hold(cache: EngineCache, memories, block_ids) -> HoldDigests:
+    """One rank's digests of a hold of ``block_ids`` (per group) in its cache, whose regions are
+    ``memories[g][r]`` (uint8 arrays)."""
+    return HoldDigests(tuple(digest_group(cache.region(g), memories[g], g, block_ids[g], group.block_size)
+                             for g, group in enumerate(cache.groups)))
+
+
+def _over_regions(memories, field, group: int, block_ids: np.ndarray, tokens_per_atom: int) -> np.ndarray:
+    """A field's digests of ``block_ids`` summed over its group's regions (one numpy pass per layer, all the
+    blocks at once)."""
+    return sum(field_digests(memory, field, block_ids, field_key(group, r, field.name), tokens_per_atom)
+               for r, memory in enumerate(memories))
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,9 +166,8 @@ class LocalDigests:
         made_key = (g, field.name, tokens_per_atom)
         made = self._made.get(made_key)
         if made is None or not np.array_equal(made[0], local_blocks):
-            digests = sum(field_digests(memory, field, local_blocks, field_key(g, r, field.name), tokens_per_atom)
-                          for r, memory in enumerate(self.memories[g]))
-            made = self._made[made_key] = (local_blocks, digests)
+            made = self._made[made_key] = (local_blocks, _over_regions(self.memories[g], field, g, local_blocks,
+                                                                       tokens_per_atom))
         return made[1]
 
 
@@ -177,7 +185,7 @@ def check_read(local: LocalDigests, remote: EngineCache, units, pairings: tuple[
             bad.append(np.zeros(0, np.int64))
             continue
         pairing = pairings[g]
-        tokens_per_atom = 1 if pairing.remote_block_size is None else atom_tokens(pairing.remote_block_size)
+        tokens_per_atom = atom_tokens(pairing.remote_block_size)
         pairs = _pair_atoms(pairing, local_units, remote_units, tokens_per_atom)
         if pairs is None:
             unverifiable += len(local_units)

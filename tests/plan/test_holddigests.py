@@ -14,7 +14,7 @@ import pytest
 
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.engine import EngineTransferPlan
-from kvxferd.plan.holddigests import HoldDigests, LocalDigests, check_read, digest_group
+from kvxferd.plan.holddigests import HoldDigests, LocalDigests, check_read, digest_hold
 from kvxferd.rig.verify.buffers import allocate_engine, check_buffers, expected_buffers
 from kvxferd.rig.verify.models import MODELS, model_groups, random_request
 from kvxferd.rig.verify.simulate import apply_planned_read
@@ -25,9 +25,7 @@ from tests.sampling import covering
 
 def hold_digests(engine, request) -> HoldDigests:
     """What holder rank ``engine`` computes when the request's blocks are held."""
-    cache = engine.cache
-    return HoldDigests(tuple(digest_group(cache.region(g), engine.buffers[g], g, request.remote_block_ids[g],
-                                          group.block_size) for g, group in enumerate(cache.groups)))
+    return digest_hold(engine.cache, engine.buffers, request.remote_block_ids)
 
 
 def check(plan, planned, decode, digests) -> tuple[list[np.ndarray], int]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvxferd.errors import InvalidArgumentError
-from kvxferd.plan.holddigests import HoldDigests, digest_group
+from kvxferd.plan.holddigests import HoldDigests, digest_hold
 from kvxferd.rig.verify.cluster import LocalCluster
 from kvxferd.rig.verify.models import model_groups, random_request
 from kvxferd.rig.verify.models import ModelShape
@@ -19,9 +19,7 @@ from kvxferd.xfer.handles import ReadFailure
 
 
 def hold_digests(engine, request) -> bytes:
-    cache = engine.cache
-    return HoldDigests(tuple(digest_group(cache.region(g), engine.buffers[g], g, request.remote_block_ids[g],
-                                          group.block_size) for g, group in enumerate(cache.groups))).encode()
+    return digest_hold(engine.cache, engine.buffers, request.remote_block_ids).encode()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvxferd.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError
 from kvxferd.plan.capability import check_push_digest
-from kvxferd.plan.holddigests import HoldDigests, digest_group
+from kvxferd.plan.holddigests import digest_hold
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
 from kvxferd.xfer.verify import host_memories
@@ -105,10 +105,7 @@ def hold_digests(slot: "EngineSlot", block_ids) -> bytes:
     memories = host_memories(slot.cache)
     if memories is None:
         raise UnavailableError("want_digests", f"no digests of {slot.cache.mem_type} memory yet: host memory only")
-    cache = slot.cache
-    groups = tuple(digest_group(cache.region(g), memories[g], g, block_ids[g], group.block_size)
-                   for g, group in enumerate(cache.groups))
-    return HoldDigests(groups).encode()
+    return digest_hold(slot.cache, memories, block_ids).encode()
 
 
 def check_layers_final(counts, slot: "EngineSlot", field: str) -> tuple[int, ...] | None:
