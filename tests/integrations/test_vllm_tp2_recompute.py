@@ -157,5 +157,9 @@ def test_a_damaged_prefill_block_is_caught_by_its_digests_and_recomputed(tp2):
         else:
             assert sum(changed(token_ids(outputs), single)) >= len(prompts) - 1, (token_ids(outputs), single)
             assert metric(tp2.recompute_daemon, corrupt) == before
+        for daemon in tp2.prefill_daemons:  # every hold ends, a failed read's too (its reader reported): waited
+            ends = hold_ends(daemon, "prefill-tp2")  # for on the bus, so prefill's blocks can be freed
+            assert [ends.get(p["remote_request_id"], [None])[-1] for p in params] == ["CONSUMED"] * len(prompts), \
+                _post_mortem(tp2)
         for llm in (tp2.prefill, tp2.decode):  # damaged blocks in prefill's cache, recomputed ones in decode's
-            wait_for_reset(llm, timeout_s=45.0)  # (freed once their holds ended; 10 s ran out once in a full run)
+            wait_for_reset(llm)
