@@ -298,7 +298,7 @@ def test_a_verified_read_checks_the_kv_against_the_holds_digests_on_real_daemons
         assert outcomes["clean"] == (set(), set(), True)
         assert outcomes["damaged"][:2] == (set(), {10})  # failed: only the changed block is invalid (vLLM's policy)
         assert outcomes["unchecked"] == (set(), set(), True)  # (the change was read along: the bytes match it)
-        assert daemons[1].metric("kvxferd_read_failures_total", 'kind="corrupt"') == 1
+        assert _eventually(lambda: daemons[1].metric("kvxferd_read_failures_total", 'kind="corrupt"')) == 1
 
 
 def test_verify_params_are_checked_and_the_share_decides_the_rest():

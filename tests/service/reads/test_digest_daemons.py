@@ -3,6 +3,8 @@ that carries them is checked by the decode daemon before it completes. A bit fli
 memory after the hold fails that read (the blocks named invalid, counted as ``corrupt``); the same fault read
 without digests completes ok with wrong bytes, which the byte oracle shows."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -29,8 +31,15 @@ def _flip(cluster, request, rank=1):
     engine.buffers[0][1][offset + 9] ^= 0x02
 
 
-def _corrupt_failures(cluster) -> float:
-    return sum(daemon.metric("kvxferd_read_failures_total", 'kind="corrupt"') for daemon in cluster.decode_daemons)
+def _corrupt_failures(cluster, at_least: float = 0.0, timeout_s: float = 5.0) -> float:
+    """The decode daemons' corrupt reads, once they counted ``at_least`` (a daemon counts a read just after it
+    sent its completion) or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = sum(daemon.metric("kvxferd_read_failures_total", 'kind="corrupt"') for daemon in cluster.decode_daemons)
+        if count >= at_least or time.monotonic() >= deadline:
+            return count
+        time.sleep(0.02)
 
 
 def test_a_hold_answers_its_digests_only_when_asked(cluster):
@@ -59,7 +68,7 @@ def test_a_read_with_digests_is_checked_and_a_flipped_bit_fails_it(cluster):
     assert not completion.ok and "digest check" in completion.error and list(completion.failed_ranks) == [1]
     assert list(completion.invalid_block_ids[0].ids) == [int(flipped.local_block_ids[0][-1])]
     assert cluster.check(flipped) != []  # the fault is real
-    assert _corrupt_failures(cluster) == before + 1
+    assert _corrupt_failures(cluster, at_least=before + 1) == before + 1
 
 
 def test_without_digests_the_flipped_bit_reaches_decode_silently(cluster):
