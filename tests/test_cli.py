@@ -25,6 +25,9 @@ def test_demo_verifies_every_preset_through_daemons():
     # one CONSUMED per prefill rank and request, each preset's untimed warm-up read included
     assert summary["consumed"] == summary["holds"] == (10 + 5) * 2
     assert {row["model"] for row in summary["rows"]} == {"gqa", "fp8", "mla", "swa", "hybrid"}
+    # issue #59: each preset's warm-up read, and none of the timed ones (--verify-share 0), checked by the
+    # decode daemon against the holds' digests (the warm-ups' bytes, by its own counter)
+    assert 0 < summary["digest_checked_bytes"] < summary["bytes"]
     for row in summary["rows"]:
         assert row["pairing"] == "2->1" and not row["problems"]
         assert row["raw_bytes"] == row["bytes"] and row["raw_gbps"] > 0 and 0 < row["ratio"]

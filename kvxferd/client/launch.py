@@ -61,10 +61,11 @@ class DaemonProcess:
 
     def __init__(self, daemon_id: str, *, socket_dir: str | None = None, extra_args: tuple[str, ...] = (),
                  ready_timeout_s: float = 60.0, env: dict | None = None, wait: bool = True,
-                 default_socket: bool = False, prefix: tuple[str, ...] = ()) -> None:
+                 default_socket: bool = False, prefix: tuple[str, ...] = (), module: str = "kvxferd") -> None:
         """``default_socket``: let the daemon pick its engine socket (its private runtime directory);
-        ``prefix``: the command runs as ``prefix + [python, -m, kvxferd, serve, ...]`` (``ip netns exec NS``)."""
-        self.daemon_id, self.prefix = daemon_id, tuple(prefix)
+        ``prefix``: the command runs as ``prefix + [python, -m, module, serve, ...]`` (``ip netns exec NS``);
+        ``module``: what ``python -m`` runs (a test rig's wrapper of kvxferd's command line)."""
+        self.daemon_id, self.prefix, self.module = daemon_id, tuple(prefix), module
         self.socket = os.path.join(socket_dir or tempfile.gettempdir(), f"{daemon_id}.sock")
         self._socket_args = () if default_socket else ("--engine-socket", self.socket)
         self._extra_args, self._env = tuple(extra_args), env
@@ -82,7 +83,7 @@ class DaemonProcess:
 
     def _launch(self) -> None:
         peer, notify, metrics = free_ports(3)  # flags in extra_args come later and win (a restart in place)
-        self.args = [*self.prefix, sys.executable, "-m", "kvxferd", "serve", "--daemon-id", self.daemon_id, *self._socket_args,
+        self.args = [*self.prefix, sys.executable, "-m", self.module, "serve", "--daemon-id", self.daemon_id, *self._socket_args,
                      "--peer-port", str(peer), "--notify-port", str(notify), "--metrics-port", str(metrics),
                      *self._extra_args]
         self._log_start = os.path.getsize(self.log_path)  # this start's lines begin here

@@ -37,7 +37,7 @@ from kvxferd.layout.strided import BLOCK_DIM, TOKEN_DIM, Layout
 from kvxferd.tp.shards import owned_range
 
 WORD_DIM = "C"  # the channel dim: packed into 64-bit words where it is stored contiguous
-ATOM_TOKENS = 16  # tokens per digest atom (fewer when a block holds fewer)
+ATOM_TOKENS = 8  # tokens per digest atom (fewer when a block holds fewer): 8-token blocks and kernel blocks read whole atoms
 DIGEST_MAX_TP = 64  # chunks keep every TP split of up to this many ranks readable alone
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

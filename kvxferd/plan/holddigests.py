@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.errors import InvalidArgumentError, LayoutMismatchError
+from kvxferd.errors import InvalidArgumentError, LayoutMismatchError, UnavailableError
 from kvxferd.layout.digests import atom_tokens, atoms_per_block, field_chunks, field_digests, field_key
 from kvxferd.layout.region import Region
 from kvxferd.plan.groups import EngineCache, GroupPairing
@@ -215,6 +215,17 @@ def check_read(local: LocalDigests, remote: EngineCache, units, pairings: tuple[
         checked += len(local_rows)
         bad.append(np.unique(local_blocks[local_rows[wrong]]))
     return ReadCheck(tuple(bad), checked, unverifiable, malformed)
+
+
+def check_verifiable(pairings: tuple[GroupPairing, ...]) -> None:
+    """Raise UnavailableError when a read on these pairings could not be checked against digests: a group
+    whose read units are not whole atoms of the holder's (units under ATOM_TOKENS tokens that do not divide
+    them). Checked before a read with digests is posted: never served as checked when it was not."""
+    for g, pairing in enumerate(pairings):
+        if pairing.unit_tokens is not None and pairing.unit_tokens % atom_tokens(pairing.remote_block_size):
+            raise UnavailableError("remote_digests", f"group {g} reads units of {pairing.unit_tokens} tokens, not "
+                                   f"whole digest atoms of {atom_tokens(pairing.remote_block_size)}: "
+                                   "its reads cannot be checked (send them without digests)")
 
 
 def _malformed(digests: HoldDigests, g: int, remote_region: Region, local_region: Region, tokens_per_atom: int) -> str:

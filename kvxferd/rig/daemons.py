@@ -256,14 +256,15 @@ class DaemonSet:
         self.current = 0  # the decode set the pairing uses (--hosts: decode hosts take turns)
 
     @classmethod
-    def loopback(cls, num_prefill: int, num_decode: int, workdir: str, daemon_args: tuple[str, ...]) -> "DaemonSet":
-        """Every daemon on this host's loopback, in one work directory."""
+    def loopback(cls, num_prefill: int, num_decode: int, workdir: str, daemon_args: tuple[str, ...],
+                 module: str = "kvxferd") -> "DaemonSet":
+        """Every daemon on this host's loopback, in one work directory (``module``: as DaemonProcess's)."""
         ids = [f"soak-p{q}" for q in range(num_prefill)] + [f"soak-d{r}" for r in range(num_decode)]
-        started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args)
+        started = DaemonProcess.start_many(ids, socket_dir=workdir, extra_args=daemon_args, module=module)
 
         def again(old: DaemonProcess) -> DaemonProcess:
             return DaemonProcess(old.daemon_id, socket_dir=workdir, extra_args=(*daemon_args, *old.port_args()),
-                                 ready_timeout_s=60)
+                                 ready_timeout_s=60, module=module)
 
         return cls([DaemonLife(d, "prefill", q, again) for q, d in enumerate(started[:num_prefill])],
                    [[DaemonLife(d, "decode", r, again) for r, d in enumerate(started[num_prefill:])]])
@@ -451,7 +452,7 @@ class NamespaceDaemon(DaemonProcess):
     def start_again(self) -> "NamespaceDaemon":
         """A new daemon with this one's flags, addresses and host (a restart in place)."""
         return NamespaceDaemon(self.daemon_id, self.host, socket_dir=os.path.dirname(self.log_path), env=self._env,
-                               extra_args=self._extra_args, ready_timeout_s=60)
+                               extra_args=self._extra_args, ready_timeout_s=60, module=self.module)
 
 
 def ucx_environment(host: Host, ports: ChartPorts) -> dict[str, str]:
@@ -476,17 +477,19 @@ def host_dir(workdir: str, host: Host) -> str:
 
 
 def host_daemon(daemon_id: str, host: Host, rank: int, *, workdir: str, pki: Pki, ports: ChartPorts,
-                socket_dir: str | None = None, extra_args: tuple[str, ...] = ()) -> NamespaceDaemon:
+                socket_dir: str | None = None, extra_args: tuple[str, ...] = (),
+                module: str = "kvxferd") -> NamespaceDaemon:
     """Start (not wait for) rank ``rank``'s daemon on ``host``, as the chart's container ``kvxferd-<rank>``;
-    its socket and log in ``socket_dir`` (default: the host's directory)."""
+    its socket and log in ``socket_dir`` (default: the host's directory; ``module``: as DaemonProcess's)."""
     private = host_dir(workdir, host)
     return NamespaceDaemon(daemon_id, host, socket_dir=socket_dir or private, wait=False,
-                           env=ucx_environment(host, ports),
+                           env=ucx_environment(host, ports), module=module,
                            extra_args=(*daemon_args(host, rank, ports, pki, private), *extra_args))
 
 
 def start_host_daemons(host: Host, role: str, count: int, *, workdir: str, pki: Pki, ports: ChartPorts,
-                       extra_args: tuple[str, ...] = ()) -> list[NamespaceDaemon]:
+                       extra_args: tuple[str, ...] = (), module: str = "kvxferd") -> list[NamespaceDaemon]:
     """``count`` daemons of ``role`` on ``host`` (ranks 0..count-1), started at once, each waited for."""
     return NamespaceDaemon.wait_all([host_daemon(f"{host.name}-{role}{rank}", host, rank, workdir=workdir, pki=pki,
-                                                 ports=ports, extra_args=extra_args) for rank in range(count)])
+                                                 ports=ports, extra_args=extra_args, module=module)
+                                     for rank in range(count)])

@@ -33,6 +33,8 @@ daemon said (or that it said nothing) instead of raising::
                                                                ok      -> the whole rank == oracle
                                                                failed  -> right outside the named blocks
                                                                refused -> nothing written
+                                                             (with the holds' digests: corrupt ->
+                                                              failed, the digests named the blocks)
       register(rank) ──────►   Register again (daemon back)  (same)
 """
 
@@ -53,6 +55,7 @@ from kvxferd.plan.groups import CacheGroup
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.rig.bench.raw import RawReader, read_all
 from kvxferd.rig.verify.buffers import (allocate_engine, check_buffers, check_failed_read, expected_buffers, verify_decode)
+from kvxferd.rig.verify.damage import damage_held
 from kvxferd.rig.verify.physical import SENTINEL
 
 
@@ -76,9 +79,11 @@ class EngineRanks:
             self.close()
             raise
 
-    def submit(self, request: ReadRequest, remote_engine_id: str, deadline_s: float, push_key: bytes = b"") -> None:
+    def submit(self, request: ReadRequest, remote_engine_id: str, deadline_s: float, push_key: bytes = b"",
+               digests: Sequence[bytes] = ()) -> None:
         """``request`` as a batch of one on every rank's session; with ``push_key``, a push's expectation of
-        the transfer ``request.remote_request_id`` (issue #57) instead of a read."""
+        the transfer ``request.remote_request_id`` (issue #57) instead of a read; ``digests``: the holder
+        ranks' hold digests, which every rank checks what it read against (issue #59)."""
         for client in self.clients:
             if push_key:
                 spec = client.push_spec(request.request_id, remote_engine_id, request.remote_request_id, push_key,
@@ -88,7 +93,8 @@ class EngineRanks:
                 spec = client.read_spec(request.request_id, remote_engine_id, request.remote_request_id,
                                         request.local_block_ids, request.remote_block_ids,
                                         num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
-                                        remote_capabilities=request.remote_capabilities)
+                                        remote_capabilities=request.remote_capabilities,
+                                        remote_digests=tuple(digests))
             client.reads.submit_reads([spec])
 
     def _allocate(self, num_bytes: int):
@@ -124,10 +130,12 @@ class PrefillEngine(EngineRanks):
         super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
         self.subscribers = [NotifySubscriber(client) for client in self.clients]
 
-    def hold(self, request: ReadRequest) -> tuple[bytes, ...]:
-        """Hold on every rank; the ranks' capabilities, which the read must carry."""
-        return tuple(client.hold(request.remote_request_id, request.remote_block_ids, lease_s=self.lease_s).capability
-                     for client in self.clients)
+    def hold(self, request: ReadRequest, want_digests: bool = False) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """Hold on every rank: the ranks' capabilities, which the read must carry, and (``want_digests``)
+        their digests of the held blocks, which a read may be checked against (issue #59; else b"" each)."""
+        held = [client.hold(request.remote_request_id, request.remote_block_ids, lease_s=self.lease_s,
+                            want_digests=want_digests) for client in self.clients]
+        return tuple(h.capability for h in held), tuple(h.digests for h in held)
 
     def release(self, request: ReadRequest) -> None:
         """Give the blocks back without waiting for readers (the engine's answer to a failed read).
@@ -196,12 +204,13 @@ class DecodeEngine(EngineRanks):
             client.handshake(remote_engine_id, peer_addresses)
 
     def read(self, request: ReadRequest, remote_engine_id: str, prefill_groups: Sequence[CacheGroup],
-             timeout_s: float) -> dict:
-        """One request on every rank: submit, wait for completions, verify; the figures as a dict."""
+             timeout_s: float, digests: Sequence[bytes] = ()) -> dict:
+        """One request on every rank (checked by the daemons against the holders' ``digests`` when given):
+        submit, wait for completions, verify; the figures as a dict."""
         for engine in self.ranks:
             engine.reset()
         start, submitted_unix_s = time.perf_counter(), time.time()
-        self.submit(request, remote_engine_id, timeout_s)
+        self.submit(request, remote_engine_id, timeout_s, digests=digests)
         delivered = [client.reads.wait_completion_timed(request.request_id, timeout_s + 5) for client in self.clients]
         latency_s = time.perf_counter() - start
         completions = [completion for completion, _ in delivered]
@@ -324,17 +333,19 @@ class SoakPrefill(SoakRanks):
         super().__init__(engine_id, groups, engine_targets, tagged=True, lease_s=lease_s)
 
     def hold(self, request_id: str, block_ids, lease_s: float, push_key_digest: bytes = b"",
-             by_layer: bool = False) -> list[tuple[str, bytes]]:
-        """Hold on every rank (a push's with its key's digest); per rank ("ok", its capability), or (the
-        status code name of a failed call, b""). ``by_layer``: a push held with no layer final, then every
-        layer said final in turn, one FinalLayers per layer and rank (issue #57)."""
-        held: dict[int, bytes] = {}
+             by_layer: bool = False, want_digests: bool = False) -> list[tuple[str, bytes, bytes]]:
+        """Hold on every rank (a push's with its key's digest); per rank ("ok", its capability, its digests:
+        b"" unless ``want_digests``), or (the status code name of a failed call, b"", b""). ``by_layer``: a
+        push held with no layer final, then every layer said final in turn, one FinalLayers per layer and
+        rank (issue #57)."""
+        held: dict[int, tuple[bytes, bytes]] = {}
         layer_counts = self.ranks[0].cache.layer_counts
         first = [0] * len(layer_counts) if by_layer else ()
 
         def hold_on(rank: int, client) -> None:
-            held[rank] = client.hold(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest,
-                                     layers_final=first).capability
+            answer = client.hold(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest,
+                                 layers_final=first, want_digests=want_digests)
+            held[rank] = answer.capability, answer.digests
 
         answers = [_call(lambda r=rank, c=client: hold_on(r, c)) for rank, client in enumerate(self.clients)]
         for layer in range(1, max(layer_counts) + 1) if by_layer else ():
@@ -342,11 +353,25 @@ class SoakPrefill(SoakRanks):
             for rank, client in enumerate(self.clients):
                 if answers[rank] == "ok":
                     _call(lambda c=client: c.final_layers(request_id, counts))
-        return [(answer, held.get(rank, b"")) for rank, answer in enumerate(answers)]
+        return [(answer, *held.get(rank, (b"", b""))) for rank, answer in enumerate(answers)]
 
     def release(self, request_id: str) -> list[str]:
         """Give the blocks back on every rank (what an engine does when the read failed)."""
         return [_call(lambda c=client: c.release(request_id)) for client in self.clients]
+
+    def damage(self, block_ids, how: str, seed: int) -> int:
+        """Damage the last held block of each group on every rank after its hold (kvxferd.rig.verify.damage:
+        ``flip`` a bit, or ``write`` as an engine reusing the block would); bytes changed. :meth:`undo` puts
+        them back."""
+        rng = np.random.default_rng(seed)
+        self._damage = [(engine, damage_held(engine, block_ids, how, rng)) for engine in self.ranks]
+        return sum(len(old) for _, damage in self._damage for *_, old in damage.changes)
+
+    def undo(self) -> None:
+        """The last :meth:`damage` undone (the next request holding those blocks holds the right bytes)."""
+        for engine, damage in getattr(self, "_damage", ()):
+            damage.undo(engine)
+        self._damage = []
 
 
 def _call(call) -> str:
@@ -376,9 +401,9 @@ class SoakDecode(SoakRanks):
         return outcome
 
     def read(self, request: ReadRequest, remote_engine_id: str, prefill_groups: Sequence[CacheGroup],
-             deadline_s: float, wait_s: float, push_key: bytes = b"") -> dict:
-        """One request on every rank (a push's expectation with ``push_key``); per rank its outcome, latency
-        and any broken invariant.
+             deadline_s: float, wait_s: float, push_key: bytes = b"", digests: Sequence[bytes] = ()) -> dict:
+        """One request on every rank (a push's expectation with ``push_key``; checked against the holders'
+        ``digests`` when given); per rank its outcome, latency and any broken invariant.
 
         ``wait_s``: how long to wait for each completion before calling it
         missing. A rank whose stream broke (its daemon died) is ``lost``:
@@ -387,7 +412,7 @@ class SoakDecode(SoakRanks):
         for engine in self.ranks:
             engine.reset()
         start, start_wall = time.monotonic(), time.time()
-        self.submit(request, remote_engine_id, deadline_s, push_key)
+        self.submit(request, remote_engine_id, deadline_s, push_key, digests)
         ranks = []
         for rank, client in enumerate(self.clients):
             try:
@@ -418,10 +443,10 @@ class SoakDecode(SoakRanks):
                                                      for buf in group)
             problems = [] if untouched else [f"{engine.cache.engine_id} rank {rank}: a refused read wrote bytes"]
             outcome, verified = "refused", 0
-        else:
+        else:  # (corrupt: its blocks differ from the holders' digests, those named invalid)
             invalid = [list(ids.ids) for ids in completion.invalid_block_ids]
             problems = check_failed_read(engine, prefill_groups, request, invalid)
-            outcome, verified = "failed", 0
+            outcome, verified = "corrupt" if completion.failure == "corrupt" else "failed", 0
         return {"outcome": outcome, "latency_s": latency_s,
                 "problems": [f"{request.request_id}: {p}" for p in problems],
                 "verified_bytes": verified, "error": completion.error}

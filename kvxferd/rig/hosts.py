@@ -77,7 +77,7 @@ class DemoHosts(ChartHosts):
         self.prefill: list[NamespaceDaemon] = []
         self.decode: dict[str, list[NamespaceDaemon]] = {}
         try:
-            start = dict(workdir=workdir, pki=self.pki, ports=self.ports, extra_args=daemon_args)
+            start = dict(workdir=workdir, pki=self.pki, ports=self.ports, extra_args=daemon_args, module=module)
             self.prefill = start_host_daemons(self.prefill_host, "prefill", prefill_tp, **start)
             for host in self.decode_hosts:
                 self.decode[host.name] = start_host_daemons(host, "decode", decode_tp, **start)
@@ -108,13 +108,14 @@ class DemoHosts(ChartHosts):
 class SoakHosts(ChartHosts):
     """Every host's daemons as a :class:`DaemonSet` (killed, frozen, started again), and the link faults."""
 
-    def __init__(self, num_hosts: int, max_tp: int, workdir: str, daemon_args: tuple[str, ...]) -> None:
+    def __init__(self, num_hosts: int, max_tp: int, workdir: str, daemon_args: tuple[str, ...],
+                 module: str = "kvxferd") -> None:
         super().__init__(num_hosts, {"prefill": max_tp, "decode": max_tp}, workdir)
         self.links: LinkFaults | None = None
         self.daemons: DaemonSet | None = None
         try:
             self.links = LinkFaults(self.fabric)
-            start = dict(workdir=workdir, pki=self.pki, ports=self.ports, extra_args=daemon_args)
+            start = dict(workdir=workdir, pki=self.pki, ports=self.ports, extra_args=daemon_args, module=module)
             prefill = start_host_daemons(self.prefill_host, "prefill", max_tp, **start)
             again = NamespaceDaemon.start_again  # a killed daemon, at its addresses and with its flags
             self.daemons = DaemonSet([DaemonLife(d, "prefill", q, again) for q, d in enumerate(prefill)], [])

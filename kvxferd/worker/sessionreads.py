@@ -399,7 +399,7 @@ class SessionReads:
             invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
             post_s=read.posted_s - read.received_s, done_unix_s=time.time(), failed_ranks=result.failed_ranks,
             plan_s=read.queued_s - read.received_s, transfer_s=transferred_s - read.posted_s,
-            check_s=ended_s - transferred_s)
+            check_s=ended_s - transferred_s, failure="" if result.ok else (result.failure or ReadFailure.TRANSFER).value)
         self._out.append(self.feed.put(completion))
         self._stats.append([result.ok, result.failure.value, completion.duration_s, result.num_bytes,
                             result.num_descriptors, inflight.num_host_copies, completion.post_s, result.unsettled])
@@ -413,14 +413,15 @@ class SessionReads:
         invalid = [np.unique(np.asarray(ids, dtype=np.int64)) for ids in read.request.local_block_ids]
         completion = pb.Completion(request_id=read.request.request_id, ok=False, error=error,
                                    invalid_block_ids=ids_to_pb(invalid), duration_s=time.perf_counter() - read.received_s,
-                                   done_unix_s=time.time())
+                                   done_unix_s=time.time(), failure=failure.value)
         self._out.append(self.feed.put(completion))
         self._stats.append([False, failure.value, completion.duration_s, 0, 0, 0, 0.0, False])
 
     def _refused(self, request_id: str, code: int, error: str) -> None:
         """A read refused with nothing posted or written: ``refused_code`` says why."""
         self._out.append(self.feed.put(pb.Completion(request_id=request_id, ok=False, error=error,
-                                                     refused_code=code, done_unix_s=time.time())))
+                                                     refused_code=code, done_unix_s=time.time(),
+                                                     failure=ReadFailure.REFUSED.value)))
         self._stats.append([False, ReadFailure.REFUSED.value, 0.0, 0, 0, 0, 0.0, False])
 
     def flush(self) -> None:

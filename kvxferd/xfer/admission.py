@@ -21,6 +21,7 @@ from __future__ import annotations
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.capability import check_read_capabilities
 from kvxferd.plan.engine import ReadRequest
+from kvxferd.plan.holddigests import check_verifiable
 from kvxferd.xfer.records import AdmittedRead, RemoteEngine
 
 
@@ -36,6 +37,8 @@ def admit(remote: RemoteEngine, request: ReadRequest, earlier: AdmittedRead | No
     if digests and len(digests) != len(remote.agent_names):
         raise InvalidArgumentError("remote_digests", f"{len(digests)} ranks' digests for a remote engine of "
                                    f"{len(remote.agent_names)} ranks (all or none)")
+    if digests:
+        check_verifiable(remote.plan.pairings)
     if remote.hold_keys and not same:  # a read names only blocks its holders sealed for it
         check_read_capabilities(remote.hold_keys, request.remote_request_id, request.remote_block_ids,
                                 request.remote_capabilities)

@@ -180,3 +180,23 @@ def test_decoding_is_bounded_by_what_a_cache_can_hold():
     data = b"KD\x01" + (MAX_GROUPS + 1).to_bytes(2, "little") + b"\0" * 64
     with pytest.raises(InvalidArgumentError, match="groups"):
         HoldDigests.decode(data)
+
+
+def test_a_pairing_whose_units_are_not_whole_atoms_is_refused_digests_never_passed_unchecked():
+    """Decode blocks of 4 tokens against 16-token prefill blocks read half atoms (8 tokens): such a read with
+    digests is refused, not served as checked. Blocks of 8 read whole atoms, and are checked."""
+    from kvxferd.errors import UnavailableError
+    from kvxferd.plan.holddigests import check_verifiable
+    from kvxferd.rig.verify.models import ModelShape
+
+    def pairings(decode_block):
+        shape = ModelShape(num_layers=1, num_kv_heads=2, head_size=32, block_size=decode_block,
+                           prefill_block_size=16, decode_block_size=decode_block, num_blocks=16)
+        prefill_groups, decode_groups = model_groups("gqa", shape)
+        prefill = allocate_engine("P", prefill_groups, 1, 0, tagged=True)
+        decode = allocate_engine("D", decode_groups, 1, 0, tagged=False)
+        return EngineTransferPlan(decode.cache, [prefill.cache]).pairings
+
+    check_verifiable(pairings(8))
+    with pytest.raises(UnavailableError, match="not whole digest atoms of 8"):
+        check_verifiable(pairings(4))

@@ -220,7 +220,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, remote_tp_size: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code", "plan_s", "transfer_s", "check_s")
+    __slots__ = ("request_id", "ok", "num_bytes", "num_descriptors", "duration_s", "invalid_block_ids", "error", "post_s", "done_unix_s", "failed_ranks", "seq", "refused_code", "plan_s", "transfer_s", "check_s", "failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class Completion(_message.Message):
     PLAN_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     CHECK_S_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     num_bytes: int
@@ -251,7 +252,8 @@ class Completion(_message.Message):
     plan_s: float
     transfer_s: float
     check_s: float
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., check_s: _Optional[float] = ...) -> None: ...
+    failure: str
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., check_s: _Optional[float] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class ReadSpec(_message.Message):
     __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend", "remote_capabilities", "push", "push_key", "remote_digests")

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--window-tokens", type=int, default=64, help="sliding window of the swa preset (tokens)")
     run.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each read (default 30)")
     run.add_argument("--seed", type=int, default=0, help="seed of the request generator")
+    run.add_argument("--verify-share", type=float, default=0.0,
+                     help="share of the timed reads the decode daemons check against their holds' digests "
+                          "(issue #59; default 0: timed like raw NIXL; each preset's warm-up read is checked)")
     run.add_argument("--no-same-host", action="store_true", help="daemons read each other over NIXL only (by "
                      "default a decode daemon copies from a prefill engine's shared memory itself: issue 37)")
     run.add_argument("--hosts", type=int, default=0, metavar="N",
@@ -76,8 +79,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[ModelShape, list[str]]:
     if num_daemons > MAX_DEMO_DAEMONS:
         raise BadArguments(f"--prefill-tp + --decode-tp (x decode hosts) must be at most {MAX_DEMO_DAEMONS} (one "
                            f"daemon per rank, all on this machine), got {num_daemons}")
-    if args.cached_tokens < 0 or args.timeout_s <= 0:
-        raise BadArguments("--cached-tokens must be >= 0 and --timeout-s > 0")
+    if args.cached_tokens < 0 or args.timeout_s <= 0 or not 0 <= args.verify_share <= 1:
+        raise BadArguments("--cached-tokens must be >= 0, --timeout-s > 0 and --verify-share in [0, 1]")
     shape = ModelShape(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
                        block_size=args.block_size, kernel_block_size=args.kernel_block_size,
                        prefill_block_size=args.prefill_block_size, decode_block_size=args.decode_block_size,
@@ -122,13 +125,14 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
         requests, released = [], []
         copies_before = _same_host_copies(daemons["decode"])
 
-        def read(name: str, cached_tokens: int, contiguous: bool) -> dict:
+        def read(name: str, cached_tokens: int, contiguous: bool, verify: bool = False) -> dict:
             request = random_request(f"{model}-{name}", prefill_groups, decode_groups, args.num_tokens, rng,
                                      cached_tokens=cached_tokens, window_tokens=args.window_tokens,
                                      contiguous=contiguous)
-            request = dataclasses.replace(request, remote_capabilities=prefill.call("hold", request))
+            capabilities, digests = prefill.call("hold", request, verify)
+            request = dataclasses.replace(request, remote_capabilities=capabilities)
             result = decode.call("read", request, prefill_id, prefill_groups, args.timeout_s,
-                                 timeout_s=args.timeout_s + 30)
+                                 digests if verify else (), timeout_s=args.timeout_s + 30)
             if not result["ok"]:  # what an engine does: give the blocks back at once
                 prefill.call("release", request)
                 released.append(request.remote_request_id)
@@ -137,19 +141,24 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
 
         # Untimed, as raw NIXL's warm-up rounds are: a new registration's first read pays for opening its
         # connections (and its holders poll fast until a reader's first notice). Checked like the others.
-        warm_up = read("warm-up", 0, True)
+        # The warm-up read (and --verify-share of the timed ones) checked by the decode daemons against the
+        # holds' digests too (issue #59); the timed ones, by default, as raw NIXL's are: unchecked.
+        checked_before = _digest_checked_bytes(daemons["decode"])
+        warm_up = read("warm-up", 0, True, verify=True)
         row["warm_up_ms"] = round(warm_up["latency_s"] * 1e3, 2)
         row["problems"] += [f"warm-up read: {p}" for p in warm_up["errors"] + warm_up["mismatches"]]
         row["verified_bytes"] += warm_up["verified_bytes"]
         row["mismatched_bytes"] += warm_up["mismatched_bytes"]
         for i in range(args.requests):
             cached = args.cached_tokens if i % 2 else 0  # every other request: a decode prefix-cache hit
-            figures.add_read(row, read(str(i), cached, i % 3 != 2))
+            verify = int((i + 1) * args.verify_share) > int(i * args.verify_share)  # that share, evenly spread
+            figures.add_read(row, read(str(i), cached, i % 3 != 2, verify=verify))
             progress.update(1)
         events = prefill.call("events", [r.remote_request_id for r in requests], released, 10.0,
                               timeout_s=60 + 20 * len(requests))
         figures.add_events(row, events, len(requests) * args.prefill_tp)
         row["same_host_copies"] = _same_host_copies(daemons["decode"]) - copies_before
+        row["digest_checked_bytes"] = _digest_checked_bytes(daemons["decode"]) - checked_before
         row["read_paths"] = sorted({path for d in daemons["decode"] for path in d.transport_paths()})
         raw = decode.call("raw", requests[1:], prefill_id, peer_addresses)  # the timed ones
         row["raw_s"], row["raw_bytes"] = raw["seconds"], raw["bytes"]
@@ -164,6 +173,11 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
 def _same_host_copies(decode_daemons: list[DaemonProcess]) -> int:
     """Remote ranks' parts of reads the decode daemons copied same-host so far (the rest came over NIXL)."""
     return int(sum(d.metric("kvxferd_same_host_copies_total") for d in decode_daemons))
+
+
+def _digest_checked_bytes(decode_daemons: list[DaemonProcess]) -> int:
+    """Bytes of reads the decode daemons checked against their holds' digests so far (issue #59)."""
+    return int(sum(d.metric("kvxferd_digest_checked_bytes_total") for d in decode_daemons))
 
 
 def _fail(message: str, code: int) -> int:

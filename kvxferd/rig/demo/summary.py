@@ -10,7 +10,7 @@ def new_row(model: str, prefill_tp: int, decode_tp: int, groups: str) -> dict:
             "failed_requests": 0, "bytes": 0, "descriptors": 0, "verified_bytes": 0, "mismatched_bytes": 0,
             "holds": 0, "consumed": 0, "lost_events": 0, "stray_events": 0, "latency_s": [], "raw_s": [],
             "raw_bytes": 0, "raw_warm_up_ms": [], "warm_up_ms": 0.0, "problems": [], "stages_s": {},
-            "same_host_copies": 0, "read_paths": []}
+            "same_host_copies": 0, "digest_checked_bytes": 0, "read_paths": []}
 
 
 def add_read(row: dict, result: dict) -> None:
@@ -56,7 +56,7 @@ def finish_row(row: dict) -> dict:
 
 
 TOTALS = ("requests", "failed_requests", "bytes", "verified_bytes", "mismatched_bytes", "holds", "consumed",
-          "lost_events", "stray_events", "same_host_copies")
+          "lost_events", "stray_events", "same_host_copies", "digest_checked_bytes")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -88,6 +88,8 @@ def format_table(summary: dict) -> str:
     lines += ["", f"{s['requests']} requests, {s['bytes'] / 2**20:.1f} MiB through the daemons at {s['gbps']:.2f} GB/s "
                   f"(raw NIXL on the same transfers {s['raw_gbps']:.2f} GB/s, ratio {s['ratio']:.2f}); "
                   f"{s['verified_bytes'] / 2**20:.1f} MiB of decode memory checked, {s['mismatched_bytes']} bytes wrong; "
+                  f"{s['digest_checked_bytes'] / 2**20:.1f} MiB of reads checked by the decode daemons against "
+                  "their holds' digests; "
                   f"{s['failed_requests']} failed requests; {s['consumed']}/{s['holds']} holds CONSUMED, "
                   f"{s['lost_events']} lost and {s['stray_events']} stray events; "
                   f"{s['same_host_copies']} remote ranks' parts of reads copied same-host, the rest over NIXL; "

@@ -19,7 +19,7 @@ import sys
 import traceback
 import tempfile
 
-from kvxferd.rig.soak.faults import KINDS, LOOPBACK_ONLY, NET_KINDS, TLS_KINDS, WORKER_KINDS, default_kinds
+from kvxferd.rig.soak.faults import DIGEST_KINDS, KINDS, LOOPBACK_ONLY, NET_KINDS, TLS_KINDS, WORKER_KINDS, default_kinds
 from kvxferd.rig.soak.report import INVARIANTS, Report
 
 
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--push-share", type=float, default=0.25,
                         help="share of requests sent as pushes (issue #57: the prefill daemons write; default 0.25; "
                              "none with --dataplane-workers, where push is not built)")
+    parser.add_argument("--verify-share", type=float, default=0.25,
+                        help="share of the other reads checked against their holds' digests too (issue #59; "
+                             "default 0.25): none may fail corrupt")
     parser.add_argument("--epoch-requests", type=int, default=40,
                         help="requests per pairing before the next is drawn (default 40)")
     parser.add_argument("--max-tp", type=int, default=4, choices=range(1, 5), metavar="{1..4}",
@@ -60,6 +63,7 @@ def _table(summary: dict) -> str:
              "by layer), "
              f"{summary['verified_bytes'] / 2**20:,.1f} MiB verified",
              f"read outcomes per rank: {summary['read_outcomes']} (of them pushes: {summary['push_outcomes']})",
+             f"digests: {summary['digests']}",
              f"faults: {summary['faults']}", f"holds: {summary['holds']}", "invariants:"]
     lines += [f"  {'ok  ' if not count else 'FAIL'} {name}: {count} violations ({INVARIANTS[name]})"
               for name, count in summary["invariants"].items()]
@@ -75,15 +79,18 @@ def run_args(args: argparse.Namespace) -> int:
     from kvxferd.rig.verify.hosts.policy import MAX_HOSTS, HostsUnavailable
     from kvxferd.rig.soak.run import Soak
 
-    if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or not 0 <= args.push_share <= 1 or args.epoch_requests < 1:
-        print("kvxferd soak: --duration must be > 0, --fault-rate and --push-share in [0, 1], --epoch-requests >= 1",
+    if args.duration <= 0 or not 0 <= args.fault_rate <= 1 or not 0 <= args.push_share <= 1 or args.epoch_requests < 1 \
+            or not 0 <= args.verify_share <= 1:
+        print("kvxferd soak: --duration must be > 0, --fault-rate, --push-share and --verify-share in [0, 1], "
+              "--epoch-requests >= 1",
               file=sys.stderr)
         return 2
     if args.hosts and not 2 <= args.hosts <= MAX_HOSTS:
         print(f"kvxferd soak: --hosts must be 2..{MAX_HOSTS} (a prefill host and at least one decode host)",
               file=sys.stderr)
         return 2
-    args.faults = args.faults or ",".join(default_kinds(bool(args.hosts), args.dataplane_workers))
+    reader_workers = args.dataplane_workers and args.dataplane_reader_workers
+    args.faults = args.faults or ",".join(default_kinds(bool(args.hosts), args.dataplane_workers, reader_workers))
     kinds = set(args.faults.split(","))
     unknown = sorted(kinds - set(KINDS) - set(NET_KINDS) - set(WORKER_KINDS))
     if unknown:
@@ -93,6 +100,10 @@ def run_args(args: argparse.Namespace) -> int:
     if kinds & set(WORKER_KINDS) and not args.dataplane_workers:
         print(f"kvxferd soak: {', '.join(sorted(kinds & set(WORKER_KINDS)))} needs --dataplane-workers (without "
               "them there is no worker to kill or replace)", file=sys.stderr)
+        return 2
+    if kinds & set(DIGEST_KINDS) and reader_workers:
+        print(f"kvxferd soak: {', '.join(sorted(kinds & set(DIGEST_KINDS)))} cannot run with "
+              "--dataplane-reader-workers (a reader worker checks no digests yet)", file=sys.stderr)
         return 2
     misplaced = sorted(kinds & set(NET_KINDS + TLS_KINDS if not args.hosts else LOOPBACK_ONLY))
     if misplaced:

@@ -30,7 +30,19 @@ kill_worker         (``--dataplane-workers`` only) kill -9 of one daemon's
 rotate_ca           (``--hosts --dataplane-workers`` only) the CA bundle every
                     daemon verifies peers with gains or loses a second CA:
                     every daemon replaces its workers, make before break
+flip_held_byte      after a hold with digests, one bit of one byte of the last
+                    held block flips in every prefill rank's memory (the
+                    board cannot see it): the read must fail ``corrupt``
+write_held_block    the same, every layer's first element of the last block
+                    rewritten, as an engine writing into a held block would
+misplanned_read     one decode daemon plans this read from a wrong belief of
+                    the holder's layout (misplan.py: one layer's K read as its
+                    V): the read must fail ``corrupt`` on that rank
 ==================  ==========================================================
+
+The last three (issue #59) always read with the holds' digests; the bytes
+are put back after the read. Without ``--dataplane-reader-workers`` only:
+a reader worker checks no digests.
 
 With ``--hosts``, the network faults of netfaults.py join them (``link_down``,
 ``loss``, ``delay``, ``reorder``, ``partition``); ``bad_input`` and
@@ -41,19 +53,21 @@ from __future__ import annotations
 
 import numpy as np
 
+DIGEST_KINDS = ("flip_held_byte", "write_held_block", "misplanned_read")  # caught by the holds' digests alone
 KINDS = ("kill_prefill_daemon", "kill_decode_daemon", "kill_prefill_engine", "kill_decode_engine", "stop_short",
-         "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input", "forged_notices")
+         "stop_long", "slow_read", "early_release", "lease_expiry", "bad_input", "forged_notices", *DIGEST_KINDS)
 NET_KINDS = ("link_down", "loss", "delay", "reorder", "partition")  # --hosts only (netfaults.py)
 LOOPBACK_ONLY = ("bad_input", "forged_notices")
 WORKER_KINDS = ("kill_worker", "rotate_ca")  # --dataplane-workers only (workers.py)
 TLS_KINDS = ("rotate_ca",)  # --hosts only: the namespace hosts' daemons use mutual TLS
 
 
-def default_kinds(hosts: bool, workers: bool = False) -> tuple[str, ...]:
-    """Every kind a run on loopback (``hosts`` False) or on namespace hosts, with data-plane workers or
-    without, can inject."""
+def default_kinds(hosts: bool, workers: bool = False, reader_workers: bool = False) -> tuple[str, ...]:
+    """Every kind a run on loopback (``hosts`` False) or on namespace hosts, with data-plane workers (and
+    reader workers) or without, can inject."""
     kinds = tuple(k for k in KINDS if k not in LOOPBACK_ONLY) + NET_KINDS if hosts else KINDS
     kinds += WORKER_KINDS if workers else ()
+    kinds = tuple(k for k in kinds if not (reader_workers and k in DIGEST_KINDS))
     return kinds if hosts else tuple(k for k in kinds if k not in TLS_KINDS)
 
 

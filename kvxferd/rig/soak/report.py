@@ -24,7 +24,15 @@ INVARIANTS = {
     "forged_notices_dropped": "a notice from an agent its reader did not introduce, or one that is not a notice, "
                               "is dropped and counted, and ends no hold",
     "recovery": "after a fault, engines register and handshake again",
+    "corruption_caught": "a read checked against its holds' digests fails corrupt where a held byte changed after "
+                         "the hold or its plan was wrong (issue #59), on a rank that read the change; no other "
+                         "read fails corrupt",
 }
+# Reads checked against their holds' digests; corruptions injected (digest faults that changed bytes a read
+# carried), caught (failed corrupt), unjudged (the read failed otherwise first: nothing used), not injected
+# (nothing to damage or misplan), and the bytes the damage changed.
+DIGEST_COUNTS = ("reads_checked", "corruptions_injected", "corruptions_caught", "corruptions_unjudged",
+                 "not_injected", "bytes_damaged")
 MAX_EXAMPLES = 5  # per invariant, in the JSON
 MAX_LOG_LINES = 200  # the last lines of the fault log, in the JSON
 
@@ -43,6 +51,7 @@ class Report:
         self.push_outcomes: collections.Counter = collections.Counter()  # of them, the pushes' (issue #57)
         self.faults: collections.Counter = collections.Counter()
         self.counts: collections.Counter = collections.Counter()
+        self.digests: collections.Counter = collections.Counter()  # reads with digests, corruptions (issue #59)
         self.violations: dict[str, list[str]] = collections.defaultdict(list)
         self.figures: dict[str, list[float]] = collections.defaultdict(list)
         self.configs: list[str] = []
@@ -90,7 +99,8 @@ class Report:
         return {
             "seed": self.seed, "duration_s": round(time.monotonic() - self.start_s, 1),
             "requests": self.requests, "pushes": self.pushes, "layered_pushes": self.layered_pushes, "verified_bytes": self.verified_bytes,
-            "read_outcomes": dict(self.outcomes), "push_outcomes": dict(self.push_outcomes), "faults": dict(self.faults), "holds": self.holds,
+            "read_outcomes": dict(self.outcomes), "push_outcomes": dict(self.push_outcomes),
+            "digests": {key: self.digests[key] for key in DIGEST_COUNTS}, "faults": dict(self.faults), "holds": self.holds,
             "violations": [{"invariant": k, "count": len(v), "examples": v[:MAX_EXAMPLES]}
                            for k, v in sorted(self.violations.items())],
             "invariants": {name: len(self.violations.get(name, ())) for name in INVARIANTS},

@@ -26,9 +26,10 @@ from kvxferd.rig.soak import badinput
 from kvxferd.rig.soak.configs import SoakConfig, draw_config
 from kvxferd.rig.daemons import DaemonLife, DaemonSet, leaks, measure
 from kvxferd.rig.engines import SoakDecode, SoakPrefill
-from kvxferd.rig.soak.faults import NET_KINDS, FaultPlan
+from kvxferd.rig.soak.faults import DIGEST_KINDS, NET_KINDS, FaultPlan
 from kvxferd.rig.hosts import SoakHosts
 from kvxferd.rig.soak.netfaults import WINDOW_S, NetworkFaults
+from kvxferd.rig.soak.corruption import Corruptions
 from kvxferd.rig.soak.forged import NoticeForger
 from kvxferd.rig.soak.holds import HoldLedger
 from kvxferd.rig.soak.report import Report
@@ -44,7 +45,8 @@ GRACE_S = 2.0  # a completion must come within deadline + GRACE_S (+ the time it
 # A failed push waits for its silent writers up to this (the daemons' default, as the soak runs them)
 PUSH_SETTLE_S = DaemonConfig.model_fields["push_settle_s"].default
 FORGED_COUNTED_S = 2.0  # how long a holder may take to count forged notices as dropped
-AFTER_THE_HOLD = ("early_release", "forged_notices")  # faults that act after the hold, before the read
+AFTER_THE_HOLD = ("early_release", "forged_notices", *DIGEST_KINDS)  # faults that act after the hold, before the read
+DAEMON_MODULE = "kvxferd.rig.soak.misplan"  # kvxferd serve, with the misplanned_read fault's switch (misplan.py)
 RETRANSMIT_S = 8.0  # TCP retransmits with a doubling timeout: after a few seconds dark, the next try may wait as long
 STOP_SHORT_S = (0.1, 1.0)
 STOP_LONG_S = (HOLD_LEASE_S + 0.5, HOLD_LEASE_S + 1.5)
@@ -59,6 +61,9 @@ class Soak:
         self.faults = FaultPlan(self.rng, args.fault_rate, args.faults.split(","))
         # (push into a rank a data-plane worker serves is not built: refused, so none is sent there)
         self.push_share = 0.0 if getattr(args, "dataplane_workers", False) else getattr(args, "push_share", 0.0)
+        # (a reader worker checks no digests: none are asked for where one reads)
+        reader_workers = getattr(args, "dataplane_workers", False) and getattr(args, "dataplane_reader_workers", False)
+        self.verify_share = 0.0 if reader_workers else getattr(args, "verify_share", 0.0)
         # INFO: each registration and deregistration with its reason, for a failure's post-mortem (--logs)
         daemon_args = ("--log-level", "INFO", "--peer-check-s", "0.3")
         self.workers = WorkerKills(report) if getattr(args, "dataplane_workers", False) else None
@@ -70,10 +75,10 @@ class Soak:
         if getattr(args, "hosts", 0):
             # A read aborted mid-transfer over TCP waits for it up to abort_drain_s: within the soak's wait.
             daemon_args += ("--abort-drain-s", str(WINDOW_S[1] + RETRANSMIT_S))
-            self.hosts = SoakHosts(args.hosts, args.max_tp, workdir, daemon_args)
+            self.hosts = SoakHosts(args.hosts, args.max_tp, workdir, daemon_args, module=DAEMON_MODULE)
             self.daemons = self.hosts.daemons
         else:
-            self.daemons = DaemonSet.loopback(args.max_tp, args.max_tp, workdir, daemon_args)
+            self.daemons = DaemonSet.loopback(args.max_tp, args.max_tp, workdir, daemon_args, module=DAEMON_MODULE)
         self.rotations = None
         try:
             if self.hosts:
@@ -92,6 +97,7 @@ class Soak:
         self._arenas: dict[str, list[str]] = {}
         self._hung: list[tuple[int, int, float]] = []  # (prefill rank, daemon life, SIGSTOP time)
         self.forger: NoticeForger | None = None  # made on the first forged_notices fault
+        self.corruptions = Corruptions(report, self.rng)  # the digest faults (issue #59)
 
     # ---- engines ---------------------------------------------------------------------------------
     def _start_engine(self, role: str) -> EngineProcess:
@@ -216,6 +222,13 @@ class Soak:
             self.prefill.call("release", request.remote_request_id)
         elif kind == "forged_notices":
             return self._forge(request, effect)
+        elif kind in DIGEST_KINDS:
+            if not request.remote_digests:  # a rank could not hold: the read is refused, nothing to corrupt
+                return self._skip(effect, "no digests: a hold failed")
+            life = self._pick("decode") if kind == "misplanned_read" else None
+            if kind == "misplanned_read" and life is None:
+                return self._skip(effect)
+            return self.corruptions.inject(kind, request, effect, self.prefill, life)
         elif kind == "bad_input":
             awake = [life for life in self.daemons.all if life.stopped_since is None]  # a frozen one cannot answer
             if not awake:
@@ -287,6 +300,8 @@ class Soak:
             self.workers.wait_back(effect["life"], effect["worker"])
         elif kind == "rotate_ca":
             self.rotations.wait_replaced(effect["expected"])
+        elif kind in DIGEST_KINDS:
+            self.corruptions.undo(effect, self.prefill)
 
     # ---- one request ---------------------------------------------------------------------------
     def one_request(self, n: int) -> None:
@@ -305,7 +320,11 @@ class Soak:
         prefill_id = self._engine_id("prefill")
         # Push (issue #57): a share of requests are pushes: the decode ranks expect (before the hold or after
         # it, as the two legs race), the prefill hold carries the key's digest, the prefill daemons write.
-        push_key = self.rng.bytes(PUSH_KEY_BYTES) if self.rng.random() < self.push_share else b""
+        push_key = self.rng.bytes(PUSH_KEY_BYTES) if self.rng.random() < self.push_share and kind not in DIGEST_KINDS \
+            else b""
+        # Digests (issue #59): every read a digest fault strikes, and a share of the others (not pushes: a
+        # push's writes are not checked yet)
+        verify = not push_key and (kind in DIGEST_KINDS or self.rng.random() < self.verify_share)
         wait_s = deadline_s + GRACE_S + STOP_LONG_S[1] + 1.0 + (WINDOW_S[1] + RETRANSMIT_S if self.net else 0.0) + (
             PUSH_SETTLE_S if push_key else 0.0)
         sent_s = None
@@ -320,13 +339,15 @@ class Soak:
             by_layer = bool(push_key) and self.rng.random() < 0.5
             self.report.layered_pushes += by_layer
             answers = self.prefill.call("hold", request.remote_request_id, request.remote_block_ids, lease_s,
-                                        push_key_digest(push_key) if push_key else b"", by_layer)
-            for rank, (answer, _) in enumerate(answers):
+                                        push_key_digest(push_key) if push_key else b"", by_layer, verify)
+            for rank, (answer, _, _) in enumerate(answers):
                 self.ledger.placed(rank, prefill_id, request.remote_request_id, answer)
             # A rank that could not hold gives no capability: the read is then refused before it moves a
-            # byte (an engine would not send it at all).
-            capabilities = tuple(capability or bytes(CAPABILITY_BYTES) for _, capability in answers)
-            request = dataclasses.replace(request, remote_capabilities=capabilities)
+            # byte (an engine would not send it at all). Digests go with the read only from every rank.
+            capabilities = tuple(capability or bytes(CAPABILITY_BYTES) for _, capability, _ in answers)
+            digests = tuple(d for _, _, d in answers)
+            request = dataclasses.replace(request, remote_capabilities=capabilities,
+                                          remote_digests=digests if verify and all(digests) else ())
         if kind in AFTER_THE_HOLD and not mid:
             effect = self.act(kind, request)
         if kind == "lease_expiry":
@@ -334,7 +355,9 @@ class Soak:
         result = None
         if sent_s is not None or self.decode.process.is_alive():
             if sent_s is None:
-                self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s, push_key)
+                self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s, push_key,
+                                 request.remote_digests)
+                self.report.digests["reads_checked"] += bool(request.remote_digests)
                 sent_s = time.monotonic()
             if kind and mid:
                 time.sleep(float(self.rng.uniform(0.0, 0.02)))
@@ -351,6 +374,8 @@ class Soak:
                 self.report.push_outcomes.update(rank["outcome"] for rank in result["ranks"])
             if effect is not None and "forged_on" in effect:
                 self._check_forged_read(request, result, sent_s)
+            if not push_key:
+                self.corruptions.judge(request, result, effect)
         if effect is not None:
             self.recover(effect)
         failed = result is None or any(rank["outcome"] != "ok" for rank in result["ranks"])
@@ -405,11 +430,14 @@ class Soak:
         return stalled_s + RETRANSMIT_S if stalled_s else 0.0
 
     def _check_forged_read(self, request, result: dict, sent_s: float) -> None:
-        """The real readers still read a hold that forged notices named: ok, unless a daemon was frozen meanwhile."""
+        """The real readers still read a hold that forged notices named: ok, unless a daemon was frozen meanwhile
+        or a decode rank refused it while re-handshaking with a holder the last fault restarted (a push's
+        expectation is refused then: its engine sends it again; the forged notices are not why)."""
         now = time.monotonic()
         if any(life.stopped_since is not None or life.frozen_during(sent_s, now) for life in self.daemons.all):
             return
-        failed = [f"rank {r}: {o.get('error') or o['outcome']}" for r, o in enumerate(result["ranks"]) if o["outcome"] != "ok"]
+        failed = [f"rank {r}: {o.get('error') or o['outcome']}" for r, o in enumerate(result["ranks"])
+                  if o["outcome"] != "ok" and not (o["outcome"] == "refused" and "handshaken again" in o.get("error", ""))]
         if failed:
             self.report.violate("forged_notices_dropped", f"{request.request_id}: the read after forged notices "
                                                           f"failed: {failed}")

@@ -91,6 +91,12 @@ class DaemonConfig(BaseSettings):
                                "that names its rank as a write target at its handshake, to write into it. Decode "
                                "side: name this daemon's ranks as write targets at their handshakes (the holder "
                                "learns their data agent's metadata). Off: neither, and no push runs through here")
+    require_digests: bool = Field(False, description="integrity (issue #59), decode side: refuse "
+                                  "(FAILED_PRECONDITION, nothing written) a read that carries no holds' digests, "
+                                  "so every read this daemon completes was checked against what its holders held, "
+                                  "whatever its engines' settings (the vLLM connector's verify_share must then be "
+                                  "1 on the prefill side). Off: reads are checked when their engine sends digests. "
+                                  "Pushes are not checked yet and are refused too when on")
     push_settle_s: float = Field(5.0, ge=0, le=60, description="push (decode side): how long at most a failed "
                                  "push's blocks stay away from the engine after its expectation ended, waiting for "
                                  "the writers that had not reported (each says so once its WRITE drained; a writer "
@@ -270,6 +276,13 @@ class DaemonConfig(BaseSettings):
         if self.max_bus_subscriptions < 2 * self.max_engines:  # else resubscribing engines restart the bus again
             raise ValueError(f"max_bus_subscriptions ({self.max_bus_subscriptions}) must be at least twice "
                              f"max_engines ({self.max_engines})")
+        return self
+
+    @model_validator(mode="after")
+    def _digests_checked_where_required(self) -> "DaemonConfig":
+        if self.require_digests and self.dataplane_reader_workers:
+            raise ValueError("require_digests with dataplane_reader_workers: a reader worker checks no digests "
+                             "yet, so every read would be refused")
         return self
 
     @model_validator(mode="after")

@@ -106,6 +106,9 @@ class Metrics:
         self.read_descriptors = Histogram("kvxferd_read_descriptors", "NIXL descriptors posted per read",
                                           buckets=_DESCRIPTOR_BUCKETS, registry=r)
         self.read_failures = Counter("kvxferd_read_failures", "failed reads by kind", ["kind"], registry=r)
+        self.digest_checked_bytes = Counter("kvxferd_digest_checked_bytes", "bytes of reads checked against their "
+                                            "holds' digests before they completed (issue #59), corrupt ones too",
+                                            registry=r)
         self.same_host_copies = Counter("kvxferd_same_host_copies", "remote ranks' parts of reads copied from a "
                                         "same-host holder's shared memory instead of read over NIXL", registry=r)
         self.push_writes = Counter("kvxferd_push_writes", "push (issue #57), prefill side: writes into a decode "

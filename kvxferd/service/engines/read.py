@@ -176,11 +176,12 @@ class Read:
             num_descriptors=result.num_descriptors, duration_s=result.duration_s,
             invalid_block_ids=[] if result.ok else ids_to_pb(result.invalid_block_ids), error=result.error or "",
             post_s=self.post_s, done_unix_s=self.done_unix_s, failed_ranks=result.failed_ranks,
-            plan_s=plan_s, transfer_s=transfer_s, check_s=check_s)
+            plan_s=plan_s, transfer_s=transfer_s, check_s=check_s,
+            failure="" if result.ok else (self.failure or ReadFailure.TRANSFER).value)
 
 
 def refused_completion(request_id: str, err: KvxferError, done_unix_s: float) -> pb.Completion:
     """The completion of a read refused with nothing posted or written: why, and the status code a unary
     call would have raised (``refused_code``)."""
     return pb.Completion(request_id=request_id, ok=False, error=str(err), refused_code=status_code(err).value[0],
-                         done_unix_s=done_unix_s)
+                         done_unix_s=done_unix_s, failure=ReadFailure.REFUSED.value)

@@ -96,6 +96,9 @@ class ExpectPath:
         if len(slot.reads) + len(slot.completions) >= config.max_reads_per_engine:
             raise ResourceExhaustedError("max_reads_per_engine", f"{config.max_reads_per_engine} reads are in "
                                                                  "flight or not acked yet")
+        if config.require_digests:
+            raise UnavailableError("push", "this daemon checks every read against its holds' digests "
+                                   "(require_digests), and a push's writes are not checked yet: read instead")
         link = slot.links.get(spec.remote_engine_id)
         if link is None or link.remote is None:
             raise NotFoundError("remote_engine_id", f"no handshake with {spec.remote_engine_id!r} yet")

@@ -108,6 +108,9 @@ class ReadPath:
         limit = config.max_reads_per_engine
         if len(slot.reads) + len(slot.completions) >= limit:
             raise ResourceExhaustedError("max_reads_per_engine", f"{limit} reads are in flight or not acked yet")
+        if config.require_digests and not request.remote_digests:
+            raise UnavailableError("remote_digests", "this daemon checks every read against its holds' digests "
+                                   "(require_digests): send them (the connector's verify_share 1 on the prefill side)")
         link = slot.links.get(remote_engine_id)
         if link is None or link.remote is None:
             raise NotFoundError("remote_engine_id", f"no handshake with {remote_engine_id!r} yet")
@@ -248,6 +251,8 @@ class ReadPath:
                 m.read_post.observe(read.post_s)
             m.read_descriptors.observe(result.num_descriptors)
             m.read_bytes.inc(result.num_bytes)
+            if read.request.remote_digests and (result.ok or read.failure is ReadFailure.CORRUPT):
+                m.digest_checked_bytes.inc(result.num_bytes)  # (checked once every byte was in)
             if read.inflight is not None and read.inflight.num_host_copies:
                 m.same_host_copies.inc(read.inflight.num_host_copies)
             if not result.ok:

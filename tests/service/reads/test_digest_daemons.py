@@ -10,6 +10,7 @@ import pytest
 
 from kvxferd.plan.holddigests import HoldDigests
 from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.rig.verify.damage import damage_held
 from kvxferd.rig.verify.models import random_request
 from tests.service.helpers import GQA_GROUPS as GROUPS
 
@@ -25,10 +26,8 @@ def _request(cluster, name, seed):
 
 
 def _flip(cluster, request, rank=1):
-    engine = cluster.prefill[rank]
-    layout = engine.cache.region(0).fields[0].layout
-    offset = int(layout.block_table_bytes[int(request.remote_block_ids[0][-1])]) + layout.offset * layout.itemsize
-    engine.buffers[0][1][offset + 9] ^= 0x02
+    """One bit of the last held block, on prefill rank ``rank`` only (the read's other holder stays right)."""
+    damage_held(cluster.prefill[rank], request.remote_block_ids, "flip", np.random.default_rng(9))
 
 
 def _corrupt_failures(cluster, at_least: float = 0.0, timeout_s: float = 5.0) -> float:
@@ -56,7 +55,7 @@ def test_a_read_with_digests_is_checked_and_a_flipped_bit_fails_it(cluster):
     cluster.reset_decode()
     cluster.hold(clean, want_digests=True)
     cluster.submit(clean, digests=True)
-    assert [c.ok for c in cluster.completions(clean)] == [True] and cluster.check(clean) == []
+    assert [(c.ok, c.failure) for c in cluster.completions(clean)] == [(True, "")] and cluster.check(clean) == []
 
     before = _corrupt_failures(cluster)
     flipped = _request(cluster, "flipped", 3)
@@ -66,6 +65,7 @@ def test_a_read_with_digests_is_checked_and_a_flipped_bit_fails_it(cluster):
     cluster.submit(flipped, digests=True)
     (completion,) = cluster.completions(flipped)
     assert not completion.ok and "digest check" in completion.error and list(completion.failed_ranks) == [1]
+    assert completion.failure == "corrupt"  # what an engine logs or counts it as (the metric's kind)
     assert list(completion.invalid_block_ids[0].ids) == [int(flipped.local_block_ids[0][-1])]
     assert cluster.check(flipped) != []  # the fault is real
     assert _corrupt_failures(cluster, at_least=before + 1) == before + 1
@@ -96,5 +96,31 @@ def test_digests_that_are_not_a_holds_are_refused_with_nothing_written(cluster):
                            remote_capabilities=cluster.capabilities[request.remote_request_id], remote_digests=digests)
         completion = client.reads.wait_completion(f"{request.request_id}-{n}", 30)
         assert not completion.ok and completion.refused_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        assert "remote_digests" in completion.error
+        assert "remote_digests" in completion.error and completion.failure == "refused"
     assert cluster.decode_untouched()
+
+
+def test_a_daemon_that_requires_digests_refuses_a_read_without_them(workdir):
+    """``require_digests`` (the daemon's setting): a read with no digests is refused (FAILED_PRECONDITION,
+    nothing written), a push too (not checked yet); one with them is checked and completes."""
+    import grpc
+
+    with DaemonCluster(*GROUPS, 1, 1, workdir=workdir, name="required",
+                       args_of=lambda daemon_id: ("--require-digests",) if "-d" in daemon_id else ()) as required:
+        unchecked, checked = _request(required, "unchecked", 6), _request(required, "checked", 7)
+        required.hold(unchecked, want_digests=True)
+        required.submit(unchecked)
+        (completion,) = required.completions(unchecked)
+        assert (completion.ok, completion.failure) == (False, "refused")
+        assert completion.refused_code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert "require_digests" in completion.error and required.decode_untouched()
+        required.reset_decode()
+        required.hold(checked, want_digests=True)
+        required.submit(checked, digests=True)
+        assert [(c.ok, c.failure) for c in required.completions(checked)] == [(True, "")]
+        assert required.check(checked) == []
+        assert required.decode_daemons[0].metric("kvxferd_digest_checked_bytes_total") > 0
+        pushed = _request(required, "pushed", 8)
+        required.expect(pushed, push_key=bytes(16))
+        (completion,) = required.completions(pushed)
+        assert completion.refused_code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and "push" in completion.error
