@@ -155,7 +155,8 @@ def test_a_damaged_prefill_block_is_caught_by_its_digests_and_recomputed(tp2):
         if verify:
             assert token_ids(outputs) == single, _post_mortem(tp2)
             # (a daemon counts a read just after it sent its completion)
-            assert eventually(lambda: metric(tp2.recompute_daemon, corrupt) >= before + len(prompts))
+            assert eventually(lambda: metric(tp2.recompute_daemon, corrupt) >= before + len(prompts)), \
+                _post_mortem(tp2)  # (every daemon's read failures by kind, and its last lines)
             assert metric(tp2.recompute_daemon, corrupt) == before + len(prompts)
         else:
             assert sum(changed(token_ids(outputs), single)) >= len(prompts) - 1, (token_ids(outputs), single)

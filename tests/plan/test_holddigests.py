@@ -16,6 +16,7 @@ from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.engine import EngineTransferPlan
 from kvxferd.plan.holddigests import HoldDigests, LocalDigests, check_read, digest_hold
 from kvxferd.rig.verify.buffers import allocate_engine, check_buffers, expected_buffers
+from kvxferd.rig.verify.damage import element_offset
 from kvxferd.rig.verify.models import MODELS, model_groups, random_request
 from kvxferd.rig.verify.simulate import apply_planned_read
 
@@ -88,8 +89,7 @@ def last_read_block(request, g=0):
 def test_digest_catches_a_bit_flipped_in_the_holders_memory_after_the_hold():
     def flip(prefill, request):
         engine = prefill[1]
-        layout = engine.cache.region(0).fields[0].layout
-        offset = int(layout.block_table_bytes[last_read_block(request)]) + layout.offset * layout.itemsize
+        offset, _ = element_offset(engine, 0, last_read_block(request))
         engine.buffers[0][1][offset + 3] ^= 0x10  # layer 1, the last held block's first head of rank 1
 
     complaints, bad, request = read_after(flip)
@@ -100,8 +100,7 @@ def test_digest_catches_a_bit_flipped_in_the_holders_memory_after_the_hold():
 def test_digest_catches_an_engine_writing_into_a_held_block():
     def overwrite(prefill, request):
         engine = prefill[0]
-        layout = engine.cache.region(0).fields[0].layout
-        offset = int(layout.block_table_bytes[last_read_block(request)]) + layout.offset * layout.itemsize
+        offset, _ = element_offset(engine, 0, last_read_block(request))
         engine.buffers[0][0][offset:offset + 256] = 0  # a new request's prefill landing in a held block
 
     complaints, bad, request = read_after(overwrite)

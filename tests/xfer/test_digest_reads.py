@@ -13,6 +13,7 @@ import pytest
 from kvxferd.errors import InvalidArgumentError
 from kvxferd.plan.holddigests import HoldDigests, digest_hold
 from kvxferd.rig.verify.cluster import LocalCluster
+from kvxferd.rig.verify.damage import element_offset
 from kvxferd.rig.verify.models import model_groups, random_request
 from kvxferd.rig.verify.models import ModelShape
 from kvxferd.xfer.handles import ReadFailure
@@ -39,8 +40,7 @@ def held_with_digests(cluster, name, seed):
 def flip_last_block(cluster, request, rank=1):
     """A bit of the last held block of the first group, layer 1, on prefill rank ``rank``, flips."""
     engine = cluster.prefill[rank]
-    layout = engine.cache.region(0).fields[0].layout
-    offset = int(layout.block_table_bytes[int(request.remote_block_ids[0][-1])]) + layout.offset * layout.itemsize
+    offset, _ = element_offset(engine, 0, int(request.remote_block_ids[0][-1]))
     engine.buffers[0][1][offset + 5] ^= 0x40
 
 
@@ -77,8 +77,7 @@ def test_without_digests_the_same_fault_passes_silently(cluster):
 def test_an_engine_writing_into_a_held_block_fails_the_read(cluster):
     plain, request = held_with_digests(cluster, "overwritten", 4)
     engine = cluster.prefill[0]
-    layout = engine.cache.region(0).fields[0].layout
-    offset = int(layout.block_table_bytes[int(request.remote_block_ids[0][-2])]) + layout.offset * layout.itemsize
+    offset, _ = element_offset(engine, 0, int(request.remote_block_ids[0][-2]))
     engine.buffers[0][0][offset:offset + 512] = 7  # a new request's prefill into a held block
     cluster.reset_decode()
     results = cluster.read(request, hold=False)

@@ -228,7 +228,8 @@ class WorkerSide:
                 self.stats.record_read(completion.num_bytes, completion.duration_s, now - submitted)
                 continue
             self.stats.record_failed_read("refused" if completion.refused_code else "read", now - submitted)
-            log.warning("kvxferd: read failed", extra={"request_id": completion.request_id, "error": completion.error})
+            log.warning("kvxferd: read failed", extra={"request_id": completion.request_id, "error": completion.error,
+                                                         "failure": completion.failure})  # (corrupt: issue #59)
             lists = completion.invalid_block_ids
             if self.num_groups == 1 and lists and lists[0].ids:
                 out.invalid_block_ids.update(int(b) for b in lists[0].ids)
