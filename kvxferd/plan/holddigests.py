@@ -26,7 +26,7 @@ from kvxferd.layout.digests import atom_tokens, atoms_per_block, field_chunks, f
 from kvxferd.layout.region import Region
 from kvxferd.plan.groups import EngineCache, GroupPairing
 
-MAGIC = b"KD\x01"
+MAGIC = b"KD\x02"  # 2: atoms of 8 tokens (1 had 16): a daemon of the other format refuses these, never calls them corrupt
 MAX_ENCODED_BYTES = 16 << 20  # a hold's digests from the wire: bounded before anything is allocated
 MAX_GROUPS, MAX_FIELDS = 64, 64  # per hold, per group: far above any cache (a few groups, a few fields)
 

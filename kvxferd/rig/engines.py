@@ -359,12 +359,12 @@ class SoakPrefill(SoakRanks):
         """Give the blocks back on every rank (what an engine does when the read failed)."""
         return [_call(lambda c=client: c.release(request_id)) for client in self.clients]
 
-    def damage(self, block_ids, how: str, seed: int) -> int:
-        """Damage the last held block of each group on every rank after its hold (kvxferd.rig.verify.damage:
-        ``flip`` a bit, or ``write`` as an engine reusing the block would); bytes changed. :meth:`undo` puts
-        them back."""
+    def damage(self, block_ids, num_tokens: int | None, how: str, seed: int) -> int:
+        """Damage a request's last token in its held blocks on every rank after its hold
+        (kvxferd.rig.verify.damage: ``flip`` a bit, or ``write`` as an engine reusing the block would); bytes
+        changed. :meth:`undo` puts them back."""
         rng = np.random.default_rng(seed)
-        self._damage = [(engine, damage_held(engine, block_ids, how, rng)) for engine in self.ranks]
+        self._damage = [(engine, damage_held(engine, block_ids, how, rng, num_tokens)) for engine in self.ranks]
         return sum(len(old) for _, damage in self._damage for *_, old in damage.changes)
 
     def undo(self) -> None:

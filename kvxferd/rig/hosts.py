@@ -77,7 +77,7 @@ class DemoHosts(ChartHosts):
         self.prefill: list[NamespaceDaemon] = []
         self.decode: dict[str, list[NamespaceDaemon]] = {}
         try:
-            start = dict(workdir=workdir, pki=self.pki, ports=self.ports, extra_args=daemon_args, module=module)
+            start = dict(workdir=workdir, pki=self.pki, ports=self.ports, extra_args=daemon_args)
             self.prefill = start_host_daemons(self.prefill_host, "prefill", prefill_tp, **start)
             for host in self.decode_hosts:
                 self.decode[host.name] = start_host_daemons(host, "decode", decode_tp, **start)

@@ -37,11 +37,11 @@ def admit(remote: RemoteEngine, request: ReadRequest, earlier: AdmittedRead | No
     if digests and len(digests) != len(remote.agent_names):
         raise InvalidArgumentError("remote_digests", f"{len(digests)} ranks' digests for a remote engine of "
                                    f"{len(remote.agent_names)} ranks (all or none)")
-    if digests:
-        check_verifiable(remote.plan.pairings)
     if remote.hold_keys and not same:  # a read names only blocks its holders sealed for it
         check_read_capabilities(remote.hold_keys, request.remote_request_id, request.remote_block_ids,
                                 request.remote_capabilities)
+    if digests:  # (after the seal: an unsealed read is refused as such, and audited)
+        check_verifiable(remote.plan.pairings)
     return AdmittedRead(remote, request, planned)
 
 

@@ -128,7 +128,8 @@ def test_digests_from_the_wire_are_checked_before_use():
     data = hold_digests(prefill[0], request).encode()
     again = HoldDigests.decode(data)
     assert again.encode() == data
-    for bad in (b"", b"XX" + data[2:], data[:-1], data + b"\0", data[:40]):
+    # (b"KD\x01...": the first format, atoms of 16 tokens: refused, never compared as corrupt)
+    for bad in (b"", b"XX" + data[2:], b"KD\x01" + data[3:], data[:-1], data + b"\0", data[:40]):
         with pytest.raises(InvalidArgumentError):
             HoldDigests.decode(bad)
 
@@ -174,9 +175,9 @@ def test_digests_that_do_not_describe_the_holders_cache_fail_every_block_they_co
 
 
 def test_decoding_is_bounded_by_what_a_cache_can_hold():
-    from kvxferd.plan.holddigests import MAX_GROUPS
+    from kvxferd.plan.holddigests import MAGIC, MAX_GROUPS
 
-    data = b"KD\x01" + (MAX_GROUPS + 1).to_bytes(2, "little") + b"\0" * 64
+    data = MAGIC + (MAX_GROUPS + 1).to_bytes(2, "little") + b"\0" * 64
     with pytest.raises(InvalidArgumentError, match="groups"):
         HoldDigests.decode(data)
 

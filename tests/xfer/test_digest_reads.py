@@ -104,3 +104,21 @@ def test_a_read_with_digests_into_memory_this_process_cannot_read_is_refused(clu
     monkeypatch.setattr(cluster.executors[0], "_memories", None)
     with pytest.raises(UnavailableError):
         cluster.read(request, hold=False)
+
+
+def test_a_read_whose_units_are_not_whole_digest_atoms_is_refused_with_digests_and_writes_nothing():
+    """Decode blocks of 4 tokens against 16-token prefill blocks read half digest atoms: with digests such a
+    read is refused (FAILED_PRECONDITION) before anything moves, never completed as if checked; without
+    them it reads as any other."""
+    from kvxferd.errors import UnavailableError
+
+    shape = ModelShape(num_layers=1, num_kv_heads=2, head_size=32, block_size=4, prefill_block_size=16,
+                       decode_block_size=4, num_blocks=64)
+    prefill_groups, decode_groups = model_groups("gqa", shape)
+    with LocalCluster(prefill_groups, decode_groups, 1, 1, name="half-atoms") as cluster:
+        plain, request = held_with_digests(cluster, "half-atoms", 7)
+        cluster.reset_decode()
+        with pytest.raises(UnavailableError, match="not whole digest atoms"):
+            cluster.read(request, hold=False)
+        assert cluster.decode_untouched()
+        assert all(r.ok for r in cluster.read(plain, hold=False)) and cluster.check(plain) == []

@@ -356,7 +356,7 @@ def sealing(repeat: int = 2000) -> dict:
 def digests(repeat: int = 5) -> dict:
     """Issue #59: the logical digest of 100 held blocks of one layer (16 tokens, 8 KV heads of 128, bf16), in
     GB/s, against copying the same bytes once (numpy into a buffer already faulted in): best of ``repeat``."""
-    from kvxferd.layout.digests import field_digests, field_key
+    from kvxferd.layout.digests import atom_tokens, field_digests, field_key
     from kvxferd.layout.specs import AttentionSpec
     from kvxferd.rig.verify.physical import region_num_bytes
 
@@ -371,7 +371,7 @@ def digests(repeat: int = 5) -> dict:
         for _ in range(repeat):
             start = time.perf_counter()
             for f in region.fields:
-                field_digests(memory, f, block_ids, field_key(0, 0, f.name), 16)
+                field_digests(memory, f, block_ids, field_key(0, 0, f.name), atom_tokens(spec.block_size))
             middle = time.perf_counter()
             np.copyto(copy, held)
             digest_s.append(middle - start)

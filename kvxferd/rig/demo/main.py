@@ -16,7 +16,9 @@ from kvxferd.rig.demo import shm
 from kvxferd.rig.demo import summary as figures
 from kvxferd.rig.engines import DecodeEngine, PrefillEngine
 from kvxferd.rig.hosts import DemoHosts
-from kvxferd.errors import KvxferError
+from kvxferd.errors import KvxferError, UnavailableError
+from kvxferd.plan.groups import GroupPairing
+from kvxferd.plan.holddigests import check_verifiable
 from kvxferd.tp.shards import check_tp
 from kvxferd.rig.verify.buffers import check_pairing
 from kvxferd.rig.verify.hosts.policy import MAX_HOSTS, HostsUnavailable
@@ -144,14 +146,15 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
         # The warm-up read (and --verify-share of the timed ones) checked by the decode daemons against the
         # holds' digests too (issue #59); the timed ones, by default, as raw NIXL's are: unchecked.
         checked_before = _digest_checked_bytes(daemons["decode"])
-        warm_up = read("warm-up", 0, True, verify=True)
+        warm_up = read("warm-up", 0, True, verify=_checkable(prefill_groups, decode_groups))
         row["warm_up_ms"] = round(warm_up["latency_s"] * 1e3, 2)
         row["problems"] += [f"warm-up read: {p}" for p in warm_up["errors"] + warm_up["mismatches"]]
         row["verified_bytes"] += warm_up["verified_bytes"]
         row["mismatched_bytes"] += warm_up["mismatched_bytes"]
         for i in range(args.requests):
             cached = args.cached_tokens if i % 2 else 0  # every other request: a decode prefix-cache hit
-            verify = int((i + 1) * args.verify_share) > int(i * args.verify_share)  # that share, evenly spread
+            verify = int((i + 1) * args.verify_share) > int(i * args.verify_share) \
+                and _checkable(prefill_groups, decode_groups)  # that share, evenly spread
             figures.add_read(row, read(str(i), cached, i % 3 != 2, verify=verify))
             progress.update(1)
         events = prefill.call("events", [r.remote_request_id for r in requests], released, 10.0,
@@ -173,6 +176,17 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
 def _same_host_copies(decode_daemons: list[DaemonProcess]) -> int:
     """Remote ranks' parts of reads the decode daemons copied same-host so far (the rest came over NIXL)."""
     return int(sum(d.metric("kvxferd_same_host_copies_total") for d in decode_daemons))
+
+
+def _checkable(prefill_groups, decode_groups) -> bool:
+    """Whether reads of this pairing can be checked against digests (each read unit whole digest atoms:
+    else the daemons refuse reads with digests, and the demo reads these unchecked)."""
+    try:
+        check_verifiable(tuple(GroupPairing(d.policy, d.block_size, p.block_size, 0, 0)
+                               for p, d in zip(prefill_groups, decode_groups)))
+        return True
+    except UnavailableError:
+        return False
 
 
 def _digest_checked_bytes(decode_daemons: list[DaemonProcess]) -> int:

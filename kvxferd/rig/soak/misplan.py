@@ -6,8 +6,8 @@ layout. kvxferd's own planner and handshake leave no door for that, so the
 soak runs its daemons through this wrapper: kvxferd's command line as is,
 with :meth:`EngineTransferPlan.plan_request` wrapped. When the file
 ``<engine socket>.misplan`` names a request id, that one read's plan reads
-the holder's spans into the wrong places, as a plan that took one layer's K
-for its V would::
+the holder's spans into the wrong places (every time it is planned, until the
+driver removes the file), as a plan that took one layer's K for its V would::
 
     planned            local ids  [ K of layer l | V of layer l ]      (two tables, equal spans)
                        remote ids [ K of layer l | V of layer l ]
@@ -54,7 +54,9 @@ def misplan(plan: EngineTransferPlan, planned: PlannedRead) -> str:
 
 
 def install(engine_socket: str) -> None:
-    """Wrap the planner of this process: a read whose id ``<engine_socket>.misplan`` names is misplanned once."""
+    """Wrap the planner of this process: a read whose id ``<engine_socket>.misplan`` names is misplanned each
+    time it is planned (a read planned on a stale link is planned again on the new one: both wrong), until
+    the driver removes the switch."""
     flag, done = f"{engine_socket}.misplan", f"{engine_socket}.misplanned"
     plan_request = EngineTransferPlan.plan_request
 
@@ -66,7 +68,6 @@ def install(engine_socket: str) -> None:
         except FileNotFoundError:
             return planned
         if target == request.request_id:
-            os.remove(flag)
             with open(done + ".tmp", "w") as f:
                 json.dump({"request_id": request.request_id, "how": misplan(self, planned)}, f)
             os.replace(done + ".tmp", done)

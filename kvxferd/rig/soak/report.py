@@ -28,10 +28,10 @@ INVARIANTS = {
                          "the hold or its plan was wrong (issue #59), on a rank that read the change; no other "
                          "read fails corrupt",
 }
-# Reads checked against their holds' digests; corruptions injected (digest faults that changed bytes a read
+# Reads sent with their holds' digests; corruptions injected (digest faults that changed bytes a read
 # carried), caught (failed corrupt), unjudged (the read failed otherwise first: nothing used), not injected
 # (nothing to damage or misplan), and the bytes the damage changed.
-DIGEST_COUNTS = ("reads_checked", "corruptions_injected", "corruptions_caught", "corruptions_unjudged",
+DIGEST_COUNTS = ("reads_with_digests", "corruptions_injected", "corruptions_caught", "corruptions_unjudged",
                  "not_injected", "bytes_damaged")
 MAX_EXAMPLES = 5  # per invariant, in the JSON
 MAX_LOG_LINES = 200  # the last lines of the fault log, in the JSON

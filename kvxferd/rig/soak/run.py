@@ -357,7 +357,7 @@ class Soak:
             if sent_s is None:
                 self.decode.send("read", request, prefill_id, self.config.groups()[0], deadline_s, wait_s, push_key,
                                  request.remote_digests)
-                self.report.digests["reads_checked"] += bool(request.remote_digests)
+                self.report.digests["reads_with_digests"] += bool(request.remote_digests)
                 sent_s = time.monotonic()
             if kind and mid:
                 time.sleep(float(self.rng.uniform(0.0, 0.02)))

@@ -1,13 +1,15 @@
 """Damage a held block in a holder's memory, and undo it: the faults only a hold's digests can catch (issue #59).
 
-Where: the first element of a held block's first field, in each region of a
-group. That element is token 0 of the block (a partial last block still
-holds it) and this rank's first head, so a reader of the block reads it,
-whatever its TP rank, block size or window::
+Where: the request's last token (held in its last block of each group), this
+rank's first head, channel 0, layer 0 of each region. The last token is read
+whatever the reader's TP rank, block size, prefix hit or window (a prefix hit
+ends before it; a window ends on it), so some decode rank reads the change::
 
-    region (one layer, or L of them)   block b of field 0
-    [ ... | e0 e1 e2 ... | ... ]        e0 = token 0, this rank's head 0, channel 0, layer 0 of the region
-              ^ block_table_bytes[b] + field offset
+    region (one layer, or L of them)      last block b of field 0
+    [ ... | ... e ... | ... ]              e = token (num_tokens - 1) mod block size, head 0, channel 0
+              ^ block_table_bytes[b] + field offset + that token's place (its axes' strides)
+
+A group without tokens (state pages) has its block's first element changed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxferd.layout.strided import TOKEN_DIM
 from kvxferd.rig.verify.buffers import EngineBuffers
 
 HOW = ("flip", "write")  # one bit of one byte; or every region's element rewritten (an engine's new KV)
@@ -34,24 +37,32 @@ class Damage:
             engine.buffers[g][r][offset:offset + len(old)] = np.frombuffer(old, dtype=np.uint8)
 
 
-def element_offset(engine: EngineBuffers, group: int, block_id: int) -> tuple[int, int]:
-    """``(byte offset in each of the group's region buffers, element bytes)`` of block ``block_id``'s first
-    element of its first field."""
+def element_offset(engine: EngineBuffers, group: int, block_id: int, token: int = 0) -> tuple[int, int]:
+    """``(byte offset in each of the group's region buffers, element bytes)`` of the first element of token
+    ``token`` of block ``block_id`` in the group's first field (a field without tokens: the block's first)."""
     layout = engine.cache.region(group).fields[0].layout
-    return int(layout.block_table_bytes[block_id]) + layout.offset * layout.itemsize, int(layout.itemsize)
+    offset = layout.offset
+    if TOKEN_DIM in layout.dims:
+        for axis in reversed(layout.factors(TOKEN_DIM)):  # (a split token dim: outer to inner factors)
+            token, digit = divmod(token, axis.size)
+            offset += digit * axis.stride
+    return int(layout.block_table_bytes[block_id]) + offset * layout.itemsize, int(layout.itemsize)
 
 
-def damage_held(engine: EngineBuffers, block_ids: Sequence[Sequence[int]], how: str,
-                rng: np.random.Generator) -> Damage:
-    """Damage the last block of each group ``block_ids`` names (per group), in place: ``flip`` one bit of one
-    byte of one region's first element; ``write`` every region's first element with other bytes."""
+def damage_held(engine: EngineBuffers, block_ids: Sequence[Sequence[int]], how: str, rng: np.random.Generator,
+                num_tokens: int | None = None) -> Damage:
+    """Damage the request's last token in the last block ``block_ids`` names per group (``num_tokens`` its
+    tokens; None: the block's first token), in place: ``flip`` one bit of one byte of that element in one
+    region of the first group with blocks; ``write`` that element in every region of every group."""
     if how not in HOW:
         raise ValueError(f"damage {how!r}: one of {HOW}")
     changes = []
     for g, ids in enumerate(block_ids):
         if not len(ids):
             continue
-        offset, itemsize = element_offset(engine, g, int(ids[-1]))
+        block_size = engine.cache.groups[g].block_size
+        token = (num_tokens - 1) % block_size if num_tokens and block_size else 0
+        offset, itemsize = element_offset(engine, g, int(ids[-1]), token)
         regions = range(len(engine.buffers[g]))
         if how == "flip":
             regions = [int(rng.integers(len(regions)))]

@@ -96,7 +96,8 @@ class DaemonConfig(BaseSettings):
                                   "so every read this daemon completes was checked against what its holders held, "
                                   "whatever its engines' settings (the vLLM connector's verify_share must then be "
                                   "1 on the prefill side). Off: reads are checked when their engine sends digests. "
-                                  "Pushes are not checked yet and are refused too when on")
+                                  "Pushes are not checked yet and are refused too when on, and so are reads into "
+                                  "GPU memory (no digest kernel yet)")
     push_settle_s: float = Field(5.0, ge=0, le=60, description="push (decode side): how long at most a failed "
                                  "push's blocks stay away from the engine after its expectation ended, waiting for "
                                  "the writers that had not reported (each says so once its WRITE drained; a writer "
@@ -280,7 +281,7 @@ class DaemonConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _digests_checked_where_required(self) -> "DaemonConfig":
-        if self.require_digests and self.dataplane_reader_workers:
+        if self.require_digests and self.dataplane_workers and self.dataplane_reader_workers:
             raise ValueError("require_digests with dataplane_reader_workers: a reader worker checks no digests "
                              "yet, so every read would be refused")
         return self

@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvxferd.errors import KvxferError, PermissionDeniedError
+from kvxferd.errors import KvxferError, PermissionDeniedError, UnavailableError
 from kvxferd.plan.expectrecord import ExpectRecord, is_expectation
 from kvxferd.plan.leases import HoldEnd
 from kvxferd.service.engines.read import Read, ReadState
@@ -459,7 +459,8 @@ class DataPlane:
         try:
             read.inflight = read.slot.executor.post(read.admitted, read.received_s, notify=False,
                                                     deadline_in_s=read.deadline_s - time.perf_counter())
-        except PermissionDeniedError as err:  # admitted again on a new link: not sealed by its holders
+        except (PermissionDeniedError, UnavailableError) as err:  # admitted again on a new link: not sealed
+            # by its holders, or (digests) not checkable there: refused, nothing posted; the link is fine
             read.end_unposted(str(err), ReadFailure.REFUSED, refusal=err)
             return False
         except KvxferError as err:

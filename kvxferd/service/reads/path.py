@@ -252,7 +252,8 @@ class ReadPath:
             m.read_descriptors.observe(result.num_descriptors)
             m.read_bytes.inc(result.num_bytes)
             if read.request.remote_digests and (result.ok or read.failure is ReadFailure.CORRUPT):
-                m.digest_checked_bytes.inc(result.num_bytes)  # (checked once every byte was in)
+                # (checked once every byte was in; a corrupt read's result counts no bytes as delivered)
+                m.digest_checked_bytes.inc(read.planned.num_bytes if read.planned is not None else result.num_bytes)
             if read.inflight is not None and read.inflight.num_host_copies:
                 m.same_host_copies.inc(read.inflight.num_host_copies)
             if not result.ok:

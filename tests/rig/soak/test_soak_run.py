@@ -60,11 +60,10 @@ def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
     # A killed daemon's holds may be lost with it; the run saw faults that end holds unread.
     assert summary["holds"]["EXPIRED"] > 0
     assert summary["read_outcomes"].get("failed", 0) + summary["read_outcomes"].get("lost", 0) > 0
-    # Issue #59: every corruption a read carried was caught (corruption_caught held), and reads without one
-    # were checked too
+    # Issue #59: corruptions were injected and caught (corruption_caught held: none missed, no clean read
+    # failed corrupt), and reads without one carried digests too
     digests = summary["digests"]
-    assert digests["corruptions_injected"] > 0 and digests["reads_checked"] > digests["corruptions_injected"]
-    assert digests["corruptions_caught"] + digests["corruptions_unjudged"] == digests["corruptions_injected"]
+    assert digests["corruptions_caught"] > 0 and digests["reads_with_digests"] > digests["corruptions_injected"]
 
 
 def test_a_short_soak_killing_data_plane_workers_breaks_no_invariant(tmp_path):

@@ -123,4 +123,5 @@ def test_a_daemon_that_requires_digests_refuses_a_read_without_them(workdir):
         pushed = _request(required, "pushed", 8)
         required.expect(pushed, push_key=bytes(16))
         (completion,) = required.completions(pushed)
-        assert completion.refused_code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and "push" in completion.error
+        assert completion.refused_code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert "require_digests" in completion.error and "push" in completion.error

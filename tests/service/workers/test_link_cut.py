@@ -38,8 +38,8 @@ CONSUMED = 'kind="CONSUMED"'
 
 def held(prefill: EngineProcess, request):
     answers = prefill.call("hold", request.remote_request_id, request.remote_block_ids, 60.0)
-    assert all(capability for _, capability in answers), answers
-    return dataclasses.replace(request, remote_capabilities=tuple(c for _, c in answers))
+    assert all(capability for _, capability, _ in answers), answers
+    return dataclasses.replace(request, remote_capabilities=tuple(c for _, c, _ in answers))
 
 
 def test_a_link_cut_mid_reply_and_the_workers_abort_leave_the_holder_and_its_holds(tmp_path):

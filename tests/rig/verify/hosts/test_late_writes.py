@@ -48,7 +48,7 @@ def partitioned_read(tmp_path, abort_drain_s: float) -> tuple[dict, list[str], l
         assert decode.call("handshake", "late-prefill", [prefill_daemon.peer_address]) == ["ok"]
         request = random_request("late-r", groups, groups, 2000, np.random.default_rng(3))
         answers = prefill.call("hold", request.remote_request_id, request.remote_block_ids, 30.0)
-        request = dataclasses.replace(request, remote_capabilities=tuple(c for _, c in answers))
+        request = dataclasses.replace(request, remote_capabilities=tuple(c for _, c, _ in answers))
         # Slow the link first: on its own the read crossed it in 0.25 s on a loaded machine, before the
         # partition's four iptables calls were in, and it ended ok (a clean clone's run, 2026-11-29).
         # Held 20 ms on its way in, every packet of it is still on the wire when the cut comes.
