@@ -23,6 +23,8 @@ PANELS = [
         ("p50", f"histogram_quantile(0.5, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))"),
         ("p99", f"histogram_quantile(0.99, sum by (le) (rate(kvxferd_read_post_seconds_bucket{SEL}{RATE})))")]),
     ("Failed reads / s by kind", "ops", [("{{kind}}", f"sum by (kind) (rate(kvxferd_read_failures_total{SEL}{RATE}))")]),
+    ("Integrity (issue #59): bytes of reads checked against their holds' digests / s (corrupt ones: failed reads, "
+     "kind corrupt)", "Bps", [("{{pod}}", f"sum by (pod) (rate(kvxferd_digest_checked_bytes_total{SEL}{RATE}))")]),
     ("Push (prefill side): writes / s by outcome, bytes written / s, stages / s", "ops", [
         ("{{outcome}}", f"sum by (outcome) (rate(kvxferd_push_writes_total{SEL}{RATE}))"),
         ("bytes {{pod}}", f"sum by (pod) (rate(kvxferd_push_bytes_total{SEL}{RATE}))"),

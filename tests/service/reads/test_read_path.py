@@ -46,11 +46,13 @@ def _path():
     plan = EngineTransferPlan(paper_cache("d", groups, 1, 0), [paper_cache("p", groups, 1, 0)])
     link = types.SimpleNamespace(remote=types.SimpleNamespace(plan=plan, hold_keys=(), agent_names=("p.0",)), ready=True)
     slot = types.SimpleNamespace(reads={}, completions=CompletionFeed(), links={"p": link})
-    config = types.SimpleNamespace(max_reads_per_engine=1000, deadline_s=30.0, max_deadline_s=600.0)
+    config = types.SimpleNamespace(max_reads_per_engine=1000, deadline_s=30.0, max_deadline_s=600.0,
+                                   require_digests=False)
     counter = types.SimpleNamespace(inc=lambda *args: None, observe=lambda *args: None)
     counter.labels = lambda *args: counter
     metrics = types.SimpleNamespace(read_failures=counter, read_duration=counter, read_post=counter,
-                                    read_descriptors=counter, read_bytes=counter, stale_reads=counter)
+                                    read_descriptors=counter, read_bytes=counter, stale_reads=counter,
+                                    digest_checked_bytes=counter)
     daemon = types.SimpleNamespace(config=config, dataplane=_DataPlane(), metrics=metrics,
                                    registry=types.SimpleNamespace(check_accepting=lambda: None))
     return ReadPath(daemon), slot, plan, daemon.dataplane
