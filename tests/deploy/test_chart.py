@@ -38,8 +38,13 @@ def _validate(obj):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
+def _all_containers(pod) -> list[dict]:
+    """The pod's init containers (the daemons, as native sidecars) and its containers."""
+    return pod.get("initContainers", []) + pod["containers"]
+
+
 def _sidecars(deployment):
-    return [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"].startswith("kvxferd-")]
+    return [c for c in _all_containers(deployment["spec"]["template"]["spec"]) if c["name"].startswith("kvxferd-")]
 
 
 def _roles(values):
@@ -84,7 +89,7 @@ def test_every_values_file_renders_valid_objects(name):
 def test_the_validator_rejects_a_broken_object():
     _, by_kind = _render()
     deployment = by_kind["Deployment"][0]
-    deployment["spec"]["template"]["spec"]["containers"][1]["livenessProbe"]["exec"]["comand"] = ["x"]
+    _sidecars(deployment)[0]["livenessProbe"]["exec"]["comand"] = ["x"]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
@@ -133,7 +138,7 @@ def test_one_daemon_per_gpu_that_kvxferd_itself_accepts(name, tmp_path, monkeypa
         assert pod["securityContext"]["runAsNonRoot"] is True
         sidecars = _sidecars(deployment)
         assert len(sidecars) == role["tensorParallelSize"]
-        ports = [p["containerPort"] for c in pod["containers"] for p in c["ports"]]
+        ports = [p["containerPort"] for c in _all_containers(pod) for p in c["ports"]]
         assert len(ports) == len(set(ports))
         for gpu, container in enumerate(sidecars):
             env = {e["name"]: e for e in container["env"]}
@@ -175,7 +180,7 @@ def test_gpus_from_dra_are_one_claim_shared_by_every_container():
         (claim,) = pod["resourceClaims"]
         request = claims[claim["resourceClaimTemplateName"]]["spec"]["spec"]["devices"]["requests"][0]
         assert request["exactly"]["count"] == len(_sidecars(deployment))
-        assert all({"name": "gpus"} in c["resources"]["claims"] for c in pod["containers"])  # same GPUs for all
+        assert all({"name": "gpus"} in c["resources"]["claims"] for c in _all_containers(pod))  # same GPUs for all
 
 
 def test_gpus_from_the_device_plugin_go_to_the_engine_and_the_daemons_see_them():
@@ -271,7 +276,7 @@ def test_empty_resources_still_render(values):
     for obj in objects:
         _validate(obj)
     for deployment in by_kind["Deployment"]:
-        for container in deployment["spec"]["template"]["spec"]["containers"]:
+        for container in _all_containers(deployment["spec"]["template"]["spec"]):
             resources = container["resources"]
             assert resources.get("claims") == [{"name": "gpus"}] or "nvidia.com/gpu" in resources.get("limits", {}) \
                 or container["name"] != "engine"
@@ -352,3 +357,29 @@ def test_install_notes_name_the_release_and_what_is_missing():
     assert "Secret kvx-kvxferd-peer-tls" in text  # TLS without cert-manager: the Secret the user must make
     assert "WARNING" in chart.notes(VALUES_FILES["insecure"])
     assert "Secret" not in chart.notes(VALUES_FILES["cert-manager"])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_daemons_are_native_sidecars_by_default_or_ordinary_containers(native):
+    """Issue #60: by default each daemon is an init container with ``restartPolicy: Always`` (a native
+    sidecar, Kubernetes >= 1.29) and a startup probe, so the engine starts after every daemon serves and
+    stops before them; ``nativeSidecars: false`` keeps them as ordinary containers beside the engine (older
+    clusters). Both layouts validate strictly and differ in nothing else."""
+    objects, by_kind = _render(None if native else {"nativeSidecars": False})
+    for obj in objects:
+        _validate(obj)
+    for deployment in by_kind["Deployment"]:
+        pod = deployment["spec"]["template"]["spec"]
+        names = [c["name"] for c in pod["containers"]]
+        daemons = _sidecars(deployment)
+        assert daemons and all("exec" in d["startupProbe"] for d in daemons)
+        if native:
+            assert [c["name"] for c in pod["initContainers"]] == [d["name"] for d in daemons] and names == ["engine"]
+            assert all(d["restartPolicy"] == "Always" for d in daemons)
+        else:
+            assert "initContainers" not in pod and names == ["engine", *[d["name"] for d in daemons]]
+            assert not any("restartPolicy" in d for d in daemons)
+    native_daemons = [_sidecars(d) for d in _render()[1]["Deployment"]]
+    plain_daemons = [_sidecars(d) for d in _render({"nativeSidecars": False})[1]["Deployment"]]
+    assert [[{k: v for k, v in d.items() if k != "restartPolicy"} for d in pod] for pod in native_daemons] == \
+        plain_daemons

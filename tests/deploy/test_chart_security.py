@@ -47,7 +47,7 @@ def _engine(pod):
 
 
 def _daemons(pod):
-    return [c for c in pod["containers"] if c["name"].startswith("kvxferd-")]
+    return [c for c in pod.get("initContainers", []) + pod["containers"] if c["name"].startswith("kvxferd-")]
 
 
 def test_default_allow_list_names_only_this_release(tmp_path, monkeypatch):
@@ -135,7 +135,8 @@ def test_the_engine_container_cannot_read_the_tls_key():
         assert pod["shareProcessNamespace"] is True
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert {m["name"] for m in engine["volumeMounts"]} == {"sockets", "shm"}  # no tls, no config
-        tls_users = [c["name"] for c in pod["containers"] if any(m["name"] == "tls" for m in c["volumeMounts"])]
+        tls_users = [c["name"] for c in pod.get("initContainers", []) + pod["containers"]
+                     if any(m["name"] == "tls" for m in c["volumeMounts"])]
         assert tls_users == [c["name"] for c in _daemons(pod)]
         engine_user = engine["securityContext"]["runAsUser"]
         # The engine client talks only to sockets of the daemons' uid (SO_PEERCRED, socket owner).
@@ -192,7 +193,8 @@ def test_ucx_runs_on_a_pinned_range_that_only_this_release_may_reach(tmp_path, m
                                                                  "app.kubernetes.io/instance": RELEASE}}}]
         daemons = len(_sidecars(deployment))
         assert high - low + 1 >= 2 * daemons  # two listening ports per daemon were seen (values.yaml)
-        other_ports = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        pod = deployment["spec"]["template"]["spec"]
+        other_ports = {p["containerPort"] for c in pod.get("initContainers", []) + pod["containers"] for p in c["ports"]}
         other_ports |= {values["ports"]["notify"] + g for g in range(daemons)}
         assert not any(low <= port <= high for port in other_ports)
     # OS-picked ports only without the policy (with it the chart refuses: UCX would be dropped).

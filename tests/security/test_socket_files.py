@@ -51,7 +51,7 @@ def pod():
     spec = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
     config = yaml.safe_load(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["kvxferd.yaml"])
     engine = next(c for c in spec["containers"] if c["name"] == "engine")
-    daemon = next(c for c in spec["containers"] if c["name"].startswith("kvxferd-"))
+    daemon = next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"].startswith("kvxferd-"))
     (mount,) = [m for m in engine["volumeMounts"] if m["name"] == "sockets"]
     return {"fs_group": int(spec["securityContext"]["fsGroup"]),
             "engine": (int(engine["securityContext"]["runAsUser"]), int(engine["securityContext"]["runAsGroup"])),
