@@ -221,8 +221,10 @@ def test_services_select_the_pods_and_name_their_ports():
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["clusterIP"] == "None"
         assert service["spec"]["selector"].items() <= pod_labels.items()
-        named = {p["name"] for c in _sidecars(deployment) for p in c["ports"]}
-        assert {p["targetPort"] for p in service["spec"]["ports"]} <= named
+        # Numeric target ports, each a daemon's own peer port (a named port of a native sidecar resolves only
+        # from Kubernetes 1.32/1.33 on)
+        by_name = {p["name"]: p["containerPort"] for c in _sidecars(deployment) for p in c["ports"]}
+        assert all(p["targetPort"] == by_name[p["name"]] for p in service["spec"]["ports"])
 
 
 @pytest.mark.parametrize("name", ["default", "names"])
@@ -364,7 +366,8 @@ def test_the_daemons_are_native_sidecars_by_default_or_ordinary_containers(nativ
     """Issue #60: by default each daemon is an init container with ``restartPolicy: Always`` (a native
     sidecar, Kubernetes >= 1.29) and a startup probe, so the engine starts after every daemon serves and
     stops before them; ``nativeSidecars: false`` keeps them as ordinary containers beside the engine (older
-    clusters). Both layouts validate strictly and differ in nothing else."""
+    clusters). Both layouts validate strictly; their daemons differ in nothing else; the grace period
+    covers the engine's stop, then each daemon's drain, one after another."""
     objects, by_kind = _render(None if native else {"nativeSidecars": False})
     for obj in objects:
         _validate(obj)
@@ -379,6 +382,11 @@ def test_the_daemons_are_native_sidecars_by_default_or_ordinary_containers(nativ
         else:
             assert "initContainers" not in pod and names == ["engine", *[d["name"] for d in daemons]]
             assert not any("restartPolicy" in d for d in daemons)
+    config = yaml.safe_load(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["kvxferd.yaml"])
+    for deployment in by_kind["Deployment"]:  # one grace period for the engine's stop, then each daemon's
+        grace_s, drain_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"], config["drain_timeout_s"]
+        daemons = len(_sidecars(deployment))
+        assert grace_s >= (60 + daemons * (drain_s + 5) if native else drain_s + 20)
     native_daemons = [_sidecars(d) for d in _render()[1]["Deployment"]]
     plain_daemons = [_sidecars(d) for d in _render({"nativeSidecars": False})[1]["Deployment"]]
     assert [[{k: v for k, v in d.items() if k != "restartPolicy"} for d in pod] for pod in native_daemons] == \
