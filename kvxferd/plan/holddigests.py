@@ -222,10 +222,15 @@ def check_verifiable(pairings: tuple[GroupPairing, ...]) -> None:
     whose read units are not whole atoms of the holder's (units under ATOM_TOKENS tokens that do not divide
     them). Checked before a read with digests is posted: never served as checked when it was not."""
     for g, pairing in enumerate(pairings):
-        if pairing.unit_tokens is not None and pairing.unit_tokens % atom_tokens(pairing.remote_block_size):
+        if not _whole_atoms(pairing):
             raise UnavailableError("remote_digests", f"group {g} reads units of {pairing.unit_tokens} tokens, not "
                                    f"whole digest atoms of {atom_tokens(pairing.remote_block_size)}: "
                                    "its reads cannot be checked (send them without digests)")
+
+
+def _whole_atoms(pairing: GroupPairing) -> bool:
+    """Whether each read unit of ``pairing`` is whole atoms of the holder's (state pages: a block is one)."""
+    return pairing.unit_tokens is None or pairing.unit_tokens % atom_tokens(pairing.remote_block_size) == 0
 
 
 def _malformed(digests: HoldDigests, g: int, remote_region: Region, local_region: Region, tokens_per_atom: int) -> str:
@@ -257,7 +262,7 @@ def _pair_atoms(pairing: GroupPairing, local_units, remote_units, tokens_per_ato
     if pairing.unit_tokens is None:  # state pages: a block is one atom
         atoms_per_unit, k_local, k_remote = 1, 1, 1
     else:
-        if pairing.unit_tokens % tokens_per_atom:
+        if not _whole_atoms(pairing):
             return None
         atoms_per_unit = pairing.unit_tokens // tokens_per_atom
         k_local, k_remote = pairing.local_units_per_block, pairing.remote_units_per_block

@@ -57,7 +57,7 @@ class ConnectorSettings(BaseModel):
                                          "checks against digests of the hold before decode uses a byte (issue #59, "
                                          "docs/integrity.md); a mismatch fails the read (the engine recomputes under "
                                          "its policy). 0 (the default: checking every read took a 128 MiB read from "
-                                         "0.94 to 0.45 of raw NIXL on CPU here) to 1; a request's kv_transfer_params "
+                                         "0.97 to 0.39 of raw NIXL on CPU here) to 1; a request's kv_transfer_params "
                                          "{\"kvxferd_verify\": true|false} decide for it")
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "auto"] = Field(
         "LBHNC", description="the physical KV cache order the connector asks vLLM for (auto: the backend's choice); "

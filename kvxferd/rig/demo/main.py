@@ -125,7 +125,8 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
         decode.wait_started()
         decode.call("handshake", prefill_id, peer_addresses)
         requests, released = [], []
-        copies_before = _same_host_copies(daemons["decode"])
+        copies_before = _decode_count(daemons, "kvxferd_same_host_copies_total")
+        checkable = _checkable(prefill_groups, decode_groups)  # (else the daemons refuse reads with digests)
 
         def read(name: str, cached_tokens: int, contiguous: bool, verify: bool = False) -> dict:
             request = random_request(f"{model}-{name}", prefill_groups, decode_groups, args.num_tokens, rng,
@@ -145,23 +146,22 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
         # connections (and its holders poll fast until a reader's first notice). Checked like the others.
         # The warm-up read (and --verify-share of the timed ones) checked by the decode daemons against the
         # holds' digests too (issue #59); the timed ones, by default, as raw NIXL's are: unchecked.
-        checked_before = _digest_checked_bytes(daemons["decode"])
-        warm_up = read("warm-up", 0, True, verify=_checkable(prefill_groups, decode_groups))
+        checked_before = _decode_count(daemons, "kvxferd_digest_checked_bytes_total")
+        warm_up = read("warm-up", 0, True, verify=checkable)
         row["warm_up_ms"] = round(warm_up["latency_s"] * 1e3, 2)
         row["problems"] += [f"warm-up read: {p}" for p in warm_up["errors"] + warm_up["mismatches"]]
         row["verified_bytes"] += warm_up["verified_bytes"]
         row["mismatched_bytes"] += warm_up["mismatched_bytes"]
         for i in range(args.requests):
             cached = args.cached_tokens if i % 2 else 0  # every other request: a decode prefix-cache hit
-            verify = int((i + 1) * args.verify_share) > int(i * args.verify_share) \
-                and _checkable(prefill_groups, decode_groups)  # that share, evenly spread
+            verify = checkable and int((i + 1) * args.verify_share) > int(i * args.verify_share)  # evenly spread
             figures.add_read(row, read(str(i), cached, i % 3 != 2, verify=verify))
             progress.update(1)
         events = prefill.call("events", [r.remote_request_id for r in requests], released, 10.0,
                               timeout_s=60 + 20 * len(requests))
         figures.add_events(row, events, len(requests) * args.prefill_tp)
-        row["same_host_copies"] = _same_host_copies(daemons["decode"]) - copies_before
-        row["digest_checked_bytes"] = _digest_checked_bytes(daemons["decode"]) - checked_before
+        row["same_host_copies"] = _decode_count(daemons, "kvxferd_same_host_copies_total") - copies_before
+        row["digest_checked_bytes"] = _decode_count(daemons, "kvxferd_digest_checked_bytes_total") - checked_before
         row["read_paths"] = sorted({path for d in daemons["decode"] for path in d.transport_paths()})
         raw = decode.call("raw", requests[1:], prefill_id, peer_addresses)  # the timed ones
         row["raw_s"], row["raw_bytes"] = raw["seconds"], raw["bytes"]
@@ -173,9 +173,10 @@ def run_model(model: str, shape: ModelShape, daemons: dict[str, list[DaemonProce
     return figures.finish_row(row)
 
 
-def _same_host_copies(decode_daemons: list[DaemonProcess]) -> int:
-    """Remote ranks' parts of reads the decode daemons copied same-host so far (the rest came over NIXL)."""
-    return int(sum(d.metric("kvxferd_same_host_copies_total") for d in decode_daemons))
+def _decode_count(daemons: dict[str, list[DaemonProcess]], metric: str) -> int:
+    """A counter summed over the decode daemons so far: parts of reads copied same-host
+    (``kvxferd_same_host_copies_total``), bytes checked against digests (``kvxferd_digest_checked_bytes_total``)."""
+    return int(sum(d.metric(metric) for d in daemons["decode"]))
 
 
 def _checkable(prefill_groups, decode_groups) -> bool:
@@ -187,11 +188,6 @@ def _checkable(prefill_groups, decode_groups) -> bool:
         return True
     except UnavailableError:
         return False
-
-
-def _digest_checked_bytes(decode_daemons: list[DaemonProcess]) -> int:
-    """Bytes of reads the decode daemons checked against their holds' digests so far (issue #59)."""
-    return int(sum(d.metric("kvxferd_digest_checked_bytes_total") for d in decode_daemons))
 
 
 def _fail(message: str, code: int) -> int:

@@ -30,11 +30,12 @@ kill_worker         (``--dataplane-workers`` only) kill -9 of one daemon's
 rotate_ca           (``--hosts --dataplane-workers`` only) the CA bundle every
                     daemon verifies peers with gains or loses a second CA:
                     every daemon replaces its workers, make before break
-flip_held_byte      after a hold with digests, one bit of one byte of the last
-                    held block flips in every prefill rank's memory (the
-                    board cannot see it): the read must fail ``corrupt``
-write_held_block    the same, every layer's first element of the last block
-                    rewritten, as an engine writing into a held block would
+flip_held_byte      after a hold with digests, one bit of the request's last
+                    token flips in every prefill rank's memory (one group's
+                    block; the board cannot see it): the read must fail
+                    ``corrupt``
+write_held_block    the same element rewritten in every group and layer, as an
+                    engine writing into a held block would
 misplanned_read     one decode daemon plans this read from a wrong belief of
                     the holder's layout (misplan.py: one layer's K read as its
                     V): the read must fail ``corrupt`` on that rank
