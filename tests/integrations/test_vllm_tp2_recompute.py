@@ -29,10 +29,10 @@ import types
 import pytest
 
 from tests.integrations.connector_pair import eventually
-from tests.integrations.vllm_cluster import (changed, damage_blocks, engine, greedy, hold_ends, hold_events, metric,
-                                             one_core_per_worker, prefill_params, prompts_of, random_prompts,
-                                             record_events, released_early, shutdown, tiny_model_and_daemons,
-                                             token_ids, wait_for_reset)
+from tests.integrations.vllm_cluster import (_RECORDERS, changed, damage_blocks, engine, greedy, hold_ends,
+                                             hold_events, metric, one_core_per_worker, prefill_params, prompts_of,
+                                             random_prompts, record_events, released_early, shutdown,
+                                             tiny_model_and_daemons, token_ids, wait_for_reset)
 
 pytestmark = pytest.mark.vllm
 # float32 here: TP 1 and TP 2 sum a layer's partial products in another order, and in bfloat16 that
@@ -52,8 +52,10 @@ def tp2(tmp_path_factory):
         recorders = [record_events(daemon, "prefill-tp2") for daemon in daemons[:2]]
         recorders.append(record_events(daemons[2], "decode-recompute"))
         with one_core_per_worker():
+            # Holds live 60 s (not 20): on a loaded CI machine a daemon stalled 10 s and decode's recompute of
+            # eight prompts came to two of their reads after 20 s, which found those holds EXPIRED.
             cluster.prefill = engine(model, "prefill-tp2", str(work / "vt{rank}.sock"), tp_size=2, block_size=64,
-                                     dtype=DTYPE)
+                                     dtype=DTYPE, lease_s=60.0)
             cluster.decode_tp2 = engine(model, "decode-tp2", str(work / "vw{rank}.sock"), tp_size=2, block_size=64,
                                       dtype=DTYPE)
         cluster.decode = engine(model, "decode-recompute", daemons[2].socket, policy="recompute", dtype=DTYPE)
@@ -123,19 +125,11 @@ def _post_mortem(tp2) -> str:
                   if line.startswith(("kvxferd_read_failures_total", "kvxferd_holds_pending", "kvxferd_stale",
                                       "kvxferd_notices", "kvxferd_late", "kvxferd_read_bytes_total"))]
         lines += [line for line in daemon.tail(30000).splitlines() if '"DEBUG"' not in line][-15:]
+    for daemon in tp2.prefill_daemons:  # how each prefill hold ended, and why (an EXPIRED's reason)
+        recorder = _RECORDERS[(daemon.addresses["notify"], "prefill-tp2")]
+        lines += [f"{daemon.daemon_id}: hold {request_id}: {list(zip(kinds, recorder.reasons.get(request_id, [])))}"
+                  for request_id, kinds in list(recorder.events.items())[-12:]]
     return "\n".join(lines)
-
-
-def test_a_failed_read_is_recomputed_under_recompute_with_the_same_tokens(tp2):
-    prompts = random_prompts(6, (130, 45))
-    single = single_instance(tp2.decode, prompts, 6)
-    params = prefill_params(tp2.prefill, prompts)
-    params[0] = released_early(params[0])
-    failures_before = metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="refused"}')
-    outputs = tp2.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
-    assert token_ids(outputs) == single
-    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length"]
-    assert metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="refused"}') == failures_before + 1
 
 
 def test_a_damaged_prefill_block_is_caught_by_its_digests_and_recomputed(tp2):
@@ -167,3 +161,17 @@ def test_a_damaged_prefill_block_is_caught_by_its_digests_and_recomputed(tp2):
                 _post_mortem(tp2)
         for llm in (tp2.prefill, tp2.decode):  # damaged blocks in prefill's cache, recomputed ones in decode's
             wait_for_reset(llm)
+
+
+def test_a_failed_read_is_recomputed_under_recompute_with_the_same_tokens(tp2):
+    """Last in the file: the hold of the read made to fail is never read, and keeps its prefill blocks until
+    its lease (60 s) runs out, which a later test's prefix-cache reset would wait for."""
+    prompts = random_prompts(6, (130, 45))
+    single = single_instance(tp2.decode, prompts, 6)
+    params = prefill_params(tp2.prefill, prompts)
+    params[0] = released_early(params[0])
+    failures_before = metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="refused"}')
+    outputs = tp2.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
+    assert token_ids(outputs) == single
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length"]
+    assert metric(tp2.recompute_daemon, 'kvxferd_read_failures_total{kind="refused"}') == failures_before + 1
