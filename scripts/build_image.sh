@@ -6,8 +6,7 @@
 #   2. a minimal Debian bookworm base (python3, python3-venv, ca-certificates) made by debootstrap,
 #      with Debian's security updates, kept as a tarball in the cache directory (~/.cache/kvxferd-image)
 #      and imported with `podman import`;
-#   3. `podman build` of the Dockerfile on that base, with torch's CPU wheel from /opt/wheels
-#      mounted into the build (or from download.pytorch.org when there is no local wheel);
+#   3. `podman build` of the Dockerfile on that base (no torch: the daemon's image has none);
 #   4. the image's size and the build's time.
 #
 # Usage: scripts/build_image.sh [--tag kvxferd:latest] [--nixl-variant cpu|cu12|cu13] [--no-cache]
@@ -24,9 +23,8 @@ rebuild_base=0
 cache_dir=${KVXFERD_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvxferd-image}
 mirror=${KVXFERD_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 security_mirror=${KVXFERD_DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
-suite=bookworm  # its python3 is 3.11, as the torch wheel (cp311) needs
+suite=bookworm  # its python3 is 3.11 (kvxferd needs >= 3.11)
 base_packages=python3,python3-venv,ca-certificates
-torch_wheel=${KVXFERD_TORCH_WHEEL:-$(ls /opt/wheels/torch-2.13.0+cpu-cp311-*.whl 2>/dev/null | head -n 1 || true)}
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -121,12 +119,6 @@ fi
 # 3. The image. --format docker: the OCI format has no HEALTHCHECK. --network host: pip reaches PyPI
 # without container networking (CNI) being set up here.
 build_args=()
-if [ -n "$torch_wheel" ]; then
-    build_args=(--volume "$(dirname "$(realpath "$torch_wheel")")":/wheels:ro
-                --build-arg TORCH_SPEC="/wheels/$(basename "$torch_wheel")" --build-arg TORCH_INDEX=)
-else
-    say "no local torch wheel (/opt/wheels/torch-2.13.0+cpu-cp311-*.whl): torch's CPU build from download.pytorch.org"
-fi
 # The host's CA bundle over the base's in every RUN step (a bind mount: never in a layer), so that pip
 # trusts what the host trusts: a proxy that re-signs TLS, as where this was written, included.
 ca_bundle=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}

@@ -195,6 +195,7 @@ class Daemon:
             self.registry.on_session_event = self.sessions.on_event
             self.registry.on_closing = self.writes.engine_gone
             self.registry.require_rdma_vram = config.require_rdma_capable_vram
+            self.registry.retire_s = config.drain_timeout_s  # an engine leaving lets its holds be read first
             for kind in MEMORY_KINDS:
                 self.metrics.vram_regions.labels(kind).set_function(functools.partial(self.registry.num_vram_regions,
                                                                                       kind))
@@ -496,7 +497,8 @@ class Daemon:
         for service in (*SERVICES, ""):
             await _set_health(self._health, service, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self._num_reads() and time.monotonic() < deadline:
+        # (and engines that left just before: the readers of their holds; the native sidecar order)
+        while (self._num_reads() or self.registry.num_retiring) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         left = self._num_reads()
         log.info("drained", extra={"reads_failed": left})

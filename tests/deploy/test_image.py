@@ -1,12 +1,14 @@
 """The container image, built and run here (marker ``image``: ``scripts/test.sh -m image tests/deploy/test_image.py``).
 
 scripts/build_image.sh builds it without a registry (podman, a debootstrap
-base, torch's CPU wheel from /opt/wheels), once per module; a cached build
-takes seconds. Then, in containers with no network but loopback:
+base), once per module; a cached build takes seconds. It has no torch (issue
+#60). Then, in containers with no network but loopback:
 ``kvxferd health`` (the image's HEALTHCHECK) finds a daemon started as the
 chart starts it, on /run/kvxferd/gpu0.sock; the demo moves every preset
 byte-exact with room in /dev/shm, and with the runtimes' default 64 MB says
-so in one line before it starts anything (issue 39).
+so in one line before it starts anything (issue 39). The CUDA variants (cu12,
+cu13) are built too: their NIXL and UCX libraries find the CUDA runtime that
+torch used to bring (a GPU is not needed to see the loader resolve them).
 """
 
 from __future__ import annotations
@@ -30,16 +32,58 @@ def podman(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout_s)
 
 
-@pytest.fixture(scope="module")
-def image() -> str:
+def build(tag: str, nixl_variant: str = "cpu") -> str:
+    """``tag`` built by scripts/build_image.sh (skips where it cannot run); the image's name."""
     if os.geteuid() != 0:
         pytest.skip("building the image needs root (debootstrap, rootful podman): run scripts/build_image.sh as root")
-    build = subprocess.run([str(ROOT / "scripts" / "build_image.sh"), "--tag", TAG], capture_output=True, text=True,
-                           timeout=BUILD_TIMEOUT_S)
-    if build.returncode == 3:  # no root, podman or debootstrap cannot be installed, podman does not run here
-        pytest.skip(f"the image cannot be built here: {build.stderr.strip().splitlines()[-1]}")
-    assert build.returncode == 0, build.stderr[-4000:]
-    return TAG
+    made = subprocess.run([str(ROOT / "scripts" / "build_image.sh"), "--tag", tag, "--nixl-variant", nixl_variant],
+                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    if made.returncode == 3:  # no root, podman or debootstrap cannot be installed, podman does not run here
+        pytest.skip(f"the image cannot be built here: {made.stderr.strip().splitlines()[-1]}")
+    assert made.returncode == 0, made.stderr[-4000:]
+    print(made.stderr.strip().splitlines()[-1])  # its size and build time (pytest -s shows them)
+    return tag
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    return build(TAG)
+
+
+def in_image(image: str, code: str) -> subprocess.CompletedProcess:
+    """``code`` run by the image's Python, as the image's user, with no network."""
+    return podman("run", "--rm", "--network", "none", "--entrypoint", "/opt/kvxferd/bin/python", image, "-c", code)
+
+
+def test_the_image_has_no_torch_and_its_nixl_loads(image):
+    found = in_image(image, "import importlib.util as u; print([u.find_spec(m) is not None for m in ('torch', 'nixl')])")
+    assert found.returncode == 0 and found.stdout.strip() == "[False, True]", (found.stdout, found.stderr)
+
+
+LIBRARIES = "/opt/kvxferd/lib/python3*/site-packages/nixl_cu1*.libs"
+
+
+@pytest.mark.parametrize("variant", ["cu12", "cu13", "cpu"])
+def test_the_cuda_variants_libraries_find_the_cuda_runtime_without_torch(variant, request):
+    """UCX's CUDA memory hooks and NIXL's CUDA plugins link libcudart.so.12/.13, which a CUDA torch used to
+    bring: in the cu images the loader resolves it (NVIDIA's runtime wheel); everything else they need is
+    there too, but the driver, which the container runtime mounts from the node. The cpu image has no CUDA
+    runtime: its libcudart is not found (the negative control)."""
+    image = request.getfixturevalue("image") if variant == "cpu" else build(f"{TAG.split(':')[0]}:test-{variant}", variant)
+    listed = podman("run", "--rm", "--network", "none", "--entrypoint", "/bin/sh", image, "-c",
+                    f"for lib in {LIBRARIES}/ucx/libucm_cuda.so.0.0.0 {LIBRARIES}/nixl/libplugin_GDS.so; do "
+                    "echo \"== $lib\"; ldd \"$lib\"; done")
+    assert listed.returncode == 0, listed.stderr
+    libraries = listed.stdout.split("== ")[1:]
+    assert len(libraries) == 2, listed.stdout
+    for library in libraries:
+        cudart = [line.split() for line in library.splitlines() if "libcudart.so" in line]
+        missing = {line.split()[0] for line in library.splitlines() if "not found" in line}
+        if variant == "cpu":
+            assert cudart and "libcudart.so.13" in missing, library
+        else:
+            assert cudart and cudart[0][2].startswith("/opt/kvxferd/") and cudart[0][0] == f"libcudart.so.{variant[2:]}", library
+            assert missing <= {"libcuda.so.1"}, library
 
 
 def _wait_for_log(name: str, text: str, timeout_s: float = 60) -> str:

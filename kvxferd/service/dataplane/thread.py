@@ -86,6 +86,7 @@ SOCKET_READ_POLL_MAX_S = 1e-3  # the same when their replies come over sockets t
 HOLD_POLL_S = 1e-3  # sleep while holding requests for a reader whose READs need our progress
 NOTICE_HOLD_POLL_S = 1e-2  # sleep while holding requests whose readers copy alone (only their notices wait)
 NOTICE_PROGRESS_S = 0.05  # how long a notice agent is polled after its last notice,
+NOTICE_FLUSH_POLL_S = 0.001  # while a leaving engine's last notices go (remove_slot)
 NOTICE_POLL_S = 0.01  # and how often (the executor polls it right after sending: this is a safety net)
 IDLE_POLL_S = 0.5  # engines registered, nothing outstanding: a stray notice waits up to this long
 # Push (issue #57): while an engine here expects writes, its completion waits for the writers' notices:
@@ -291,9 +292,10 @@ class DataPlane:
                     self._finish(read, result, ReadFailure.ABORTED)
 
     def remove_slot(self, slot: EngineSlot, reason: str) -> None:
-        """Fail the slot's reads, disconnect its remotes and deregister its memory."""
+        """Fail the slot's reads, let its last notices go, disconnect its remotes and deregister its memory."""
         with slot.executor.lock:
             self.fail_reads(slot, reason)
+            self._flush_notices(slot)
             if slot in self._slots:
                 self._slots.remove(slot)
                 self.sets.rebuild(self._slots)  # before its agents close: their fds may be reused
@@ -302,6 +304,23 @@ class DataPlane:
             if slot.push_executor is not None:
                 slot.push_executor.close()
             slot.executor.close()
+
+    def _flush_notices(self, slot: EngineSlot) -> None:
+        """Poll the slot's notice agent for what is left of NOTICE_PROGRESS_S after its last notice: UCX sends a
+        notice on only while its agent makes progress, and an engine that deregistered right after its read's
+        completion had the CONSUMED notice die with the agent (the holder then kept the hold to its lease, and
+        since issue #60 a leaving holder waits for it)."""
+        sent = slot.executor.num_notices_sent
+        seen = self._notices_seen.get(id(slot))
+        if not sent or (seen is not None and seen[0] == sent and time.perf_counter() - seen[1] >= NOTICE_PROGRESS_S):
+            return
+        until_s = time.perf_counter() + NOTICE_PROGRESS_S
+        while time.perf_counter() < until_s:
+            try:
+                slot.executor.progress_notices()
+            except KvxferError:
+                return
+            time.sleep(NOTICE_FLUSH_POLL_S)
 
     # ---- the thread ----------------------------------------------------------------
     def _run(self) -> None:

@@ -51,6 +51,7 @@ log = logging.getLogger("kvxferd.engines")
 SESSION_BYTES = 32  # secrets.token_urlsafe: 43 URL-safe characters
 # What this daemon issues (the length follows from SESSION_BYTES); anything else is not kept.
 _SESSION_FORMAT = re.compile(rf"[A-Za-z0-9_-]{{{len(secrets.token_urlsafe(SESSION_BYTES))}}}")
+RETIRE_POLL_S = 0.02  # how often a leaving engine's holds are looked at
 MAX_EXPIRIES_PER_TICK = 8192  # per engine and maintenance tick (0.2 s): 40,000 a second
 # The maintenance tick comes at least every second (daemon.IDLE_TICK_S). A longer gap means this
 # daemon did not run (SIGSTOP, a paused VM or container, a starved host); see Registry.expire.
@@ -109,6 +110,7 @@ class Registry:
         self.daemon_id = daemon_id
         self.default_lease_s = default_lease_s
         self.max_lease_s = max_lease_s
+        self.retire_s = 0.0  # how long an engine's own Deregister lets its holds run out (the daemon's drain_timeout_s)
         self.fd_inbox = fd_inbox
         # Keep a copy of each shared-memory fd an engine passes, for same-host readers to open (set by the
         # daemon when same-host reads are on: else the received fds close after mapping, as always).
@@ -118,6 +120,7 @@ class Registry:
         self.accepting = True
         self.require_rdma_vram = False  # require_rdma_capable_vram: refuse VRAM a NIC cannot read (engines/gpu.py)
         self._exits: set[asyncio.Task] = set()  # deregistrations of engines whose process exited
+        self._retiring: set[asyncio.Task] = set()  # engines that deregistered, their holds running out (leave)
         # (slot, event) of a reader worker serving the engine's session, on the loop (the daemon's WorkerSessions)
         self.on_session_event = None
         self._last_sweep_s = time.monotonic()  # maintenance sweeps at least every IDLE_TICK_S from here
@@ -414,8 +417,52 @@ class Registry:
         async with self._exclusive(slot.engine_id):
             await self._deregister(slot, reason)
 
-    async def _deregister(self, slot: EngineSlot, reason: str) -> None:
+    async def leave(self, slot: EngineSlot, reason: str) -> None:
+        """The engine's own Deregister: the registration takes nothing new, its pushes in flight are aborted
+        as before, and its holds, which may be being read, run out (their readers report, or their leases
+        end; at most ``retire_s``) before its memory goes. Answered once the memory went, or at once while
+        holds run out (in the background: a connector's Deregister has a short deadline)."""
         if slot.closing:
+            return
+        slot.closing = True  # no new holds, reads or handshakes; the data plane still serves and polls it
+        if self.on_closing is not None:
+            await self.on_closing(slot)
+        with slot.lock:
+            held = len(slot.holds)
+        task = asyncio.ensure_future(self._retire(slot, reason))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        if not held:
+            await asyncio.shield(task)  # (done even if the caller stops waiting)
+
+    @property
+    def num_retiring(self) -> int:
+        """Registrations that left and whose holds are still running out."""
+        return len(self._retiring)
+
+    async def _retire(self, slot: EngineSlot, reason: str) -> None:
+        await self._let_holds_end(slot)
+        async with self._exclusive(slot.engine_id):
+            await self._deregister(slot, reason, retiring=True)
+
+    async def _let_holds_end(self, slot: EngineSlot) -> None:
+        """Wait while ``slot`` holds blocks, at most ``retire_s``. A READ that a holder's UCX serves cannot be
+        stopped, and over TCP it is served from the memory _deregister unmaps: the daemon died of it
+        (SIGSEGV, tests/rig/verify/hosts/test_shutdown_order.py). A hold ends when its readers report (their
+        notices reach the data plane, which polls the slot until it is removed) or when its lease ends."""
+        deadline_s = time.monotonic() + self.retire_s
+        while time.monotonic() < deadline_s:
+            with slot.lock:
+                ended = slot.holds.expire(time.monotonic())
+                held = len(slot.holds)
+            for end in ended:
+                self.publish(slot, end)
+            if not held:
+                return
+            await asyncio.sleep(RETIRE_POLL_S)
+
+    async def _deregister(self, slot: EngineSlot, reason: str, *, retiring: bool = False) -> None:
+        if slot.closing and not retiring:
             return
         slot.closing = True
         if slot.process_watch is not None:
@@ -424,7 +471,7 @@ class Registry:
             ended = slot.holds.drop_all(reason)
         for end in ended:
             self.publish(slot, end)
-        if self.on_closing is not None:
+        if self.on_closing is not None and not retiring:  # (a retiring one's ran when it left)
             await self.on_closing(slot)
         try:
             await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.remove_slot(slot, reason)))

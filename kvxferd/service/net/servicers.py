@@ -121,7 +121,7 @@ class EngineServicer(engine_grpc.EngineServiceServicer):
 
     @rpc
     async def Deregister(self, request, context):
-        await self.daemon.registry.deregister(self._slot(request.engine_id, context), "engine deregistered")
+        await self.daemon.registry.leave(self._slot(request.engine_id, context), "engine deregistered")
         return pb.DeregisterReply()
 
     @rpc

@@ -1,8 +1,11 @@
-"""A decode engine for the late-write tests: it fingerprints its memory when each completion arrives."""
+"""Engines for the namespace-host tests: a decode that fingerprints its memory as each completion arrives (late
+writes), a prefill that watches how its holds end (shutdown order)."""
 
 import hashlib
 
-from kvxferd.rig.engines import SoakDecode
+from kvxferd.client.notify import NotifySubscriber
+from kvxferd.proto.v1 import kvxfer_pb2 as pb
+from kvxferd.rig.engines import SoakDecode, SoakPrefill
 
 
 class FingerprintDecode(SoakDecode):
@@ -21,3 +24,21 @@ class FingerprintDecode(SoakDecode):
 
 def _digest(arena) -> str:
     return hashlib.sha256(arena.tobytes()).hexdigest()
+
+
+class WatchedPrefill(SoakPrefill):
+    """:class:`SoakPrefill` subscribed to its daemons' buses: how its holds end."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.subscribers = [NotifySubscriber(client) for client in self.clients]
+
+    def hold_end(self, request_id: str, timeout_s: float) -> list[str | None]:
+        """Per rank, the event that ended the hold of ``request_id`` (CONSUMED or EXPIRED), None if none came."""
+        events = [subscriber.wait_for(request_id, timeout_s=timeout_s) for subscriber in self.subscribers]
+        return [None if e is None else pb.NotifyEvent.Kind.Name(e.kind) for e in events]
+
+    def close(self) -> None:
+        for subscriber in self.subscribers:
+            subscriber.close()
+        super().close()
