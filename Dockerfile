@@ -52,7 +52,7 @@ COPY kvxferd ./kvxferd
 RUN /opt/kvxferd/bin/pip wheel --no-deps --wheel-dir /dist . \
  && /opt/kvxferd/bin/pip install --no-deps /dist/kvxferd-*.whl \
  && /opt/kvxferd/bin/kvxferd serve --help > /dev/null \
- && /opt/kvxferd/bin/python -c "from kvxferd.xfer.nixl_module import nixl_api; api, _ = nixl_api(); api.nixl_agent('build-check', api.nixl_agent_config(backends=['UCX']))" \
+ && /opt/kvxferd/bin/python -c "from kvxferd.xfer.nixl.nixl_module import nixl_api; api, _ = nixl_api(); api.nixl_agent('build-check', api.nixl_agent_config(backends=['UCX']))" \
  && /opt/kvxferd/bin/python -c "import importlib.util as u, sys; sys.exit('torch came into the image' if u.find_spec('torch') else 0)"
 
 FROM ${BASE} AS runtime

@@ -47,6 +47,10 @@ def test_multi_stage_non_root_daemon_with_health_check():
     assert "torch" not in " ".join(args for op, args in deps + runtime if op in ("ARG", "RUN", "ENV")).lower()
     (check,) = [args for op, args in build if op == "RUN" and "find_spec('torch')" in args]
     assert "torch came into the image" in check
+    # The build's NIXL check imports modules by name: they exist (a moved module broke the image unseen).
+    for module in re.findall(r"from (kvxferd[\w.]*) import", check):
+        path = ROOT / module.replace(".", "/")
+        assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), module
 
 
 def test_one_nixl_wheel_per_image():
