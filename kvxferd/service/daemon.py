@@ -501,6 +501,7 @@ class Daemon:
         while (self._num_reads() or self.registry.num_retiring) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         left = self._num_reads()
+        await self.registry.finish_retiring()  # (before the data plane stops: their memory goes through it)
         log.info("drained", extra={"reads_failed": left})
         for slot in list(self.registry.slots.values()):
             await self.registry.deregister(slot, "daemon shutting down")

@@ -193,6 +193,8 @@ def test_a_read_whose_re_handshake_is_refused_names_every_block_invalid(workdir)
         request = _request("refused-handshake", 2)
         first, _ = cluster.hold(request)
         request = dataclasses.replace(request, remote_capabilities=(first, bytes(CAPABILITY_BYTES)))
+        # (released first: an engine that leaves holding stays findable while its holds may be read, issue #60)
+        cluster.prefill_clients[1].release(request.remote_request_id)
         cluster.prefill_clients[1].deregister()
         time.sleep(1.0)  # a probe sees the engine gone: the link is stale, its re-handshake refused
         cluster.submit(request, deadline_s=5.0)
@@ -334,3 +336,47 @@ def test_an_engine_registers_again_by_itself_when_its_daemon_restarted(workdir):
         cluster.reset_decode()
         completions = cluster.read(_request("after", 5))
         assert all(c.ok for c in completions), [c.error for c in completions]
+
+
+def test_an_engine_that_left_holding_keeps_its_memory_until_the_hold_ends_and_its_id_waits(workdir):
+    """Issue #60: an engine's Deregister with a hold open is answered at once; its memory stays mapped while
+    the hold may be read (here until its 2 s lease ends: nobody reads it), a Register of the same id meanwhile
+    is refused ALREADY_EXISTS (a restarting connector waits and retries on it), and once the hold ended the memory goes and the id registers again."""
+    from kvxferd.client import DaemonProcess, SharedArena, engine_rank_pb
+    from kvxferd.rig.daemons import usage
+    from kvxferd.rig.verify.buffers import allocate_engine
+
+    prefill_groups, _ = _groups()
+    (daemon,) = DaemonProcess.start_many(["retire-p"], socket_dir=workdir)
+    arenas = []
+    clients = []
+    try:
+        def allocate(num_bytes):
+            arenas.append(SharedArena(num_bytes))
+            return arenas[-1].array
+        cache = allocate_engine("leaving", prefill_groups, 1, 0, tagged=True, allocate=allocate).cache
+        message = engine_rank_pb(cache, arenas[0])
+        client = EngineClient(daemon.engine_target)
+        clients.append(client)
+        client.register(message)
+        request = _request("retire", 0)
+        client.hold(request.remote_request_id, request.remote_block_ids, lease_s=2.0)
+        start = time.monotonic()
+        client.deregister()
+        assert time.monotonic() - start < 1.0  # answered while the hold runs out
+        assert usage(daemon.process.pid)["engine_shm"]  # still mapped: the hold may be being read
+        again = EngineClient(daemon.engine_target)
+        clients.append(again)
+        with pytest.raises(grpc.RpcError) as refused:
+            again.register(message)
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS, refused.value.details()
+        while usage(daemon.process.pid)["engine_shm"] and time.monotonic() - start < 10:
+            time.sleep(0.05)
+        assert not usage(daemon.process.pid)["engine_shm"] and time.monotonic() - start >= 1.5  # at the lease
+        again.register(message)  # the id is free again
+    finally:
+        for client in clients:
+            client.close()
+        daemon.terminate()
+        for arena in arenas:
+            arena.close()

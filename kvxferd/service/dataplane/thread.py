@@ -306,7 +306,8 @@ class DataPlane:
             slot.executor.close()
 
     def _flush_notices(self, slot: EngineSlot) -> None:
-        """Poll the slot's notice agent for what is left of NOTICE_PROGRESS_S after its last notice: UCX sends a
+        """Poll the slot's notice agent for what is left of NOTICE_PROGRESS_S after its last notice (all of it when
+        this thread has not seen that notice yet): UCX sends a
         notice on only while its agent makes progress, and an engine that deregistered right after its read's
         completion had the CONSUMED notice die with the agent (the holder then kept the hold to its lease, and
         since issue #60 a leaving holder waits for it)."""
@@ -314,7 +315,7 @@ class DataPlane:
         seen = self._notices_seen.get(id(slot))
         if not sent or (seen is not None and seen[0] == sent and time.perf_counter() - seen[1] >= NOTICE_PROGRESS_S):
             return
-        until_s = time.perf_counter() + NOTICE_PROGRESS_S
+        until_s = (seen[1] if seen is not None and seen[0] == sent else time.perf_counter()) + NOTICE_PROGRESS_S
         while time.perf_counter() < until_s:
             try:
                 slot.executor.progress_notices()

@@ -120,15 +120,17 @@ class Registry:
         self.accepting = True
         self.require_rdma_vram = False  # require_rdma_capable_vram: refuse VRAM a NIC cannot read (engines/gpu.py)
         self._exits: set[asyncio.Task] = set()  # deregistrations of engines whose process exited
-        self._retiring: set[asyncio.Task] = set()  # engines that deregistered, their holds running out (leave)
+        self._retiring: dict[asyncio.Task, EngineSlot] = {}  # engines that deregistered, their holds running out
+        self._retire_cut = False  # the daemon is stopping: no more waiting for them (finish_retiring)
         # (slot, event) of a reader worker serving the engine's session, on the loop (the daemon's WorkerSessions)
         self.on_session_event = None
         self._last_sweep_s = time.monotonic()  # maintenance sweeps at least every IDLE_TICK_S from here
 
-    def slot(self, engine_id: str) -> EngineSlot:
-        """The live registration of ``engine_id`` (for peers: no session involved)."""
+    def slot(self, engine_id: str, *, retiring: bool = False) -> EngineSlot:
+        """The live registration of ``engine_id`` (for peers: no session involved); ``retiring``: also one that
+        deregistered and whose holds are still being read (its readers' probes and renewals)."""
         slot = self.slots.get(engine_id)
-        if slot is None or slot.closing:
+        if slot is None or (slot.closing and not (retiring and slot in self._retiring_slots)):
             raise NotFoundError("engine_id", f"no engine {engine_id!r} is registered on this daemon")
         return slot
 
@@ -143,6 +145,10 @@ class Registry:
     def _check_replace(self, engine_id: str, session: str) -> None:
         """A live registration is replaced only by its own session (or once its lease ran out)."""
         old = self.slots.get(engine_id)
+        if old is not None and old in self._retiring_slots:
+            # ALREADY_EXISTS, as for a live registration: a restarting connector waits and retries on it
+            raise AlreadyExistsError("engine.engine_id", f"engine {engine_id!r} deregistered and its holds may still "
+                                                         "be being read (at most drain_timeout_s): register again then")
         if old is None or old.closing or old.lease_expires_s <= time.monotonic():
             if sum(not s.closing for s in self.slots.values()) >= self.max_engines and old is None:
                 raise ResourceExhaustedError("max_engines", f"{self.max_engines} engine ranks are registered already")
@@ -421,27 +427,40 @@ class Registry:
         """The engine's own Deregister: the registration takes nothing new, its pushes in flight are aborted
         as before, and its holds, which may be being read, run out (their readers report, or their leases
         end; at most ``retire_s``) before its memory goes. Answered once the memory went, or at once while
-        holds run out (in the background: a connector's Deregister has a short deadline)."""
+        holds run out (in the background: a connector's Deregister has a short deadline). The work runs in a
+        task of its own: a caller that stops waiting does not stop it."""
         if slot.closing:
             return
         slot.closing = True  # no new holds, reads or handshakes; the data plane still serves and polls it
-        if self.on_closing is not None:
-            await self.on_closing(slot)
         with slot.lock:
             held = len(slot.holds)
         task = asyncio.ensure_future(self._retire(slot, reason))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._retiring[task] = slot
+        task.add_done_callback(lambda done: self._retiring.pop(done, None))
         if not held:
-            await asyncio.shield(task)  # (done even if the caller stops waiting)
+            await asyncio.shield(task)
 
     @property
     def num_retiring(self) -> int:
         """Registrations that left and whose holds are still running out."""
         return len(self._retiring)
 
+    @property
+    def _retiring_slots(self) -> list[EngineSlot]:
+        return list(self._retiring.values())
+
+    async def finish_retiring(self) -> None:
+        """Stop waiting for leaving engines' holds and take them down now (the daemon is stopping)."""
+        self._retire_cut = True
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+
     async def _retire(self, slot: EngineSlot, reason: str) -> None:
-        await self._let_holds_end(slot)
+        try:
+            if self.on_closing is not None:
+                await self.on_closing(slot)
+            await self._let_holds_end(slot)
+        except Exception:  # (taken down all the same: a slot left closing would keep its memory for good)
+            log.exception("letting a deregistered engine's holds end failed", extra={"engine_id": slot.engine_id})
         async with self._exclusive(slot.engine_id):
             await self._deregister(slot, reason, retiring=True)
 
@@ -451,7 +470,7 @@ class Registry:
         (SIGSEGV, tests/rig/verify/hosts/test_shutdown_order.py). A hold ends when its readers report (their
         notices reach the data plane, which polls the slot until it is removed) or when its lease ends."""
         deadline_s = time.monotonic() + self.retire_s
-        while time.monotonic() < deadline_s:
+        while time.monotonic() < deadline_s and not self._retire_cut:
             with slot.lock:
                 ended = slot.holds.expire(time.monotonic())
                 held = len(slot.holds)
@@ -471,7 +490,7 @@ class Registry:
             ended = slot.holds.drop_all(reason)
         for end in ended:
             self.publish(slot, end)
-        if self.on_closing is not None and not retiring:  # (a retiring one's ran when it left)
+        if self.on_closing is not None and not retiring:  # (a retiring one's ran when it began)
             await self.on_closing(slot)
         try:
             await asyncio.wrap_future(self.dataplane.call(lambda: self.dataplane.remove_slot(slot, reason)))

@@ -324,7 +324,7 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
     @rpc
     async def GetIncarnation(self, request, context):
         identity, _ = self._authorize(context)
-        slot = self.daemon.registry.slot(request.engine_id)
+        slot = self.daemon.registry.slot(request.engine_id, retiring=True)  # (its holds may still be read)
         # A reader's daemon probes every peer_check_s: that keeps its introduction active, and tells it when
         # its place was given to another reader (it then introduces it again before its notices are dropped).
         known = bool(request.reader_engine_id) and slot.readers.refresh(
@@ -335,4 +335,5 @@ class PeerServicer(peer_grpc.PeerServiceServicer):
     async def RenewLeases(self, request, context):
         self._authorize(context)
         return pb.RenewLeaseReply(unknown_request_ids=renew_holds(self.daemon,
-                                                                  self.daemon.registry.slot(request.engine_id), request))
+                                                                  self.daemon.registry.slot(request.engine_id,
+                                                                                            retiring=True), request))

@@ -108,7 +108,8 @@ def _stopped_after_its_drain(daemon) -> None:
 def test_a_prefill_pod_stopping_its_engine_then_its_daemon_mid_read_loses_nothing(tmp_path, drain_timeout_s):
     """The prefill pod goes while decode reads from it: its engine deregisters and frees its cache, then its
     daemon gets SIGTERM. The engine's Deregister lets its hold be read first (the daemon's mapping keeps the
-    freed cache's pages): the read ends ok with every byte right, the hold CONSUMED. Before, the prefill
+    freed cache's pages), and SIGTERM waits for it within the drain: the read ends ok with every byte right
+    and the daemon exits 0. Before, the prefill
     daemon unmapped the cache at once and died (SIGSEGV) in UCX serving the READ from it, or the read failed:
     what ``--drain-timeout-s 0`` (no wait) still shows, the negative control."""
     in_flight = InFlight(tmp_path, drain_timeout_s=drain_timeout_s)
