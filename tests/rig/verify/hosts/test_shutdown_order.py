@@ -6,7 +6,7 @@ host, slows the link so that its read is still crossing it, and stops one
 side in that order while the bytes are on the wire::
 
     prefill host                       decode host
-    engine ─ hold ─► daemon ═══ READ (in flight, 20 ms a packet) ═══► daemon ─► engine
+    engine ─ hold ─► daemon ═══ READ (in flight, 5 ms a packet) ═══► daemon ─► engine
 
 Nothing may be lost: the read ends with a completion (bytes right, or failed
 with its blocks named invalid: never cut short and called ok), the hold ends
@@ -34,7 +34,7 @@ REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"namespace hosts: {REASON}")
 SHAPE = ModelShape(num_layers=8, num_kv_heads=8, head_size=128, num_blocks=256)
 IN_FLIGHT_BYTES = 2 << 20  # of a 128 MiB read: well inside it
-SLOW_LINK_S = 0.02  # each packet into the decode host held that long: the read takes seconds
+SLOW_LINK_S = 0.005  # each packet into the decode host held that long: the read takes seconds
 DEADLINE_S = 30.0  # longer than any read here: a read that fails, fails for the shutdown
 
 
