@@ -47,15 +47,16 @@ def two_block_request(name: str, k: int) -> ReadRequest:
     return ReadRequest(name, f"{name}@p", tuple(ids for _ in GQA_GROUPS[1]), tuple(ids for _ in GQA_GROUPS[0]), 32)
 
 
-def engine_pb(groups, engine_id: str = "other", arenas: list | None = None) -> pb.EngineRank:
-    """A Register message for a one-rank engine whose cache lies in a new shared arena (appended to ``arenas``)."""
+def engine_pb(groups, engine_id: str = "other", arenas: list | None = None, tagged: bool = False) -> pb.EngineRank:
+    """A Register message for a one-rank engine whose cache lies in a new shared arena (appended to ``arenas``);
+    ``tagged``: its blocks hold the oracle's tagged bytes (a prefill's)."""
     holder: list[SharedArena] = []
 
     def allocate(num_bytes):
         holder.append(SharedArena(num_bytes))
         return holder[-1].array
 
-    engine = allocate_engine(engine_id, groups, 1, 0, tagged=False, allocate=allocate)
+    engine = allocate_engine(engine_id, groups, 1, 0, tagged=tagged, allocate=allocate)
     if arenas is not None:
         arenas.extend(holder)
     return engine_rank_pb(engine.cache, holder[0])

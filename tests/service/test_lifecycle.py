@@ -341,21 +341,18 @@ def test_an_engine_registers_again_by_itself_when_its_daemon_restarted(workdir):
 def test_an_engine_that_left_holding_keeps_its_memory_until_the_hold_ends_and_its_id_waits(workdir):
     """Issue #60: an engine's Deregister with a hold open is answered at once; its memory stays mapped while
     the hold may be read (here until its 2 s lease ends: nobody reads it), a Register of the same id meanwhile
-    is refused ALREADY_EXISTS (a restarting connector waits and retries on it), and once the hold ended the memory goes and the id registers again."""
-    from kvxferd.client import DaemonProcess, SharedArena, engine_rank_pb
+    is refused ALREADY_EXISTS (a restarting connector waits and retries on it), and once the hold ended the
+    memory goes and the id registers again."""
+    from kvxferd.client import DaemonProcess
     from kvxferd.rig.daemons import usage
-    from kvxferd.rig.verify.buffers import allocate_engine
+    from tests.service.helpers import engine_pb
 
     prefill_groups, _ = _groups()
     (daemon,) = DaemonProcess.start_many(["retire-p"], socket_dir=workdir)
     arenas = []
     clients = []
     try:
-        def allocate(num_bytes):
-            arenas.append(SharedArena(num_bytes))
-            return arenas[-1].array
-        cache = allocate_engine("leaving", prefill_groups, 1, 0, tagged=True, allocate=allocate).cache
-        message = engine_rank_pb(cache, arenas[0])
+        message = engine_pb(prefill_groups, "leaving", arenas, tagged=True)
         client = EngineClient(daemon.engine_target)
         clients.append(client)
         client.register(message)

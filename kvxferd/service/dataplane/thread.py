@@ -312,10 +312,11 @@ class DataPlane:
         completion had the CONSUMED notice die with the agent (the holder then kept the hold to its lease, and
         since issue #60 a leaving holder waits for it)."""
         sent = slot.executor.num_notices_sent
-        seen = self._notices_seen.get(id(slot))
-        if not sent or (seen is not None and seen[0] == sent and time.perf_counter() - seen[1] >= NOTICE_PROGRESS_S):
+        if not sent:
             return
-        until_s = (seen[1] if seen is not None and seen[0] == sent else time.perf_counter()) + NOTICE_PROGRESS_S
+        seen = self._notices_seen.get(id(slot))  # (notices sent so far, when that count was first seen, ...)
+        last_notice_s = seen[1] if seen is not None and seen[0] == sent else time.perf_counter()
+        until_s = last_notice_s + NOTICE_PROGRESS_S
         while time.perf_counter() < until_s:
             try:
                 slot.executor.progress_notices()

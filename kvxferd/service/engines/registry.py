@@ -130,7 +130,7 @@ class Registry:
         """The live registration of ``engine_id`` (for peers: no session involved); ``retiring``: also one that
         deregistered and whose holds are still being read (its readers' probes and renewals)."""
         slot = self.slots.get(engine_id)
-        if slot is None or (slot.closing and not (retiring and slot in self._retiring_slots)):
+        if slot is None or (slot.closing and not (retiring and slot in self._retiring.values())):
             raise NotFoundError("engine_id", f"no engine {engine_id!r} is registered on this daemon")
         return slot
 
@@ -145,7 +145,7 @@ class Registry:
     def _check_replace(self, engine_id: str, session: str) -> None:
         """A live registration is replaced only by its own session (or once its lease ran out)."""
         old = self.slots.get(engine_id)
-        if old is not None and old in self._retiring_slots:
+        if old is not None and old in self._retiring.values():
             # ALREADY_EXISTS, as for a live registration: a restarting connector waits and retries on it
             raise AlreadyExistsError("engine.engine_id", f"engine {engine_id!r} deregistered and its holds may still "
                                                          "be being read (at most drain_timeout_s): register again then")
@@ -444,10 +444,6 @@ class Registry:
     def num_retiring(self) -> int:
         """Registrations that left and whose holds are still running out."""
         return len(self._retiring)
-
-    @property
-    def _retiring_slots(self) -> list[EngineSlot]:
-        return list(self._retiring.values())
 
     async def finish_retiring(self) -> None:
         """Stop waiting for leaving engines' holds and take them down now (the daemon is stopping)."""
