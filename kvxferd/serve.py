@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import sys
 
 from kvxferd.errors import KvxferError
@@ -30,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvxferd serve: bad configuration: {err}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config.log_level, config.log_format)
+    faulthandler.enable()  # a crash in native code (UCX, NIXL) leaves the Python stack it came from in the log
     audit.configure(config.audit_window_s, config.audit_lines_per_window)
     if config.tls or config.engine_tcp:  # TLS handshakes refused in gRPC's core: audit lines (corelog.py)
         corelog.route_core_log(config.log_level, config.log_format, config.audit_window_s,

@@ -227,7 +227,8 @@ class EngineClient:
 
     def submit_read(self, request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                     remote_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0,
-                    remote_capabilities: Sequence[bytes] = (), remote_digests: Sequence[bytes] = ()) -> None:
+                    remote_capabilities: Sequence[bytes] = (), remote_digests: Sequence[bytes] = (),
+                    traceparent: str = "") -> None:
         """One read as a batch of one on the session (:meth:`ReadSession.submit_reads`); its completion, or its
         refusal (``refused_code``), comes back like any other. ``remote_capabilities``: each remote rank's
         :attr:`Held.capability` of the hold, in rank order; ``remote_digests`` likewise their
@@ -235,7 +236,7 @@ class EngineClient:
         self.reads.submit_reads([self.read_spec(request_id, remote_engine_id, remote_request_id, local_block_ids,
                                                 remote_block_ids, num_tokens=num_tokens, deadline_s=deadline_s,
                                                 remote_capabilities=remote_capabilities,
-                                                remote_digests=remote_digests)])
+                                                remote_digests=remote_digests, traceparent=traceparent)])
 
     def submit_push(self, request_id: str, remote_engine_id: str, transfer_id: str, push_key: bytes,
                     local_block_ids, *, num_tokens: int = 0, deadline_s: float = 0.0) -> None:
@@ -259,15 +260,15 @@ class EngineClient:
     @staticmethod
     def read_spec(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids, remote_block_ids,
                   *, num_tokens: int = 0, deadline_s: float = 0.0, remote_capabilities: Sequence[bytes] = (),
-                  remote_digests: Sequence[bytes] = ()) -> pb.ReadSpec:
+                  remote_digests: Sequence[bytes] = (), traceparent: str = "") -> pb.ReadSpec:
         """One read for :meth:`submit_reads` (block ids per cache group; capabilities and digests per remote
-        rank)."""
+        rank; ``traceparent``: the request's W3C trace context, for the daemon's OpenTelemetry span)."""
         return read_spec_to_pb(request_id, remote_engine_id, remote_request_id, local_block_ids, remote_block_ids,
-                               num_tokens, deadline_s, remote_capabilities, remote_digests)
+                               num_tokens, deadline_s, remote_capabilities, remote_digests, traceparent)
 
     # ---- holds ------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, *, lease_s: float = 0.0, push_key_digest: bytes = b"",
-             layers_final: Sequence[int] = (), want_digests: bool = False) -> Held:
+             layers_final: Sequence[int] = (), want_digests: bool = False, traceparent: str = "") -> Held:
         """Hold blocks for readers: the incarnation of the registration that holds them and the hold's
         capability (readers present it). On the reads socket when this client has a session there (no
         gRPC call), else the ``Hold`` call; either way a refusal raises :class:`grpc.RpcError` with the
@@ -276,17 +277,19 @@ class EngineClient:
         (:func:`kvxferd.plan.capability.push_key_digest`). ``layers_final`` (a push written layer by layer): per
         cache group, how many of its layers hold final KV already; :meth:`final_layers` says when more do.
         ``want_digests`` (issue #59): the daemon digests the held blocks too (:attr:`Held.digests`; readers
-        pass every rank's as ``remote_digests`` to have what they read checked)."""
+        pass every rank's as ``remote_digests`` to have what they read checked). ``traceparent``: the request's
+        W3C trace context (issue #60), the parent of the daemon's span of the hold."""
         return self.hold_started(request_id, block_ids, lease_s=lease_s, push_key_digest=push_key_digest,
-                                 layers_final=layers_final, want_digests=want_digests)()
+                                 layers_final=layers_final, want_digests=want_digests, traceparent=traceparent)()
 
     def hold_started(self, request_id: str, block_ids, *, lease_s: float = 0.0, push_key_digest: bytes = b"",
-                     layers_final: Sequence[int] = (), want_digests: bool = False) -> Callable[[], Held]:
+                     layers_final: Sequence[int] = (), want_digests: bool = False,
+                     traceparent: str = "") -> Callable[[], Held]:
         """:meth:`hold`, sent without waiting for its answer: a function that waits for it (and raises as
         :meth:`hold` does). Several daemons' holds are then in flight at once (a TP engine's ranks)."""
         request = pb.HoldRequest(engine_id=self.engine_id, request_id=request_id, block_ids=ids_to_pb(block_ids),
                                  lease_s=lease_s, push_key_digest=push_key_digest, layers_final=list(layers_final),
-                                 want_digests=want_digests)
+                                 want_digests=want_digests, traceparent=traceparent)
         control = self.control_session()
         if control is not None:
             return control.hold_started(request)

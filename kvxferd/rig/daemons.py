@@ -154,14 +154,15 @@ class DaemonCluster(DecodeChecks):
         return self.push_keys.setdefault(transfer_id, os.urandom(PUSH_KEY_BYTES))
 
     def hold(self, request: ReadRequest, *, lease_s: float = 0.0, push: bool = False,
-             layers_final=(), want_digests: bool = False) -> tuple[bytes, ...]:
+             layers_final=(), want_digests: bool = False, traceparent: str = "") -> tuple[bytes, ...]:
         """Hold on every prefill rank; the ranks' capabilities (also kept for :meth:`submit`). ``push``: with
         the digest of the transfer's push key (:meth:`push_key`), so decode ranks presenting it get it written
         (``layers_final``: layer by layer, :meth:`final_layers` says when more are final). ``want_digests``: the
         ranks' digests of the held blocks are kept too (``digests``; :meth:`submit` with ``digests``)."""
         digest = push_key_digest(self.push_key(request.remote_request_id)) if push else b""
         held = [client.hold(request.remote_request_id, request.remote_block_ids, lease_s=lease_s,
-                            push_key_digest=digest, layers_final=layers_final, want_digests=want_digests)
+                            push_key_digest=digest, layers_final=layers_final, want_digests=want_digests,
+                            traceparent=traceparent)
                 for client in self.prefill_clients]
         capabilities = tuple(h.capability for h in held)
         self.capabilities[request.remote_request_id] = capabilities
@@ -173,7 +174,8 @@ class DaemonCluster(DecodeChecks):
         for client in self.prefill_clients:
             client.final_layers(request.remote_request_id, layers_final)
 
-    def submit(self, request: ReadRequest, *, deadline_s: float = 0.0, digests: bool = False) -> None:
+    def submit(self, request: ReadRequest, *, deadline_s: float = 0.0, digests: bool = False,
+               traceparent: str = "") -> None:
         """Every decode rank submits ``request`` (a batch of one on its session) with
         ``request.remote_capabilities``, else those of the cluster's last hold of its remote request (and,
         with ``digests``, that hold's digests: the daemons check the blocks against them)."""
@@ -183,7 +185,8 @@ class DaemonCluster(DecodeChecks):
             client.submit_read(request.request_id, self.prefill_id, request.remote_request_id,
                                request.local_block_ids, request.remote_block_ids,
                                num_tokens=request.num_tokens or 0, deadline_s=deadline_s,
-                               remote_capabilities=capabilities, remote_digests=remote_digests)
+                               remote_capabilities=capabilities, remote_digests=remote_digests,
+                               traceparent=traceparent)
 
     def completions(self, request: ReadRequest, timeout_s: float = 30.0) -> list[pb.Completion]:
         return [client.reads.wait_completion(request.request_id, timeout_s) for client in self.decode_clients]

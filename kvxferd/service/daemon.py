@@ -55,6 +55,7 @@ from kvxferd.service.net.listeners import StartupError, bind, bracket_host, clai
 from kvxferd.service.base.localsock import claim_runtime_dir, group_id, restrict_socket, socket_umask
 from kvxferd.service.base.transports import TransportPaths, rdma_refusal
 from kvxferd.service.base.metrics import Metrics
+from kvxferd.service.base.spans import DaemonSpans
 from kvxferd.service.peers.links import Peers, RemoteLink
 from kvxferd.service.engines.read import Read
 from kvxferd.service.reads.path import ReadPath
@@ -93,6 +94,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
+        self.spans = DaemonSpans(config.daemon_id)  # OpenTelemetry: off unless OTEL_* asks (base/spans.py)
         self.tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca, server_name=config.peer_server_name,
                             allowed_ids=tuple(config.peer_allowed_ids)) if config.tls else None
         if self.tls is not None:
@@ -313,6 +315,7 @@ class Daemon:
     def _publish_all(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
         """A round's hold events on the bus, in order, then counted. An expectation's end (push, decode
         side) completes its read instead."""
+        counted_unix_s = time.time() if self.spans.on else 0.0
         late = [(slot, end) for slot, end in events if end.late_notice]
         if late:  # a notice after its hold ended: only a settling push waits for it, nobody else hears of it
             events = [(slot, end) for slot, end in events if not end.late_notice]
@@ -328,6 +331,8 @@ class Daemon:
             self.metrics.events.labels(end.kind.value).inc()
             if end.kind is EXPIRED and end.reason == "lease":
                 self.metrics.leases_expired.inc()
+        if self.spans.on:
+            self.spans.hold_ends(events, counted_unix_s)
 
     def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
         self._loop.call_soon_threadsafe(self._publish_all, events)
@@ -529,6 +534,7 @@ class Daemon:
             os.unlink(self.socket_path)
         self.transports.refresh()  # the last UCX warnings, then the files go
         self.transports.close()
+        self.spans.close()
 
 
 async def _set_health(servicer, service: str, status) -> None:

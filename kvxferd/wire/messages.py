@@ -320,15 +320,16 @@ def unpack_ids(data: bytes, sizes: Sequence[int], field: str) -> tuple[np.ndarra
 
 def read_spec_to_pb(request_id: str, remote_engine_id: str, remote_request_id: str, local_block_ids,
                     remote_block_ids, num_tokens: int = 0, deadline_s: float = 0.0,
-                    remote_capabilities=(), remote_digests=()) -> pb.ReadSpec:
+                    remote_capabilities=(), remote_digests=(), traceparent: str = "") -> pb.ReadSpec:
     """One read of a ``Reads`` batch (ids packed; ``remote_capabilities`` and ``remote_digests``: each remote
-    rank's HoldReply's)."""
+    rank's HoldReply's; ``traceparent``: the request's W3C trace context, wire/tracecontext.py)."""
     local, local_sizes = pack_ids(local_block_ids)
     remote, remote_sizes = pack_ids(remote_block_ids)
     return pb.ReadSpec(request_id=request_id, remote_engine_id=remote_engine_id, remote_request_id=remote_request_id,
                        local_block_ids=local, local_group_sizes=local_sizes, remote_block_ids=remote,
                        remote_group_sizes=remote_sizes, num_tokens=num_tokens, deadline_s=deadline_s,
-                       remote_capabilities=list(remote_capabilities), remote_digests=list(remote_digests))
+                       remote_capabilities=list(remote_capabilities), remote_digests=list(remote_digests),
+                       traceparent=traceparent)
 
 
 def read_request_from_spec(spec: pb.ReadSpec) -> ReadRequest:

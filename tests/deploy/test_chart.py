@@ -103,6 +103,7 @@ def test_the_validator_rejects_a_broken_object():
     ({"roles": {"Prefill": {"enabled": True, "replicas": 1, "tensorParallelSize": 1}}}, "Prefill. does not match"),
     ({"tls": {"allowedIds": ["ns/*"]}}, "/tls/allowedIds/0"),
     ({"tls": {"allowedIds": ["dns:spiffe://cluster.local/ns/a/sa/b"]}}, "/tls/allowedIds/0"),  # URIs only (#53)
+    ({"tracing": {"otlpEndpoint": "otel-collector:4317"}}, "/tracing/otlpEndpoint"),  # a URL: http(s)://
 ])
 def test_the_values_schema_refuses_bad_values(values, where):
     with pytest.raises(helm_python.HelmValuesError, match=where):
@@ -391,3 +392,20 @@ def test_the_daemons_are_native_sidecars_by_default_or_ordinary_containers(nativ
     plain_daemons = [_sidecars(d) for d in _render({"nativeSidecars": False})[1]["Deployment"]]
     assert [[{k: v for k, v in d.items() if k != "restartPolicy"} for d in pod] for pod in native_daemons] == \
         plain_daemons
+
+
+def test_otel_tracing_sends_every_daemons_spans_to_the_collector_and_is_off_by_default():
+    """Issue #60: ``tracing.otlpEndpoint`` gives each daemon OpenTelemetry's own variables (the daemon turns its
+    spans on from them: service/base/spans.py); unset, no daemon gets any (the control)."""
+    endpoint = "http://otel-collector.monitoring:4317"
+    for values, on in ((None, False), ({"tracing": {"otlpEndpoint": endpoint}}, True)):
+        objects, by_kind = _render(values)
+        for obj in objects:
+            _validate(obj)
+        for deployment in by_kind["Deployment"]:
+            for daemon in _sidecars(deployment):
+                env = {e["name"]: e.get("value") for e in daemon["env"]}
+                otel = {k: v for k, v in env.items() if k.startswith("OTEL_")}
+                assert otel == ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "kvxferd",
+                                 "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=$(POD_NAME)"} if on else {}), otel
+                assert list(env).index("POD_NAME") < list(env).index("OTEL_RESOURCE_ATTRIBUTES") if on else True

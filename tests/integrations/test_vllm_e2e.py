@@ -20,6 +20,7 @@ import time
 import pytest
 
 from kvxferd.client import DaemonProcess
+from kvxferd.rig.otlp import SpanReceiver
 
 from tests.integrations.vllm_cluster import (BLOCK_BYTES, BLOCK_SIZE, changed, damage_blocks, engine,
                                              greedy, hold_ends, metric, prefill_decode, prefill_params,
@@ -31,11 +32,26 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+def otlp():
+    """An OTLP receiver the daemons and both engines send their spans to (issue #60): traces are on in this
+    file; the other vLLM files run with them off."""
+    previous = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # vLLM's span processor (this process) exports within 0.1 s
+    try:
+        with SpanReceiver() as receiver:
+            yield receiver
+    finally:
+        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY") if previous is None else os.environ.update(
+            OTEL_BSP_SCHEDULE_DELAY=previous)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, otlp):
     # Same-host copies here (the other vLLM tests read over NIXL): every negative control below is one
     # for the copy path too.
-    model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm"), ["vp0", "vd0"], same_host=True)
-    with prefill_decode(model, daemons, "prefill", "decode") as cluster:
+    model, daemons = tiny_model_and_daemons(tmp_path_factory.mktemp("vllm"), ["vp0", "vd0"], same_host=True,
+                                            env=otlp.environment())
+    with prefill_decode(model, daemons, "prefill", "decode", otlp_traces_endpoint=otlp.endpoint) as cluster:
         yield cluster
 
 
@@ -248,3 +264,53 @@ def test_both_daemons_restart_under_running_engines_and_pd_goes_on(pd):
     while metric(pd.prefill_daemon, "kvxferd_holds_pending") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(pd.prefill_daemon, "kvxferd_holds_pending") == 0
+
+
+def _traced_generate(llm, request_id: str, tokens: list[int], params, traceparent: str):
+    """One request through ``llm`` with a W3C trace context in its headers, as vLLM's API server passes them."""
+    engine = llm.llm_engine
+    engine.add_request(request_id, prompts_of([tokens])[0], params, trace_headers={"traceparent": traceparent})
+    while True:
+        for output in engine.step():
+            if output.finished:
+                return output
+
+
+def test_otel_a_traced_pd_request_is_one_trace_with_vllms_request_spans(pd, otlp):
+    """Issue #60: a P/D request whose headers carry a trace context (the router's span) makes one trace in the
+    OTLP receiver: vLLM's llm_request span of each leg, and kvxferd's spans of the prefill's hold (with its
+    CONSUMED) and of decode's read with its stages, all under the router's span; decode's read joined it
+    through the context the prefill put in kv_transfer_params (decode's own headers carried another). Only
+    this request's trace holds kvxferd spans (the other requests here carried no context)."""
+    (prompt,) = random_prompts(60, (90,))
+    trace_id, router_span, decode_span = os.urandom(16).hex(), os.urandom(8).hex(), os.urandom(8).hex()
+    single = token_ids(pd.prefill.generate(prompts_of([prompt]), greedy(6), use_tqdm=False))
+    prefill = _traced_generate(pd.prefill, "otel-p", prompt, greedy(1, {"do_remote_decode": True}),
+                               f"00-{trace_id}-{router_span}-01")
+    params = prefill.kv_transfer_params
+    assert params["traceparent"] == f"00-{trace_id}-{router_span}-01", params
+    decode = _traced_generate(pd.decode, "otel-d", prompt, greedy(6, params), f"00-{trace_id}-{decode_span}-01")
+    assert [list(decode.outputs[0].token_ids)] == single
+    wanted = {"kvxferd.hold", "kvxferd.consumed", "kvxferd.read", "kvxferd.read.transfer"}
+    spans = otlp.wait_for(lambda got: wanted <= {s.name for s in got}
+                          and sum(s.name == "llm_request" for s in got) == 2, trace_id)
+    by_name: dict[str, list] = {}
+    for span in spans:
+        by_name.setdefault(span.name, []).append(span)
+    assert len(by_name.get("llm_request", [])) == 2, sorted(by_name)
+    assert {s.parent_span_id for s in by_name["llm_request"]} == {router_span, decode_span}
+    (hold,), (read,), (consumed,) = by_name["kvxferd.hold"], by_name["kvxferd.read"], by_name["kvxferd.consumed"]
+    assert hold.parent_span_id == read.parent_span_id == router_span  # decode's read: the prefill's context
+    assert consumed.parent_span_id == hold.span_id
+    assert hold.attributes["kvxferd.engine_id"] == "prefill" and hold.attributes["kvxferd.hold.end"] == "CONSUMED"
+    assert hold.attributes["kvxferd.request_id"] == params["remote_request_id"]
+    assert read.attributes["kvxferd.engine_id"] == "decode" and read.attributes["kvxferd.read.ok"] is True
+    assert read.attributes["kvxferd.read.bytes"] == blocks(len(prompt)) * BLOCK_BYTES
+    stages = [s.name.rsplit(".", 1)[1] for s in sorted(spans, key=lambda s: s.start_ns)
+              if s.name.startswith("kvxferd.read.")]
+    assert stages[0] == "plan" and stages[-1] == "completion" and "transfer" in stages, stages
+    assert all(s.parent_span_id == read.span_id for s in spans if s.name.startswith("kvxferd.read."))
+    # the hold covers the read; both lie within the request (one host: one clock)
+    assert hold.start_ns < read.start_ns <= read.end_ns <= hold.end_ns
+    # every kvxferd span the receiver has is this request's: untraced requests made none
+    assert {s.trace_id for s in otlp.spans() if s.name.startswith("kvxferd.")} == {trace_id}

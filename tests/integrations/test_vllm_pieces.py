@@ -168,7 +168,7 @@ def test_the_scheduler_sends_every_ranks_hold_before_it_waits_for_one():
             self.q = q
 
         def hold_started(self, request_id, block_ids, *, lease_s=0.0, push_key_digest=b"", layers_final=(),
-                         want_digests=False):
+                         want_digests=False, traceparent=""):
             calls.append(("sent", self.q))
             return lambda: calls.append(("answered", self.q)) or Held(f"inc{self.q}", bytes([self.q]) * 16)
 

@@ -22,10 +22,12 @@ PARAMS = {"do_remote_prefill": True, "kvxferd": 1, "remote_engine_id": "p", "rem
 def upstreams(seen: dict, *, prefill_params=PARAMS):
     async def prefill(request):
         seen["prefill"] = await request.json()
+        seen["prefill_traceparent"] = request.headers.get("traceparent")
         return web.json_response({"choices": [{"token_ids": [9]}], "kv_transfer_params": prefill_params})
 
     async def decode(request):
         body = seen["decode"] = await request.json()
+        seen["decode_traceparent"] = request.headers.get("traceparent")
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -47,12 +49,12 @@ def run(coro):
     return asyncio.new_event_loop().run_until_complete(coro)
 
 
-async def through_proxy(seen, body, **upstream_args):
+async def through_proxy(seen, body, headers=None, **upstream_args):
     prefill_app, decode_app = upstreams(seen, **upstream_args)
     async with TestServer(prefill_app) as prefill, TestServer(decode_app) as decode:
         proxy_app = make_app(str(prefill.make_url("")).rstrip("/"), str(decode.make_url("")).rstrip("/"))
         async with TestServer(proxy_app) as proxy, aiohttp.ClientSession() as session:
-            async with session.post(proxy.make_url("/v1/completions"), data=body) as answer:
+            async with session.post(proxy.make_url("/v1/completions"), data=body, headers=headers) as answer:
                 return answer.status, await answer.read()
 
 
@@ -62,6 +64,16 @@ def test_prefill_gets_one_token_and_decode_gets_the_params():
     assert status == 200 and json.loads(body)["choices"][0]["token_ids"] == [7, 8]
     assert seen["prefill"]["max_tokens"] == 1 and seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True}
     assert seen["decode"]["max_tokens"] == 8 and seen["decode"]["kv_transfer_params"] == PARAMS
+
+
+def test_otel_the_clients_trace_context_reaches_both_legs():
+    """Issue #60: vLLM and the daemons join the client's trace only if both legs carry its traceparent."""
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    for headers, expected in (({"traceparent": traceparent}, traceparent), ({}, None)):  # none sent: none made up
+        seen = {}
+        status, _ = run(through_proxy(seen, json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}), headers))
+        assert status == 200
+        assert seen["prefill_traceparent"] == seen["decode_traceparent"] == expected
 
 
 def test_streams_are_passed_through():

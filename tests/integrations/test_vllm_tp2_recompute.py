@@ -119,11 +119,12 @@ def _post_mortem(tp2) -> str:
     """What the daemons counted and logged (a failed read is recomputed here, so tokens do not show it)."""
     import urllib.request
     lines = []
-    for daemon in (*tp2.prefill_daemons, tp2.recompute_daemon):
+    for daemon in (tp2.recompute_daemon, *tp2.prefill_daemons):  # the reader first: its lines matter most
         text = urllib.request.urlopen(daemon.addresses["metrics"], timeout=5).read().decode()
-        lines += [f"{daemon.daemon_id}: {line}" for line in text.splitlines()
+        lines += [f"{daemon.daemon_id}: {line}" for line in text.splitlines()  # (zeros left out)
                   if line.startswith(("kvxferd_read_failures_total", "kvxferd_holds_pending", "kvxferd_stale",
-                                      "kvxferd_notices", "kvxferd_late", "kvxferd_read_bytes_total"))]
+                                      "kvxferd_notices", "kvxferd_late", "kvxferd_read_bytes_total"))
+                  and not line.endswith(" 0.0")]
         lines += [line for line in daemon.tail(30000).splitlines() if '"DEBUG"' not in line][-15:]
     for daemon in tp2.prefill_daemons:  # how each prefill hold ended, and why (an EXPIRED's reason)
         recorder = _RECORDERS[(daemon.addresses["notify"], "prefill-tp2")]
@@ -148,8 +149,9 @@ def test_a_damaged_prefill_block_is_caught_by_its_digests_and_recomputed(tp2):
         outputs = tp2.decode.generate(prompts_of(prompts), [greedy(6, p) for p in params], use_tqdm=False)
         if verify:
             assert token_ids(outputs) == single, _post_mortem(tp2)
-            # (a daemon counts a read just after it sent its completion)
-            assert eventually(lambda: metric(tp2.recompute_daemon, corrupt) >= before + len(prompts)), \
+            # (a daemon counts a read just after it sent its completion; a starved CI machine saw its loop
+            # wake 5 s late)
+            assert eventually(lambda: metric(tp2.recompute_daemon, corrupt) >= before + len(prompts), 30.0), \
                 _post_mortem(tp2)  # (every daemon's read failures by kind, and its last lines)
             assert metric(tp2.recompute_daemon, corrupt) == before + len(prompts)
         else:

@@ -63,26 +63,29 @@ def released_early(params: dict) -> dict:
 
 
 def tiny_model_and_daemons(directory: pathlib.Path, daemon_ids: list[str], config: dict = TINY_LLAMA, *,
-                           write=None, same_host: bool = False) -> tuple[str, list[DaemonProcess]]:
+                           write=None, same_host: bool = False, env: dict | None = None) -> tuple[str, list[DaemonProcess]]:
     """What every vLLM test starts with: vLLM importable (else the test is skipped), a small CPU KV
     cache, the tiny model written in ``directory`` (by ``write(path)`` when given: another
     architecture), and one daemon per id with its socket there. The daemons read over NIXL, the path
     between hosts, unless ``same_host``: then a decode daemon copies from the prefill engine's memory
-    itself (issue #37; the connector passes it as an fd, opened through the holder's copy)."""
+    itself (issue #37; the connector passes it as an fd, opened through the holder's copy). ``env``: more
+    environment for the daemons (OpenTelemetry's, say)."""
     pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (scripts/bootstrap.sh --vllm)")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if write is None:
         model = write_tiny_model(directory / f"tiny-{config['model_type']}", config)
     else:
         model = write(directory / "tiny-model")
-    return model, DaemonProcess.start_many(daemon_ids, socket_dir=str(directory),
+    return model, DaemonProcess.start_many(daemon_ids, socket_dir=str(directory), env=env,
                                            extra_args=() if same_host else ("--no-same-host-reads",))
 
 
 def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str = "fail", tp_size: int = 1,
-           block_size: int = BLOCK_SIZE, lease_s: float = 20.0, dtype: str = "bfloat16", extra: dict | None = None):
+           block_size: int = BLOCK_SIZE, lease_s: float = 20.0, dtype: str = "bfloat16", extra: dict | None = None,
+           otlp_traces_endpoint: str | None = None):
     """A vLLM engine on CPU; with ``engine_id`` it uses the kvxferd connector on ``socket`` (``{rank}``: TP rank),
-    ``extra`` added to its ``kv_connector_extra_config``."""
+    ``extra`` added to its ``kv_connector_extra_config``; ``otlp_traces_endpoint``: vLLM's own request spans go
+    there (its ``--otlp-traces-endpoint``)."""
     from vllm import LLM
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # damage_blocks sends a test function to the workers
@@ -96,7 +99,7 @@ def engine(model: str, engine_id: str | None, socket: str | None, *, policy: str
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0,
                max_model_len=1024, block_size=block_size, dtype=dtype, max_num_seqs=16,
                max_num_batched_tokens=1024, kv_transfer_config=transfer, disable_log_stats=False,
-               tensor_parallel_size=tp_size)
+               tensor_parallel_size=tp_size, otlp_traces_endpoint=otlp_traces_endpoint)
 
 
 def rotate_blocks(llm, block_lists) -> None:

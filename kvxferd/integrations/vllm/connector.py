@@ -26,6 +26,7 @@ from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.stats import TransferPromMetrics, TransferStats
 from kvxferd.integrations.vllm.trace import Trace
 from kvxferd.integrations.vllm.vmmpool import KvCachePool
+from kvxferd.wire.tracecontext import traceparent_of
 from kvxferd.integrations.vllm.worker import TransferResults, WorkerSide
 
 if TYPE_CHECKING:
@@ -308,7 +309,13 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
                                   for m in metadata.values()])
 
     def on_new_request(self, request: "Request") -> None:
-        """A prefill request on an engine with state groups stops one prompt token short (scheduler.py)."""
+        """A P/D request's trace context goes with its params (issue #60): the prefill's to its holds and on in
+        its kv_transfer_params, so that decode's read joins the same trace (a decode leg keeps the one its
+        params brought, else takes its own). A prefill request on an engine with state groups stops one prompt
+        token short (scheduler.py)."""
+        params, traceparent = request.kv_transfer_params, traceparent_of(request.trace_headers)
+        if params and traceparent and not traceparent_of(params):
+            request.kv_transfer_params = {**params, "traceparent": traceparent}  # (a new dict: n > 1 share it)
         num_dropped = self.scheduler.prompt_tokens_to_drop(request.kv_transfer_params, request.num_prompt_tokens)
         if not num_dropped or request.get_skip_reading_prefix_cache():
             return  # (prompt logprobs: decode will not read the cache, and recomputes the whole prompt)

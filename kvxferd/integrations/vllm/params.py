@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from kvxferd.errors import first_error
+from kvxferd.wire.tracecontext import check_traceparent
 
 PARAMS_VERSION = 1
 MAX_GROUPS = 64
@@ -56,6 +57,7 @@ class RemotePrefill(BaseModel):
     remote_num_tokens: Annotated[int, Field(ge=1, lt=2**31)]
     remote_lease_expiry_unix_s: float
     remote_digests: Annotated[list[Digests], Field(max_length=MAX_TP_SIZE)] = []  # none: the read is not checked
+    traceparent: str = ""  # the request's W3C trace context (issue #60); one not taken is dropped, never refused
 
     @field_validator("kvxferd")
     @classmethod
@@ -63,6 +65,11 @@ class RemotePrefill(BaseModel):
         if value != PARAMS_VERSION:
             raise ValueError(f"kvxferd params version {value}, this connector speaks {PARAMS_VERSION}")
         return value
+
+    @field_validator("traceparent", mode="before")
+    @classmethod
+    def _traceparent(cls, value: Any) -> str:
+        return check_traceparent(value) if isinstance(value, str) else ""
 
     @field_validator("remote_capabilities")
     @classmethod
@@ -113,8 +120,10 @@ class PushPrefill(BaseModel):
     remote_engine_id: Id
     remote_peer_addresses: Annotated[list[Id], Field(min_length=1, max_length=MAX_TP_SIZE)]
     remote_num_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0  # the scheduler's: prompt tokens to load
+    traceparent: str = ""  # the decode request's W3C trace context (issue #60), as in RemotePrefill
 
     _version = field_validator("kvxferd")(RemotePrefill._version.__func__)
+    _traceparent = field_validator("traceparent", mode="before")(RemotePrefill._traceparent.__func__)
 
     def to_params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}

@@ -68,6 +68,12 @@ def push_legs(body: dict, transfer_id: str, where: dict, layers: bool | None = N
     return prefill, decode
 
 
+def trace_context(request) -> dict[str, str]:
+    """The client's W3C trace context headers, passed on to both legs: vLLM (with ``--otlp-traces-endpoint``)
+    and the daemons' spans then join the client's trace (docs/tracing.md)."""
+    return {name: request.headers[name] for name in ("traceparent", "tracestate") if name in request.headers}
+
+
 def prefill_location(params: dict | None) -> dict | None:
     """Where a prefill engine is, from its answer's ``kv_transfer_params`` (None: it named none)."""
     if not isinstance(params, dict) or not params.get("remote_engine_id") or not params.get("remote_peer_addresses"):
@@ -104,7 +110,8 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mod
         if mode == "push" and where:
             return await pushed(request, body, session, arrived_s)
         prefill_sent_s = time.time()
-        async with session.post(prefill_url + request.path, json=prefill_request(body)) as answer:
+        context = trace_context(request)
+        async with session.post(prefill_url + request.path, json=prefill_request(body), headers=context) as answer:
             prefilled = await answer.json(content_type=None)
             if answer.status != 200:
                 return web.json_response(prefilled, status=answer.status)
@@ -119,7 +126,8 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mod
         trace.stamp("prefill_sent", ids, prefill_sent_s)
         trace.stamp("prefill_back", ids)
         headers = {PREFILL_ID_HEADER: prefill_id}
-        async with session.post(decode_url + request.path, json=decode_request(body, params)) as answer:
+        async with session.post(decode_url + request.path, json=decode_request(body, params),
+                                headers=context) as answer:
             return await relay(request, body, answer, headers, ids)
 
     async def relay(request, body: dict, answer, headers: dict, ids: tuple, started: list | None = None
@@ -149,12 +157,12 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mod
         ids = (transfer_id,)
         prefill_leg, decode_leg = push_legs(body, transfer_id, dict(where), push_layers)
         trace.stamp("proxy_in", ids, arrived_s)
-        headers = {PREFILL_ID_HEADER: transfer_id}
+        headers, context = {PREFILL_ID_HEADER: transfer_id}, trace_context(request)
 
         async def prefill() -> tuple[int, object]:
             trace.stamp("prefill_sent", ids)
             try:
-                async with session.post(prefill_url + request.path, json=prefill_leg) as answer:
+                async with session.post(prefill_url + request.path, json=prefill_leg, headers=context) as answer:
                     prefilled = await answer.json(content_type=None)
             except (ClientError, ValueError) as err:  # unreachable, or not JSON: the leg failed
                 return 502, {"error": f"push: the prefill leg to {prefill_url} failed: {err}"}
@@ -166,7 +174,7 @@ def make_app(prefill_url: str, decode_url: str, *, timeout_s: float = 600.0, mod
         started: list = []
 
         async def decode() -> web.StreamResponse:
-            async with session.post(decode_url + request.path, json=decode_leg) as answer:
+            async with session.post(decode_url + request.path, json=decode_leg, headers=context) as answer:
                 return await relay(request, body, answer, headers, ids, started)
 
         prefill_task, decode_task = asyncio.ensure_future(prefill()), asyncio.ensure_future(decode())

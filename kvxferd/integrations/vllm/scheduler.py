@@ -73,6 +73,7 @@ from kvxferd.integrations.vllm.params import (ParamsError, PushPrefill, RemotePr
                                               is_push, parse_push_prefill, parse_remote_prefill, push_hold_of,
                                               push_layers_of, verify_of)
 from kvxferd.integrations.vllm.settings import ConnectorSettings
+from kvxferd.wire.tracecontext import traceparent_of
 
 log = logging.getLogger("kvxferd.vllm")
 NULL_BLOCK_ID = 0  # vLLM's placeholder block (sliding-window and Mamba groups): never transferred
@@ -161,7 +162,8 @@ class SchedulerSide:
         self._hold_ids: dict[str, str] = {}  # push prefills (issue #57): request id -> the transfer id held
         self._layer_digests: dict[str, bytes] = {}  # push prefills written layer by layer: their push key digests
         self._layered: list[str] = []  # transfer ids held layer by layer with the step being built
-        self._prefills: dict[str, int] = {}  # remote-decode prefills allocated, not scheduled whole yet -> prompt
+        # remote-decode prefills allocated, not scheduled whole yet -> (prompt tokens, W3C trace context)
+        self._prefills: dict[str, tuple[int, str]] = {}
         self._early = EarlyHolds(settings.lease_s, self._renew)  # holds sent before request_finished
 
     # ---- the daemons of every rank ---------------------------------------------------
@@ -209,7 +211,7 @@ class SchedulerSide:
                 if layers and self.push_layers_allowed:
                     self._layer_digests[request_id] = push[1]
         if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and max_tokens == 1:
-            self._prefills[request_id] = num_prompt_tokens
+            self._prefills[request_id] = (num_prompt_tokens, traceparent_of(params))
 
     def prefill_scheduled(self, request_id: str, block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
                           num_scheduled_tokens: int) -> bool:
@@ -217,7 +219,7 @@ class SchedulerSide:
         blocks all allocated) ends at this step's end; its hold goes out now and :meth:`hold` collects the
         answers, so the round trips overlap the forward pass instead of following it (issue #41). Whether
         it went out. A prompt computed in chunks is held in :meth:`hold`, as before."""
-        num_prompt_tokens = self._prefills.pop(request_id, None)
+        num_prompt_tokens, traceparent = self._prefills.pop(request_id, (None, ""))
         if num_prompt_tokens is None or num_computed_tokens + num_scheduled_tokens < num_prompt_tokens:
             return False
         if not self.early_holds or not self.ranks or request_id in self._early:
@@ -228,10 +230,11 @@ class SchedulerSide:
             if digest is None:
                 return False  # one batch, held once the whole forward pass ended (request_finished)
             transfer_id = self._hold_ids[request_id]  # layer by layer: none final yet, the workers say when
-            self._early.put(request_id, self._send(transfer_id, blocks, digest, layers_final=(0,) * len(blocks)))
+            self._early.put(request_id, self._send(transfer_id, blocks, digest, layers_final=(0,) * len(blocks),
+                                                   traceparent=traceparent))
             self._layered.append(transfer_id)
             return True
-        self._early.put(request_id, self._send(request_id, blocks))
+        self._early.put(request_id, self._send(request_id, blocks, traceparent=traceparent))
         return True
 
     def take_layered(self) -> list[str]:
@@ -249,9 +252,10 @@ class SchedulerSide:
             self._let_go(hold_id, early)
 
     def _send(self, request_id: str, blocks, push_digest: bytes = b"", layers_final=(), *,
-              want_digests: bool = False) -> SentHold:
+              want_digests: bool = False, traceparent: str = "") -> SentHold:
         """Every rank's hold in flight at once (one after another, a TP engine's cost a round trip per
-        rank, issue #41); never raises: a rank that could not even be asked answers with its error."""
+        rank, issue #41); never raises: a rank that could not even be asked answers with its error.
+        ``traceparent``: the request's W3C trace context, for the daemons' spans of the hold (issue #60)."""
         # Before the calls: the daemons' leases start after this. Both clocks read here, each for its use
         # (a wall time rebuilt from monotonic ages drifts by rounding: issue #54's runs saw 1.4 µs).
         sent_s, sent_unix_s = time.monotonic(), time.time()
@@ -260,7 +264,7 @@ class SchedulerSide:
             try:
                 answers.append(self._client(rank).hold_started(request_id, blocks, lease_s=self.settings.lease_s,
                                                                push_key_digest=push_digest, layers_final=layers_final,
-                                                               want_digests=want_digests))
+                                                               want_digests=want_digests, traceparent=traceparent))
             except (grpc.RpcError, KvxferError) as err:
                 answers.append(functools.partial(_raise, err))
         return SentHold(blocks, sent_s, tuple(answers), sent_unix_s)
@@ -312,12 +316,15 @@ class SchedulerSide:
         if push is None:
             if verify is None:  # the connector's share, the same choice for a request id every time
                 verify = zlib.crc32(request_id.encode()) < self.settings.verify_share * 2**32
-            return self._hold(request_id, request_id, block_ids, num_tokens, verify=verify)
+            return self._hold(request_id, request_id, block_ids, num_tokens, verify=verify,
+                              traceparent=traceparent_of(params))
         transfer_id, push_digest = push
-        return self._hold(request_id, transfer_id, block_ids, num_tokens, push_digest)
+        return self._hold(request_id, transfer_id, block_ids, num_tokens, push_digest,
+                          traceparent=traceparent_of(params))
 
     def _hold(self, request_id: str, hold_id: str, block_ids: Sequence[Sequence[int]],
-              num_tokens: int, push_digest: bytes = b"", *, verify: bool = False) -> tuple[bool, dict]:
+              num_tokens: int, push_digest: bytes = b"", *, verify: bool = False,
+              traceparent: str = "") -> tuple[bool, dict]:
         if not self.ranks:
             return False, failed_prefill_params("kvxferd: no rank of this engine registered with a daemon")
         blocks = real_blocks(block_ids)
@@ -332,7 +339,7 @@ class SchedulerSide:
             self._let_go(hold_id, sent)
             sent = None
         if sent is None:
-            sent = self._send(hold_id, blocks, push_digest, want_digests=verify)
+            sent = self._send(hold_id, blocks, push_digest, want_digests=verify, traceparent=traceparent)
         held_since_s = sent.sent_unix_s
         held: list[RankDaemon] = []
         incarnations: list[str] = []
@@ -360,7 +367,8 @@ class SchedulerSide:
                                remote_block_ids=[list(g) for g in blocks], remote_capabilities=capabilities,
                                remote_digests=digests if len(digests) == len(capabilities) else [],
                                remote_num_tokens=num_tokens,
-                               remote_lease_expiry_unix_s=held_since_s + self.settings.lease_s)
+                               remote_lease_expiry_unix_s=held_since_s + self.settings.lease_s,
+                               traceparent=traceparent)  # decode's read joins the request's trace (issue #60)
         return True, params.to_params()
 
     def take_held(self) -> list[HeldRequest]:

@@ -169,7 +169,8 @@ class WorkerSide:
         return self.client.read_spec(order.request_id, remote.remote_engine_id, remote.remote_request_id,
                                      order.local_block_ids, remote.remote_block_ids,
                                      num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s,
-                                     remote_capabilities=remote.capabilities(), remote_digests=remote.digests())
+                                     remote_capabilities=remote.capabilities(), remote_digests=remote.digests(),
+                                     traceparent=remote.traceparent)
 
     def _push_spec(self, order: ReadOrder):
         """A push's expectation (issue #57): these blocks, written by the prefill daemons once their engine
@@ -177,8 +178,10 @@ class WorkerSide:
         remote = PushPrefill.model_validate(order.remote)
         self._handshake(remote.remote_engine_id, tuple(remote.remote_peer_addresses))
         local = order.local_block_ids or tuple(() for _ in range(self.num_groups))
-        return self.client.push_spec(order.request_id, remote.remote_engine_id, remote.transfer_id, remote.key(),
+        spec = self.client.push_spec(order.request_id, remote.remote_engine_id, remote.transfer_id, remote.key(),
                                      local, num_tokens=remote.remote_num_tokens, deadline_s=self.settings.deadline_s)
+        spec.traceparent = remote.traceparent
+        return spec
 
     def _handshake(self, remote_engine_id: str, addresses: tuple[str, ...]) -> None:
         if self._remotes.get(remote_engine_id) != addresses:

@@ -256,7 +256,7 @@ class Completion(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., invalid_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., error: _Optional[str] = ..., post_s: _Optional[float] = ..., done_unix_s: _Optional[float] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., plan_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., check_s: _Optional[float] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class ReadSpec(_message.Message):
-    __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend", "remote_capabilities", "push", "push_key", "remote_digests")
+    __slots__ = ("request_id", "remote_engine_id", "remote_request_id", "local_block_ids", "local_group_sizes", "remote_block_ids", "remote_group_sizes", "num_tokens", "deadline_s", "resend", "remote_capabilities", "push", "push_key", "remote_digests", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class ReadSpec(_message.Message):
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PUSH_KEY_FIELD_NUMBER: _ClassVar[int]
     REMOTE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     remote_engine_id: str
     remote_request_id: str
@@ -285,7 +286,8 @@ class ReadSpec(_message.Message):
     push: bool
     push_key: bytes
     remote_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ..., push: _Optional[bool] = ..., push_key: _Optional[bytes] = ..., remote_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., local_block_ids: _Optional[bytes] = ..., local_group_sizes: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[bytes] = ..., remote_group_sizes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_s: _Optional[float] = ..., resend: _Optional[bool] = ..., remote_capabilities: _Optional[_Iterable[bytes]] = ..., push: _Optional[bool] = ..., push_key: _Optional[bytes] = ..., remote_digests: _Optional[_Iterable[bytes]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ReadBatch(_message.Message):
     __slots__ = ("engine_id", "reads", "ack_seq", "session", "holds", "control", "renewals", "releases", "final_layers")
@@ -350,7 +352,7 @@ class HoldAnswer(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., capability: _Optional[bytes] = ..., digests: _Optional[bytes] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "lease_s", "push_key_digest", "layers_final", "want_digests")
+    __slots__ = ("engine_id", "request_id", "block_ids", "lease_s", "push_key_digest", "layers_final", "want_digests", "traceparent")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +360,7 @@ class HoldRequest(_message.Message):
     PUSH_KEY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FINAL_FIELD_NUMBER: _ClassVar[int]
     WANT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -365,7 +368,8 @@ class HoldRequest(_message.Message):
     push_key_digest: bytes
     layers_final: _containers.RepeatedScalarFieldContainer[int]
     want_digests: bool
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_s: _Optional[float] = ..., push_key_digest: _Optional[bytes] = ..., layers_final: _Optional[_Iterable[int]] = ..., want_digests: _Optional[bool] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_s: _Optional[float] = ..., push_key_digest: _Optional[bytes] = ..., layers_final: _Optional[_Iterable[int]] = ..., want_digests: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class HoldReply(_message.Message):
     __slots__ = ("incarnation", "capability", "digests")

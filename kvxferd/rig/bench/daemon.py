@@ -56,6 +56,8 @@ SAME_HOST_KEYS = ("bulk_ratio", "p50_overhead_us_300")  # issue 37's targets for
 PUSH_KEYS = ("push_bulk_ratio", "push_p50_overhead_us_300")  # issue 57's, flat; same host: same_host_push_*
 HOSTS_KEYS = ("p50_overhead_us_300", "p99_ms_1000")  # issue 58's, flat again as hosts_* with --hosts
 VERIFY_KEYS = ("bulk_ratio", "p50_overhead_us_300")  # issue 59's, flat as verify_*: every read checked
+# issue 60's, flat as otel_* (OpenTelemetry on, every request traced) beside the same keys with it off
+OTEL_KEYS = ("p50_overhead_us_300", "cpu_us_per_request_decode", "cpu_us_per_request_prefill")
 FULL = dict(rounds=6, bulk_layers=32, bulk_blocks=256, num_requests_300=1500, num_requests_1000=3000, idle_s=5.0)
 QUICK = dict(rounds=3, bulk_layers=16, bulk_blocks=128, num_requests_300=450, num_requests_1000=1500, idle_s=2.0)
 
@@ -91,7 +93,7 @@ def verify_figures(workdir: str, sizes: dict) -> dict:
 
 def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
         grpc_stream: bool = True, same_host: bool = True, hosts: bool = False, push: bool = True,
-        verify: bool = True) -> dict:
+        verify: bool = True, otel: bool = False) -> dict:
     """The socket path's figures over NIXL at the top level; the same path with same-host copies under
     ``"same_host"`` (its two targets also flat: ``same_host_bulk_ratio``, ``same_host_p50_overhead_us_300``);
     the gRPC stream's under ``"stream"``, TLS under ``"mtls"``; the push keys with same-host copies under
@@ -100,7 +102,9 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
     also as ``hosts_p50_overhead_us_300``, ``hosts_p99_ms_1000``). ``push``: the
     push path's keys too (issue #57: ``push_bulk_ratio``, ``push_p50_overhead_us_300``, over NIXL). ``verify``:
     the socket path again with every read checked against its hold's digests (issue #59:
-    ``verify_bulk_ratio``, ``verify_p50_overhead_us_300``, under ``"verify"``)."""
+    ``verify_bulk_ratio``, ``verify_p50_overhead_us_300``, under ``"verify"``). ``otel``: the reads at 300/s
+    again with the daemons' OpenTelemetry spans on, every request traced, into a receiver in this process
+    (issue #60: ``otel_p50_overhead_us_300``, ``otel_cpu_us_per_request_*``, under ``"otel"``)."""
     sizes = sizes or (QUICK if quick else FULL)
     if hosts:
         return _across_hosts(sizes, push)
@@ -120,10 +124,33 @@ def run(*, quick: bool = False, mtls: bool = False, sizes: dict | None = None,
                 figures["same_host_push"] = push_figures(workdir, sizes, same_host=True)
                 for key in PUSH_KEYS:
                     figures["same_host_" + key] = figures["same_host_push"][key]
+        if otel:
+            figures["otel"] = otel_figures(workdir, sizes)
+            for key in OTEL_KEYS:
+                figures["otel_" + key] = figures["otel"][key]
         if grpc_stream:
             figures["stream"] = one_path(workdir, reads_socket=False, **sizes)
         if mtls:
             figures["mtls"] = _mtls(workdir, sizes)
+    return figures
+
+
+def otel_figures(workdir: str, sizes: dict) -> dict:
+    """Issue #60: the reads at 300/s, tracing off and on, alternating (off, on, on, off; means of two), every
+    request traced when on; the spans the receiver got."""
+    from kvxferd.rig.otlp import SpanReceiver
+
+    runs = {False: [], True: []}
+    with SpanReceiver() as receiver:
+        for on in (False, True, True, False):
+            o = overhead(workdir, 2, 2, 300.0, sizes["num_requests_300"], otel=receiver if on else None)
+            cpu = o["cpu_us_per_request"]
+            runs[on].append({"p50_overhead_us_300": o["end_to_end"]["p50_us"] - o["raw_nixl"]["p50_us"],
+                             "cpu_us_per_request_decode": cpu["decode daemon"],
+                             "cpu_us_per_request_prefill": cpu["prefill daemon"], "spans": o["spans_received"]})
+    figures = {key: _mean(*(r[key] for r in runs[True])) for key in OTEL_KEYS}
+    figures["off"] = {key: _mean(*(r[key] for r in runs[False])) for key in OTEL_KEYS}
+    figures["spans_per_run"] = [r["spans"] for r in runs[True]]
     return figures
 
 
@@ -196,6 +223,14 @@ def format_table(f: dict) -> str:
                  f"{v['p50_overhead_us_300']:.0f} (without: {f['p50_overhead_us_300']:.0f}); the bulk hold with its "
                  f"digests {v['hold_ms']:.1f} ms (without: {f['bulk'].get('hold_ms', 0):.1f} ms); CPU per read "
                  + ", ".join(f"{name} {us:.0f} us" for name, us in v["overhead"]["cpu_us_per_request"].items()))
+    if "otel" in f:
+        o, off = f["otel"], f["otel"]["off"]
+        text += (f"\n\nOpenTelemetry traces (issue #60, socket path, 300/s; off, on, on, off: means of two; every request "
+                 f"traced when on): p50 over raw NIXL {off['p50_overhead_us_300']:.0f} us off, "
+                 f"{o['p50_overhead_us_300']:.0f} us on; CPU per request decode daemon "
+                 f"{off['cpu_us_per_request_decode']:.0f} -> {o['cpu_us_per_request_decode']:.0f} us, prefill daemon "
+                 f"{off['cpu_us_per_request_prefill']:.0f} -> {o['cpu_us_per_request_prefill']:.0f} us; spans received "
+                 f"per run {o['spans_per_run']}")
     if "mtls" in f:
         p, t = f["mtls"]["plain"], f["mtls"]["tls"]
         text += (f"\n\nmutual TLS on the peer ports (socket path; plain vs TLS): bulk ratio {p['bulk']['ratio']:.3f} vs "
@@ -268,6 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "across the same link")
     parser.add_argument("--no-push", action="store_true", help="skip the push path (issue #57)")
     parser.add_argument("--no-verify", action="store_true", help="skip the reads checked against digests (issue #59)")
+    parser.add_argument("--otel", action="store_true", help="also the reads at 300/s with OpenTelemetry traces "
+                        "off and on, every request traced (issue #60)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -277,7 +314,7 @@ def run_args(args: argparse.Namespace) -> int:
     try:
         figures = run(quick=args.quick, mtls=args.mtls, grpc_stream=not args.no_grpc_stream,
                       same_host=not args.no_same_host, hosts=args.hosts, push=not args.no_push,
-                      verify=not args.no_verify)
+                      verify=not args.no_verify, otel=args.otel)
     except HostsUnavailable as err:
         print(f"kvxferd bench daemon: {err}", file=sys.stderr)
         return 2

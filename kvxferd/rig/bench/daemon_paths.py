@@ -8,6 +8,7 @@ way in one run.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import statistics
@@ -22,6 +23,7 @@ from kvxferd.rig.bench.raw import RawReader
 from kvxferd.plan.engine import ReadRequest
 from kvxferd.rig.verify.certs import DevCA
 from kvxferd.rig.daemons import DaemonCluster
+from kvxferd.client import DaemonProcess
 
 
 class RawPath:
@@ -59,12 +61,13 @@ class Tls:
 
 
 def _cluster(workdir: str, num_layers: int, num_blocks: int, name: str, tls: Tls | None,
-             reads_socket: bool = True, same_host: bool = False) -> DaemonCluster:
+             reads_socket: bool = True, same_host: bool = False, env: dict | None = None) -> DaemonCluster:
     groups = full_attention_groups(num_layers, num_blocks)
     args = (*(tls.daemon_args if tls else ()),
             *(() if same_host else ("--no-same-host-reads",)))  # NIXL's figures unless same-host is asked for
+    start_many = functools.partial(DaemonProcess.start_many, env=env) if env else getattr(tls, "start_many", None)
     return DaemonCluster(groups, groups, 1, 1, workdir=workdir, name=name, daemon_args=args,
-                         reads_socket=reads_socket, start_many=getattr(tls, "start_many", None))
+                         reads_socket=reads_socket, start_many=start_many)
 
 
 def _credentials(tls: Tls | None):
@@ -118,21 +121,26 @@ def bulk(workdir: str, num_layers: int, num_blocks: int, rounds: int, tls: Tls |
 
 def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s: float, num_requests: int,
              tls: Tls | None = None, *, reads_socket: bool = True, idle_s: float = 0.0,
-             reads_per_step: int = 1, same_host: bool = False, verify: bool = False) -> dict:
+             reads_per_step: int = 1, same_host: bool = False, verify: bool = False, otel=None) -> dict:
     """Small requests at a steady rate: where the daemon adds time (``verify``: each read checked against its
-    hold's digests, issue #59).
+    hold's digests, issue #59; ``otel``: a :class:`kvxferd.rig.otlp.SpanReceiver` the daemons send their
+    OpenTelemetry spans to, every request traced, issue #60).
 
     With ``idle_s``, first the daemons' CPU while engines are registered and nothing happens.
     ``reads_per_step``: the engine submits that many reads as one batch, as a
     step that scheduled them would; end to end counts from the batch's submission.
     """
     num_blocks = 4 * blocks_per_request
-    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_socket, same_host) as cluster:
+    env = otel.environment() if otel is not None else None
+    trace_id = os.urandom(16).hex()
+    traceparents = {}
+    with _cluster(workdir, num_layers, num_blocks, "rate", tls, reads_socket, same_host, env) as cluster:
         rng = np.random.default_rng(0)
         requests = []
         for n in range(num_requests):
             ids = rng.permutation(num_blocks)[:blocks_per_request]
             requests.append(ReadRequest(f"q{n}", f"q{n}@p", (ids,), (np.sort(ids),)))
+            traceparents[f"q{n}"] = f"00-{trace_id}-{n + 1:016x}-01" if otel is not None else ""
         raw = RawPath(cluster, requests[0], _credentials(tls))
         raw_s = [raw.read() for _ in range(200)][20:]
         raw.close()
@@ -140,7 +148,7 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
                 "prefill daemon": cluster.prefill_daemons[0].process.pid, "engines (this process)": os.getpid()}
         idle = _idle_cpu_percent(pids, idle_s) if idle_s else {}
         for request in requests:
-            cluster.hold(request, want_digests=verify)
+            cluster.hold(request, want_digests=verify, traceparent=traceparents[request.request_id])
         client = cluster.decode_clients[0]
         submitted_unix = {}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
@@ -158,7 +166,8 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
             client.reads.submit_reads([client.read_spec(r.request_id, cluster.prefill_id, r.remote_request_id,
                                                         r.local_block_ids, r.remote_block_ids,
                                                         remote_capabilities=cluster.capabilities[r.remote_request_id],
-                                                        remote_digests=cluster.digests[r.remote_request_id] if verify else ())
+                                                        remote_digests=cluster.digests[r.remote_request_id] if verify else (),
+                                                        traceparent=traceparents[r.request_id])
                                        for r in step])
         offered_s = time.perf_counter() - start
         post_s, deliver_s, end_to_end_s, failed, last_unix = [], [], [], 0, start_unix
@@ -175,13 +184,17 @@ def overhead(workdir: str, num_layers: int, blocks_per_request: int, rate_per_s:
         cpu_us = {name: (_cpu_s(pid) - cpu_before[name]) / num_requests * 1e6 for name, pid in pids.items()}
         workers_us = {name: (_workers_cpu_s(pids[name]) - before) / num_requests * 1e6
                       for name, before in workers_before.items()}
+    spans = {}
+    if otel is not None:  # (the daemons flushed their last spans when they stopped)
+        received = otel.spans(trace_id)
+        spans = {name: sum(s.name == name for s in received) for name in ("kvxferd.hold", "kvxferd.read")}
     return {"requests": num_requests, "rate_per_s": rate_per_s, "achieved_rate_per_s": num_requests / offered_s,
             "reads_per_step": per_step, "completed_rate_per_s": (num_requests - failed) / max(last_unix - start_unix, 1e-9),
             "bytes_per_request": raw.num_bytes, "failed": failed,
             "submit_to_posted": percentiles_us(post_s), "completion_to_delivered": percentiles_us(deliver_s),
             **{f"daemon_{stage}": percentiles_us(values) for stage, values in stages_s.items()},
             "end_to_end": percentiles_us(end_to_end_s), "raw_nixl": percentiles_us(raw_s), "cpu_us_per_request": cpu_us,
-            "workers_cpu_us_per_request": workers_us, "idle_cpu_percent": idle}
+            "workers_cpu_us_per_request": workers_us, "idle_cpu_percent": idle, "spans_received": spans}
 
 
 def _idle_cpu_percent(pids: dict, idle_s: float) -> dict:

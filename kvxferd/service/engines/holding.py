@@ -17,10 +17,12 @@ from kvxferd.plan.capability import check_push_digest
 from kvxferd.plan.holddigests import digest_hold
 from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.wire.messages import check_id, check_seconds, ids_from_pb
+from kvxferd.wire.tracecontext import check_traceparent
 from kvxferd.xfer.verify import host_memories
 
 if TYPE_CHECKING:
     from kvxferd.service.base.config import DaemonConfig
+    from kvxferd.service.base.spans import DaemonSpans
     from kvxferd.service.engines.registry import Registry, SlotThread
     from kvxferd.service.engines.slots import EngineSlot
 
@@ -29,6 +31,7 @@ class HoldingParts(Protocol):
     """What placing a hold uses of the daemon (the daemon, through ``net/parts.py``'s view, gives it)."""
 
     config: DaemonConfig
+    spans: DaemonSpans
     registry: Registry
     dataplane: SlotThread
 
@@ -87,6 +90,9 @@ def place_hold(daemon: HoldingParts, slot: "EngineSlot", request: pb.HoldRequest
     with slot.lock:
         capability = slot.holds.hold(request.request_id, tuple(block_ids), lease_s, time.monotonic(), push_digest,
                                      layers_final)
+    if daemon.spans.on and check_traceparent(request.traceparent):
+        daemon.spans.hold_placed(slot.engine_id, request.request_id, request.traceparent,
+                                 sum(len(ids) for ids in block_ids), bool(push_digest))
     if len(slot.holds) == 1:
         daemon.dataplane.wake()  # from idle polling to polling for this hold's readers
         daemon.wake_maintenance()  # and from the idle tick to the lease tick

@@ -81,6 +81,7 @@ class Read:
     failure: ReadFailure = ReadFailure.NONE
     refusal: KvxferError | None = None  # refused with nothing posted: its completion names the status code
     push: bool = False  # a push's expectation (issue #57): the prefill daemons wrote, this daemon read nothing
+    traceparent: str = ""  # its W3C trace context, kept only while OpenTelemetry is on (service/base/spans.py)
     queued_s: float = 0.0  # planned and handed to the post (on the loop, or to the thread)
     posted_s: float = 0.0  # every rank's first transfer posted
     ended_s: float = 0.0

@@ -48,12 +48,14 @@ from kvxferd.proto.v1 import kvxfer_pb2 as pb
 from kvxferd.service.engines.read import Read, ReadState
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.wire.messages import check_id, check_seconds, unpack_ids
+from kvxferd.wire.tracecontext import check_traceparent
 from kvxferd.xfer.handles import ReadFailure
 from kvxferd.xfer.holder import Reader
 from kvxferd.xfer.records import ReadResult
 
 if TYPE_CHECKING:
     from kvxferd.service.base.config import DaemonConfig
+    from kvxferd.service.base.spans import DaemonSpans
     from kvxferd.service.dataplane.thread import DataPlane
     from kvxferd.service.engines.registry import Registry
 
@@ -62,6 +64,7 @@ class ExpectParts(Protocol):
     """What the decode side of a push uses of the daemon (the read path's parts are these and more)."""
 
     config: DaemonConfig
+    spans: DaemonSpans
     registry: Registry
     dataplane: DataPlane
 
@@ -136,7 +139,8 @@ class ExpectPath:
             raise
         request = ReadRequest(spec.request_id, transfer_id, block_ids, tuple(() for _ in block_ids),
                               spec.num_tokens or None)
-        read = Read(slot, spec.remote_engine_id, request, link.remote, received_s, received_s + deadline_s, push=True)
+        read = Read(slot, spec.remote_engine_id, request, link.remote, received_s, received_s + deadline_s, push=True,
+                    traceparent=check_traceparent(spec.traceparent) if self.daemon.spans.on else "")
         slot.reads[spec.request_id] = slot.expected[transfer_id] = read
         daemon.dataplane.wake()  # fast polls: the writers' WRITEs over TCP need this side's progress
         daemon.wake_maintenance()  # the expectation's deadline is its lease

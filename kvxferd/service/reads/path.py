@@ -41,12 +41,14 @@ from kvxferd.service.engines.read import Read, ReadState, refused_completion
 from kvxferd.service.engines.slots import EngineSlot
 from kvxferd.service.reads.expect import ExpectPath
 from kvxferd.wire.messages import check_seconds, read_request_from_spec
+from kvxferd.wire.tracecontext import check_traceparent
 from kvxferd.xfer.admission import admit, check_ids
 from kvxferd.xfer.handles import ReadFailure
 
 if TYPE_CHECKING:
     from kvxferd.service.base.config import DaemonConfig
     from kvxferd.service.base.metrics import Metrics
+    from kvxferd.service.base.spans import DaemonSpans
     from kvxferd.service.dataplane.thread import DataPlane
     from kvxferd.service.engines.registry import Registry
     from kvxferd.service.peers.links import Peers, RemoteLink
@@ -57,6 +59,7 @@ class ReadPathParts(Protocol):
 
     config: DaemonConfig
     metrics: Metrics
+    spans: DaemonSpans
     registry: Registry
     dataplane: DataPlane
     peers: Peers
@@ -92,7 +95,7 @@ class ReadPath:
         self._inline_left = INLINE_MAX_BYTES
 
     def submit(self, slot: EngineSlot, remote_engine_id: str, request: ReadRequest, deadline_s: float,
-               received_s: float) -> None:
+               received_s: float, traceparent: str = "") -> None:
         """Check, plan and hand a read to the data plane; raises a typed error when refused (nothing posted).
 
         A read larger than the batch may still post here is planned on the
@@ -139,7 +142,7 @@ class ReadPath:
             audit.capability_refused(slot.engine_id, remote_engine_id, request.remote_request_id, str(err))
             raise
         read = slot.reads[request.request_id] = Read(slot, remote_engine_id, request, link.remote, received_s,
-                                                     deadline_at_s, admitted)
+                                                     deadline_at_s, admitted, traceparent=traceparent)
         if plan_there:
             daemon.dataplane.submit(read)
         elif link.ready and admitted is not None and admitted.planned.num_bytes <= self._inline_left:
@@ -176,6 +179,7 @@ class ReadPath:
                                                   f"(last seq {slot.completions.last_seq})")
         slot.completions.ack(batch.ack_seq)
         self.begin_batch()
+        traced = self.daemon.spans.on
         for spec in batch.reads:
             if spec.resend and (spec.request_id in slot.reads or slot.completions.has(spec.request_id)):
                 continue  # the first send arrived; its completion is on its way
@@ -183,7 +187,8 @@ class ReadPath:
                 if spec.push:
                     self.expects.submit(slot, spec, received_s)
                 else:
-                    self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s)
+                    self.submit(slot, spec.remote_engine_id, read_request_from_spec(spec), spec.deadline_s, received_s,
+                                check_traceparent(spec.traceparent) if traced else "")
             except KvxferError as err:
                 if len(slot.reads) + len(slot.completions) >= 2 * config.max_reads_per_engine:
                     # Even refusals are not read: end the session instead of queueing more.
@@ -260,3 +265,5 @@ class ReadPath:
                 m.read_failures.labels((read.failure or ReadFailure.TRANSFER).value).inc()
                 if read.failure is ReadFailure.STALE:
                     m.stale_reads.inc()
+        if self.daemon.spans.on:
+            self.daemon.spans.reads(finished)

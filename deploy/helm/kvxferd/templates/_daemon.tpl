@@ -31,6 +31,15 @@ startupProbe passed first, and stopped after it (values.yaml: nativeSidecars).
     # Peers dial the pod IP: never a loopback address inside a pod.
     - name: KVXFERD_ADVERTISE_HOST
       value: $(POD_IP)
+    {{- with $root.Values.tracing.otlpEndpoint }}
+    # OpenTelemetry traces of P/D requests (docs/metrics.md, Traces): the OTLP/gRPC collector
+    - name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+      value: {{ . | quote }}
+    - name: OTEL_SERVICE_NAME
+      value: {{ $root.Values.tracing.serviceName | quote }}
+    - name: OTEL_RESOURCE_ATTRIBUTES
+      value: k8s.pod.name=$(POD_NAME)
+    {{- end }}
     {{- if eq $root.Values.gpu.allocation "devicePlugin" }}
     # The device plugin gave the GPUs to the engine container only (values.yaml: gpu).
     - name: NVIDIA_VISIBLE_DEVICES

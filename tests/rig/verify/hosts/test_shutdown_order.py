@@ -139,7 +139,7 @@ def test_a_decode_pod_stopping_its_engine_then_its_daemon_mid_read_ends_the_pref
     in_flight.decode = None
     _stopped_after_its_drain(in_flight.decode_daemon)
     assert in_flight.hold_end(request_id) in (["CONSUMED"], ["EXPIRED"])  # it ended: its blocks may go
-    assert in_flight.prefill_daemon.process.poll() is None
+    assert in_flight.prefill_daemon.process.poll() is None, in_flight.prefill_daemon.tail(6000)
 
 
 @pytest.mark.parametrize("drain_timeout_s", [20.0, 0.0], ids=["drained", "no-drain"])
