@@ -426,14 +426,15 @@ class Registry:
     async def leave(self, slot: EngineSlot, reason: str) -> None:
         """The engine's own Deregister: the registration takes nothing new, its pushes in flight are aborted
         as before, and its holds, which may be being read, run out (their readers report, or their leases
-        end; at most ``retire_s``) before its memory goes. Answered once the memory went, or at once while
-        holds run out (in the background: a connector's Deregister has a short deadline). The work runs in a
-        task of its own: a caller that stops waiting does not stop it."""
+        end), and so do its own reads in flight (they end as they would have), at most ``retire_s``, before
+        its memory goes. Answered once the memory went, or at once while holds or reads run out (in the
+        background: a connector's Deregister has a short deadline). The work runs in a task of its own: a
+        caller that stops waiting does not stop it."""
         if slot.closing:
             return
         slot.closing = True  # no new holds, reads or handshakes; the data plane still serves and polls it
         with slot.lock:
-            held = len(slot.holds)
+            held = len(slot.holds) + len(slot.reads)
         task = asyncio.ensure_future(self._retire(slot, reason))
         self._retiring[task] = slot
         task.add_done_callback(lambda done: self._retiring.pop(done, None))
@@ -454,17 +455,20 @@ class Registry:
         try:
             if self.on_closing is not None:
                 await self.on_closing(slot)
-            await self._let_holds_end(slot)
+            await self._let_holds_and_reads_end(slot)
         except Exception:  # (taken down all the same: a slot left closing would keep its memory for good)
             log.exception("letting a deregistered engine's holds end failed", extra={"engine_id": slot.engine_id})
         async with self._exclusive(slot.engine_id):
             await self._deregister(slot, reason, retiring=True)
 
-    async def _let_holds_end(self, slot: EngineSlot) -> None:
-        """Wait while ``slot`` holds blocks, at most ``retire_s``. A READ that a holder's UCX serves cannot be
-        stopped, and over TCP it is served from the memory _deregister unmaps: the daemon died of it
+    async def _let_holds_and_reads_end(self, slot: EngineSlot) -> None:
+        """Wait while ``slot`` holds blocks or reads, at most ``retire_s``. A READ that a holder's UCX serves
+        cannot be stopped, and over TCP it is served from the memory _deregister unmaps: the daemon died of it
         (SIGSEGV, tests/rig/verify/hosts/test_shutdown_order.py). A hold ends when its readers report (their
-        notices reach the data plane, which polls the slot until it is removed) or when its lease ends."""
+        notices reach the data plane, which polls the slot until it is removed) or when its lease ends. On
+        the reading side, a READ aborted mid-transfer and its agent closed killed the *holder's* daemon
+        (SIGSEGV in UCX's progress over TCP's emulated RMA, about one run in ten of that test): the reads run
+        out first (their deadlines bound them), writing into the memory this daemon still maps."""
         deadline_s = time.monotonic() + self.retire_s
         while time.monotonic() < deadline_s and not self._retire_cut:
             with slot.lock:
@@ -472,7 +476,7 @@ class Registry:
                 held = len(slot.holds)
             for end in ended:
                 self.publish(slot, end)
-            if not held:
+            if not held and not slot.reads:
                 return
             await asyncio.sleep(RETIRE_POLL_S)
 

@@ -130,15 +130,17 @@ def test_a_prefill_pod_stopping_its_engine_then_its_daemon_mid_read_loses_nothin
 
 
 def test_a_decode_pod_stopping_its_engine_then_its_daemon_mid_read_ends_the_prefill_hold(in_flight):
-    """The decode pod goes mid-read: its engine deregisters (its reads fail with it) and frees its cache,
-    then its daemon drains and exits 0. The prefill's hold ends on the bus (its blocks may go), and the
-    prefill daemon serves on."""
+    """The decode pod goes mid-read: its engine deregisters and frees its cache, then its daemon drains and
+    exits 0. The engine's Deregister lets its read run out into the memory its daemon still maps, so the
+    prefill's hold ends CONSUMED, and the prefill daemon serves on. Before, the read was aborted and its
+    agent closed mid-transfer, and the *prefill* daemon died (SIGSEGV in UCX's progress of its emulated
+    RMA over TCP) in about one run in ten."""
     request_id = in_flight.start_read(wait_in_engine=False)
     in_flight.decode.close()  # the engine stops first: deregisters (its read fails), frees its cache
     assert in_flight.decode.process.exitcode == 0
     in_flight.decode = None
     _stopped_after_its_drain(in_flight.decode_daemon)
-    assert in_flight.hold_end(request_id) in (["CONSUMED"], ["EXPIRED"])  # it ended: its blocks may go
+    assert in_flight.hold_end(request_id) == ["CONSUMED"]  # it ended, read whole: its blocks may go
     assert in_flight.prefill_daemon.process.poll() is None, in_flight.prefill_daemon.tail(6000)
 
 
