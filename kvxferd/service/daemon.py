@@ -312,10 +312,11 @@ class Daemon:
         """A hold was placed: the pushes waiting for it start once the Hold was answered (issue #57)."""
         self._loop.call_soon(self.writes.on_hold, slot, request_id)
 
-    def _publish_all(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
+    def _publish_all(self, events: list[tuple[EngineSlot, HoldEnd]], counted_unix_s: float = 0.0) -> None:
         """A round's hold events on the bus, in order, then counted. An expectation's end (push, decode
-        side) completes its read instead."""
-        counted_unix_s = time.time() if self.spans.on else 0.0
+        side) completes its read instead. ``counted_unix_s``: when the data-plane thread handed them over
+        (for the spans; 0: now)."""
+        counted_unix_s = counted_unix_s or (time.time() if self.spans.on else 0.0)
         late = [(slot, end) for slot, end in events if end.late_notice]
         if late:  # a notice after its hold ended: only a settling push waits for it, nobody else hears of it
             events = [(slot, end) for slot, end in events if not end.late_notice]
@@ -335,7 +336,7 @@ class Daemon:
             self.spans.hold_ends(events, counted_unix_s)
 
     def _hold_events_threadsafe(self, events: list[tuple[EngineSlot, HoldEnd]]) -> None:
-        self._loop.call_soon_threadsafe(self._publish_all, events)
+        self._loop.call_soon_threadsafe(self._publish_all, events, time.time() if self.spans.on else 0.0)
 
     def _expectations_threadsafe(self, records: list) -> None:
         self._loop.call_soon_threadsafe(self.writes.expect_records, records)

@@ -35,14 +35,15 @@ pytestmark = pytest.mark.vllm
 def otlp():
     """An OTLP receiver the daemons and both engines send their spans to (issue #60): traces are on in this
     file; the other vLLM files run with them off."""
-    previous = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    previous = {name: value for name, value in os.environ.items() if name.startswith("OTEL_")}
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # vLLM's span processor (this process) exports within 0.1 s
     try:
         with SpanReceiver() as receiver:
             yield receiver
-    finally:
-        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY") if previous is None else os.environ.update(
-            OTEL_BSP_SCHEDULE_DELAY=previous)
+    finally:  # (vLLM's tracer setup writes OTEL_EXPORTER_OTLP_TRACES_ENDPOINT here too: later daemons stay off)
+        for name in [name for name in os.environ if name.startswith("OTEL_")]:
+            del os.environ[name]
+        os.environ.update(previous)
 
 
 @pytest.fixture(scope="module")
@@ -237,35 +238,6 @@ def test_bad_kv_transfer_params_fail_that_request_only(pd, damage):
     assert token_ids(outputs)[1] == single[1]
 
 
-def test_both_daemons_restart_under_running_engines_and_pd_goes_on(pd):
-    """kill -9 of both daemons, restarted at the same sockets and peer ports: each engine's worker
-    registers its cache again by itself (fds passed anew, its session kept), and P/D gives the
-    single-instance tokens again, with no engine restarted. (Runs last: the bus recorder of the
-    fixture does not follow the restarted prefill daemon.)"""
-    prompts = random_prompts(11, (70, 40))
-    single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
-    for index, old in enumerate(pd.daemons):
-        old.kill()
-        pd.daemons[index] = DaemonProcess(old.daemon_id, socket_dir=os.path.dirname(old.socket),
-                                          extra_args=old.port_args(("peer",)))
-    pd.prefill_daemon, pd.decode_daemon = pd.daemons
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(metric(d, "kvxferd_engines_registered") == 1 for d in pd.daemons):
-        time.sleep(0.2)
-    assert [metric(d, "kvxferd_engines_registered") for d in pd.daemons] == [1, 1]
-    params = prefill_params(pd.prefill, prompts)
-    assert all(p and p.get("remote_block_ids") for p in params), params  # holds work: the session was kept
-    outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
-    assert token_ids(outputs) == single
-    assert metric(pd.decode_daemon, "kvxferd_read_bytes_total") == sum(blocks(len(p)) for p in prompts) * BLOCK_BYTES
-    # The reads' notices end the holds a little after the engine has its blocks (the holder's next poll;
-    # on a loaded machine that can be after generate returns): they must end, within seconds.
-    deadline = time.monotonic() + 10
-    while metric(pd.prefill_daemon, "kvxferd_holds_pending") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(pd.prefill_daemon, "kvxferd_holds_pending") == 0
-
-
 def _traced_generate(llm, request_id: str, tokens: list[int], params, traceparent: str):
     """One request through ``llm`` with a W3C trace context in its headers, as vLLM's API server passes them."""
     engine = llm.llm_engine
@@ -314,3 +286,33 @@ def test_otel_a_traced_pd_request_is_one_trace_with_vllms_request_spans(pd, otlp
     assert hold.start_ns < read.start_ns <= read.end_ns <= hold.end_ns
     # every kvxferd span the receiver has is this request's: untraced requests made none
     assert {s.trace_id for s in otlp.spans() if s.name.startswith("kvxferd.")} == {trace_id}
+
+
+def test_both_daemons_restart_under_running_engines_and_pd_goes_on(pd):
+    """kill -9 of both daemons, restarted at the same sockets and peer ports: each engine's worker
+    registers its cache again by itself (fds passed anew, its session kept), and P/D gives the
+    single-instance tokens again, with no engine restarted. (Runs last: the bus recorder of the
+    fixture does not follow the restarted prefill daemon.)"""
+    prompts = random_prompts(11, (70, 40))
+    single = token_ids(pd.prefill.generate(prompts_of(prompts), greedy(8), use_tqdm=False))
+    for index, old in enumerate(pd.daemons):
+        old.kill()
+        pd.daemons[index] = DaemonProcess(old.daemon_id, socket_dir=os.path.dirname(old.socket),
+                                          extra_args=old.port_args(("peer",)))
+    pd.prefill_daemon, pd.decode_daemon = pd.daemons
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(metric(d, "kvxferd_engines_registered") == 1 for d in pd.daemons):
+        time.sleep(0.2)
+    assert [metric(d, "kvxferd_engines_registered") for d in pd.daemons] == [1, 1]
+    params = prefill_params(pd.prefill, prompts)
+    assert all(p and p.get("remote_block_ids") for p in params), params  # holds work: the session was kept
+    outputs = pd.decode.generate(prompts_of(prompts), [greedy(8, p) for p in params], use_tqdm=False)
+    assert token_ids(outputs) == single
+    assert metric(pd.decode_daemon, "kvxferd_read_bytes_total") == sum(blocks(len(p)) for p in prompts) * BLOCK_BYTES
+    # The reads' notices end the holds a little after the engine has its blocks (the holder's next poll;
+    # on a loaded machine that can be after generate returns): they must end, within seconds.
+    deadline = time.monotonic() + 10
+    while metric(pd.prefill_daemon, "kvxferd_holds_pending") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(pd.prefill_daemon, "kvxferd_holds_pending") == 0
+

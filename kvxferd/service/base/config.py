@@ -153,7 +153,7 @@ class DaemonConfig(BaseSettings):
     reads_socket: bool = Field(True, description="also take engines' read batches on <engine_socket>.reads (the "
                                "engine's fast path; the gRPC Reads stream stays)")
     fd_recv_timeout_s: float = Field(2.0, gt=0, le=60, description="how long the fd socket waits for a client's message (s)")
-    drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish; on an engine's Deregister, how long its holds may still be read (s)")
+    drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight reads may finish; on an engine's Deregister, how long its holds may still be read and its own reads in flight run out (s)")
     abort_drain_s: float = Field(30.0, ge=0, le=3600, description="how long a read that failed (deadline, "
                                  "re-handshake) waits for its NIXL transfers still in flight before its completion "
                                  "goes out: UCX cannot stop a READ, whose bytes land when they arrive (over TCP, "

@@ -17,7 +17,7 @@ request's context, so they sit beside vLLM's ``llm_request`` spans in the
 request's trace::
 
     kvxferd.hold  (prefill daemon: Hold -> its end on the bus)
-      └ kvxferd.consumed  (the readers' notice counted -> CONSUMED published)
+      └ kvxferd.consumed  (the data-plane thread handed the readers' notice over -> CONSUMED published)
     kvxferd.read  (decode daemon: the batch arrived -> its completion written)
       ├ kvxferd.read.plan        arrived -> planned, handed to the post
       ├ kvxferd.read.post        -> every rank's READ posted
@@ -54,7 +54,15 @@ def tracing_requested(environ: Mapping[str, str]) -> bool:
             log.warning("OTEL_TRACES_EXPORTER names no exporter kvxferd has (only otlp): no traces",
                         extra={"exporters": ",".join(sorted(exporters))})
         return False
-    return any(environ.get(name) for name in OTLP_ENDPOINT_VARIABLES)
+    if not any(environ.get(name) for name in OTLP_ENDPOINT_VARIABLES):
+        return False
+    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "grpc").strip().lower()
+    if protocol != "grpc":  # (an endpoint of another protocol would only fill the log with export errors)
+        log.warning("the OTLP protocol asked for is not the one kvxferd speaks (grpc): no traces",
+                    extra={"protocol": protocol})
+        return False
+    return True
 
 
 def _ns(unix_s: float) -> int:
@@ -74,7 +82,7 @@ class Spans:
         if not self.on:
             return
         from opentelemetry import trace
-        from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
+        from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -82,16 +90,18 @@ class Spans:
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             exporter = OTLPSpanExporter()
-        attributes = {SERVICE_NAME: environ.get("OTEL_SERVICE_NAME") or service_name}
-        if instance_id:
-            attributes[SERVICE_INSTANCE_ID] = instance_id
-        self._provider = TracerProvider(resource=Resource.create(attributes), shutdown_on_exit=False)
+        # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win; kvxferd's names fill in only what they leave unset
+        named = OTELResourceDetector().detect().attributes  # what the environment names
+        attributes = {SERVICE_NAME: service_name, SERVICE_INSTANCE_ID: instance_id}
+        attributes = {key: value for key, value in attributes.items() if value and key not in named}
+        resource = Resource.create(attributes).merge(Resource(dict(named)))
+        self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self._provider.add_span_processor(BatchSpanProcessor(exporter))  # exports on its own thread
         self._tracer = self._provider.get_tracer("kvxferd")
         self._propagator = TraceContextTextMapPropagator()
         self._in_span = trace.set_span_in_context
         self._status, self._error_code = trace.Status, trace.StatusCode.ERROR
-        log.info("OpenTelemetry traces on", extra={"service": attributes[SERVICE_NAME]})
+        log.info("OpenTelemetry traces on", extra={"service": str(resource.attributes.get(SERVICE_NAME))})
 
     def record(self, name: str, traceparent: str, start_unix_s: float, end_unix_s: float, attributes: dict,
                children: Iterable[tuple[str, float, float]] = (), *, error: str = "") -> None:
@@ -140,8 +150,9 @@ class DaemonSpans(Spans):
             "kvxferd.hold.push": push})
 
     def hold_ends(self, events, counted_unix_s: float) -> None:
-        """A round's hold events, published on the bus since ``counted_unix_s`` (event-loop thread): each traced
-        hold that ended becomes its span; a reader's FAILED is counted on it."""
+        """A round's hold events, handed over by the data-plane thread at ``counted_unix_s`` and published on the
+        bus since (event-loop thread): each traced hold that ended becomes its span; a reader's FAILED is
+        counted on it."""
         now_s = time.time()
         for slot, end in events:
             key = (slot.engine_id, end.request_id)

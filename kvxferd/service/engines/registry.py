@@ -434,7 +434,7 @@ class Registry:
             return
         slot.closing = True  # no new holds, reads or handshakes; the data plane still serves and polls it
         with slot.lock:
-            held = len(slot.holds) + len(slot.reads)
+            held = len(slot.holds) + len(slot.reads) + slot.worker_reads_in_flight
         task = asyncio.ensure_future(self._retire(slot, reason))
         self._retiring[task] = slot
         task.add_done_callback(lambda done: self._retiring.pop(done, None))
@@ -476,7 +476,7 @@ class Registry:
                 held = len(slot.holds)
             for end in ended:
                 self.publish(slot, end)
-            if not held and not slot.reads:
+            if not held and not slot.reads and not slot.worker_reads_in_flight:  # (a reader worker's count)
                 return
             await asyncio.sleep(RETIRE_POLL_S)
 

@@ -58,3 +58,28 @@ def test_otel_a_collector_that_is_down_holds_up_closing_for_at_most_close_s():
     start = time.monotonic()
     spans.close()
     assert time.monotonic() - start < CLOSE_S + 3.0
+
+
+def test_otel_the_environments_names_win_over_kvxferds_and_fill_in_what_they_leave():
+    """OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES name the process; kvxferd's names only fill the gaps."""
+    code = ("from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter\n"
+            "from kvxferd.service.base.spans import Spans\n"
+            "spans = Spans('kvxferd', instance_id='d0', exporter=InMemorySpanExporter())\n"
+            "a = spans._provider.resource.attributes\n"
+            "print(a['service.name'], a['service.instance.id'])")
+    import os
+
+    def names(**env) -> list[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**clean, **env}).stdout.split()
+
+    assert names() == ["kvxferd", "d0"]
+    assert names(OTEL_SERVICE_NAME="svc") == ["svc", "d0"]
+    assert names(OTEL_RESOURCE_ATTRIBUTES="service.name=res,service.instance.id=pod-7") == ["res", "pod-7"]
+
+
+@pytest.mark.parametrize("protocol,on", [("grpc", True), ("http/protobuf", False)])
+def test_otel_only_the_grpc_protocol_is_spoken(protocol, on):
+    assert tracing_requested({**ENDPOINT, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}) is on
+    assert tracing_requested({**ENDPOINT, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol}) is on

@@ -32,7 +32,7 @@ startupProbe passed first, and stopped after it (values.yaml: nativeSidecars).
     - name: KVXFERD_ADVERTISE_HOST
       value: $(POD_IP)
     {{- with $root.Values.tracing.otlpEndpoint }}
-    # OpenTelemetry traces of P/D requests (docs/metrics.md, Traces): the OTLP/gRPC collector
+    # OpenTelemetry traces of P/D requests (docs/tracing.md): the OTLP/gRPC collector
     - name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
       value: {{ . | quote }}
     - name: OTEL_SERVICE_NAME
