@@ -66,6 +66,7 @@ def test_a_short_soak_with_every_fault_kind_breaks_no_invariant(tmp_path):
     assert digests["corruptions_caught"] > 0 and digests["reads_with_digests"] > digests["corruptions_injected"]
 
 
+@pytest.mark.slow  # a minute of soak (~75 s) for a mode that is off by default: on request (CI time)
 def test_a_short_soak_killing_data_plane_workers_breaks_no_invariant(tmp_path):
     """--dataplane-workers --dataplane-reader-workers: workers of either kind killed on both sides (and daemons
     killed, whose workers go with them) are replaced, their daemons and holds live on, and each daemon

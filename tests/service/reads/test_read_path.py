@@ -54,6 +54,7 @@ def _path():
                                     read_descriptors=counter, read_bytes=counter, stale_reads=counter,
                                     digest_checked_bytes=counter)
     daemon = types.SimpleNamespace(config=config, dataplane=_DataPlane(), metrics=metrics,
+                                   spans=types.SimpleNamespace(on=False),  # (OpenTelemetry off)
                                    registry=types.SimpleNamespace(check_accepting=lambda: None))
     return ReadPath(daemon), slot, plan, daemon.dataplane
 
