@@ -82,6 +82,13 @@ class SlotThread(Protocol):
         own (any thread)."""
 
 
+
+def _still_used(slot: EngineSlot) -> bool:
+    """Whether a leaving registration's memory is still in use: holds that may be read, or its own reads in
+    flight (here, or in its reader worker: that worker's count). Call with ``slot.lock`` held."""
+    return bool(len(slot.holds) or slot.reads or slot.worker_reads_in_flight)
+
+
 class Registry:
     """The engine slots of one daemon (event-loop side)."""
 
@@ -434,11 +441,11 @@ class Registry:
             return
         slot.closing = True  # no new holds, reads or handshakes; the data plane still serves and polls it
         with slot.lock:
-            held = len(slot.holds) + len(slot.reads) + slot.worker_reads_in_flight
+            used = _still_used(slot)
         task = asyncio.ensure_future(self._retire(slot, reason))
         self._retiring[task] = slot
         task.add_done_callback(lambda done: self._retiring.pop(done, None))
-        if not held:
+        if not used:
             await asyncio.shield(task)
 
     @property
@@ -473,10 +480,10 @@ class Registry:
         while time.monotonic() < deadline_s and not self._retire_cut:
             with slot.lock:
                 ended = slot.holds.expire(time.monotonic())
-                held = len(slot.holds)
+                used = _still_used(slot)
             for end in ended:
                 self.publish(slot, end)
-            if not held and not slot.reads and not slot.worker_reads_in_flight:  # (a reader worker's count)
+            if not used:
                 return
             await asyncio.sleep(RETIRE_POLL_S)
 
